@@ -1,0 +1,121 @@
+"""The mesh error taxonomy: one small tree, mapped from low-level errors in one place.
+
+::
+
+    MeshError
+    ├── ProtocolError          a frame or body failed validation (fatal for that message)
+    ├── ConfigError            a config file or flag is invalid (fatal at startup; names the field)
+    └── RequestError           a request ended in an error reply; carries an ErrorCode
+        ├── RetryableError     worker_lost, unavailable, overloaded, worker_error: another try may succeed
+        └── FatalRequestError  bad_request, deadline_exceeded, duplicate, cancelled, no_worker, internal
+
+Callers decide retry versus fail from the type alone (``RetryableError``), or from
+``ErrorCode.retryable`` when they hold a code from the wire.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = [
+    "ErrorCode",
+    "MeshError",
+    "ProtocolError",
+    "ConfigError",
+    "RequestError",
+    "RetryableError",
+    "FatalRequestError",
+    "error_for",
+]
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes carried in ERROR frames and HTTP bodies. Never rename a value."""
+
+    BAD_REQUEST = "bad_request"
+    OVERLOADED = "overloaded"
+    NO_WORKER = "no_worker"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    WORKER_LOST = "worker_lost"
+    WORKER_ERROR = "worker_error"
+    UNAVAILABLE = "unavailable"
+    DUPLICATE = "duplicate"
+    CANCELLED = "cancelled"
+    UNAUTHORIZED = "unauthorized"
+    INTERNAL = "internal"
+
+    @property
+    def retryable(self) -> bool:
+        """True when the request was not processed and another attempt may succeed."""
+        return self in _RETRYABLE
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS[self]
+
+
+_RETRYABLE = frozenset(
+    {ErrorCode.WORKER_LOST, ErrorCode.UNAVAILABLE, ErrorCode.OVERLOADED, ErrorCode.WORKER_ERROR}
+)
+
+_HTTP_STATUS = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.DUPLICATE: 409,
+    ErrorCode.OVERLOADED: 429,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.WORKER_ERROR: 502,
+    ErrorCode.WORKER_LOST: 502,
+    ErrorCode.NO_WORKER: 503,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+class MeshError(Exception):
+    """Root of every error mesh raises on purpose."""
+
+
+class ProtocolError(MeshError):
+    """A frame or message body failed validation.
+
+    ``reason`` is a short stable snake_case label used as the ``frame_rejected`` metric label.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class ConfigError(MeshError):
+    """An invalid configuration value. The message names the offending field."""
+
+
+class RequestError(MeshError):
+    """A request ended with an error reply."""
+
+    def __init__(self, code: ErrorCode, message: str = "", request_id: str | None = None) -> None:
+        super().__init__(f"{code.value}: {message}" if message else code.value)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class RetryableError(RequestError):
+    """The request was not processed; another attempt (elsewhere) may succeed."""
+
+
+class FatalRequestError(RequestError):
+    """Retrying the same request will not help."""
+
+
+def error_for(code: ErrorCode | str, message: str = "", request_id: str | None = None) -> RequestError:
+    """Build the right exception class for a wire error code (unknown codes become INTERNAL)."""
+    try:
+        ec = ErrorCode(code)
+    except ValueError:
+        ec, message = ErrorCode.INTERNAL, f"unknown error code {code!r}: {message}"
+    cls = RetryableError if ec.retryable else FatalRequestError
+    return cls(ec, message, request_id)

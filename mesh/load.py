@@ -1,0 +1,103 @@
+"""Worker load telemetry: SGLang's ``LoadStat`` and what a router derives from it.
+
+Wire shape (SGLang #34608 + #38139), a msgpack tagged array::
+
+    ["LoadStat", num_running_reqs, num_waiting_reqs, num_tokens, max_total_num_tokens, attn_dp_rank,
+     num_waiting_uncached_tokens, num_total_tokens, max_running_requests,
+     total_prefill_uncached_tokens, total_prefill_busy_us]
+
+Positions 0-5 are the original prefix; positions 6-10 are the extension, all-or-nothing: a short
+array decodes with ``extended=False`` and such a worker carries no native admission data.
+Pure code: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mesh.errors import ProtocolError
+
+__all__ = ["LoadStat", "prefill_rate_tokens_per_s"]
+
+_TAG = "LoadStat"
+_FIELDS = (
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_tokens",
+    "max_total_num_tokens",
+    "attn_dp_rank",
+    "num_waiting_uncached_tokens",
+    "num_total_tokens",
+    "max_running_requests",
+    "total_prefill_uncached_tokens",
+    "total_prefill_busy_us",
+)
+_BASE_LEN = 6  # tag + 5 prefix fields
+_FULL_LEN = 1 + len(_FIELDS)
+
+
+@dataclass(slots=True)
+class LoadStat:
+    """One DP rank's load as SGLang publishes it. ``extended`` says positions 6-10 were present."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_tokens: int = 0
+    max_total_num_tokens: int = 0
+    attn_dp_rank: int = 0
+    num_waiting_uncached_tokens: int = 0
+    num_total_tokens: int = 0
+    max_running_requests: int = 0
+    total_prefill_uncached_tokens: int = 0
+    total_prefill_busy_us: int = 0
+    extended: bool = True
+
+    def to_wire(self) -> list[Any]:
+        """Encode as SGLang's tagged array (full form unless ``extended`` is False)."""
+        vals = [getattr(self, f) for f in _FIELDS]
+        if not self.extended:
+            vals = vals[: _BASE_LEN - 1]
+        return [_TAG, *vals]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "LoadStat":
+        """Decode a tagged array (or a map with the same field names). Raises ProtocolError."""
+        if isinstance(obj, dict):
+            vals = [obj.get(f, 0) for f in _FIELDS]
+            extended = all(f in obj for f in _FIELDS[5:])
+        elif isinstance(obj, (list, tuple)):
+            if len(obj) < _BASE_LEN or obj[0] != _TAG:
+                raise ProtocolError("bad_loadstat", f"expected ['LoadStat', ...] with >= {_BASE_LEN} items")
+            extended = len(obj) >= _FULL_LEN
+            vals = list(obj[1:_FULL_LEN]) + [0] * (_FULL_LEN - min(len(obj), _FULL_LEN))
+        else:
+            raise ProtocolError("bad_loadstat", f"expected array or map, got {type(obj).__name__}")
+        for name, v in zip(_FIELDS, vals):
+            if type(v) is not int or v < 0:
+                raise ProtocolError("bad_loadstat", f"{name} must be a non-negative int, got {v!r}")
+        return cls(*vals, extended=extended)
+
+    @property
+    def capacity_valid(self) -> bool:
+        return self.max_total_num_tokens > 0 and self.max_running_requests > 0
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV capacity in use (0 when capacity is unknown)."""
+        return self.num_tokens / self.max_total_num_tokens if self.max_total_num_tokens > 0 else 0.0
+
+
+def prefill_rate_tokens_per_s(prev: LoadStat | None, cur: LoadStat) -> float | None:
+    """Prefill throughput from two consecutive samples of the monotonic counters (SGLang §13.4).
+
+    Returns None when there is no previous sample, no busy time elapsed, or a counter went
+    backwards (publisher restart).
+    """
+    if prev is None:
+        return None
+    d_tokens = cur.total_prefill_uncached_tokens - prev.total_prefill_uncached_tokens
+    d_busy_us = cur.total_prefill_busy_us - prev.total_prefill_busy_us
+    if d_busy_us <= 0 or d_tokens < 0:
+        return None
+    return 1e6 * d_tokens / d_busy_us

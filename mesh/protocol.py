@@ -1,0 +1,711 @@
+"""The mesh wire contract (MESH/1). Every frame layout is stated here and only here.
+
+Transport
+=========
+Two ZeroMQ paths meet at a broker, each on its own ROUTER socket:
+
+* **client path**: clients are DEALERs connected to the broker's *frontend* ROUTER;
+* **worker path**: workers are DEALERs connected to the broker's *backend* ROUTER. A worker opens
+  one DEALER per broker, so one worker serves every broker of a mesh.
+
+There is no empty delimiter frame (as in MDP/0.2). The ROUTER prepends the peer identity on
+receive; the frame numbers below are what follows that identity.
+
+Common frames
+-------------
+* Frame 0: protocol header, 6 bytes: ``b"MESHC1"`` on the client path, ``b"MESHW1"`` on the
+  worker path. A wrong or foreign header is rejected (``bad_header``); a header of the other path
+  is rejected as ``wrong_path``.
+* Frame 1: command, exactly one byte (table below).
+* Frame 2: body, one msgpack map with string keys (schema per command below).
+* Frame 3: only where stated: an opaque payload passed through the broker without re-encoding.
+
+Commands on the client path
+---------------------------
+=========  ====  ======  ====================================================================
+command    byte  dir     body (frame 2) / frame 3
+=========  ====  ======  ====================================================================
+SUBMIT     0x11  c->b    ``rid`` str (1..256 bytes, unique among the client's in-flight
+                         requests); exactly one of ``input_ids`` list[int] (0 <= id < 2**32) or
+                         ``text`` str; ``params`` map (``max_new_tokens`` int >= 0, default
+                         128; other sampling keys passed through); ``deadline_ms`` int > 0
+                         (remaining budget, optional: broker default); ``stream`` bool (default
+                         true: CHUNKs are sent; false: only FINAL with all tokens);
+                         ``idempotent`` bool (default true; false forbids re-dispatch once sent
+                         to a worker); ``slo`` map (``ttft_ms`` int > 0, ``tps`` float > 0),
+                         optional. The broker forwards this body verbatim as REQUEST frame 3.
+CANCEL     0x12  c->b    ``rid``.
+ACCEPTED   0x13  b->c    ``rid``, ``worker`` str, ``reason`` str (routing decision reason),
+                         ``attempt`` int. Sent when a request is dispatched (again on retry).
+CHUNK      0x14  b->c    ``rid``, ``seq`` int (0, 1, 2, ... contiguous per request).
+                         Frame 3: the worker's chunk data, a msgpack map
+                         (``token_ids`` list[int], optional ``text`` str).
+FINAL      0x15  b->c    ``rid``, ``finish_reason`` str, ``usage`` map (``prompt_tokens``,
+                         ``completion_tokens``, ``cached_tokens``), ``worker`` str, ``attempt``.
+                         Frame 3: the worker's final data map (all ``token_ids`` when the
+                         request was not streamed, otherwise empty).
+ERROR      0x16  b->c    ``rid`` str or nil (nil when the request id was unreadable), ``code``
+                         (an :class:`~mesh.errors.ErrorCode` value), ``message`` str.
+=========  ====  ======  ====================================================================
+
+Exactly one terminal frame (FINAL or ERROR) reaches the client for every accepted ``rid``.
+
+Commands on the worker path
+---------------------------
+==========  ====  ======  ===================================================================
+command     byte  dir     body (frame 2) / frame 3
+==========  ====  ======  ===================================================================
+READY       0x01  w->b    ``worker_id`` str, ``model`` str, ``role`` ``prefill|decode|mixed``,
+                          ``labels`` map str->str, ``block_size`` int > 0 (tokens per KV
+                          page), ``max_running_requests`` int > 0, ``max_total_num_tokens``
+                          int > 0, ``dp_size`` int >= 1, ``epoch`` int >= 0 (changes on every
+                          worker start), ``heartbeat_ms`` int > 0 (the worker's interval).
+                          Must be the first command; a second READY on a live session is
+                          answered with DISCONNECT.
+HEARTBEAT   0x02  both    w->b: ``load`` list of LoadStat tagged arrays, one per DP rank
+                          (:mod:`mesh.load`); may be empty. b->w: empty map. Any inbound
+                          message also counts as liveness.
+KV_EVENTS   0x03  w->b    ``dp_rank`` int, ``epoch`` int, ``seq`` int >= 0 (per (worker,
+                          rank), +1 per batch), ``ts`` float, ``events`` list of SGLang
+                          tagged-map events (``BlockStored`` / ``BlockRemoved`` /
+                          ``AllBlocksCleared``, :mod:`mesh.kv_events`).
+REQUEST     0x04  b->w    ``rid`` int (broker-assigned), ``attempt`` int >= 1, ``deadline_ms``
+                          int > 0 (remaining budget), ``client_rid`` str (for logs),
+                          ``bootstrap`` map or nil (prefill/decode handoff). Frame 3: the
+                          client's SUBMIT body, verbatim.
+CHUNK       0x05  w->b    ``rid``, ``attempt``, ``seq`` (contiguous from 0). Frame 3: data map.
+FINAL       0x06  w->b    ``rid``, ``attempt``, ``finish_reason`` str, ``usage`` map. Frame 3:
+                          final data map.
+ERROR       0x07  w->b    ``rid``, ``attempt``, ``code`` str, ``message`` str.
+CANCEL      0x08  b->w    ``rid``, ``attempt``.
+DISCONNECT  0x09  both    ``reason`` str. b->w: "forget your session and send READY again".
+RESYNC      0x0A  b->w    ``dp_rank`` int, ``reason`` str: the broker lost track of this rank's
+                          KV stream; the worker answers with one KV_EVENTS batch holding
+                          ``AllBlocksCleared`` then ``BlockStored`` for every cached block.
+==========  ====  ======  ===================================================================
+
+Attempt fencing: a CHUNK/FINAL/ERROR whose ``(rid, attempt)`` is not the broker's current
+attempt is dropped and counted (``stale_reply_dropped``).
+
+Decoding
+========
+:func:`decode_client` and :func:`decode_worker` are the one decode boundary. They never raise:
+they return a message object or a :class:`~mesh.errors.ProtocolError` whose ``reason`` is the
+metric label (``bad_header``, ``wrong_path``, ``bad_frame_count``, ``unknown_command``,
+``bad_msgpack``, ``bad_body``, ``bad_field``, ...). Encoders are plain functions returning the
+frame list to send (without the ROUTER identity).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from mesh.errors import ErrorCode, ProtocolError
+from mesh.load import LoadStat
+
+__all__ = [
+    "CLIENT_HEADER",
+    "WORKER_HEADER",
+    "MAX_FRAME_BYTES",
+    "Cmd",
+    "Submit",
+    "Cancel",
+    "Accepted",
+    "ClientChunk",
+    "ClientFinal",
+    "ClientError",
+    "Ready",
+    "Heartbeat",
+    "KvEventsMsg",
+    "Request",
+    "WorkerChunk",
+    "WorkerFinal",
+    "WorkerError",
+    "WorkerCancel",
+    "Disconnect",
+    "Resync",
+    "decode_client",
+    "decode_client_reply",
+    "decode_worker",
+    "decode_broker_to_worker",
+    "pack",
+    "unpack",
+]
+
+CLIENT_HEADER = b"MESHC1"
+WORKER_HEADER = b"MESHW1"
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+MAX_RID_BYTES = 256
+MAX_TOKEN_ID = 2**32
+
+ROLES = ("prefill", "decode", "mixed")
+
+
+class Cmd(IntEnum):
+    # worker path
+    READY = 0x01
+    HEARTBEAT = 0x02
+    KV_EVENTS = 0x03
+    REQUEST = 0x04
+    CHUNK = 0x05
+    FINAL = 0x06
+    ERROR = 0x07
+    CANCEL = 0x08
+    DISCONNECT = 0x09
+    RESYNC = 0x0A
+    # client path
+    C_SUBMIT = 0x11
+    C_CANCEL = 0x12
+    C_ACCEPTED = 0x13
+    C_CHUNK = 0x14
+    C_FINAL = 0x15
+    C_ERROR = 0x16
+
+
+_B = {c: bytes([c]) for c in Cmd}
+
+_packer_opts: dict[str, Any] = {"use_bin_type": True}
+_unpack_limits: dict[str, Any] = {
+    "raw": False,
+    "strict_map_key": True,
+    "max_buffer_size": MAX_FRAME_BYTES,
+}
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, **_packer_opts)
+
+
+def unpack(data: bytes) -> Any:
+    """Strict msgpack decode; raises ProtocolError(bad_msgpack) on any failure (incl. UnicodeDecodeError)."""
+    try:
+        return msgpack.unpackb(data, **_unpack_limits)
+    except Exception as exc:  # msgpack raises several non-UnpackException types
+        raise ProtocolError("bad_msgpack", f"{type(exc).__name__}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _map(body: Any) -> dict[str, Any]:
+    if type(body) is not dict:
+        raise ProtocolError("bad_body", f"body must be a map, got {type(body).__name__}")
+    return body
+
+
+def _str(d: dict, k: str, *, required: bool = True, max_bytes: int = 4096, default: str = "") -> str:
+    v = d.get(k)
+    if v is None:
+        if required:
+            raise ProtocolError("bad_field", f"{k} is required")
+        return default
+    if type(v) is not str:
+        raise ProtocolError("bad_field", f"{k} must be a string, got {type(v).__name__}")
+    if len(v) > max_bytes:
+        raise ProtocolError("bad_field", f"{k} longer than {max_bytes}")
+    return v
+
+
+def _int(d: dict, k: str, *, required: bool = True, default: int = 0, lo: int | None = 0, hi: int | None = 2**63 - 1) -> int:
+    v = d.get(k)
+    if v is None:
+        if required:
+            raise ProtocolError("bad_field", f"{k} is required")
+        return default
+    if type(v) is not int:  # bool is rejected on purpose
+        raise ProtocolError("bad_field", f"{k} must be an int, got {type(v).__name__}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ProtocolError("bad_field", f"{k}={v} out of range [{lo}, {hi}]")
+    return v
+
+
+def _bool(d: dict, k: str, default: bool) -> bool:
+    v = d.get(k)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        raise ProtocolError("bad_field", f"{k} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def _float(d: dict, k: str, *, required: bool = True, default: float = 0.0) -> float:
+    v = d.get(k)
+    if v is None:
+        if required:
+            raise ProtocolError("bad_field", f"{k} is required")
+        return default
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise ProtocolError("bad_field", f"{k} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _opt_map(d: dict, k: str) -> dict | None:
+    v = d.get(k)
+    if v is None:
+        return None
+    if type(v) is not dict:
+        raise ProtocolError("bad_field", f"{k} must be a map, got {type(v).__name__}")
+    return v
+
+
+def _rid(d: dict) -> str:
+    v = d.get("rid")
+    if type(v) is not str or not v:
+        raise ProtocolError("bad_field", "rid must be a non-empty string")
+    if len(v.encode()) > MAX_RID_BYTES:
+        raise ProtocolError("bad_field", f"rid longer than {MAX_RID_BYTES} bytes")
+    return v
+
+
+# --------------------------------------------------------------------------- client path
+
+
+@dataclass(slots=True)
+class Submit:
+    rid: str
+    input_ids: list[int] | None
+    text: str | None
+    max_new_tokens: int
+    params: dict[str, Any]
+    deadline_ms: int | None
+    stream: bool
+    idempotent: bool
+    ttft_slo_ms: int | None
+    tps_slo: float | None
+    raw: bytes  # the body as received: forwarded verbatim to the worker
+
+    @property
+    def prompt_len(self) -> int:
+        if self.input_ids is not None:
+            return len(self.input_ids)
+        return len(self.text or "") // 4 + 1  # rough token estimate for text-only requests
+
+
+@dataclass(slots=True)
+class Cancel:
+    rid: str
+
+
+@dataclass(slots=True)
+class Accepted:
+    rid: str
+    worker: str
+    reason: str
+    attempt: int
+
+
+@dataclass(slots=True)
+class ClientChunk:
+    rid: str
+    seq: int
+    data: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ClientFinal:
+    rid: str
+    finish_reason: str
+    usage: dict[str, Any]
+    worker: str
+    attempt: int
+    data: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ClientError:
+    rid: str | None
+    code: str
+    message: str
+
+
+def encode_submit(
+    rid: str,
+    *,
+    input_ids: list[int] | None = None,
+    text: str | None = None,
+    params: dict[str, Any] | None = None,
+    deadline_ms: int | None = None,
+    stream: bool = True,
+    idempotent: bool = True,
+    slo: dict[str, Any] | None = None,
+) -> list[bytes]:
+    body: dict[str, Any] = {"rid": rid, "params": params or {}, "stream": stream, "idempotent": idempotent}
+    if input_ids is not None:
+        body["input_ids"] = input_ids
+    if text is not None:
+        body["text"] = text
+    if deadline_ms is not None:
+        body["deadline_ms"] = deadline_ms
+    if slo:
+        body["slo"] = slo
+    return [CLIENT_HEADER, _B[Cmd.C_SUBMIT], pack(body)]
+
+
+def encode_cancel(rid: str) -> list[bytes]:
+    return [CLIENT_HEADER, _B[Cmd.C_CANCEL], pack({"rid": rid})]
+
+
+def encode_accepted(rid: str, worker: str, reason: str, attempt: int) -> list[bytes]:
+    return [CLIENT_HEADER, _B[Cmd.C_ACCEPTED], pack({"rid": rid, "worker": worker, "reason": reason, "attempt": attempt})]
+
+
+def encode_client_chunk(rid: str, seq: int, data: bytes) -> list[bytes]:
+    return [CLIENT_HEADER, _B[Cmd.C_CHUNK], pack({"rid": rid, "seq": seq}), data]
+
+
+def encode_client_final(rid: str, finish_reason: str, usage: dict, worker: str, attempt: int, data: bytes) -> list[bytes]:
+    body = {"rid": rid, "finish_reason": finish_reason, "usage": usage, "worker": worker, "attempt": attempt}
+    return [CLIENT_HEADER, _B[Cmd.C_FINAL], pack(body), data]
+
+
+def encode_client_error(rid: str | None, code: ErrorCode | str, message: str) -> list[bytes]:
+    return [CLIENT_HEADER, _B[Cmd.C_ERROR], pack({"rid": rid, "code": str(code), "message": message[:1024]})]
+
+
+def _check_frames(frames: list[bytes], header: bytes, other: bytes) -> tuple[int, Any]:
+    if len(frames) < 3 or len(frames) > 4:
+        raise ProtocolError("bad_frame_count", f"{len(frames)} frames")
+    h = frames[0]
+    if h != header:
+        if h == other:
+            raise ProtocolError("wrong_path", "header of the other path")
+        raise ProtocolError("bad_header", repr(bytes(h[:16])))
+    c = frames[1]
+    if len(c) != 1:
+        raise ProtocolError("bad_command", f"command frame of {len(c)} bytes")
+    try:
+        cmd = Cmd(c[0])
+    except ValueError:
+        raise ProtocolError("unknown_command", f"0x{c[0]:02x}") from None
+    return cmd, frames[2]
+
+
+def _parse_submit(raw: bytes) -> Submit:
+    d = _map(unpack(raw))
+    rid = _rid(d)
+    ids = d.get("input_ids")
+    text = d.get("text")
+    if (ids is None) == (text is None):
+        raise ProtocolError("bad_field", "exactly one of input_ids or text is required")
+    if ids is not None:
+        if type(ids) is not list or not ids:
+            raise ProtocolError("bad_field", "input_ids must be a non-empty list of ints")
+        for t in ids:
+            if type(t) is not int or t < 0 or t >= MAX_TOKEN_ID:
+                raise ProtocolError("bad_field", f"input_ids holds an invalid token id {t!r}")
+    elif type(text) is not str or not text:
+        raise ProtocolError("bad_field", "text must be a non-empty string")
+    params = _opt_map(d, "params") or {}
+    mnt = _int(params, "max_new_tokens", required=False, default=128, lo=0, hi=1 << 20)
+    deadline = _int(d, "deadline_ms", required=False, default=0, lo=1, hi=86_400_000) if "deadline_ms" in d else None
+    slo = _opt_map(d, "slo") or {}
+    ttft = _int(slo, "ttft_ms", required=False, default=0, lo=1) if slo.get("ttft_ms") is not None else None
+    tps = None
+    if slo.get("tps") is not None:
+        tps = _float(slo, "tps")
+        if tps <= 0:
+            raise ProtocolError("bad_field", "slo.tps must be > 0")
+    return Submit(
+        rid=rid,
+        input_ids=ids,
+        text=text,
+        max_new_tokens=mnt,
+        params=params,
+        deadline_ms=deadline,
+        stream=_bool(d, "stream", True),
+        idempotent=_bool(d, "idempotent", True),
+        ttft_slo_ms=ttft,
+        tps_slo=tps,
+        raw=raw,
+    )
+
+
+def decode_client(frames: list[bytes]) -> Submit | Cancel | ProtocolError:
+    """Decode what a client sent to the broker (identity already stripped). Never raises."""
+    try:
+        cmd, body = _check_frames(frames, CLIENT_HEADER, WORKER_HEADER)
+        if len(frames) != 3:
+            raise ProtocolError("bad_frame_count", f"{len(frames)} frames for {cmd.name}")
+        if cmd is Cmd.C_SUBMIT:
+            return _parse_submit(body)
+        if cmd is Cmd.C_CANCEL:
+            return Cancel(_rid(_map(unpack(body))))
+        raise ProtocolError("unexpected_command", f"{cmd.name} is not a client command")
+    except ProtocolError as exc:
+        return exc
+    except Exception as exc:  # defensive: the boundary must never raise
+        return ProtocolError("internal_decode_error", repr(exc))
+
+
+def decode_client_reply(frames: list[bytes]) -> Accepted | ClientChunk | ClientFinal | ClientError | ProtocolError:
+    """Decode what the broker sent to a client. Never raises."""
+    try:
+        cmd, body = _check_frames(frames, CLIENT_HEADER, WORKER_HEADER)
+        d = _map(unpack(body))
+        if cmd is Cmd.C_CHUNK:
+            return ClientChunk(_rid(d), _int(d, "seq"), _map(unpack(frames[3])) if len(frames) == 4 else {})
+        if cmd is Cmd.C_FINAL:
+            data = _map(unpack(frames[3])) if len(frames) == 4 and frames[3] else {}
+            return ClientFinal(
+                _rid(d), _str(d, "finish_reason"), _opt_map(d, "usage") or {}, _str(d, "worker", required=False), _int(d, "attempt", required=False), data
+            )
+        if cmd is Cmd.C_ACCEPTED:
+            return Accepted(_rid(d), _str(d, "worker"), _str(d, "reason", required=False), _int(d, "attempt", required=False))
+        if cmd is Cmd.C_ERROR:
+            rid = d.get("rid")
+            return ClientError(rid if type(rid) is str else None, _str(d, "code"), _str(d, "message", required=False))
+        raise ProtocolError("unexpected_command", f"{cmd.name} is not a broker-to-client command")
+    except ProtocolError as exc:
+        return exc
+    except Exception as exc:
+        return ProtocolError("internal_decode_error", repr(exc))
+
+
+# --------------------------------------------------------------------------- worker path
+
+
+@dataclass(slots=True)
+class Ready:
+    worker_id: str
+    model: str
+    role: str
+    labels: dict[str, str]
+    block_size: int
+    max_running_requests: int
+    max_total_num_tokens: int
+    dp_size: int
+    epoch: int
+    heartbeat_ms: int
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    load: list[LoadStat] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KvEventsMsg:
+    dp_rank: int
+    epoch: int
+    seq: int
+    ts: float
+    events: list[Any]  # raw SGLang map-form events; decoded by mesh.kv_events
+    raw: bytes  # the body as received (forwarded to an external indexer verbatim)
+
+
+@dataclass(slots=True)
+class Request:
+    rid: int
+    attempt: int
+    deadline_ms: int
+    client_rid: str
+    bootstrap: dict[str, Any] | None
+    submit: Submit
+
+
+@dataclass(slots=True)
+class WorkerChunk:
+    rid: int
+    attempt: int
+    seq: int
+    data: bytes  # opaque to the broker
+
+
+@dataclass(slots=True)
+class WorkerFinal:
+    rid: int
+    attempt: int
+    finish_reason: str
+    usage: dict[str, Any]
+    data: bytes
+
+
+@dataclass(slots=True)
+class WorkerError:
+    rid: int
+    attempt: int
+    code: str
+    message: str
+
+
+@dataclass(slots=True)
+class WorkerCancel:
+    rid: int
+    attempt: int
+
+
+@dataclass(slots=True)
+class Disconnect:
+    reason: str
+
+
+@dataclass(slots=True)
+class Resync:
+    dp_rank: int
+    reason: str
+
+
+def encode_ready(r: Ready) -> list[bytes]:
+    body = {
+        "worker_id": r.worker_id,
+        "model": r.model,
+        "role": r.role,
+        "labels": r.labels,
+        "block_size": r.block_size,
+        "max_running_requests": r.max_running_requests,
+        "max_total_num_tokens": r.max_total_num_tokens,
+        "dp_size": r.dp_size,
+        "epoch": r.epoch,
+        "heartbeat_ms": r.heartbeat_ms,
+    }
+    return [WORKER_HEADER, _B[Cmd.READY], pack(body)]
+
+
+_EMPTY_MAP = pack({})
+
+
+def encode_heartbeat(load: list[LoadStat] | None = None) -> list[bytes]:
+    if load is None:
+        return [WORKER_HEADER, _B[Cmd.HEARTBEAT], _EMPTY_MAP]
+    return [WORKER_HEADER, _B[Cmd.HEARTBEAT], pack({"load": [ls.to_wire() for ls in load]})]
+
+
+def encode_kv_events(dp_rank: int, epoch: int, seq: int, ts: float, events: list[Any]) -> list[bytes]:
+    return [WORKER_HEADER, _B[Cmd.KV_EVENTS], pack({"dp_rank": dp_rank, "epoch": epoch, "seq": seq, "ts": ts, "events": events})]
+
+
+def encode_request(rid: int, attempt: int, deadline_ms: int, client_rid: str, submit_raw: bytes, bootstrap: dict | None = None) -> list[bytes]:
+    meta = {"rid": rid, "attempt": attempt, "deadline_ms": deadline_ms, "client_rid": client_rid, "bootstrap": bootstrap}
+    return [WORKER_HEADER, _B[Cmd.REQUEST], pack(meta), submit_raw]
+
+
+def encode_worker_chunk(rid: int, attempt: int, seq: int, data: dict[str, Any]) -> list[bytes]:
+    return [WORKER_HEADER, _B[Cmd.CHUNK], pack({"rid": rid, "attempt": attempt, "seq": seq}), pack(data)]
+
+
+def encode_worker_final(rid: int, attempt: int, finish_reason: str, usage: dict[str, Any], data: dict[str, Any] | None = None) -> list[bytes]:
+    meta = {"rid": rid, "attempt": attempt, "finish_reason": finish_reason, "usage": usage}
+    return [WORKER_HEADER, _B[Cmd.FINAL], pack(meta), pack(data or {})]
+
+
+def encode_worker_error(rid: int, attempt: int, code: ErrorCode | str, message: str) -> list[bytes]:
+    return [WORKER_HEADER, _B[Cmd.ERROR], pack({"rid": rid, "attempt": attempt, "code": str(code), "message": message[:1024]})]
+
+
+def encode_worker_cancel(rid: int, attempt: int) -> list[bytes]:
+    return [WORKER_HEADER, _B[Cmd.CANCEL], pack({"rid": rid, "attempt": attempt})]
+
+
+def encode_disconnect(reason: str) -> list[bytes]:
+    return [WORKER_HEADER, _B[Cmd.DISCONNECT], pack({"reason": reason[:256]})]
+
+
+def encode_resync(dp_rank: int, reason: str) -> list[bytes]:
+    return [WORKER_HEADER, _B[Cmd.RESYNC], pack({"dp_rank": dp_rank, "reason": reason})]
+
+
+def _parse_ready(d: dict) -> Ready:
+    role = _str(d, "role")
+    if role not in ROLES:
+        raise ProtocolError("bad_field", f"role must be one of {ROLES}, got {role!r}")
+    labels = _opt_map(d, "labels") or {}
+    if len(labels) > 64 or any(type(k) is not str or type(v) is not str for k, v in labels.items()):
+        raise ProtocolError("bad_field", "labels must be a map of at most 64 str->str entries")
+    wid = _str(d, "worker_id", max_bytes=256)
+    if not wid:
+        raise ProtocolError("bad_field", "worker_id must be non-empty")
+    return Ready(
+        worker_id=wid,
+        model=_str(d, "model", required=False, max_bytes=256),
+        role=role,
+        labels=labels,
+        block_size=_int(d, "block_size", lo=1, hi=1 << 16),
+        max_running_requests=_int(d, "max_running_requests", lo=1),
+        max_total_num_tokens=_int(d, "max_total_num_tokens", lo=1),
+        dp_size=_int(d, "dp_size", required=False, default=1, lo=1, hi=1024),
+        epoch=_int(d, "epoch"),
+        heartbeat_ms=_int(d, "heartbeat_ms", required=False, default=500, lo=1, hi=600_000),
+    )
+
+
+def decode_worker(frames: list[bytes]):
+    """Decode what a worker sent to the broker (identity stripped). Never raises.
+
+    Returns one of Ready, Heartbeat, KvEventsMsg, WorkerChunk, WorkerFinal, WorkerError,
+    Disconnect, or a ProtocolError.
+    """
+    try:
+        cmd, body = _check_frames(frames, WORKER_HEADER, CLIENT_HEADER)
+        n = len(frames)
+        if cmd is Cmd.CHUNK or cmd is Cmd.FINAL:
+            if n != 4:
+                raise ProtocolError("bad_frame_count", f"{n} frames for {cmd.name}")
+            d = _map(unpack(body))
+            rid, attempt = _int(d, "rid"), _int(d, "attempt", lo=1)
+            if cmd is Cmd.CHUNK:
+                return WorkerChunk(rid, attempt, _int(d, "seq"), frames[3])
+            return WorkerFinal(rid, attempt, _str(d, "finish_reason", max_bytes=256), _opt_map(d, "usage") or {}, frames[3])
+        if n != 3:
+            raise ProtocolError("bad_frame_count", f"{n} frames for {cmd.name}")
+        d = _map(unpack(body))
+        if cmd is Cmd.HEARTBEAT:
+            load = d.get("load")
+            if load is None:
+                return Heartbeat()
+            if type(load) is not list or len(load) > 1024:
+                raise ProtocolError("bad_field", "load must be a list of LoadStat")
+            return Heartbeat([LoadStat.from_wire(x) for x in load])
+        if cmd is Cmd.KV_EVENTS:
+            events = d.get("events")
+            if type(events) is not list:
+                raise ProtocolError("bad_field", "events must be a list")
+            return KvEventsMsg(
+                _int(d, "dp_rank", hi=1023), _int(d, "epoch"), _int(d, "seq"), _float(d, "ts", required=False), events, body
+            )
+        if cmd is Cmd.READY:
+            return _parse_ready(d)
+        if cmd is Cmd.ERROR:
+            return WorkerError(_int(d, "rid"), _int(d, "attempt", lo=1), _str(d, "code", max_bytes=64), _str(d, "message", required=False))
+        if cmd is Cmd.DISCONNECT:
+            return Disconnect(_str(d, "reason", required=False, max_bytes=256))
+        raise ProtocolError("unexpected_command", f"{cmd.name} is not a worker command")
+    except ProtocolError as exc:
+        return exc
+    except Exception as exc:
+        return ProtocolError("internal_decode_error", repr(exc))
+
+
+def decode_broker_to_worker(frames: list[bytes]):
+    """Decode what a broker sent to a worker. Never raises.
+
+    Returns Request, WorkerCancel, Heartbeat, Disconnect, Resync, or a ProtocolError.
+    """
+    try:
+        cmd, body = _check_frames(frames, WORKER_HEADER, CLIENT_HEADER)
+        d = _map(unpack(body))
+        if cmd is Cmd.REQUEST:
+            if len(frames) != 4:
+                raise ProtocolError("bad_frame_count", f"{len(frames)} frames for REQUEST")
+            bootstrap = _opt_map(d, "bootstrap")
+            return Request(
+                _int(d, "rid"), _int(d, "attempt", lo=1), _int(d, "deadline_ms", lo=0), _str(d, "client_rid", required=False),
+                bootstrap, _parse_submit(frames[3]),
+            )
+        if cmd is Cmd.CANCEL:
+            return WorkerCancel(_int(d, "rid"), _int(d, "attempt", lo=1))
+        if cmd is Cmd.HEARTBEAT:
+            return Heartbeat()
+        if cmd is Cmd.DISCONNECT:
+            return Disconnect(_str(d, "reason", required=False))
+        if cmd is Cmd.RESYNC:
+            return Resync(_int(d, "dp_rank"), _str(d, "reason", required=False))
+        raise ProtocolError("unexpected_command", f"{cmd.name} is not a broker-to-worker command")
+    except ProtocolError as exc:
+        return exc
+    except Exception as exc:
+        return ProtocolError("internal_decode_error", repr(exc))
