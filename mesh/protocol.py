@@ -36,16 +36,22 @@ SUBMIT     0x11  c->b    ``rid`` str (1..256 bytes, unique among the client's in
                          optional. The broker forwards this body verbatim as REQUEST frame 3.
 CANCEL     0x12  c->b    ``rid``.
 ACCEPTED   0x13  b->c    ``rid``, ``worker`` str, ``reason`` str (routing decision reason),
-                         ``attempt`` int. Sent when a request is dispatched (again on retry).
+                         ``attempt`` int. Sent for *streaming* requests when dispatched (again
+                         on retry); a non-streaming request learns the same from its FINAL.
 CHUNK      0x14  b->c    ``rid``, ``seq`` int (0, 1, 2, ... contiguous per request).
                          Frame 3: the worker's chunk data, a msgpack map
                          (``token_ids`` list[int], optional ``text`` str).
 FINAL      0x15  b->c    ``rid``, ``finish_reason`` str, ``usage`` map (``prompt_tokens``,
-                         ``completion_tokens``, ``cached_tokens``), ``worker`` str, ``attempt``.
+                         ``completion_tokens``, ``cached_tokens``), ``worker`` str, ``attempt``,
+                         ``reason`` str (routing decision reason of the final attempt).
                          Frame 3: the worker's final data map (all ``token_ids`` when the
                          request was not streamed, otherwise empty).
 ERROR      0x16  b->c    ``rid`` str or nil (nil when the request id was unreadable), ``code``
                          (an :class:`~mesh.errors.ErrorCode` value), ``message`` str.
+STATUS     0x17  c->b    empty map: ask for the broker's view of the fleet.
+STATUS_R   0x18  b->c    ``broker`` map (id, state, inflight, uptime_s), ``workers`` list of maps
+                         (worker_id, role, labels, healthy, inflight, load, epoch), ``counters``
+                         map of counter name -> value.
 =========  ====  ======  ====================================================================
 
 Exactly one terminal frame (FINAL or ERROR) reaches the client for every accepted ``rid``.
@@ -115,6 +121,8 @@ __all__ = [
     "Cmd",
     "Submit",
     "Cancel",
+    "StatusQuery",
+    "StatusReply",
     "Accepted",
     "ClientChunk",
     "ClientFinal",
@@ -165,15 +173,19 @@ class Cmd(IntEnum):
     C_CHUNK = 0x14
     C_FINAL = 0x15
     C_ERROR = 0x16
+    C_STATUS = 0x17
+    C_STATUS_REPLY = 0x18
 
 
 _B = {c: bytes([c]) for c in Cmd}
+_CMD_BY_BYTE = {c.value: c for c in Cmd}  # Cmd(x) goes through EnumMeta.__call__: too slow per frame
 
 _packer_opts: dict[str, Any] = {"use_bin_type": True}
 _unpack_limits: dict[str, Any] = {
     "raw": False,
     "strict_map_key": True,
-    "max_buffer_size": MAX_FRAME_BYTES,
+    # Length limits default to the buffer size in msgpack >= 1.0, which already stops
+    # "array32 claiming 4 GiB" bombs; frames themselves are capped by ZMQ_MAXMSGSIZE.
 }
 
 
@@ -292,6 +304,18 @@ class Cancel:
 
 
 @dataclass(slots=True)
+class StatusQuery:
+    pass
+
+
+@dataclass(slots=True)
+class StatusReply:
+    broker: dict[str, Any]
+    workers: list[dict[str, Any]]
+    counters: dict[str, Any]
+
+
+@dataclass(slots=True)
 class Accepted:
     rid: str
     worker: str
@@ -314,6 +338,7 @@ class ClientFinal:
     worker: str
     attempt: int
     data: dict[str, Any]
+    reason: str = ""
 
 
 @dataclass(slots=True)
@@ -350,6 +375,14 @@ def encode_cancel(rid: str) -> list[bytes]:
     return [CLIENT_HEADER, _B[Cmd.C_CANCEL], pack({"rid": rid})]
 
 
+def encode_status_query() -> list[bytes]:
+    return [CLIENT_HEADER, _B[Cmd.C_STATUS], _EMPTY_MAP]
+
+
+def encode_status_reply(broker: dict, workers: list, counters: dict) -> list[bytes]:
+    return [CLIENT_HEADER, _B[Cmd.C_STATUS_REPLY], pack({"broker": broker, "workers": workers, "counters": counters})]
+
+
 def encode_accepted(rid: str, worker: str, reason: str, attempt: int) -> list[bytes]:
     return [CLIENT_HEADER, _B[Cmd.C_ACCEPTED], pack({"rid": rid, "worker": worker, "reason": reason, "attempt": attempt})]
 
@@ -358,8 +391,8 @@ def encode_client_chunk(rid: str, seq: int, data: bytes) -> list[bytes]:
     return [CLIENT_HEADER, _B[Cmd.C_CHUNK], pack({"rid": rid, "seq": seq}), data]
 
 
-def encode_client_final(rid: str, finish_reason: str, usage: dict, worker: str, attempt: int, data: bytes) -> list[bytes]:
-    body = {"rid": rid, "finish_reason": finish_reason, "usage": usage, "worker": worker, "attempt": attempt}
+def encode_client_final(rid: str, finish_reason: str, usage: dict, worker: str, attempt: int, data: bytes, reason: str = "") -> list[bytes]:
+    body = {"rid": rid, "finish_reason": finish_reason, "usage": usage, "worker": worker, "attempt": attempt, "reason": reason}
     return [CLIENT_HEADER, _B[Cmd.C_FINAL], pack(body), data]
 
 
@@ -378,10 +411,9 @@ def _check_frames(frames: list[bytes], header: bytes, other: bytes) -> tuple[int
     c = frames[1]
     if len(c) != 1:
         raise ProtocolError("bad_command", f"command frame of {len(c)} bytes")
-    try:
-        cmd = Cmd(c[0])
-    except ValueError:
-        raise ProtocolError("unknown_command", f"0x{c[0]:02x}") from None
+    cmd = _CMD_BY_BYTE.get(c[0])
+    if cmd is None:
+        raise ProtocolError("unknown_command", f"0x{c[0]:02x}")
     return cmd, frames[2]
 
 
@@ -425,7 +457,7 @@ def _parse_submit(raw: bytes) -> Submit:
     )
 
 
-def decode_client(frames: list[bytes]) -> Submit | Cancel | ProtocolError:
+def decode_client(frames: list[bytes]) -> Submit | Cancel | StatusQuery | ProtocolError:
     """Decode what a client sent to the broker (identity already stripped). Never raises."""
     try:
         cmd, body = _check_frames(frames, CLIENT_HEADER, WORKER_HEADER)
@@ -435,6 +467,9 @@ def decode_client(frames: list[bytes]) -> Submit | Cancel | ProtocolError:
             return _parse_submit(body)
         if cmd is Cmd.C_CANCEL:
             return Cancel(_rid(_map(unpack(body))))
+        if cmd is Cmd.C_STATUS:
+            _map(unpack(body))
+            return StatusQuery()
         raise ProtocolError("unexpected_command", f"{cmd.name} is not a client command")
     except ProtocolError as exc:
         return exc
@@ -452,10 +487,13 @@ def decode_client_reply(frames: list[bytes]) -> Accepted | ClientChunk | ClientF
         if cmd is Cmd.C_FINAL:
             data = _map(unpack(frames[3])) if len(frames) == 4 and frames[3] else {}
             return ClientFinal(
-                _rid(d), _str(d, "finish_reason"), _opt_map(d, "usage") or {}, _str(d, "worker", required=False), _int(d, "attempt", required=False), data
+                _rid(d), _str(d, "finish_reason"), _opt_map(d, "usage") or {}, _str(d, "worker", required=False),
+                _int(d, "attempt", required=False), data, _str(d, "reason", required=False),
             )
         if cmd is Cmd.C_ACCEPTED:
             return Accepted(_rid(d), _str(d, "worker"), _str(d, "reason", required=False), _int(d, "attempt", required=False))
+        if cmd is Cmd.C_STATUS_REPLY:
+            return StatusReply(_opt_map(d, "broker") or {}, d.get("workers") or [], _opt_map(d, "counters") or {})
         if cmd is Cmd.C_ERROR:
             rid = d.get("rid")
             return ClientError(rid if type(rid) is str else None, _str(d, "code"), _str(d, "message", required=False))

@@ -1,0 +1,628 @@
+"""The broker: one asyncio process, two ROUTER sockets, one loop that owns both.
+
+Data flow of one request (see :mod:`mesh.protocol` for every frame)::
+
+    client SUBMIT -> decode -> Router.route -> REQUEST to worker -> ACCEPTED to client
+    worker CHUNK* -> attempt fence -> CHUNK to client ... worker FINAL -> FINAL to client
+
+Design rules this module keeps:
+
+* **One owner per socket.** :meth:`Broker._loop` is the only code that touches the frontend and
+  backend sockets. It waits on an asyncio poller, then drains each socket with non-blocking
+  receives (through a synchronous *shadow* of the same socket: far cheaper per message than an
+  awaited receive) and runs timers (heartbeats, expiry, deadlines, delayed retries) when due.
+* **No silent drops.** Both ROUTERs run with ROUTER_MANDATORY; every send is non-blocking and a
+  failed send is counted and acted on (worker: treated as lost; client: its requests cancelled).
+* **Exactly one terminal frame** (FINAL or ERROR) per accepted client request. A request is
+  re-dispatched (new attempt, different worker) only while nothing was streamed to the client,
+  it is idempotent, attempts remain, the retry budget allows it and the deadline has not passed.
+  Replies of a superseded attempt are dropped (``dropped{what=stale_reply}``).
+* **Liveness for idle and busy workers.** Any inbound message refreshes a session; a session
+  silent for heartbeat x liveness is expired and its requests retried or failed ``worker_lost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from brokers.registry import Registry, WorkerSession
+from brokers.stats import BrokerStats
+from mesh import protocol as P
+from mesh.config import BrokerSettings
+from mesh.errors import ErrorCode, ProtocolError
+from mesh.logs import RateLimiter, announce, get_logger
+from mesh.retry import RetryBudget, RetryPolicy
+from mesh.routing.router import Router
+from mesh.routing.view import RouteRequest, WorkerState
+from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, send_frames
+
+__all__ = ["Broker", "Inflight"]
+
+_DRAIN_BATCH = 512  # max messages taken from one socket before looking at the other
+
+
+@dataclass(slots=True)
+class Inflight:
+    """One accepted client request, owned by the broker until its terminal frame is sent."""
+
+    rid: int
+    client: bytes
+    client_rid: str
+    submit: P.Submit
+    deadline_s: float
+    attempt: int = 0
+    session: WorkerSession | None = None
+    chunks_sent: int = 0
+    tried: set[str] = field(default_factory=set)
+    retry_pending: bool = False
+    holds_retry_budget: bool = False
+    reason: str = ""  # routing decision reason of the current attempt
+    fail_cause: str = ""  # error code of the last failed attempt
+
+    @property
+    def committed(self) -> bool:
+        """True once anything was streamed to the client: no re-dispatch after that."""
+        return self.chunks_sent > 0
+
+
+class Broker:
+    """A mesh broker. Create, then ``await run()``; ``request_stop()`` starts a graceful drain."""
+
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        router: Router,
+        *,
+        kv_sink: Any = None,
+        curve: CurveKeys | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.s = settings
+        self.router = router
+        self.kv_sink = kv_sink  # optional: receives KV_EVENTS (mesh.routing providers)
+        self.curve = curve
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.broker_id = settings.broker_id or f"broker-{os.getpid()}"
+        self.log = get_logger(service="broker", broker_id=self.broker_id)
+        self.stats = BrokerStats()
+        self.registry = Registry()
+        self.retry = RetryPolicy(settings.max_attempts, settings.retry_base_ms, settings.retry_cap_ms)
+        self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_min)
+        self.rng = random.Random(settings.seed)
+        self._limiter = RateLimiter(1.0)
+        self._inflight: dict[int, Inflight] = {}
+        self._by_client: dict[tuple[bytes, str], int] = {}
+        self._rid_seq = itertools.count(1)
+        self._deadlines: list[tuple[float, int]] = []
+        self._retries: list[tuple[float, int]] = []
+        self._state = "init"  # init -> serving -> draining -> closed
+        self._stop = asyncio.Event()
+        self._started_s = time.monotonic()
+        self.frontend_endpoint = ""
+        self.backend_endpoint = ""
+        self._front: zmq.asyncio.Socket | None = None
+        self._back: zmq.asyncio.Socket | None = None
+        self.ready = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def bind(self) -> None:
+        """Bind both ROUTERs (ports may be ``*``); the bound endpoints land in ``*_endpoint``."""
+        front_spec = BROKER_FRONTEND.with_curve(self.curve)
+        back_spec = BROKER_BACKEND.with_curve(self.curve)
+        self._front = make_socket(self.ctx, front_spec, bind=self.s.frontend)
+        try:
+            self._back = make_socket(self.ctx, back_spec, bind=self.s.backend)
+        except BaseException:
+            self._front.close(linger=0)
+            raise
+        # Synchronous shadows of the same sockets for non-blocking I/O on the hot path.
+        self._fs = zmq.Socket.shadow(self._front.underlying)
+        self._bs = zmq.Socket.shadow(self._back.underlying)
+        self.frontend_endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.backend_endpoint = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def run(self) -> None:
+        """Serve until :meth:`request_stop`; then drain in-flight work and close the sockets."""
+        if self._front is None:
+            self.bind()
+        self._state = "serving"
+        announce("broker_listening", broker_id=self.broker_id, frontend=self.frontend_endpoint, backend=self.backend_endpoint,
+                 policy=self.router.policy.name, provider=getattr(self.router.provider, "name", "none"))
+        self.ready.set()
+        try:
+            await self._loop()
+        finally:
+            self.close()
+
+    def request_stop(self) -> None:
+        """Stop accepting new requests and drain (idempotent; safe from a signal handler)."""
+        if self._state == "serving":
+            self._state = "draining"
+            self._drain_deadline_s = time.monotonic() + self.s.drain_timeout_s
+            self.log.info("broker_draining", inflight=len(self._inflight))
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close sockets (idempotent)."""
+        if self._state == "closed":
+            return
+        if self._back is not None:
+            for sess in list(self.registry.by_identity.values()):
+                self._send_worker(sess.identity, P.encode_disconnect("broker_shutdown"))
+        for sock in (self._front, self._back):
+            if sock is not None:
+                sock.close(linger=200)
+        self._state = "closed"
+        self.log.info("broker_closed")
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
+    # ------------------------------------------------------------------ main loop
+
+    async def _loop(self) -> None:
+        assert self._front is not None and self._back is not None
+        front, back = self._fs, self._bs
+        poller = zmq.asyncio.Poller()
+        poller.register(self._front, zmq.POLLIN)
+        poller.register(self._back, zmq.POLLIN)
+        hb_s = self.s.heartbeat_ms / 1000.0
+        next_hb = time.monotonic() + hb_s
+        next_sweep = time.monotonic() + hb_s / 5
+        while True:
+            now = time.monotonic()
+            if self._state == "draining" and (not self._inflight or now >= self._drain_deadline_s):
+                self._fail_all(ErrorCode.UNAVAILABLE, "broker shut down before the request finished")
+                return
+            wake = min(next_hb, next_sweep)
+            if self._deadlines:
+                wake = min(wake, self._deadlines[0][0])
+            if self._retries:
+                wake = min(wake, self._retries[0][0])
+            timeout_ms = max(0, int((wake - now) * 1000) + 1)
+            if self._stop.is_set() and self._state == "draining":
+                timeout_ms = min(timeout_ms, 50)
+            await poller.poll(timeout_ms)
+            # Drain both sockets regardless of which one woke us: cheap when empty.
+            busy = True
+            while busy:
+                busy = self._drain(back, self._on_worker_frames) | self._drain(front, self._on_client_frames)
+            now = time.monotonic()
+            if now >= next_hb:
+                self._send_heartbeats()
+                next_hb = now + hb_s
+            if now >= next_sweep:
+                self._purge_expired(now)
+                next_sweep = now + hb_s / 5
+            if self._deadlines and self._deadlines[0][0] <= now:
+                self._expire_deadlines(now)
+            if self._retries and self._retries[0][0] <= now:
+                self._run_due_retries(now)
+
+    def _drain(self, sock: zmq.Socket, handler) -> bool:
+        """Receive up to _DRAIN_BATCH messages without blocking; True if the batch was full."""
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = recv_frames(sock)
+            except zmq.Again:
+                return False
+            try:
+                handler(frames)
+            except Exception as exc:  # a handler bug must not kill the loop; it is logged and counted
+                self.stats.dropped["handler_exception"] += 1
+                self.log.exception("handler_failed", error=repr(exc))
+        return True
+
+    # ------------------------------------------------------------------ sends
+
+    def _send_worker(self, identity: bytes, frames: list[bytes]) -> bool:
+        try:
+            send_frames(self._bs, [identity, *frames])
+            return True
+        except zmq.Again:
+            self.stats.dropped["worker_send_hwm"] += 1
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.stats.dropped["worker_unreachable"] += 1
+        return False
+
+    def _send_client(self, identity: bytes, frames: list[bytes]) -> bool:
+        try:
+            send_frames(self._fs, [identity, *frames])
+            return True
+        except zmq.Again:
+            self.stats.dropped["client_send_hwm"] += 1
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.stats.dropped["client_unreachable"] += 1
+        return False
+
+    def _reject(self, path: str, err: ProtocolError, peer: bytes) -> None:
+        self.stats.frames_rejected[(path, err.reason)] += 1
+        if self._limiter.allow((path, err.reason, peer)):
+            self.log.warning("frame_rejected", path=path, reason=err.reason, detail=err.detail[:200], peer=peer.hex()[:32])
+
+    # ------------------------------------------------------------------ client path
+
+    def _on_client_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self.stats.frames_rejected[("client", "bad_frame_count")] += 1
+            return
+        ident = frames[0]
+        msg = P.decode_client(frames[1:])
+        if isinstance(msg, P.Submit):
+            self._on_submit(ident, msg)
+        elif isinstance(msg, P.Cancel):
+            self._on_client_cancel(ident, msg.rid)
+        elif isinstance(msg, P.StatusQuery):
+            self._send_client(ident, P.encode_status_reply(self._status_broker(), self._status_workers(), self.stats.flat()))
+        else:
+            self._reject("client", msg, ident)
+            # Answer when the sender can be identified: a client path header means a client.
+            rid = _salvage_rid(frames[1:])
+            if frames[1] == P.CLIENT_HEADER:
+                self.stats.requests[ErrorCode.BAD_REQUEST.value] += 1
+                self._send_client(ident, P.encode_client_error(rid, ErrorCode.BAD_REQUEST, str(msg)))
+
+    def _on_submit(self, ident: bytes, sub: P.Submit) -> None:
+        key = (ident, sub.rid)
+        if key in self._by_client:
+            self.stats.requests[ErrorCode.DUPLICATE.value] += 1
+            self._send_client(ident, P.encode_client_error(sub.rid, ErrorCode.DUPLICATE, "a request with this rid is in flight"))
+            return
+        if self._state != "serving":
+            self.stats.requests[ErrorCode.UNAVAILABLE.value] += 1
+            self._send_client(ident, P.encode_client_error(sub.rid, ErrorCode.UNAVAILABLE, "broker is draining"))
+            return
+        if len(self._inflight) >= self.s.max_inflight:
+            self.stats.requests[ErrorCode.OVERLOADED.value] += 1
+            self._send_client(ident, P.encode_client_error(sub.rid, ErrorCode.OVERLOADED, "broker in-flight limit reached"))
+            return
+        now = time.monotonic()
+        budget_ms = sub.deadline_ms or self.s.default_deadline_ms
+        rid = next(self._rid_seq)
+        inf = Inflight(rid, ident, sub.rid, sub, now + budget_ms / 1000.0)
+        self._inflight[rid] = inf
+        self._by_client[key] = rid
+        heapq.heappush(self._deadlines, (inf.deadline_s, rid))
+        self._dispatch(inf, now)
+
+    def _on_client_cancel(self, ident: bytes, client_rid: str) -> None:
+        rid = self._by_client.get((ident, client_rid))
+        if rid is None:
+            self.stats.dropped["cancel_unknown"] += 1
+            return
+        inf = self._inflight[rid]
+        self._finish_error(inf, ErrorCode.CANCELLED, "cancelled by client", cancel_worker=True)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _route_request(self, inf: Inflight) -> RouteRequest:
+        sub = inf.submit
+        return RouteRequest(
+            request_id=inf.client_rid,
+            prompt_tokens=sub.prompt_len,
+            max_new_tokens=sub.max_new_tokens,
+            tokens=sub.input_ids,
+            ttft_slo_ms=sub.ttft_slo_ms,
+            tps_slo=sub.tps_slo,
+        )
+
+    def _dispatch(self, inf: Inflight, now: float) -> None:
+        """Route and send one attempt. On failure to find or reach a worker, fail or retry."""
+        pool = self.registry.pool()
+        req = self._route_request(inf)
+        while True:
+            t0 = time.perf_counter()
+            decision = self.router.route(req, pool, now, exclude=inf.tried)
+            self.stats.decision_latency.observe(time.perf_counter() - t0)
+            if decision.worker_id is None:
+                if not inf.tried and not pool:
+                    self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker")
+                elif inf.tried:
+                    code = ErrorCode(inf.fail_cause) if inf.fail_cause else ErrorCode.UNAVAILABLE
+                    self._finish_error(inf, code, f"no other worker after {inf.attempt} attempt(s): {inf.fail_cause or 'failed'}")
+                else:
+                    self._finish_error(inf, ErrorCode.NO_WORKER, decision.reason)
+                return
+            self.stats.decisions[decision.reason] += 1
+            if decision.degraded:
+                self.stats.degraded_decisions += 1
+            sess = self.registry.by_id[decision.worker_id]
+            inf.attempt += 1
+            inf.tried.add(sess.worker_id)
+            remaining_ms = max(1, int((inf.deadline_s - now) * 1000))
+            frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw)
+            if self._send_worker(sess.identity, frames):
+                inf.session = sess
+                inf.reason = decision.reason
+                sess.inflight.add(inf.rid)
+                sess.state.inflight += 1
+                if inf.submit.stream:
+                    self._send_client(inf.client, P.encode_accepted(inf.client_rid, sess.worker_id, decision.reason, inf.attempt))
+                return
+            # Unreachable or full worker: it is failing; try another one right away.
+            self.stats.retries["send_failed"] += 1
+            if inf.attempt >= self.s.max_attempts:
+                self._finish_error(inf, ErrorCode.UNAVAILABLE, "could not deliver the request to any worker")
+                return
+
+    def _detach(self, inf: Inflight) -> None:
+        sess = inf.session
+        if sess is not None:
+            sess.inflight.discard(inf.rid)
+            sess.state.inflight = max(0, sess.state.inflight - 1)
+            inf.session = None
+
+    def _retry_or_fail(self, inf: Inflight, code: ErrorCode, message: str, now: float) -> None:
+        """A dispatched attempt failed without output. Re-dispatch after a back-off, or fail."""
+        self._detach(inf)
+        inf.fail_cause = code.value
+        remaining = inf.deadline_s - now
+        if inf.committed or not inf.submit.idempotent or not self.retry.should_retry(inf.attempt, remaining):
+            self._finish_error(inf, code, message)
+            return
+        if not inf.holds_retry_budget:
+            if not self.budget.try_acquire(len(self._inflight)):
+                self.stats.dropped["retry_budget_exhausted"] += 1
+                self._finish_error(inf, code if code is ErrorCode.WORKER_LOST else ErrorCode.UNAVAILABLE, f"{message} (retry budget exhausted)")
+                return
+            inf.holds_retry_budget = True
+        self.stats.retries[code.value] += 1
+        delay = self.retry.delay_s(inf.attempt)
+        inf.retry_pending = True
+        heapq.heappush(self._retries, (now + delay, inf.rid))
+        self.log.info("retry_scheduled", request_id=inf.client_rid, attempt=inf.attempt, cause=code.value, delay_ms=round(delay * 1000, 2))
+
+    def _run_due_retries(self, now: float) -> None:
+        while self._retries and self._retries[0][0] <= now:
+            _, rid = heapq.heappop(self._retries)
+            inf = self._inflight.get(rid)
+            if inf is None or not inf.retry_pending:
+                continue
+            inf.retry_pending = False
+            self._dispatch(inf, now)
+
+    # ------------------------------------------------------------------ terminal frames
+
+    def _forget(self, inf: Inflight) -> None:
+        self._detach(inf)
+        self._inflight.pop(inf.rid, None)
+        self._by_client.pop((inf.client, inf.client_rid), None)
+        if inf.holds_retry_budget:
+            self.budget.release()
+            inf.holds_retry_budget = False
+
+    def _finish_error(self, inf: Inflight, code: ErrorCode, message: str, *, cancel_worker: bool = False) -> None:
+        if cancel_worker and inf.session is not None:
+            self._send_worker(inf.session.identity, P.encode_worker_cancel(inf.rid, inf.attempt))
+        self._forget(inf)
+        self.stats.requests[code.value] += 1
+        self._send_client(inf.client, P.encode_client_error(inf.client_rid, code, message))
+        self.log.info("request_failed", request_id=inf.client_rid, code=code.value, attempts=inf.attempt, message=message[:200])
+
+    def _fail_all(self, code: ErrorCode, message: str) -> None:
+        for inf in list(self._inflight.values()):
+            self._finish_error(inf, code, message, cancel_worker=True)
+
+    def _expire_deadlines(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            inf = self._inflight.get(rid)
+            if inf is not None:
+                self._finish_error(inf, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", cancel_worker=True)
+
+    # ------------------------------------------------------------------ worker path
+
+    def _on_worker_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self.stats.frames_rejected[("worker", "bad_frame_count")] += 1
+            return
+        ident = frames[0]
+        msg = P.decode_worker(frames[1:])
+        sess = self.registry.by_identity.get(ident)
+        if isinstance(msg, ProtocolError):
+            self._reject("worker", msg, ident)
+            return
+        if sess is None:
+            if isinstance(msg, P.Ready):
+                self._on_ready(ident, msg)
+            elif not isinstance(msg, P.Disconnect):
+                # Unknown peer (e.g. we restarted and its TCP connection came back): ask it to re-register.
+                self.stats.frames_rejected[("worker", "unregistered_peer")] += 1
+                self._send_worker(ident, P.encode_disconnect("not registered; send READY"))
+            return
+        now = time.monotonic()
+        sess.expiry_s = now + self._expiry_s(sess)
+        t = type(msg)
+        if t is P.WorkerFinal:
+            self._on_worker_final(sess, msg)
+        elif t is P.WorkerChunk:
+            self._on_worker_chunk(sess, msg)
+        elif t is P.Heartbeat:
+            if msg.load:
+                sess.state.update_load(msg.load, now)
+        elif t is P.KvEventsMsg:
+            self._on_kv_events(sess, msg)
+        elif t is P.WorkerError:
+            self._on_worker_error(sess, msg, now)
+        elif t is P.Disconnect:
+            self._on_worker_disconnect(sess, msg.reason, now)
+        elif t is P.Ready:
+            # A second READY on a live session is a protocol violation: make it start over.
+            self.stats.frames_rejected[("worker", "duplicate_ready")] += 1
+            self._send_worker(ident, P.encode_disconnect("duplicate READY"))
+            self._remove_session(sess, now, "duplicate_ready")
+
+    def _expiry_s(self, sess: WorkerSession) -> float:
+        # The slower of our interval and the worker's own decides liveness (mismatch-proof).
+        hb_ms = max(self.s.heartbeat_ms, sess.ready.heartbeat_ms)
+        return hb_ms * self.s.liveness / 1000.0
+
+    def _on_ready(self, ident: bytes, r: P.Ready) -> None:
+        now = time.monotonic()
+        state = WorkerState(
+            worker_id=r.worker_id, role=r.role, labels=dict(r.labels), block_size=r.block_size,
+            max_running_requests=r.max_running_requests, max_total_num_tokens=r.max_total_num_tokens, dp_size=r.dp_size,
+        )
+        sess = WorkerSession(ident, r, state, expiry_s=0.0)
+        sess.expiry_s = now + self._expiry_s(sess)
+        old = self.registry.add(sess)
+        if old is not None:
+            self.stats.workers["replaced"] += 1
+            self._orphan_requests(old, now, "worker_replaced")
+            if self.kv_sink is not None and old.ready.epoch != r.epoch:
+                self.kv_sink.on_worker_removed(r.worker_id)
+        self.stats.workers["registered"] += 1
+        if self.kv_sink is not None:
+            self.kv_sink.on_worker_ready(r)
+        self.log.info("worker_registered", worker_id=r.worker_id, role=r.role, epoch=r.epoch, block_size=r.block_size,
+                      replaced=old is not None, workers=len(self.registry))
+        self._send_worker(ident, P.encode_heartbeat())  # first message tells the worker it is routable
+
+    def _on_worker_chunk(self, sess: WorkerSession, m: P.WorkerChunk) -> None:
+        inf = self._inflight.get(m.rid)
+        if inf is None or inf.session is not sess or inf.attempt != m.attempt:
+            self.stats.dropped["stale_reply"] += 1
+            return
+        if m.seq != inf.chunks_sent:
+            self.stats.dropped["chunk_out_of_order"] += 1
+            if self._limiter.allow(("chunk_seq", sess.worker_id)):
+                self.log.warning("chunk_out_of_order", request_id=inf.client_rid, worker_id=sess.worker_id, expected=inf.chunks_sent, got=m.seq)
+            return
+        if not inf.submit.stream:
+            return  # non-streaming: the worker's FINAL carries everything
+        if self._send_client(inf.client, P.encode_client_chunk(inf.client_rid, m.seq, m.data)):
+            inf.chunks_sent += 1
+        else:
+            self._client_gone(inf)
+
+    def _on_worker_final(self, sess: WorkerSession, m: P.WorkerFinal) -> None:
+        inf = self._inflight.get(m.rid)
+        if inf is None or inf.session is not sess or inf.attempt != m.attempt:
+            self.stats.dropped["stale_reply"] += 1
+            return
+        self._forget(inf)
+        self.stats.requests["ok"] += 1
+        u = m.usage
+        pt, ct = u.get("prompt_tokens"), u.get("cached_tokens")
+        if type(pt) is int and type(ct) is int:
+            self.stats.prompt_tokens += pt
+            self.stats.cached_tokens += ct
+        self._send_client(inf.client, P.encode_client_final(inf.client_rid, m.finish_reason, u, sess.worker_id, m.attempt, m.data, inf.reason))
+
+    def _on_worker_error(self, sess: WorkerSession, m: P.WorkerError, now: float) -> None:
+        inf = self._inflight.get(m.rid)
+        if inf is None or inf.session is not sess or inf.attempt != m.attempt:
+            self.stats.dropped["stale_reply"] += 1
+            return
+        try:
+            code = ErrorCode(m.code)
+        except ValueError:
+            code = ErrorCode.WORKER_ERROR
+        if code.retryable:
+            self._retry_or_fail(inf, code, f"worker {sess.worker_id}: {m.message}", now)
+        else:
+            self._finish_error(inf, code, m.message)
+
+    def _on_worker_disconnect(self, sess: WorkerSession, reason: str, now: float) -> None:
+        self.stats.workers["disconnected"] += 1
+        self.log.info("worker_disconnected", worker_id=sess.worker_id, reason=reason)
+        self._remove_session(sess, now, "disconnected")
+
+    def _on_kv_events(self, sess: WorkerSession, m: P.KvEventsMsg) -> None:
+        self.stats.kv["batches"] += 1
+        if self.kv_sink is None:
+            return
+        for dp_rank, why in self.kv_sink.on_kv_events(sess.worker_id, m):
+            self.stats.kv["resync_requested"] += 1
+            self._send_worker(sess.identity, P.encode_resync(dp_rank, why))
+
+    def _remove_session(self, sess: WorkerSession, now: float, why: str) -> None:
+        self.registry.remove(sess)
+        self._orphan_requests(sess, now, why)
+        if self.kv_sink is not None and sess.worker_id not in self.registry.by_id:
+            self.kv_sink.on_worker_removed(sess.worker_id)
+
+    def _orphan_requests(self, sess: WorkerSession, now: float, why: str) -> None:
+        """Requests on a lost session: retry those with nothing streamed, fail the others."""
+        for rid in list(sess.inflight):
+            inf = self._inflight.get(rid)
+            if inf is None:
+                continue
+            if inf.committed:
+                self._detach(inf)
+                self._finish_error(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost mid-stream ({why})")
+            else:
+                self._retry_or_fail(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost ({why})", now)
+        sess.inflight.clear()
+        sess.state.inflight = 0
+
+    def _purge_expired(self, now: float) -> None:
+        for sess in self.registry.expired(now):
+            self.stats.workers["expired"] += 1
+            self.log.warning("worker_expired", worker_id=sess.worker_id, inflight=len(sess.inflight))
+            self._send_worker(sess.identity, P.encode_disconnect("expired"))
+            self._remove_session(sess, now, "expired")
+
+    def _send_heartbeats(self) -> None:
+        hb = P.encode_heartbeat()
+        for sess in list(self.registry.by_identity.values()):
+            self._send_worker(sess.identity, hb)
+
+    def _client_gone(self, inf: Inflight) -> None:
+        """The client's connection is gone: cancel all of its requests (nobody can read them)."""
+        client = inf.client
+        for other in [i for i in self._inflight.values() if i.client == client]:
+            if other.session is not None:
+                self._send_worker(other.session.identity, P.encode_worker_cancel(other.rid, other.attempt))
+            self._forget(other)
+            self.stats.requests["client_gone"] += 1
+
+    # ------------------------------------------------------------------ status
+
+    def _status_broker(self) -> dict:
+        return {"id": self.broker_id, "state": self._state, "inflight": len(self._inflight),
+                "uptime_s": round(time.monotonic() - self._started_s, 3), "policy": self.router.policy.name,
+                "provider": getattr(self.router.provider, "name", "none")}
+
+    def _status_workers(self) -> list[dict]:
+        now = time.monotonic()
+        out = []
+        for sess in self.registry.by_id.values():
+            st = sess.state
+            agg = st.fresh_load(now, self.s.load_freshness_s)
+            out.append({
+                "worker_id": st.worker_id, "role": st.role, "labels": st.labels, "healthy": st.healthy and not sess.draining,
+                "inflight": st.inflight, "epoch": sess.ready.epoch,
+                "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4)},
+            })
+        return out
+
+
+def _salvage_rid(frames: list[bytes]) -> str | None:
+    """Best effort: the rid of a rejected SUBMIT, so the error can name it."""
+    if len(frames) < 3:
+        return None
+    try:
+        d = P.unpack(frames[2])
+    except ProtocolError:
+        return None
+    rid = d.get("rid") if isinstance(d, dict) else None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= P.MAX_RID_BYTES else None

@@ -1,0 +1,81 @@
+"""Worker sessions as the broker sees them: identity, liveness, in-flight requests.
+
+A *session* is one DEALER connection of one worker process (identity bytes chosen by the
+worker: ``worker_id/epoch/connection``). A worker id has at most one live session; a READY under
+a known worker id replaces the old session (restart or reconnect) and the old one's in-flight
+requests are handled as lost. Liveness is tracked for idle and busy sessions alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mesh.protocol import Ready
+from mesh.routing.view import WorkerState
+
+__all__ = ["WorkerSession", "Registry"]
+
+
+@dataclass(slots=True)
+class WorkerSession:
+    identity: bytes
+    ready: Ready
+    state: WorkerState
+    expiry_s: float
+    inflight: set[int] = field(default_factory=set)
+    draining: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.ready.worker_id
+
+
+class Registry:
+    """Sessions by identity and by worker id, plus the cached routable pool."""
+
+    def __init__(self) -> None:
+        self.by_identity: dict[bytes, WorkerSession] = {}
+        self.by_id: dict[str, WorkerSession] = {}
+        self._pool: list[WorkerState] | None = None
+        self.version = 0  # bumps on every membership or health change
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def add(self, sess: WorkerSession) -> WorkerSession | None:
+        """Register ``sess``; returns the session it replaced (same worker id), if any."""
+        old = self.by_id.get(sess.worker_id)
+        if old is not None:
+            self.by_identity.pop(old.identity, None)
+        self.by_identity[sess.identity] = sess
+        self.by_id[sess.worker_id] = sess
+        self._changed()
+        return old
+
+    def remove(self, sess: WorkerSession) -> None:
+        if self.by_identity.get(sess.identity) is sess:
+            del self.by_identity[sess.identity]
+        if self.by_id.get(sess.worker_id) is sess:
+            del self.by_id[sess.worker_id]
+        self._changed()
+
+    def set_draining(self, sess: WorkerSession) -> None:
+        sess.draining = True
+        sess.state.healthy = False
+        self._changed()
+
+    def _changed(self) -> None:
+        self._pool = None
+        self.version += 1
+
+    def states(self) -> dict[str, WorkerState]:
+        return {wid: s.state for wid, s in self.by_id.items()}
+
+    def pool(self) -> list[WorkerState]:
+        """Healthy, non-draining worker states (all roles), cached until membership changes."""
+        if self._pool is None:
+            self._pool = [s.state for s in self.by_id.values() if s.state.healthy and not s.draining]
+        return self._pool
+
+    def expired(self, now_s: float) -> list[WorkerSession]:
+        return [s for s in self.by_identity.values() if s.expiry_s < now_s]

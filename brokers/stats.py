@@ -1,0 +1,124 @@
+"""Broker counters: plain dict increments on the hot path, exported to Prometheus on scrape.
+
+A ``prometheus_client`` Counter costs a lock and a label lookup per increment; the broker loop is
+single-threaded, so it counts into dicts and a custom collector turns them into metric families
+when ``/metrics`` is scraped. Every drop the broker makes is counted here under a reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["BrokerStats", "StatsCollector", "LatencyHistogram"]
+
+# Bucket bounds (seconds) for decision latency: 10 us .. 100 ms.
+_DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+class LatencyHistogram:
+    """A fixed-bucket histogram with O(buckets) observe and no locks."""
+
+    def __init__(self, bounds_s: Iterable[float] = _DECISION_BUCKETS_S) -> None:
+        self.bounds_s = tuple(bounds_s)
+        self.counts = [0] * (len(self.bounds_s) + 1)
+        self.sum_s = 0.0
+        self.n = 0
+
+    def observe(self, v_s: float) -> None:
+        self.sum_s += v_s
+        self.n += 1
+        for i, b in enumerate(self.bounds_s):
+            if v_s <= b:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for b, c in zip(self.bounds_s, self.counts):
+            acc += c
+            out.append((repr(b), acc))
+        out.append(("+Inf", acc + self.counts[-1]))
+        return out
+
+
+class BrokerStats:
+    """All broker counters. Labels are plain strings so the export is trivial."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[str] = Counter()  # outcome: ok, bad_request, no_worker, ...
+        self.decisions: Counter[str] = Counter()  # reason
+        self.frames_rejected: Counter[tuple[str, str]] = Counter()  # (path, reason)
+        self.dropped: Counter[str] = Counter()  # what was dropped: stale_reply, send_hwm, ...
+        self.retries: Counter[str] = Counter()  # why: worker_lost, worker_error, send_failed
+        self.workers: Counter[str] = Counter()  # registered, expired, disconnected, replaced
+        self.kv: Counter[str] = Counter()  # batches, events, duplicates, gaps, ...
+        self.degraded_decisions = 0
+        self.cached_tokens = 0
+        self.prompt_tokens = 0
+        self.decision_latency = LatencyHistogram()
+
+    def flat(self) -> dict[str, int]:
+        """All counters as one flat name -> value map (for STATUS replies and tests)."""
+        out: dict[str, int] = {}
+        for prefix, ctr in (
+            ("requests", self.requests),
+            ("decisions", self.decisions),
+            ("dropped", self.dropped),
+            ("retries", self.retries),
+            ("workers", self.workers),
+            ("kv", self.kv),
+        ):
+            for k, v in ctr.items():
+                out[f"{prefix}.{k}"] = v
+        for (path, reason), v in self.frames_rejected.items():
+            out[f"frames_rejected.{path}.{reason}"] = v
+        out["degraded_decisions"] = self.degraded_decisions
+        out["cached_tokens"] = self.cached_tokens
+        out["prompt_tokens"] = self.prompt_tokens
+        return out
+
+
+class StatsCollector(Collector):
+    """Exports a BrokerStats (plus live gauges from ``gauges()``) as Prometheus families."""
+
+    def __init__(self, stats: BrokerStats, gauges: Callable[[], dict[str, list[tuple[dict[str, str], float]]]]) -> None:
+        self.stats = stats
+        self.gauges = gauges
+
+    def collect(self):
+        s = self.stats
+        for name, doc, label, ctr in (
+            ("mesh_requests", "Requests by outcome", "outcome", s.requests),
+            ("mesh_decisions", "Routing decisions by reason", "reason", s.decisions),
+            ("mesh_dropped", "Messages dropped by the broker, by what", "what", s.dropped),
+            ("mesh_retries", "Re-dispatches by cause", "cause", s.retries),
+            ("mesh_worker_events", "Worker lifecycle events", "event", s.workers),
+            ("mesh_kv_events", "KV event stream handling", "what", s.kv),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=[label])
+            for k, v in sorted(ctr.items()):
+                fam.add_metric([k], v)
+            yield fam
+        fam = CounterMetricFamily("mesh_frames_rejected", "Frames rejected at the decode boundary", labels=["path", "reason"])
+        for (path, reason), v in sorted(s.frames_rejected.items()):
+            fam.add_metric([path, reason], v)
+        yield fam
+        yield CounterMetricFamily("mesh_degraded_decisions", "Decisions made without a cache signal", value=s.degraded_decisions)
+        yield CounterMetricFamily("mesh_routed_prompt_tokens", "Prompt tokens of finished requests", value=s.prompt_tokens)
+        yield CounterMetricFamily("mesh_routed_cached_tokens", "Cached prompt tokens reported by workers", value=s.cached_tokens)
+        h = s.decision_latency
+        yield HistogramMetricFamily("mesh_decision_latency_seconds", "Routing decision latency", buckets=h.buckets(), sum_value=h.sum_s)
+        by_name: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+        for name, samples in self.gauges().items():
+            by_name[name].extend(samples)
+        for name, samples in by_name.items():
+            labels = sorted(samples[0][0]) if samples else []
+            fam = GaugeMetricFamily(name, name.replace("_", " "), labels=labels)
+            for lab, v in samples:
+                fam.add_metric([lab[k] for k in labels], v)
+            yield fam

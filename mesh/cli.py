@@ -1,0 +1,216 @@
+"""The ``mesh`` command. Each subcommand's ``--help`` documents its flags.
+
+Every process subcommand also takes ``--config FILE`` (TOML); keys in its table use the flag
+names, and flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from mesh.config import BrokerSettings, WorkerSettings, build, load_toml
+from mesh.errors import ConfigError
+
+__all__ = ["main"]
+
+
+def _labels(items: list[str] | None) -> dict[str, str] | None:
+    if not items:
+        return None
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"labels: expected KEY=VALUE, got {it!r}")
+        out[k] = v
+    return out
+
+
+def _settings(cls, args: argparse.Namespace, section: str, names: list[str], extra: dict | None = None):
+    file_vals = load_toml(args.config, section) if getattr(args, "config", None) else {}
+    flag_vals = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    return build(cls, file_vals, flag_vals, extra or {})
+
+
+# ----------------------------------------------------------------------------- broker
+
+_BROKER_FLAGS = ["frontend", "backend", "broker_id", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
+                 "retry_base_ms", "retry_cap_ms", "max_inflight", "drain_timeout_s", "policy", "cache_prefix_provider",
+                 "load_freshness_s", "metrics", "seed", "log_level"]
+
+
+def _add_broker(sub) -> None:
+    p = sub.add_parser("broker", help="run a broker (ROUTER for clients + ROUTER for workers)",
+                       description="Run one mesh broker. Clients connect to --frontend, workers to --backend.")
+    p.add_argument("--config", help="TOML file; its [broker] table uses these flag names")
+    p.add_argument("--frontend", help="client-facing endpoint (default tcp://127.0.0.1:5555; port * = any free port)")
+    p.add_argument("--backend", help="worker-facing endpoint (default tcp://127.0.0.1:5556)")
+    p.add_argument("--broker-id", help="name used in logs and metrics")
+    p.add_argument("--policy", help="routing policy: power_of_two (default), round_robin, random, ...")
+    p.add_argument("--cache-prefix-provider", help="prefix index source: radix_tree (default), approx, indexer")
+    p.add_argument("--heartbeat-ms", type=int, help="application heartbeat interval (default 500)")
+    p.add_argument("--liveness", type=int, help="heartbeats missed before a worker is expired (default 3)")
+    p.add_argument("--default-deadline-ms", type=int, help="deadline for requests that carry none (default 30000)")
+    p.add_argument("--max-attempts", type=int, help="dispatch attempts per request, first included (default 3)")
+    p.add_argument("--retry-base-ms", type=float, help="retry back-off base (default 25)")
+    p.add_argument("--retry-cap-ms", type=float, help="retry back-off cap (default 250)")
+    p.add_argument("--max-inflight", type=int, help="requests in flight before new ones get 'overloaded'")
+    p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight work (default 10)")
+    p.add_argument("--load-freshness-s", type=float, help="LoadStat older than this is ignored (default 5)")
+    p.add_argument("--metrics", help="HOST:PORT for the Prometheus /metrics endpoint (default off)")
+    p.add_argument("--seed", type=int, help="seed the routing RNG (deterministic decisions)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_cmd_broker)
+
+
+def _cmd_broker(args) -> int:
+    from brokers.main import main as broker_main
+
+    settings = _settings(BrokerSettings, args, "broker", _BROKER_FLAGS)
+    broker_main(settings)
+    return 0
+
+
+# ----------------------------------------------------------------------------- worker-stub
+
+_ENGINE_FLAGS = ["max_total_num_tokens", "page_size", "max_running_requests", "prefill_tokens_per_s", "prefill_overhead_ms",
+                 "chunked_prefill_size", "decode_base_ms", "decode_per_req_ms", "decode_log_interval"]
+
+
+def _add_worker(sub) -> None:
+    p = sub.add_parser("worker-stub", help="run simulated GPU workers (no GPU needed)",
+                       description="Run N simulated GPU workers that register with every given broker.")
+    p.add_argument("--config", help="TOML file; [worker] and [engine] tables use these flag names")
+    p.add_argument("--broker", dest="brokers", action="append", help="broker backend endpoint (repeat for a mesh)")
+    p.add_argument("--count", type=int, help="workers in this process (default 1)")
+    p.add_argument("--worker-id", help="worker id (with --count N: prefix, ids become ID-0..ID-N-1)")
+    p.add_argument("--model", help="model name reported in READY")
+    p.add_argument("--role", choices=["mixed", "prefill", "decode"])
+    p.add_argument("--label", dest="labels_list", action="append", help="KEY=VALUE label sent in READY (repeatable)")
+    p.add_argument("--heartbeat-ms", type=int)
+    p.add_argument("--liveness", type=int)
+    p.add_argument("--time-scale", type=float, help="multiply every modelled duration (0.1 = ten times faster)")
+    p.add_argument("--instant", action="store_true", default=None, help="answer at once, no engine (benchmarks)")
+    p.add_argument("--kv-events-to", choices=["all", "one"], default="all",
+                   help="send KV event batches to every broker (local indexes) or to one (shared indexer)")
+    p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("engine model (defaults: 8B model on one H100)")
+    for name in _ENGINE_FLAGS:
+        g.add_argument("--" + name.replace("_", "-"), type=float if name.endswith(("_per_s", "_ms")) else int)
+    p.set_defaults(func=_cmd_worker)
+
+
+def _engine_cfg(args):
+    from mesh.engine_model import EngineConfig
+
+    vals = load_toml(args.config, "engine") if getattr(args, "config", None) else {}
+    vals.update({n: getattr(args, n) for n in _ENGINE_FLAGS if getattr(args, n, None) is not None})
+    try:
+        return EngineConfig(**vals)
+    except TypeError as exc:
+        raise ConfigError(f"engine: {exc}") from None
+
+
+def _cmd_worker(args) -> int:
+    from workers_stub.main import serve_workers
+
+    extra = {}
+    labels = _labels(args.labels_list)
+    if labels:
+        extra["labels"] = labels
+    names = ["brokers", "count", "worker_id", "model", "role", "heartbeat_ms", "liveness", "time_scale", "instant", "log_level"]
+    settings = _settings(WorkerSettings, args, "worker", names, extra)
+    if settings.instant:
+        from mesh.logs import configure
+        from workers_stub.instant import run_instant_fleet
+
+        configure(settings.log_level)
+        run_instant_fleet(settings)
+        return 0
+    asyncio.run(serve_workers(settings, _engine_cfg(args), kv_events_to=args.kv_events_to, stream_interval=args.stream_interval))
+    return 0
+
+
+# ----------------------------------------------------------------------------- up
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser("up", help="all-in-one local mesh: broker + simulated workers + load, then a summary",
+                       description="Start a broker and N simulated workers on 127.0.0.1, drive open-loop shared-prefix "
+                                   "load for a bounded time, print a summary table and exit (0 when no request failed).")
+    p.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
+    p.add_argument("--policy", default="power_of_two", help="broker routing policy (default power_of_two)")
+    p.add_argument("--rate", type=float, default=30.0, help="requests per second, Poisson (default 30)")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds of offered load (default 15)")
+    p.add_argument("--groups", type=int, default=8, help="shared system prompts (default 8)")
+    p.add_argument("--system-tokens", type=int, default=2048)
+    p.add_argument("--question-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the summary as JSON to this file")
+    p.add_argument("--log-dir", help="keep process logs here (default: a temporary directory)")
+    p.set_defaults(func=_cmd_up)
+
+
+def _cmd_up(args) -> int:
+    from mesh.up import run_up
+
+    return run_up(args)
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (results printed and optionally saved as JSON)")
+    bsub = p.add_subparsers(dest="what", required=True)
+    b = bsub.add_parser("broker", help="requests/s and added latency through one broker vs a minimal ZMQ forwarder")
+    b.add_argument("--workers", type=int, default=64, help="instant workers (default 64)")
+    b.add_argument("--seconds", type=float, default=4.0, help="duration of each throughput phase (default 4)")
+    b.add_argument("--concurrency", type=int, default=256, help="requests kept in flight in the throughput phase")
+    b.add_argument("--json", help="write results to this JSON file")
+    b.set_defaults(func=_cmd_bench_broker)
+
+
+def _cmd_bench_broker(args) -> int:
+    from mesh.bench.broker_bench import run_broker_bench
+
+    res = run_broker_bench(workers=args.workers, seconds=args.seconds, concurrency=args.concurrency)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mesh", description="mesh: a ZeroMQ request-router mesh for LLM inference fleets.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _add_broker(sub)
+    _add_worker(sub)
+    _add_up(sub)
+    _add_bench(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"mesh: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Python client for a mesh: async (:class:`Client`) and blocking (:class:`SyncClient`).
+
+::
+
+    async with Client(["tcp://127.0.0.1:5555"]) as c:
+        stream = await c.submit(input_ids=[1, 2, 3], max_new_tokens=16)
+        async for chunk in stream:          # token ids as they are generated
+            ...
+        result = await stream.result()      # finish reason, usage, worker, timings
+
+    with SyncClient("tcp://127.0.0.1:5555") as c:
+        result = c.generate(text="hello", max_new_tokens=8)
+
+Errors (:mod:`mesh.errors`): a request that ends in an ERROR frame raises
+:class:`~mesh.errors.RetryableError` (worker_lost, unavailable, overloaded, worker_error) or
+:class:`~mesh.errors.FatalRequestError` (bad_request, deadline_exceeded, no_worker, ...). If the
+broker never answers, the wait ends at the request deadline plus a grace period with
+``deadline_exceeded``; nothing waits forever.
+
+The client's DEALER may connect to several brokers: ZeroMQ spreads requests across the live
+connections, and each reply returns on the connection its request used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from mesh import protocol as P
+from mesh.errors import ErrorCode, ProtocolError, RequestError, error_for
+from mesh.sockets import CLIENT_DEALER, CurveKeys, make_socket
+
+__all__ = ["Client", "SyncClient", "Stream", "Result"]
+
+_GRACE_S = 2.0
+_DEFAULT_DEADLINE_MS = 30_000
+
+
+@dataclass(slots=True)
+class Result:
+    """A finished request."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: dict[str, Any]
+    worker: str
+    attempt: int
+    reason: str  # routing decision reason of the final attempt
+    ttft_s: float | None
+    e2e_s: float
+
+
+@dataclass(eq=False)
+class Stream:
+    """One in-flight request. Iterate for token-id chunks; ``await result()`` for the outcome."""
+
+    rid: str
+    deadline_s: float
+    client: "Client"
+    started_s: float = field(default_factory=time.monotonic)
+    worker: str | None = None
+    reason: str = ""
+    attempt: int = 0
+    first_token_s: float | None = None
+    _q: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _tokens: list[int] = field(default_factory=list)
+    _result: Result | None = None
+    _error: RequestError | None = None
+    _done: bool = False
+
+    def __aiter__(self) -> AsyncIterator[list[int]]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[list[int]]:
+        while True:
+            item = await self._next()
+            if item is None:
+                return
+            yield item
+
+    async def _next(self) -> list[int] | None:
+        if self._done and self._q.empty():
+            if self._error is not None:
+                raise self._error
+            return None
+        timeout = max(0.0, self.deadline_s + _GRACE_S - time.monotonic())
+        try:
+            kind, payload = await asyncio.wait_for(self._q.get(), timeout)
+        except asyncio.TimeoutError:
+            self._fail(error_for(ErrorCode.DEADLINE_EXCEEDED, "no reply from the broker before the deadline", self.rid))
+            self.client._forget(self.rid)
+            raise self._error  # type: ignore[misc]
+        if kind == "chunk":
+            return payload
+        if kind == "error":
+            raise payload
+        return None  # final
+
+    async def result(self) -> Result:
+        """Wait for the terminal frame (consuming remaining chunks). Raises RequestError."""
+        while not self._done or not self._q.empty():
+            if await self._next() is None:
+                break
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    async def cancel(self) -> None:
+        """Ask the broker to cancel. The stream then ends with ``cancelled`` (unless it finished)."""
+        if not self._done:
+            await self.client._send(P.encode_cancel(self.rid))
+
+    # called by the client's receive task
+    def _on_accepted(self, m: P.Accepted) -> None:
+        self.worker, self.reason, self.attempt = m.worker, m.reason, m.attempt
+
+    def _on_chunk(self, m: P.ClientChunk) -> None:
+        toks = m.data.get("token_ids") or []
+        if self.first_token_s is None:
+            self.first_token_s = time.monotonic()
+        self._tokens.extend(toks)
+        self._q.put_nowait(("chunk", toks))
+
+    def _on_final(self, m: P.ClientFinal) -> None:
+        now = time.monotonic()
+        toks = m.data.get("token_ids")
+        if toks:
+            self._tokens.extend(toks)
+            if self.first_token_s is None:
+                self.first_token_s = now
+        self._result = Result(self.rid, self._tokens, m.finish_reason, m.usage, m.worker, m.attempt, m.reason or self.reason,
+                              None if self.first_token_s is None else self.first_token_s - self.started_s, now - self.started_s)
+        self._done = True
+        self._q.put_nowait(("final", None))
+
+    def _fail(self, err: RequestError) -> None:
+        if not self._done:
+            self._error = err
+            self._done = True
+            self._q.put_nowait(("error", err))
+
+
+class Client:
+    """Async mesh client. One DEALER (connected to every given broker), one receive task."""
+
+    def __init__(self, endpoints: str | list[str], *, ctx: zmq.asyncio.Context | None = None, curve: CurveKeys | None = None,
+                 default_deadline_ms: int = _DEFAULT_DEADLINE_MS) -> None:
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.curve = curve
+        self.default_deadline_ms = default_deadline_ms
+        self._sock: zmq.asyncio.Socket | None = None
+        self._streams: dict[str, Stream] = {}
+        self._status_waiters: list[asyncio.Future] = []
+        self._rx: asyncio.Task | None = None
+        self._ids = itertools.count(1)
+        self._prefix = f"{os.getpid()}-{id(self) & 0xFFFFFF:x}"
+        self.rejected_replies = 0
+        self._state = "unopened"
+
+    async def __aenter__(self) -> "Client":
+        self.open()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def open(self) -> None:
+        if self._state != "unopened":
+            raise RuntimeError(f"client is {self._state}; create a new one")
+        self._sock = make_socket(self.ctx, CLIENT_DEALER.with_curve(self.curve), connect=self.endpoints)
+        self._rx = asyncio.create_task(self._receive(), name="mesh-client-rx")
+        self._state = "open"
+
+    async def aclose(self) -> None:
+        """Fail pending requests with ``cancelled``, stop the receive task, close the socket. Idempotent."""
+        if self._state != "open":
+            self._state = "closed"
+            return
+        self._state = "closed"
+        if self._rx is not None:
+            self._rx.cancel()
+            await asyncio.gather(self._rx, return_exceptions=True)
+        for st in list(self._streams.values()):
+            st._fail(error_for(ErrorCode.CANCELLED, "client closed", st.rid))
+        self._streams.clear()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+
+    async def _send(self, frames: list[bytes]) -> None:
+        if self._state != "open":
+            raise RuntimeError("client is not open")
+        await self._sock.send_multipart(frames)  # type: ignore[union-attr]
+
+    def _forget(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+
+    async def submit(
+        self,
+        *,
+        input_ids: list[int] | None = None,
+        text: str | None = None,
+        max_new_tokens: int = 128,
+        params: dict[str, Any] | None = None,
+        deadline_ms: int | None = None,
+        stream: bool = True,
+        idempotent: bool = True,
+        slo: dict[str, Any] | None = None,
+        rid: str | None = None,
+    ) -> Stream:
+        """Send one request; returns its :class:`Stream` at once (before any reply)."""
+        rid = rid or f"{self._prefix}-{next(self._ids)}"
+        budget_ms = deadline_ms or self.default_deadline_ms
+        st = Stream(rid, time.monotonic() + budget_ms / 1000.0, self)
+        self._streams[rid] = st
+        p = dict(params or {})
+        p["max_new_tokens"] = max_new_tokens
+        await self._send(P.encode_submit(rid, input_ids=input_ids, text=text, params=p, deadline_ms=budget_ms,
+                                         stream=stream, idempotent=idempotent, slo=slo))
+        return st
+
+    async def generate(self, **kwargs) -> Result:
+        """Submit and wait for the result (see :meth:`submit` for arguments)."""
+        st = await self.submit(**kwargs)
+        return await st.result()
+
+    async def status(self, timeout_s: float = 5.0) -> P.StatusReply:
+        """Ask a broker for its view of the fleet."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._status_waiters.append(fut)
+        await self._send(P.encode_status_query())
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise error_for(ErrorCode.UNAVAILABLE, "no STATUS reply from the broker") from None
+        finally:
+            if fut in self._status_waiters:
+                self._status_waiters.remove(fut)
+
+    async def _receive(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            frames = await sock.recv_multipart()
+            m = P.decode_client_reply(frames)
+            if isinstance(m, ProtocolError):
+                self.rejected_replies += 1
+                continue
+            if isinstance(m, P.StatusReply):
+                while self._status_waiters:
+                    f = self._status_waiters.pop(0)
+                    if not f.done():
+                        f.set_result(m)
+                        break
+                continue
+            st = self._streams.get(m.rid) if m.rid is not None else None
+            if st is None:
+                self.rejected_replies += 1
+                continue
+            if isinstance(m, P.ClientChunk):
+                st._on_chunk(m)
+            elif isinstance(m, P.Accepted):
+                st._on_accepted(m)
+            elif isinstance(m, P.ClientFinal):
+                self._streams.pop(m.rid, None)
+                st._on_final(m)
+            elif isinstance(m, P.ClientError):
+                self._streams.pop(m.rid, None)
+                st._fail(error_for(m.code, m.message, m.rid))
+
+
+class SyncClient:
+    """Blocking facade over :class:`Client`, running its own event loop in a daemon thread."""
+
+    def __init__(self, endpoints: str | list[str], **kwargs) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mesh-sync-client", daemon=True)
+        self._thread.start()
+        self._ctx = zmq.asyncio.Context()
+        kwargs.setdefault("ctx", self._ctx)
+
+        async def _mk() -> Client:
+            c = Client(endpoints, **kwargs)
+            c.open()
+            return c
+
+        self._client = self._call(_mk())
+
+    def _call(self, coro, timeout_s: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def generate(self, **kwargs) -> Result:
+        return self._call(self._client.generate(**kwargs))
+
+    def stream(self, **kwargs):
+        """Yield token-id chunks of one request; returns the Result as the generator's value."""
+        st = self._call(self._client.submit(**kwargs))
+        while True:
+            item = self._call(st._next())
+            if item is None:
+                return self._call(st.result())
+            yield item
+
+    def status(self) -> P.StatusReply:
+        return self._call(self._client.status())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._ctx.term()
+        self._loop.close()
+
+    def __enter__(self) -> "SyncClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,171 @@
+"""Settings for every mesh process, validated at startup with messages that name the field.
+
+Each process has one frozen dataclass. Values come from (lowest to highest precedence) the
+dataclass defaults, a TOML file (``[broker]``, ``[worker]``, ... tables; keys are the flag names
+with ``-`` or ``_``), and command-line flags. :func:`build` does the merge and validation.
+Time settings carry their unit in the name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mesh.errors import ConfigError
+
+__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build"]
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerSettings:
+    """Broker process settings. See ``mesh broker --help`` for each field."""
+
+    frontend: str = "tcp://127.0.0.1:5555"
+    backend: str = "tcp://127.0.0.1:5556"
+    broker_id: str = ""
+    heartbeat_ms: int = 500
+    liveness: int = 3
+    default_deadline_ms: int = 30_000
+    max_attempts: int = 3
+    retry_base_ms: float = 25.0
+    retry_cap_ms: float = 250.0
+    retry_budget_ratio: float = 0.2
+    retry_budget_min: int = 3
+    max_inflight: int = 100_000
+    drain_timeout_s: float = 10.0
+    policy: str = "power_of_two"
+    cache_prefix_provider: str = "radix_tree"
+    load_freshness_s: float = 5.0
+    metrics: str = ""  # host:port for the Prometheus endpoint; empty = off
+    seed: int | None = None
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        _require(self.heartbeat_ms > 0, "heartbeat_ms", "must be > 0")
+        _require(self.liveness >= 1, "liveness", "must be >= 1")
+        _require(self.default_deadline_ms > 0, "default_deadline_ms", "must be > 0")
+        _require(1 <= self.max_attempts <= 10, "max_attempts", "must be in [1, 10]")
+        _require(0 < self.retry_base_ms <= self.retry_cap_ms, "retry_base_ms", "must be > 0 and <= retry_cap_ms")
+        _require(0 <= self.retry_budget_ratio <= 1, "retry_budget_ratio", "must be in [0, 1]")
+        _require(self.retry_budget_min >= 0, "retry_budget_min", "must be >= 0")
+        _require(self.max_inflight > 0, "max_inflight", "must be > 0")
+        _require(self.load_freshness_s > 0, "load_freshness_s", "must be > 0")
+        _require(self.log_level in ("debug", "info", "warning", "error"), "log_level", "must be debug|info|warning|error")
+        for name in ("frontend", "backend"):
+            _require(getattr(self, name).startswith(("tcp://", "ipc://", "inproc://")), name, "must be a tcp://, ipc:// or inproc:// endpoint")
+
+    @property
+    def worker_expiry_s(self) -> float:
+        """A worker silent for this long is expired (HB x LIVENESS)."""
+        return self.heartbeat_ms * self.liveness / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """Simulated worker process settings (engine timing lives in mesh.engine_model.EngineConfig)."""
+
+    brokers: tuple[str, ...] = ("tcp://127.0.0.1:5556",)
+    worker_id: str = ""
+    count: int = 1
+    model: str = "sim-llama-8b"
+    role: str = "mixed"
+    labels: dict[str, str] = field(default_factory=dict)
+    heartbeat_ms: int = 500
+    liveness: int = 3
+    reconnect_base_ms: float = 100.0
+    reconnect_cap_ms: float = 5000.0
+    time_scale: float = 1.0
+    instant: bool = False
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        _require(len(self.brokers) >= 1, "brokers", "at least one broker endpoint is required")
+        _require(1 <= self.count <= 4096, "count", "must be in [1, 4096]")
+        _require(self.role in ("prefill", "decode", "mixed"), "role", "must be prefill|decode|mixed")
+        _require(self.heartbeat_ms > 0, "heartbeat_ms", "must be > 0")
+        _require(self.liveness >= 1, "liveness", "must be >= 1")
+        _require(0 < self.reconnect_base_ms <= self.reconnect_cap_ms, "reconnect_base_ms", "must be > 0 and <= reconnect_cap_ms")
+        _require(self.time_scale > 0 and math.isfinite(self.time_scale), "time_scale", "must be a positive number")
+
+
+def _require(ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {msg}")
+
+
+def load_toml(path: str | Path, section: str) -> dict[str, Any]:
+    """Read one table of a TOML config file. A missing table is an empty mapping."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p}: {exc}") from exc
+    sect = data.get(section, {})
+    if not isinstance(sect, dict):
+        raise ConfigError(f"config file {p}: [{section}] must be a table")
+    return {k.replace("-", "_"): v for k, v in sect.items()}
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{name}: expected a list of strings, got {value!r}")
+    if origin is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return dict(value)
+        raise ConfigError(f"{name}: expected a table of string values, got {value!r}")
+    return value
+
+
+def build(cls: type, *sources: dict[str, Any]):
+    """Merge ``sources`` (later wins; None values are skipped) into ``cls`` and validate.
+
+    Unknown keys are rejected with a message naming them.
+    """
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    merged: dict[str, Any] = {}
+    for src in sources:
+        for k, v in src.items():
+            key = k.replace("-", "_")
+            if key not in names:
+                raise ConfigError(f"{key}: unknown setting for {cls.__name__} (known: {', '.join(sorted(names))})")
+            if v is not None:
+                merged[key] = _coerce(key, v, hints[key])
+    obj = cls(**merged)
+    obj.validate()
+    return obj

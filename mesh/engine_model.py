@@ -1,0 +1,666 @@
+"""A simulated GPU inference server (one DP rank): continuous batching, chunked prefill, a paged
+radix prefix cache with LRU eviction, KV events and LoadStat -- as a pure state machine.
+
+Used by the simulated workers (real time) and the discrete-event simulator (virtual time), so it
+reads no clock, draws no random numbers and does no I/O: the owner of time calls
+:meth:`EngineModel.step` with the step's start time and advances its clock by the returned
+``duration_s``. Same inputs, same outputs, on every host. Defaults model an 8B dense model on one
+H100 (``gpu-server-model.md``).
+
+Scheduling (one :meth:`~EngineModel.step` = one scheduler iteration, SGLang-like, mixed chunked
+prefill):
+
+1. *Decode*: every fully prefilled running request gets one KV slot. When free KV is short, LRU
+   unpinned leaf pages are evicted; if that is not enough the most recently admitted requests are
+   *retracted* (KV released, request put back at the head of the waiting queue keeping its output;
+   it is re-prefilled over prompt + output later, as SGLang retracts).
+2. *Prefill*: a budget of ``chunked_prefill_size`` uncached tokens; first the partially prefilled
+   ("chunked") request continues, then waiting requests are admitted FIFO while the budget lasts,
+   ``running < max_running_requests`` and free KV after evicting unpinned cached pages covers the
+   uncached prompt + ``admission_reserve_tokens``. Admission matches the longest cached full-page
+   prefix (capped so that at least one prompt token is computed, as SGLang needs its logits); those
+   tokens cost nothing. At most one request is partially prefilled at any time.
+3. *Time*: ``decode_base_ms + decode_per_req_ms*batch + kv_tokens_in_batch*kv_bytes_per_token/hbm``
+   for the decode batch (0 without one), plus ``prefill_overhead_ms + uncached/prefill_rate +
+   sum(chunk_i*(ctx_before_i+chunk_i))*attention_coef_ms`` when the step carries prefill.
+4. *Outputs*: a request whose prefill completes emits its first token (its TTFT point, listed in
+   ``first_tokens``); each decode step emits one token per decoding request. A request finishes
+   (``"length"``) after ``max_new_tokens`` tokens; 0 finishes right after prefill with no token.
+
+KV memory (tokens): cached pages (pinned or not) + each running request's private tokens (its
+uncached tokens allocated at admission, plus one slot per generated token). A request's context is
+``pinned path pages + private tokens``. Prompt pages enter the cache as prefill computes them
+(SGLang's ``cache_unfinished_req``); full pages of prompt + output enter when the request finishes.
+A page that another request already inserted is shared and the duplicate copy freed. Retracted and
+cancelled requests release their KV without inserting their output pages.
+
+KV events: every new page -> BlockStored (SGLang chained SHA-256 page hash, stored unsigned,
+``medium="GPU"``); every evicted page -> BlockRemoved; :meth:`~EngineModel.flush_cache` and engine
+start -> AllBlocksCleared. Consecutive events are merged as SGLang does (a BlockStored continuing
+the previous one's chain is appended to it; consecutive BlockRemoved are joined). They are buffered
+and released in ``StepResult.kv_events`` after each step that carried prefill, every
+``decode_log_interval`` decode steps, and when the engine goes idle; :meth:`drain_events` takes
+them immediately.
+
+Page identity inside the cache is the router's content key (:func:`mesh.hashing.content_keys`), so
+prefix matching is one dict probe per prompt page; SHA-256 is computed only for new pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from hashlib import sha256 as _sha256
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import xxhash
+
+from mesh.errors import ConfigError
+from mesh.hashing import ROOT_KEY, content_keys, pack_tokens
+from mesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from mesh.load import LoadStat
+
+__all__ = ["EngineConfig", "StepResult", "EngineModel", "output_token_id"]
+
+_MEDIUM = "GPU"
+_GOLDEN = 0x9E3779B1  # odd multiplier spreading consecutive positions over the vocabulary
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Timing and memory model of one DP rank. Every number is a parameter; defaults: 8B on H100."""
+
+    max_total_num_tokens: int = 400_000
+    page_size: int = 16
+    max_running_requests: int = 256
+    prefill_tokens_per_s: float = 25_000.0
+    prefill_overhead_ms: float = 5.0
+    attention_coef_ms: float = 4e-9  # extra prefill ms = chunk * (context_before + chunk) * coef
+    chunked_prefill_size: int = 8192
+    decode_base_ms: float = 7.0
+    decode_per_req_ms: float = 0.02
+    kv_bytes_per_token: int = 131_072
+    hbm_bytes_per_s: float = 2.3e12
+    decode_log_interval: int = 40  # KV event flush cadence in decode steps (SGLang's default)
+    # Free KV a new request must leave after its uncached prompt: headroom for the first decode
+    # tokens of the running batch, so admission does not immediately force a retraction. Small on
+    # purpose (SGLang over-commits decode and retracts); 128 tokens = 0.03 % of the default KV.
+    admission_reserve_tokens: int = 128
+    vocab_size: int = 32_000
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", int):
+                if type(v) is not int:
+                    raise ConfigError(f"{f.name} must be an int, got {v!r}")
+            elif type(v) not in (int, float) or not math.isfinite(v):
+                raise ConfigError(f"{f.name} must be a finite number, got {v!r}")
+        positive = (
+            "max_total_num_tokens", "page_size", "max_running_requests", "prefill_tokens_per_s",
+            "chunked_prefill_size", "hbm_bytes_per_s", "decode_log_interval", "vocab_size",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        non_negative = (
+            "prefill_overhead_ms", "attention_coef_ms", "decode_base_ms", "decode_per_req_ms",
+            "kv_bytes_per_token", "admission_reserve_tokens",
+        )
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.page_size > self.max_total_num_tokens:
+            raise ConfigError("page_size must be <= max_total_num_tokens")
+        if self.admission_reserve_tokens >= self.max_total_num_tokens:
+            raise ConfigError("admission_reserve_tokens must be < max_total_num_tokens")
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one scheduler iteration produced; everything happens at ``now_s + duration_s``.
+
+    ``first_tokens``: (rid, cached_tokens, prompt_tokens) for requests whose first output token
+    was produced (their TTFT point; the token itself is also in ``tokens``). ``tokens``: (rid,
+    token_id) in emission order. ``finished``: (rid, "length", usage) with usage = prompt_tokens,
+    completion_tokens, cached_tokens. ``kv_events``: events released by the flush cadence.
+    """
+
+    duration_s: float
+    first_tokens: list[tuple[object, int, int]] = field(default_factory=list)
+    tokens: list[tuple[object, int]] = field(default_factory=list)
+    finished: list[tuple[object, str, dict[str, int]]] = field(default_factory=list)
+    kv_events: list[KvEvent] = field(default_factory=list)
+
+
+def _rid_seed(rid: object) -> int:
+    return xxhash.xxh3_64_intdigest(repr(rid).encode())
+
+
+def output_token_id(rid: object, position: int, vocab_size: int) -> int:
+    """The deterministic token a request emits at output ``position`` (0-based)."""
+    return (_rid_seed(rid) + position * _GOLDEN) % vocab_size
+
+
+class _Page:
+    """One cached page: a radix node keyed by its content key."""
+
+    __slots__ = ("key", "parent", "hash", "digest", "tokens", "ref", "children", "stamp", "alive")
+
+    def __init__(self, key: int, parent: _Page | None, digest: bytes, tokens: tuple[int, ...], stamp: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.digest = digest  # SGLang chain digest: the next page's hash needs all 32 bytes
+        self.hash = int.from_bytes(digest[:8], "big")  # SGLang's int64 hash, held unsigned
+        self.tokens = tokens
+        self.ref = 0  # running requests holding this page (pinned while > 0)
+        self.children = 0
+        self.stamp = stamp  # LRU clock: larger = used more recently
+        self.alive = True
+
+
+class _Req:
+    __slots__ = (
+        "rid", "prompt", "max_new", "arrival_s", "output", "seq", "keys", "path", "computed",
+        "kv_tokens", "cached_tokens", "seed", "first_done", "admitted",
+    )
+
+    def __init__(self, rid: object, prompt: list[int], max_new: int, arrival_s: float, keys: list[int]) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.max_new = max_new
+        self.arrival_s = arrival_s
+        self.output: list[int] = []
+        self.seq = prompt  # tokens whose KV prefill must produce (prompt, + output after a retraction)
+        self.keys = keys  # content keys of the full pages of prompt + output known so far
+        self.path: list[_Page] = []  # pinned cached pages, a root-first chain
+        self.computed = 0  # tokens of seq whose KV exists (matched + prefilled)
+        self.kv_tokens = 0  # tokens of KV this request holds (path pages + private)
+        self.cached_tokens = 0
+        self.seed = _rid_seed(rid)
+        self.first_done = False
+        self.admitted = False
+
+
+class EngineModel:
+    """One DP rank of a simulated SGLang server. Not thread-safe; single owner steps it."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        self._ps = cfg.page_size
+        self._cache: dict[int, _Page] = {}  # content key -> page; insertion order is parent-first
+        self._heap: list[tuple[int, int, _Page]] = []  # (stamp, push no., page): LRU eviction candidates
+        self._push_no = 0
+        self._clock = 0  # LRU stamps
+        self._pinned_pages = 0
+        self._private = 0  # KV tokens held by running requests outside cached pages
+        self._reqs: dict[object, _Req] = {}
+        self._waiting: deque[_Req] = deque()
+        # Running requests past their prefill, in prefill-completion order (retraction takes the
+        # last ones first).
+        self._decoding: dict[object, _Req] = {}
+        self._chunked: _Req | None = None  # the one partially prefilled running request
+        self._decode_steps = 0
+        self._prefill_tokens_total = 0
+        self._prefill_busy_us = 0.0
+        # Pending events, merged in place: ["S", hashes, parent, tokens] | ["R", hashes] | ["C"].
+        self._pending: list[list] = [["C"]]  # SGLang resets (and announces) its cache at start
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(self, rid: object, prompt: Sequence[int], max_new_tokens: int, now_s: float) -> None:
+        """Queue a request. ``max_new_tokens`` is clipped so prompt + output fit the KV capacity.
+
+        Raises ValueError on a duplicate rid, an empty prompt, bad token ids, a negative
+        ``max_new_tokens`` or a prompt that cannot fit (prompt + admission reserve > capacity).
+        """
+        if rid in self._reqs:
+            raise ValueError(f"duplicate rid {rid!r}")
+        cfg = self.config
+        n = len(prompt)
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n + cfg.admission_reserve_tokens > cfg.max_total_num_tokens:
+            raise ValueError(f"prompt of {n} tokens exceeds the KV capacity")
+        if type(max_new_tokens) is not int or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        toks = list(prompt)
+        keys = content_keys(toks, self._ps)  # also validates the ids (ValueError)
+        # A lone request must always fit, so a retraction can never starve it.
+        max_new = min(max_new_tokens, cfg.max_total_num_tokens - cfg.admission_reserve_tokens - n)
+        req = _Req(rid, toks, max_new, now_s, keys)
+        self._reqs[rid] = req
+        self._waiting.append(req)
+
+    def cancel(self, rid: object) -> bool:
+        """Drop a waiting or running request and free its KV. False when the rid is unknown."""
+        req = self._reqs.pop(rid, None)
+        if req is None:
+            return False
+        if req.admitted:
+            self._release(req)
+            self._decoding.pop(rid, None)
+            if self._chunked is req:
+                self._chunked = None
+        else:
+            self._waiting.remove(req)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._reqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._decoding) + (self._chunked is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self, now_s: float) -> StepResult:
+        """Run one scheduler iteration starting at ``now_s`` (see the module docstring).
+
+        The model's behaviour does not depend on absolute time (LRU order is use order), so
+        ``now_s`` only anchors the result: everything in it happens at ``now_s + duration_s``.
+        """
+        cfg = self.config
+        res = StepResult(0.0)
+
+        # 1. decode slots (evict, then retract newest-first, when short)
+        batch = list(self._decoding.values())
+        if batch and not self._alloc(len(batch)):
+            batch = self._retract_for_decode(batch)
+        n_dec = len(batch)
+        kv_sum = 0
+        for r in batch:
+            r.kv_tokens += 1
+            kv_sum += r.kv_tokens
+        self._private += n_dec
+
+        # 2. prefill chunk: continue the chunked request, then admit FIFO
+        chunks = self._plan_prefill()
+
+        # 3. time
+        decode_ms = 0.0
+        if n_dec:
+            decode_ms = (
+                cfg.decode_base_ms + cfg.decode_per_req_ms * n_dec
+                + kv_sum * cfg.kv_bytes_per_token / cfg.hbm_bytes_per_s * 1e3
+            )
+        prefill_ms = 0.0
+        if chunks:
+            total = 0
+            attn = 0
+            for r, take in chunks:
+                total += take
+                attn += take * (r.computed + take)
+            prefill_ms = cfg.prefill_overhead_ms + total * 1e3 / cfg.prefill_tokens_per_s + attn * cfg.attention_coef_ms
+            self._prefill_tokens_total += total
+        duration_ms = decode_ms + prefill_ms
+        res.duration_s = duration_ms / 1e3
+
+        # 4. outputs: decode tokens, then prefill completions
+        tokens = res.tokens
+        vocab = cfg.vocab_size
+        for r in batch:
+            out = r.output
+            tok = (r.seed + len(out) * _GOLDEN) % vocab
+            out.append(tok)
+            tokens.append((r.rid, tok))
+            if len(out) >= r.max_new:
+                self._finish(r, res)
+        for r, take in chunks:
+            r.computed += take
+            self._insert_computed(r)
+            if r.computed == len(r.seq):
+                self._prefill_done(r, res)
+
+        # 5. counters and the event flush cadence
+        if chunks:
+            # Busy time of the whole mixed step: the GPU is not free for more prefill meanwhile, so
+            # tokens/busy is the prefill rate a router can expect under the current decode load.
+            self._prefill_busy_us += duration_ms * 1e3
+            flush = True
+        else:
+            flush = False
+            if n_dec:
+                self._decode_steps += 1
+                flush = self._decode_steps % cfg.decode_log_interval == 0
+        if flush or not self._reqs:
+            res.kv_events = self.drain_events()
+        return res
+
+    def drain_events(self) -> list[KvEvent]:
+        """Take the buffered KV events now, regardless of the flush cadence."""
+        out: list[KvEvent] = []
+        ps = self._ps
+        for e in self._pending:
+            k = e[0]
+            if k == "S":
+                out.append(BlockStored(tuple(e[1]), e[2], tuple(e[3]), ps, _MEDIUM))
+            elif k == "R":
+                out.append(BlockRemoved(tuple(e[1]), _MEDIUM))
+            else:
+                out.append(AllBlocksCleared())
+        self._pending = []
+        return out
+
+    def snapshot_events(self) -> list[KvEvent]:
+        """AllBlocksCleared + BlockStored for every cached page, parent first (for a resync).
+
+        Buffered events are discarded: the snapshot supersedes them.
+        """
+        self._pending = [["C"]]
+        for p in self._cache.values():  # dict order is parent-first (a parent outlives its children)
+            self._note_stored(p)
+        return self.drain_events()
+
+    def flush_cache(self, now_s: float) -> bool:
+        """Drop every cached page. Refused (False) while requests are running or waiting.
+
+        The AllBlocksCleared is released by the next :meth:`step` (idle flush) or
+        :meth:`drain_events`; events still buffered from before are dropped as moot.
+        """
+        if self._reqs:
+            return False
+        for p in self._cache.values():
+            p.alive = False
+        self._cache.clear()
+        self._heap.clear()
+        self._pinned_pages = 0
+        self._pending = [["C"]]  # earlier buffered events are moot after a clear
+        return True
+
+    def peek_cached_tokens(self, prompt: Sequence[int]) -> int:
+        """Tokens of ``prompt`` admission would find cached right now (no side effects)."""
+        if not prompt:
+            return 0
+        return self._match_len(content_keys(prompt, self._ps), len(prompt)) * self._ps
+
+    def load_stat(self, dp_rank: int = 0) -> LoadStat:
+        """SGLang's LoadStat with this rank's true numbers.
+
+        ``num_tokens``: KV tokens in use, cached pages included. ``num_total_tokens``: KV that
+        cannot be reclaimed (pinned pages + private) plus the tokens of every waiting request, the
+        demand SGLang's ``kv_ok`` compares with capacity. ``total_prefill_busy_us``: duration of
+        every step that carried prefill.
+        """
+        cfg = self.config
+        ps = self._ps
+        waiting_tokens = 0
+        waiting_uncached = 0
+        for r in self._waiting:
+            n = len(r.seq)
+            waiting_tokens += n
+            waiting_uncached += n - self._match_len(self._seq_keys(r), n) * ps
+        held = self._pinned_pages * ps + self._private
+        return LoadStat(
+            num_running_reqs=self.num_running,
+            num_waiting_reqs=len(self._waiting),
+            num_tokens=len(self._cache) * ps + self._private,
+            max_total_num_tokens=cfg.max_total_num_tokens,
+            attn_dp_rank=dp_rank,
+            num_waiting_uncached_tokens=waiting_uncached,
+            num_total_tokens=held + waiting_tokens,
+            max_running_requests=cfg.max_running_requests,
+            total_prefill_uncached_tokens=self._prefill_tokens_total,
+            total_prefill_busy_us=int(self._prefill_busy_us),
+        )
+
+    # Introspection (tests, simulator reports).
+
+    def cached_blocks(self) -> list[tuple[int, int | None]]:
+        """(hash, parent hash or None) of every cached page, parent first; hashes unsigned."""
+        return [(p.hash, p.parent.hash if p.parent is not None else None) for p in self._cache.values()]
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._cache)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.config.max_total_num_tokens - len(self._cache) * self._ps - self._private
+
+    # ------------------------------------------------------------------ cache internals
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _push(self, p: _Page) -> None:
+        self._push_no += 1
+        heapq.heappush(self._heap, (p.stamp, self._push_no, p))
+        if len(self._heap) > 4 * len(self._cache) + 64:
+            self._compact_heap()  # drop stale entries (re-pinned or re-stamped pages)
+
+    def _seq_keys(self, r: _Req) -> list[int]:
+        """Content keys of every full page of ``r.seq``, extending the cached list if needed."""
+        return self._keys_upto(r, r.seq, len(r.seq) // self._ps)
+
+    def _keys_upto(self, r: _Req, tokens: list[int], n_pages: int) -> list[int]:
+        keys = r.keys
+        have = len(keys)
+        if have < n_pages:
+            ps = self._ps
+            parent = keys[-1] if keys else ROOT_KEY
+            keys.extend(content_keys(tokens[have * ps : n_pages * ps], ps, parent))
+        return keys
+
+    def _match_len(self, keys: list[int], n_tokens: int) -> int:
+        """Pages of the cached prefix, leaving at least one token to compute."""
+        limit = min(len(keys), (n_tokens - 1) // self._ps)
+        cache = self._cache
+        i = 0
+        while i < limit and keys[i] in cache:
+            i += 1
+        return i
+
+    def _free(self) -> int:
+        return self.config.max_total_num_tokens - len(self._cache) * self._ps - self._private
+
+    def _alloc(self, n_tokens: int) -> bool:
+        """Make ``n_tokens`` free by evicting LRU unpinned leaves. False if impossible (no change
+        beyond the evictions)."""
+        if self._free() >= n_tokens:
+            return True
+        if self._free() + (len(self._cache) - self._pinned_pages) * self._ps < n_tokens:
+            return False
+        while self._free() < n_tokens:
+            # self._heap, not a local: _evict may compact (replace) the heap
+            stamp, _, p = heapq.heappop(self._heap)
+            if p.alive and p.ref == 0 and p.children == 0 and p.stamp == stamp:
+                self._evict(p)
+        return True
+
+    def _evict(self, p: _Page) -> None:
+        del self._cache[p.key]
+        p.alive = False
+        self._note_removed(p.hash)
+        parent = p.parent
+        if parent is not None:
+            parent.children -= 1
+            if parent.ref == 0 and parent.children == 0:
+                self._push(parent)
+
+    def _compact_heap(self) -> None:
+        self._heap = [e for e in self._heap if e[2].alive and e[2].ref == 0 and e[2].children == 0 and e[2].stamp == e[0]]
+        heapq.heapify(self._heap)
+
+    def _pin(self, p: _Page) -> None:
+        if p.ref == 0:
+            self._pinned_pages += 1
+        p.ref += 1
+
+    def _add_page(self, r: _Req, tokens: list[int], i: int) -> None:
+        """Put page ``i`` of ``tokens`` on ``r``'s path: share the cached page or insert a new one."""
+        ps = self._ps
+        key = r.keys[i]
+        p = self._cache.get(key)
+        if p is None:
+            parent = r.path[-1] if r.path else None
+            page = tokens[i * ps : (i + 1) * ps]
+            prior = parent.digest if parent is not None else b""
+            digest = _sha256(prior + pack_tokens(page)).digest()
+            p = _Page(key, parent, digest, tuple(page), self._tick())
+            self._cache[key] = p
+            if parent is not None:
+                parent.children += 1
+            self._note_stored(p)
+        else:
+            p.stamp = self._tick()
+        self._pin(p)
+        r.path.append(p)
+        # The request's own copy of these tokens either became the cached page or is freed.
+        self._private -= ps
+
+    def _insert_computed(self, r: _Req) -> None:
+        """Insert the full pages of ``r.seq`` whose KV now exists (prefill progress)."""
+        n_pages = r.computed // self._ps
+        if len(r.path) < n_pages:
+            self._seq_keys(r)
+            for i in range(len(r.path), n_pages):
+                self._add_page(r, r.seq, i)
+
+    def _release(self, r: _Req) -> None:
+        """Unpin ``r``'s pages (touching them: most recently used) and free its private KV."""
+        ps = self._ps
+        for p in r.path:
+            p.stamp = self._tick()
+            p.ref -= 1
+            if p.ref == 0:
+                self._pinned_pages -= 1
+                if p.children == 0:
+                    self._push(p)
+        self._private -= r.kv_tokens - len(r.path) * ps
+        r.path = []
+        r.kv_tokens = 0
+        r.computed = 0
+        r.admitted = False
+
+    # ------------------------------------------------------------------ scheduling internals
+
+    def _try_admit(self, r: _Req) -> bool:
+        cfg = self.config
+        ps = self._ps
+        seq = r.seq
+        keys = self._seq_keys(r)
+        m = self._match_len(keys, len(seq))
+        cache = self._cache
+        path = [cache[keys[i]] for i in range(m)]
+        gen_first = 1 if len(r.output) < r.max_new else 0  # slot of the token produced at prefill end
+        need = len(seq) - m * ps + gen_first
+        unpinned_in_path = sum(1 for p in path if p.ref == 0)
+        reclaimable = (len(cache) - self._pinned_pages - unpinned_in_path) * ps
+        if self._free() + reclaimable < need + cfg.admission_reserve_tokens:
+            return False
+        for p in path:  # pin before evicting so the matched prefix survives
+            p.stamp = self._tick()
+            self._pin(p)
+        ok = self._alloc(need)
+        assert ok, "admission check guarantees the eviction succeeds"
+        self._private += need  # uncached prompt (+ the first token's slot)
+        r.path = path
+        r.computed = m * ps
+        r.kv_tokens = m * ps + need
+        r.admitted = True
+        if not r.first_done:
+            r.cached_tokens = m * ps
+        return True
+
+    def _plan_prefill(self) -> list[tuple[_Req, int]]:
+        cfg = self.config
+        budget = cfg.chunked_prefill_size
+        chunks: list[tuple[_Req, int]] = []
+        c = self._chunked
+        if c is not None:
+            take = min(len(c.seq) - c.computed, budget)
+            chunks.append((c, take))
+            budget -= take
+            if c.computed + take < len(c.seq):
+                return chunks
+            # Completes this step: running as a decoder from now on (not in this step's batch,
+            # which was fixed before planning).
+            self._chunked = None
+            self._decoding[c.rid] = c
+        waiting = self._waiting
+        while budget > 0 and waiting and self.num_running < cfg.max_running_requests:
+            r = waiting[0]
+            if not self._try_admit(r):
+                break  # FIFO: the head blocks the queue, like SGLang
+            waiting.popleft()
+            take = min(len(r.seq) - r.computed, budget)
+            chunks.append((r, take))
+            budget -= take
+            if r.computed + take < len(r.seq):
+                self._chunked = r
+                break
+            self._decoding[r.rid] = r  # prefill completes this step (see above)
+        return chunks
+
+    def _prefill_done(self, r: _Req, res: StepResult) -> None:
+        if len(r.output) >= r.max_new:  # max_new_tokens == 0
+            self._finish(r, res)
+            return
+        tok = (r.seed + len(r.output) * _GOLDEN) % self.config.vocab_size
+        r.output.append(tok)
+        if not r.first_done:
+            r.first_done = True
+            res.first_tokens.append((r.rid, r.cached_tokens, len(r.prompt)))
+        res.tokens.append((r.rid, tok))
+        if len(r.output) >= r.max_new:
+            self._finish(r, res)
+
+    def _finish(self, r: _Req, res: StepResult) -> None:
+        # SGLang caches the finished request's prompt + output (full pages only).
+        tokens = r.prompt + r.output
+        n_pages = min(len(tokens), r.kv_tokens) // self._ps
+        if len(r.path) < n_pages:
+            self._keys_upto(r, tokens, n_pages)
+            for i in range(len(r.path), n_pages):
+                self._add_page(r, tokens, i)
+        self._release(r)
+        del self._reqs[r.rid]
+        self._decoding.pop(r.rid, None)
+        res.finished.append(
+            (r.rid, "length", {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.output), "cached_tokens": r.cached_tokens})
+        )
+
+    def _retract_for_decode(self, batch: list[_Req]) -> list[_Req]:
+        """Retract newest-first until the remaining decode batch gets its slots."""
+        if self._chunked is not None:
+            self._retract(self._chunked)
+            self._chunked = None
+        batch = list(batch)
+        while not self._alloc(len(batch)):
+            victim = batch.pop()
+            self._decoding.pop(victim.rid, None)
+            self._retract(victim)
+        return batch
+
+    def _retract(self, r: _Req) -> None:
+        self._release(r)
+        r.seq = r.prompt + r.output
+        self._waiting.appendleft(r)
+
+    # ------------------------------------------------------------------ event buffer
+
+    def _note_stored(self, p: _Page) -> None:
+        parent = p.parent.hash if p.parent is not None else None
+        pend = self._pending
+        if pend:
+            last = pend[-1]
+            if last[0] == "S" and last[1][-1] == parent:
+                last[1].append(p.hash)
+                last[3].extend(p.tokens)
+                return
+        pend.append(["S", [p.hash], parent, list(p.tokens)])
+
+    def _note_removed(self, h: int) -> None:
+        pend = self._pending
+        if pend and pend[-1][0] == "R":
+            pend[-1][1].append(h)
+        else:
+            pend.append(["R", [h]])
+

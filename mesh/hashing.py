@@ -1,0 +1,218 @@
+"""Page hashes: the engines' block hashes and the router's own content keys.
+
+Three families live here, all over *full pages only* (a trailing partial page is never hashed,
+because engines only cache and publish page-aligned blocks):
+
+* :func:`sglang_page_hashes` -- SGLang's chained SHA-256 (``worker-telemetry.md`` §8). Each page's
+  32-byte digest seeds the next one; the published hash is the first 8 bytes of the digest read
+  big-endian as a *signed* int64.
+* :func:`vllm_block_hashes` -- vLLM's default ``sha256`` block hash (§12.3), pickle based and
+  therefore Python-specific; published unsigned (last 8 bytes).
+* :func:`content_keys` -- the mesh's own content key: a chained ``xxh3_64`` over the page's tokens.
+  The prefix index is keyed by these, never by engine hashes (which may be namespaced by salts,
+  LoRA adapters or formats a router cannot see). Engine hashes are opaque identities used only for
+  parent links and removals.
+
+Token packing is always uint32 little-endian, independent of the host byte order, so the same
+tokens and page size give the same hashes and keys on every host. Token ids must satisfy
+``0 <= t < 2**32``; anything else raises ValueError.
+
+Pure functions: no I/O, no clock, no global state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+__all__ = [
+    "ROOT_KEY",
+    "CONTENT_KEY_SEED",
+    "U64_MASK",
+    "pack_tokens",
+    "content_keys",
+    "content_keys_from_packed",
+    "sglang_page_hashes",
+    "sglang_page_hashes_with_digest",
+    "sglang_page_digests",
+    "sglang_digest_to_hash",
+    "vllm_block_hashes",
+    "norm_hash",
+    "to_signed64",
+]
+
+U64_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+#: Parent key of the first page of every prompt (the radix root).
+ROOT_KEY = 0
+#: Fixed xxh3 seed of the content key ("mesh" in ASCII). Changing it changes every key: never do
+#: it without a protocol/index version bump.
+CONTENT_KEY_SEED = 0x6D657368
+
+_BIG_ENDIAN_HOST = sys.byteorder == "big"
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack_u64_le = struct.Struct("<Q").pack
+_sha256 = hashlib.sha256
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Pack token ids as uint32 little-endian bytes (host independent).
+
+    Raises ValueError for an id outside ``[0, 2**32)`` or a non-int.
+    """
+    try:
+        arr = array("I", token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
+    if arr.itemsize != 4:  # pragma: no cover - every mainstream ABI has a 4-byte unsigned int
+        arr = array("L", token_ids)
+        if arr.itemsize != 4:
+            raise RuntimeError("no 4-byte unsigned array type on this platform")
+    if _BIG_ENDIAN_HOST:  # pragma: no cover - exercised only on big-endian hosts
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _check_page_size(page_size: int) -> None:
+    if type(page_size) is not int or page_size <= 0:
+        raise ValueError(f"page size must be a positive int, got {page_size!r}")
+
+
+# --------------------------------------------------------------------------- content keys
+
+
+def content_keys_from_packed(buf: bytes, block_size: int, parent_key: int = ROOT_KEY) -> list[int]:
+    """Content keys of the full pages of already-packed tokens (see :func:`pack_tokens`).
+
+    ``key_k = xxh3_64(key_{k-1} as 8 bytes LE || page_k tokens as uint32 LE, seed=CONTENT_KEY_SEED)``
+    with ``key_{-1} = parent_key``. Keys are unsigned 64-bit ints.
+    """
+    _check_page_size(block_size)
+    step = block_size * 4
+    end = (len(buf) // step) * step
+    if not isinstance(buf, bytes):
+        buf = bytes(buf)  # slicing bytes is cheaper than slicing a memoryview + concatenating
+    out: list[int] = []
+    append = out.append
+    h, pk, seed = _xxh3, _pack_u64_le, CONTENT_KEY_SEED
+    key = parent_key & U64_MASK
+    for off in range(0, end, step):
+        key = h(pk(key) + buf[off : off + step], seed)
+        append(key)
+    return out
+
+
+def content_keys(token_ids: Sequence[int], block_size: int, parent_key: int = ROOT_KEY) -> list[int]:
+    """The router's content key of every full page of ``token_ids`` (chained from ``parent_key``).
+
+    Deterministic across hosts and processes: the same tokens, block size and parent key always
+    give the same keys. Continue a chain by passing the last key as ``parent_key`` together with
+    the tokens that follow it (the continuation must start on a page boundary).
+    """
+    return content_keys_from_packed(pack_tokens(token_ids), block_size, parent_key)
+
+
+# --------------------------------------------------------------------------- SGLang
+
+
+def sglang_digest_to_hash(digest: bytes) -> int:
+    """SGLang's published hash of a page digest: first 8 bytes, big-endian, signed int64."""
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def sglang_page_digests(token_ids: Sequence[int], page_size: int, prior_digest: bytes | None = None) -> list[bytes]:
+    """The 32-byte SHA-256 digest of every full page, chained from ``prior_digest`` (None at root)."""
+    _check_page_size(page_size)
+    if prior_digest is not None and len(prior_digest) != 32:
+        raise ValueError("prior_digest must be a 32-byte SHA-256 digest")
+    buf = pack_tokens(token_ids)
+    step = page_size * 4
+    end = (len(buf) // step) * step
+    out: list[bytes] = []
+    prior = prior_digest
+    for off in range(0, end, step):
+        page = buf[off : off + step]
+        prior = _sha256(page if prior is None else prior + page).digest()
+        out.append(prior)
+    return out
+
+
+def sglang_page_hashes_with_digest(
+    token_ids: Sequence[int], page_size: int, prior_digest: bytes | None = None
+) -> tuple[list[int], bytes | None]:
+    """Like :func:`sglang_page_hashes`, also returning the last page's digest to continue the chain.
+
+    The returned digest is ``prior_digest`` itself when there is no full page.
+    """
+    digests = sglang_page_digests(token_ids, page_size, prior_digest)
+    last = digests[-1] if digests else prior_digest
+    return [sglang_digest_to_hash(d) for d in digests], last
+
+
+def sglang_page_hashes(token_ids: Sequence[int], page_size: int, prior_digest: bytes | None = None) -> list[int]:
+    """SGLang's chained SHA-256 page hashes (signed int64), full pages only.
+
+    Valid for un-namespaced requests (no LoRA, ``extra_key`` or ``cache_salt``; ``format`` =
+    ``default``). Continuing a chain needs the previous page's 32-byte digest, not its int64.
+    """
+    return sglang_page_hashes_with_digest(token_ids, page_size, prior_digest)[0]
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+def vllm_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    prior_digest: bytes | None = None,
+    *,
+    none_hash_seed: str = "vllm-none-hash",
+) -> list[int]:
+    """vLLM's default (``sha256``) block hashes as published: last 8 bytes, unsigned.
+
+    ``h_k = SHA-256(pickle((h_{k-1}, tuple(block_tokens), None), highest protocol))`` with
+    ``h_{-1} = prior_digest`` or ``NONE_HASH = SHA-256(pickle(none_hash_seed))``. vLLM uses
+    ``$PYTHONHASHSEED`` as the seed when it is set; pass it explicitly in that case (this module
+    reads no environment). Plain text only (``extra_keys`` None).
+    """
+    _check_page_size(block_size)
+    proto = pickle.HIGHEST_PROTOCOL
+    parent = prior_digest if prior_digest is not None else _sha256(pickle.dumps(none_hash_seed, protocol=proto)).digest()
+    toks = list(token_ids)
+    out: list[int] = []
+    for s in range(0, (len(toks) // block_size) * block_size, block_size):
+        parent = _sha256(pickle.dumps((parent, tuple(toks[s : s + block_size]), None), protocol=proto)).digest()
+        out.append(int.from_bytes(parent[-8:], "big"))
+    return out
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+def norm_hash(v: object) -> int:
+    """Normalise an engine block hash to an unsigned 64-bit int.
+
+    bytes -> last 8 bytes big-endian unsigned (vLLM's raw 32-byte form); int -> two's complement
+    ``v & 0xFFFF_FFFF_FFFF_FFFF`` (SGLang's signed int64 and vLLM's u64 both land here). bool,
+    empty bytes and every other type raise ValueError.
+    """
+    t = type(v)
+    if t is int:
+        return v & U64_MASK  # type: ignore[operator]
+    if t is bytes or t is bytearray:
+        if not v:
+            raise ValueError("empty bytes hash")
+        return int.from_bytes(v[-8:], "big")  # type: ignore[index]
+    raise ValueError(f"block hash must be int or bytes, got {t.__name__}")
+
+
+def to_signed64(u: int) -> int:
+    """Two's complement view of an unsigned 64-bit value (how SGLang sends hashes)."""
+    u &= U64_MASK
+    return u - (1 << 64) if u >= (1 << 63) else u

@@ -1,0 +1,202 @@
+"""Match results: per-worker matched prefix depths, computed lazily from the walk's levels.
+
+A :class:`MatchResult` holds the levels of the event-fed index (holders are streams) and of the
+speculative index (holders are worker ids), each shallowest first. Nothing per worker is computed
+at match time; queries cost:
+
+* ``get(w)`` / ``matched_blocks(w)``: O(streams of w * log levels) membership tests;
+* ``top(k)``: O(k + size of the levels it opens) -- deepest first, ties by worker id;
+* ``levels()`` / ``to_dict()``: O(matched holders).
+
+Contract: the levels reference the index's live holder tables, so a result is valid only until the
+next mutation of the index that produced it (store, remove, clear, eviction, speculate, expiry).
+Accessors check the index's version and raise :class:`StaleMatchError` instead of answering from
+changed tables; call :meth:`MatchResult.to_dict` to keep a detached copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from heapq import nsmallest
+from typing import Any
+
+from mesh.errors import MeshError
+
+__all__ = ["WorkerMatch", "MatchResult", "StaleMatchError"]
+
+
+class StaleMatchError(MeshError):
+    """A MatchResult was read after the index it came from changed."""
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerMatch:
+    """One worker's match: ``blocks`` matched of the query's ``query_blocks``.
+
+    ``dp_rank`` is the rank holding the deepest event-fed match (None when the depth came from
+    speculation); ``speculative`` is True when only the speculative index vouches for the depth.
+    """
+
+    worker_id: str
+    blocks: int
+    dp_rank: int | None
+    speculative: bool
+
+
+def _has_stream(h: Any, s: Any) -> bool:
+    return s in h if type(h) is dict else h.stream is s
+
+
+def _has_worker(h: Any, w: str) -> bool:
+    return w in h if type(h) is dict else h.worker_id == w
+
+
+def _deepest(depths: list[int], holders: list[Any], who: Any, has: Any) -> int:
+    """Deepest level containing ``who`` (levels are nested, so membership is monotone)."""
+    lo, hi = 0, len(depths)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if has(holders[mid], who):
+            lo = mid + 1
+        else:
+            hi = mid
+    return depths[lo - 1] if lo else 0
+
+
+class MatchResult:
+    """Per-worker prefix matches of one query (see module docstring for cost and validity)."""
+
+    __slots__ = ("query_blocks", "_ed", "_eh", "_sd", "_sh", "_workers", "_guards")
+
+    def __init__(
+        self,
+        query_blocks: int,
+        event_levels: tuple[list[int], list[Any]],
+        spec_levels: tuple[list[int], list[Any]],
+        workers: Mapping[str, Any] | None,
+        guards: tuple[Any, ...],
+    ) -> None:
+        self.query_blocks = query_blocks
+        self._ed, self._eh = event_levels
+        self._sd, self._sh = spec_levels
+        self._workers = workers  # worker_id -> worker state with .streams {rank: stream}
+        self._guards = tuple((g, g._version) for g in guards)
+
+    # -- validity ---------------------------------------------------------------------------
+    @property
+    def valid(self) -> bool:
+        """False once the producing index has changed (accessors would raise)."""
+        return all(g._version == v for g, v in self._guards)
+
+    def _check(self) -> None:
+        for g, v in self._guards:
+            if g._version != v:
+                raise StaleMatchError("index changed since this match; consume results before mutating")
+
+    # -- per worker -------------------------------------------------------------------------
+    @property
+    def best_blocks(self) -> int:
+        """Deepest match over all workers (0 when none)."""
+        self._check()
+        return max(self._ed[-1] if self._ed else 0, self._sd[-1] if self._sd else 0)
+
+    @property
+    def empty(self) -> bool:
+        return not self._ed and not self._sd
+
+    def get(self, worker_id: str) -> WorkerMatch | None:
+        """The worker's match, or None when it matches no block."""
+        self._check()
+        e_blocks, e_rank = 0, None
+        if self._ed and self._workers is not None:
+            w = self._workers.get(worker_id)
+            if w is not None:
+                for rank, s in w.streams.items():
+                    d = _deepest(self._ed, self._eh, s, _has_stream)
+                    if d > e_blocks or (d and d == e_blocks and rank < e_rank):
+                        e_blocks, e_rank = d, rank
+        s_blocks = _deepest(self._sd, self._sh, worker_id, _has_worker) if self._sd else 0
+        if s_blocks > e_blocks:
+            return WorkerMatch(worker_id, s_blocks, None, True)
+        if e_blocks:
+            return WorkerMatch(worker_id, e_blocks, e_rank, False)
+        return None
+
+    def matched_blocks(self, worker_id: str) -> int:
+        """Blocks of the query the worker holds as a prefix (max of event-fed and speculative)."""
+        m = self.get(worker_id)
+        return m.blocks if m is not None else 0
+
+    # -- rankings ---------------------------------------------------------------------------
+    def _merged_levels(self) -> list[tuple[int, int, Any]]:
+        # Deepest first; at equal depth event-fed levels (kind 0) before speculative ones so a
+        # worker vouched for by both is reported as not speculative.
+        lv = [(d, 0, h) for d, h in zip(self._ed, self._eh)]
+        lv += [(d, 1, h) for d, h in zip(self._sd, self._sh)]
+        lv.sort(key=lambda t: (-t[0], t[1]))
+        return lv
+
+    def _iter_depth_groups(self) -> Iterator[tuple[int, dict[str, tuple[int | None, bool]]]]:
+        """Yield ``(depth, {worker_id: (dp_rank, speculative)})`` of workers first seen at depth."""
+        seen: set[str] = set()
+        lv = self._merged_levels()
+        i = 0
+        while i < len(lv):
+            depth = lv[i][0]
+            cands: dict[str, tuple[int | None, bool]] = {}
+            while i < len(lv) and lv[i][0] == depth:
+                _, kind, h = lv[i]
+                i += 1
+                if kind == 0:
+                    streams = h.keys() if type(h) is dict else (h.stream,)
+                    for s in streams:
+                        wid = s.worker.worker_id
+                        if wid in seen:
+                            continue
+                        prev = cands.get(wid)
+                        if prev is None or (prev[0] is not None and s.rank < prev[0]):
+                            cands[wid] = (s.rank, False)
+                else:
+                    wids = h.keys() if type(h) is dict else (h.worker_id,)
+                    for wid in wids:
+                        if wid not in seen and wid not in cands:
+                            cands[wid] = (None, True)
+            if cands:
+                seen.update(cands)
+                yield depth, cands
+
+    def top(self, k: int) -> list[WorkerMatch]:
+        """The ``k`` deepest-matching workers, deepest first, ties broken by worker id."""
+        self._check()
+        out: list[WorkerMatch] = []
+        if k <= 0:
+            return out
+        for depth, cands in self._iter_depth_groups():
+            need = k - len(out)
+            ids = sorted(cands) if len(cands) <= need else nsmallest(need, cands)
+            out.extend(WorkerMatch(w, depth, *cands[w]) for w in ids)
+            if len(out) >= k:
+                break
+        return out
+
+    def levels(self) -> Iterator[tuple[int, list[WorkerMatch]]]:
+        """``(depth, workers matched exactly that deep)``, deepest first, workers sorted by id."""
+        self._check()
+        for depth, cands in self._iter_depth_groups():
+            yield depth, [WorkerMatch(w, depth, *cands[w]) for w in sorted(cands)]
+
+    def to_dict(self) -> dict[str, WorkerMatch]:
+        """Detached copy: every matched worker's match (safe to keep across mutations)."""
+        self._check()
+        out: dict[str, WorkerMatch] = {}
+        for depth, cands in self._iter_depth_groups():
+            for w, (rank, spec) in cands.items():
+                out[w] = WorkerMatch(w, depth, rank, spec)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"MatchResult(query_blocks={self.query_blocks}, event_levels={self._ed}, "
+            f"spec_levels={self._sd})"
+        )

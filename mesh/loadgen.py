@@ -1,0 +1,146 @@
+"""Open-loop load generator with shared-prefix prompts, and the run summary.
+
+Arrivals are Poisson at ``rate_rps`` for ``duration_s`` (open loop: a slow mesh does not slow
+the offered load, see anchors.md §5.3). Each prompt is one of ``groups`` shared system prompts
+followed by a unique question, so cache-aware routing has something to find.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from mesh.client import Client
+from mesh.errors import RequestError
+
+__all__ = ["LoadSpec", "Outcome", "run_load", "summarize", "shared_prefix_prompts"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    rate_rps: float = 20.0
+    duration_s: float = 15.0
+    groups: int = 8
+    system_tokens: int = 1024
+    question_tokens: int = 128
+    max_new_tokens: int = 32
+    deadline_ms: int = 30_000
+    seed: int = 0
+    vocab: int = 32_000
+
+
+@dataclass(slots=True)
+class Outcome:
+    rid: str
+    ok: bool
+    code: str = ""
+    worker: str = ""
+    attempt: int = 0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def shared_prefix_prompts(spec: LoadSpec, n: int) -> list[list[int]]:
+    """``n`` prompts: a seeded system prompt per group plus a unique question each."""
+    rng = random.Random(spec.seed)
+    systems = [[rng.randrange(1, spec.vocab) for _ in range(spec.system_tokens)] for _ in range(spec.groups)]
+    return [systems[rng.randrange(spec.groups)] + [rng.randrange(1, spec.vocab) for _ in range(spec.question_tokens)] for _ in range(n)]
+
+
+async def _one(client: Client, prompt: list[int], spec: LoadSpec, out: list[Outcome]) -> None:
+    st = None
+    try:
+        st = await client.submit(input_ids=prompt, max_new_tokens=spec.max_new_tokens, deadline_ms=spec.deadline_ms)
+        res = await st.result()
+        u = res.usage
+        out.append(Outcome(res.rid, True, worker=res.worker, attempt=res.attempt, ttft_s=res.ttft_s, e2e_s=res.e2e_s,
+                           prompt_tokens=int(u.get("prompt_tokens", 0)), cached_tokens=int(u.get("cached_tokens", 0)),
+                           completion_tokens=int(u.get("completion_tokens", 0))))
+    except RequestError as exc:
+        out.append(Outcome(exc.request_id or (st.rid if st else "?"), False, code=exc.code.value,
+                           worker=(st.worker or "") if st else ""))
+
+
+async def run_load(endpoints: list[str], spec: LoadSpec, progress=None) -> tuple[list[Outcome], float]:
+    """Drive the load; returns outcomes and the wall time of the run (until the last reply)."""
+    rng = random.Random(spec.seed + 1)
+    n_expected = int(spec.rate_rps * spec.duration_s * 1.5) + 10
+    prompts = shared_prefix_prompts(spec, n_expected)
+    out: list[Outcome] = []
+    tasks: list[asyncio.Task] = []
+    async with Client(endpoints, default_deadline_ms=spec.deadline_ms) as client:
+        t0 = time.monotonic()
+        t_next = t0
+        i = 0
+        while True:
+            t_next += rng.expovariate(spec.rate_rps)
+            if t_next - t0 > spec.duration_s or i >= len(prompts):
+                break
+            delay = t_next - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_one(client, prompts[i], spec, out)))
+            i += 1
+            if progress is not None:
+                progress(min(time.monotonic() - t0, spec.duration_s), len(out))
+        if tasks:
+            await asyncio.gather(*tasks)
+        wall = time.monotonic() - t0
+    return out, wall
+
+
+def _pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(p / 100.0 * (len(xs) - 1)))))
+    return xs[k]
+
+
+@dataclass
+class Summary:
+    requests: int
+    ok: int
+    errors: Counter
+    wall_s: float
+    throughput_rps: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    hit_rate: float
+    retried: int
+    per_worker: dict[str, dict] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["errors"] = dict(self.errors)
+        return d
+
+
+def summarize(outcomes: list[Outcome], wall_s: float) -> Summary:
+    ok = [o for o in outcomes if o.ok]
+    ttfts = [o.ttft_s * 1000 for o in ok if o.ttft_s is not None]
+    per: dict[str, dict] = defaultdict(lambda: {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+    for o in ok:
+        w = per[o.worker]
+        w["requests"] += 1
+        w["prompt_tokens"] += o.prompt_tokens
+        w["cached_tokens"] += o.cached_tokens
+    for w in per.values():
+        w["hit_rate"] = w["cached_tokens"] / w["prompt_tokens"] if w["prompt_tokens"] else 0.0
+    pt = sum(o.prompt_tokens for o in ok)
+    return Summary(
+        requests=len(outcomes), ok=len(ok), errors=Counter(o.code for o in outcomes if not o.ok), wall_s=wall_s,
+        throughput_rps=len(ok) / wall_s if wall_s > 0 else 0.0,
+        ttft_p50_ms=_pct(ttfts, 50), ttft_p99_ms=_pct(ttfts, 99),
+        e2e_p50_ms=statistics.median([o.e2e_s * 1000 for o in ok]) if ok else float("nan"),
+        hit_rate=sum(o.cached_tokens for o in ok) / pt if pt else 0.0,
+        retried=sum(1 for o in ok if o.attempt > 1), per_worker=dict(sorted(per.items())),
+    )

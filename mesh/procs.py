@@ -1,0 +1,150 @@
+"""Start mesh processes as real subprocesses on 127.0.0.1 and wait for their readiness signals.
+
+Used by ``mesh up``, the benchmarks and the end-to-end tests. Every process logs JSON lines to
+its own file; readiness is read from those lines (``broker_listening`` carries the bound
+endpoints, so every port can be ``*``), never guessed with a sleep. :class:`ProcGroup` owns the
+processes and stops them (SIGTERM, then SIGKILL after a grace period) on exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Proc", "ProcGroup", "BrokerProc", "wait_for_log_event"]
+
+
+def wait_for_log_event(path: Path, event: str, timeout_s: float, proc: subprocess.Popen | None = None) -> dict:
+    """Block until a JSON log line with ``"event": event`` appears in ``path``; return it.
+
+    Raises TimeoutError (with the log tail) if it does not appear in time, or RuntimeError if
+    ``proc`` exits first.
+    """
+    deadline = time.monotonic() + timeout_s
+    pos = 0
+    buf = ""
+    while True:
+        if path.exists():
+            with path.open() as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            buf += chunk
+            *lines, buf = buf.split("\n")
+            for line in lines:
+                if f'"{event}"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("event") == event:
+                    return rec
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.returncode}) before {event!r}; log tail:\n{_tail(path)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {event!r} within {timeout_s}s; log tail:\n{_tail(path)}")
+        time.sleep(0.02)  # file polling interval, not a readiness guess: we wait for the event itself
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.popen.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> int:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL. Returns the exit code."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                return self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.wait(5)
+
+
+@dataclass
+class BrokerProc(Proc):
+    frontend: str = ""
+    backend: str = ""
+
+
+@dataclass
+class ProcGroup:
+    """Owns a set of mesh subprocesses and their log directory."""
+
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        with log_path.open("ab") as log:
+            p = subprocess.Popen([sys.executable, "-m", "mesh.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        proc = Proc(name, p, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def broker(self, name: str = "broker", *extra: str, frontend: str = "tcp://127.0.0.1:*", backend: str = "tcp://127.0.0.1:*",
+               timeout_s: float = 30.0) -> BrokerProc:
+        """Start a broker and wait for its ``broker_listening`` line (which names the real ports)."""
+        p = self._spawn(name, ["broker", "--frontend", frontend, "--backend", backend, "--broker-id", name, *extra])
+        rec = wait_for_log_event(p.log_path, "broker_listening", timeout_s, p.popen)
+        bp = BrokerProc(p.name, p.popen, p.log_path, frontend=rec["frontend"], backend=rec["backend"])
+        self.procs[-1] = bp
+        return bp
+
+    def workers(self, name: str, backends: list[str], *extra: str, count: int = 1, timeout_s: float = 30.0) -> Proc:
+        """Start ``count`` simulated workers in one process and wait for ``workers_started``."""
+        args = ["worker-stub", "--count", str(count), "--worker-id", name]
+        for b in backends:
+            args += ["--broker", b]
+        p = self._spawn(name, [*args, *extra])
+        wait_for_log_event(p.log_path, "workers_started", timeout_s, p.popen)
+        return p
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        for p in reversed(self.procs):
+            if p.alive():
+                p.popen.send_signal(signal.SIGTERM)
+        t_end = time.monotonic() + grace_s
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(max(0.1, t_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(5)
+
+    def __enter__(self) -> "ProcGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()

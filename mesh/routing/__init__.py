@@ -1,0 +1,1 @@
+"""Routing core: the fleet view, policies and the Router entry point (pure, no I/O)."""

@@ -1,0 +1,87 @@
+"""Load-based routing policies and the Policy interface. Pure: no I/O, no clock reads.
+
+A policy picks one worker among ``candidates`` (already filtered for health, role and exclusions
+by :class:`mesh.routing.router.Router`). It never returns a worker outside ``candidates`` and
+returns ``Decision(None, ...)`` only when ``candidates`` is empty. Randomness comes from the
+``random.Random`` the policy was built with, so a seeded router is deterministic.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol, Sequence
+
+from mesh.routing.view import Decision, RouteRequest, WorkerState
+
+__all__ = ["Policy", "MatchView", "RoundRobin", "RandomPolicy", "PowerOfTwo", "least_pressure"]
+
+
+class MatchView(Protocol):
+    """Per-worker cache matches for one request, from a prefix provider."""
+
+    def matched_blocks(self, worker_id: str) -> int: ...
+
+    def top(self, k: int) -> list[tuple[str, int]]: ...
+
+
+class Policy(Protocol):
+    name: str
+    needs_match: bool
+
+    def choose(self, req: RouteRequest, candidates: Sequence[WorkerState], match: MatchView | None, now_s: float) -> Decision: ...
+
+
+def least_pressure(cands: Sequence[WorkerState], now_s: float, freshness_s: float) -> WorkerState:
+    """Least pressured candidate; ties broken by worker id (deterministic)."""
+    return min(cands, key=lambda w: (w.pressure(now_s, freshness_s), w.worker_id))
+
+
+class RoundRobin:
+    name = "round_robin"
+    needs_match = False
+
+    def __init__(self, rng: random.Random | None = None, freshness_s: float = 5.0) -> None:
+        self._next = 0
+
+    def choose(self, req, candidates, match, now_s):
+        if not candidates:
+            return Decision(None, "no_candidates")
+        w = candidates[self._next % len(candidates)]
+        self._next += 1
+        return Decision(w.worker_id, "round_robin")
+
+
+class RandomPolicy:
+    name = "random"
+    needs_match = False
+
+    def __init__(self, rng: random.Random | None = None, freshness_s: float = 5.0) -> None:
+        self.rng = rng or random.Random()
+
+    def choose(self, req, candidates, match, now_s):
+        if not candidates:
+            return Decision(None, "no_candidates")
+        return Decision(self.rng.choice(candidates).worker_id, "random")
+
+
+class PowerOfTwo:
+    """Sample two distinct candidates, keep the less pressured (ties: lower worker id)."""
+
+    name = "power_of_two"
+    needs_match = False
+
+    def __init__(self, rng: random.Random | None = None, freshness_s: float = 5.0) -> None:
+        self.rng = rng or random.Random()
+        self.freshness_s = freshness_s
+
+    def choose(self, req, candidates, match, now_s):
+        n = len(candidates)
+        if n == 0:
+            return Decision(None, "no_candidates")
+        if n == 1:
+            return Decision(candidates[0].worker_id, "power_of_two")
+        i, j = self.rng.sample(range(n), 2)
+        a, b = candidates[i], candidates[j]
+        pa, pb = a.pressure(now_s, self.freshness_s), b.pressure(now_s, self.freshness_s)
+        w = a if (pa, a.worker_id) <= (pb, b.worker_id) else b
+        return Decision(w.worker_id, "power_of_two")

@@ -1,0 +1,142 @@
+"""The router's picture of the fleet and of one request. Pure data; no I/O, no clock.
+
+The broker (real time), the simulator (virtual time) and the tests build these objects and pass
+``now_s`` explicitly, so the same routing code runs in all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from mesh.load import LoadStat, prefill_rate_tokens_per_s
+
+__all__ = ["WorkerState", "RouteRequest", "Decision", "AggregatedLoad"]
+
+
+@dataclass(slots=True)
+class AggregatedLoad:
+    """A worker's load summed over its DP ranks (only built when every rank is fresh)."""
+
+    running: int
+    waiting: int
+    used_tokens: int
+    max_tokens: int
+    waiting_uncached_tokens: int
+    total_tokens: int
+    max_running: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used_tokens / self.max_tokens if self.max_tokens > 0 else 0.0
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """What a router knows about one worker.
+
+    ``inflight`` is this router's own count of dispatched, unfinished requests (always live).
+    ``load`` holds the latest LoadStat per DP rank and ``load_at_s`` when it arrived;
+    ``inflight_at_load`` is ``inflight`` at that moment, so the requests dispatched or finished
+    since the snapshot can be added to it (see :meth:`pressure`).
+    """
+
+    worker_id: str
+    role: str = "mixed"
+    labels: dict[str, str] = field(default_factory=dict)
+    block_size: int = 16
+    max_running_requests: int = 256
+    max_total_num_tokens: int = 400_000
+    dp_size: int = 1
+    healthy: bool = True
+    inflight: int = 0
+    load: list[LoadStat | None] = field(default_factory=list)
+    load_at_s: list[float] = field(default_factory=list)
+    inflight_at_load: int = 0
+    prefill_tokens_per_s: float | None = None
+    _prev_load: list[LoadStat | None] = field(default_factory=list)
+
+    def update_load(self, stats: Sequence[LoadStat], now_s: float) -> None:
+        """Record a heartbeat's LoadStats (one per rank, rank taken from ``attn_dp_rank``)."""
+        n = max(self.dp_size, 1)
+        if len(self.load) != n:
+            self.load = [None] * n
+            self.load_at_s = [0.0] * n
+            self._prev_load = [None] * n
+        rates = []
+        for ls in stats:
+            r = ls.attn_dp_rank if 0 <= ls.attn_dp_rank < n else 0
+            prev = self.load[r]
+            self._prev_load[r] = prev
+            self.load[r] = ls
+            self.load_at_s[r] = now_s
+            rate = prefill_rate_tokens_per_s(prev, ls)
+            if rate is not None:
+                rates.append(rate)
+        if rates:
+            self.prefill_tokens_per_s = sum(rates)
+        self.inflight_at_load = self.inflight
+
+    def fresh_load(self, now_s: float, freshness_s: float) -> AggregatedLoad | None:
+        """Summed load if *every* rank reported a complete, capacity-valid LoadStat recently.
+
+        A partly silent worker yields None (never a sum over only its fresh ranks).
+        """
+        if not self.load:
+            return None
+        running = waiting = used = mx = wu = total = mr = 0
+        for ls, at in zip(self.load, self.load_at_s):
+            if ls is None or now_s - at > freshness_s or not ls.extended or not ls.capacity_valid:
+                return None
+            running += ls.num_running_reqs
+            waiting += ls.num_waiting_reqs
+            used += ls.num_tokens
+            mx += ls.max_total_num_tokens
+            wu += ls.num_waiting_uncached_tokens
+            total += ls.num_total_tokens
+            mr += ls.max_running_requests
+        return AggregatedLoad(running, waiting, used, mx, wu, total, mr)
+
+    def pressure(self, now_s: float, freshness_s: float) -> float:
+        """Load score used by load-based policies: requests on the worker right now (estimate).
+
+        Fresh telemetry: running + waiting from the snapshot, corrected by what this router
+        dispatched or finished since (``inflight - inflight_at_load``). Otherwise this router's
+        own in-flight count.
+        """
+        agg = self.fresh_load(now_s, freshness_s)
+        if agg is None:
+            return float(self.inflight)
+        return max(0.0, float(agg.running + agg.waiting + self.inflight - self.inflight_at_load))
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """The routing-relevant part of one request.
+
+    ``keys`` are the prompt's content keys at ``block_size`` (None when the request was not
+    hashed, e.g. text-only with a load-only policy). ``tokens`` may carry the token ids for
+    providers that need them.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    max_new_tokens: int = 128
+    block_size: int = 16
+    keys: Sequence[int] | None = None
+    ttft_slo_ms: int | None = None
+    tps_slo: float | None = None
+    tokens: Sequence[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Decision:
+    """The outcome of routing one request. ``worker_id`` None means no worker could be chosen."""
+
+    worker_id: str | None
+    reason: str
+    matched_blocks: int = 0
+    degraded: bool = False
+    decode_worker_id: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)

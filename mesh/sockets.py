@@ -1,0 +1,156 @@
+"""The one socket factory. Every ZeroMQ option that matters is set here, explicitly.
+
+libzmq defaults are wrong for a broker (infinite LINGER hangs exit, ROUTER drops silently at HWM
+and for unknown identities, no MAXMSGSIZE, no connection heartbeats), so no socket in mesh is
+created anywhere else. Each role gets a :class:`SocketSpec` with every option spelled out.
+
+ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``/``TTL``) detect dead *connections*; application
+heartbeats (protocol HEARTBEAT) detect dead *event loops*; per-request deadlines catch stuck work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import zmq
+import zmq.asyncio
+
+from mesh.protocol import MAX_FRAME_BYTES
+
+__all__ = ["send_frames", "recv_frames", "SocketSpec", "CurveKeys", "make_socket", "BROKER_FRONTEND", "BROKER_BACKEND", "WORKER_DEALER", "CLIENT_DEALER", "TELEMETRY_PUB"]
+
+
+# Hot-path helpers. pyzmq's sugar layer (enum flag arithmetic, per-part type checks) costs more
+# than the send itself at broker rates, so these call the Cython backend with int flags.
+# Only the first part of a multipart message can fail with EAGAIN/EHOSTUNREACH; once it is
+# queued the rest is guaranteed to follow, so a failed send never leaves a partial message.
+_raw_send = zmq.backend.Socket.send
+_raw_recv = zmq.backend.Socket.recv
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
+
+
+def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """Non-blocking multipart send of byte frames. Raises zmq.Again / zmq.ZMQError on failure."""
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _raw_send(sock, f, _NOBLOCK if i == last else _NOBLOCK_MORE)
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """Non-blocking multipart receive. Raises zmq.Again when nothing is queued.
+
+    Receives zero-copy Frames and reads their ``more`` flag: cheaper than a RCVMORE getsockopt
+    per part (which builds an enum each call).
+    """
+    parts = []
+    while True:
+        f = _raw_recv(sock, _NOBLOCK, False)
+        parts.append(f.bytes)
+        if not f.more:
+            return parts
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """CURVE key material. A server sets ``secret_key`` + ``public_key`` and ``server=True``;
+    a client sets its own pair plus ``server_key`` (the server's public key)."""
+
+    public_key: bytes
+    secret_key: bytes
+    server: bool = False
+    server_key: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SocketSpec:
+    """Every option a mesh socket carries. Times are in milliseconds (libzmq units)."""
+
+    kind: int
+    sndhwm: int
+    rcvhwm: int
+    linger_ms: int
+    maxmsgsize: int = MAX_FRAME_BYTES + 64 * 1024  # a frame is capped below; headers are tiny
+    router_mandatory: bool = False
+    router_handover: bool = False
+    immediate: bool = False
+    heartbeat_ivl_ms: int = 1000
+    heartbeat_timeout_ms: int = 3000
+    heartbeat_ttl_ms: int = 3000
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 2000
+    handshake_ivl_ms: int = 5000
+    tcp_keepalive: int = 1
+    identity: bytes | None = None
+    curve: CurveKeys | None = None
+
+    def with_identity(self, identity: bytes) -> "SocketSpec":
+        return replace(self, identity=identity)
+
+    def with_curve(self, curve: CurveKeys | None) -> "SocketSpec":
+        return replace(self, curve=curve)
+
+
+# ROUTERs: ROUTER_MANDATORY so an unroutable or full peer raises instead of dropping silently;
+# bounded HWMs so a slow peer cannot exhaust broker memory; short linger so shutdown is bounded.
+BROKER_FRONTEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True)
+BROKER_BACKEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True)
+# DEALERs: IMMEDIATE so nothing queues onto a connection that is not up; reconnect backoff capped.
+WORKER_DEALER = SocketSpec(zmq.DEALER, sndhwm=10_000, rcvhwm=10_000, linger_ms=0, immediate=True)
+CLIENT_DEALER = SocketSpec(zmq.DEALER, sndhwm=10_000, rcvhwm=10_000, linger_ms=0, immediate=True)
+# Telemetry: a slow subscriber must never slow the broker; PUB drops for it at this HWM.
+TELEMETRY_PUB = SocketSpec(zmq.PUB, sndhwm=1000, rcvhwm=1000, linger_ms=0)
+
+
+def make_socket(
+    ctx: zmq.Context | zmq.asyncio.Context,
+    spec: SocketSpec,
+    *,
+    bind: str | None = None,
+    connect: str | list[str] | None = None,
+) -> zmq.Socket:
+    """Create a socket from ``spec`` and bind or connect it. Returns the socket.
+
+    The caller owns the socket (one owner, one task) and must close it. ``bind`` may use a
+    ``*`` port (``tcp://127.0.0.1:*``); read the bound address with
+    ``sock.getsockopt_string(zmq.LAST_ENDPOINT)``.
+    """
+    sock = ctx.socket(spec.kind)
+    try:
+        sock.setsockopt(zmq.LINGER, spec.linger_ms)
+        sock.setsockopt(zmq.SNDHWM, spec.sndhwm)
+        sock.setsockopt(zmq.RCVHWM, spec.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, spec.maxmsgsize)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, spec.heartbeat_ivl_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, spec.heartbeat_timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, spec.heartbeat_ttl_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL, spec.reconnect_ivl_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, spec.reconnect_ivl_max_ms)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, spec.handshake_ivl_ms)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, spec.tcp_keepalive)
+        if spec.kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, int(spec.router_mandatory))
+            sock.setsockopt(zmq.ROUTER_HANDOVER, int(spec.router_handover))
+        if spec.kind in (zmq.DEALER, zmq.REQ, zmq.PUSH):
+            sock.setsockopt(zmq.IMMEDIATE, int(spec.immediate))
+        if spec.identity is not None:
+            sock.setsockopt(zmq.ROUTING_ID, spec.identity)
+        if spec.curve is not None:
+            c = spec.curve
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, c.public_key)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, c.secret_key)
+            if c.server:
+                sock.setsockopt(zmq.CURVE_SERVER, 1)
+            else:
+                if c.server_key is None:
+                    raise ValueError("a CURVE client needs server_key")
+                sock.setsockopt(zmq.CURVE_SERVERKEY, c.server_key)
+        if bind:
+            sock.bind(bind)
+        if connect:
+            for ep in [connect] if isinstance(connect, str) else connect:
+                sock.connect(ep)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock

@@ -1,0 +1,269 @@
+"""The simulated GPU worker: :class:`mesh.engine_model.EngineModel` stepped in real time.
+
+One :class:`SimWorker` is one GPU server. It keeps one :class:`BrokerLink` per broker, so a
+single worker serves every broker of a mesh; requests from any broker share its engine (its
+batch, its KV cache). It reports true load in every HEARTBEAT and publishes KV events with
+SGLang's page-hash values after each prefill and every ``decode_log_interval`` decode steps.
+
+Request keys: the engine knows a request by an int ``key``; ``_jobs`` maps it back to the
+(link, broker rid, attempt) it answers to, so replies go to the broker that sent the request.
+
+``instant`` mode skips the engine and answers every REQUEST at once (used by the broker
+benchmark to measure routing overhead alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import zmq.asyncio
+
+from mesh import kv_events as KV
+from mesh import protocol as P
+from mesh.config import WorkerSettings
+from mesh.engine_model import EngineConfig, EngineModel
+from mesh.errors import ErrorCode
+from mesh.logs import get_logger
+from mesh.retry import RetryPolicy
+from mesh.sockets import CurveKeys
+from workers_stub.links import BrokerLink
+
+__all__ = ["SimWorker", "text_to_tokens"]
+
+
+def text_to_tokens(text: str) -> list[int]:
+    """The stub's tokenizer: UTF-8 bytes as token ids (deterministic, cache-friendly)."""
+    return list(text.encode("utf-8"))
+
+
+@dataclass(slots=True)
+class _Job:
+    link: BrokerLink
+    rid: int
+    attempt: int
+    deadline_s: float
+    stream: bool
+    seq: int = 0
+    tokens: list[int] | None = None  # collected output when not streaming
+
+
+class SimWorker:
+    """A simulated GPU worker process component. ``await run()``; ``stop()`` drains and exits."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        worker_id: str,
+        engine_cfg: EngineConfig | None = None,
+        *,
+        ctx: zmq.asyncio.Context | None = None,
+        curve: CurveKeys | None = None,
+        kv_events_to: str = "all",
+        stream_interval: int = 1,
+    ) -> None:
+        self.s = settings
+        self.worker_id = worker_id
+        self.cfg = engine_cfg or EngineConfig()
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.curve = curve
+        self.kv_events_to = kv_events_to
+        self.stream_interval = max(1, stream_interval)
+        self.epoch = int(time.time() * 1000) * 1000 + random.randrange(1000)
+        self.log = get_logger(service="worker", worker_id=worker_id)
+        self.engine = EngineModel(self.cfg)
+        self._jobs: dict[int, _Job] = {}
+        self._by_remote: dict[tuple[int, int, int], int] = {}  # (id(link), rid, attempt) -> key
+        self._keys = itertools.count(1)
+        self._work = asyncio.Event()
+        self._stopping = False
+        self._kv_seq = 0
+        self._pending_kv: list[KV.KvEvent] = []
+        self.time_scale = settings.time_scale
+        reconnect = RetryPolicy(max_attempts=1_000_000, base_ms=settings.reconnect_base_ms, cap_ms=settings.reconnect_cap_ms)
+        self.links = [
+            BrokerLink(self.ctx, ep, worker_id, self.epoch, self._ready_frames, self._on_message, self._on_session_lost,
+                       heartbeat_ms=settings.heartbeat_ms, liveness=settings.liveness, reconnect=reconnect, curve=curve)
+            for ep in settings.brokers
+        ]
+        self.served = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _ready_frames(self) -> list[bytes]:
+        return P.encode_ready(P.Ready(
+            worker_id=self.worker_id, model=self.s.model, role=self.s.role, labels=dict(self.s.labels),
+            block_size=self.cfg.page_size, max_running_requests=self.cfg.max_running_requests,
+            max_total_num_tokens=self.cfg.max_total_num_tokens, dp_size=1, epoch=self.epoch, heartbeat_ms=self.s.heartbeat_ms,
+        ))
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(link.run(), name=f"link-{link.endpoint}") for link in self.links]
+        tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        if not self.s.instant:
+            tasks.append(asyncio.create_task(self._engine_loop(), name="engine"))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for link in self.links:
+                link.close()
+
+    async def drain_and_stop(self, timeout_s: float = 10.0) -> None:
+        """Graceful stop: tell brokers we are leaving, finish in-flight work, then close links."""
+        self._stopping = True
+        for link in self.links:
+            link.send(P.encode_disconnect("draining"))
+        t_end = time.monotonic() + timeout_s
+        while self._jobs and time.monotonic() < t_end:
+            await asyncio.sleep(0.01)
+        for link in self.links:
+            link.close(say_goodbye=False)
+
+    # ------------------------------------------------------------------ inbound
+
+    def _on_session_lost(self, link: BrokerLink, why: str) -> None:
+        """The broker forgot this link's session: its requests are handled there; drop ours."""
+        for key, job in list(self._jobs.items()):
+            if job.link is link:
+                self._drop_job(key)
+                self.engine.cancel(key)
+
+    def _on_message(self, link: BrokerLink, msg: object) -> None:
+        t = type(msg)
+        if t is P.Request:
+            self._on_request(link, msg)  # type: ignore[arg-type]
+        elif t is P.WorkerCancel:
+            key = self._by_remote.get((id(link), msg.rid, msg.attempt))  # type: ignore[union-attr]
+            if key is not None:
+                self._drop_job(key)
+                self.engine.cancel(key)
+        elif t is P.Resync:
+            # One sequence per worker stream (brokers and an indexer dedup by it), so the
+            # snapshot goes out like any batch, after whatever is still buffered.
+            self._flush_kv()
+            self._send_kv(list(self.engine.snapshot_events()))
+        elif isinstance(msg, Exception):
+            self.log.warning("frame_rejected", reason=getattr(msg, "reason", "?"))
+
+    def _on_request(self, link: BrokerLink, r: P.Request) -> None:
+        sub = r.submit
+        if self._stopping:
+            link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.UNAVAILABLE, "worker draining"))
+            return
+        prompt = sub.input_ids if sub.input_ids is not None else text_to_tokens(sub.text or "")
+        if self.s.instant:
+            out = prompt[: sub.max_new_tokens]
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "cached_tokens": 0}
+            link.send(P.encode_worker_final(r.rid, r.attempt, "length", usage, {"token_ids": out}))
+            self.served += 1
+            return
+        key = next(self._keys)
+        now = self._now()
+        try:
+            self.engine.submit(key, prompt, max(1, sub.max_new_tokens), now)
+        except ValueError as exc:
+            link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.BAD_REQUEST, str(exc)))
+            return
+        self._jobs[key] = _Job(link, r.rid, r.attempt, time.monotonic() + r.deadline_ms / 1000.0, sub.stream,
+                               tokens=None if sub.stream else [])
+        self._by_remote[(id(link), r.rid, r.attempt)] = key
+        self._work.set()
+
+    def _drop_job(self, key: int) -> _Job | None:
+        job = self._jobs.pop(key, None)
+        if job is not None:
+            self._by_remote.pop((id(job.link), job.rid, job.attempt), None)
+        return job
+
+    # ------------------------------------------------------------------ engine
+
+    def _now(self) -> float:
+        """Engine time in model seconds (real time divided by the time scale)."""
+        return time.monotonic() / self.time_scale
+
+    async def _engine_loop(self) -> None:
+        pending: dict[int, list[int]] = {}
+        while True:
+            if not self.engine.has_work():
+                self._flush_kv()
+                self._work.clear()
+                await self._work.wait()
+                continue
+            res = self.engine.step(self._now())
+            await asyncio.sleep(res.duration_s * self.time_scale)
+            self._check_deadlines()
+            for key, tok in res.tokens:
+                job = self._jobs.get(key)
+                if job is None:
+                    continue
+                if job.stream:
+                    buf = pending.setdefault(key, [])
+                    buf.append(tok)
+                    if len(buf) >= self.stream_interval:
+                        job.link.send(P.encode_worker_chunk(job.rid, job.attempt, job.seq, {"token_ids": buf}))
+                        job.seq += 1
+                        del pending[key]
+                else:
+                    job.tokens.append(tok)  # type: ignore[union-attr]
+            for key, reason, usage in res.finished:
+                job = self._drop_job(key)
+                buf = pending.pop(key, None)
+                if job is None:
+                    continue
+                if buf:
+                    job.link.send(P.encode_worker_chunk(job.rid, job.attempt, job.seq, {"token_ids": buf}))
+                    job.seq += 1
+                data = {} if job.stream else {"token_ids": job.tokens}
+                job.link.send(P.encode_worker_final(job.rid, job.attempt, reason, usage, data))
+                self.served += 1
+            if res.kv_events:
+                self._pending_kv.extend(res.kv_events)
+                self._flush_kv()
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for key, job in list(self._jobs.items()):
+            if job.deadline_s < now:
+                self._drop_job(key)
+                self.engine.cancel(key)
+                job.link.send(P.encode_worker_error(job.rid, job.attempt, ErrorCode.DEADLINE_EXCEEDED, "deadline passed on worker"))
+
+    def _flush_kv(self) -> None:
+        if self._pending_kv:
+            events, self._pending_kv = self._pending_kv, []
+            self._send_kv(events)
+
+    def _send_kv(self, events: list[KV.KvEvent]) -> None:
+        """Send one KV_EVENTS batch: to every registered broker, or to one (``kv_events_to=one``)."""
+        wire = [KV.encode_event_map(e) for e in events]
+        frames = P.encode_kv_events(0, self.epoch, self._kv_seq, time.time(), wire)
+        self._kv_seq += 1
+        for link in self.links:
+            if link.registered and link.send(frames) and self.kv_events_to == "one":
+                break
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def _heartbeat_loop(self) -> None:
+        hb_s = self.s.heartbeat_ms / 1000.0
+        while True:
+            await asyncio.sleep(hb_s)
+            frames = P.encode_heartbeat([self.engine.load_stat()])
+            for link in self.links:
+                if link.sock is not None:
+                    link.send(frames)
+
+
+async def run_workers(settings: WorkerSettings, engine_cfg: EngineConfig | None = None, **kwargs) -> list[SimWorker]:
+    """Run ``settings.count`` workers in this process until cancelled. Ids: ``<worker_id>-<i>``."""
+    base = settings.worker_id or f"sim-{os.getpid()}"
+    workers = [SimWorker(settings, base if settings.count == 1 else f"{base}-{i}", engine_cfg, **kwargs) for i in range(settings.count)]
+    await asyncio.gather(*(w.run() for w in workers))
+    return workers
