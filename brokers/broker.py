@@ -92,7 +92,8 @@ class Broker:
         self.router = router
         self.kv_sink = kv_sink  # optional: receives KV_EVENTS (mesh.routing providers)
         self.curve = curve
-        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.asyncio.Context()
         self.broker_id = settings.broker_id or f"broker-{os.getpid()}"
         self.log = get_logger(service="broker", broker_id=self.broker_id)
         self.stats = BrokerStats()
@@ -163,7 +164,11 @@ class Broker:
                 self._send_worker(sess.identity, P.encode_disconnect("broker_shutdown"))
         for sock in (self._front, self._back):
             if sock is not None:
-                sock.close(linger=200)
+                sock.close(linger=500)
+        if self._own_ctx:
+            # term() blocks until queued replies are flushed (bounded by the linger above):
+            # exiting without it would drop the last FINALs of a graceful drain.
+            self.ctx.term()
         self._state = "closed"
         self.log.info("broker_closed")
 
@@ -235,10 +240,14 @@ class Broker:
             return True
         except zmq.Again:
             self.stats.dropped["worker_send_hwm"] += 1
+            why = "hwm"
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self.stats.dropped["worker_unreachable"] += 1
+            why = "unreachable"
+        if self._limiter.allow(("worker_send_failed", identity)):
+            self.log.warning("worker_send_failed", peer=identity.decode(errors="replace")[:64], why=why)
         return False
 
     def _send_client(self, identity: bytes, frames: list[bytes]) -> bool:
@@ -247,10 +256,14 @@ class Broker:
             return True
         except zmq.Again:
             self.stats.dropped["client_send_hwm"] += 1
+            why = "hwm"
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self.stats.dropped["client_unreachable"] += 1
+            why = "unreachable"
+        if self._limiter.allow(("client_send_failed", identity)):
+            self.log.warning("client_send_failed", client=identity.hex()[:32], why=why)
         return False
 
     def _reject(self, path: str, err: ProtocolError, peer: bytes) -> None:
@@ -589,6 +602,7 @@ class Broker:
     def _client_gone(self, inf: Inflight) -> None:
         """The client's connection is gone: cancel all of its requests (nobody can read them)."""
         client = inf.client
+        self.log.warning("client_gone", client=client.hex()[:32], request_id=inf.client_rid)
         for other in [i for i in self._inflight.values() if i.client == client]:
             if other.session is not None:
                 self._send_worker(other.session.identity, P.encode_worker_cancel(other.rid, other.attempt))

@@ -40,7 +40,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 # ----------------------------------------------------------------------------- broker
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
-                 "retry_base_ms", "retry_cap_ms", "max_inflight", "drain_timeout_s", "policy", "cache_prefix_provider",
+                 "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "drain_timeout_s", "policy", "cache_prefix_provider",
                  "load_freshness_s", "metrics", "seed", "log_level"]
 
 
@@ -59,6 +59,8 @@ def _add_broker(sub) -> None:
     p.add_argument("--max-attempts", type=int, help="dispatch attempts per request, first included (default 3)")
     p.add_argument("--retry-base-ms", type=float, help="retry back-off base (default 25)")
     p.add_argument("--retry-cap-ms", type=float, help="retry back-off cap (default 250)")
+    p.add_argument("--retry-budget-ratio", type=float, help="concurrent retries allowed per in-flight request (default 0.2)")
+    p.add_argument("--retry-budget-min", type=int, help="concurrent retries always allowed (default 3)")
     p.add_argument("--max-inflight", type=int, help="requests in flight before new ones get 'overloaded'")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight work (default 10)")
     p.add_argument("--load-freshness-s", type=float, help="LoadStat older than this is ignored (default 5)")

@@ -95,9 +95,14 @@ class SocketSpec:
 # bounded HWMs so a slow peer cannot exhaust broker memory; short linger so shutdown is bounded.
 BROKER_FRONTEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True)
 BROKER_BACKEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True)
-# DEALERs: IMMEDIATE so nothing queues onto a connection that is not up; reconnect backoff capped.
+# Worker DEALERs: IMMEDIATE so nothing queues onto a connection that is not up (the broker
+# re-dispatches what a lost link never delivered).
 WORKER_DEALER = SocketSpec(zmq.DEALER, sndhwm=10_000, rcvhwm=10_000, linger_ms=0, immediate=True)
-CLIENT_DEALER = SocketSpec(zmq.DEALER, sndhwm=10_000, rcvhwm=10_000, linger_ms=0, immediate=True)
+# Client DEALERs: NOT immediate. With IMMEDIATE=1 libzmq drops the unread inbound messages of a
+# connection the moment it closes, so a broker that sends its last FINALs and exits (graceful
+# drain) would lose them. Without it, requests sent while a broker restarts wait for it (each
+# is still bounded by its deadline).
+CLIENT_DEALER = SocketSpec(zmq.DEALER, sndhwm=10_000, rcvhwm=10_000, linger_ms=0, immediate=False)
 # Telemetry: a slow subscriber must never slow the broker; PUB drops for it at this HWM.
 TELEMETRY_PUB = SocketSpec(zmq.PUB, sndhwm=1000, rcvhwm=1000, linger_ms=0)
 

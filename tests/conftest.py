@@ -1,0 +1,30 @@
+"""Shared fixtures: tests own their processes (random ports, logs in tmp_path, loud teardown)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from mesh.procs import ProcGroup
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    """A ProcGroup whose processes are stopped at teardown; a process that ignores SIGTERM for
+    10 s is SIGKILLed and the test fails (shutdown must be bounded)."""
+    group = ProcGroup(tmp_path / "logs")
+    yield group
+    stubborn = []
+    for p in group.procs:
+        if p.alive():
+            code = p.stop(grace_s=10.0)
+            if code == -9:
+                stubborn.append(p.name)
+    assert not stubborn, f"processes needed SIGKILL at teardown: {stubborn}"
+
+
+def run(coro, timeout_s: float = 60.0):
+    """Run one async test body with a hard timeout (every await in tests is bounded)."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))

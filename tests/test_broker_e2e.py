@@ -1,0 +1,314 @@
+"""End to end: a real broker process and real simulated worker processes on 127.0.0.1.
+
+Covers hostile input (the broker survives, counts, answers), exactly-one terminal frame per
+request with several clients and workers, SIGKILL of a busy worker, and a broker restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from mesh import protocol as P
+from mesh.client import Client
+from mesh.errors import ErrorCode, RequestError
+from mesh.up import wait_for_workers
+from tests.conftest import run
+
+FAST = ["--heartbeat-ms", "200"]  # brokers: faster liveness for quicker tests (T_detect = 0.8 s)
+
+
+async def _raw_exchange(endpoint: str, frames: list[bytes], expect_reply: bool, timeout_s: float = 3.0) -> list[bytes] | None:
+    ctx = zmq.asyncio.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        await s.send_multipart(frames)
+        if not expect_reply:
+            return None
+        return await asyncio.wait_for(s.recv_multipart(), timeout_s)
+    finally:
+        s.close(linger=2000)  # linger so an unanswered frame is still delivered
+
+
+async def _wait_counters(endpoint: str, want: dict[str, int], timeout_s: float = 5.0) -> dict:
+    """Poll STATUS until every counter in ``want`` reached its value (frames land asynchronously)."""
+    t_end = time.monotonic() + timeout_s
+    while True:
+        c = await _counters(endpoint)
+        if all(c.get(k, 0) >= v for k, v in want.items()) or time.monotonic() > t_end:
+            return c
+        await asyncio.sleep(0.05)
+
+
+async def _counters(endpoint: str) -> dict:
+    async with Client(endpoint) as c:
+        return (await c.status()).counters
+
+
+def test_hostile_client_input_is_rejected_counted_and_answered(procs):
+    b = procs.broker("b", *FAST)
+    procs.workers("w", [b.backend], count=2)
+    run(wait_for_workers(b.frontend, 2))
+
+    good = P.encode_submit("ok", input_ids=[1, 2, 3], params={"max_new_tokens": 2})
+    cases = [
+        # (frames, broker answers with ERROR bad_request?, frames_rejected reason)
+        ([P.CLIENT_HEADER, b"\x11", good[2][:-2]], True, "bad_msgpack"),                   # truncated msgpack
+        ([P.CLIENT_HEADER, b"\x11", good[2] + b"\x01"], True, "bad_msgpack"),              # trailing bytes
+        ([P.CLIENT_HEADER, b"\x11"], True, "bad_frame_count"),                             # wrong frame count
+        ([P.CLIENT_HEADER, b"\x20", P.pack({})], True, "unknown_command"),                 # unknown command
+        ([P.CLIENT_HEADER, b"\x11", P.pack({"rid": "t", "input_ids": "abc"})], True, "bad_field"),  # wrong types
+        ([P.WORKER_HEADER, b"\x01", P.pack({"worker_id": "evil"})], False, "wrong_path"),  # worker command from a client
+        ([b"GET / HTTP/1.1"], False, "bad_frame_count"),
+    ]
+
+    async def body():
+        for frames, answered, reason in cases:
+            reply = await _raw_exchange(b.frontend, frames, expect_reply=answered)
+            if answered:
+                m = P.decode_client_reply(reply)
+                assert isinstance(m, P.ClientError) and m.code == ErrorCode.BAD_REQUEST.value, m
+            # the broker still serves after each bad frame
+            async with Client(b.frontend) as c:
+                r = await c.generate(input_ids=[5, 6, 7], max_new_tokens=2, deadline_ms=5000)
+                assert r.finish_reason == "length" and len(r.token_ids) == 2
+        # the rid of a readable-but-invalid SUBMIT is echoed in the error
+        reply = await _raw_exchange(b.frontend, [P.CLIENT_HEADER, b"\x11", P.pack({"rid": "named", "input_ids": [-1]})], True)
+        assert P.decode_client_reply(reply).rid == "named"
+        # oversized frame: ZMQ_MAXMSGSIZE drops the connection; the broker keeps serving others
+        await _raw_exchange(b.frontend, [P.CLIENT_HEADER, b"\x11", b"\x00" * (P.MAX_FRAME_BYTES + 128 * 1024)], expect_reply=False)
+        async with Client(b.frontend) as c:
+            assert (await c.generate(input_ids=[1], max_new_tokens=1, deadline_ms=5000)).finish_reason == "length"
+        counters = await _wait_counters(b.frontend, {"frames_rejected.client.wrong_path": 1, "frames_rejected.client.bad_frame_count": 2})
+        for _, _, reason in cases:
+            path_reasons = [k for k in counters if k.startswith("frames_rejected.") and k.endswith("." + reason)]
+            assert path_reasons, (reason, counters)
+
+    run(body())
+    assert b.alive()
+
+
+def test_hostile_worker_input_and_unregistered_peer(procs):
+    b = procs.broker("b", *FAST)
+    procs.workers("w", [b.backend], count=1)
+    run(wait_for_workers(b.frontend, 1))
+
+    async def body():
+        # garbage on the worker path, a heartbeat from a peer that never sent READY, a bad READY
+        await _raw_exchange(b.backend, [P.WORKER_HEADER, b"\x02", b"\xc1"], expect_reply=False)
+        reply = await _raw_exchange(b.backend, P.encode_heartbeat(), expect_reply=True)
+        assert isinstance(P.decode_broker_to_worker(reply), P.Disconnect)  # "send READY first"
+        await _raw_exchange(b.backend, [P.WORKER_HEADER, b"\x01", P.pack({"worker_id": "x", "role": "mixed"})], expect_reply=False)
+        # a READY-d fake worker that then sends a stale FINAL is fenced
+        ctx = zmq.asyncio.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(b.backend)
+        await s.send_multipart(P.encode_ready(P.Ready("fake", "m", "mixed", {}, 16, 8, 1000, 1, 1, 200)))
+        await asyncio.wait_for(s.recv_multipart(), 3)
+        await s.send_multipart(P.encode_worker_final(999, 1, "length", {}))
+        await s.send_multipart(P.encode_ready(P.Ready("fake", "m", "mixed", {}, 16, 8, 1000, 1, 1, 200)))  # second READY
+        m = P.decode_broker_to_worker(await asyncio.wait_for(s.recv_multipart(), 3))
+        while isinstance(m, P.Heartbeat):
+            m = P.decode_broker_to_worker(await asyncio.wait_for(s.recv_multipart(), 3))
+        assert isinstance(m, P.Disconnect)
+        s.close(linger=0)
+        async with Client(b.frontend) as c:
+            for _ in range(5):
+                assert (await c.generate(input_ids=[1, 2], max_new_tokens=1, deadline_ms=5000)).worker == "w"
+        c = await _wait_counters(b.frontend, {"frames_rejected.worker.bad_msgpack": 1, "frames_rejected.worker.bad_field": 1})
+        assert c.get("frames_rejected.worker.bad_msgpack") == 1
+        assert c.get("frames_rejected.worker.unregistered_peer", 0) >= 1
+        assert c.get("frames_rejected.worker.bad_field") == 1
+        assert c.get("frames_rejected.worker.duplicate_ready") == 1
+        assert c.get("dropped.stale_reply") == 1
+
+    run(body())
+
+
+def test_many_clients_many_workers_exactly_one_terminal(procs):
+    b = procs.broker("b", *FAST)
+    procs.workers("wa", [b.backend], "--time-scale", "0.2", count=3)
+    procs.workers("wb", [b.backend], "--time-scale", "0.2", count=2)
+    run(wait_for_workers(b.frontend, 5))
+    n_clients, per_client = 4, 40
+
+    async def one_client(k: int) -> dict[str, list[bytes]]:
+        """A raw DEALER client so every frame is seen; returns terminal commands per rid."""
+        ctx = zmq.asyncio.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(b.frontend)
+        terminals: dict[str, list[bytes]] = {}
+        seqs: dict[str, list[int]] = {}
+        for i in range(per_client):
+            prompt = [k + 1] * 64 + list(range(i, i + 40))
+            await s.send_multipart(P.encode_submit(f"c{k}-{i}", input_ids=prompt, params={"max_new_tokens": 8},
+                                                   deadline_ms=20_000, stream=bool(i % 2)))
+        t_end = time.monotonic() + 30
+        while sum(len(v) for v in terminals.values()) < per_client and time.monotonic() < t_end:
+            m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 30))
+            if isinstance(m, P.ClientChunk):
+                seqs.setdefault(m.rid, []).append(m.seq)
+            elif isinstance(m, (P.ClientFinal, P.ClientError)):
+                terminals.setdefault(m.rid, []).append(m)
+        # any late duplicate terminal would show up here
+        try:
+            while True:
+                m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 0.3))
+                if isinstance(m, (P.ClientFinal, P.ClientError)):
+                    terminals.setdefault(m.rid, []).append(m)
+        except asyncio.TimeoutError:
+            pass
+        s.close(linger=0)
+        for rid, sq in seqs.items():
+            assert sq == list(range(len(sq))), (rid, sq)  # contiguous chunk sequence
+        return terminals
+
+    async def body():
+        results = await asyncio.gather(*(one_client(k) for k in range(n_clients)))
+        for terminals in results:
+            assert len(terminals) == per_client
+            for rid, frames in terminals.items():
+                assert len(frames) == 1, (rid, frames)
+                assert isinstance(frames[0], P.ClientFinal), frames[0]
+
+    run(body(), timeout_s=90)
+
+
+def test_sigkill_busy_worker_requests_retried_or_worker_lost(procs):
+    b = procs.broker("b", *FAST, "--max-attempts", "3", "--retry-budget-min", "20")
+    victim = procs.workers("victim", [b.backend], "--decode-base-ms", "40", count=1)
+    procs.workers("survivor", [b.backend], "--decode-base-ms", "40", count=1)
+    run(wait_for_workers(b.frontend, 2))
+
+    async def body():
+        async with Client(b.frontend) as c:
+            # non-streaming requests: nothing is streamed, so they are retry-safe
+            quiet = [await c.submit(input_ids=[7] * 32 + [i], max_new_tokens=30, stream=False, deadline_ms=20_000) for i in range(10)]
+            # streaming requests: once a chunk arrived they can only fail with worker_lost
+            loud = [await c.submit(input_ids=[9] * 32 + [i], max_new_tokens=200, stream=True, deadline_ms=20_000) for i in range(10)]
+            # wait until the victim is busy streaming
+            t_end = time.monotonic() + 10
+            while not any(st.worker == "victim" and st.first_token_s for st in loud) and time.monotonic() < t_end:
+                await asyncio.sleep(0.02)
+            assert any(st.worker == "victim" for st in quiet + loud)
+            victim.signal(signal.SIGKILL)
+            t_kill = time.monotonic()
+            outcomes = []
+            for st in quiet + loud:
+                try:
+                    r = await st.result()
+                    outcomes.append(("ok", r.worker, r.attempt, st))
+                except RequestError as e:
+                    outcomes.append((e.code.value, st.worker, st.attempt, st))
+            elapsed = time.monotonic() - t_kill
+            for code, worker, attempt, st in outcomes:
+                if st in quiet:
+                    assert code == "ok", (code, worker)
+                    assert worker == "survivor"
+                else:
+                    assert code in ("ok", "worker_lost"), code
+            lost = [o for o in outcomes if o[0] == "worker_lost"]
+            retried = [o for o in outcomes if o[0] == "ok" and o[2] > 1]
+            assert lost or retried
+            # worker_lost answers arrive within the detection time (0.2 s x 3) plus margin
+            assert elapsed < 15
+            counters = (await c.status()).counters
+            assert counters.get("workers.expired", 0) + counters.get("workers.disconnected", 0) >= 1
+
+    run(body(), timeout_s=60)
+
+
+def test_broker_restart_workers_reregister(procs, tmp_path):
+    b = procs.broker("b1", *FAST)
+    # restart on the same ports so the workers' DEALERs reconnect to the new process
+    procs.workers("w", [b.backend], "--heartbeat-ms", "200", count=2)
+    run(wait_for_workers(b.frontend, 2))
+
+    async def ask():
+        async with Client(b.frontend) as c:
+            return await c.generate(input_ids=[1, 2, 3, 4], max_new_tokens=3, deadline_ms=5000)
+
+    assert run(ask()).finish_reason == "length"
+    b.signal(signal.SIGKILL)
+    b.popen.wait(5)
+    b2 = procs.broker("b2", *FAST, frontend=b.frontend, backend=b.backend)
+    t0 = time.monotonic()
+    run(wait_for_workers(b2.frontend, 2, timeout_s=15))
+    assert time.monotonic() - t0 < 5  # re-registered well within T_detect + reconnect back-off
+    assert run(ask()).finish_reason == "length"
+
+
+def test_deadline_and_cancel(procs):
+    b = procs.broker("b", *FAST)
+    procs.workers("w", [b.backend], "--decode-base-ms", "50", count=1)
+    run(wait_for_workers(b.frontend, 1))
+
+    async def body():
+        async with Client(b.frontend) as c:
+            st = await c.submit(input_ids=[1] * 16, max_new_tokens=500, deadline_ms=300)
+            with pytest.raises(RequestError) as ei:
+                await st.result()
+            assert ei.value.code is ErrorCode.DEADLINE_EXCEEDED
+            st = await c.submit(input_ids=[2] * 16, max_new_tokens=500, deadline_ms=10_000)
+            async for _ in st:
+                await st.cancel()
+                break
+            with pytest.raises(RequestError) as ei:
+                await st.result()
+            assert ei.value.code is ErrorCode.CANCELLED
+        # the same rid twice while the first is in flight: the second gets DUPLICATE, the first completes
+        ctx = zmq.asyncio.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(b.frontend)
+        sub = P.encode_submit("dup", input_ids=[3] * 16, params={"max_new_tokens": 20}, stream=False)
+        await s.send_multipart(sub)
+        await s.send_multipart(sub)
+        got = []
+        while len(got) < 2:
+            m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 10))
+            got.append(type(m).__name__ if not isinstance(m, P.ClientError) else m.code)
+        s.close(linger=0)
+        assert sorted(got) == ["ClientFinal", "duplicate"]
+
+    run(body())
+
+
+def test_no_worker_is_a_clear_error(procs):
+    b = procs.broker("b", *FAST)
+
+    async def body():
+        async with Client(b.frontend) as c:
+            with pytest.raises(RequestError) as ei:
+                await c.generate(input_ids=[1], max_new_tokens=1, deadline_ms=2000)
+            assert ei.value.code is ErrorCode.NO_WORKER
+
+    run(body())
+
+
+def test_graceful_sigterm_drains(procs):
+    b = procs.broker("b", *FAST)
+    procs.workers("w", [b.backend], "--decode-base-ms", "20", count=1)
+    run(wait_for_workers(b.frontend, 1))
+
+    async def body():
+        async with Client(b.frontend) as c:
+            sts = [await c.submit(input_ids=[4] * 16 + [i], max_new_tokens=20, deadline_ms=10_000) for i in range(5)]
+            async for _ in sts[0]:
+                break
+            b.signal(signal.SIGTERM)
+            for st in sts:
+                assert (await st.result()).finish_reason == "length"
+
+    run(body())
+    assert b.popen.wait(10) == 0
