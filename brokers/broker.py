@@ -44,7 +44,8 @@ from mesh.errors import ErrorCode, ProtocolError
 from mesh.logs import RateLimiter, announce, get_logger
 from mesh.retry import RetryBudget, RetryPolicy
 from mesh.routing.router import Router
-from mesh.routing.view import RouteRequest, WorkerState
+from mesh.hashing import text_to_tokens
+from mesh.routing.view import Decision, RouteRequest, WorkerState
 from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, send_frames
 
 __all__ = ["Broker", "Inflight"]
@@ -63,6 +64,7 @@ class Inflight:
     deadline_s: float
     attempt: int = 0
     session: WorkerSession | None = None
+    decision: Decision | None = None
     chunks_sent: int = 0
     tried: set[str] = field(default_factory=set)
     retry_pending: bool = False
@@ -328,11 +330,14 @@ class Broker:
 
     def _route_request(self, inf: Inflight) -> RouteRequest:
         sub = inf.submit
+        tokens = sub.input_ids
+        if tokens is None and self.router.policy.needs_match:
+            tokens = text_to_tokens(sub.text or "")  # text prompts route by a byte-level key
         return RouteRequest(
             request_id=inf.client_rid,
-            prompt_tokens=sub.prompt_len,
+            prompt_tokens=len(tokens) if tokens is not None else sub.prompt_len,
             max_new_tokens=sub.max_new_tokens,
-            tokens=sub.input_ids,
+            tokens=tokens,
             ttft_slo_ms=sub.ttft_slo_ms,
             tps_slo=sub.tps_slo,
         )
@@ -364,13 +369,14 @@ class Broker:
             frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw)
             if self._send_worker(sess.identity, frames):
                 inf.session = sess
+                inf.decision = decision
                 inf.reason = decision.reason
                 sess.inflight.add(inf.rid)
-                sess.state.inflight += 1
                 if inf.submit.stream:
                     self._send_client(inf.client, P.encode_accepted(inf.client_rid, sess.worker_id, decision.reason, inf.attempt))
                 return
             # Unreachable or full worker: it is failing; try another one right away.
+            Router.release(sess.state, decision)
             self.stats.retries["send_failed"] += 1
             if inf.attempt >= self.s.max_attempts:
                 self._finish_error(inf, ErrorCode.UNAVAILABLE, "could not deliver the request to any worker")
@@ -380,8 +386,10 @@ class Broker:
         sess = inf.session
         if sess is not None:
             sess.inflight.discard(inf.rid)
-            sess.state.inflight = max(0, sess.state.inflight - 1)
+            if inf.decision is not None:
+                Router.release(sess.state, inf.decision)
             inf.session = None
+            inf.decision = None
 
     def _retry_or_fail(self, inf: Inflight, code: ErrorCode, message: str, now: float) -> None:
         """A dispatched attempt failed without output. Re-dispatch after a back-off, or fail."""
@@ -585,7 +593,6 @@ class Broker:
             else:
                 self._retry_or_fail(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost ({why})", now)
         sess.inflight.clear()
-        sess.state.inflight = 0
 
     def _purge_expired(self, now: float) -> None:
         for sess in self.registry.expired(now):

@@ -8,6 +8,8 @@ import random
 from brokers.broker import Broker
 from brokers.stats import StatsCollector
 from mesh.config import BrokerSettings
+from mesh.errors import ConfigError
+from mesh.routing.providers import make_provider
 from mesh.logs import configure, get_logger
 from mesh.routing.router import Router, make_policy
 
@@ -17,8 +19,17 @@ __all__ = ["build_broker", "serve_broker"]
 def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
     """Assemble a broker (router, policy, provider) from validated settings."""
     rng = random.Random(settings.seed)
-    policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s)
-    return Broker(settings, Router(policy), **kwargs)
+    try:
+        policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s)
+    except ValueError as exc:
+        raise ConfigError(f"policy: {exc}") from None
+    provider = None
+    if policy.needs_match:
+        try:
+            provider = make_provider(settings.cache_prefix_provider)
+        except ValueError as exc:
+            raise ConfigError(f"cache_prefix_provider: {exc}") from None
+    return Broker(settings, Router(policy, provider), kv_sink=provider, **kwargs)
 
 
 def _gauges(broker: Broker):

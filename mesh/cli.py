@@ -51,7 +51,7 @@ def _add_broker(sub) -> None:
     p.add_argument("--frontend", help="client-facing endpoint (default tcp://127.0.0.1:5555; port * = any free port)")
     p.add_argument("--backend", help="worker-facing endpoint (default tcp://127.0.0.1:5556)")
     p.add_argument("--broker-id", help="name used in logs and metrics")
-    p.add_argument("--policy", help="routing policy: power_of_two (default), round_robin, random, ...")
+    p.add_argument("--policy", help="routing policy: cache_aware (default), cache_aware_greedy, power_of_two, round_robin, random")
     p.add_argument("--cache-prefix-provider", help="prefix index source: radix_tree (default), approx, indexer")
     p.add_argument("--heartbeat-ms", type=int, help="application heartbeat interval (default 500)")
     p.add_argument("--liveness", type=int, help="heartbeats missed before a worker is expired (default 3)")
@@ -147,7 +147,7 @@ def _add_up(sub) -> None:
                        description="Start a broker and N simulated workers on 127.0.0.1, drive open-loop shared-prefix "
                                    "load for a bounded time, print a summary table and exit (0 when no request failed).")
     p.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
-    p.add_argument("--policy", default="power_of_two", help="broker routing policy (default power_of_two)")
+    p.add_argument("--policy", default="cache_aware", help="broker routing policy (default cache_aware)")
     p.add_argument("--rate", type=float, default=30.0, help="requests per second, Poisson (default 30)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of offered load (default 15)")
     p.add_argument("--groups", type=int, default=8, help="shared system prompts (default 8)")

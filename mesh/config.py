@@ -39,7 +39,7 @@ class BrokerSettings:
     retry_budget_min: int = 3
     max_inflight: int = 100_000
     drain_timeout_s: float = 10.0
-    policy: str = "power_of_two"
+    policy: str = "cache_aware"
     cache_prefix_provider: str = "radix_tree"
     load_freshness_s: float = 5.0
     metrics: str = ""  # host:port for the Prometheus endpoint; empty = off

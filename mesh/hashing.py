@@ -216,3 +216,12 @@ def to_signed64(u: int) -> int:
     """Two's complement view of an unsigned 64-bit value (how SGLang sends hashes)."""
     u &= U64_MASK
     return u - (1 << 64) if u >= (1 << 63) else u
+
+
+def text_to_tokens(text: str) -> list[int]:
+    """Stand-in tokenizer for text-only requests: UTF-8 bytes as token ids.
+
+    Used where no real tokenizer is configured (simulated workers, and the broker's routing key
+    for text prompts), so a shared text prefix still maps to shared pages. Deterministic.
+    """
+    return list(text.encode("utf-8"))

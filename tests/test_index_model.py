@@ -80,6 +80,26 @@ class RefIndex:
     def clear(self, stream) -> None:
         self.streams.get(stream, {}).clear()
 
+    def ancestors(self, stream, eh) -> list[int]:
+        stt = self.streams[stream]
+        out = [eh]
+        while stt[out[-1]][1] is not None:
+            out.append(stt[out[-1]][1])
+        return out[::-1]
+
+    def descendants(self, stream, eh) -> set[int]:
+        stt = self.streams[stream]
+        out = {eh}
+        changed = True
+        while changed:
+            changed = False
+            for e, (_, p) in stt.items():
+                if e not in out and p in out:
+                    out.add(e)
+                    changed = True
+        out.discard(eh)
+        return out
+
     def remove_worker(self, w) -> None:
         for s in [s for s in self.streams if s[0] == w]:
             del self.streams[s]
@@ -174,19 +194,39 @@ class IndexMachine(RuleBasedStateMachine):
 
     def _do_store(self, data, stream) -> None:
         stt = self.ref.streams.get(stream, {})
-        choice = data.draw(st.sampled_from(["root", "held", "held", "orphan"]), label="parent")
-        if choice == "held" and stt:
+        mode = data.draw(st.sampled_from(["root", "extend", "extend", "restore", "alias", "orphan"]), label="mode")
+        if mode in ("extend", "restore", "alias") and not stt:
+            mode = "root"
+        ns = data.draw(st.sampled_from([0, 0, 1]), label="ns")
+        pages = data.draw(st.lists(st.sampled_from(PAGES), min_size=0, max_size=4), label="pages")
+        old_ehs: list[int] = []
+        old_keys: list[int] = []
+        parent: int | None = None
+        if mode == "extend":
             parent = data.draw(st.sampled_from(sorted(stt)), label="parent_eh")
-        elif choice == "orphan":
+        elif mode == "orphan":
             parent = data.draw(st.integers(0, U64), label="bogus")
-        else:
-            parent = None
+        elif mode == "restore":
+            # Re-send an existing chain segment (engines may re-store), then maybe new blocks.
+            x = data.draw(st.sampled_from(sorted(stt)), label="x")
+            anc = self.ref.ancestors(stream, x)  # root .. x
+            cut = data.draw(st.integers(0, len(anc) - 1), label="cut")
+            old_ehs = anc[cut:]
+            old_keys = [stt[e][0] for e in old_ehs]
+            parent = anc[cut - 1] if cut else None
+        elif mode == "alias":
+            # The same content under other engine hashes (a namespace): whole path from the root.
+            x = data.draw(st.sampled_from(sorted(stt)), label="x")
+            old_keys = self._path(stt[x][0])
+            old_ehs = [ehash(stream, k, ns) for k in old_keys]
+        if not old_ehs and not pages:
+            pages = [0]
         pk = self.ix.resolve_parent_key(stream, parent)
         assert pk == (self.ref.key_of(stream, parent) if parent is None or parent in stt else None)
-        pages = data.draw(st.lists(st.sampled_from(PAGES), min_size=1, max_size=4), label="pages")
-        ns = data.draw(st.sampled_from([0, 0, 0, 1]), label="ns")
-        keys = self._keys(ROOT_KEY if pk is None else pk, pages)
-        ehs = [ehash(stream, k, ns) for k in keys]
+        base = old_keys[-1] if old_keys else (ROOT_KEY if pk is None else pk)
+        new_keys = self._keys(base, pages)
+        keys = old_keys + new_keys
+        ehs = old_ehs + [ehash(stream, k, ns) for k in new_keys]
         orphans_before = self.ix.c.orphans
         self.ix.store(stream, parent, ehs, keys)
         self.ref.store(stream, parent, ehs, keys)
@@ -195,9 +235,29 @@ class IndexMachine(RuleBasedStateMachine):
         else:
             self.spec.close(stream[0], keys)
 
+    def _path(self, key: int) -> list[int]:
+        path = [key]
+        while self.created[path[-1]][0] != ROOT_KEY:
+            path.append(self.created[path[-1]][0])
+        return path[::-1]
+
     def _do_remove(self, data, stream) -> None:
         stt = self.ref.streams.get(stream, {})
-        ehs = data.draw(st.lists(st.sampled_from(sorted(stt)), max_size=3), label="rm") if stt else []
+        ehs: list[int] = []
+        if stt:
+            if data.draw(st.booleans(), label="subtree"):
+                # An evicted leaf node's blocks, in prompt order, reversed, or shuffled.
+                x = data.draw(st.sampled_from(sorted(stt)), label="x")
+                sub = sorted(self.ref.descendants(stream, x) | {x}, key=lambda e: len(self.ref.ancestors(stream, e)))
+                sub = sub[: data.draw(st.integers(1, len(sub)), label="n")]
+                order = data.draw(st.sampled_from(["fwd", "rev", "shuffle"]), label="order")
+                if order == "rev":
+                    sub.reverse()
+                elif order == "shuffle":
+                    sub = data.draw(st.permutations(sub), label="perm")
+                ehs = list(sub)
+            else:
+                ehs = data.draw(st.lists(st.sampled_from(sorted(stt)), max_size=3), label="rm")
         if data.draw(st.booleans(), label="unknown"):
             ehs.append(12345)
         self.ix.remove(stream, ehs)

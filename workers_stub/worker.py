@@ -28,17 +28,13 @@ from mesh import protocol as P
 from mesh.config import WorkerSettings
 from mesh.engine_model import EngineConfig, EngineModel
 from mesh.errors import ErrorCode
+from mesh.hashing import text_to_tokens
 from mesh.logs import get_logger
 from mesh.retry import RetryPolicy
 from mesh.sockets import CurveKeys
 from workers_stub.links import BrokerLink
 
-__all__ = ["SimWorker", "text_to_tokens"]
-
-
-def text_to_tokens(text: str) -> list[int]:
-    """The stub's tokenizer: UTF-8 bytes as token ids (deterministic, cache-friendly)."""
-    return list(text.encode("utf-8"))
+__all__ = ["SimWorker"]
 
 
 @dataclass(slots=True)

@@ -357,7 +357,7 @@ class PrefixIndex:
             v = h[k]
             if type(v) is dict:
                 if s in v:
-                    s.alias.setdefault(k, []).append(run)
+                    pass
                 else:
                     v[s] = run
             elif v.stream is s:
@@ -489,7 +489,7 @@ class PrefixIndex:
         # anything not in the tail after it needs its own lookup.
         tail = set(ehs[i0:])
         rest = [ehs.index(e) for e in ehs_in_run if e not in tail]
-        return min(rest) if False else i0
+        return min(rest) if rest and min(rest) < i0 else i0
 
     def clear(self, stream: Stream) -> int:
         """Drop every block of ``stream``; returns entries dropped."""

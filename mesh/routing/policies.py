@@ -17,11 +17,16 @@ __all__ = ["Policy", "MatchView", "RoundRobin", "RandomPolicy", "PowerOfTwo", "l
 
 
 class MatchView(Protocol):
-    """Per-worker cache matches for one request, from a prefix provider."""
+    """Per-worker cache matches for one request, from a prefix provider.
+
+    ``top(k)`` returns the k deepest matches as objects with ``worker_id`` and ``blocks``.
+    """
+
+    query_blocks: int
 
     def matched_blocks(self, worker_id: str) -> int: ...
 
-    def top(self, k: int) -> list[tuple[str, int]]: ...
+    def top(self, k: int) -> list: ...
 
 
 class Policy(Protocol):

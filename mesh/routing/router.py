@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Collection, Iterable, Protocol, Sequence
 
+from mesh.routing.cache_policies import CacheAware, CacheAwareGreedy
 from mesh.routing.policies import MatchView, Policy, PowerOfTwo, RandomPolicy, RoundRobin
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 
@@ -30,6 +31,8 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "round_robin": RoundRobin,
     "random": RandomPolicy,
     "power_of_two": PowerOfTwo,
+    "cache_aware_greedy": CacheAwareGreedy,
+    "cache_aware": CacheAware,
 }
 
 
@@ -42,16 +45,29 @@ def make_policy(name: str, *, rng: random.Random | None = None, freshness_s: flo
 
 
 class Router:
-    """Policy + optional prefix provider. Serving roles: ``mixed`` workers serve whole requests."""
+    """Policy + optional prefix provider. ``mixed`` workers serve whole requests.
+
+    :meth:`route` records the dispatch on the chosen :class:`WorkerState` (in-flight count and
+    uncached tokens); the caller must call :meth:`release` once for every successful route when
+    that request finishes, fails, or is taken back for a retry.
+    """
 
     def __init__(self, policy: Policy, provider: PrefixProvider | None = None) -> None:
         self.policy = policy
         self.provider = provider
+        self._pool_ref: Sequence[WorkerState] | None = None
+        self._pool_by_id: dict[str, WorkerState] = {}
 
     @staticmethod
     def pool(workers: Iterable[WorkerState], roles: Collection[str] = ("mixed",)) -> list[WorkerState]:
         """The routable pool: healthy workers of the given roles (callers cache this list)."""
         return [w for w in workers if w.healthy and w.role in roles]
+
+    def _by_id(self, pool: Sequence[WorkerState]) -> dict[str, WorkerState]:
+        if pool is not self._pool_ref:
+            self._pool_ref = pool
+            self._pool_by_id = {w.worker_id: w for w in pool}
+        return self._pool_by_id
 
     def route(self, req: RouteRequest, pool: Sequence[WorkerState], now_s: float, exclude: Collection[str] = ()) -> Decision:
         """Choose a worker from ``pool`` (see :meth:`pool`), skipping ids in ``exclude``."""
@@ -60,11 +76,29 @@ class Router:
             return Decision(None, "no_candidates")
         match = None
         degraded = False
-        if self.policy.needs_match and self.provider is not None and req.keys is not None:
+        if self.policy.needs_match and self.provider is not None:
             match = self.provider.match(req, now_s)
             degraded = match is None
-        d = self.policy.choose(req, cands, match, now_s)
+        if isinstance(self.policy, CacheAware):
+            d = self.policy.choose(req, cands, match, now_s, by_id=None if exclude else self._by_id(pool))
+        else:
+            d = self.policy.choose(req, cands, match, now_s)
         d.degraded = d.degraded or degraded
-        if d.worker_id is not None and self.provider is not None:
+        if d.worker_id is None:
+            return d
+        if "uncached_tokens" in d.detail:
+            d.uncached_tokens = d.detail["uncached_tokens"]
+        else:
+            bs = req.block_size or 16
+            hit = min(d.matched_blocks * bs, max(0, req.prompt_tokens - 1)) if d.matched_blocks else 0
+            d.uncached_tokens = req.prompt_tokens - hit
+        w = self._by_id(pool).get(d.worker_id) or next(x for x in cands if x.worker_id == d.worker_id)
+        w.record_dispatch(d.uncached_tokens)
+        if self.provider is not None:
             self.provider.on_routed(req, d.worker_id, now_s)
         return d
+
+    @staticmethod
+    def release(state: WorkerState, decision: Decision) -> None:
+        """Undo :meth:`route`'s bookkeeping for one request."""
+        state.record_release(decision.uncached_tokens)

@@ -53,6 +53,8 @@ class WorkerState:
     load: list[LoadStat | None] = field(default_factory=list)
     load_at_s: list[float] = field(default_factory=list)
     inflight_at_load: int = 0
+    outstanding_prefill_tokens: int = 0  # uncached tokens of this router's unfinished requests
+    pending_since_load_tokens: int = 0  # uncached tokens this router sent since the last LoadStat
     prefill_tokens_per_s: float | None = None
     _prev_load: list[LoadStat | None] = field(default_factory=list)
 
@@ -76,6 +78,18 @@ class WorkerState:
         if rates:
             self.prefill_tokens_per_s = sum(rates)
         self.inflight_at_load = self.inflight
+        self.pending_since_load_tokens = 0
+
+    def record_dispatch(self, uncached_tokens: int) -> None:
+        """This router sent a request here (keeps the live corrections to stale telemetry)."""
+        self.inflight += 1
+        self.outstanding_prefill_tokens += uncached_tokens
+        self.pending_since_load_tokens += uncached_tokens
+
+    def record_release(self, uncached_tokens: int) -> None:
+        """A request dispatched here finished, failed or moved elsewhere."""
+        self.inflight = max(0, self.inflight - 1)
+        self.outstanding_prefill_tokens = max(0, self.outstanding_prefill_tokens - uncached_tokens)
 
     def fresh_load(self, now_s: float, freshness_s: float) -> AggregatedLoad | None:
         """Summed load if *every* rank reported a complete, capacity-valid LoadStat recently.
@@ -139,4 +153,5 @@ class Decision:
     matched_blocks: int = 0
     degraded: bool = False
     decode_worker_id: str | None = None
+    uncached_tokens: int = 0
     detail: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,188 @@
+"""Cache-aware policies. Pure: no I/O, no clock reads.
+
+``cache_aware_greedy`` — SGLang's threshold policy (the removed ``cache_aware_zmq``), kept as the
+reference to beat:
+
+1. imbalance fast path: if ``max_load - min_load > balance_abs_threshold`` and
+   ``max_load > min_load * balance_rel_threshold``, take the least loaded worker;
+2. otherwise, if the best match rate exceeds ``cache_threshold``, take the least loaded worker
+   among those whose own match rate exceeds it;
+3. otherwise the least loaded worker. Defaults 0.5 / 32 / 1.1 (SGLang's Rust defaults).
+
+``cache_aware`` — mesh's own cost policy: choose the worker with the lowest **predicted time to
+first token**::
+
+    ttft_ms(w) = 1000 * (Q_w + E_w) / rate_w + overhead_ms + chunks(Q_w + E_w) * step_ms(w) + kv_penalty_ms(w)
+
+* ``E_w``: this request's uncached tokens on w (prompt minus its matched prefix);
+* ``Q_w``: uncached prefill tokens already queued on w: ``num_waiting_uncached_tokens`` from fresh
+  LoadStat plus what this router sent since that snapshot; without fresh telemetry, this
+  router's own outstanding prefill tokens on w (fail-open, like SGLang's router-local load);
+* ``rate_w``: w's measured prefill throughput (from the LoadStat counters) or the configured default;
+* ``step_ms(w)``: the decode work that shares each prefill chunk's GPU step (base + per running
+  request + KV read), i.e. the decode-pressure term; ``chunks`` = ceil(tokens / chunk size);
+* ``kv_penalty_ms``: added when the request would not fit beside w's active KV (it would wait).
+
+The candidate set is bounded: every worker when the pool is small, otherwise the ``top_k``
+deepest matches plus ``sample_others`` random workers, so decision cost stays flat as the fleet
+grows. Ties break by worker id; ``temperature`` > 0 samples from a softmax over costs instead.
+Reasons: ``cache_hit`` (chose the deepest match), ``load_override`` (a deeper match existed but
+cost more), ``cache_miss_min_load`` (no candidate matched).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+from mesh.routing.view import Decision, RouteRequest, WorkerState
+
+__all__ = ["CacheAwareGreedy", "CacheAware", "CostModel"]
+
+
+def _matched_tokens(match, w: WorkerState, req: RouteRequest, block_size: int) -> int:
+    if match is None:
+        return 0
+    blocks = match.matched_blocks(w.worker_id)
+    return min(blocks * block_size, max(0, req.prompt_tokens - 1))
+
+
+class CacheAwareGreedy:
+    """SGLang's threshold policy (see module docstring)."""
+
+    name = "cache_aware_greedy"
+    needs_match = True
+
+    def __init__(self, rng: random.Random | None = None, freshness_s: float = 5.0, *, cache_threshold: float = 0.5,
+                 balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1) -> None:
+        self.rng = rng or random.Random()
+        self.freshness_s = freshness_s
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+
+    def choose(self, req, candidates, match, now_s):
+        if not candidates:
+            return Decision(None, "no_candidates")
+        loads = [(w.pressure(now_s, self.freshness_s), w.worker_id, w) for w in candidates]
+        lo = min(loads)
+        hi = max(loads)
+        if hi[0] - lo[0] > self.balance_abs_threshold and hi[0] > lo[0] * self.balance_rel_threshold:
+            return Decision(lo[2].worker_id, "imbalance_min_load")
+        if match is not None:
+            qb = max(1, getattr(match, "query_blocks", 0) or math.ceil(req.prompt_tokens / max(1, req.block_size)))
+            hot = [(ld, wid, w, match.matched_blocks(wid)) for ld, wid, w in loads]
+            hot = [t for t in hot if t[3] / qb > self.cache_threshold]
+            if hot:
+                ld, wid, w, blocks = min(hot, key=lambda t: (t[0], t[1]))
+                return Decision(wid, "cache_hit", matched_blocks=blocks)
+        return Decision(lo[2].worker_id, "cache_miss_min_load")
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Parameters of the TTFT prediction (defaults: 8B model on one H100, gpu-server-model.md)."""
+
+    prefill_tokens_per_s: float = 25_000.0
+    prefill_overhead_ms: float = 5.0
+    chunk_tokens: int = 8192
+    decode_base_ms: float = 7.0
+    decode_per_req_ms: float = 0.02
+    kv_read_ms_per_token: float = 131072 / 2.3e12 * 1000.0
+    kv_full_penalty_ms: float = 2000.0
+
+
+class CacheAware:
+    """mesh's cost policy: lowest predicted TTFT (see module docstring)."""
+
+    name = "cache_aware"
+    needs_match = True
+
+    def __init__(self, rng: random.Random | None = None, freshness_s: float = 5.0, *, cost: CostModel | None = None,
+                 full_scan_max: int = 32, top_k: int = 8, sample_others: int = 8, temperature: float = 0.0) -> None:
+        self.rng = rng or random.Random()
+        self.freshness_s = freshness_s
+        self.cost = cost or CostModel()
+        self.full_scan_max = full_scan_max
+        self.top_k = top_k
+        self.sample_others = sample_others
+        self.temperature = temperature
+
+    # -------------------------------------------------------------- candidate set
+    def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None) -> list[WorkerState]:
+        n = len(candidates)
+        if n <= self.full_scan_max:
+            return list(candidates)
+        chosen: dict[str, WorkerState] = {}
+        if match is not None:
+            if by_id is None:
+                by_id = {w.worker_id: w for w in candidates}
+            for m in match.top(self.top_k * 2):
+                w = by_id.get(m.worker_id)
+                if w is not None:
+                    chosen[w.worker_id] = w
+                    if len(chosen) >= self.top_k:
+                        break
+        for i in self.rng.sample(range(n), min(n, self.sample_others)):
+            w = candidates[i]
+            chosen.setdefault(w.worker_id, w)
+        return list(chosen.values())
+
+    # -------------------------------------------------------------- cost
+    def predicted_ttft_ms(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float) -> float:
+        c = self.cost
+        agg = w.fresh_load(now_s, self.freshness_s)
+        if agg is not None:
+            queued = agg.waiting_uncached_tokens + w.pending_since_load_tokens
+            running = agg.running
+            # num_total_tokens: KV held by running requests plus what waiting ones need (cached
+            # but unreferenced pages are evictable, so num_tokens would overstate pressure)
+            used = agg.total_tokens
+            capacity = agg.max_tokens
+        else:
+            queued = w.outstanding_prefill_tokens
+            running = w.inflight
+            used = 0
+            capacity = w.max_total_num_tokens
+        rate = w.prefill_tokens_per_s or c.prefill_tokens_per_s
+        work = queued + uncached
+        chunks = max(1, math.ceil(work / c.chunk_tokens))
+        step = (c.decode_base_ms + c.decode_per_req_ms * running + c.kv_read_ms_per_token * used) if running else 0.0
+        ttft = 1000.0 * work / rate + c.prefill_overhead_ms + chunks * step
+        if capacity and used + prompt_tokens > capacity:
+            ttft += c.kv_full_penalty_ms  # must wait for running requests to free KV
+        return ttft
+
+    def choose(self, req, candidates, match, now_s, by_id: dict[str, WorkerState] | None = None):
+        if not candidates:
+            return Decision(None, "no_candidates")
+        cands = self._candidates(candidates, match, by_id)
+        bs = req.block_size
+        L = req.prompt_tokens
+        scored = []
+        best_hit = 0
+        for w in cands:
+            hit = _matched_tokens(match, w, req, bs)
+            best_hit = max(best_hit, hit)
+            scored.append((self.predicted_ttft_ms(w, L - hit, L, now_s), w.worker_id, hit, w))
+        if self.temperature > 0 and len(scored) > 1:
+            pick = self._sample(scored)
+        else:
+            pick = min(scored, key=lambda t: (t[0], t[1]))
+        cost_ms, wid, hit, w = pick
+        if best_hit == 0:
+            reason = "cache_miss_min_load"
+        elif hit >= best_hit:
+            reason = "cache_hit"
+        else:
+            reason = "load_override"
+        return Decision(wid, reason, matched_blocks=hit // bs if bs else 0,
+                        detail={"predicted_ttft_ms": round(cost_ms, 3), "uncached_tokens": L - hit})
+
+    def _sample(self, scored):
+        lo = min(t[0] for t in scored)
+        scale = max(lo, 1.0) * self.temperature
+        weights = [math.exp(-(t[0] - lo) / scale) for t in scored]
+        return self.rng.choices(scored, weights=weights, k=1)[0]

@@ -1,0 +1,266 @@
+"""Prefix providers: where the cache-aware policies get their per-worker match signal.
+
+* ``radix_tree`` (:class:`LocalIndexProvider`): a router-local :class:`~mesh.index.PrefixIndex`
+  fed by the KV events workers send, plus speculative insert-on-route entries (short TTL, kept
+  apart from event-fed entries and closed when the real event arrives).
+* ``approx`` (:class:`ApproxProvider`): for workers that publish no events; learns only from this
+  router's own decisions, entries expire after a TTL (like SGLang SMG's approximate tree).
+* ``indexer``: the same event-fed index shared by every router. In the simulator that is a
+  :class:`LocalIndexProvider` over one shared ``PrefixIndex`` object; in the broker it is the
+  gRPC client in :mod:`mesh.indexer` (same contract).
+
+All providers key the index by the router's own content keys (:func:`mesh.hashing.content_keys`)
+recomputed from the token ids carried in ``BlockStored``; engine hashes are only ids for parent
+links and removals, so SGLang signed, vLLM unsigned and salted hashes all work. Pure code: no I/O,
+no clock (``now_s`` is passed in).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+from mesh import kv_events as KV
+from mesh.hashing import content_keys
+from mesh.index import ApproxIndex, Clear, PrefixIndex, Remove, Store, Verdict
+from mesh.routing.view import RouteRequest
+
+__all__ = ["LocalIndexProvider", "ApproxProvider", "make_provider", "PROVIDERS", "request_keys"]
+
+
+def request_keys(req: RouteRequest, block_size: int) -> Sequence[int] | None:
+    """The request's content keys at ``block_size`` (computed once and cached on the request)."""
+    if req.keys is not None and req.block_size == block_size:
+        return req.keys
+    if req.tokens is None:
+        return None
+    req.keys = content_keys(req.tokens, block_size)
+    req.block_size = block_size
+    return req.keys
+
+
+class MergedMatch:
+    """Per-worker max of two match views (a shared event-fed index + this router's speculation)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a, b) -> None:
+        self.a, self.b = a, b
+
+    @property
+    def query_blocks(self) -> int:
+        return self.a.query_blocks
+
+    @property
+    def best_blocks(self) -> int:
+        return max(self.a.best_blocks, self.b.best_blocks)
+
+    def matched_blocks(self, worker_id: str) -> int:
+        return max(self.a.matched_blocks(worker_id), self.b.matched_blocks(worker_id))
+
+    def top(self, k: int) -> list:
+        best: dict[str, Any] = {}
+        for m in (*self.a.top(k), *self.b.top(k)):
+            cur = best.get(m.worker_id)
+            if cur is None or m.blocks > cur.blocks:
+                best[m.worker_id] = m
+        return sorted(best.values(), key=lambda m: (-m.blocks, m.worker_id))[:k]
+
+
+class _BlockSizeVote:
+    """The fleet's block size: the most common one among registered workers."""
+
+    def __init__(self, default: int) -> None:
+        self.default = default
+        self.by_worker: dict[str, int] = {}
+
+    def set(self, worker_id: str, bs: int) -> None:
+        self.by_worker[worker_id] = bs
+
+    def drop(self, worker_id: str) -> None:
+        self.by_worker.pop(worker_id, None)
+
+    @property
+    def value(self) -> int:
+        if not self.by_worker:
+            return self.default
+        return Counter(self.by_worker.values()).most_common(1)[0][0]
+
+
+class LocalIndexProvider:
+    """Event-fed prefix index (``radix_tree``), optionally shared by several routers (``indexer``).
+
+    ``speculative_ttl_s`` > 0 enables insert-on-route entries; 0 disables them.
+    """
+
+    def __init__(self, index: PrefixIndex | None = None, *, name: str = "radix_tree", block_size: int = 16,
+                 speculative_ttl_s: float = 5.0, max_entries: int | None = 20_000_000) -> None:
+        self.name = name
+        self.shared = index is not None
+        self.index = index if index is not None else PrefixIndex(max_entries, key_fn=content_keys, spec_ttl_s=speculative_ttl_s or 5.0)
+        if self.index.key_fn is None:
+            self.index.key_fn = content_keys
+        self.speculative_ttl_s = speculative_ttl_s
+        # A shared index must not carry one router's guesses: speculation stays router-local.
+        self._local_spec = ApproxIndex(max_entries=1_000_000, default_ttl_s=speculative_ttl_s or 5.0) if self.shared else None
+        self._bs = _BlockSizeVote(block_size)
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def block_size(self) -> int:
+        return self._bs.value
+
+    # ------------------------------------------------------------------ routing side
+    def match(self, req: RouteRequest, now_s: float):
+        keys = request_keys(req, self.block_size)
+        if keys is None:
+            return None
+        m = self.index.match(keys, now_s)
+        if self._local_spec is not None and self.speculative_ttl_s > 0:
+            return MergedMatch(m, self._local_spec.match(keys, now_s))
+        return m
+
+    def on_routed(self, req: RouteRequest, worker_id: str, now_s: float) -> None:
+        if self.speculative_ttl_s > 0:
+            keys = request_keys(req, self.block_size)
+            if keys:
+                if self._local_spec is not None:
+                    self._local_spec.insert(worker_id, keys, now_s, self.speculative_ttl_s)
+                else:
+                    self.index.speculate(worker_id, keys, now_s, self.speculative_ttl_s)
+
+    # ------------------------------------------------------------------ fleet side
+    def add_worker(self, worker_id: str, block_size: int) -> None:
+        self._bs.set(worker_id, block_size)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._bs.drop(worker_id)
+        self.index.remove_worker(worker_id)
+        if self._local_spec is not None:
+            self._local_spec.remove_worker(worker_id)
+
+    def apply_events(self, worker_id: str, dp_rank: int, epoch: int, seq: int, events: Sequence[KV.KvEvent], now_s: float) -> str | None:
+        """Apply one ordered batch of a (worker, rank) stream. Returns a resync reason or None.
+
+        Duplicates and stale epochs are ignored; a gap marks the stream untrusted and asks for a
+        resync; a resync snapshot (a batch that starts with AllBlocksCleared) re-trusts it.
+        """
+        stream = (worker_id, dp_rank)
+        bs = self._bs.by_worker.get(worker_id, self.block_size)
+        if events and type(events[0]) is KV.AllBlocksCleared and not self.index.is_trusted(stream):
+            self.index.reset_stream(stream, epoch, seq)
+            self.counters["resyncs_applied"] += 1
+            self._apply(stream, events[1:], bs)
+            return None
+        v = self.index.begin_batch(stream, epoch, seq)
+        verdict = v.verdict
+        if verdict is Verdict.GAP:
+            self.counters["gaps"] += 1
+            return "gap"
+        if not v.apply:
+            self.counters[str(verdict.value)] += 1
+            return None
+        if not self.index.is_trusted(stream):
+            return "untrusted"
+        self._apply(stream, events, bs)
+        return None
+
+    def _apply(self, stream, events: Sequence[KV.KvEvent], bs: int) -> None:
+        ops: list[Any] = []
+        for ev in events:
+            t = type(ev)
+            if t is KV.BlockStored:
+                if ev.block_size != bs:
+                    self.counters["wrong_block_size"] += 1
+                    continue
+                ops.append(Store(ev.block_hashes, ev.parent_block_hash, token_ids=ev.token_ids, block_size=bs))
+            elif t is KV.BlockRemoved:
+                ops.append(Remove(ev.block_hashes))
+            elif t is KV.AllBlocksCleared:
+                ops.append(Clear())
+        if ops:
+            self.index.apply(stream, ops)
+        self.counters["batches"] += 1
+
+    # ------------------------------------------------------------------ broker adapter
+    def on_worker_ready(self, ready) -> None:
+        self.add_worker(ready.worker_id, ready.block_size)
+
+    def on_worker_removed(self, worker_id: str) -> None:
+        self.remove_worker(worker_id)
+
+    def on_kv_events(self, worker_id: str, msg) -> list[tuple[int, str]]:
+        """Broker entry point: decode a KV_EVENTS message (tolerantly) and apply it."""
+        events, skipped = KV.decode_events(msg.events)
+        for reason, n in skipped.items():
+            self.counters[f"skipped_{reason}"] += n
+        why = self.apply_events(worker_id, msg.dp_rank, msg.epoch, msg.seq, events, 0.0)
+        return [(msg.dp_rank, why)] if why else []
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.index.stats(), **{f"provider_{k}": v for k, v in self.counters.items()}}
+
+
+class ApproxProvider:
+    """Learns from routing decisions only (no KV events): a prompt sent to a worker is assumed
+    cached there for ``ttl_s``."""
+
+    def __init__(self, *, block_size: int = 16, ttl_s: float = 120.0, max_entries: int = 2_000_000) -> None:
+        self.name = "approx"
+        self.ttl_s = ttl_s
+        self.index = ApproxIndex(max_entries=max_entries, default_ttl_s=ttl_s)
+        self._bs = _BlockSizeVote(block_size)
+
+    @property
+    def block_size(self) -> int:
+        return self._bs.value
+
+    def match(self, req: RouteRequest, now_s: float):
+        keys = request_keys(req, self.block_size)
+        if keys is None:
+            return None
+        return self.index.match(keys, now_s)
+
+    def on_routed(self, req: RouteRequest, worker_id: str, now_s: float) -> None:
+        keys = request_keys(req, self.block_size)
+        if keys:
+            self.index.insert(worker_id, keys, now_s, self.ttl_s)
+
+    def add_worker(self, worker_id: str, block_size: int) -> None:
+        self._bs.set(worker_id, block_size)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._bs.drop(worker_id)
+        self.index.remove_worker(worker_id)
+
+    def apply_events(self, worker_id, dp_rank, epoch, seq, events, now_s) -> str | None:
+        return None  # approx ignores engine events by design
+
+    def on_worker_ready(self, ready) -> None:
+        self.add_worker(ready.worker_id, ready.block_size)
+
+    def on_worker_removed(self, worker_id: str) -> None:
+        self.remove_worker(worker_id)
+
+    def on_kv_events(self, worker_id: str, msg) -> list[tuple[int, str]]:
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        return self.index.stats()
+
+
+PROVIDERS = ("radix_tree", "approx", "indexer")
+
+
+def make_provider(name: str, *, block_size: int = 16, shared_index: PrefixIndex | None = None, **kw):
+    """Build a provider by name. ``indexer`` here means "an index shared by all routers": pass the
+    shared ``PrefixIndex`` (the broker's networked indexer client lives in mesh.indexer)."""
+    if name == "radix_tree":
+        return LocalIndexProvider(name="radix_tree", block_size=block_size, **kw)
+    if name == "approx":
+        return ApproxProvider(block_size=block_size, **kw)
+    if name == "indexer":
+        if shared_index is None:
+            raise ValueError("the in-process indexer provider needs shared_index")
+        return LocalIndexProvider(shared_index, name="indexer", block_size=block_size, **kw)
+    raise ValueError(f"unknown cache prefix provider {name!r}; choose one of {', '.join(PROVIDERS)}")

@@ -1,0 +1,206 @@
+"""Unit tests for every routing policy branch (pure: hand-made fleet views and matches)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mesh.load import LoadStat
+from mesh.routing.cache_policies import CacheAware, CacheAwareGreedy, CostModel
+from mesh.routing.policies import PowerOfTwo, RandomPolicy, RoundRobin
+from mesh.routing.router import Router, make_policy
+from mesh.routing.view import RouteRequest, WorkerState
+
+
+class FakeMatch:
+    """A MatchView with fixed per-worker blocks."""
+
+    def __init__(self, blocks: dict[str, int], query_blocks: int) -> None:
+        self.blocks = blocks
+        self.query_blocks = query_blocks
+
+    def matched_blocks(self, wid: str) -> int:
+        return self.blocks.get(wid, 0)
+
+    def top(self, k: int):
+        class M:
+            def __init__(self, w, b):
+                self.worker_id, self.blocks = w, b
+        items = sorted(((b, w) for w, b in self.blocks.items() if b > 0), key=lambda t: (-t[0], t[1]))
+        return [M(w, b) for b, w in items[:k]]
+
+    @property
+    def best_blocks(self) -> int:
+        return max(self.blocks.values(), default=0)
+
+
+class FakeProvider:
+    name = "fake"
+
+    def __init__(self, match):
+        self.m = match
+        self.routed = []
+
+    def match(self, req, now_s):
+        return self.m
+
+    def on_routed(self, req, wid, now_s):
+        self.routed.append(wid)
+
+
+def ws(wid: str, *, running=0, waiting=0, wu=0, used=0, cap=400_000, inflight=0, at=0.0) -> WorkerState:
+    w = WorkerState(wid, inflight=inflight)
+    w.update_load([LoadStat(running, waiting, used, cap, 0, wu, used, 256, 0, 0)], at)
+    w.inflight_at_load = inflight
+    return w
+
+
+def req(L=2048, bs=16) -> RouteRequest:
+    return RouteRequest("r", prompt_tokens=L, block_size=bs, tokens=list(range(L)))
+
+
+# ------------------------------------------------------------------ classic policies
+
+def test_round_robin_cycles_and_empty():
+    p = RoundRobin()
+    pool = [ws("a"), ws("b"), ws("c")]
+    assert [p.choose(req(), pool, None, 0).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert p.choose(req(), [], None, 0).worker_id is None
+
+
+def test_random_is_seeded():
+    pool = [ws(str(i)) for i in range(10)]
+    a = [RandomPolicy(random.Random(3)).choose(req(), pool, None, 0).worker_id for _ in range(5)]
+    b = [RandomPolicy(random.Random(3)).choose(req(), pool, None, 0).worker_id for _ in range(5)]
+    assert a == b
+
+
+def test_power_of_two_prefers_less_pressured():
+    pool = [ws("busy", running=50), ws("idle")]
+    p = PowerOfTwo(random.Random(0))
+    assert all(p.choose(req(), pool, None, 0.1).worker_id == "idle" for _ in range(20))
+    # stale telemetry falls back to the router's own in-flight counts
+    stale = [ws("x", running=50, inflight=0, at=-100.0), ws("y", running=0, inflight=3, at=-100.0)]
+    assert p.choose(req(), stale, None, 0.0).worker_id == "x"
+    assert p.choose(req(), [ws("only")], None, 0).worker_id == "only"
+
+
+def test_pressure_corrects_stale_snapshot_with_local_dispatches():
+    w = ws("a", running=2, waiting=1, inflight=0)
+    assert w.pressure(0.1, 5.0) == 3
+    w.record_dispatch(100)
+    w.record_dispatch(100)
+    assert w.pressure(0.1, 5.0) == 5
+    w.record_release(100)
+    assert w.pressure(0.1, 5.0) == 4 and w.outstanding_prefill_tokens == 100
+
+
+# ------------------------------------------------------------------ greedy (SGLang threshold policy)
+
+def test_greedy_imbalance_fast_path():
+    pool = [ws("hot", running=100), ws("cold", running=1)]
+    m = FakeMatch({"hot": 128}, 128)
+    d = CacheAwareGreedy().choose(req(), pool, m, 0.1)
+    assert (d.worker_id, d.reason) == ("cold", "imbalance_min_load")
+
+
+def test_greedy_cache_hit_above_threshold_picks_least_loaded_matched():
+    pool = [ws("a", running=5), ws("b", running=3), ws("c", running=0)]
+    m = FakeMatch({"a": 100, "b": 90}, 128)
+    d = CacheAwareGreedy().choose(req(), pool, m, 0.1)
+    assert (d.worker_id, d.reason) == ("b", "cache_hit")
+
+
+def test_greedy_below_threshold_goes_min_load():
+    pool = [ws("a", running=5), ws("b", running=3)]
+    m = FakeMatch({"a": 10}, 128)
+    d = CacheAwareGreedy().choose(req(), pool, m, 0.1)
+    assert (d.worker_id, d.reason) == ("b", "cache_miss_min_load")
+
+
+# ------------------------------------------------------------------ cache_aware cost policy
+
+def test_cost_prefers_cache_holder_when_loads_equal():
+    pool = [ws("a"), ws("b"), ws("c")]
+    m = FakeMatch({"b": 120}, 128)
+    d = CacheAware().choose(req(), pool, m, 0.1)
+    assert (d.worker_id, d.reason) == ("b", "cache_hit")
+    assert d.matched_blocks == 120 and d.detail["uncached_tokens"] == 2048 - 1920
+
+
+def test_cost_overrides_cache_when_holder_queue_is_long():
+    # b holds the prefix but has 200k uncached tokens queued: 8 s of prefill; a is idle.
+    pool = [ws("a"), ws("b", wu=200_000, waiting=40)]
+    m = FakeMatch({"b": 120}, 128)
+    d = CacheAware().choose(req(), pool, m, 0.1)
+    assert (d.worker_id, d.reason) == ("a", "load_override")
+
+
+def test_cost_miss_goes_to_least_queued():
+    pool = [ws("a", wu=5000), ws("b", wu=100), ws("c", wu=3000)]
+    d = CacheAware().choose(req(), pool, FakeMatch({}, 128), 0.1)
+    assert (d.worker_id, d.reason) == ("b", "cache_miss_min_load")
+
+
+def test_cost_decode_pressure_term():
+    pool = [ws("a", running=200, used=300_000), ws("b", running=2)]
+    d = CacheAware().choose(req(), pool, FakeMatch({}, 128), 0.1)
+    assert d.worker_id == "b"
+    cm = CacheAware()
+    assert cm.predicted_ttft_ms(pool[0], 2048, 2048, 0.1) > cm.predicted_ttft_ms(pool[1], 2048, 2048, 0.1)
+
+
+def test_cost_kv_full_penalty():
+    full = ws("full", used=399_000)
+    free = ws("free", wu=20_000)
+    d = CacheAware().choose(req(), [full, free], FakeMatch({"full": 120}, 128), 0.1)
+    assert d.worker_id == "free"
+
+
+def test_cost_fail_open_uses_local_outstanding_tokens():
+    a, b = WorkerState("a"), WorkerState("b")  # no telemetry at all
+    a.record_dispatch(50_000)
+    d = CacheAware().choose(req(), [a, b], FakeMatch({}, 128), 0.0)
+    assert d.worker_id == "b"
+
+
+def test_cost_ties_break_by_worker_id_and_temperature_samples():
+    pool = [ws("b"), ws("a")]
+    assert CacheAware().choose(req(), pool, FakeMatch({}, 128), 0.1).worker_id == "a"
+    hot = CacheAware(random.Random(1), temperature=5.0)
+    picks = {hot.choose(req(), pool, FakeMatch({}, 128), 0.1).worker_id for _ in range(50)}
+    assert picks == {"a", "b"}
+
+
+def test_cost_bounded_candidates_in_large_fleet():
+    pool = [ws(f"w{i:04d}") for i in range(2000)]
+    p = CacheAware(random.Random(0), top_k=4, sample_others=4)
+    m = FakeMatch({"w1234": 100, "w0007": 50}, 128)
+    cands = p._candidates(pool, m, {w.worker_id: w for w in pool})
+    assert len(cands) <= 8 and "w1234" in {w.worker_id for w in cands}
+    assert p.choose(req(), pool, m, 0.1, by_id={w.worker_id: w for w in pool}).worker_id == "w1234"
+
+
+def test_router_records_dispatch_and_release_and_speculates():
+    pool = [ws("a"), ws("b")]
+    prov = FakeProvider(FakeMatch({"a": 100}, 128))
+    r = Router(make_policy("cache_aware"), prov)
+    d = r.route(req(), pool, 0.1)
+    assert d.worker_id == "a" and prov.routed == ["a"]
+    assert pool[0].inflight == 1 and pool[0].outstanding_prefill_tokens == d.uncached_tokens == 2048 - 1600
+    Router.release(pool[0], d)
+    assert pool[0].inflight == 0 and pool[0].outstanding_prefill_tokens == 0
+    assert r.route(req(), pool, 0.1, exclude={"a", "b"}).worker_id is None
+
+
+def test_router_degraded_when_provider_has_no_answer():
+    pool = [ws("a"), ws("b")]
+    r = Router(make_policy("cache_aware"), FakeProvider(None))
+    d = r.route(req(), pool, 0.1)
+    assert d.degraded and d.worker_id is not None
+
+
+def test_make_policy_unknown():
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")
