@@ -305,7 +305,6 @@ class PrefixIndex:
         while i < n:
             run = ehmap.get(ehs[i])
             if run is not None:
-                prun = run
                 e = ehs[i]
                 poff = len(run.ehs) - 1 if run.ehs[-1] == e else run.ehs.index(e)
                 i += 1
@@ -357,7 +356,7 @@ class PrefixIndex:
             v = h[k]
             if type(v) is dict:
                 if s in v:
-                    pass
+                    s.alias.setdefault(k, []).append(run)
                 else:
                     v[s] = run
             elif v.stream is s:

@@ -1,0 +1,515 @@
+"""The discrete-event simulator: R routers x W engine models in virtual time.
+
+Each arm replays the same :class:`~mesh.sim.workloads.Workload` through fresh objects:
+
+* **Workers**: one :class:`~mesh.engine_model.EngineModel` each (the same model the simulated
+  workers use). A worker with work runs back-to-back scheduler steps: at a step's start the
+  runner calls ``engine.step(t)`` and schedules the step's end at ``t + duration``; at the end it
+  records first tokens and completions and starts the next step. ``busy time`` is the sum of
+  step durations.
+* **Routers**: each simulated router is a real :class:`~mesh.routing.router.Router` (policy from
+  :func:`~mesh.routing.router.make_policy`, provider from
+  :func:`~mesh.routing.providers.make_provider`) with its own :class:`WorkerState` per worker.
+  ``Router.route`` records the dispatch on the chosen state; the runner calls
+  ``Router.release`` when the request's completion reaches that router. Routing takes zero
+  virtual time.
+* **Telemetry**: every worker's LoadStat reaches every router every ``heartbeat_ms``, each
+  (router, worker) pair with its own seeded phase offset.
+* **KV events**: a step's ``kv_events`` batch (epoch 1, seq 0, 1, ... per worker, dp rank 0)
+  reaches the providers ``event_delay_ms`` after the step ends: every router's own provider for
+  ``radix_tree``; the shared index once for ``indexer`` (all routers query that one index);
+  never for ``approx`` (it learns only from its own router's decisions).
+* **Network**: ``net_ms`` one way: router -> worker on dispatch, worker -> router for the first
+  token and the completion (so TTFT and E2E include it twice).
+* **Arrivals**: request ``i`` reaches router ``i % R`` (``router_pick="round_robin"``) or a
+  seeded random router (``"random"``) at its arrival time.
+
+Policies that never read matches (``needs_match`` False: power_of_two, round_robin, random) run
+without a provider: with ``dedupe_load_only`` (default) they form one arm per fleet shape with
+``provider = "none"`` instead of one identical arm per provider.
+
+Metrics of an arm (all over the requests that completed; times in virtual ms):
+
+* ``hit_rate``: sum of engine ``usage.cached_tokens`` / sum of prompt tokens.
+* ``any_hit_rate``: share of requests with at least one cached token.
+* ``oracle_hit_rate``: :func:`~mesh.sim.workloads.oracle_cached_tokens` / prompt tokens, the
+  infinite-cache longest-prefix ceiling of the stream at the routers' block size (same for every
+  arm of one stream).
+* ``worker_cv``: population std / mean of requests dispatched to each worker (workers that got
+  none count as 0). ``busy_cv``: the same over each worker's busy time.
+* ``utilisation``: mean over workers of busy time / ``sim_span_s``, where ``sim_span_s`` runs
+  from the first arrival to the last completion.
+* ``ttft_*_ms``: first token at the router (step end + ``net_ms``) minus arrival at the router;
+  ``e2e_p95_ms``: completion at the router minus arrival. Percentiles: linear interpolation
+  (:func:`~mesh.sim.metrics.percentile`).
+* ``throughput_rps``: completed requests / ``sim_span_s``; ``output_tps``: completion tokens /
+  ``sim_span_s``.
+* ``goodput``: share of requests with TTFT <= ``ttft_slo_ms``.
+* ``decisions``: ``Decision.reason`` -> count; ``degraded_decisions``: decisions flagged
+  degraded (provider had no answer).
+* ``queue_mean``: mean ``num_waiting_reqs`` per engine, sampled at every heartbeat interval.
+* ``kv_event_batches``: batches delivered to providers (each router counted for radix_tree);
+  ``kv_resyncs``: batches a provider refused (a resync reason was returned).
+
+The core of an arm is :class:`Arm`; simulated routers are :class:`SimRouter` objects whose
+``route(req, now_s)`` returns a Decision, so a bucket-aware or prefill/decode router can replace
+them without touching the event loop (``Decision.decode_worker_id`` is where a P/D split would
+attach). Nothing here reads the wall clock; the same config and seed give identical results.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from mesh.engine_model import EngineConfig, EngineModel
+from mesh.errors import ConfigError
+from mesh.hashing import content_keys
+from mesh.index import PrefixIndex
+from mesh.routing.router import POLICIES, Router, make_policy
+from mesh.routing.view import Decision, RouteRequest, WorkerState
+from mesh.sim.events import EventQueue
+from mesh.sim.metrics import cv, mean, percentile, ratio
+from mesh.sim.workloads import Workload, _key, load_mooncake, make_workload, oracle_cached_tokens
+
+__all__ = ["SimConfig", "ArmSpec", "SimRouter", "Arm", "run_sim", "run_arm", "build_workload", "arm_specs"]
+
+#: How each provider is fed KV events: per router ("local"), once into a shared index ("shared"),
+#: or not at all ("none").
+PROVIDER_FEEDS = {"radix_tree": "local", "indexer": "shared", "approx": "none"}
+ROUTER_PICKS = ("round_robin", "random")
+
+# event kinds
+_ARRIVAL, _SUBMIT, _STEP_END, _DONE, _HEARTBEAT, _KV = range(6)
+
+
+@dataclass
+class SimConfig:
+    """Everything one ``mesh sim`` invocation needs. Lists make arms (their cross product)."""
+
+    trace: str | None = None
+    workload: str | None = None
+    workload_params: dict[str, Any] = field(default_factory=dict)
+    rate: float = 20.0
+    duration_s: float | None = 60.0
+    time_scale: float = 1.0
+    max_requests: int | None = None
+    seed: int = 0
+    policies: list[str] = field(default_factory=lambda: ["power_of_two"])
+    providers: list[str] = field(default_factory=lambda: ["radix_tree"])
+    routers: list[int] = field(default_factory=lambda: [1])
+    workers: list[int] = field(default_factory=lambda: [16])
+    router_pick: str = "round_robin"
+    heartbeat_ms: float = 500.0
+    event_delay_ms: float = 10.0
+    net_ms: float = 0.5
+    load_freshness_s: float = 5.0
+    ttft_slo_ms: float = 2000.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    provider_options: dict[str, Any] = field(default_factory=dict)
+    dedupe_load_only: bool = True
+
+    def validate(self, *, source: bool = True) -> None:
+        """Raise ConfigError on a bad setting (``source``: also check trace/workload)."""
+        if source and (self.trace is None) == (self.workload is None):
+            raise ConfigError("give exactly one of trace or workload")
+        for name in ("heartbeat_ms", "time_scale", "load_freshness_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0")
+        for name in ("event_delay_ms", "net_ms", "ttft_slo_ms"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0")
+        if self.router_pick not in ROUTER_PICKS:
+            raise ConfigError(f"router_pick must be one of {', '.join(ROUTER_PICKS)}")
+        if not self.policies or not self.providers or not self.routers or not self.workers:
+            raise ConfigError("policies, providers, routers and workers must be non-empty")
+        for p in self.policies:
+            if p not in POLICIES:
+                raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(POLICIES))}")
+        for p in self.providers:
+            if p not in PROVIDER_FEEDS:
+                raise ConfigError(f"unknown provider {p!r}; choose from {', '.join(sorted(PROVIDER_FEEDS))}")
+        for name in ("routers", "workers"):
+            for v in getattr(self, name):
+                if type(v) is not int or v < 1:
+                    raise ConfigError(f"{name} must be positive ints, got {v!r}")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ConfigError("max_requests must be >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
+        d["engine"] = asdict(self.engine)
+        return d
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    policy: str
+    provider: str  # "none" for load-only policies when deduplicated
+    routers: int
+    workers: int
+
+
+def arm_specs(cfg: SimConfig) -> list[ArmSpec]:
+    """The arms of a config: workers x routers x policies x providers, in that nesting order."""
+    out: list[ArmSpec] = []
+    for w in cfg.workers:
+        for r in cfg.routers:
+            for pol in cfg.policies:
+                load_only = not POLICIES[pol].needs_match
+                provs = ["none"] if load_only and cfg.dedupe_load_only else cfg.providers
+                for prov in provs:
+                    spec = ArmSpec(pol, prov, r, w)
+                    if spec not in out:
+                        out.append(spec)
+    return out
+
+
+def build_workload(cfg: SimConfig) -> Workload:
+    if cfg.trace is not None:
+        wl = load_mooncake(cfg.trace, time_scale=cfg.time_scale, max_requests=cfg.max_requests)
+    else:
+        wl = make_workload(cfg.workload, seed=cfg.seed, rate=cfg.rate, duration_s=cfg.duration_s,
+                           max_requests=cfg.max_requests, vocab_size=cfg.engine.vocab_size, **cfg.workload_params)
+    wl.vocab_size = cfg.engine.vocab_size
+    wl.drop_oversized(cfg.engine.max_total_num_tokens - cfg.engine.admission_reserve_tokens)
+    if not wl.requests:
+        raise ConfigError("the workload has no requests")
+    return wl
+
+
+# --------------------------------------------------------------------------- routers and workers
+
+
+class SimRouter:
+    """One simulated router: a real :class:`Router` plus its own view of every worker."""
+
+    __slots__ = ("index", "router", "states", "pool", "by_id")
+
+    def __init__(self, index: int, router: Router, states: list[WorkerState]) -> None:
+        self.index = index
+        self.router = router
+        self.states = states  # by worker index
+        self.pool = Router.pool(states)
+        self.by_id = {s.worker_id: s for s in states}
+
+    def route(self, req: RouteRequest, now_s: float) -> Decision:
+        return self.router.route(req, self.pool, now_s)
+
+    def release(self, worker_index: int, decision: Decision) -> None:
+        Router.release(self.states[worker_index], decision)
+
+
+class _Worker:
+    __slots__ = ("index", "wid", "engine", "stepping", "busy_s", "served", "kv_seq", "ls", "steps")
+
+    def __init__(self, index: int, wid: str, engine: EngineModel) -> None:
+        self.index = index
+        self.wid = wid
+        self.engine = engine
+        self.stepping = False
+        self.busy_s = 0.0
+        self.served = 0
+        self.kv_seq = 0
+        self.ls = None  # cached LoadStat; None = engine changed since
+        self.steps = 0
+
+
+class _Track:
+    """Per-request bookkeeping of one arm."""
+
+    __slots__ = ("arrival", "router", "worker", "decision", "first", "done", "cached", "prompt", "completion")
+
+    def __init__(self, arrival: float, router: int, worker: int, decision: Decision) -> None:
+        self.arrival = arrival
+        self.router = router
+        self.worker = worker
+        self.decision = decision
+        self.first = -1.0
+        self.done = -1.0
+        self.cached = 0
+        self.prompt = 0
+        self.completion = 0
+
+
+def _worker_ids(n: int) -> list[str]:
+    width = max(2, len(str(n - 1)))
+    return [f"w{i:0{width}d}" for i in range(n)]
+
+
+class Arm:
+    """One arm: builds fresh routers and engines, runs the event loop, summarises."""
+
+    def __init__(self, cfg: SimConfig, spec: ArmSpec, workload: Workload, oracle: tuple[int, int] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.wl = workload
+        self.oracle = oracle
+        self.progress = progress
+        ecfg = cfg.engine
+        self.block_size = ecfg.page_size
+        ids = _worker_ids(spec.workers)
+        self.workers = [_Worker(i, wid, EngineModel(ecfg)) for i, wid in enumerate(ids)]
+        self.wix = {wid: i for i, wid in enumerate(ids)}
+        feed = PROVIDER_FEEDS.get(spec.provider, "none")
+        self.feed = feed
+        shared = None
+        if spec.provider == "indexer":
+            shared = PrefixIndex(cfg.provider_options.get("max_entries", 20_000_000), key_fn=content_keys)
+        self.routers: list[SimRouter] = []
+        for r in range(spec.routers):
+            prov = None
+            if spec.provider != "none":
+                from mesh.routing.providers import make_provider
+
+                prov = make_provider(spec.provider, block_size=self.block_size, shared_index=shared, **cfg.provider_options)
+                for wid in ids:
+                    prov.add_worker(wid, self.block_size)
+            pol = make_policy(spec.policy, rng=random.Random(_key(0x5E1, cfg.seed, r)),
+                              freshness_s=cfg.load_freshness_s, **cfg.policy_options)
+            states = [WorkerState(wid, block_size=self.block_size, max_running_requests=ecfg.max_running_requests,
+                                  max_total_num_tokens=ecfg.max_total_num_tokens) for wid in ids]
+            self.routers.append(SimRouter(r, Router(pol, prov), states))
+        # KV event targets: providers that get each batch.
+        if feed == "local":
+            self.kv_targets = [sr.router.provider for sr in self.routers]
+        elif feed == "shared":
+            self.kv_targets = [self.routers[0].router.provider]
+        else:
+            self.kv_targets = []
+        self.uses_keys = spec.provider != "none"
+
+    # ------------------------------------------------------------------ event loop
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        wl = self.wl
+        reqs = wl.requests
+        n = len(reqs)
+        q = EventQueue()
+        push, pop = q.push, q.pop
+        workers = self.workers
+        routers = self.routers
+        n_routers = len(routers)
+        bs = self.block_size
+        net = cfg.net_ms / 1e3
+        hb = cfg.heartbeat_ms / 1e3
+        kv_delay = cfg.event_delay_ms / 1e3
+        kv_targets = self.kv_targets
+        uses_keys = self.uses_keys
+        pick_rng = random.Random(_key(0x91C, cfg.seed)) if cfg.router_pick == "random" else None
+        tracks: list[_Track | None] = [None] * n
+        pending_prompts: dict[int, Any] = {}
+        decisions: Counter[str] = Counter()
+        degraded = 0
+        unrouted = 0
+        kv_batches = 0
+        kv_resyncs = 0
+        queue_samples = 0
+        queue_sum = 0
+        finished = 0
+        t0 = reqs[0].arrival_s
+        last_done = t0
+        progress = self.progress
+        prog_every = max(1, n // 200)
+
+        # heartbeats: per (router, worker) phase offsets from a seeded RNG
+        hb_rng = random.Random(_key(0x4B, cfg.seed))
+        for sr in routers:
+            for w in workers:
+                push(t0 + hb_rng.random() * hb, _HEARTBEAT, sr.index, w.index)
+        push(reqs[0].arrival_s, _ARRIVAL, 0)
+
+        def start_step(w: _Worker, t: float) -> None:
+            res = w.engine.step(t)
+            d = res.duration_s
+            if d <= 0.0 and not (res.first_tokens or res.finished or res.tokens):
+                raise RuntimeError(f"engine {w.wid} made no progress at t={t}")
+            w.busy_s += d
+            w.steps += 1
+            w.ls = None
+            w.stepping = True
+            push(t + d, _STEP_END, w, res)
+
+        while q:
+            t, _, kind, a, b = pop()
+            if kind == _STEP_END:
+                w = a
+                res = b
+                for rid, cached, prompt in res.first_tokens:
+                    tracks[rid].first = t + net
+                for rid, _reason, usage in res.finished:
+                    tr = tracks[rid]
+                    tr.cached = usage["cached_tokens"]
+                    tr.prompt = usage["prompt_tokens"]
+                    tr.completion = usage["completion_tokens"]
+                    if tr.first < 0:  # max_new_tokens == 0: no token, done after prefill
+                        tr.first = t + net
+                    push(t + net, _DONE, rid)
+                if res.kv_events and kv_targets:
+                    push(t + kv_delay, _KV, w, (w.kv_seq, res.kv_events))
+                    w.kv_seq += 1
+                elif res.kv_events:
+                    w.kv_seq += 1
+                if w.engine.has_work():
+                    start_step(w, t)
+                else:
+                    w.stepping = False
+            elif kind == _HEARTBEAT:
+                sr = routers[a]
+                w = workers[b]
+                ls = w.ls
+                if ls is None:
+                    ls = w.ls = w.engine.load_stat()
+                sr.states[b].update_load((ls,), t)
+                if a == 0:
+                    queue_samples += 1
+                    queue_sum += ls.num_waiting_reqs
+                push(t + hb, _HEARTBEAT, a, b)
+            elif kind == _ARRIVAL:
+                i = a
+                r = reqs[i]
+                if i + 1 < n:
+                    push(reqs[i + 1].arrival_s, _ARRIVAL, i + 1)
+                ri = pick_rng.randrange(n_routers) if pick_rng is not None else i % n_routers
+                sr = routers[ri]
+                toks = wl.prompt(r)
+                rr = RouteRequest(str(i), r.prompt_len, r.output_len, bs, content_keys(toks, bs) if uses_keys else None)
+                d = sr.route(rr, t)
+                decisions[d.reason] += 1
+                if d.degraded:
+                    degraded += 1
+                if d.worker_id is None:
+                    unrouted += 1
+                    finished += 1
+                    if finished >= n:
+                        break
+                    continue
+                wi = self.wix[d.worker_id]
+                workers[wi].served += 1
+                tracks[i] = _Track(t, ri, wi, d)
+                pending_prompts[i] = toks
+                push(t + net, _SUBMIT, i, wi)
+            elif kind == _SUBMIT:
+                w = workers[b]
+                w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t)
+                w.ls = None
+                if not w.stepping:
+                    start_step(w, t)
+            elif kind == _DONE:
+                tr = tracks[a]
+                tr.done = t
+                routers[tr.router].release(tr.worker, tr.decision)
+                finished += 1
+                if t > last_done:
+                    last_done = t
+                if progress is not None and finished % prog_every == 0:
+                    progress(finished, n)
+                if finished >= n:
+                    break
+            elif kind == _KV:
+                w = a
+                seq, events = b
+                for prov in kv_targets:
+                    kv_batches += 1
+                    if prov.apply_events(w.wid, 0, 1, seq, events, t) is not None:
+                        kv_resyncs += 1
+        if progress is not None:
+            progress(n, n)
+
+        # ------------------------------------------------------------------ summary
+        done = [tr for tr in tracks if tr is not None and tr.done >= 0]
+        span = max(last_done - t0, 1e-9)
+        ttft = sorted((tr.first - tr.arrival) * 1e3 for tr in done)
+        e2e = sorted((tr.done - tr.arrival) * 1e3 for tr in done)
+        cached = sum(tr.cached for tr in done)
+        prompt = sum(tr.prompt for tr in done)
+        slo = cfg.ttft_slo_ms
+        busy = [w.busy_s for w in workers]
+        served = [w.served for w in workers]
+        oracle = self.oracle
+        spec = self.spec
+        return {
+            "policy": spec.policy,
+            "provider": spec.provider,
+            "routers": spec.routers,
+            "workers": spec.workers,
+            "requests": n,
+            "completed": len(done),
+            "unrouted": unrouted,
+            "hit_rate": _r(ratio(cached, prompt)),
+            "any_hit_rate": _r(ratio(sum(1 for tr in done if tr.cached), len(done))),
+            "oracle_hit_rate": _r(ratio(oracle[0], oracle[1])) if oracle else None,
+            "worker_cv": _r(cv(served)),
+            "busy_cv": _r(cv(busy)),
+            "utilisation": _r(mean(busy) / span),
+            "ttft_mean_ms": _r(mean(ttft), 3),
+            "ttft_p50_ms": _r(percentile(ttft, 50, presorted=True), 3),
+            "ttft_p95_ms": _r(percentile(ttft, 95, presorted=True), 3),
+            "ttft_p99_ms": _r(percentile(ttft, 99, presorted=True), 3),
+            "e2e_p50_ms": _r(percentile(e2e, 50, presorted=True), 3),
+            "e2e_p95_ms": _r(percentile(e2e, 95, presorted=True), 3),
+            "throughput_rps": _r(ratio(len(done), span)),
+            "output_tps": _r(ratio(sum(tr.completion for tr in done), span), 3),
+            "goodput": _r(ratio(sum(1 for x in ttft if x <= slo), len(done))),
+            "decisions": dict(sorted(decisions.items())),
+            "degraded_decisions": degraded,
+            "queue_mean": _r(ratio(queue_sum, queue_samples)),
+            "kv_event_batches": kv_batches,
+            "kv_resyncs": kv_resyncs,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "sim_span_s": _r(span),
+            "served_per_worker": served,
+            "engine_steps": sum(w.steps for w in workers),
+            "events": q.popped,
+        }
+
+
+def _r(x: float, nd: int = 6) -> float:
+    return round(x, nd)
+
+
+def run_arm(cfg: SimConfig, spec: ArmSpec, workload: Workload, oracle: tuple[int, int] | None = None,
+            progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Run one arm on ``workload`` (see :class:`Arm`)."""
+    return Arm(cfg, spec, workload, oracle, progress).run()
+
+
+def run_sim(
+    cfg: SimConfig,
+    *,
+    workload: Workload | None = None,
+    progress: Callable[[int, int, int, int], None] | None = None,
+    on_arm: Callable[[int, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run every arm of ``cfg`` on one request stream; returns the report dict (JSON-ready).
+
+    ``workload`` overrides the stream built from ``cfg`` (tests). ``progress(arm, arms, done,
+    total)`` is called as requests complete; ``on_arm(i, result)`` after each arm. The result
+    depends only on ``cfg`` (and ``workload``): no wall-clock time is read or reported.
+    """
+    cfg.validate(source=workload is None)
+    wl = workload if workload is not None else build_workload(cfg)
+    specs = arm_specs(cfg)
+    oracle = oracle_cached_tokens(wl, cfg.engine.page_size)
+    arms = []
+    for i, spec in enumerate(specs):
+        cb = None
+        if progress is not None:
+            cb = (lambda i: lambda done, total: progress(i, len(specs), done, total))(i)
+        res = run_arm(cfg, spec, wl, oracle, cb)
+        arms.append(res)
+        if on_arm is not None:
+            on_arm(i, res)
+    return {
+        "version": 1,
+        "config": cfg.to_dict(),
+        "workload": {"name": wl.name, "params": wl.params, **wl.stats()},
+        "oracle_hit_rate": _r(ratio(*oracle)),
+        "arms": arms,
+    }

@@ -1,0 +1,376 @@
+"""Request streams for the simulator: the Mooncake trace format and seeded generators.
+
+Every workload is a list of :class:`SimRequest` sorted by arrival time, built once and replayed
+unchanged by every arm. A request carries a *recipe* for its prompt, not the tokens: the tokens
+are rebuilt on demand (:meth:`Workload.prompt`), so a 60-million-token trace costs a few MB.
+
+Prompt recipes are tuples of segments ``(kind, key, full, n)``:
+
+* ``kind`` 0 -- ``n`` pseudo-random tokens: the first ``n`` of the ``full`` tokens drawn from
+  ``random.Random(key).randbytes(full)``. Token ids are therefore in ``[0, 256)``: CPython shares
+  those int objects, which keeps the engines' cached pages cheap, and a 16-token page still has
+  2**128 possible contents (collisions are not a concern). Equal keys give equal content.
+* ``kind`` 1 -- the ``n`` first output tokens the engine model emits for request ``key``
+  (:func:`mesh.engine_model.output_token_id`), so multi-turn histories contain the previous
+  answer exactly as the simulated engine generated (and cached) it.
+
+Byte-only prompts are returned as ``array('B')`` (a Sequence[int] that :func:`content_keys`
+widens correctly -- never pass raw ``bytes``, which ``array('I', ...)`` would reinterpret);
+prompts with output segments as ``array('I')``.
+
+Workloads (all seeded and deterministic; generated ones use open-loop Poisson arrivals at
+``rate`` requests/s until ``duration_s`` or ``max_requests``):
+
+* ``mooncake`` -- the Mooncake trace format: one JSON object per line with ``timestamp`` (ms),
+  ``input_length``, ``output_length`` and ``hash_ids`` (one id per 512-token block; equal ids
+  mean equal content with equal prefix). Hash id ``h`` becomes a 512-token block seeded by ``h``;
+  the last block is truncated to ``input_length``. Arrival = ``timestamp / 1000 * time_scale``.
+* ``shared_prefix`` -- llm-d / inference-perf shared prefixes: ``groups`` (150) system prompts of
+  ``system_tokens`` (6,000), each with ``prompts_per_group`` (5) questions of
+  ``question_tokens`` (1,200); every request picks a (group, question) pair uniformly at random
+  (with replacement) and asks for ``output_tokens`` (1,000).
+* ``multi_turn`` -- production-stack multi-round QA: ``users`` (50) x ``rounds`` (8); one shared
+  system prompt (1,000), a per-user context (2,000), then per round a question
+  (``question_tokens``, 100) and the answer (``output_tokens``, 100). Arrival ``i`` is user
+  ``i % users``, round ``i // users``: each prompt is the user's whole history (every earlier
+  question and answer) plus the new question.
+* ``zipf`` -- SGLang's generated-shared-prefix with Zipf group popularity: ``groups`` (64) system
+  prompts of ``system_tokens`` (2,048); group ``g`` (0-based) has weight ``1/(g+1)**alpha``
+  (``zipf_alpha``, 0.9); each request adds a unique question (``question_tokens``, 128) and asks
+  for ``output_tokens`` (256).
+* ``low_reuse`` -- control: every request picks one of ``groups`` (100,000) distinct prompts of
+  ``question_tokens`` (1,024) uniformly at random; reuse is only chance repeats.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import random
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mesh.engine_model import output_token_id
+from mesh.errors import ConfigError
+from mesh.hashing import ROOT_KEY, content_keys
+
+__all__ = [
+    "SimRequest",
+    "Workload",
+    "WORKLOADS",
+    "MOONCAKE_BLOCK",
+    "load_mooncake",
+    "make_workload",
+    "oracle_cached_tokens",
+]
+
+MOONCAKE_BLOCK = 512
+_MASK64 = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15
+Segment = tuple[int, int, int, int]  # (kind, key, full, n)
+
+# Namespaces of the segment keys (so two generators never produce the same content by accident).
+_NS_MOONCAKE = 1
+_NS_SYSTEM = 2
+_NS_QUESTION = 3
+_NS_CONTEXT = 4
+_NS_UNIQUE = 5
+
+
+def _key(ns: int, *parts: int) -> int:
+    """A deterministic 64-bit seed from small ints (no Python ``hash``: it is salted per process)."""
+    k = ns
+    for p in parts:
+        k = ((k ^ (p & _MASK64)) * _MIX + 0x632BE59BD9B4E019) & _MASK64
+        k ^= k >> 29
+    return k
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One request of the stream. ``idx`` is its position (and the engine rid)."""
+
+    idx: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass(slots=True)
+class Workload:
+    """A replayable request stream plus what it was built from."""
+
+    name: str
+    requests: list[SimRequest]
+    params: dict[str, Any] = field(default_factory=dict)
+    vocab_size: int = 32_000
+    dropped: int = 0  # requests removed because they cannot fit an engine (see drop_oversized)
+
+    def prompt(self, req: SimRequest) -> array:
+        """The request's prompt tokens (rebuilt on every call; see the module docstring)."""
+        segs = req.segments
+        if all(s[0] == 0 for s in segs):
+            parts = []
+            for _, key, full, n in segs:
+                b = random.Random(key).randbytes(full)
+                parts.append(b if n == full else b[:n])
+            return array("B", b"".join(parts))
+        out = array("I")
+        vocab = self.vocab_size
+        for kind, key, full, n in segs:
+            if kind == 0:
+                b = random.Random(key).randbytes(full)
+                out.extend(array("B", b if n == full else b[:n]))
+            else:
+                out.extend(output_token_id(key, p, vocab) for p in range(n))
+        return out
+
+    def output_tokens(self, req: SimRequest) -> list[int]:
+        """The output the engine model will emit for ``req`` (when not clipped)."""
+        v = self.vocab_size
+        return [output_token_id(req.idx, p, v) for p in range(req.output_len)]
+
+    def drop_oversized(self, max_prompt: int) -> None:
+        """Remove requests whose prompt exceeds ``max_prompt`` tokens, renumbering the rest."""
+        keep = [r for r in self.requests if r.prompt_len <= max_prompt]
+        if len(keep) == len(self.requests):
+            return
+        if any(s[0] == 1 for r in keep for s in r.segments):
+            raise ConfigError("cannot drop requests from a workload whose prompts embed earlier outputs")
+        self.dropped += len(self.requests) - len(keep)
+        for i, r in enumerate(keep):
+            r.idx = i
+        self.requests = keep
+
+    def stats(self) -> dict[str, Any]:
+        reqs = self.requests
+        n = len(reqs)
+        return {
+            "requests": n,
+            "dropped": self.dropped,
+            "prompt_tokens": sum(r.prompt_len for r in reqs),
+            "output_tokens": sum(r.output_len for r in reqs),
+            "mean_prompt_tokens": round(sum(r.prompt_len for r in reqs) / n, 3) if n else 0.0,
+            "mean_output_tokens": round(sum(r.output_len for r in reqs) / n, 3) if n else 0.0,
+            "span_s": round(reqs[-1].arrival_s - reqs[0].arrival_s, 6) if n else 0.0,
+        }
+
+
+# --------------------------------------------------------------------------- mooncake
+
+
+def load_mooncake(path: str | Path, *, time_scale: float = 1.0, max_requests: int | None = None) -> Workload:
+    """Load a Mooncake-format JSONL trace (see the module docstring)."""
+    if not time_scale > 0:
+        raise ConfigError(f"time_scale must be > 0, got {time_scale!r}")
+    reqs: list[SimRequest] = []
+    p = Path(path)
+    try:
+        fh = p.open()
+    except OSError as exc:
+        raise ConfigError(f"cannot read trace {path}: {exc}") from None
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if max_requests is not None and len(reqs) >= max_requests:
+                break
+            try:
+                o = json.loads(line)
+                ts = float(o["timestamp"])
+                n = int(o["input_length"])
+                out = int(o["output_length"])
+                ids = [int(h) for h in o["hash_ids"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"{path}:{lineno}: bad trace record: {exc}") from None
+            if n <= 0 or out < 0 or not ids:
+                raise ConfigError(f"{path}:{lineno}: input_length must be > 0 and hash_ids non-empty")
+            blocks = -(-n // MOONCAKE_BLOCK)
+            if blocks > len(ids):
+                raise ConfigError(f"{path}:{lineno}: {len(ids)} hash_ids cannot cover {n} tokens")
+            segs = []
+            for j in range(blocks):
+                take = min(MOONCAKE_BLOCK, n - j * MOONCAKE_BLOCK)
+                segs.append((0, _key(_NS_MOONCAKE, ids[j]), MOONCAKE_BLOCK, take))
+            reqs.append(SimRequest(0, ts / 1000.0 * time_scale, n, out, tuple(segs)))
+    reqs.sort(key=lambda r: r.arrival_s)  # stable: file order breaks ties
+    if reqs:
+        t0 = reqs[0].arrival_s
+        for i, r in enumerate(reqs):
+            r.idx = i
+            r.arrival_s -= t0
+    return Workload("mooncake", reqs, {"trace": str(path), "time_scale": time_scale})
+
+
+# --------------------------------------------------------------------------- generators
+
+
+def _arrivals(rng: random.Random, rate: float, duration_s: float | None, limit: int | None) -> list[float]:
+    """Poisson arrival times from 0 until ``duration_s`` (exclusive) or ``limit`` requests."""
+    if not rate > 0:
+        raise ConfigError(f"rate must be > 0, got {rate!r}")
+    if duration_s is None and limit is None:
+        raise ConfigError("generated workloads need duration_s or max_requests")
+    out: list[float] = []
+    t = 0.0
+    while limit is None or len(out) < limit:
+        if duration_s is not None and t >= duration_s:
+            break
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _pos(name: str, v: Any, *, zero: bool = False) -> int:
+    if type(v) is not int or v < 0 or (v == 0 and not zero):
+        raise ConfigError(f"{name} must be a {'non-negative' if zero else 'positive'} int, got {v!r}")
+    return v
+
+
+def _shared_prefix(rng, times, seed, p):
+    g_n, ppg = _pos("groups", p["groups"]), _pos("prompts_per_group", p["prompts_per_group"])
+    s, q, o = _pos("system_tokens", p["system_tokens"]), _pos("question_tokens", p["question_tokens"]), _pos("output_tokens", p["output_tokens"], zero=True)
+    out = []
+    for i, t in enumerate(times):
+        g = rng.randrange(g_n)
+        k = rng.randrange(ppg)
+        segs = ((0, _key(_NS_SYSTEM, seed, g), s, s), (0, _key(_NS_QUESTION, seed, g, k), q, q))
+        out.append(SimRequest(i, t, s + q, o, segs))
+    return out
+
+
+def _multi_turn(rng, times, seed, p):
+    users, rounds = _pos("users", p["users"]), _pos("rounds", p["rounds"])
+    s, ctx = _pos("system_tokens", p["system_tokens"], zero=True), _pos("context_tokens", p["context_tokens"], zero=True)
+    q, o = _pos("question_tokens", p["question_tokens"]), _pos("output_tokens", p["output_tokens"], zero=True)
+    times = times[: users * rounds]
+    history: list[tuple[Segment, ...]] = []
+    for u in range(users):
+        h: tuple[Segment, ...] = ()
+        if s:
+            h += ((0, _key(_NS_SYSTEM, seed, 0), s, s),)
+        if ctx:
+            h += ((0, _key(_NS_CONTEXT, seed, u), ctx, ctx),)
+        history.append(h)
+    out = []
+    for i, t in enumerate(times):
+        u, r = i % users, i // users
+        segs = history[u] + ((0, _key(_NS_QUESTION, seed, u, r), q, q),)
+        n = sum(sg[3] for sg in segs)
+        out.append(SimRequest(i, t, n, o, segs))
+        history[u] = segs + (((1, i, o, o),) if o else ())
+    return out
+
+
+def _zipf(rng, times, seed, p):
+    g_n = _pos("groups", p["groups"])
+    alpha = p["zipf_alpha"]
+    if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha < 0:
+        raise ConfigError(f"zipf_alpha must be a finite number >= 0, got {alpha!r}")
+    s, q, o = _pos("system_tokens", p["system_tokens"]), _pos("question_tokens", p["question_tokens"]), _pos("output_tokens", p["output_tokens"], zero=True)
+    cum = []
+    acc = 0.0
+    for g in range(g_n):
+        acc += 1.0 / (g + 1) ** alpha
+        cum.append(acc)
+    out = []
+    for i, t in enumerate(times):
+        g = min(bisect.bisect_right(cum, rng.random() * acc), g_n - 1)
+        segs = ((0, _key(_NS_SYSTEM, seed, g), s, s), (0, _key(_NS_UNIQUE, seed, i), q, q))
+        out.append(SimRequest(i, t, s + q, o, segs))
+    return out
+
+
+def _low_reuse(rng, times, seed, p):
+    g_n = _pos("groups", p["groups"])
+    q, o = _pos("question_tokens", p["question_tokens"]), _pos("output_tokens", p["output_tokens"], zero=True)
+    out = []
+    for i, t in enumerate(times):
+        k = rng.randrange(g_n)
+        out.append(SimRequest(i, t, q, o, ((0, _key(_NS_UNIQUE, seed, k), q, q),)))
+    return out
+
+
+#: name -> (generator, default parameters)
+WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "shared_prefix": (_shared_prefix, {"groups": 150, "prompts_per_group": 5, "system_tokens": 6000,
+                                       "question_tokens": 1200, "output_tokens": 1000}),
+    "multi_turn": (_multi_turn, {"users": 50, "rounds": 8, "system_tokens": 1000, "context_tokens": 2000,
+                                 "question_tokens": 100, "output_tokens": 100}),
+    "zipf": (_zipf, {"groups": 64, "zipf_alpha": 0.9, "system_tokens": 2048, "question_tokens": 128,
+                     "output_tokens": 256}),
+    "low_reuse": (_low_reuse, {"groups": 100_000, "question_tokens": 1024, "output_tokens": 128}),
+}
+
+
+def make_workload(
+    name: str,
+    *,
+    seed: int = 0,
+    rate: float = 20.0,
+    duration_s: float | None = 60.0,
+    max_requests: int | None = None,
+    vocab_size: int = 32_000,
+    **params: Any,
+) -> Workload:
+    """Build a generated workload. ``params`` override the defaults in :data:`WORKLOADS` (None
+    values are ignored); unknown parameters raise ConfigError."""
+    try:
+        gen, defaults = WORKLOADS[name]
+    except KeyError:
+        raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(sorted(WORKLOADS))}") from None
+    p = dict(defaults)
+    for k, v in params.items():
+        if v is None:
+            continue
+        if k not in p:
+            raise ConfigError(f"workload {name} has no parameter {k!r} (has {', '.join(sorted(p))})")
+        p[k] = v
+    rng = random.Random(_key(0xA11, seed, 1))
+    times = _arrivals(rng, rate, duration_s, max_requests)
+    reqs = gen(random.Random(_key(0xA11, seed, 2)), times, seed, p)
+    params_out = {"seed": seed, "rate": rate, "duration_s": duration_s, **p}
+    return Workload(name, reqs, params_out, vocab_size)
+
+
+# --------------------------------------------------------------------------- oracle
+
+
+def oracle_cached_tokens(workload: Workload, block_size: int) -> tuple[int, int]:
+    """(ceiling cached prompt tokens, prompt tokens) of the stream with an infinite cache.
+
+    Requests in arrival order; each matches the longest prefix of its full ``block_size`` pages
+    that any *earlier* request's prompt or output covered, capped like the engine so at least one
+    prompt token is computed (``(prompt_len - 1) // block_size`` pages). Afterwards its prompt
+    pages and the full pages of prompt + output (the output being what the engine model emits)
+    enter the cache. Independent of routing, timing and eviction: a ceiling for ``hit_rate``.
+    """
+    seen: set[int] = set()
+    add = seen.update
+    cached = total = 0
+    for r in workload.requests:
+        toks = workload.prompt(r)
+        keys = content_keys(toks, block_size)
+        n = r.prompt_len
+        limit = min(len(keys), (n - 1) // block_size)
+        # Chained keys: the seen set is prefix-closed, so membership is monotone along the chain.
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if keys[mid - 1] in seen:
+                lo = mid
+            else:
+                hi = mid - 1
+        cached += lo * block_size
+        total += n
+        add(keys)
+        if r.output_len:
+            start = len(keys) * block_size
+            tail = list(toks[start:]) + workload.output_tokens(r)
+            add(content_keys(tail, block_size, keys[-1] if keys else ROOT_KEY))
+    return cached, total
