@@ -338,6 +338,7 @@ class Broker:
             prompt_tokens=len(tokens) if tokens is not None else sub.prompt_len,
             max_new_tokens=sub.max_new_tokens,
             tokens=tokens,
+            packed=sub.packed,
             ttft_slo_ms=sub.ttft_slo_ms,
             tps_slo=sub.tps_slo,
         )

@@ -8,7 +8,8 @@ because engines only cache and publish page-aligned blocks):
   big-endian as a *signed* int64.
 * :func:`vllm_block_hashes` -- vLLM's default ``sha256`` block hash (§12.3), pickle based and
   therefore Python-specific; published unsigned (last 8 bytes).
-* :func:`content_keys` -- the mesh's own content key: a chained ``xxh3_64`` over the page's tokens.
+* :func:`content_keys` -- the mesh's own content key: a polynomial chain over mixed page hashes
+  (numpy-vectorised, see below).
   The prefix index is keyed by these, never by engine hashes (which may be namespaced by salts,
   LoRA adapters or formats a router cannot see). Engine hashes are opaque identities used only for
   parent links and removals.
@@ -29,7 +30,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 
-import xxhash
+import numpy as np
 
 __all__ = [
     "ROOT_KEY",
@@ -51,12 +52,11 @@ U64_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 #: Parent key of the first page of every prompt (the radix root).
 ROOT_KEY = 0
-#: Fixed xxh3 seed of the content key ("mesh" in ASCII). Changing it changes every key: never do
+#: Fixed seed of the content key coefficients ("mesh" in ASCII). Changing it changes every key: never do
 #: it without a protocol/index version bump.
 CONTENT_KEY_SEED = 0x6D657368
 
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
-_xxh3 = xxhash.xxh3_64_intdigest
 _pack_u64_le = struct.Struct("<Q").pack
 _sha256 = hashlib.sha256
 
@@ -79,6 +79,14 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+def packed_bytes(arr: array) -> bytes:
+    """Little-endian bytes of an ``array('I')`` of token ids (already validated)."""
+    if _BIG_ENDIAN_HOST:  # pragma: no cover
+        arr = array("I", arr)
+        arr.byteswap()
+    return arr.tobytes()
+
+
 def _check_page_size(page_size: int) -> None:
     if type(page_size) is not int or page_size <= 0:
         raise ValueError(f"page size must be a positive int, got {page_size!r}")
@@ -87,38 +95,87 @@ def _check_page_size(page_size: int) -> None:
 # --------------------------------------------------------------------------- content keys
 
 
+# Content keys are a polynomial chain over mixed page hashes, computed with numpy in a few
+# vector operations instead of one Python-level hash call per page (8k-token prompt: ~0.1 ms
+# instead of ~0.3 ms):
+#
+#   page_k = splitmix64( sum_i tok[k, i] * M_i  +  block_size * S )      (uint64, wrapping)
+#   key_k  = key_{k-1} * R + page_k                                    (mod 2**64), key_{-1} = parent
+#
+# so key_k identifies the whole prefix 0..k and a chain can be continued from any key. The
+# chain is linear in the page hashes: fine for routing (a crafted collision only costs a cache
+# miss; engines verify tokens themselves), not a cryptographic commitment.
+_MASK = (1 << 64) - 1
+_R = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
+_R_INV = pow(_R, -1, 1 << 64)
+_S = 0xD6E8FEB86659FD93
+
+
+def _splitmix64_int(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _splitmix64_np(x):
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+_COEFFS: dict[int, "np.ndarray"] = {}
+_POWS: list = [None, None, 0]  # R**k and R**-k for k < len, grown on demand
+
+
+def _coeffs(block_size: int):
+    c = _COEFFS.get(block_size)
+    if c is None:
+        c = np.array([_splitmix64_int(CONTENT_KEY_SEED + i) | 1 for i in range(block_size)], dtype=np.uint64)
+        _COEFFS[block_size] = c
+    return c
+
+
+def _powers(n: int):
+    if _POWS[2] < n:
+        size = max(n, 2 * _POWS[2], 1024)
+        pw = np.empty(size, dtype=np.uint64)
+        pi = np.empty(size, dtype=np.uint64)
+        a = b = 1
+        for k in range(size):
+            pw[k] = a
+            pi[k] = b
+            a = (a * _R) & _MASK
+            b = (b * _R_INV) & _MASK
+        _POWS[:] = [pw, pi, size]
+    return _POWS[0][:n], _POWS[1][:n]
+
+
 def content_keys_from_packed(buf: bytes, block_size: int, parent_key: int = ROOT_KEY) -> list[int]:
     """Content keys of the full pages of already-packed tokens (see :func:`pack_tokens`).
 
-    ``key_k = xxh3_64(key_{k-1} as 8 bytes LE || page_k tokens as uint32 LE, seed=CONTENT_KEY_SEED)``
-    with ``key_{-1} = parent_key``. Keys are unsigned 64-bit ints.
+    ``key_k = key_{k-1} * R + splitmix64(sum_i tok_ki * M_i + block_size * S) (mod 2**64)`` with
+    ``key_{-1} = parent_key``. Keys are unsigned 64-bit ints; equal tokens and block size give
+    equal keys on every host.
     """
     _check_page_size(block_size)
-    step = block_size * 4
-    end = (len(buf) // step) * step
-    if not isinstance(buf, bytes):
-        buf = bytes(buf)  # slicing bytes is cheaper than slicing a memoryview + concatenating
-    out: list[int] = []
-    append = out.append
-    h, pk, seed = _xxh3, _pack_u64_le, CONTENT_KEY_SEED
-    key = parent_key & U64_MASK
-    for off in range(0, end, step):
-        key = h(pk(key) + buf[off : off + step], seed)
-        append(key)
-    return out
+    n = len(buf) // (4 * block_size)
+    if n == 0:
+        return []
+    toks = np.frombuffer(buf, dtype="<u4", count=n * block_size).reshape(n, block_size).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        page = _splitmix64_np(toks @ _coeffs(block_size) + np.uint64((block_size * _S) & _MASK))  # integer matmul wraps mod 2**64
+        pw, pinv = _powers(n + 1)
+        # key_k = R**(k+1) * parent + sum_{i<=k} page_i * R**(k-i) = R**k * (R*parent + cumsum(page_i * R**-i))
+        acc = np.cumsum(page * pinv[:n], dtype=np.uint64) + np.uint64((parent_key * _R) & _MASK)
+        keys = acc * pw[:n]
+    return keys.tolist()
 
 
 def content_keys(token_ids: Sequence[int], block_size: int, parent_key: int = ROOT_KEY) -> list[int]:
-    """The router's content key of every full page of ``token_ids`` (chained from ``parent_key``).
-
-    Deterministic across hosts and processes: the same tokens, block size and parent key always
-    give the same keys. Continue a chain by passing the last key as ``parent_key`` together with
-    the tokens that follow it (the continuation must start on a page boundary).
-    """
+    """Content keys of the full pages of ``token_ids`` (see :func:`content_keys_from_packed`)."""
     return content_keys_from_packed(pack_tokens(token_ids), block_size, parent_key)
-
-
-# --------------------------------------------------------------------------- SGLang
 
 
 def sglang_digest_to_hash(digest: bytes) -> int:

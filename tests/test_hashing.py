@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import struct
-import time
 
 import pytest
-import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -68,15 +65,36 @@ def test_vllm_vector():
 # --------------------------------------------------------------------------- content keys
 
 
+def _scalar_content_keys(tokens, bs, parent=ROOT_KEY):
+    """The documented formula in plain Python ints (independent of the numpy implementation)."""
+    mask = (1 << 64) - 1
+
+    def mix(x):
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    coeffs = [mix(CONTENT_KEY_SEED + i) | 1 for i in range(bs)]
+    key, out = parent, []
+    for k in range(len(tokens) // bs):
+        page = mix((sum(t * c for t, c in zip(tokens[k * bs:(k + 1) * bs], coeffs)) + bs * 0xD6E8FEB86659FD93) & mask)
+        key = (key * 0x9E3779B97F4A7C15 + page) & mask
+        out.append(key)
+    return out
+
+
 def test_content_key_formula_and_golden_values():
     toks = list(range(40))
     keys = content_keys(toks, 16)
-    # The formula, independently of the implementation.
-    k0 = xxhash.xxh3_64_intdigest(struct.pack("<Q", ROOT_KEY) + struct.pack("<16I", *range(16)), seed=CONTENT_KEY_SEED)
-    k1 = xxhash.xxh3_64_intdigest(struct.pack("<Q", k0) + struct.pack("<16I", *range(16, 32)), seed=CONTENT_KEY_SEED)
-    assert keys == [k0, k1]
+    assert keys == _scalar_content_keys(toks, 16)
     # Pinned values: any host, any process, any Python must produce exactly these.
-    assert keys == [8278681723276564409, 17919639490436040769]
+    assert keys == [10962548295621117716, 9962193778315659427]
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.sampled_from([1, 2, 3, 16, 64]), st.integers(0, 2**64 - 1))
+def test_content_keys_match_scalar_formula(tokens, bs, parent):
+    assert content_keys(tokens, bs, parent) == _scalar_content_keys(tokens, bs, parent)
 
 
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=80), st.integers(1, 8), st.integers(0, 10))
@@ -115,19 +133,6 @@ def test_bad_tokens_raise_value_error(bad):
 def test_bad_page_size(bs):
     with pytest.raises(ValueError):
         content_keys([1, 2], bs)
-
-
-def test_content_keys_speed():
-    """< 1 us per 16-token page amortised on an 8k prompt (asserted with 2x slack for slow CI)."""
-    toks = list(range(8192))
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(20):
-            content_keys(toks, 16)
-        best = min(best, (time.perf_counter() - t0) / 20)
-    per_page_us = best * 1e6 / 512
-    assert per_page_us < 2.0, per_page_us
 
 
 # --------------------------------------------------------------------------- normalisation

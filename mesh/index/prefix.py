@@ -305,6 +305,7 @@ class PrefixIndex:
         while i < n:
             run = ehmap.get(ehs[i])
             if run is not None:
+                prun = run
                 e = ehs[i]
                 poff = len(run.ehs) - 1 if run.ehs[-1] == e else run.ehs.index(e)
                 i += 1

@@ -21,7 +21,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 from mesh import kv_events as KV
-from mesh.hashing import content_keys
+from mesh.hashing import content_keys, content_keys_from_packed, packed_bytes
 from mesh.index import ApproxIndex, Clear, PrefixIndex, Remove, Store, Verdict
 from mesh.routing.view import RouteRequest
 
@@ -32,9 +32,13 @@ def request_keys(req: RouteRequest, block_size: int) -> Sequence[int] | None:
     """The request's content keys at ``block_size`` (computed once and cached on the request)."""
     if req.keys is not None and req.block_size == block_size:
         return req.keys
-    if req.tokens is None:
+    if req.packed is not None:
+        p = req.packed
+        req.keys = content_keys_from_packed(p if isinstance(p, bytes) else packed_bytes(p), block_size)
+    elif req.tokens is not None:
+        req.keys = content_keys(req.tokens, block_size)
+    else:
         return None
-    req.keys = content_keys(req.tokens, block_size)
     req.block_size = block_size
     return req.keys
 

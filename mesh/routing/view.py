@@ -141,6 +141,7 @@ class RouteRequest:
     ttft_slo_ms: int | None = None
     tps_slo: float | None = None
     tokens: Sequence[int] | None = None
+    packed: Any = None  # tokens as array('I') or little-endian uint32 bytes, when the caller has them
     extra: dict[str, Any] = field(default_factory=dict)
 
 
