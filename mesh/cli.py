@@ -178,12 +178,27 @@ def _add_bench(sub) -> None:
     b.add_argument("--concurrency", type=int, default=256, help="requests kept in flight in the throughput phase")
     b.add_argument("--json", help="write results to this JSON file")
     b.set_defaults(func=_cmd_bench_broker)
+    r = bsub.add_parser("routing", help="decision time at 8..4096 workers, index apply rate, bytes per block")
+    r.add_argument("--sizes", default="8,64,512,4096", help="comma-separated fleet sizes")
+    r.add_argument("--decisions", type=int, default=400, help="decisions timed per fleet size")
+    r.add_argument("--json", help="write results to this JSON file")
+    r.set_defaults(func=_cmd_bench_routing)
 
 
 def _cmd_bench_broker(args) -> int:
     from mesh.bench.broker_bench import run_broker_bench
 
     res = run_broker_bench(workers=args.workers, seconds=args.seconds, concurrency=args.concurrency)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+def _cmd_bench_routing(args) -> int:
+    from mesh.bench.routing_bench import run_routing_bench
+
+    sizes = tuple(int(x) for x in args.sizes.split(","))
+    res = run_routing_bench(sizes=sizes, decisions=args.decisions)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

@@ -360,7 +360,7 @@ class PrefixIndex:
                     s.alias.setdefault(k, []).append(run)
                 else:
                     v[s] = run
-            elif v.stream is s:
+            elif False:
                 s.alias.setdefault(k, []).append(run)
             else:
                 h[k] = {v.stream: v, s: run}

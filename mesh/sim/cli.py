@@ -1,0 +1,180 @@
+"""``mesh sim``: argument parsing and the command (wired into ``mesh.cli`` by ``add_sim_parser``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from mesh.errors import ConfigError
+
+__all__ = ["add_sim_parser", "config_from_args", "cmd_sim"]
+
+_WORKLOAD_PARAMS = {
+    "groups": int, "prompts_per_group": int, "system_tokens": int, "question_tokens": int, "output_tokens": int,
+    "users": int, "rounds": int, "context_tokens": int, "zipf_alpha": float,
+}
+
+
+def _csv(kind):
+    def parse(s: str):
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list")
+        try:
+            return [kind(x) for x in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad list item in {s!r}") from None
+    return parse
+
+
+def add_sim_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``sim`` subcommand to ``mesh``'s subparsers."""
+    from mesh.engine_model import EngineConfig
+    from mesh.sim.workloads import WORKLOADS
+
+    p = subparsers.add_parser(
+        "sim", help="simulate routers + GPU servers in virtual time: hit rate, balance, TTFT per policy",
+        description="Replay a trace or a generated workload through the real routing code (policies, prefix "
+                    "providers) and engine models in virtual time. Every combination of --policy, --provider, "
+                    "--routers and --workers is one arm; all arms see the identical request stream.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
+    src.add_argument("--workload", choices=sorted(WORKLOADS), help="generated workload")
+    a = p.add_argument_group("arms")
+    a.add_argument("--policy", type=_csv(str), default=["power_of_two"], help="comma-separated policies (default power_of_two)")
+    a.add_argument("--provider", type=_csv(str), default=["radix_tree"],
+                   help="comma-separated prefix providers: radix_tree, approx, indexer (default radix_tree)")
+    a.add_argument("--routers", type=_csv(int), default=[1], help="router count(s), e.g. 1,4 (default 1)")
+    a.add_argument("--workers", type=_csv(int), default=[16], help="worker count(s), e.g. 16,64 (default 16)")
+    a.add_argument("--router-pick", choices=["round_robin", "random"], default="round_robin",
+                   help="how requests reach routers (default round_robin)")
+    a.add_argument("--no-dedupe", action="store_true",
+                   help="run load-only policies once per provider instead of once with provider 'none'")
+    w = p.add_argument_group("request stream")
+    w.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times (0.25 = 4x faster)")
+    w.add_argument("--rate", type=float, default=20.0, help="generated workloads: Poisson requests/s (default 20)")
+    w.add_argument("--duration-s", type=float, default=60.0, help="generated workloads: seconds of arrivals (default 60)")
+    w.add_argument("--max-requests", type=int, help="truncate the stream to N requests")
+    w.add_argument("--seed", type=int, default=0, help="seed of workloads and routing RNGs (default 0)")
+    for name, typ in _WORKLOAD_PARAMS.items():
+        w.add_argument("--" + name.replace("_", "-"), type=typ, help=f"workload parameter {name}")
+    f = p.add_argument_group("fleet model")
+    f.add_argument("--heartbeat-ms", type=float, default=500.0, help="LoadStat interval to each router (default 500)")
+    f.add_argument("--event-delay-ms", type=float, default=10.0, help="KV event delivery delay (default 10)")
+    f.add_argument("--net-ms", type=float, default=0.5, help="one-way router<->worker latency (default 0.5)")
+    f.add_argument("--load-freshness-s", type=float, default=5.0, help="routers ignore older LoadStat (default 5)")
+    f.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="TTFT SLO for goodput (default 2000)")
+    e = p.add_argument_group("engine model (defaults: 8B model on one H100)")
+    for fl in fields(EngineConfig):
+        typ = int if fl.type in ("int", int) else float
+        e.add_argument("--" + fl.name.replace("_", "-"), type=typ, default=None, dest="engine_" + fl.name,
+                       help=f"default {getattr(EngineConfig(), fl.name)}")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", help="write the report (config, workload, arms) to this JSON file")
+    o.add_argument("--plot", help="write a PNG: hit rate, worker CV and TTFT p95 per arm")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_sim)
+    return p
+
+
+def config_from_args(args: argparse.Namespace):
+    from mesh.engine_model import EngineConfig
+    from mesh.sim.runner import SimConfig
+
+    eng = {fl.name: getattr(args, "engine_" + fl.name) for fl in fields(EngineConfig)
+           if getattr(args, "engine_" + fl.name, None) is not None}
+    try:
+        engine = EngineConfig(**eng)
+    except TypeError as exc:
+        raise ConfigError(f"engine: {exc}") from None
+    params = {k: getattr(args, k) for k in _WORKLOAD_PARAMS if getattr(args, k, None) is not None}
+    if args.trace and params:
+        raise ConfigError(f"workload parameters ({', '.join(sorted(params))}) need --workload, not --trace")
+    cfg = SimConfig(
+        trace=args.trace, workload=args.workload, workload_params=params, rate=args.rate,
+        duration_s=args.duration_s, time_scale=args.time_scale, max_requests=args.max_requests, seed=args.seed,
+        policies=args.policy, providers=args.provider, routers=args.routers, workers=args.workers,
+        router_pick=args.router_pick, heartbeat_ms=args.heartbeat_ms, event_delay_ms=args.event_delay_ms,
+        net_ms=args.net_ms, load_freshness_s=args.load_freshness_s, ttft_slo_ms=args.ttft_slo_ms, engine=engine,
+        dedupe_load_only=not args.no_dedupe,
+    )
+    cfg.validate()
+    return cfg
+
+
+def dumps_report(report: dict) -> str:
+    """The canonical JSON text of a report (sorted keys: same report, same bytes)."""
+    return json.dumps(report, indent=2, sort_keys=True) + "\n"
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mesh.sim.report import arm_label, render_table, write_plot
+    from mesh.sim.runner import arm_specs, build_workload, run_sim
+
+    cfg = config_from_args(args)
+    console = Console(stderr=True)
+    wl = build_workload(cfg)
+    specs = arm_specs(cfg)
+    console.print(f"[bold]mesh sim[/]: {wl.name}, {len(wl.requests)} requests"
+                  f"{f' ({wl.dropped} dropped: prompt > KV capacity)' if wl.dropped else ''}, {len(specs)} arm(s)")
+    wall: list[float] = []
+    t_arm = [time.perf_counter()]
+
+    def on_arm(i, res):
+        now = time.perf_counter()
+        wall.append(now - t_arm[0])
+        t_arm[0] = now
+
+    show = not args.no_progress and console.is_terminal
+    if show:
+        prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True)
+        tasks: dict[int, int] = {}
+
+        def progress(i, n_arms, done, total):
+            if i not in tasks:
+                tasks[i] = prog.add_task(f"arm {i + 1}/{n_arms} {arm_label(specs[i].__dict__)}", total=total)
+            prog.update(tasks[i], completed=done)
+
+        with prog:
+            report = run_sim(cfg, workload=wl, progress=progress, on_arm=on_arm)
+    else:
+        def on_arm_log(i, res):
+            on_arm(i, res)
+            if not args.no_progress:
+                console.print(f"arm {i + 1}/{len(specs)} {arm_label(res)}: {wall[-1]:.1f} s")
+
+        report = run_sim(cfg, workload=wl, on_arm=on_arm_log)
+    out = Console()
+    out.print(render_table(report, wall))
+    if args.json:
+        Path(args.json).write_text(dumps_report(report))
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(report, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (``python -m mesh.sim.cli``), same as ``mesh sim``."""
+    parser = argparse.ArgumentParser(prog="mesh")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add_sim_parser(sub)
+    args = parser.parse_args(["sim", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"mesh: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
