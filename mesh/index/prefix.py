@@ -325,7 +325,7 @@ class PrefixIndex:
         self, s: _Stream, prun: _Run | None, poff: int, ehs: Sequence[int], keys: Sequence[int]
     ) -> _Run:
         """Add new blocks below position (prun, poff); returns the run now holding them."""
-        if prun is not None and poff == len(prun.ehs) - 1:
+        if prun is not None:
             run = prun  # continuation of a run: extend it in place
             run.ehs.extend(ehs)
             run.keys.extend(keys)
@@ -360,7 +360,7 @@ class PrefixIndex:
                     s.alias.setdefault(k, []).append(run)
                 else:
                     v[s] = run
-            elif False:
+            elif v.stream is s:
                 s.alias.setdefault(k, []).append(run)
             else:
                 h[k] = {v.stream: v, s: run}

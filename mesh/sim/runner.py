@@ -418,6 +418,15 @@ class Arm:
                     kv_batches += 1
                     if prov.apply_events(w.wid, 0, 1, seq, events, t) is not None:
                         kv_resyncs += 1
+        # Deliver the KV batches still in flight so provider state matches the engines at the end
+        # (the metrics above do not depend on it; tests and reports of index state do).
+        while q:
+            t, _, kind, a, b = pop()
+            if kind == _KV:
+                for prov in kv_targets:
+                    kv_batches += 1
+                    if prov.apply_events(a.wid, 0, 1, b[0], b[1], t) is not None:
+                        kv_resyncs += 1
         if progress is not None:
             progress(n, n)
 

@@ -124,7 +124,7 @@ class Workload:
         for kind, key, full, n in segs:
             if kind == 0:
                 b = random.Random(key).randbytes(full)
-                out.extend(array("B", b if n == full else b[:n]))
+                out.extend(b if n == full else b[:n])  # iterating bytes yields ints
             else:
                 out.extend(output_token_id(key, p, vocab) for p in range(n))
         return out

@@ -1,0 +1,81 @@
+"""Configuration: validation names the field; TOML and flags merge; the CLI exits 2 with the message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mesh.config import BrokerSettings, WorkerSettings, build, load_toml
+from mesh.errors import ConfigError
+from mesh.retry import RetryBudget, RetryPolicy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("values,field", [
+    ({"heartbeat_ms": 0}, "heartbeat_ms"),
+    ({"liveness": 0}, "liveness"),
+    ({"max_attempts": 0}, "max_attempts"),
+    ({"retry_base_ms": 500.0}, "retry_base_ms"),
+    ({"retry_budget_ratio": 2.0}, "retry_budget_ratio"),
+    ({"frontend": "http://x"}, "frontend"),
+    ({"heartbeat_ms": "fast"}, "heartbeat_ms"),
+    ({"log_level": "loud"}, "log_level"),
+    ({"no_such_thing": 1}, "no_such_thing"),
+])
+def test_broker_settings_errors_name_the_field(values, field):
+    with pytest.raises(ConfigError, match=field):
+        build(BrokerSettings, values)
+
+
+def test_worker_settings_errors():
+    with pytest.raises(ConfigError, match="role"):
+        build(WorkerSettings, {"role": "gpu"})
+    with pytest.raises(ConfigError, match="labels"):
+        build(WorkerSettings, {"labels": {"a": 1}})
+    assert build(WorkerSettings, {"brokers": "tcp://127.0.0.1:1"}).brokers == ("tcp://127.0.0.1:1",)
+
+
+def test_example_configs_load_and_flags_win(tmp_path):
+    for f in (REPO / "configs").glob("*.toml"):
+        build(BrokerSettings, load_toml(f, "broker"))
+        build(WorkerSettings, load_toml(f, "worker"))
+    s = build(BrokerSettings, load_toml(REPO / "configs" / "single-host.toml", "broker"), {"policy": "power_of_two"})
+    assert s.policy == "power_of_two" and s.metrics == "127.0.0.1:9100"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[broker\\nx=")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_toml(bad, "broker")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "missing.toml", "broker")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["broker", "--heartbeat-ms", "-5"], "heartbeat_ms"),
+    (["broker", "--policy", "nope"], "policy"),
+    (["broker", "--cache-prefix-provider", "nope"], "cache_prefix_provider"),
+    (["worker-stub", "--count", "0"], "count"),
+    (["worker-stub", "--page-size", "0"], "page_size"),
+])
+def test_cli_rejects_bad_config_with_exit_2(argv, needle):
+    p = subprocess.run([sys.executable, "-m", "mesh.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, (p.returncode, p.stderr[-500:])
+    assert "configuration error" in p.stderr and needle in p.stderr
+
+
+def test_retry_policy_and_budget():
+    p = RetryPolicy(max_attempts=3, base_ms=25, cap_ms=250)
+    for attempt in range(1, 8):
+        d = p.delay_s(attempt)
+        assert 0 <= d <= min(0.025 * 2 ** attempt, 0.25) + 1e-9
+    assert p.should_retry(1, 1.0) and p.should_retry(2, 1.0) and not p.should_retry(3, 1.0)
+    assert not p.should_retry(1, 0.0)
+    with pytest.raises(ConfigError):
+        RetryPolicy(max_attempts=0)
+    b = RetryBudget(ratio=0.2, minimum=3)
+    assert [b.try_acquire(10) for _ in range(4)] == [True, True, True, False]  # max(3, 2) = 3
+    b.release()
+    assert b.try_acquire(100)  # 20 allowed at 100 in flight
