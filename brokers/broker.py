@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+from collections import deque
 import itertools
 import os
 import random
@@ -65,6 +66,7 @@ class Inflight:
     attempt: int = 0
     session: WorkerSession | None = None
     decision: Decision | None = None
+    route_req: RouteRequest | None = None
     chunks_sent: int = 0
     tried: set[str] = field(default_factory=set)
     retry_pending: bool = False
@@ -116,6 +118,14 @@ class Broker:
         self.backend_endpoint = ""
         self._front: zmq.asyncio.Socket | None = None
         self._back: zmq.asyncio.Socket | None = None
+        # Mailbox: other tasks of this loop (indexer queries, resync callbacks) hand work to the
+        # socket-owning loop through this deque and ring an inproc doorbell it polls.
+        self._mail: deque[tuple[str, Any]] = deque()
+        self._bell_rx: zmq.asyncio.Socket | None = None
+        self._bell_tx: zmq.asyncio.Socket | None = None
+        self._bell_rung = False
+        self._tasks: set[asyncio.Task] = set()
+        self.async_provider = bool(getattr(router.provider, "is_async", False))
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -135,6 +145,14 @@ class Broker:
         self._bs = zmq.Socket.shadow(self._back.underlying)
         self.frontend_endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_endpoint = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
+        bell = f"inproc://mesh-broker-bell-{id(self):x}"
+        self._bell_rx = self.ctx.socket(zmq.PAIR)
+        self._bell_rx.setsockopt(zmq.LINGER, 0)
+        self._bell_rx.bind(bell)
+        self._bell_tx = self.ctx.socket(zmq.PAIR)  # only its non-blocking sync shadow sends
+        self._bell_tx.setsockopt(zmq.LINGER, 0)
+        self._bell_tx.connect(bell)
+        self._bell_tx_sync = zmq.Socket.shadow(self._bell_tx.underlying)
 
     async def run(self) -> None:
         """Serve until :meth:`request_stop`; then drain in-flight work and close the sockets."""
@@ -164,6 +182,11 @@ class Broker:
         if self._back is not None:
             for sess in list(self.registry.by_identity.values()):
                 self._send_worker(sess.identity, P.encode_disconnect("broker_shutdown"))
+        for t in list(self._tasks):
+            t.cancel()
+        for sock in (self._bell_tx, self._bell_rx):
+            if sock is not None:
+                sock.close(linger=0)
         for sock in (self._front, self._back):
             if sock is not None:
                 sock.close(linger=500)
@@ -187,6 +210,8 @@ class Broker:
         poller = zmq.asyncio.Poller()
         poller.register(self._front, zmq.POLLIN)
         poller.register(self._back, zmq.POLLIN)
+        poller.register(self._bell_rx, zmq.POLLIN)
+        bell = zmq.Socket.shadow(self._bell_rx.underlying)
         hb_s = self.s.heartbeat_ms / 1000.0
         next_hb = time.monotonic() + hb_s
         next_sweep = time.monotonic() + hb_s / 5
@@ -208,6 +233,8 @@ class Broker:
             busy = True
             while busy:
                 busy = self._drain(back, self._on_worker_frames) | self._drain(front, self._on_client_frames)
+            if self._mail or self._bell_rung:
+                self._drain_mail(bell)
             now = time.monotonic()
             if now >= next_hb:
                 self._send_heartbeats()
@@ -219,6 +246,58 @@ class Broker:
                 self._expire_deadlines(now)
             if self._retries and self._retries[0][0] <= now:
                 self._run_due_retries(now)
+
+    def post(self, kind: str, item: Any) -> None:
+        """Hand work to the loop from another task of the same event loop (never blocks)."""
+        self._mail.append((kind, item))
+        if not self._bell_rung:
+            self._bell_rung = True
+            try:
+                self._bell_tx_sync.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a ring is already pending
+
+    def _drain_mail(self, bell: zmq.Socket) -> None:
+        while True:
+            try:
+                bell.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        self._bell_rung = False
+        now = time.monotonic()
+        while self._mail:
+            kind, item = self._mail.popleft()
+            try:
+                if kind == "matched":
+                    inf = self._inflight.get(item)
+                    if inf is not None and inf.session is None and not inf.retry_pending:
+                        self._dispatch(inf, now)
+                elif kind == "resync":
+                    worker_id, dp_rank, why = item
+                    sess = self.registry.by_id.get(worker_id)
+                    if sess is not None:
+                        self.stats.kv["resync_requested"] += 1
+                        self._send_worker(sess.identity, P.encode_resync(dp_rank, why))
+            except Exception as exc:
+                self.stats.dropped["handler_exception"] += 1
+                self.log.exception("mail_handler_failed", kind=kind, error=repr(exc))
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run a helper coroutine on the broker's loop; it is cancelled when the broker closes."""
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _prefetch(self, inf: Inflight) -> None:
+        """Async prefix providers (the shared indexer) answer before the routing decision."""
+        try:
+            await self.router.provider.prefetch(inf.route_req)  # type: ignore[union-attr]
+        except Exception as exc:  # the provider must not fail requests: route by load instead
+            self.stats.dropped["prefetch_failed"] += 1
+            if self._limiter.allow(("prefetch_failed",)):
+                self.log.warning("prefetch_failed", error=repr(exc))
+        self.post("matched", inf.rid)
 
     def _drain(self, sock: zmq.Socket, handler) -> bool:
         """Receive up to _DRAIN_BATCH messages without blocking; True if the batch was full."""
@@ -316,6 +395,10 @@ class Broker:
         self._inflight[rid] = inf
         self._by_client[key] = rid
         heapq.heappush(self._deadlines, (inf.deadline_s, rid))
+        if self.async_provider:
+            inf.route_req = self._route_request(inf)
+            self.spawn(self._prefetch(inf))
+            return
         self._dispatch(inf, now)
 
     def _on_client_cancel(self, ident: bytes, client_rid: str) -> None:
@@ -346,7 +429,9 @@ class Broker:
     def _dispatch(self, inf: Inflight, now: float) -> None:
         """Route and send one attempt. On failure to find or reach a worker, fail or retry."""
         pool = self.registry.pool()
-        req = self._route_request(inf)
+        if inf.route_req is None:
+            inf.route_req = self._route_request(inf)
+        req = inf.route_req
         while True:
             t0 = time.perf_counter()
             decision = self.router.route(req, pool, now, exclude=inf.tried)

@@ -24,6 +24,21 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
     except ValueError as exc:
         raise ConfigError(f"policy: {exc}") from None
     provider = None
+    if settings.cache_prefix_provider == "indexer":
+        from brokers.indexer_provider import RemoteIndexProvider
+        from mesh.indexer.client import IndexerClient
+
+        holder: dict[str, Broker] = {}
+        client = IndexerClient(
+            list(settings.kv_indexer_endpoint), query_timeout_ms=settings.kv_indexer_query_timeout_ms,
+            max_inflight=settings.kv_indexer_query_max_inflight,
+            on_resync=lambda wid, rank, why: holder["b"].post("resync", (wid, rank, why)) if "b" in holder else None,
+        )
+        provider = RemoteIndexProvider(client)
+        broker = Broker(settings, Router(policy, provider), kv_sink=provider, **kwargs)
+        provider.broker = broker
+        holder["b"] = broker
+        return broker
     if policy.needs_match:
         try:
             provider = make_provider(settings.cache_prefix_provider)
@@ -58,7 +73,14 @@ async def serve_broker(settings: BrokerSettings) -> None:
         start_http_server(int(port), addr=host or "127.0.0.1", registry=reg)
         get_logger(service="broker").info("metrics_listening", endpoint=settings.metrics)
     broker.install_signal_handlers()
-    await broker.run()
+    client = getattr(broker.router.provider, "client", None)
+    if client is not None:
+        await client.start()
+    try:
+        await broker.run()
+    finally:
+        if client is not None:
+            await client.aclose()
 
 
 def main(settings: BrokerSettings) -> None:

@@ -39,7 +39,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 
 # ----------------------------------------------------------------------------- broker
 
-_BROKER_FLAGS = ["frontend", "backend", "broker_id", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
+_BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
                  "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "drain_timeout_s", "policy", "cache_prefix_provider",
                  "load_freshness_s", "metrics", "seed", "log_level"]
 
@@ -53,6 +53,9 @@ def _add_broker(sub) -> None:
     p.add_argument("--broker-id", help="name used in logs and metrics")
     p.add_argument("--policy", help="routing policy: cache_aware (default), cache_aware_greedy, power_of_two, round_robin, random")
     p.add_argument("--cache-prefix-provider", help="prefix index source: radix_tree (default), approx, indexer")
+    p.add_argument("--kv-indexer-endpoint", action="append", help="shared KV indexer http://HOST:PORT (repeat for replicas)")
+    p.add_argument("--kv-indexer-query-timeout-ms", type=int, help="deadline of one indexer query (default 100)")
+    p.add_argument("--kv-indexer-query-max-inflight", type=int, help="concurrent indexer queries (default 32)")
     p.add_argument("--heartbeat-ms", type=int, help="application heartbeat interval (default 500)")
     p.add_argument("--liveness", type=int, help="heartbeats missed before a worker is expired (default 3)")
     p.add_argument("--default-deadline-ms", type=int, help="deadline for requests that carry none (default 30000)")

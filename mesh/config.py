@@ -41,6 +41,9 @@ class BrokerSettings:
     drain_timeout_s: float = 10.0
     policy: str = "cache_aware"
     cache_prefix_provider: str = "radix_tree"
+    kv_indexer_endpoint: tuple[str, ...] = ()  # replicas of the shared KV indexer (http://HOST:PORT)
+    kv_indexer_query_timeout_ms: int = 100
+    kv_indexer_query_max_inflight: int = 32
     load_freshness_s: float = 5.0
     metrics: str = ""  # host:port for the Prometheus endpoint; empty = off
     seed: int | None = None
@@ -57,6 +60,17 @@ class BrokerSettings:
         _require(self.max_inflight > 0, "max_inflight", "must be > 0")
         _require(self.load_freshness_s > 0, "load_freshness_s", "must be > 0")
         _require(self.log_level in ("debug", "info", "warning", "error"), "log_level", "must be debug|info|warning|error")
+        _require(self.cache_prefix_provider in ("radix_tree", "approx", "indexer"), "cache_prefix_provider",
+                 "must be radix_tree, approx or indexer")
+        if self.kv_indexer_endpoint and self.cache_prefix_provider != "indexer":
+            raise ConfigError("kv_indexer_endpoint: --kv-indexer-endpoint requires --cache-prefix-provider indexer")
+        if self.cache_prefix_provider == "indexer" and not self.kv_indexer_endpoint:
+            raise ConfigError("cache_prefix_provider: --cache-prefix-provider indexer requires --kv-indexer-endpoint")
+        for ep in self.kv_indexer_endpoint:
+            _require(ep.startswith(("http://", "https://", "unix:")), "kv_indexer_endpoint",
+                     f"{ep!r} needs an explicit http://, https:// or unix: scheme")
+        _require(self.kv_indexer_query_timeout_ms > 0, "kv_indexer_query_timeout_ms", "must be > 0")
+        _require(self.kv_indexer_query_max_inflight > 0, "kv_indexer_query_max_inflight", "must be > 0")
         for name in ("frontend", "backend"):
             _require(getattr(self, name).startswith(("tcp://", "ipc://", "inproc://")), name, "must be a tcp://, ipc:// or inproc:// endpoint")
 

@@ -23,7 +23,8 @@ def check_index_invariants(ix: PrefixIndex) -> None:
                 expect.setdefault(k, {}).setdefault(s, []).append(run)
             if run.parent is not None:
                 p = run.parent
-                assert p.alive and p.stream is s and run in p.branches and 0 <= run.poff < len(p.ehs)
+                assert p.alive and p.stream is s and run in p.branches
+                assert run.poff == len(p.ehs) - 1, "branches hang below the parent run's last block"
             else:
                 assert run.poff == -1
             for b in run.branches or ():

@@ -405,7 +405,7 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 IndexMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestIndexMachine = IndexMachine.TestCase
 
@@ -436,7 +436,7 @@ class BudgetMachine(IndexMachine):
 
 
 BudgetMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestBudgetMachine = BudgetMachine.TestCase
 
@@ -492,6 +492,6 @@ class ApproxMachine(RuleBasedStateMachine):
 
 
 ApproxMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestApproxMachine = ApproxMachine.TestCase

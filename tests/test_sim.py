@@ -288,3 +288,24 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     bad = parser.parse_args(["sim", "--trace", "x.jsonl", "--users", "3"])
     with pytest.raises(ConfigError):
         config_from_args(bad)
+
+
+def test_determinism_across_processes(tmp_path):
+    # Different hash seeds (string hashing, set order) must not change a single byte.
+    import os
+    import subprocess
+    import sys
+
+    outs = []
+    for hs in ("1", "2"):
+        out = tmp_path / f"r{hs}.json"
+        subprocess.run(
+            [sys.executable, "-m", "mesh.sim.cli", "--workload", "shared_prefix", "--rate", "40", "--duration-s", "1",
+             "--groups", "5", "--system-tokens", "256", "--question-tokens", "32", "--output-tokens", "8",
+             "--workers", "3", "--routers", "2", "--policy", "cache_aware,cache_aware_greedy",
+             "--provider", "radix_tree,approx", "--router-pick", "random", "--max-total-num-tokens", "2000",
+             "--json", str(out), "--no-progress"],
+            check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": hs},
+        )
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]

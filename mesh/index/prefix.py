@@ -143,6 +143,7 @@ class PrefixIndex:
         self._workers: dict[str, _Worker] = {}
         self._streams: dict[Stream, _Stream] = {}
         self._lru: OrderedDict[_Run, None] = OrderedDict()
+        self._sorted_workers: list[_Worker] | None = None  # id order, rebuilt after membership changes
         self.entries = 0
         self._version = 0
         self.c = _Counters()
@@ -156,6 +157,7 @@ class PrefixIndex:
             w = self._workers.get(wid)
             if w is None:
                 w = self._workers[wid] = _Worker(wid)
+                self._sorted_workers = None
             s = w.streams[rank] = _Stream(w, rank)
             self._streams[stream] = s
         return s
@@ -168,6 +170,7 @@ class PrefixIndex:
         w = self._workers.pop(worker_id, None)
         n = 0
         if w is not None:
+            self._sorted_workers = None
             for rank, s in w.streams.items():
                 n += self._clear_stream(s)
                 del self._streams[(worker_id, rank)]
@@ -325,7 +328,9 @@ class PrefixIndex:
         self, s: _Stream, prun: _Run | None, poff: int, ehs: Sequence[int], keys: Sequence[int]
     ) -> _Run:
         """Add new blocks below position (prun, poff); returns the run now holding them."""
-        if prun is not None:
+        if prun is not None and poff < len(prun.ehs) - 1:
+            self._split(prun, poff + 1)  # branches only ever hang below a run's last block
+        if prun is not None and prun.branches is None:
             run = prun  # continuation of a run: extend it in place
             run.ehs.extend(ehs)
             run.keys.extend(keys)
@@ -343,6 +348,39 @@ class PrefixIndex:
         self.entries += len(ehs)
         self._touch(run)
         return run
+
+    def _split(self, run: _Run, at: int) -> _Run:
+        """Move blocks ``at..`` of ``run`` (and its branches) into a new child run; returns it.
+
+        Keeps the radix shape (children only below a run's last block), so refreshing a branch
+        refreshes exactly its prefix, not an unrelated continuation of the parent run. O(moved).
+        """
+        s = run.stream
+        tail = _Run(s, run.ehs[at:], run.keys[at:], run, at - 1, run.branches)
+        for b in run.branches or ():
+            b.parent = tail
+            b.poff -= at
+        run.branches = [tail]
+        del run.ehs[at:]
+        del run.keys[at:]
+        s.ehmap.update(zip(tail.ehs, repeat(tail)))
+        h = self._holders
+        alias = s.alias
+        for k in tail.keys:
+            v = h[k]
+            if v is run:
+                h[k] = tail
+            elif type(v) is dict and v.get(s) is run:
+                v[s] = tail
+            if alias:
+                lst = alias.get(k)
+                if lst:
+                    alias[k] = [tail if r is run else r for r in lst]
+        s.runs[tail] = None
+        # The tail was as recent as ``run``; it must sit before it (children before parents).
+        self._lru[tail] = None
+        self._touch(run)
+        return tail
 
     def _hold(self, s: _Stream, run: _Run, keys: Sequence[int]) -> None:
         h = self._holders
@@ -626,7 +664,14 @@ class PrefixIndex:
                     self._touch(r)
             else:
                 self._touch(deepest)
-        return MatchResult(len(keys), ev, sp, self._workers, (self, self.spec))
+        return MatchResult(
+            len(keys), ev, sp, self._workers, (self, self.spec), self._workers_by_id, self.spec.sorted_worker_ids
+        )
+
+    def _workers_by_id(self) -> list[_Worker]:
+        if self._sorted_workers is None:
+            self._sorted_workers = sorted(self._workers.values(), key=lambda w: w.worker_id)
+        return self._sorted_workers
 
     def holds(self, worker_id: str, key: int) -> bool:
         """True when the worker (any rank) holds content key ``key`` from events."""

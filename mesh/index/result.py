@@ -16,7 +16,7 @@ changed tables; call :meth:`MatchResult.to_dict` to keep a detached copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from heapq import nsmallest
 from typing import Any
@@ -44,6 +44,10 @@ class WorkerMatch:
     speculative: bool
 
 
+#: Above this many holders, top(k) walks the id-sorted worker list instead of the level.
+_BIG_LEVEL = 64
+
+
 def _has_stream(h: Any, s: Any) -> bool:
     return s in h if type(h) is dict else h.stream is s
 
@@ -67,7 +71,7 @@ def _deepest(depths: list[int], holders: list[Any], who: Any, has: Any) -> int:
 class MatchResult:
     """Per-worker prefix matches of one query (see module docstring for cost and validity)."""
 
-    __slots__ = ("query_blocks", "_ed", "_eh", "_sd", "_sh", "_workers", "_guards")
+    __slots__ = ("query_blocks", "_ed", "_eh", "_sd", "_sh", "_workers", "_guards", "_sorted_ev", "_sorted_sp")
 
     def __init__(
         self,
@@ -76,12 +80,18 @@ class MatchResult:
         spec_levels: tuple[list[int], list[Any]],
         workers: Mapping[str, Any] | None,
         guards: tuple[Any, ...],
+        sorted_event_workers: Callable[[], list[Any]] | None = None,
+        sorted_spec_workers: Callable[[], list[str]] | None = None,
     ) -> None:
         self.query_blocks = query_blocks
         self._ed, self._eh = event_levels
         self._sd, self._sh = spec_levels
         self._workers = workers  # worker_id -> worker state with .streams {rank: stream}
         self._guards = tuple((g, g._version) for g in guards)
+        # Id-sorted worker lists (cached by the index) let top(k) pick the first k members of a
+        # huge tied level without scanning it.
+        self._sorted_ev = sorted_event_workers
+        self._sorted_sp = sorted_spec_workers
 
     # -- validity ---------------------------------------------------------------------------
     @property
@@ -137,6 +147,27 @@ class MatchResult:
         lv.sort(key=lambda t: (-t[0], t[1]))
         return lv
 
+    @staticmethod
+    def _new_members(group: list[tuple[int, int, Any]], seen: set[str]) -> dict[str, tuple[int | None, bool]]:
+        """``{worker_id: (dp_rank, speculative)}`` of the group's holders not in ``seen``."""
+        cands: dict[str, tuple[int | None, bool]] = {}
+        for _, kind, h in group:
+            if kind == 0:
+                streams = h.keys() if type(h) is dict else (h.stream,)
+                for s in streams:
+                    wid = s.worker.worker_id
+                    if wid in seen:
+                        continue
+                    prev = cands.get(wid)
+                    if prev is None or (prev[0] is not None and s.rank < prev[0]):
+                        cands[wid] = (s.rank, False)
+            else:
+                wids = h.keys() if type(h) is dict else (h.worker_id,)
+                for wid in wids:
+                    if wid not in seen and wid not in cands:
+                        cands[wid] = (None, True)
+        return cands
+
     def _iter_depth_groups(self) -> Iterator[tuple[int, dict[str, tuple[int | None, bool]]]]:
         """Yield ``(depth, {worker_id: (dp_rank, speculative)})`` of workers first seen at depth."""
         seen: set[str] = set()
@@ -144,24 +175,11 @@ class MatchResult:
         i = 0
         while i < len(lv):
             depth = lv[i][0]
-            cands: dict[str, tuple[int | None, bool]] = {}
-            while i < len(lv) and lv[i][0] == depth:
-                _, kind, h = lv[i]
-                i += 1
-                if kind == 0:
-                    streams = h.keys() if type(h) is dict else (h.stream,)
-                    for s in streams:
-                        wid = s.worker.worker_id
-                        if wid in seen:
-                            continue
-                        prev = cands.get(wid)
-                        if prev is None or (prev[0] is not None and s.rank < prev[0]):
-                            cands[wid] = (s.rank, False)
-                else:
-                    wids = h.keys() if type(h) is dict else (h.worker_id,)
-                    for wid in wids:
-                        if wid not in seen and wid not in cands:
-                            cands[wid] = (None, True)
+            j = i
+            while j < len(lv) and lv[j][0] == depth:
+                j += 1
+            cands = self._new_members(lv[i:j], seen)
+            i = j
             if cands:
                 seen.update(cands)
                 yield depth, cands
@@ -172,13 +190,60 @@ class MatchResult:
         out: list[WorkerMatch] = []
         if k <= 0:
             return out
-        for depth, cands in self._iter_depth_groups():
+        seen: set[str] = set()
+        lv = self._merged_levels()
+        i = 0
+        while i < len(lv) and len(out) < k:
+            depth = lv[i][0]
+            j = i
+            while j < len(lv) and lv[j][0] == depth:
+                j += 1
             need = k - len(out)
+            if j == i + 1 and type(lv[i][2]) is dict and len(lv[i][2]) > _BIG_LEVEL:
+                picked = self._first_members(lv[i][1], lv[i][2], seen, need)
+                if picked is not None:
+                    out.extend(WorkerMatch(w, depth, r, sp) for w, r, sp in picked)
+                    if len(out) >= k:
+                        break
+                    # The level had fewer than ``need`` new members: all of them are in ``out``.
+                    seen.update(w for w, _, _ in picked)
+                    i = j
+                    continue
+            cands = self._new_members(lv[i:j], seen)
             ids = sorted(cands) if len(cands) <= need else nsmallest(need, cands)
             out.extend(WorkerMatch(w, depth, *cands[w]) for w in ids)
-            if len(out) >= k:
-                break
+            seen.update(cands)
+            i = j
         return out
+
+    def _first_members(
+        self, kind: int, h: dict, seen: set[str], need: int
+    ) -> list[tuple[str, int | None, bool]] | None:
+        """First ``need`` new members of one big level in worker-id order (None: no sorted list)."""
+        picked: list[tuple[str, int | None, bool]] = []
+        if kind == 0:
+            if self._sorted_ev is None:
+                return None
+            for w in self._sorted_ev():
+                if w.worker_id in seen:
+                    continue
+                best = None
+                for rank, s in w.streams.items():
+                    if s in h and (best is None or rank < best):
+                        best = rank
+                if best is not None:
+                    picked.append((w.worker_id, best, False))
+                    if len(picked) == need:
+                        break
+        else:
+            if self._sorted_sp is None:
+                return None
+            for wid in self._sorted_sp():
+                if wid in h and wid not in seen:
+                    picked.append((wid, None, True))
+                    if len(picked) == need:
+                        break
+        return picked
 
     def levels(self) -> Iterator[tuple[int, list[WorkerMatch]]]:
         """``(depth, workers matched exactly that deep)``, deepest first, workers sorted by id."""

@@ -66,6 +66,7 @@ class ApproxIndex:
         self._heap: list[tuple[float, int, Record]] = []  # (expires_s, tie, record); stale allowed
         self._tie = 0
         self._tails: dict[str, dict[int, Record]] = {}  # worker -> last key -> its live record
+        self._sorted_ids: list[str] | None = None  # sorted(self._tails), rebuilt after changes
         self.entries = 0
         self._version = 0
         self.inserts = 0
@@ -87,6 +88,7 @@ class ApproxIndex:
         tails = self._tails.get(worker_id)
         if tails is None:
             tails = self._tails[worker_id] = {}
+            self._sorted_ids = None
         last = keys[-1]
         rec = tails.get(last)
         self._version += 1
@@ -110,7 +112,7 @@ class ApproxIndex:
         """Drop every record with ``expires_s <= now_s``; returns how many."""
         heap = self._heap
         n = 0
-        while heap and heap[0][0] <= now_s:
+        while heap and heap[0][0] < now_s:
             exp, _, rec = heappop(heap)
             if rec.alive and rec.expires_s == exp:  # else stale: refreshed or already gone
                 self._drop(rec)
@@ -131,14 +133,13 @@ class ApproxIndex:
 
     def remove_worker(self, worker_id: str) -> int:
         """Forget every speculation about ``worker_id``; returns records dropped."""
-        tails = self._tails.get(worker_id)
-        if not tails:
-            self._tails.pop(worker_id, None)
+        tails = self._tails.pop(worker_id, None)
+        if tails is None:
             return 0
+        self._sorted_ids = None
         recs = list(tails.values())
         for rec in recs:
             self._drop(rec)
-        self._tails.pop(worker_id, None)
         return len(recs)
 
     # -- queries ----------------------------------------------------------------------------
@@ -152,7 +153,13 @@ class ApproxIndex:
     def match(self, keys: Sequence[int], now_s: float) -> MatchResult:
         """Per-worker speculative prefix depth of ``keys`` (every match is flagged speculative)."""
         lv = self.levels(keys, now_s)
-        return MatchResult(len(keys), ([], []), lv, None, (self,))
+        return MatchResult(len(keys), ([], []), lv, None, (self,), None, self.sorted_worker_ids)
+
+    def sorted_worker_ids(self) -> list[str]:
+        """Workers with speculation state, sorted by id (cached; used by MatchResult.top)."""
+        if self._sorted_ids is None:
+            self._sorted_ids = sorted(self._tails)
+        return self._sorted_ids
 
     def holds(self, worker_id: str, key: int) -> bool:
         v = self._holders.get(key)
@@ -223,7 +230,7 @@ class ApproxIndex:
         rec.alive = False
         self._version += 1
         del self._records[rec]
-        tails = self._tails.get(rec.worker_id)
+        tails = self._tails.get(rec.worker_id)  # None while remove_worker drops its records
         if tails is not None and tails.get(rec.keys[-1]) is rec:
             del tails[rec.keys[-1]]
         h = self._holders

@@ -152,7 +152,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 console.print(f"arm {i + 1}/{len(specs)} {arm_label(res)}: {wall[-1]:.1f} s")
 
         report = run_sim(cfg, workload=wl, on_arm=on_arm_log)
-    out = Console() if sys.stdout.isatty() else Console(width=200)
+    out = Console()
+    out = Console(width=max(out.width, 150))  # never squeeze the table below its natural width
     out.print(render_table(report, wall))
     if args.json:
         Path(args.json).write_text(dumps_report(report))

@@ -20,12 +20,14 @@ def render_table(report: dict[str, Any], wall_s: Sequence[float] | None = None):
     title = (f"mesh sim: {wl['name']}, {wl['requests']} requests, oracle hit "
              f"{report['oracle_hit_rate'] * 100:.1f}%")
     t = Table(title=title)
-    cols = ["policy", "provider", "R", "W", "hit %", "oracle %", "worker CV", "busy CV", "util %",
-            "TTFT p50", "TTFT p95", "TTFT p99", "E2E p95", "req/s", "goodput %", "degraded"]
+    cols = ["policy", "provider", "R", "W", "hit%", "oracle%", "wCV", "busyCV", "util%",
+            "ttft50", "ttft95", "ttft99", "e2e95", "req/s", "good%", "degr"]
     if wall_s is not None:
         cols.append("wall s")
     for c in cols:
-        t.add_column(c, justify="left" if c in ("policy", "provider") else "right")
+        t.add_column(c, justify="left" if c in ("policy", "provider") else "right", no_wrap=True)
+    t.caption = ("hit/oracle: cached prompt tokens %; wCV/busyCV: CV of requests/busy time per worker; "
+                 "ttft/e2e: ms (p50/p95/p99); good: TTFT within SLO; degr: degraded decisions")
     for i, a in enumerate(report["arms"]):
         row = [
             a["policy"], a["provider"], str(a["routers"]), str(a["workers"]),

@@ -49,7 +49,9 @@ Metrics of an arm (all over the requests that completed; times in virtual ms):
   degraded (provider had no answer).
 * ``queue_mean``: mean ``num_waiting_reqs`` per engine, sampled at every heartbeat interval.
 * ``kv_event_batches``: batches delivered to providers (each router counted for radix_tree);
-  ``kv_resyncs``: batches a provider refused (a resync reason was returned).
+  ``kv_events_applied``: events the providers' indexes applied (methodology check: an
+  event-fed arm with 0 here measured nothing); ``kv_resyncs``: batches a provider refused (a
+  resync reason was returned; in-order delivery should give 0).
 
 The core of an arm is :class:`Arm`; simulated routers are :class:`SimRouter` objects whose
 ``route(req, now_s)`` returns a Decision, so a bucket-aware or prefill/decode router can replace
@@ -442,6 +444,11 @@ class Arm:
         served = [w.served for w in workers]
         oracle = self.oracle
         spec = self.spec
+        applied = 0
+        for prov in kv_targets:
+            st = getattr(prov, "stats", None)
+            if st is not None:
+                applied += int(st().get("events_applied", 0))
         return {
             "policy": spec.policy,
             "provider": spec.provider,
@@ -469,6 +476,7 @@ class Arm:
             "degraded_decisions": degraded,
             "queue_mean": _r(ratio(queue_sum, queue_samples)),
             "kv_event_batches": kv_batches,
+            "kv_events_applied": applied,
             "kv_resyncs": kv_resyncs,
             "prompt_tokens": prompt,
             "cached_tokens": cached,
