@@ -657,7 +657,7 @@ class Broker:
         self.stats.kv["batches"] += 1
         if self.kv_sink is None:
             return
-        for dp_rank, why in self.kv_sink.on_kv_events(sess.worker_id, m):
+        for dp_rank, why in self.kv_sink.on_kv_events(sess.worker_id, m, time.monotonic()):
             self.stats.kv["resync_requested"] += 1
             self._send_worker(sess.identity, P.encode_resync(dp_rank, why))
 

@@ -78,7 +78,7 @@ class RemoteIndexProvider:
         # The indexer keeps the worker's blocks: another broker may still serve it, and a worker
         # restart arrives as a new epoch there. Forgetting is the indexer's own expiry's job.
 
-    def on_kv_events(self, worker_id: str, msg) -> list[tuple[int, str]]:
+    def on_kv_events(self, worker_id: str, msg, now_s: float = 0.0) -> list[tuple[int, str]]:
         self.client.forward(worker_id, msg.dp_rank, msg.epoch, msg.seq, msg.raw)
         return []
 

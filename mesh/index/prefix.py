@@ -27,8 +27,9 @@ Representation (memory matters: one entry per (block, stream)):
 * ``_holders``: content key -> the single holding *run* when one stream holds it, else
   ``{stream: run}``. No per-block objects: the run object is shared by all its blocks.
 * A *run* is a contiguous chain of one stream's blocks (two parallel lists: engine hashes and
-  content keys) hanging below a position ``(parent run, offset)``. A store whose parent is the
-  last block of a run extends that run, so a request's successive stores form one run.
+  content keys) hanging below the last block of its parent run (a radix tree of runs). A store
+  whose parent is the last block of a branch-free run extends it, so a request's successive
+  stores form one run; a store branching from the middle of a run first splits it there.
 * Per stream, ``ehmap``: engine hash -> run (position found by ``list.index`` in C; stores and
   removals mostly touch a run's end). Removal truncates a run and drops the branch runs below
   the cut, which is the cascade.
@@ -43,6 +44,7 @@ least recently used run is always a leaf and eviction trims it from its tail.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -717,8 +719,6 @@ class PrefixIndex:
     def _bytes_estimate(self) -> int:
         # sys.getsizeof of the big tables plus per-entry object costs; the benchmark measures the
         # real figure with tracemalloc (this only has to track it, cheaply).
-        import sys
-
         b = sys.getsizeof(self._holders) + len(self._holders) * _INT_BYTES
         for s in self._streams.values():
             b += sys.getsizeof(s.ehmap)

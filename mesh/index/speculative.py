@@ -112,7 +112,7 @@ class ApproxIndex:
         """Drop every record with ``expires_s <= now_s``; returns how many."""
         heap = self._heap
         n = 0
-        while heap and heap[0][0] < now_s:
+        while heap and heap[0][0] <= now_s:
             exp, _, rec = heappop(heap)
             if rec.alive and rec.expires_s == exp:  # else stale: refreshed or already gone
                 self._drop(rec)

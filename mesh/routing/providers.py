@@ -109,6 +109,8 @@ class LocalIndexProvider:
         self._local_spec = ApproxIndex(max_entries=1_000_000, default_ttl_s=speculative_ttl_s or 5.0) if self.shared else None
         self._bs = _BlockSizeVote(block_size)
         self.counters: Counter[str] = Counter()
+        self.resync_retry_s = 5.0
+        self._resync_pending: dict[tuple[str, int], float] = {}
 
     @property
     def block_size(self) -> int:
@@ -147,26 +149,30 @@ class LocalIndexProvider:
         """Apply one ordered batch of a (worker, rank) stream. Returns a resync reason or None.
 
         Duplicates and stale epochs are ignored; a gap marks the stream untrusted and asks for a
-        resync; a resync snapshot (a batch that starts with AllBlocksCleared) re-trusts it.
+        resync (once per ``resync_retry_s`` while one is pending; live batches keep applying
+        meanwhile, so the index under-reports but never over-reports); a resync snapshot (a
+        batch that starts with AllBlocksCleared) re-trusts it.
         """
         stream = (worker_id, dp_rank)
         bs = self._bs.by_worker.get(worker_id, self.block_size)
         if events and type(events[0]) is KV.AllBlocksCleared and not self.index.is_trusted(stream):
             self.index.reset_stream(stream, epoch, seq)
+            self._resync_pending.pop(stream, None)
             self.counters["resyncs_applied"] += 1
             self._apply(stream, events[1:], bs)
             return None
         v = self.index.begin_batch(stream, epoch, seq)
-        verdict = v.verdict
-        if verdict is Verdict.GAP:
+        if v.apply:  # begin_batch already advanced the stream: the batch must be applied
+            self._apply(stream, events, bs)
+        else:
+            self.counters[str(v.verdict.value)] += 1
+        if v.verdict is Verdict.GAP:
             self.counters["gaps"] += 1
-            return "gap"
-        if not v.apply:
-            self.counters[str(verdict.value)] += 1
-            return None
         if not self.index.is_trusted(stream):
-            return "untrusted"
-        self._apply(stream, events, bs)
+            last = self._resync_pending.get(stream)
+            if last is None or now_s - last >= self.resync_retry_s:
+                self._resync_pending[stream] = now_s
+                return "gap"
         return None
 
     def _apply(self, stream, events: Sequence[KV.KvEvent], bs: int) -> None:
@@ -193,12 +199,12 @@ class LocalIndexProvider:
     def on_worker_removed(self, worker_id: str) -> None:
         self.remove_worker(worker_id)
 
-    def on_kv_events(self, worker_id: str, msg) -> list[tuple[int, str]]:
+    def on_kv_events(self, worker_id: str, msg, now_s: float = 0.0) -> list[tuple[int, str]]:
         """Broker entry point: decode a KV_EVENTS message (tolerantly) and apply it."""
         events, skipped = KV.decode_events(msg.events)
         for reason, n in skipped.items():
             self.counters[f"skipped_{reason}"] += n
-        why = self.apply_events(worker_id, msg.dp_rank, msg.epoch, msg.seq, events, 0.0)
+        why = self.apply_events(worker_id, msg.dp_rank, msg.epoch, msg.seq, events, now_s)
         return [(msg.dp_rank, why)] if why else []
 
     def stats(self) -> dict[str, Any]:
@@ -246,7 +252,7 @@ class ApproxProvider:
     def on_worker_removed(self, worker_id: str) -> None:
         self.remove_worker(worker_id)
 
-    def on_kv_events(self, worker_id: str, msg) -> list[tuple[int, str]]:
+    def on_kv_events(self, worker_id: str, msg, now_s: float = 0.0) -> list[tuple[int, str]]:
         return []
 
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""``mesh indexer`` and ``mesh bench indexer`` argument parsers (wired into :mod:`mesh.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from mesh.errors import ConfigError
+
+__all__ = ["add_indexer_parser", "add_bench_parser", "indexer_settings"]
+
+_DEFAULTS: dict[str, Any] = {
+    "listen": "127.0.0.1:50051",
+    "max_entries": 10_000_000,
+    "max_inflight_queries": 32,
+    "block_size": 16,
+    "tls_cert": None,
+    "tls_key": None,
+    "log_level": "info",
+}
+_TYPES = {"listen": str, "max_entries": int, "max_inflight_queries": int, "block_size": int, "tls_cert": str,
+          "tls_key": str, "log_level": str}
+
+
+def add_indexer_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``indexer`` subcommand to ``mesh``'s subparsers."""
+    p = subparsers.add_parser(
+        "indexer", help="run the shared KV indexer (gRPC): prefix matches for every broker",
+        description="Run the KV indexer: brokers forward workers' KV event batches to it and query it for "
+                    "per-worker prefix matches. Announces 'indexer_listening' with the bound endpoint; "
+                    "SIGTERM stops it gracefully (health NOT_SERVING first).")
+    p.add_argument("--config", help="TOML file; its [indexer] table uses these flag names")
+    p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051; port 0 = any free port)")
+    p.add_argument("--max-entries", type=int, help="(block, worker) entries kept, LRU-evicted beyond (default 10000000; 0 = unbounded)")
+    p.add_argument("--max-inflight-queries", type=int, help="prefix queries in flight before RESOURCE_EXHAUSTED (default 32)")
+    p.add_argument("--block-size", type=int, help="page size assumed for workers never registered nor seen (default 16)")
+    p.add_argument("--tls-cert", help="PEM certificate: serve TLS (https:// endpoint); needs --tls-key")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    # Test seam: every prefix query waits this long before running (overload/deadline tests).
+    p.add_argument("--fault-query-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.set_defaults(func=_cmd_indexer)
+    return p
+
+
+def indexer_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults < [indexer] table of --config < flags; validated (ConfigError names the field)."""
+    vals = dict(_DEFAULTS)
+    if getattr(args, "config", None):
+        from mesh.config import load_toml
+
+        file_vals = load_toml(args.config, "indexer")
+        unknown = sorted(set(file_vals) - set(_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown key in [indexer]")
+        for k, v in file_vals.items():
+            if not isinstance(v, _TYPES[k]) or isinstance(v, bool):
+                raise ConfigError(f"{k}: expected {_TYPES[k].__name__}, got {v!r}")
+        vals.update(file_vals)
+    vals.update({k: getattr(args, k) for k in _DEFAULTS if getattr(args, k, None) is not None})
+    from mesh.indexer.server import parse_listen
+
+    parse_listen(vals["listen"])
+    if vals["max_entries"] < 0:
+        raise ConfigError("max_entries: must be >= 0 (0 = unbounded)")
+    if vals["max_inflight_queries"] < 1:
+        raise ConfigError("max_inflight_queries: must be >= 1")
+    if vals["block_size"] < 1:
+        raise ConfigError("block_size: must be >= 1")
+    if (vals["tls_cert"] is None) != (vals["tls_key"] is None):
+        raise ConfigError("tls_cert: --tls-cert and --tls-key go together")
+    for k in ("tls_cert", "tls_key"):
+        if vals[k] is not None and not Path(vals[k]).is_file():
+            raise ConfigError(f"{k}: no such file {vals[k]!r}")
+    return vals
+
+
+def _cmd_indexer(args) -> int:
+    from mesh.indexer.server import run_server
+
+    v = indexer_settings(args)
+    return run_server(v["listen"], log_level=v["log_level"], max_entries=v["max_entries"] or None,
+                      max_inflight_queries=v["max_inflight_queries"], block_size=v["block_size"],
+                      tls_cert=v["tls_cert"], tls_key=v["tls_key"], query_delay_ms=args.fault_query_delay_ms)
+
+
+def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
+    """Add ``indexer`` to ``mesh bench``'s subparsers."""
+    b = bench_subparsers.add_parser(
+        "indexer", help="indexer over gRPC: ingest blocks/s, match p50/p99 (client and server), bytes per block",
+        description="Start 'mesh indexer' as a subprocess, ingest >= 1M blocks for 1,000 workers over gRPC, then "
+                    "time 512-block prefix queries.")
+    b.add_argument("--workers", type=int, default=1000, help="simulated workers (default 1000)")
+    b.add_argument("--blocks", type=int, default=1_050_000, help="blocks to index in total (default 1050000)")
+    b.add_argument("--queries", type=int, default=2000, help="timed prefix queries (default 2000)")
+    b.add_argument("--json", help="write results to this JSON file")
+    b.set_defaults(func=_cmd_bench_indexer)
+    return b
+
+
+def _cmd_bench_indexer(args) -> int:
+    from mesh.indexer.bench import run_indexer_bench
+
+    res = run_indexer_bench(workers=args.workers, total_blocks=args.blocks, queries=args.queries)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0

@@ -1,0 +1,704 @@
+"""What a broker uses to share the KV indexer: prefix queries and event forwarding (one asyncio loop).
+
+Queries (:meth:`IndexerClient.match`) never raise and never queue: ``None`` means *degraded*
+(route by load only) and ``last_degraded_reason`` / ``stats()`` say why:
+
+* ``overloaded``: ``max_inflight`` queries already in flight (non-blocking try-acquire);
+* ``resource_exhausted``: the indexer shed the query; ``timeout``: the deadline
+  (``query_timeout_ms``, sent as the gRPC deadline and covering every replica tried) expired;
+* ``unavailable``: no connection; ``error``: any other gRPC status or a bad answer;
+* ``breaker_open``: every replica's circuit breaker is open (no RPC was sent: ~0 latency).
+
+Replicas: every endpoint holds a full copy of the index. Queries go to the first replica whose
+breaker admits them and fail over to the next on error. A :class:`CircuitBreaker` per replica
+opens after ``breaker_failures`` consecutive failures (queries or forwards), lets one probe
+through after ``breaker_reset_s`` (half-open) and closes on its success.
+
+Forwarding (:meth:`IndexerClient.forward`) is non-blocking: the batch is appended to each
+replica's bounded FIFO (``forward_buffer`` batches) and a background task per replica sends it
+in order, in ``ApplyKvBatches`` chunks, one chunk in flight, with tenacity retries built by
+:class:`mesh.retry.RetryPolicy` (always bounded). Delivery is at least once (the indexer drops
+duplicates by (worker, rank, epoch, seq)). Nothing is dropped silently:
+
+* when a retry cycle gives up, that is counted (``forward_give_ups``), the chunk stays at the head
+  of the queue and is re-sent once the replica's breaker lets a probe through;
+* a batch that finds the queue full is counted (``forward_dropped``) and its stream is marked
+  *dirty* for that replica; once the replica has room again (queue below half), each dirty stream
+  turns into ``on_resync(worker_id, dp_rank, "overflow")``;
+* verdicts asking for a resync (GAP, UNTRUSTED, REJECTED) call
+  ``on_resync(worker_id, dp_rank, "gap" | "untrusted" | "rejected")``; a replica that restarted
+  (its ``server_instance`` changed) gets every stream this client forwarded resynced
+  (``"indexer_restarted"``).
+
+``on_resync`` is called at most once per stream per ``resync_holdoff_s`` (several replicas, or a
+burst of batches after one gap, ask once); a RESYNCED or NEW_EPOCH verdict ends the hold-off.
+:meth:`register_worker` / :meth:`forget_worker` travel through the same ordered queues, so a
+forget is never overtaken by the worker's earlier batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from mesh.errors import ConfigError
+from mesh.index import WorkerMatch
+from mesh.indexer import indexer_pb2 as pb
+from mesh.indexer import indexer_pb2_grpc as pb_grpc
+from mesh.logs import RateLimiter, get_logger
+from mesh.retry import RetryPolicy
+
+__all__ = ["IndexerClient", "MatchView", "CircuitBreaker", "BreakerState", "parse_endpoint", "events_from_body"]
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Reconnect quickly once a restarted indexer is back (gRPC's default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+#: Codes meaning "not processed, another try may work" (gRFC A6 practice).
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
+_DEGRADED_REASON = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.CANCELLED: "timeout",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+}
+_RESYNC_REASON = {pb.GAP: "gap", pb.UNTRUSTED: "untrusted", pb.REJECTED: "rejected"}
+
+
+def parse_endpoint(endpoint: str, field: str = "kv_indexer_endpoint") -> tuple[str, bool]:
+    """``http://HOST:PORT`` / ``https://HOST:PORT`` / ``unix:PATH`` -> (gRPC target, tls)."""
+    ep = endpoint.strip()
+    if ep.startswith("unix:"):
+        if len(ep) <= len("unix:"):
+            raise ConfigError(f"{field}: {endpoint!r} has no socket path")
+        return ep, False
+    for scheme, tls in (("http://", False), ("https://", True)):
+        if ep.startswith(scheme):
+            hostport = ep[len(scheme):].rstrip("/")
+            host, sep, port = hostport.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in hostport:
+                raise ConfigError(f"{field}: {endpoint!r} must be {scheme}HOST:PORT")
+            return hostport, tls
+    raise ConfigError(f"{field}: {endpoint!r} needs an explicit http:// or https:// scheme (or unix:)")
+
+
+def events_from_body(body: bytes) -> bytes:
+    """The raw msgpack ``events`` array of a KV_EVENTS body, sliced out without decoding it.
+
+    (Brokers can also forward the whole body: ``forward(..., body)`` with ``is_body=True``.)
+    Raises ValueError when the body is not a msgpack map with an ``events`` key.
+    """
+    import msgpack
+
+    u = msgpack.Unpacker(raw=False, strict_map_key=True)
+    u.feed(body)
+    try:
+        n = u.read_map_header()
+        for _ in range(n):
+            key = u.unpack()
+            if key == "events":
+                start = u.tell()
+                u.skip()
+                return body[start:u.tell()]
+            u.skip()
+    except Exception as exc:
+        raise ValueError(f"not a KV_EVENTS body: {exc}") from exc
+    raise ValueError("KV_EVENTS body without 'events'")
+
+
+# ---------------------------------------------------------------------- circuit breaker
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    """Consecutive-failure breaker (pure: the caller passes ``now_s``, monotonic seconds).
+
+    CLOSED: everything passes; ``failures`` consecutive failures open it. OPEN: nothing passes
+    until ``reset_s`` has elapsed, then one probe passes (HALF_OPEN). The probe's success closes
+    it; its failure re-opens it for another ``reset_s``.
+    """
+
+    __slots__ = ("failures", "reset_s", "state", "consecutive", "opened_at", "probe_inflight", "opens")
+
+    def __init__(self, failures: int = 5, reset_s: float = 2.0) -> None:
+        self.failures = failures
+        self.reset_s = reset_s
+        self.state = BreakerState.CLOSED
+        self.consecutive = 0
+        self.opened_at = 0.0
+        self.probe_inflight = False
+        self.opens = 0
+
+    def allow(self, now_s: float) -> bool:
+        """May a call go out now? (Takes the half-open probe slot when it returns True there.)"""
+        st = self.state
+        if st is BreakerState.CLOSED:
+            return True
+        if st is BreakerState.OPEN:
+            if now_s - self.opened_at < self.reset_s:
+                return False
+            self.state = BreakerState.HALF_OPEN
+            self.probe_inflight = True
+            return True
+        if self.probe_inflight:
+            return False
+        self.probe_inflight = True
+        return True
+
+    def retry_in(self, now_s: float) -> float:
+        """Seconds until :meth:`allow` may say yes (0 when closed)."""
+        if self.state is BreakerState.OPEN:
+            return max(0.0, self.opened_at + self.reset_s - now_s)
+        return 0.0
+
+    def success(self) -> None:
+        self.state = BreakerState.CLOSED
+        self.consecutive = 0
+        self.probe_inflight = False
+
+    def failure(self, now_s: float) -> None:
+        self.consecutive += 1
+        self.probe_inflight = False
+        if self.state is BreakerState.HALF_OPEN or (self.state is BreakerState.CLOSED and self.consecutive >= self.failures):
+            self.state = BreakerState.OPEN
+            self.opened_at = now_s
+            self.opens += 1
+
+
+# ---------------------------------------------------------------------- match view
+
+
+class MatchView:
+    """One indexer answer, shaped like :class:`mesh.index.MatchResult` (what the policies read).
+
+    ``top(k)`` and ``levels()`` return :class:`mesh.index.WorkerMatch` objects (deepest first,
+    ties by worker id); ``matched_blocks(w)`` builds a worker table on first use. Detached from
+    the index: valid forever.
+    """
+
+    __slots__ = ("query_blocks", "best_blocks", "blocks_read", "matched_workers", "server_time_ns", "replica",
+                 "_levels", "_by_worker")
+
+    def __init__(self, resp: pb.MatchPrefixResponse, replica: str = "") -> None:
+        self.query_blocks = resp.query_blocks
+        self.best_blocks = resp.best_prefix_blocks
+        self.blocks_read = resp.blocks_read
+        self.matched_workers = resp.matched_workers
+        self.server_time_ns = resp.server_time_ns
+        self.replica = replica
+        self._levels = resp.levels
+        self._by_worker: dict[str, int] | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self._levels
+
+    def _table(self) -> dict[str, int]:
+        t = self._by_worker
+        if t is None:
+            t = {}
+            for lvl in reversed(self._levels):  # deepest last, so it wins (ids are unique anyway)
+                t.update(dict.fromkeys(lvl.worker_ids, lvl.matched_blocks))
+            self._by_worker = t
+        return t
+
+    def matched_blocks(self, worker_id: str) -> int:
+        return self._table().get(worker_id, 0)
+
+    def get(self, worker_id: str) -> WorkerMatch | None:
+        for lvl in self._levels:
+            ids = lvl.worker_ids
+            if worker_id in self._table() and self._table()[worker_id] == lvl.matched_blocks:
+                i = list(ids).index(worker_id)
+                return WorkerMatch(worker_id, lvl.matched_blocks, lvl.dp_ranks[i] if i < len(lvl.dp_ranks) else 0, False)
+        return None
+
+    def top(self, k: int) -> list[WorkerMatch]:
+        out: list[WorkerMatch] = []
+        if k <= 0:
+            return out
+        for lvl in self._levels:
+            ids = lvl.worker_ids
+            ranks = lvl.dp_ranks
+            take = min(len(ids), k - len(out))
+            d = lvl.matched_blocks
+            out.extend(WorkerMatch(ids[i], d, ranks[i] if i < len(ranks) else 0, False) for i in range(take))
+            if len(out) >= k:
+                break
+        return out
+
+    def levels(self) -> Iterator[tuple[int, list[WorkerMatch]]]:
+        for lvl in self._levels:
+            d = lvl.matched_blocks
+            ranks = lvl.dp_ranks
+            yield d, [WorkerMatch(w, d, ranks[i] if i < len(ranks) else 0, False) for i, w in enumerate(lvl.worker_ids)]
+
+    def to_dict(self) -> dict[str, WorkerMatch]:
+        return {m.worker_id: m for _, ms in self.levels() for m in ms}
+
+    def __repr__(self) -> str:
+        return (f"MatchView(query_blocks={self.query_blocks}, best_blocks={self.best_blocks}, "
+                f"matched_workers={self.matched_workers}, replica={self.replica!r})")
+
+
+# ---------------------------------------------------------------------- replicas
+
+
+class _Transient(Exception):
+    """A forward RPC failed with a retryable status (wraps the AioRpcError)."""
+
+
+# Queue items: ("b", worker_id, dp_rank, epoch, seq, payload, is_body) or ("r", worker_id, block_size)
+# / ("f", worker_id, 0) control items, which are never dropped.
+_Item = tuple
+
+
+class _Replica:
+    __slots__ = ("endpoint", "target", "tls", "channel", "stub", "breaker", "queue", "wake", "dirty", "instance",
+                 "task", "last_error", "sent_batches", "sending")
+
+    def __init__(self, endpoint: str, breaker: CircuitBreaker) -> None:
+        self.endpoint = endpoint
+        self.target, self.tls = parse_endpoint(endpoint)
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: pb_grpc.IndexerStub | None = None
+        self.breaker = breaker
+        self.queue: deque[_Item] = deque()
+        self.wake = asyncio.Event()
+        self.dirty: dict[tuple[str, int], str] = {}
+        self.instance: int | None = None
+        self.task: asyncio.Task | None = None
+        self.last_error = ""
+        self.sent_batches = 0
+        self.sending = 0  # items at the head of the queue currently in an RPC
+
+
+class _State(StrEnum):
+    UNOPENED = "unopened"
+    OPENED = "opened"
+    CLOSED = "closed"
+
+
+class IndexerClient:
+    """Broker-side client of one or more indexer replicas (see the module docstring)."""
+
+    def __init__(self, endpoints: Sequence[str], *, query_timeout_ms: float = 100, max_inflight: int = 32,
+                 forward_buffer: int = 10_000, breaker_failures: int = 5, breaker_reset_s: float = 2.0,
+                 on_resync: Callable[[str, int, str], Any] | None = None, ca_file: str | None = None,
+                 max_results: int = 0, forward_chunk_batches: int = 512, forward_chunk_bytes: int = 4 << 20,
+                 forward_retry: RetryPolicy | None = None, apply_timeout_s: float = 10.0,
+                 resync_holdoff_s: float = 1.0) -> None:
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        if not endpoints:
+            raise ConfigError("kv_indexer_endpoint: at least one endpoint is required")
+        if not query_timeout_ms > 0:
+            raise ConfigError("kv_indexer_query_timeout_ms: must be > 0")
+        if max_inflight < 1:
+            raise ConfigError("kv_indexer_query_max_inflight: must be > 0")
+        if forward_buffer < 1:
+            raise ConfigError("kv_indexer_forward_buffer: must be > 0")
+        if breaker_failures < 1:
+            raise ConfigError("kv_indexer_breaker_failures: must be >= 1")
+        if not breaker_reset_s > 0:
+            raise ConfigError("kv_indexer_breaker_reset_s: must be > 0")
+        if ca_file is not None and not Path(ca_file).is_file():
+            raise ConfigError(f"kv_indexer_ca: no such file {ca_file!r}")
+        self.replicas = [_Replica(ep, CircuitBreaker(breaker_failures, breaker_reset_s)) for ep in endpoints]
+        if len({r.target for r in self.replicas}) != len(self.replicas):
+            raise ConfigError("kv_indexer_endpoint: the same endpoint is given twice")
+        self.query_timeout_s = query_timeout_ms / 1000.0
+        self.max_inflight = max_inflight
+        self.forward_buffer = forward_buffer
+        self.on_resync = on_resync
+        self.ca_file = ca_file
+        self.max_results = max_results
+        self.chunk_batches = forward_chunk_batches
+        self.chunk_bytes = forward_chunk_bytes
+        self.retry = forward_retry or RetryPolicy(max_attempts=4, base_ms=25.0, cap_ms=250.0)
+        self.apply_timeout_s = apply_timeout_s
+        self.resync_holdoff_s = resync_holdoff_s
+        self.inflight = 0
+        self.last_degraded_reason: str | None = None
+        self.c: Counter[str] = Counter()
+        self.degraded: Counter[str] = Counter()
+        self.resyncs: Counter[str] = Counter()
+        self.verdicts: Counter[str] = Counter()
+        self._streams: set[tuple[str, int]] = set()  # streams forwarded (resynced after a restart)
+        self._resync_at: dict[tuple[str, int], float] = {}
+        self._state = _State.UNOPENED
+        self.log = get_logger(service="indexer_client")
+        self._rl = RateLimiter(1.0)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Open the channels (lazily connected) and start one forwarder task per replica."""
+        if self._state is not _State.UNOPENED:
+            raise RuntimeError(f"IndexerClient cannot be started when {self._state.value}")
+        creds = None
+        if any(r.tls for r in self.replicas):
+            ca = Path(self.ca_file).read_bytes() if self.ca_file else None
+            creds = grpc.ssl_channel_credentials(root_certificates=ca)
+        try:
+            for r in self.replicas:
+                if r.tls:
+                    r.channel = grpc.aio.secure_channel(r.target, creds, options=_CHANNEL_OPTIONS)
+                else:
+                    r.channel = grpc.aio.insecure_channel(r.target, options=_CHANNEL_OPTIONS)
+                r.stub = pb_grpc.IndexerStub(r.channel)
+                r.task = asyncio.create_task(self._forward_loop(r), name=f"indexer-forward-{r.endpoint}")
+        except BaseException:
+            await self.aclose()
+            raise
+        self._state = _State.OPENED
+
+    async def aclose(self) -> None:
+        """Stop forwarding and close the channels (idempotent). Unsent batches are counted."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        tasks = [r.task for r in self.replicas if r.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for r in self.replicas:
+            self.c["forward_unsent_at_close"] += sum(1 for it in r.queue if it[0] == "b")
+            r.queue.clear()
+            if r.channel is not None:
+                await r.channel.close(grace=None)
+                r.channel = None
+
+    async def __aenter__(self) -> "IndexerClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ queries
+    def _degrade(self, reason: str) -> None:
+        self.degraded[reason] += 1
+        self.last_degraded_reason = reason
+
+    async def match(self, keys: Sequence[int], block_size: int) -> MatchView | None:
+        """Per-worker prefix matches for content ``keys``; None when degraded. Never raises
+        (except CancelledError when the caller is cancelled)."""
+        if self._state is not _State.OPENED:
+            self._degrade("not_started")
+            return None
+        if self.inflight >= self.max_inflight:
+            self._degrade("overloaded")
+            return None
+        self.inflight += 1
+        try:
+            return await self._match(keys, block_size)
+        finally:
+            self.inflight -= 1
+
+    async def _match(self, keys: Sequence[int], block_size: int) -> MatchView | None:
+        clock = time.monotonic
+        deadline = clock() + self.query_timeout_s
+        req = None
+        reason = "breaker_open"
+        for rep in self.replicas:
+            now = clock()
+            if not rep.breaker.allow(now):
+                continue
+            remaining = deadline - now
+            if remaining <= 0:
+                rep.breaker.probe_inflight = False
+                reason = "timeout"
+                break
+            try:
+                if req is None:
+                    req = pb.MatchPrefixRequest(keys=keys, block_size=block_size, max_results=self.max_results)
+                resp = await rep.stub.MatchPrefix(req, timeout=remaining)
+            except grpc.aio.AioRpcError as exc:
+                rep.breaker.failure(clock())
+                reason = _DEGRADED_REASON.get(exc.code(), "error")
+                rep.last_error = f"{exc.code().name}: {exc.details()}"[:200]
+                continue
+            except (ValueError, TypeError) as exc:  # keys not u64, block_size out of range
+                rep.breaker.probe_inflight = False
+                self.c["query_bad_input"] += 1
+                if self._rl.allow("bad_input"):
+                    self.log.warning("indexer_query_bad_input", error=repr(exc)[:200])
+                reason = "error"
+                break
+            except asyncio.CancelledError:
+                rep.breaker.probe_inflight = False
+                raise
+            except Exception as exc:  # never let the indexer fail a request
+                rep.breaker.failure(clock())
+                rep.last_error = repr(exc)[:200]
+                reason = "error"
+                continue
+            rep.breaker.success()
+            self.c["queries_ok"] += 1
+            return MatchView(resp, rep.endpoint)
+        self._degrade(reason)
+        if self._rl.allow(("degraded", reason)):
+            self.log.warning("indexer_query_degraded", reason=reason)
+        return None
+
+    # ------------------------------------------------------------------ forwarding
+    def forward(self, worker_id: str, dp_rank: int, epoch: int, seq: int, events_msgpack: bytes, *,
+                is_body: bool = False) -> None:
+        """Queue one KV event batch for every replica (non-blocking; see the module docstring).
+
+        ``events_msgpack`` is the msgpack ``events`` array of a KV_EVENTS body, or with
+        ``is_body=True`` the whole body (``KvEventsMsg.raw``) forwarded verbatim.
+        """
+        if self._state is _State.CLOSED:
+            self.c["forward_after_close"] += 1
+            return
+        stream = (worker_id, dp_rank)
+        self._streams.add(stream)
+        self.c["forward_enqueued"] += 1
+        item = ("b", worker_id, dp_rank, epoch, seq, events_msgpack, is_body)
+        for rep in self.replicas:
+            if len(rep.queue) >= self.forward_buffer:
+                self.c["forward_dropped"] += 1
+                rep.dirty.setdefault(stream, "overflow")
+                continue
+            rep.queue.append(item)
+            rep.wake.set()
+
+    def forward_kv_events(self, worker_id: str, msg: Any) -> None:
+        """Forward a decoded :class:`mesh.protocol.KvEventsMsg` by its raw body (no re-encoding)."""
+        self.forward(worker_id, msg.dp_rank, msg.epoch, msg.seq, msg.raw, is_body=True)
+
+    async def register_worker(self, worker_id: str, block_size: int) -> None:
+        """Declare the worker's page size on every replica (queued in order with its batches)."""
+        self._control(("r", worker_id, block_size))
+
+    async def forget_worker(self, worker_id: str) -> None:
+        """Drop the worker from every replica, after the batches already queued for it."""
+        self._streams = {s for s in self._streams if s[0] != worker_id}
+        for s in [s for s in self._resync_at if s[0] == worker_id]:
+            del self._resync_at[s]
+        self._control(("f", worker_id, 0))
+
+    def _control(self, item: _Item) -> None:
+        if self._state is _State.CLOSED:
+            return
+        for rep in self.replicas:
+            if item[0] == "f":
+                for s in [s for s in rep.dirty if s[0] == item[1]]:
+                    del rep.dirty[s]
+            rep.queue.append(item)  # control items may exceed the bound: tiny, rare, never dropped
+            rep.wake.set()
+
+    def _request_resync(self, worker_id: str, dp_rank: int, reason: str) -> None:
+        stream = (worker_id, dp_rank)
+        now = time.monotonic()
+        last = self._resync_at.get(stream)
+        if last is not None and now - last < self.resync_holdoff_s:
+            self.c["resyncs_suppressed"] += 1
+            return
+        self._resync_at[stream] = now
+        self.resyncs[reason] += 1
+        if self.on_resync is None:
+            return
+        try:
+            r = self.on_resync(worker_id, dp_rank, reason)
+            if inspect.isawaitable(r):
+                asyncio.ensure_future(r)
+        except Exception as exc:  # the broker's callback must not kill the forwarder
+            self.c["on_resync_errors"] += 1
+            self.log.warning("on_resync_failed", worker_id=worker_id, dp_rank=dp_rank, error=repr(exc)[:200])
+
+    async def _forward_loop(self, rep: _Replica) -> None:
+        q = rep.queue
+        while True:
+            if not q:
+                if rep.dirty:
+                    self._flush_dirty(rep)
+                rep.wake.clear()
+                await rep.wake.wait()
+                continue
+            head = q[0]
+            if head[0] != "b":
+                await self._send_control(rep, head)
+                q.popleft()
+                continue
+            chunk: list[_Item] = []
+            size = 0
+            for it in q:
+                if it[0] != "b" or len(chunk) >= self.chunk_batches or (chunk and size + len(it[5]) > self.chunk_bytes):
+                    break
+                chunk.append(it)
+                size += len(it[5])
+            rep.sending = len(chunk)
+            try:
+                await self._send_chunk(rep, chunk)
+            finally:
+                rep.sending = 0
+            for _ in range(len(chunk)):
+                q.popleft()
+            if rep.dirty and len(q) <= self.forward_buffer // 2:
+                self._flush_dirty(rep)
+
+    def _flush_dirty(self, rep: _Replica) -> None:
+        if rep.breaker.state is not BreakerState.CLOSED:
+            return  # resync into a replica that can take the snapshot
+        dirty, rep.dirty = rep.dirty, {}
+        for (w, r), reason in dirty.items():
+            self._request_resync(w, r, reason)
+
+    async def _wait_for_breaker(self, rep: _Replica) -> None:
+        """Sleep until the breaker lets a call through (it then holds the probe slot)."""
+        while True:
+            now = time.monotonic()
+            if rep.breaker.allow(now):
+                return
+            await asyncio.sleep(min(1.0, max(0.02, rep.breaker.retry_in(now))))
+
+    async def _rpc_with_retries(self, rep: _Replica, call: Callable[[], Any], what: str) -> Any:
+        """Run ``call`` until it succeeds: tenacity retry cycles (bounded), and between cycles a
+        wait for the replica's breaker. Non-retryable statuses are raised."""
+        while True:
+            await self._wait_for_breaker(rep)
+            try:
+                retrying = self.retry.async_retrying((_Transient,), log=None)
+                async for attempt in retrying:
+                    with attempt:
+                        n = attempt.retry_state.attempt_number
+                        if n > 1:
+                            self.c[f"{what}_retried"] += 1
+                            await self._wait_for_breaker(rep)
+                        try:
+                            res = await call()
+                        except grpc.aio.AioRpcError as exc:
+                            rep.breaker.failure(time.monotonic())
+                            rep.last_error = f"{exc.code().name}: {exc.details()}"[:200]
+                            if exc.code() in _RETRYABLE:
+                                raise _Transient(exc) from exc
+                            raise
+                rep.breaker.success()
+                return res
+            except _Transient:
+                self.c[f"{what}_give_ups"] += 1
+                if self._rl.allow(("give_up", rep.endpoint)):
+                    self.log.warning("indexer_forward_give_up", endpoint=rep.endpoint, error=rep.last_error,
+                                     queued=len(rep.queue))
+
+    async def _send_chunk(self, rep: _Replica, chunk: list[_Item]) -> None:
+        req = pb.ApplyKvBatchesRequest()
+        add = req.batches.add
+        for _, w, r, e, s, payload, is_body in chunk:
+            if is_body:
+                add(worker_id=w, dp_rank=r, epoch=e, seq=s, kv_events_body=payload)
+            else:
+                add(worker_id=w, dp_rank=r, epoch=e, seq=s, events_msgpack=payload)
+        try:
+            resp = await self._rpc_with_retries(
+                rep, lambda: rep.stub.ApplyKvBatches(req, timeout=self.apply_timeout_s), "forward")
+        except grpc.aio.AioRpcError as exc:  # not retryable (e.g. INVALID_ARGUMENT): resync those streams
+            self.c["forward_rejected"] += len(chunk)
+            self.log.warning("indexer_forward_rejected", endpoint=rep.endpoint, code=exc.code().name,
+                             batches=len(chunk))
+            for it in chunk:
+                rep.dirty.setdefault((it[1], it[2]), "rejected")
+            return
+        self.c["forward_rpcs"] += 1
+        self.c["forward_applied"] += len(chunk)
+        rep.sent_batches += len(chunk)
+        if rep.instance is not None and resp.server_instance != rep.instance:
+            self.c["indexer_restarts_seen"] += 1
+            self.log.warning("indexer_restarted", endpoint=rep.endpoint, streams=len(self._streams))
+            for s in self._streams:
+                rep.dirty[s] = "indexer_restarted"
+            for s in {(it[1], it[2]) for it in chunk}:  # just applied from scratch: don't hold them off
+                self._resync_at.pop(s, None)
+        rep.instance = resp.server_instance
+        verdicts = self.verdicts
+        for it, res in zip(chunk, resp.results):
+            v = res.verdict
+            verdicts[v] += 1
+            if res.resync_needed:
+                self._request_resync(it[1], it[2], _RESYNC_REASON.get(v, "resync"))
+            elif v == pb.RESYNCED or v == pb.NEW_EPOCH:
+                self._resync_at.pop((it[1], it[2]), None)
+
+    async def _send_control(self, rep: _Replica, item: _Item) -> None:
+        kind, wid, bs = item
+        if kind == "r":
+            call = lambda: rep.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=wid, block_size=bs), timeout=5.0)  # noqa: E731
+        else:
+            call = lambda: rep.stub.ForgetWorker(pb.ForgetWorkerRequest(worker_id=wid), timeout=5.0)  # noqa: E731
+        try:
+            await self._rpc_with_retries(rep, call, "control")
+            self.c["register_ok" if kind == "r" else "forget_ok"] += 1
+        except grpc.aio.AioRpcError as exc:
+            self.c["control_rejected"] += 1
+            self.log.warning("indexer_control_rejected", endpoint=rep.endpoint, kind=kind, worker_id=wid,
+                             code=exc.code().name)
+
+    # ------------------------------------------------------------------ introspection
+    async def server_stats(self, replica: int = 0, timeout_s: float = 2.0) -> pb.StatsResponse | None:
+        """The replica's Stats() (None when unreachable). For tests, benchmarks and `mesh status`."""
+        rep = self.replicas[replica]
+        if rep.stub is None:
+            return None
+        try:
+            return await rep.stub.Stats(pb.StatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return None
+
+    def pending(self) -> int:
+        """Batches queued (or in flight) over all replicas."""
+        return sum(sum(1 for it in r.queue if it[0] == "b") for r in self.replicas)
+
+    async def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every replica's queue is empty (True) or ``timeout_s`` passes (False)."""
+        t_end = time.monotonic() + timeout_s
+        while any(r.queue for r in self.replicas):
+            if time.monotonic() >= t_end:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        c = self.c
+        return {
+            "queries_ok": c["queries_ok"],
+            "queries_degraded": dict(self.degraded),
+            "query_inflight": self.inflight,
+            "forward_enqueued": c["forward_enqueued"],
+            "forward_queued": self.pending(),
+            "forward_applied": c["forward_applied"],
+            "forward_dropped": c["forward_dropped"],
+            "forward_retried": c["forward_retried"],
+            "forward_give_ups": c["forward_give_ups"],
+            "forward_rejected": c["forward_rejected"],
+            "resyncs_requested": dict(self.resyncs),
+            "resyncs_suppressed": c["resyncs_suppressed"],
+            "verdicts": {pb.Verdict.Name(k).lower(): v for k, v in self.verdicts.items()},
+            "counters": dict(c),
+            "replicas": [
+                {"endpoint": r.endpoint, "breaker": r.breaker.state.value, "consecutive_failures": r.breaker.consecutive,
+                 "breaker_opens": r.breaker.opens, "queued": len(r.queue), "dirty_streams": len(r.dirty),
+                 "sent_batches": r.sent_batches, "server_instance": r.instance, "last_error": r.last_error}
+                for r in self.replicas
+            ],
+        }
