@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.index import ApproxIndex
-from mesh.routing.providers import MergedMatch, request_keys
+from mesh.routing.providers import MergedMatch, _BlockSizeVote, request_keys
 from mesh.routing.view import RouteRequest
 
 __all__ = ["RemoteIndexProvider"]
@@ -35,15 +35,12 @@ class RemoteIndexProvider:
         self._block_size = block_size
         self.speculative_ttl_s = speculative_ttl_s
         self.spec = ApproxIndex(max_entries=1_000_000, default_ttl_s=speculative_ttl_s or 5.0)
-        self._by_worker: dict[str, int] = {}
+        self._bs = _BlockSizeVote(block_size)
         self.broker = None  # set by the broker owner: used for spawn() and post()
 
     @property
     def block_size(self) -> int:
-        if not self._by_worker:
-            return self._block_size
-        vals = list(self._by_worker.values())
-        return max(set(vals), key=vals.count)
+        return self._bs.value
 
     async def prefetch(self, req: RouteRequest) -> None:
         keys = request_keys(req, self.block_size)
@@ -68,12 +65,12 @@ class RemoteIndexProvider:
 
     # broker event hooks ------------------------------------------------------------
     def on_worker_ready(self, ready) -> None:
-        self._by_worker[ready.worker_id] = ready.block_size
+        self._bs.set(ready.worker_id, ready.block_size)
         if self.broker is not None:
             self.broker.spawn(self.client.register_worker(ready.worker_id, ready.block_size))
 
     def on_worker_removed(self, worker_id: str) -> None:
-        self._by_worker.pop(worker_id, None)
+        self._bs.drop(worker_id)
         self.spec.remove_worker(worker_id)
         # The indexer keeps the worker's blocks: another broker may still serve it, and a worker
         # restart arrives as a new epoch there. Forgetting is the indexer's own expiry's job.

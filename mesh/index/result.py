@@ -199,17 +199,38 @@ class MatchResult:
             while j < len(lv) and lv[j][0] == depth:
                 j += 1
             need = k - len(out)
-            if j == i + 1 and type(lv[i][2]) is dict and len(lv[i][2]) > _BIG_LEVEL:
-                picked = self._first_members(lv[i][1], lv[i][2], seen, need)
-                if picked is not None:
-                    out.extend(WorkerMatch(w, depth, r, sp) for w, r, sp in picked)
+            group = lv[i:j]
+            big = [t for t in group if type(t[2]) is dict and len(t[2]) > _BIG_LEVEL]
+            if big:
+                # Huge levels (a system prompt held by most of the fleet): take only the first
+                # ``need`` new members of each in id order; small levels at the same depth are
+                # enumerated. The union holds the true first ``need`` ids of the depth.
+                cands: dict[str, tuple[int | None, bool]] = {}
+                ok = True
+                for _, kind, h in group:
+                    if type(h) is dict and len(h) > _BIG_LEVEL:
+                        picked = self._first_members(kind, h, seen, need)
+                        if picked is None:
+                            ok = False
+                            break
+                        for w, r, sp in picked:
+                            prev = cands.get(w)
+                            if prev is None or (prev[1] and not sp):  # event-fed beats speculative
+                                cands[w] = (r, sp)
+                    else:
+                        for w, v in self._new_members([(depth, kind, h)], seen).items():
+                            prev = cands.get(w)
+                            if prev is None or (prev[1] and not v[1]):
+                                cands[w] = v
+                if ok:
+                    ids = sorted(cands)[:need]
+                    out.extend(WorkerMatch(w, depth, *cands[w]) for w in ids)
                     if len(out) >= k:
                         break
-                    # The level had fewer than ``need`` new members: all of them are in ``out``.
-                    seen.update(w for w, _, _ in picked)
+                    seen.update(cands)
                     i = j
                     continue
-            cands = self._new_members(lv[i:j], seen)
+            cands = self._new_members(group, seen)
             ids = sorted(cands) if len(cands) <= need else nsmallest(need, cands)
             out.extend(WorkerMatch(w, depth, *cands[w]) for w in ids)
             seen.update(cands)

@@ -225,12 +225,14 @@ class MatchView:
         return self._table().get(worker_id, 0)
 
     def get(self, worker_id: str) -> WorkerMatch | None:
+        depth = self._table().get(worker_id)
+        if depth is None:
+            return None
         for lvl in self._levels:
-            ids = lvl.worker_ids
-            if worker_id in self._table() and self._table()[worker_id] == lvl.matched_blocks:
-                i = list(ids).index(worker_id)
-                return WorkerMatch(worker_id, lvl.matched_blocks, lvl.dp_ranks[i] if i < len(lvl.dp_ranks) else 0, False)
-        return None
+            if lvl.matched_blocks == depth:
+                i = list(lvl.worker_ids).index(worker_id)
+                return WorkerMatch(worker_id, depth, lvl.dp_ranks[i] if i < len(lvl.dp_ranks) else 0, False)
+        return None  # pragma: no cover - the table is built from these levels
 
     def top(self, k: int) -> list[WorkerMatch]:
         out: list[WorkerMatch] = []
@@ -508,17 +510,20 @@ class IndexerClient:
             rep.queue.append(item)  # control items may exceed the bound: tiny, rare, never dropped
             rep.wake.set()
 
-    def _request_resync(self, worker_id: str, dp_rank: int, reason: str) -> None:
+    def _request_resync(self, worker_id: str, dp_rank: int, reason: str) -> bool:
+        """Call on_resync unless the stream is in its hold-off; False when held off."""
         stream = (worker_id, dp_rank)
         now = time.monotonic()
         last = self._resync_at.get(stream)
         if last is not None and now - last < self.resync_holdoff_s:
             self.c["resyncs_suppressed"] += 1
-            return
+            return False
         self._resync_at[stream] = now
         self.resyncs[reason] += 1
+        for rep in self.replicas:  # the snapshot reaches every replica
+            rep.dirty.pop(stream, None)
         if self.on_resync is None:
-            return
+            return True
         try:
             r = self.on_resync(worker_id, dp_rank, reason)
             if inspect.isawaitable(r):
@@ -526,14 +531,21 @@ class IndexerClient:
         except Exception as exc:  # the broker's callback must not kill the forwarder
             self.c["on_resync_errors"] += 1
             self.log.warning("on_resync_failed", worker_id=worker_id, dp_rank=dp_rank, error=repr(exc)[:200])
+        return True
 
     async def _forward_loop(self, rep: _Replica) -> None:
         q = rep.queue
         while True:
             if not q:
+                rep.wake.clear()
                 if rep.dirty:
                     self._flush_dirty(rep)
-                rep.wake.clear()
+                    if rep.dirty:  # held off or replica not healthy yet: look again later
+                        try:
+                            await asyncio.wait_for(rep.wake.wait(), self.resync_holdoff_s / 2)
+                        except asyncio.TimeoutError:
+                            pass
+                        continue
                 await rep.wake.wait()
                 continue
             head = q[0]
@@ -561,9 +573,9 @@ class IndexerClient:
     def _flush_dirty(self, rep: _Replica) -> None:
         if rep.breaker.state is not BreakerState.CLOSED:
             return  # resync into a replica that can take the snapshot
-        dirty, rep.dirty = rep.dirty, {}
-        for (w, r), reason in dirty.items():
-            self._request_resync(w, r, reason)
+        for (w, r), reason in list(rep.dirty.items()):
+            if (w, r) in rep.dirty:
+                self._request_resync(w, r, reason)  # issued: removed from every dirty set
 
     async def _wait_for_breaker(self, rep: _Replica) -> None:
         """Sleep until the breaker lets a call through (it then holds the probe slot)."""

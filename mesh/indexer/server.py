@@ -311,7 +311,8 @@ class IndexerService(pb_grpc.IndexerServicer):
     async def Stats(self, request, context):
         s = self.core.stats()
         svc = s["service"]
-        ints = {k: int(v) for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+        ints = {k: int(v) for k, v in s.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "server_instance"}
         ints.update({f"service_{k}": int(v) for k, v in svc.items()})
         ints["inflight_queries"] = self.inflight_queries
         ints["max_inflight_queries"] = self.max_inflight_queries

@@ -77,18 +77,22 @@ class _BlockSizeVote:
     def __init__(self, default: int) -> None:
         self.default = default
         self.by_worker: dict[str, int] = {}
+        self._value: int | None = None  # cached: read on every request, changed on membership
 
     def set(self, worker_id: str, bs: int) -> None:
-        self.by_worker[worker_id] = bs
+        if self.by_worker.get(worker_id) != bs:
+            self.by_worker[worker_id] = bs
+            self._value = None
 
     def drop(self, worker_id: str) -> None:
-        self.by_worker.pop(worker_id, None)
+        if self.by_worker.pop(worker_id, None) is not None:
+            self._value = None
 
     @property
     def value(self) -> int:
-        if not self.by_worker:
-            return self.default
-        return Counter(self.by_worker.values()).most_common(1)[0][0]
+        if self._value is None:
+            self._value = Counter(self.by_worker.values()).most_common(1)[0][0] if self.by_worker else self.default
+        return self._value
 
 
 class LocalIndexProvider:

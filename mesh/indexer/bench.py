@@ -1,0 +1,287 @@
+"""``mesh bench indexer``: the KV indexer over gRPC, with the server as a real subprocess.
+
+* **ingest**: 1,000 workers' KV event batches (SGLang tagged-map ``BlockStored`` events with token
+  ids, 16-token pages, 8-64 blocks per event, 1-4 events per batch), pre-encoded as a broker
+  receives them, forwarded through :class:`~mesh.indexer.client.IndexerClient` (two clients =
+  two brokers, each forwarding half of the workers, ``ApplyKvBatches`` chunks) until the server
+  holds >= 1,000,000 (block, worker) entries. Blocks per second = blocks stored / wall time from
+  the first forward to the last acknowledgement. The server recomputes every content key from the
+  token ids.
+* **match**: sequential 512-block prompts (one query in flight), client-observed latency (the
+  ``await client.match`` call) and server-side handler time (``server_time_ns`` of each answer).
+  Every worker holds a conversation under system prompt 0 (so that prefix has 1,000 holders) and
+  one under a Zipf-popular other system prompt; queries are 60% a worker's own conversation (deep
+  hit on one worker, shallow on all), 30% a system prompt then new tokens, 10% misses.
+* **bytes_per_block**: growth of the server's RSS during ingest / entries held (allocator
+  overhead included), plus the index's own estimate.
+
+Target (issue 4): >= 200,000 blocks/s; match p99 <= 1 ms server-side, <= 3 ms client-observed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mesh.hashing import content_keys, to_signed64
+from mesh.protocol import pack
+
+__all__ = ["run_indexer_bench", "TARGETS", "start_indexer_process"]
+
+BS = 16
+PROMPT_BLOCKS = 512
+SYSTEM_BLOCKS = 64
+N_SYSTEM = 50
+TARGETS = {"ingest_blocks_per_s_min": 200_000, "match_p99_ms_server_max": 1.0, "match_p99_ms_client_max": 3.0}
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else 0.0
+
+
+def start_indexer_process(log_path: Path, *extra: str, port: int = 0, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+    """Start ``mesh indexer`` (via ``python -m mesh.indexer``) and wait for ``indexer_listening``."""
+    from mesh.procs import wait_for_log_event
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log_path.open("ab") as log:
+        p = subprocess.Popen([sys.executable, "-m", "mesh.indexer", "--listen", f"127.0.0.1:{port}", *extra],
+                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                             start_new_session=True)
+    try:
+        rec = wait_for_log_event(log_path, "indexer_listening", timeout_s, p)
+    except BaseException:
+        p.kill()
+        p.wait(5)
+        raise
+    return p, rec["endpoint"]
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _Workload:
+    """Token chains per worker, their KV batches (pre-encoded) and 512-block query prompts."""
+
+    def __init__(self, workers: int, total_blocks: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.rng = rng
+        self.systems = [rng.integers(1, 128_000, SYSTEM_BLOCKS * BS, dtype=np.uint32) for _ in range(N_SYSTEM)]
+        per_worker = -(-total_blocks // workers)
+        tail_total = per_worker - 2 * SYSTEM_BLOCKS
+        zipf = np.minimum(rng.zipf(1.3, workers), N_SYSTEM - 1)
+        self.convs: list[tuple[str, np.ndarray]] = []  # (worker, tokens) of every conversation
+        self.batches: list[tuple[str, int, bytes]] = []  # (worker, seq, events msgpack) in publish order
+        self.blocks = 0
+        eh = 1
+        for w in range(workers):
+            wid = f"worker-{w:04d}"
+            seq = 0
+            t1 = tail_total // 2
+            for sys_id, tail in ((0, t1), (int(zipf[w]), tail_total - t1)):
+                toks = np.concatenate([self.systems[sys_id], rng.integers(1, 128_000, tail * BS, dtype=np.uint32)])
+                self.convs.append((wid, toks))
+                nblocks = len(toks) // BS
+                parent = None
+                events: list[dict] = []
+                start = 0
+                while start < nblocks:
+                    n = min(nblocks - start, int(rng.integers(8, 65)))
+                    hashes = [to_signed64(h) for h in range(eh, eh + n)]
+                    eh += n
+                    events.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                                   "token_ids": toks[start * BS:(start + n) * BS].tolist(), "block_size": BS,
+                                   "lora_id": None})
+                    parent = hashes[-1]
+                    start += n
+                    self.blocks += n
+                    if len(events) >= int(rng.integers(1, 5)) or start >= nblocks:
+                        self.batches.append((wid, seq, pack(events)))
+                        seq += 1
+                        events = []
+
+    def queries(self, n: int) -> list[list[int]]:
+        rng = self.rng
+        out = []
+        for _ in range(n):
+            r = rng.random()
+            if r < 0.6:  # a worker's own conversation, continued
+                _, toks = self.convs[int(rng.integers(len(self.convs)))]
+                toks = toks[:PROMPT_BLOCKS * BS]
+                if len(toks) < PROMPT_BLOCKS * BS:
+                    toks = np.concatenate([toks, rng.integers(1, 128_000, PROMPT_BLOCKS * BS - len(toks), dtype=np.uint32)])
+            elif r < 0.9:  # a popular system prompt, then a new question
+                sys_id = min(int(rng.zipf(1.3)) - 1, N_SYSTEM - 1)
+                toks = np.concatenate([self.systems[sys_id],
+                                       rng.integers(1, 128_000, (PROMPT_BLOCKS - SYSTEM_BLOCKS) * BS, dtype=np.uint32)])
+            else:
+                toks = rng.integers(1, 128_000, PROMPT_BLOCKS * BS, dtype=np.uint32)
+            out.append(content_keys(toks.tolist(), BS))
+        return out
+
+
+async def _ingest(endpoint: str, wl: _Workload, brokers: int) -> dict[str, Any]:
+    from mesh.indexer.client import IndexerClient
+
+    resyncs: list[tuple] = []
+    clients = [IndexerClient([endpoint], forward_buffer=len(wl.batches) + 1, on_resync=lambda *a: resyncs.append(a))
+               for _ in range(brokers)]
+    for c in clients:
+        await c.start()
+    try:
+        for w in sorted({b[0] for b in wl.batches}):
+            await clients[hash(w) % brokers].register_worker(w, BS)
+        for c in clients:
+            await c.flush(30)
+        gc.collect()
+        t0 = time.perf_counter()
+        for wid, seq, raw in wl.batches:
+            clients[hash(wid) % brokers].forward(wid, 0, 1, seq, raw)
+        ok = all([await c.flush(120) for c in clients])
+        dt = time.perf_counter() - t0
+        stats = [c.stats() for c in clients]
+        server = await clients[0].server_stats(timeout_s=10)
+    finally:
+        for c in clients:
+            await c.aclose()
+    return {"seconds": dt, "flushed": ok, "resyncs": len(resyncs), "client_stats": stats, "server": server}
+
+
+async def _match(endpoint: str, queries: list[list[int]]) -> dict[str, Any]:
+    from mesh.indexer.client import IndexerClient
+
+    client = IndexerClient([endpoint], query_timeout_ms=1000)
+    await client.start()
+    lat_c: list[float] = []
+    lat_s: list[float] = []
+    holders: list[int] = []
+    misses = 0
+    try:
+        for keys in queries[:50]:  # warm the channel and the server's caches
+            await client.match(keys, BS)
+        gc.collect()
+        gc.disable()  # a collection of the bench's own garbage is not indexer latency
+        clock = time.perf_counter_ns
+        for keys in queries:
+            t0 = clock()
+            v = await client.match(keys, BS)
+            dt = clock() - t0
+            if v is None:
+                misses += 1
+                continue
+            lat_c.append(dt / 1e6)
+            lat_s.append(v.server_time_ns / 1e6)
+            holders.append(v.matched_workers)
+        gc.enable()
+    finally:
+        gc.enable()
+        await client.aclose()
+    return {"client_ms": lat_c, "server_ms": lat_s, "holders": holders, "degraded": misses}
+
+
+def run_indexer_bench(workers: int = 1000, total_blocks: int = 1_050_000, queries: int = 2000, brokers: int = 2,
+                      quiet: bool = False, seed: int = 0) -> dict[str, Any]:
+    """Run the benchmark (server subprocess, bench process as the brokers); returns the JSON dict."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    t_start = time.perf_counter()
+    say(f"generating {total_blocks:,} blocks for {workers:,} workers ...")
+    wl = _Workload(workers, total_blocks, seed)
+    qs = wl.queries(queries)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, endpoint = start_indexer_process(Path(tmp) / "indexer.log", "--max-entries", "0", "--log-level", "warning")
+        try:
+            rss0 = _rss_bytes(proc.pid)
+            say(f"ingesting {len(wl.batches):,} batches over gRPC into {endpoint} ...")
+            ing = asyncio.run(_ingest(endpoint, wl, brokers))
+            rss1 = _rss_bytes(proc.pid)
+            say(f"timing {queries:,} prefix queries ...")
+            m = asyncio.run(_match(endpoint, qs))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    srv = ing["server"]
+    entries = srv.entries if srv is not None else 0
+    res: dict[str, Any] = {
+        "workers": workers,
+        "indexed_blocks": entries,
+        "unique_blocks": srv.unique_blocks if srv is not None else 0,
+        "block_size": BS,
+        "prompt_blocks": PROMPT_BLOCKS,
+        "ingest_blocks": wl.blocks,
+        "ingest_batches": len(wl.batches),
+        "ingest_seconds": round(ing["seconds"], 3),
+        "ingest_blocks_per_s": round(wl.blocks / ing["seconds"]),
+        "ingest_batches_per_s": round(len(wl.batches) / ing["seconds"]),
+        "ingest_brokers": brokers,
+        "ingest_complete": bool(ing["flushed"]) and entries >= wl.blocks,
+        "ingest_resyncs": ing["resyncs"],
+        "match_queries": len(m["client_ms"]),
+        "match_degraded": m["degraded"],
+        "match_p50_ms_client": round(_pct(m["client_ms"], 50), 3),
+        "match_p99_ms_client": round(_pct(m["client_ms"], 99), 3),
+        "match_p50_ms_server": round(_pct(m["server_ms"], 50), 3),
+        "match_p99_ms_server": round(_pct(m["server_ms"], 99), 3),
+        "match_mean_matched_workers": round(sum(m["holders"]) / max(1, len(m["holders"])), 1),
+        "bytes_per_block": round((rss1 - rss0) / max(1, entries), 1),
+        "bytes_per_block_estimate": round(srv.bytes_estimate / max(1, entries), 1) if srv is not None else None,
+        "server_rss_mb": round(rss1 / 2**20, 1),
+        "targets": TARGETS,
+        "bench_seconds": None,
+    }
+    res["targets_met"] = {
+        "ingest": res["ingest_blocks_per_s"] >= TARGETS["ingest_blocks_per_s_min"],
+        "match_server": res["match_p99_ms_server"] <= TARGETS["match_p99_ms_server_max"],
+        "match_client": res["match_p99_ms_client"] <= TARGETS["match_p99_ms_client_max"],
+    }
+    res["bench_seconds"] = round(time.perf_counter() - t_start, 1)
+    if not quiet:
+        _print(res)
+    return res
+
+
+def _print(res: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"mesh bench indexer: {res['workers']:,} workers, {res['indexed_blocks']:,} indexed blocks "
+                    f"({res['block_size']}-token pages), {res['prompt_blocks']}-block prompts")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    t.add_column("target", justify="right")
+    t.add_row("ingest over gRPC", f"{res['ingest_blocks_per_s']:,} blocks/s", ">= 200,000")
+    t.add_row("match p50 / p99, client", f"{res['match_p50_ms_client']:.3f} / {res['match_p99_ms_client']:.3f} ms", "p99 <= 3 ms")
+    t.add_row("match p50 / p99, server", f"{res['match_p50_ms_server']:.3f} / {res['match_p99_ms_server']:.3f} ms", "p99 <= 1 ms")
+    t.add_row("matched workers per query (mean)", f"{res['match_mean_matched_workers']}", "")
+    t.add_row("bytes per indexed block (RSS / estimate)", f"{res['bytes_per_block']} / {res['bytes_per_block_estimate']}", "")
+    Console(stderr=True).print(t)
+
+
+if __name__ == "__main__":  # python -m mesh.indexer.bench [--quick]
+    import json
+
+    quick = "--quick" in sys.argv
+    out = run_indexer_bench(workers=200 if quick else 1000, total_blocks=100_000 if quick else 1_050_000,
+                            queries=300 if quick else 2000)
+    print(json.dumps(out, indent=2))
