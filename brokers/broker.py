@@ -125,6 +125,9 @@ class Broker:
         self._bell_tx: zmq.asyncio.Socket | None = None
         self._bell_rung = False
         self._tasks: set[asyncio.Task] = set()
+        # Local clients (the HTTP ingress): identity -> reply queue. Their identities start with
+        # b"\x00" and are longer than 5 bytes, which ZeroMQ reserves, so no peer can collide.
+        self._local: dict[bytes, asyncio.Queue] = {}
         self.async_provider = bool(getattr(router.provider, "is_async", False))
         self.ready = asyncio.Event()
 
@@ -272,6 +275,11 @@ class Broker:
                     inf = self._inflight.get(item)
                     if inf is not None and inf.session is None and not inf.retry_pending:
                         self._dispatch(inf, now)
+                elif kind == "client_frames":
+                    self._on_client_frames(item)
+                elif kind == "cancel_local":
+                    for inf in [i for i in self._inflight.values() if i.client == item]:
+                        self._finish_error(inf, ErrorCode.CANCELLED, "HTTP client went away", cancel_worker=True)
                 elif kind == "resync":
                     worker_id, dp_rank, why = item
                     sess = self.registry.by_id.get(worker_id)
@@ -281,6 +289,18 @@ class Broker:
             except Exception as exc:
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("mail_handler_failed", kind=kind, error=repr(exc))
+
+    # -- local clients (HTTP ingress) -------------------------------------------------
+    def submit_local(self, identity: bytes, frames: list[bytes], replies: asyncio.Queue) -> None:
+        """Submit client frames on behalf of an in-process client; replies land in ``replies``."""
+        self._local[identity] = replies
+        self.post("client_frames", [identity, *frames])
+
+    def cancel_local(self, identity: bytes) -> None:
+        self.post("cancel_local", identity)
+
+    def forget_local(self, identity: bytes) -> None:
+        self._local.pop(identity, None)
 
     def spawn(self, coro) -> asyncio.Task:
         """Run a helper coroutine on the broker's loop; it is cancelled when the broker closes."""
@@ -332,6 +352,13 @@ class Broker:
         return False
 
     def _send_client(self, identity: bytes, frames: list[bytes]) -> bool:
+        if identity[:1] == b"\x00" and len(identity) > 5:
+            q = self._local.get(identity)
+            if q is None:
+                self.stats.dropped["client_unreachable"] += 1
+                return False
+            q.put_nowait(frames)
+            return True
         try:
             send_frames(self._fs, [identity, *frames])
             return True
@@ -649,6 +676,13 @@ class Broker:
             self._finish_error(inf, code, m.message)
 
     def _on_worker_disconnect(self, sess: WorkerSession, reason: str, now: float) -> None:
+        if reason == P.DRAINING:
+            # Graceful drain: no new work, but its in-flight requests finish where they are.
+            if not sess.draining:
+                self.registry.set_draining(sess)
+                self.stats.workers["draining"] += 1
+                self.log.info("worker_draining", worker_id=sess.worker_id, inflight=len(sess.inflight))
+            return
         self.stats.workers["disconnected"] += 1
         self.log.info("worker_disconnected", worker_id=sess.worker_id, reason=reason)
         self._remove_session(sess, now, "disconnected")

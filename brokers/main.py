@@ -10,7 +10,7 @@ from brokers.stats import StatsCollector
 from mesh.config import BrokerSettings
 from mesh.errors import ConfigError
 from mesh.routing.providers import make_provider
-from mesh.logs import configure, get_logger
+from mesh.logs import announce, configure, get_logger
 from mesh.routing.router import Router, make_policy
 
 __all__ = ["build_broker", "serve_broker"]
@@ -49,14 +49,49 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
 
 def _gauges(broker: Broker):
     def collect():
-        out: dict[str, list] = {"mesh_worker_inflight": [], "mesh_worker_healthy": [], "mesh_broker_inflight": []}
+        import time as _t
+
+        now = _t.monotonic()
+        out: dict[str, list] = {k: [] for k in ("mesh_worker_inflight", "mesh_worker_healthy", "mesh_worker_running",
+                                                "mesh_worker_waiting", "mesh_worker_kv_usage", "mesh_broker_inflight",
+                                                "mesh_broker_retries_in_flight", "mesh_provider_stat")}
         for sess in broker.registry.by_id.values():
             lab = {"worker_id": sess.worker_id}
-            out["mesh_worker_inflight"].append((lab, float(sess.state.inflight)))
-            out["mesh_worker_healthy"].append((lab, 1.0 if sess.state.healthy and not sess.draining else 0.0))
+            st = sess.state
+            out["mesh_worker_inflight"].append((lab, float(st.inflight)))
+            out["mesh_worker_healthy"].append((lab, 1.0 if st.healthy and not sess.draining else 0.0))
+            agg = st.fresh_load(now, broker.s.load_freshness_s)
+            if agg is not None:
+                out["mesh_worker_running"].append((lab, float(agg.running)))
+                out["mesh_worker_waiting"].append((lab, float(agg.waiting)))
+                out["mesh_worker_kv_usage"].append((lab, agg.kv_usage))
         out["mesh_broker_inflight"].append(({"broker_id": broker.broker_id}, float(len(broker._inflight))))
+        out["mesh_broker_retries_in_flight"].append(({"broker_id": broker.broker_id}, float(broker.budget.active)))
+        prov = broker.router.provider
+        if prov is not None and hasattr(prov, "stats"):
+            for k, v in _flatten(prov.stats()).items():
+                out["mesh_provider_stat"].append(({"provider": prov.name, "stat": k}, float(v)))
         return {k: v for k, v in out.items() if v}
     return collect
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = v
+    return out
+
+
+def metrics_registry(broker: Broker):
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    reg.register(StatsCollector(broker.stats, _gauges(broker)))
+    return reg
 
 
 async def serve_broker(settings: BrokerSettings) -> None:
@@ -64,21 +99,31 @@ async def serve_broker(settings: BrokerSettings) -> None:
     configure(settings.log_level)
     broker = build_broker(settings)
     broker.bind()
+    reg = metrics_registry(broker)
     if settings.metrics:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import start_http_server
 
         host, _, port = settings.metrics.rpartition(":")
-        reg = CollectorRegistry()
-        reg.register(StatsCollector(broker.stats, _gauges(broker)))
         start_http_server(int(port), addr=host or "127.0.0.1", registry=reg)
-        get_logger(service="broker").info("metrics_listening", endpoint=settings.metrics)
+        announce("metrics_listening", endpoint=f"http://{settings.metrics}/metrics")
     broker.install_signal_handlers()
     client = getattr(broker.router.provider, "client", None)
     if client is not None:
         await client.start()
+    ingress = None
+    if settings.http:
+        from brokers.http_ingress import HttpIngress
+
+        host, _, port = settings.http.rpartition(":")
+        ingress = HttpIngress(broker, model=settings.model_name, api_key=settings.api_key or None,
+                              tokenizer_path=settings.tokenizer or None, metrics_registry=reg)
+        url = await ingress.start(host or "127.0.0.1", int(port))
+        announce("http_listening", url=url)
     try:
         await broker.run()
     finally:
+        if ingress is not None:
+            await ingress.stop()
         if client is not None:
             await client.aclose()
 

@@ -41,7 +41,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
                  "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "drain_timeout_s", "policy", "cache_prefix_provider",
-                 "load_freshness_s", "metrics", "seed", "log_level"]
+                 "load_freshness_s", "metrics", "http", "api_key", "tokenizer", "model_name", "telemetry", "seed", "log_level"]
 
 
 def _add_broker(sub) -> None:
@@ -68,14 +68,23 @@ def _add_broker(sub) -> None:
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight work (default 10)")
     p.add_argument("--load-freshness-s", type=float, help="LoadStat older than this is ignored (default 5)")
     p.add_argument("--metrics", help="HOST:PORT for the Prometheus /metrics endpoint (default off)")
+    p.add_argument("--http", help="HOST:PORT of the OpenAI-compatible HTTP ingress (port 0 = any free port)")
+    p.add_argument("--api-key", help="require this bearer token on the HTTP ingress (or set MESH_API_KEY)")
+    p.add_argument("--tokenizer", help="tokenizer.json used by the HTTP ingress to tokenise prompts")
+    p.add_argument("--model-name", help="model id reported by /v1/models (default mesh)")
+    p.add_argument("--telemetry", help="ZeroMQ PUB endpoint for the live telemetry stream (mesh top)")
     p.add_argument("--seed", type=int, help="seed the routing RNG (deterministic decisions)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_broker)
 
 
 def _cmd_broker(args) -> int:
+    import os
+
     from brokers.main import main as broker_main
 
+    if getattr(args, "api_key", None) is None and os.environ.get("MESH_API_KEY"):
+        args.api_key = os.environ["MESH_API_KEY"]
     settings = _settings(BrokerSettings, args, "broker", _BROKER_FLAGS)
     broker_main(settings)
     return 0

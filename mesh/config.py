@@ -46,6 +46,11 @@ class BrokerSettings:
     kv_indexer_query_max_inflight: int = 32
     load_freshness_s: float = 5.0
     metrics: str = ""  # host:port for the Prometheus endpoint; empty = off
+    http: str = ""  # host:port of the OpenAI-compatible HTTP ingress; empty = off (port 0 = any)
+    api_key: str = ""  # required as "Authorization: Bearer <key>" on the HTTP ingress when set
+    tokenizer: str = ""  # tokenizer.json for the HTTP ingress (optional)
+    model_name: str = "mesh"  # the model id the HTTP ingress reports
+    telemetry: str = ""  # ZMQ PUB endpoint for the telemetry stream; empty = off
     seed: int | None = None
     log_level: str = "info"
 
@@ -71,6 +76,13 @@ class BrokerSettings:
                      f"{ep!r} needs an explicit http://, https:// or unix: scheme")
         _require(self.kv_indexer_query_timeout_ms > 0, "kv_indexer_query_timeout_ms", "must be > 0")
         _require(self.kv_indexer_query_max_inflight > 0, "kv_indexer_query_max_inflight", "must be > 0")
+        for name in ("http", "metrics"):
+            v = getattr(self, name)
+            if v:
+                host, sep, port = v.rpartition(":")
+                _require(bool(sep) and port.isdigit() and int(port) < 65536, name, f"must be HOST:PORT, got {v!r}")
+        if self.telemetry:
+            _require(self.telemetry.startswith(("tcp://", "ipc://", "inproc://")), "telemetry", "must be a ZeroMQ endpoint")
         for name in ("frontend", "backend"):
             _require(getattr(self, name).startswith(("tcp://", "ipc://", "inproc://")), name, "must be a tcp://, ipc:// or inproc:// endpoint")
 

@@ -86,6 +86,8 @@ FINAL       0x06  w->b    ``rid``, ``attempt``, ``finish_reason`` str, ``usage``
 ERROR       0x07  w->b    ``rid``, ``attempt``, ``code`` str, ``message`` str.
 CANCEL      0x08  b->w    ``rid``, ``attempt``.
 DISCONNECT  0x09  both    ``reason`` str. b->w: "forget your session and send READY again".
+                          w->b with reason ``draining``: stop sending new work, let in-flight
+                          requests finish (a plain DISCONNECT follows when the worker leaves).
 RESYNC      0x0A  b->w    ``dp_rank`` int, ``reason`` str: the broker lost track of this rank's
                           KV stream; the worker answers with one KV_EVENTS batch holding
                           ``AllBlocksCleared`` then ``BlockStored`` for every cached block.
@@ -154,6 +156,7 @@ MAX_RID_BYTES = 256
 MAX_TOKEN_ID = 2**32
 
 ROLES = ("prefill", "decode", "mixed")
+DRAINING = "draining"  # DISCONNECT reason: graceful worker drain
 
 
 class Cmd(IntEnum):

@@ -77,9 +77,9 @@ class BrokerLink:
         self.registered = False
         self.last_heard_s = time.monotonic()
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, linger_ms: int = 0) -> None:
         if self.sock is not None:
-            self.sock.close(linger=0)
+            self.sock.close(linger=linger_ms)
         self.sock = None
         self._sync = None
         self.registered = False
@@ -91,7 +91,9 @@ class BrokerLink:
         self._closed = True
         if say_goodbye and self._sync is not None:
             self.send(P.encode_disconnect("worker_shutdown"))
-        self._close_socket()
+            self._close_socket(linger_ms=500)  # linger so the goodbye is actually delivered
+        else:
+            self._close_socket()
 
     # ------------------------------------------------------------------ I/O
 

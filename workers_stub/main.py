@@ -38,3 +38,5 @@ async def serve_workers(settings: WorkerSettings, engine_cfg: EngineConfig | Non
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     log.info("workers_stopped", served=sum(w.served for w in workers))
+    # term() flushes what the closed sockets still hold (their goodbyes), bounded by their linger
+    workers[0].ctx.term()

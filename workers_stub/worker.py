@@ -37,6 +37,15 @@ from workers_stub.links import BrokerLink
 __all__ = ["SimWorker"]
 
 
+_WORDS = ("the", "mesh", "routes", "every", "request", "to", "a", "worker", "that", "holds", "its", "prefix",
+          "in", "cache", "and", "keeps", "load", "even", "across", "GPUs", "while", "brokers", "share", "state")
+
+
+def detok(token_ids: list[int]) -> str:
+    """The stub's detokenizer: a deterministic word per token id (readable demo output)."""
+    return "".join(" " + _WORDS[t % len(_WORDS)] for t in token_ids)
+
+
 @dataclass(slots=True)
 class _Job:
     link: BrokerLink
@@ -76,6 +85,7 @@ class SimWorker:
         self._by_remote: dict[tuple[int, int, int], int] = {}  # (id(link), rid, attempt) -> key
         self._keys = itertools.count(1)
         self._work = asyncio.Event()
+        self._idle = asyncio.Event()  # set whenever no request is in flight (drain waits on it)
         self._stopping = False
         self._kv_seq = 0
         self._pending_kv: list[KV.KvEvent] = []
@@ -115,12 +125,15 @@ class SimWorker:
         """Graceful stop: tell brokers we are leaving, finish in-flight work, then close links."""
         self._stopping = True
         for link in self.links:
-            link.send(P.encode_disconnect("draining"))
-        t_end = time.monotonic() + timeout_s
-        while self._jobs and time.monotonic() < t_end:
-            await asyncio.sleep(0.01)
+            link.send(P.encode_disconnect(P.DRAINING))
+        if self._jobs:
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                self.log.warning("drain_timeout", unfinished=len(self._jobs))
         for link in self.links:
-            link.close(say_goodbye=False)
+            link.close(say_goodbye=True)  # a plain DISCONNECT: the broker forgets this worker
 
     # ------------------------------------------------------------------ inbound
 
@@ -176,6 +189,8 @@ class SimWorker:
         job = self._jobs.pop(key, None)
         if job is not None:
             self._by_remote.pop((id(job.link), job.rid, job.attempt), None)
+            if not self._jobs:
+                self._idle.set()
         return job
 
     # ------------------------------------------------------------------ engine
@@ -203,7 +218,7 @@ class SimWorker:
                     buf = pending.setdefault(key, [])
                     buf.append(tok)
                     if len(buf) >= self.stream_interval:
-                        job.link.send(P.encode_worker_chunk(job.rid, job.attempt, job.seq, {"token_ids": buf}))
+                        job.link.send(P.encode_worker_chunk(job.rid, job.attempt, job.seq, {"token_ids": buf, "text": detok(buf)}))
                         job.seq += 1
                         del pending[key]
                 else:
@@ -214,9 +229,9 @@ class SimWorker:
                 if job is None:
                     continue
                 if buf:
-                    job.link.send(P.encode_worker_chunk(job.rid, job.attempt, job.seq, {"token_ids": buf}))
+                    job.link.send(P.encode_worker_chunk(job.rid, job.attempt, job.seq, {"token_ids": buf, "text": detok(buf)}))
                     job.seq += 1
-                data = {} if job.stream else {"token_ids": job.tokens}
+                data = {} if job.stream else {"token_ids": job.tokens, "text": detok(job.tokens)}
                 job.link.send(P.encode_worker_final(job.rid, job.attempt, reason, usage, data))
                 self.served += 1
             if res.kv_events:
