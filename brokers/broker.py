@@ -129,6 +129,9 @@ class Broker:
         # b"\x00" and are longer than 5 bytes, which ZeroMQ reserves, so no peer can collide.
         self._local: dict[bytes, asyncio.Queue] = {}
         self.async_provider = bool(getattr(router.provider, "is_async", False))
+        self.telemetry = None
+        self.telemetry_endpoint = ""
+        self._worker_tokens: dict[str, list[int]] = {}  # worker_id -> [requests, prompt tokens, cached tokens]
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -156,6 +159,11 @@ class Broker:
         self._bell_tx.setsockopt(zmq.LINGER, 0)
         self._bell_tx.connect(bell)
         self._bell_tx_sync = zmq.Socket.shadow(self._bell_tx.underlying)
+        if self.s.telemetry:
+            from brokers.telemetry import TelemetryPublisher
+
+            self.telemetry = TelemetryPublisher(self.ctx, self.s.telemetry, self.broker_id)
+            self.telemetry_endpoint = self.telemetry.endpoint
 
     async def run(self) -> None:
         """Serve until :meth:`request_stop`; then drain in-flight work and close the sockets."""
@@ -163,7 +171,8 @@ class Broker:
             self.bind()
         self._state = "serving"
         announce("broker_listening", broker_id=self.broker_id, frontend=self.frontend_endpoint, backend=self.backend_endpoint,
-                 policy=self.router.policy.name, provider=getattr(self.router.provider, "name", "none"))
+                 telemetry=self.telemetry_endpoint, policy=self.router.policy.name,
+                 provider=getattr(self.router.provider, "name", "none"))
         self.ready.set()
         try:
             await self._loop()
@@ -190,6 +199,8 @@ class Broker:
         for sock in (self._bell_tx, self._bell_rx):
             if sock is not None:
                 sock.close(linger=0)
+        if self.telemetry is not None:
+            self.telemetry.close()
         for sock in (self._front, self._back):
             if sock is not None:
                 sock.close(linger=500)
@@ -218,12 +229,13 @@ class Broker:
         hb_s = self.s.heartbeat_ms / 1000.0
         next_hb = time.monotonic() + hb_s
         next_sweep = time.monotonic() + hb_s / 5
+        next_tel = time.monotonic() + (self.telemetry.interval_s if self.telemetry else 1e9)
         while True:
             now = time.monotonic()
             if self._state == "draining" and (not self._inflight or now >= self._drain_deadline_s):
                 self._fail_all(ErrorCode.UNAVAILABLE, "broker shut down before the request finished")
                 return
-            wake = min(next_hb, next_sweep)
+            wake = min(next_hb, next_sweep, next_tel)
             if self._deadlines:
                 wake = min(wake, self._deadlines[0][0])
             if self._retries:
@@ -245,6 +257,9 @@ class Broker:
             if now >= next_sweep:
                 self._purge_expired(now)
                 next_sweep = now + hb_s / 5
+            if now >= next_tel and self.telemetry is not None:
+                self._publish_snapshot(now)
+                next_tel = now + self.telemetry.interval_s
             if self._deadlines and self._deadlines[0][0] <= now:
                 self._expire_deadlines(now)
             if self._retries and self._retries[0][0] <= now:
@@ -628,6 +643,7 @@ class Broker:
             self.kv_sink.on_worker_ready(r)
         self.log.info("worker_registered", worker_id=r.worker_id, role=r.role, epoch=r.epoch, block_size=r.block_size,
                       replaced=old is not None, workers=len(self.registry))
+        self._event("worker_registered", worker_id=r.worker_id, role=r.role, epoch=r.epoch)
         self._send_worker(ident, P.encode_heartbeat())  # first message tells the worker it is routable
 
     def _on_worker_chunk(self, sess: WorkerSession, m: P.WorkerChunk) -> None:
@@ -659,6 +675,12 @@ class Broker:
         if type(pt) is int and type(ct) is int:
             self.stats.prompt_tokens += pt
             self.stats.cached_tokens += ct
+            wt = self._worker_tokens.get(sess.worker_id)
+            if wt is None:
+                wt = self._worker_tokens[sess.worker_id] = [0, 0, 0]
+            wt[0] += 1
+            wt[1] += pt
+            wt[2] += ct
         self._send_client(inf.client, P.encode_client_final(inf.client_rid, m.finish_reason, u, sess.worker_id, m.attempt, m.data, inf.reason))
 
     def _on_worker_error(self, sess: WorkerSession, m: P.WorkerError, now: float) -> None:
@@ -682,9 +704,11 @@ class Broker:
                 self.registry.set_draining(sess)
                 self.stats.workers["draining"] += 1
                 self.log.info("worker_draining", worker_id=sess.worker_id, inflight=len(sess.inflight))
+                self._event("worker_draining", worker_id=sess.worker_id)
             return
         self.stats.workers["disconnected"] += 1
         self.log.info("worker_disconnected", worker_id=sess.worker_id, reason=reason)
+        self._event("worker_disconnected", worker_id=sess.worker_id, reason=reason)
         self._remove_session(sess, now, "disconnected")
 
     def _on_kv_events(self, sess: WorkerSession, m: P.KvEventsMsg) -> None:
@@ -718,6 +742,7 @@ class Broker:
         for sess in self.registry.expired(now):
             self.stats.workers["expired"] += 1
             self.log.warning("worker_expired", worker_id=sess.worker_id, inflight=len(sess.inflight))
+            self._event("worker_expired", worker_id=sess.worker_id, inflight=len(sess.inflight))
             self._send_worker(sess.identity, P.encode_disconnect("expired"))
             self._remove_session(sess, now, "expired")
 
@@ -735,6 +760,22 @@ class Broker:
                 self._send_worker(other.session.identity, P.encode_worker_cancel(other.rid, other.attempt))
             self._forget(other)
             self.stats.requests["client_gone"] += 1
+
+    # ------------------------------------------------------------------ telemetry
+
+    def _event(self, event: str, **fields: Any) -> None:
+        if self.telemetry is not None:
+            self.telemetry.event(event, **fields)
+
+    def _publish_snapshot(self, now: float) -> None:
+        workers = self._status_workers()
+        for w in workers:
+            req, pt, ct = self._worker_tokens.get(w["worker_id"], (0, 0, 0))
+            w["requests"] = req
+            w["hit_rate"] = round(ct / pt, 4) if pt else 0.0
+        self.telemetry.snapshot({"state": self._state, "inflight": len(self._inflight), "workers": workers,  # type: ignore[union-attr]
+                                 "requests": dict(self.stats.requests), "decisions": dict(self.stats.decisions),
+                                 "degraded_decisions": self.stats.degraded_decisions})
 
     # ------------------------------------------------------------------ status
 

@@ -178,6 +178,17 @@ def _cmd_up(args) -> int:
     return run_up(args)
 
 
+# ----------------------------------------------------------------------------- top
+
+
+def _add_top(sub) -> None:
+    p = sub.add_parser("top", help="live table of workers and routing from brokers' telemetry streams",
+                       description="Subscribe to one or more brokers' --telemetry endpoints and show a live table.")
+    p.add_argument("--telemetry", action="append", required=True, help="broker telemetry endpoint (repeatable)")
+    p.add_argument("--duration", type=float, help="exit after this many seconds (default: until Ctrl-C)")
+    p.set_defaults(func=lambda a: __import__("mesh.top", fromlist=["run_top"]).run_top(a.telemetry, duration_s=a.duration))
+
+
 # ----------------------------------------------------------------------------- bench
 
 
@@ -225,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_broker(sub)
     _add_worker(sub)
     _add_up(sub)
+    _add_top(sub)
     _add_bench(sub)
     return p
 

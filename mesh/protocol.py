@@ -93,6 +93,14 @@ RESYNC      0x0A  b->w    ``dp_rank`` int, ``reason`` str: the broker lost track
                           ``AllBlocksCleared`` then ``BlockStored`` for every cached block.
 ==========  ====  ======  ===================================================================
 
+Telemetry stream
+----------------
+With ``--telemetry ENDPOINT`` a broker binds a PUB socket: two-frame messages ``[topic, msgpack
+map]`` with topic ``mesh.snapshot`` (every second: broker state, per-worker role, labels, health,
+in-flight, running, waiting, KV usage, requests and hit rate; cumulative request and decision
+counters) or ``mesh.event`` (``event`` = worker_registered / worker_expired / worker_draining /
+worker_disconnected, with ``worker_id``). See :mod:`brokers.telemetry`; ``mesh top`` reads it.
+
 Attempt fencing: a CHUNK/FINAL/ERROR whose ``(rid, attempt)`` is not the broker's current
 attempt is dropped and counted (``stale_reply_dropped``).
 

@@ -435,9 +435,15 @@ class IndexerClient:
                     req = pb.MatchPrefixRequest(keys=keys, block_size=block_size, max_results=self.max_results)
                 resp = await rep.stub.MatchPrefix(req, timeout=remaining)
             except grpc.aio.AioRpcError as exc:
-                rep.breaker.failure(clock())
-                reason = _DEGRADED_REASON.get(exc.code(), "error")
-                rep.last_error = f"{exc.code().name}: {exc.details()}"[:200]
+                code = exc.code()
+                if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # Shedding proves the replica alive and already protects it: no breaker
+                    # failure, but try the next replica.
+                    rep.breaker.probe_inflight = False
+                else:
+                    rep.breaker.failure(clock())
+                reason = _DEGRADED_REASON.get(code, "error")
+                rep.last_error = f"{code.name}: {exc.details()}"[:200]
                 continue
             except (ValueError, TypeError) as exc:  # keys not u64, block_size out of range
                 rep.breaker.probe_inflight = False

@@ -22,7 +22,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 from mesh.errors import ConfigError, ErrorCode, FatalRequestError
 
@@ -337,6 +337,3 @@ def decode_buckets_for(cfg: BucketConfig, input_tokens: int, peak_tokens: int | 
     fit = [b for b in cfg.decode if b.fits_decode(input_tokens, peak_tokens)]
     return order_by_slo(fit, cfg.tps_slo_policy, lambda b: b.tps_eligible(tps_slo))
 
-
-def _sequence(x: Sequence[str]) -> str:  # pragma: no cover - tiny helper for messages
-    return ", ".join(x)

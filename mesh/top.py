@@ -1,0 +1,91 @@
+"""``mesh top``: a live table of the fleet from one or more brokers' telemetry streams."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+
+from mesh.protocol import ProtocolError, unpack
+
+__all__ = ["run_top", "render"]
+
+
+def render(snapshots: dict[str, dict], rates: dict[str, float], events: list[str]) -> Group:
+    t = Table(title="mesh top", expand=True)
+    for c, j in (("broker", "left"), ("worker", "left"), ("role", "left"), ("labels", "left"), ("health", "left"),
+                 ("in-flight", "right"), ("running", "right"), ("waiting", "right"), ("KV use", "right"),
+                 ("requests", "right"), ("hit rate", "right")):
+        t.add_column(c, justify=j)
+    for bid, snap in sorted(snapshots.items()):
+        for w in sorted(snap.get("workers", []), key=lambda w: w["worker_id"]):
+            load = w.get("load") or {}
+            t.add_row(bid, w["worker_id"], w.get("role", ""), ",".join(f"{k}={v}" for k, v in (w.get("labels") or {}).items()),
+                      "[green]ok[/]" if w.get("healthy") else "[red]out[/]", str(w.get("inflight", 0)),
+                      str(load.get("running", "-")), str(load.get("waiting", "-")),
+                      f"{load['kv_usage']:.0%}" if "kv_usage" in load else "-", str(w.get("requests", 0)),
+                      f"{w.get('hit_rate', 0.0):.1%}")
+    r = Table(title="routing", expand=True)
+    for c in ("broker", "state", "in-flight", "req/s", "decisions", "degraded"):
+        r.add_column(c)
+    for bid, snap in sorted(snapshots.items()):
+        dec = ", ".join(f"{k}={v}" for k, v in sorted((snap.get("decisions") or {}).items()))
+        r.add_row(bid, snap.get("state", "?"), str(snap.get("inflight", 0)), f"{rates.get(bid, 0.0):.1f}", dec,
+                  str(snap.get("degraded_decisions", 0)))
+    ev = Table(title="recent events", expand=True, show_header=False)
+    ev.add_column("event")
+    for e in events[-6:]:
+        ev.add_row(e)
+    return Group(t, r, ev)
+
+
+def run_top(endpoints: list[str], *, refresh_s: float = 1.0, duration_s: float | None = None) -> int:
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 1000)
+    sub.setsockopt(zmq.SUBSCRIBE, b"mesh.")
+    for ep in endpoints:
+        sub.connect(ep)
+    snapshots: dict[str, dict] = {}
+    prev_ok: dict[str, tuple[float, int]] = {}
+    rates: dict[str, float] = {}
+    events: list[str] = []
+    t_end = None if duration_s is None else time.monotonic() + duration_s
+    try:
+        with Live(render(snapshots, rates, events), refresh_per_second=4, screen=False) as live:
+            while t_end is None or time.monotonic() < t_end:
+                if sub.poll(int(refresh_s * 1000)):
+                    while True:
+                        try:
+                            topic, body = sub.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        except ValueError:
+                            continue
+                        try:
+                            d = unpack(body)
+                        except ProtocolError:
+                            continue
+                        if not isinstance(d, dict):
+                            continue
+                        bid = str(d.get("broker_id", "?"))
+                        if topic == b"mesh.snapshot":
+                            done = sum(v for k, v in (d.get("requests") or {}).items() if isinstance(v, int))
+                            now = time.monotonic()
+                            if bid in prev_ok and now > prev_ok[bid][0]:
+                                rates[bid] = (done - prev_ok[bid][1]) / (now - prev_ok[bid][0])
+                            prev_ok[bid] = (now, done)
+                            snapshots[bid] = d
+                        elif topic == b"mesh.event":
+                            events.append(f"{time.strftime('%H:%M:%S')} {bid}: {d.get('event')} {d.get('worker_id', '')}")
+                live.update(render(snapshots, rates, events))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close()
+        ctx.term()
+    return 0
