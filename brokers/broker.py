@@ -131,6 +131,7 @@ class Broker:
         self.async_provider = bool(getattr(router.provider, "is_async", False))
         self.telemetry = None
         self.telemetry_endpoint = ""
+        self._monitors: list[tuple[str, Any]] = []
         self._worker_tokens: dict[str, list[int]] = {}  # worker_id -> [requests, prompt tokens, cached tokens]
         self.ready = asyncio.Event()
 
@@ -138,8 +139,8 @@ class Broker:
 
     def bind(self) -> None:
         """Bind both ROUTERs (ports may be ``*``); the bound endpoints land in ``*_endpoint``."""
-        front_spec = BROKER_FRONTEND.with_curve(self.curve)
-        back_spec = BROKER_BACKEND.with_curve(self.curve)
+        front_spec = BROKER_FRONTEND.with_curve(self.curve, b"clients")
+        back_spec = BROKER_BACKEND.with_curve(self.curve, b"workers")
         self._front = make_socket(self.ctx, front_spec, bind=self.s.frontend)
         try:
             self._back = make_socket(self.ctx, back_spec, bind=self.s.backend)
@@ -159,6 +160,10 @@ class Broker:
         self._bell_tx.setsockopt(zmq.LINGER, 0)
         self._bell_tx.connect(bell)
         self._bell_tx_sync = zmq.Socket.shadow(self._bell_tx.underlying)
+        if self.curve is not None:
+            # Handshake failures (unlisted keys) are counted: they never reach the decode boundary.
+            ev = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            self._monitors = [(path, sock.get_monitor_socket(ev)) for path, sock in (("client", self._front), ("worker", self._back))]
         if self.s.telemetry:
             from brokers.telemetry import TelemetryPublisher
 
@@ -199,17 +204,24 @@ class Broker:
         for sock in (self._bell_tx, self._bell_rx):
             if sock is not None:
                 sock.close(linger=0)
+        for path, mon in self._monitors:
+            mon.close(linger=0)
         if self.telemetry is not None:
             self.telemetry.close()
         for sock in (self._front, self._back):
             if sock is not None:
+                if self._monitors:
+                    sock.disable_monitor()
                 sock.close(linger=500)
-        if self._own_ctx:
-            # term() blocks until queued replies are flushed (bounded by the linger above):
-            # exiting without it would drop the last FINALs of a graceful drain.
-            self.ctx.term()
         self._state = "closed"
         self.log.info("broker_closed")
+
+    def terminate(self) -> None:
+        """Terminate the broker's own context after :meth:`close` and after any other user of the
+        context (the ZAP authenticator) stopped. term() blocks until queued replies are flushed,
+        bounded by the sockets' linger: exiting without it would drop the last FINALs of a drain."""
+        if self._own_ctx and not self.ctx.closed:
+            self.ctx.term()
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -226,6 +238,8 @@ class Broker:
         poller.register(self._back, zmq.POLLIN)
         poller.register(self._bell_rx, zmq.POLLIN)
         bell = zmq.Socket.shadow(self._bell_rx.underlying)
+        for _, mon in self._monitors:
+            poller.register(mon, zmq.POLLIN)
         hb_s = self.s.heartbeat_ms / 1000.0
         next_hb = time.monotonic() + hb_s
         next_sweep = time.monotonic() + hb_s / 5
@@ -250,6 +264,12 @@ class Broker:
                 busy = self._drain(back, self._on_worker_frames) | self._drain(front, self._on_client_frames)
             if self._mail or self._bell_rung:
                 self._drain_mail(bell)
+            for path, mon in self._monitors:
+                try:
+                    self._drain_monitor(path, mon)
+                except Exception as exc:  # monitoring must never take the loop down
+                    self.stats.dropped["handler_exception"] += 1
+                    self.log.exception("monitor_failed", error=repr(exc))
             now = time.monotonic()
             if now >= next_hb:
                 self._send_heartbeats()
@@ -264,6 +284,19 @@ class Broker:
                 self._expire_deadlines(now)
             if self._retries and self._retries[0][0] <= now:
                 self._run_due_retries(now)
+
+    def _drain_monitor(self, path: str, mon) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        sync = zmq.Socket.shadow(mon.underlying)
+        while True:
+            try:
+                ev = parse_monitor_message(sync.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self.stats.frames_rejected[(path, "auth_failed")] += 1
+            if self._limiter.allow(("auth_failed", path)):
+                self.log.warning("handshake_rejected", path=path, endpoint=str(ev.get("endpoint")), zmq_event=int(ev.get("event", 0)))
 
     def post(self, kind: str, item: Any) -> None:
         """Hand work to the loop from another task of the same event loop (never blocks)."""

@@ -18,6 +18,10 @@ __all__ = ["build_broker", "serve_broker"]
 
 def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
     """Assemble a broker (router, policy, provider) from validated settings."""
+    if settings.curve_secret and "curve" not in kwargs:
+        from mesh.security import server_keys
+
+        kwargs["curve"] = server_keys(settings.curve_secret)
     rng = random.Random(settings.seed)
     try:
         policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s)
@@ -98,6 +102,18 @@ async def serve_broker(settings: BrokerSettings) -> None:
     """Run one broker until SIGTERM/SIGINT, then drain and exit."""
     configure(settings.log_level)
     broker = build_broker(settings)
+    auth = None
+    if broker.curve is not None:
+        from zmq.auth import CURVE_ALLOW_ANY
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        auth = AsyncioAuthenticator(broker.ctx)
+        auth.start()
+        for domain, allow in (("workers", settings.curve_allow_workers), ("clients", settings.curve_allow_clients)):
+            if not allow:
+                get_logger(service="broker").warning("curve_allow_any", domain=domain,
+                                                     note="encrypted but any key may connect; set an allow-list")
+            auth.configure_curve(domain=domain, location=allow or CURVE_ALLOW_ANY)
     broker.bind()
     reg = metrics_registry(broker)
     if settings.metrics:
@@ -122,10 +138,13 @@ async def serve_broker(settings: BrokerSettings) -> None:
     try:
         await broker.run()
     finally:
+        if auth is not None:
+            auth.stop()
         if ingress is not None:
             await ingress.stop()
         if client is not None:
             await client.aclose()
+        broker.terminate()
 
 
 def main(settings: BrokerSettings) -> None:

@@ -41,7 +41,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
                  "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "drain_timeout_s", "policy", "cache_prefix_provider",
-                 "load_freshness_s", "metrics", "http", "api_key", "tokenizer", "model_name", "telemetry", "seed", "log_level"]
+                 "load_freshness_s", "metrics", "http", "api_key", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
 
 
 def _add_broker(sub) -> None:
@@ -73,6 +73,9 @@ def _add_broker(sub) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json used by the HTTP ingress to tokenise prompts")
     p.add_argument("--model-name", help="model id reported by /v1/models (default mesh)")
     p.add_argument("--telemetry", help="ZeroMQ PUB endpoint for the live telemetry stream (mesh top)")
+    p.add_argument("--curve-secret", help="broker certificate (.key_secret from mesh keygen): CURVE on both sockets")
+    p.add_argument("--curve-allow-workers", help="directory of worker public keys allowed to register")
+    p.add_argument("--curve-allow-clients", help="directory of client public keys allowed to submit")
     p.add_argument("--seed", type=int, help="seed the routing RNG (deterministic decisions)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_broker)
@@ -113,6 +116,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--kv-events-to", choices=["all", "one"], default="all",
                    help="send KV event batches to every broker (local indexes) or to one (shared indexer)")
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk")
+    p.add_argument("--curve-secret", help="this worker's certificate (.key_secret)")
+    p.add_argument("--curve-server-key", help="the brokers' public key (.key)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     g = p.add_argument_group("engine model (defaults: 8B model on one H100)")
     for name in _ENGINE_FLAGS:
@@ -138,8 +143,14 @@ def _cmd_worker(args) -> int:
     labels = _labels(args.labels_list)
     if labels:
         extra["labels"] = labels
-    names = ["brokers", "count", "worker_id", "model", "role", "heartbeat_ms", "liveness", "time_scale", "instant", "log_level"]
+    names = ["brokers", "count", "worker_id", "model", "role", "heartbeat_ms", "liveness", "time_scale", "instant",
+             "curve_secret", "curve_server_key", "log_level"]
     settings = _settings(WorkerSettings, args, "worker", names, extra)
+    curve = None
+    if settings.curve_secret:
+        from mesh.security import client_keys
+
+        curve = client_keys(settings.curve_secret, settings.curve_server_key)
     if settings.instant:
         from mesh.logs import configure
         from workers_stub.instant import run_instant_fleet
@@ -147,7 +158,8 @@ def _cmd_worker(args) -> int:
         configure(settings.log_level)
         run_instant_fleet(settings)
         return 0
-    asyncio.run(serve_workers(settings, _engine_cfg(args), kv_events_to=args.kv_events_to, stream_interval=args.stream_interval))
+    asyncio.run(serve_workers(settings, _engine_cfg(args), kv_events_to=args.kv_events_to, stream_interval=args.stream_interval,
+                              curve=curve))
     return 0
 
 
@@ -176,6 +188,24 @@ def _cmd_up(args) -> int:
     from mesh.up import run_up
 
     return run_up(args)
+
+
+# ----------------------------------------------------------------------------- keygen
+
+
+def _add_keygen(sub) -> None:
+    p = sub.add_parser("keygen", help="create a CURVE key pair (NAME.key public, NAME.key_secret private)")
+    p.add_argument("name", help="file name stem, e.g. broker, worker-0, client-app")
+    p.add_argument("--dir", default=".", help="output directory (default .)")
+
+    def _run(a) -> int:
+        from mesh.security import keygen
+
+        pub, sec = keygen(a.dir, a.name)
+        print(f"public key:  {pub}\nsecret key:  {sec}  (keep private)")
+        return 0
+
+    p.set_defaults(func=_run)
 
 
 # ----------------------------------------------------------------------------- top
@@ -237,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_up(sub)
     _add_top(sub)
+    _add_keygen(sub)
     _add_bench(sub)
     return p
 

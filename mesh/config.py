@@ -51,6 +51,9 @@ class BrokerSettings:
     tokenizer: str = ""  # tokenizer.json for the HTTP ingress (optional)
     model_name: str = "mesh"  # the model id the HTTP ingress reports
     telemetry: str = ""  # ZMQ PUB endpoint for the telemetry stream; empty = off
+    curve_secret: str = ""  # broker certificate (.key_secret): enables CURVE on both ROUTERs
+    curve_allow_workers: str = ""  # directory of worker public keys allowed on the backend
+    curve_allow_clients: str = ""  # directory of client public keys allowed on the frontend
     seed: int | None = None
     log_level: str = "info"
 
@@ -81,6 +84,12 @@ class BrokerSettings:
             if v:
                 host, sep, port = v.rpartition(":")
                 _require(bool(sep) and port.isdigit() and int(port) < 65536, name, f"must be HOST:PORT, got {v!r}")
+        if (self.curve_allow_workers or self.curve_allow_clients) and not self.curve_secret:
+            raise ConfigError("curve_secret: allow-lists need the broker's --curve-secret")
+        for name in ("curve_allow_workers", "curve_allow_clients"):
+            v = getattr(self, name)
+            if v:
+                _require(Path(v).is_dir(), name, f"{v} is not a directory of public keys")
         if self.telemetry:
             _require(self.telemetry.startswith(("tcp://", "ipc://", "inproc://")), "telemetry", "must be a ZeroMQ endpoint")
         for name in ("frontend", "backend"):
@@ -108,6 +117,8 @@ class WorkerSettings:
     reconnect_cap_ms: float = 5000.0
     time_scale: float = 1.0
     instant: bool = False
+    curve_secret: str = ""  # this worker's certificate (.key_secret)
+    curve_server_key: str = ""  # the brokers' public key (.key)
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -118,6 +129,8 @@ class WorkerSettings:
         _require(self.liveness >= 1, "liveness", "must be >= 1")
         _require(0 < self.reconnect_base_ms <= self.reconnect_cap_ms, "reconnect_base_ms", "must be > 0 and <= reconnect_cap_ms")
         _require(self.time_scale > 0 and math.isfinite(self.time_scale), "time_scale", "must be a positive number")
+        _require(bool(self.curve_secret) == bool(self.curve_server_key), "curve_server_key",
+                 "CURVE needs both --curve-secret and --curve-server-key")
 
 
 def _require(ok: bool, name: str, msg: str) -> None:

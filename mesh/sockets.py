@@ -83,12 +83,18 @@ class SocketSpec:
     tcp_keepalive: int = 1
     identity: bytes | None = None
     curve: CurveKeys | None = None
+    zap_domain: bytes | None = None  # ZAP domain for server-side authentication (allow-lists)
 
     def with_identity(self, identity: bytes) -> "SocketSpec":
         return replace(self, identity=identity)
 
-    def with_curve(self, curve: CurveKeys | None) -> "SocketSpec":
-        return replace(self, curve=curve)
+    def with_curve(self, curve: CurveKeys | None, zap_domain: bytes | None = None) -> "SocketSpec":
+        if curve is None:
+            return self
+        # libzmq 4.3.5 can abort (stream_engine_base.cpp: !_io_error) when a ZMTP heartbeat
+        # timer fires on a CURVE connection whose ZAP handshake failed; with CURVE we rely on
+        # the application heartbeats (and TCP keepalive) instead of ZMTP PINGs.
+        return replace(self, curve=curve, zap_domain=zap_domain, heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
 
 
 # ROUTERs: ROUTER_MANDATORY so an unroutable or full peer raises instead of dropping silently;
@@ -140,6 +146,8 @@ def make_socket(
             sock.setsockopt(zmq.IMMEDIATE, int(spec.immediate))
         if spec.identity is not None:
             sock.setsockopt(zmq.ROUTING_ID, spec.identity)
+        if spec.zap_domain is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, spec.zap_domain)
         if spec.curve is not None:
             c = spec.curve
             sock.setsockopt(zmq.CURVE_PUBLICKEY, c.public_key)

@@ -353,9 +353,16 @@ class IndexerClient:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Open the channels (lazily connected) and start one forwarder task per replica."""
+        """Open the channels (lazily connected) and start one forwarder task per replica.
+
+        Optional: the first :meth:`match` or :meth:`forward` made on a running loop opens the
+        client too. Call :meth:`aclose` on shutdown either way.
+        """
         if self._state is not _State.UNOPENED:
             raise RuntimeError(f"IndexerClient cannot be started when {self._state.value}")
+        self._open()
+
+    def _open(self) -> None:
         creds = None
         if any(r.tls for r in self.replicas):
             ca = Path(self.ca_file).read_bytes() if self.ca_file else None
@@ -369,7 +376,10 @@ class IndexerClient:
                 r.stub = pb_grpc.IndexerStub(r.channel)
                 r.task = asyncio.create_task(self._forward_loop(r), name=f"indexer-forward-{r.endpoint}")
         except BaseException:
-            await self.aclose()
+            for r in self.replicas:  # nothing was sent yet: drop what was built
+                if r.task is not None:
+                    r.task.cancel()
+                r.task = r.stub = r.channel = None
             raise
         self._state = _State.OPENED
 
@@ -405,8 +415,10 @@ class IndexerClient:
         """Per-worker prefix matches for content ``keys``; None when degraded. Never raises
         (except CancelledError when the caller is cancelled)."""
         if self._state is not _State.OPENED:
-            self._degrade("not_started")
-            return None
+            if self._state is _State.CLOSED:
+                self._degrade("closed")
+                return None
+            self._open()
         if self.inflight >= self.max_inflight:
             self._degrade("overloaded")
             return None
@@ -476,9 +488,16 @@ class IndexerClient:
         ``events_msgpack`` is the msgpack ``events`` array of a KV_EVENTS body, or with
         ``is_body=True`` the whole body (``KvEventsMsg.raw``) forwarded verbatim.
         """
-        if self._state is _State.CLOSED:
-            self.c["forward_after_close"] += 1
-            return
+        if self._state is not _State.OPENED:
+            if self._state is _State.CLOSED:
+                self.c["forward_after_close"] += 1
+                return
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass  # queued; sent once started on a loop
+            else:
+                self._open()
         stream = (worker_id, dp_rank)
         self._streams.add(stream)
         self.c["forward_enqueued"] += 1

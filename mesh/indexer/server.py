@@ -107,23 +107,30 @@ class IndexerCore:
         self.instance = int.from_bytes(os.urandom(8), "little")
         self._known: set[tuple[str, int]] = set()  # streams this server has applied a batch of
         self._registered: set[str] = set()
+        self._unknown_resync_at: dict[tuple[str, int], float] = {}
         self._single_rank = True  # no stream with dp_rank > 0 seen yet (enables the fast level path)
         self.c: Counter[str] = Counter()
         self.latency_ns: deque[int] = deque(maxlen=_LATENCY_WINDOW)
 
     # ------------------------------------------------------------------ apply
     def apply_batch(self, worker_id: str, dp_rank: int, epoch: int, seq: int, payload: bytes, *,
-                    is_body: bool = False) -> ApplyOutcome:
-        """Apply one batch; ``payload`` is the msgpack events array, or the whole KV_EVENTS body."""
+                    is_body: bool = False, now_s: float | None = None) -> ApplyOutcome:
+        """Apply one batch. ``payload`` is msgpack: the events array, or the whole KV_EVENTS body
+        (a map: its ``events`` are used; detected whatever ``is_body`` says).
+
+        ``resync_needed`` follows the provider's rate limit: at most once per
+        ``provider.resync_retry_s`` per untrusted stream (``now_s``: monotonic seconds).
+        """
         c = self.c
         c["batches_received"] += 1
+        now = time.monotonic() if now_s is None else now_s
         try:
             obj = unpack(payload)
         except ProtocolError:
             c["batches_rejected"] += 1
             return _REJECTED
-        if is_body:
-            obj = obj.get("events") if type(obj) is dict else None
+        if type(obj) is dict:  # a whole KV_EVENTS body
+            obj = obj.get("events")
         events, skipped = KV.decode_events(obj)
         n_skipped = 0
         for reason, n in skipped.items():
@@ -140,7 +147,14 @@ class IndexerCore:
         if not known and seq > 0 and not snapshot:
             # Increments on top of state we never saw: ask for a snapshot, change nothing.
             c["unknown_stream_gaps"] += 1
-            return ApplyOutcome(pb.GAP, missed=seq, resync_needed=True, events_skipped=n_skipped)
+            c["verdict_gap"] += 1
+            last = self._unknown_resync_at.get(stream)
+            ask = last is None or now - last >= self.provider.resync_retry_s
+            if ask:
+                if len(self._unknown_resync_at) >= 100_000:
+                    self._unknown_resync_at.clear()  # bounded: garbage ids cannot grow it forever
+                self._unknown_resync_at[stream] = now
+            return ApplyOutcome(pb.GAP, missed=seq, resync_needed=ask, events_skipped=n_skipped)
         if worker_id not in self._registered:
             for ev in events:
                 if type(ev) is KV.BlockStored:
@@ -150,25 +164,24 @@ class IndexerCore:
         ix = self.index
         was_trusted = ix.is_trusted(stream)
         ix.last_verdict = None
-        why = self.provider.apply_events(worker_id, dp_rank, epoch, seq, events, 0.0)
+        why = self.provider.apply_events(worker_id, dp_rank, epoch, seq, events, now)
         v = ix.last_verdict
         if v is None:  # the resync path: a snapshot re-trusted an untrusted stream
-            out = ApplyOutcome(pb.RESYNCED, events_applied=len(events), events_skipped=n_skipped)
-        elif why == "untrusted":
-            out = ApplyOutcome(pb.UNTRUSTED, resync_needed=True, events_skipped=n_skipped)
-        elif why is not None:  # "gap"
-            out = ApplyOutcome(pb.GAP, missed=v.missed, resync_needed=True, events_skipped=n_skipped)
-        elif v.apply:
-            verdict = _VERDICT_PB[v.verdict]
-            if snapshot and (not known or not was_trusted):
-                verdict = pb.RESYNCED
-            out = ApplyOutcome(verdict, events_applied=len(events), events_skipped=n_skipped)
+            verdict, applied, missed = pb.RESYNCED, True, 0
         else:
-            out = ApplyOutcome(_VERDICT_PB[v.verdict], events_skipped=n_skipped)
-        if out.verdict in (pb.APPLY, pb.NEW_EPOCH, pb.RESYNCED):
+            verdict, applied, missed = _VERDICT_PB[v.verdict], v.apply, v.missed
+            if applied:
+                if snapshot and (not known or not was_trusted):
+                    verdict = pb.RESYNCED
+                elif not ix.is_trusted(stream):
+                    verdict = pb.UNTRUSTED  # applied, but a hole before it is still unfilled
+        out = ApplyOutcome(verdict, missed=missed, resync_needed=why is not None,
+                           events_applied=len(events) if applied else 0, events_skipped=n_skipped)
+        if applied:
             self._known.add(stream)
+            self._unknown_resync_at.pop(stream, None)
             c["events_applied"] += out.events_applied
-        c[f"verdict_{pb.Verdict.Name(out.verdict).lower()}"] += 1
+        c[f"verdict_{pb.Verdict.Name(verdict).lower()}"] += 1
         return out
 
     def _register(self, worker_id: str, block_size: int) -> None:
@@ -282,8 +295,7 @@ class IndexerService(pb_grpc.IndexerServicer):
             self.core.c["batches_rejected"] += 1
             return pb.ApplyKvBatchResult(verdict=pb.REJECTED, resync_needed=True)
         o = self.core.apply_batch(b.worker_id, b.dp_rank, b.epoch, b.seq,
-                                  b.kv_events_body if which == "kv_events_body" else b.events_msgpack,
-                                  is_body=which == "kv_events_body")
+                                  b.kv_events_body if which == "kv_events_body" else b.events_msgpack)
         return pb.ApplyKvBatchResult(verdict=o.verdict, missed=o.missed, resync_needed=o.resync_needed,
                                      events_applied=o.events_applied, events_skipped=o.events_skipped)
 

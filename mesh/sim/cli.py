@@ -153,7 +153,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
         report = run_sim(cfg, workload=wl, on_arm=on_arm_log)
     out = Console()
-    out = Console(width=max(out.width, 150))  # never squeeze the table below its natural width
+    out = Console(width=max(out.width, 175))  # never squeeze the table below its natural width
     out.print(render_table(report, wall))
     if args.json:
         Path(args.json).write_text(dumps_report(report))
