@@ -181,6 +181,9 @@ def _add_up(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the summary as JSON to this file")
     p.add_argument("--log-dir", help="keep process logs here (default: a temporary directory)")
+    p.add_argument("--serve", action="store_true", help="no load generator: keep serving until Ctrl-C / SIGTERM")
+    p.add_argument("--http", help="HOST:PORT of the OpenAI-compatible ingress (default 127.0.0.1, any free port)")
+    p.add_argument("--telemetry", help="telemetry PUB endpoint (default tcp://127.0.0.1:*)")
     p.set_defaults(func=_cmd_up)
 
 

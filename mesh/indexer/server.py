@@ -100,14 +100,17 @@ class IndexerCore:
     Not thread-safe: the server calls it from its one event loop.
     """
 
-    def __init__(self, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, block_size: int = 16) -> None:
+    def __init__(self, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, block_size: int = 16,
+                 resync_retry_s: float = 5.0) -> None:
         self.index = _VerdictIndex(max_entries, key_fn=content_keys)
         # speculative_ttl_s=0: a shared index never holds one router's guesses.
         self.provider = LocalIndexProvider(self.index, name="indexer", block_size=block_size, speculative_ttl_s=0)
         self.instance = int.from_bytes(os.urandom(8), "little")
         self._known: set[tuple[str, int]] = set()  # streams this server has applied a batch of
         self._registered: set[str] = set()
-        self._unknown_resync_at: dict[tuple[str, int], float] = {}
+        # untrusted/unknown stream -> when a resync was last asked for (cleared once trusted)
+        self._asked_at: dict[tuple[str, int], float] = {}
+        self.resync_retry_s = resync_retry_s
         self._single_rank = True  # no stream with dp_rank > 0 seen yet (enables the fast level path)
         self.c: Counter[str] = Counter()
         self.latency_ns: deque[int] = deque(maxlen=_LATENCY_WINDOW)
@@ -118,8 +121,8 @@ class IndexerCore:
         """Apply one batch. ``payload`` is msgpack: the events array, or the whole KV_EVENTS body
         (a map: its ``events`` are used; detected whatever ``is_body`` says).
 
-        ``resync_needed`` follows the provider's rate limit: at most once per
-        ``provider.resync_retry_s`` per untrusted stream (``now_s``: monotonic seconds).
+        ``resync_needed`` is set at most once per ``resync_retry_s`` per untrusted (or unknown)
+        stream, until it is trusted again (``now_s``: monotonic seconds, default now).
         """
         c = self.c
         c["batches_received"] += 1
@@ -148,13 +151,7 @@ class IndexerCore:
             # Increments on top of state we never saw: ask for a snapshot, change nothing.
             c["unknown_stream_gaps"] += 1
             c["verdict_gap"] += 1
-            last = self._unknown_resync_at.get(stream)
-            ask = last is None or now - last >= self.provider.resync_retry_s
-            if ask:
-                if len(self._unknown_resync_at) >= 100_000:
-                    self._unknown_resync_at.clear()  # bounded: garbage ids cannot grow it forever
-                self._unknown_resync_at[stream] = now
-            return ApplyOutcome(pb.GAP, missed=seq, resync_needed=ask, events_skipped=n_skipped)
+            return ApplyOutcome(pb.GAP, missed=seq, resync_needed=self._ask(stream, now), events_skipped=n_skipped)
         if worker_id not in self._registered:
             for ev in events:
                 if type(ev) is KV.BlockStored:
@@ -164,7 +161,7 @@ class IndexerCore:
         ix = self.index
         was_trusted = ix.is_trusted(stream)
         ix.last_verdict = None
-        why = self.provider.apply_events(worker_id, dp_rank, epoch, seq, events, now)
+        self.provider.apply_events(worker_id, dp_rank, epoch, seq, events, now)
         v = ix.last_verdict
         if v is None:  # the resync path: a snapshot re-trusted an untrusted stream
             verdict, applied, missed = pb.RESYNCED, True, 0
@@ -175,14 +172,29 @@ class IndexerCore:
                     verdict = pb.RESYNCED
                 elif not ix.is_trusted(stream):
                     verdict = pb.UNTRUSTED  # applied, but a hole before it is still unfilled
-        out = ApplyOutcome(verdict, missed=missed, resync_needed=why is not None,
+        if ix.is_trusted(stream):
+            ask = False
+            self._asked_at.pop(stream, None)
+        else:
+            ask = self._ask(stream, now)
+        out = ApplyOutcome(verdict, missed=missed, resync_needed=ask,
                            events_applied=len(events) if applied else 0, events_skipped=n_skipped)
         if applied:
             self._known.add(stream)
-            self._unknown_resync_at.pop(stream, None)
             c["events_applied"] += out.events_applied
         c[f"verdict_{pb.Verdict.Name(verdict).lower()}"] += 1
         return out
+
+    def _ask(self, stream: tuple[str, int], now: float) -> bool:
+        """Ask for a resync of an untrusted stream at most once per ``resync_retry_s``."""
+        last = self._asked_at.get(stream)
+        if last is not None and now - last < self.resync_retry_s:
+            return False
+        if len(self._asked_at) >= 100_000:
+            self._asked_at.clear()  # bounded: garbage stream ids cannot grow it forever
+        self._asked_at[stream] = now
+        self.c["resyncs_asked"] += 1
+        return True
 
     def _register(self, worker_id: str, block_size: int) -> None:
         self.provider.add_worker(worker_id, block_size)
@@ -199,6 +211,8 @@ class IndexerCore:
         self.provider.remove_worker(worker_id)
         self._registered.discard(worker_id)
         self._known = {s for s in self._known if s[0] != worker_id}
+        for s in [s for s in self._asked_at if s[0] == worker_id]:
+            del self._asked_at[s]
         self.c["workers_forgotten"] += 1
         return n
 
