@@ -70,6 +70,7 @@ class Inflight:
     chunks_sent: int = 0
     tried: set[str] = field(default_factory=set)
     retry_pending: bool = False
+    parked_until_s: float | None = None
     holds_retry_budget: bool = False
     reason: str = ""  # routing decision reason of the current attempt
     fail_cause: str = ""  # error code of the last failed attempt
@@ -110,6 +111,8 @@ class Broker:
         self._by_client: dict[tuple[bytes, str], int] = {}
         self._rid_seq = itertools.count(1)
         self._deadlines: list[tuple[float, int]] = []
+        self._parked: dict[int, None] = {}  # requests waiting for a routable worker (insertion order)
+        self._park_timers: list[tuple[float, int]] = []
         self._retries: list[tuple[float, int]] = []
         self._state = "init"  # init -> serving -> draining -> closed
         self._stop = asyncio.Event()
@@ -254,6 +257,8 @@ class Broker:
                 wake = min(wake, self._deadlines[0][0])
             if self._retries:
                 wake = min(wake, self._retries[0][0])
+            if self._park_timers:
+                wake = min(wake, self._park_timers[0][0])
             timeout_ms = max(0, int((wake - now) * 1000) + 1)
             if self._stop.is_set() and self._state == "draining":
                 timeout_ms = min(timeout_ms, 50)
@@ -284,6 +289,8 @@ class Broker:
                 self._expire_deadlines(now)
             if self._retries and self._retries[0][0] <= now:
                 self._run_due_retries(now)
+            if self._park_timers and self._park_timers[0][0] <= now:
+                self._unpark(now, expired_only=True)
 
     def _drain_monitor(self, path: str, mon) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -512,6 +519,8 @@ class Broker:
             decision = self.router.route(req, pool, now, exclude=inf.tried)
             self.stats.decision_latency.observe(time.perf_counter() - t0)
             if decision.worker_id is None:
+                if not pool and self._park(inf, now):
+                    return  # no worker yet (startup, restart, fleet loss): wait briefly for one
                 if not inf.tried and not pool:
                     self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker")
                 elif inf.tried:
@@ -542,6 +551,38 @@ class Broker:
             if inf.attempt >= self.s.max_attempts:
                 self._finish_error(inf, ErrorCode.UNAVAILABLE, "could not deliver the request to any worker")
                 return
+
+    def _park(self, inf: Inflight, now: float) -> bool:
+        """Hold a request while no worker is routable, up to ``park_timeout_s`` (bounded queue).
+
+        Returns False when it cannot wait (queue full, or its park time is over)."""
+        if inf.parked_until_s is None:
+            if len(self._parked) >= self.s.max_parked:
+                self.stats.dropped["park_queue_full"] += 1
+                return False
+            inf.parked_until_s = min(inf.deadline_s, now + self.s.park_timeout_s)
+        elif now >= inf.parked_until_s:
+            return False
+        self._parked[inf.rid] = None
+        heapq.heappush(self._park_timers, (inf.parked_until_s, inf.rid))
+        self.stats.requests_parked += 1
+        return True
+
+    def _unpark(self, now: float, *, expired_only: bool = False) -> None:
+        """Re-dispatch parked requests (a worker became routable) or fail the expired ones."""
+        if expired_only:
+            while self._park_timers and self._park_timers[0][0] <= now:
+                _, rid = heapq.heappop(self._park_timers)
+                if self._parked.pop(rid, 0) is None:  # still parked
+                    inf = self._inflight.get(rid)
+                    if inf is not None:
+                        self._dispatch(inf, now)
+            return
+        parked, self._parked = self._parked, {}
+        for rid in parked:
+            inf = self._inflight.get(rid)
+            if inf is not None:
+                self._dispatch(inf, now)
 
     def _detach(self, inf: Inflight) -> None:
         sess = inf.session
@@ -584,6 +625,7 @@ class Broker:
     # ------------------------------------------------------------------ terminal frames
 
     def _forget(self, inf: Inflight) -> None:
+        self._parked.pop(inf.rid, None)
         self._detach(inf)
         self._inflight.pop(inf.rid, None)
         self._by_client.pop((inf.client, inf.client_rid), None)
@@ -608,7 +650,10 @@ class Broker:
             _, rid = heapq.heappop(self._deadlines)
             inf = self._inflight.get(rid)
             if inf is not None:
-                self._finish_error(inf, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", cancel_worker=True)
+                if rid in self._parked:  # it never reached a worker: say why
+                    self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker before the deadline")
+                else:
+                    self._finish_error(inf, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", cancel_worker=True)
 
     # ------------------------------------------------------------------ worker path
 
@@ -678,6 +723,8 @@ class Broker:
                       replaced=old is not None, workers=len(self.registry))
         self._event("worker_registered", worker_id=r.worker_id, role=r.role, epoch=r.epoch)
         self._send_worker(ident, P.encode_heartbeat())  # first message tells the worker it is routable
+        if self._parked:
+            self._unpark(now)
 
     def _on_worker_chunk(self, sess: WorkerSession, m: P.WorkerChunk) -> None:
         inf = self._inflight.get(m.rid)

@@ -58,6 +58,7 @@ class BrokerStats:
         self.workers: Counter[str] = Counter()  # registered, expired, disconnected, replaced
         self.kv: Counter[str] = Counter()  # batches, events, duplicates, gaps, ...
         self.degraded_decisions = 0
+        self.requests_parked = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
         self.decision_latency = LatencyHistogram()
@@ -78,6 +79,7 @@ class BrokerStats:
         for (path, reason), v in self.frames_rejected.items():
             out[f"frames_rejected.{path}.{reason}"] = v
         out["degraded_decisions"] = self.degraded_decisions
+        out["requests_parked"] = self.requests_parked
         out["cached_tokens"] = self.cached_tokens
         out["prompt_tokens"] = self.prompt_tokens
         return out
@@ -109,6 +111,7 @@ class StatsCollector(Collector):
             fam.add_metric([path, reason], v)
         yield fam
         yield CounterMetricFamily("mesh_degraded_decisions", "Decisions made without a cache signal", value=s.degraded_decisions)
+        yield CounterMetricFamily("mesh_requests_parked", "Requests that waited for a routable worker", value=s.requests_parked)
         yield CounterMetricFamily("mesh_routed_prompt_tokens", "Prompt tokens of finished requests", value=s.prompt_tokens)
         yield CounterMetricFamily("mesh_routed_cached_tokens", "Cached prompt tokens reported by workers", value=s.cached_tokens)
         h = s.decision_latency

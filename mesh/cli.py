@@ -40,7 +40,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 # ----------------------------------------------------------------------------- broker
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
-                 "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "drain_timeout_s", "policy", "cache_prefix_provider",
+                 "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "park_timeout_s", "max_parked", "drain_timeout_s", "policy", "cache_prefix_provider",
                  "load_freshness_s", "metrics", "http", "api_key", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
 
 
@@ -65,6 +65,8 @@ def _add_broker(sub) -> None:
     p.add_argument("--retry-budget-ratio", type=float, help="concurrent retries allowed per in-flight request (default 0.2)")
     p.add_argument("--retry-budget-min", type=int, help="concurrent retries always allowed (default 3)")
     p.add_argument("--max-inflight", type=int, help="requests in flight before new ones get 'overloaded'")
+    p.add_argument("--park-timeout-s", type=float, help="how long a request waits for a routable worker (default 2)")
+    p.add_argument("--max-parked", type=int, help="requests that may wait for a worker at once (default 10000)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight work (default 10)")
     p.add_argument("--load-freshness-s", type=float, help="LoadStat older than this is ignored (default 5)")
     p.add_argument("--metrics", help="HOST:PORT for the Prometheus /metrics endpoint (default off)")

@@ -35,7 +35,8 @@ import zmq
 import zmq.asyncio
 
 from mesh import protocol as P
-from mesh.errors import ErrorCode, ProtocolError, RequestError, error_for
+from mesh.errors import ErrorCode, ProtocolError, RequestError, RetryableError, error_for
+from mesh.retry import RetryPolicy
 from mesh.sockets import CLIENT_DEALER, CurveKeys, make_socket
 
 __all__ = ["Client", "SyncClient", "Stream", "Result"]
@@ -229,10 +230,29 @@ class Client:
                                          stream=stream, idempotent=idempotent, slo=slo))
         return st
 
-    async def generate(self, **kwargs) -> Result:
-        """Submit and wait for the result (see :meth:`submit` for arguments)."""
-        st = await self.submit(**kwargs)
-        return await st.result()
+    async def generate(self, *, resubmit: int = 3, **kwargs) -> Result:
+        """Submit and wait for the result (see :meth:`submit` for arguments).
+
+        A request refused with ``unavailable`` before any output (a draining or restarting
+        broker) is resubmitted up to ``resubmit`` times after a jittered back-off, so rolling
+        broker restarts do not fail requests; the deadline still bounds the whole call.
+        """
+        budget_ms = kwargs.get("deadline_ms") or self.default_deadline_ms
+        t_end = time.monotonic() + budget_ms / 1000.0
+        policy = RetryPolicy(max_attempts=resubmit + 1, base_ms=50.0, cap_ms=500.0)
+        attempt = 0
+        while True:
+            attempt += 1
+            kwargs["deadline_ms"] = max(1, int((t_end - time.monotonic()) * 1000))
+            kwargs.pop("rid", None) if attempt > 1 else None
+            st = await self.submit(**kwargs)
+            try:
+                return await st.result()
+            except RetryableError as exc:
+                remaining = t_end - time.monotonic()
+                if exc.code is not ErrorCode.UNAVAILABLE or st._tokens or not policy.should_retry(attempt, remaining):
+                    raise
+                await asyncio.sleep(min(policy.delay_s(attempt), max(0.0, remaining)))
 
     async def status(self, timeout_s: float = 5.0) -> P.StatusReply:
         """Ask a broker for its view of the fleet."""

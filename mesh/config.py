@@ -38,6 +38,8 @@ class BrokerSettings:
     retry_budget_ratio: float = 0.2
     retry_budget_min: int = 3
     max_inflight: int = 100_000
+    park_timeout_s: float = 2.0  # how long a request may wait for a routable worker (startup, restart)
+    max_parked: int = 10_000  # requests waiting for a worker at most; more get no_worker at once
     drain_timeout_s: float = 10.0
     policy: str = "cache_aware"
     cache_prefix_provider: str = "radix_tree"
@@ -66,6 +68,8 @@ class BrokerSettings:
         _require(0 <= self.retry_budget_ratio <= 1, "retry_budget_ratio", "must be in [0, 1]")
         _require(self.retry_budget_min >= 0, "retry_budget_min", "must be >= 0")
         _require(self.max_inflight > 0, "max_inflight", "must be > 0")
+        _require(self.park_timeout_s >= 0, "park_timeout_s", "must be >= 0")
+        _require(self.max_parked >= 0, "max_parked", "must be >= 0")
         _require(self.load_freshness_s > 0, "load_freshness_s", "must be > 0")
         _require(self.log_level in ("debug", "info", "warning", "error"), "log_level", "must be debug|info|warning|error")
         _require(self.cache_prefix_provider in ("radix_tree", "approx", "indexer"), "cache_prefix_provider",

@@ -55,17 +55,14 @@ def shared_prefix_prompts(spec: LoadSpec, n: int) -> list[list[int]]:
 
 
 async def _one(client: Client, prompt: list[int], spec: LoadSpec, out: list[Outcome]) -> None:
-    st = None
     try:
-        st = await client.submit(input_ids=prompt, max_new_tokens=spec.max_new_tokens, deadline_ms=spec.deadline_ms)
-        res = await st.result()
+        res = await client.generate(input_ids=prompt, max_new_tokens=spec.max_new_tokens, deadline_ms=spec.deadline_ms)
         u = res.usage
         out.append(Outcome(res.rid, True, worker=res.worker, attempt=res.attempt, ttft_s=res.ttft_s, e2e_s=res.e2e_s,
                            prompt_tokens=int(u.get("prompt_tokens", 0)), cached_tokens=int(u.get("cached_tokens", 0)),
                            completion_tokens=int(u.get("completion_tokens", 0))))
     except RequestError as exc:
-        out.append(Outcome(exc.request_id or (st.rid if st else "?"), False, code=exc.code.value,
-                           worker=(st.worker or "") if st else ""))
+        out.append(Outcome(exc.request_id or "?", False, code=exc.code.value))
 
 
 async def run_load(endpoints: list[str], spec: LoadSpec, progress=None) -> tuple[list[Outcome], float]:

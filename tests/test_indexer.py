@@ -113,13 +113,15 @@ def reference(workers: list[FakeWorker]) -> PrefixIndex:
 def assert_same_matches(ref: PrefixIndex, answer, workers: list[FakeWorker]) -> None:
     """``answer(keys)`` returns a MatchView-like object; it must agree with the reference index."""
     ids = sorted({w.worker_id for w in workers})
+    idset = set(ids)
     for w in workers:
         for keys in w.query_keys():
             want = ref.match(keys, touch=False)
             got = answer(keys)
             assert got.best_blocks == want.best_blocks
             assert {i: got.matched_blocks(i) for i in ids} == {i: want.matched_blocks(i) for i in ids}
-            assert [(m.worker_id, m.blocks) for m in got.top(len(ids))] == \
+            # (a shared indexer may hold other tests' workers too: compare ours, in order)
+            assert [(m.worker_id, m.blocks) for m in got.top(10_000) if m.worker_id in idset] == \
                    [(m.worker_id, m.blocks) for m in want.top(len(ids))]
 
 
@@ -254,11 +256,13 @@ def test_two_brokers_with_duplicates_reorder_and_resync_equal_the_reference(seed
             o = core.apply_batch(w.worker_id, w.dp_rank, w.epoch, seq, raw)
             if o.resync_needed:
                 resyncs.append((w.worker_id, w.dp_rank))
-        for wid, rank in sorted(set(resyncs)):  # the broker's on_resync -> worker answers with a snapshot
-            w = next(x for x in workers if x.worker_id == wid)
-            seq, raw = w.snapshot()
-            core.apply_batch(w.worker_id, w.dp_rank, w.epoch, seq, raw)
-        resyncs.clear()
+        for _attempt in range(3):  # the broker's on_resync -> the worker answers with a snapshot
+            asked, resyncs = sorted(set(resyncs)), []
+            for wid, rank in asked:
+                w = next(x for x in workers if x.worker_id == wid)
+                seq, raw = w.snapshot()
+                if core.apply_batch(w.worker_id, w.dp_rank, w.epoch, seq, raw).resync_needed:
+                    resyncs.append((wid, rank))
     assert core.index.untrusted_streams() == []
     ref = reference(workers)
     assert core.index.entries == ref.entries

@@ -176,6 +176,10 @@ class IndexerCore:
             ask = False
             self._asked_at.pop(stream, None)
         else:
+            if snapshot and not applied:
+                # The snapshot we asked for came behind a hole (sequence-wise): ask again now;
+                # the next one finds the stream untrusted and re-trusts it.
+                self._asked_at.pop(stream, None)
             ask = self._ask(stream, now)
         out = ApplyOutcome(verdict, missed=missed, resync_needed=ask,
                            events_applied=len(events) if applied else 0, events_skipped=n_skipped)

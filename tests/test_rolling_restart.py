@@ -1,0 +1,74 @@
+"""Lifecycle: rolling restarts of workers and of brokers under steady load fail no request."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from mesh.client import Client
+from mesh.up import wait_for_workers
+from tests.conftest import run
+
+FAST = ["--heartbeat-ms", "200"]
+
+
+async def _steady_load(frontends: list[str], stop: asyncio.Event, rate: float = 25.0) -> tuple[int, list[str]]:
+    rng = random.Random(3)
+    ok, errors = 0, []
+    async with Client(frontends) as c:
+        async def one(i: int):
+            nonlocal ok
+            try:
+                await c.generate(input_ids=[i % 7 + 1] * 64 + [i], max_new_tokens=8, deadline_ms=20_000)
+                ok += 1
+            except Exception as exc:  # every failure is reported, the test asserts there is none
+                errors.append(repr(exc))
+        tasks, i = [], 0
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(one(i)))
+            i += 1
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return ok, errors
+
+
+def test_rolling_worker_restart_fails_nothing(procs):
+    b = procs.broker("b", *FAST)
+    ws = [procs.workers(f"w{i}", [b.backend], "--heartbeat-ms", "200", count=1) for i in range(3)]
+    run(wait_for_workers(b.frontend, 3))
+
+    async def body():
+        stop = asyncio.Event()
+        load = asyncio.create_task(_steady_load([b.frontend], stop))
+        for i, w in enumerate(ws):
+            await asyncio.to_thread(w.stop, 20)  # SIGTERM: drain, finish in-flight, leave
+            procs.procs.remove(w)
+            await asyncio.to_thread(procs.workers, f"w{i}", [b.backend], "--heartbeat-ms", "200", count=1)
+            await wait_for_workers(b.frontend, 3)
+        stop.set()
+        return await load
+
+    ok, errors = run(body(), timeout_s=120)
+    assert errors == [] and ok > 30
+
+
+def test_rolling_broker_restart_fails_nothing(procs):
+    b1 = procs.broker("b1", *FAST)
+    b2 = procs.broker("b2", *FAST)
+    procs.workers("w", [b1.backend, b2.backend], "--heartbeat-ms", "200", count=3)
+    run(wait_for_workers(b1.frontend, 3))
+    run(wait_for_workers(b2.frontend, 3))
+
+    async def body():
+        stop = asyncio.Event()
+        load = asyncio.create_task(_steady_load([b1.frontend, b2.frontend], stop))
+        for old in (b1, b2):
+            await asyncio.to_thread(old.stop, 20)  # SIGTERM: drain, then exit
+            procs.procs.remove(old)
+            new = await asyncio.to_thread(procs.broker, old.name, *FAST, frontend=old.frontend, backend=old.backend)
+            await wait_for_workers(new.frontend, 3)
+        stop.set()
+        return await load
+
+    ok, errors = run(body(), timeout_s=120)
+    assert errors == [] and ok > 30

@@ -1,0 +1,935 @@
+"""An SGLang-compatible simulated server: SGLang's HTTP API and ZMQ telemetry, no GPU.
+
+``mesh stub-sglang --port P`` runs one "server" with ``--dp-size`` DP ranks, each an
+:class:`~mesh.engine_model.EngineModel` stepped in real time (the same timing and KV-cache model
+as the native simulated worker). It speaks the subset of SGLang 0.5.23 a router or adapter uses
+(``worker-telemetry.md`` §9-§11):
+
+* ``POST /generate``: ``text`` or ``input_ids`` (single or batch), ``sampling_params`` (unknown keys
+  -> 400, as SGLang), ``stream`` (SSE, cumulative ``text``/``output_ids`` chunks unless
+  ``--incremental-streaming-output``, then ``data: [DONE]``), ``rid``, ``routed_dp_rank``, PD
+  ``bootstrap_*`` fields (accepted and recorded);
+* ``POST /v1/completions`` and ``/v1/chat/completions`` (OpenAI chunk deltas, usage chunk with
+  ``stream_options.include_usage``; vLLM's ``return_token_ids`` extension), ``GET /v1/models``;
+* ``/health`` (``/health_generate``), ``/ready``, ``/ping``; ``--fail-health`` makes the health
+  endpoints answer 503;
+* ``/server_info`` (``/get_server_info``) with the ``kv_events`` discovery block, ``/model_info``;
+* ``/v1/loads`` (JSON and ``format=prometheus``), ``/get_load`` (only with
+  ``--http-load-api get_load``, emulating 0.5.12-0.5.20), ``/metrics`` with ``sglang:`` names;
+* ``/flush_cache`` (refused with 400 while requests run; publishes ``AllBlocksCleared``).
+
+ZMQ, per rank r (ports ``base + r``): the KV event PUB and replay ROUTER
+(:mod:`workers_stub.sglang_wire`), and the LoadStat PUB (on change, at least every second). Port 0
+(the default) picks a free consecutive range; the resolved ports are in the readiness line
+``sglang_stub_listening`` and in ``/server_info``.
+
+Debug endpoints (stub only): ``POST /debug/health {"ok": bool}``, ``POST /debug/drop_publishes
+{"rank", "count"}`` (next N batches skip the live PUB but stay replayable), ``POST
+/debug/publish_malformed {"rank", "kind": bad_msgpack|bad_events|bad_envelope}``, ``GET
+/debug/requests`` (last request bodies), ``GET /debug/stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import signal
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from mesh import kv_events as KV
+from mesh.engine_model import EngineConfig, EngineModel
+from mesh.hashing import text_to_tokens
+from mesh.logs import announce, configure, get_logger
+from mesh.protocol import pack
+from workers_stub.sglang_wire import (
+    EVENT_FORMATS,
+    SGLANG_LOAD_PUB,
+    SGLANG_PUB,
+    SGLANG_REPLAY_ROUTER,
+    KvPublisher,
+    LoadPublisher,
+    bind_port_range,
+)
+
+__all__ = ["StubSettings", "SglangStub", "serve_stub", "SAMPLING_KEYS"]
+
+VERSION = "0.5.23"
+
+#: ``sampling_params`` keys SGLang accepts; anything else is answered with HTTP 400.
+SAMPLING_KEYS = frozenset({
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "no_stop_trim", "stream_interval",
+    "logit_bias", "sampling_seed", "custom_params",
+})
+_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do", "eiusmod",
+          "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim", "ad", "minim", "veniam",
+          "quis", "nostrud", "exercitation", "ullamco", "laboris", "nisi", "aliquip", "ex", "ea")
+
+
+def detokenize(tokens: list[int]) -> str:
+    """The stub's stand-in detokenizer: one word per token (deterministic)."""
+    return "".join(" " + _WORDS[t % len(_WORDS)] for t in tokens)
+
+
+@dataclass
+class StubSettings:
+    """``mesh stub-sglang`` settings. Ports: 0 = any free (consecutive) range, None = off."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    kv_port: int | None = 0
+    replay_port: int | None = 0
+    load_port: int | None = 0
+    dp_size: int = 1
+    event_format: str = "map"
+    topic: str = ""
+    replay_frames: int = 4
+    buffer_steps: int = 10_000
+    time_scale: float = 1.0
+    model: str = "stub-sglang-8b"
+    fail_health: bool = False
+    incremental_streaming_output: bool = False
+    http_load_api: str = "v1_loads"  # v1_loads | get_load (0.5.12-0.5.20) | metrics (metrics only)
+    load_tick_s: float = 0.05
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if not 1 <= self.dp_size <= 64:
+            raise ValueError("dp_size must be in [1, 64]")
+        if self.event_format not in EVENT_FORMATS:
+            raise ValueError(f"event_format must be one of {EVENT_FORMATS}")
+        if self.replay_frames not in (3, 4):
+            raise ValueError("replay_frames must be 3 or 4")
+        if self.http_load_api not in ("v1_loads", "get_load", "metrics"):
+            raise ValueError("http_load_api must be v1_loads, get_load or metrics")
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ValueError("time_scale must be a positive number")
+        if self.buffer_steps < 1:
+            raise ValueError("buffer_steps must be >= 1")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _err_body(status: int, message: str) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "code": status, "retryable": status >= 500}}
+
+
+def _json_error(status: int, message: str) -> web.Response:
+    return web.json_response(_err_body(status, message), status=status)
+
+
+class _Job:
+    __slots__ = ("key", "rid", "rank", "prompt_len", "max_new", "queue", "cached", "tokens", "finished", "t0")
+
+    def __init__(self, key: int, rid: str, rank: int, prompt_len: int, max_new: int) -> None:
+        self.key = key
+        self.rid = rid
+        self.rank = rank
+        self.prompt_len = prompt_len
+        self.max_new = max_new
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cached = 0
+        self.tokens: list[int] = []
+        self.finished: tuple[str, dict] | None = None
+        self.t0 = time.monotonic()
+
+
+class _Rank:
+    """One DP rank: its engine, its event and load publishers, its jobs."""
+
+    def __init__(self, rank: int, s: StubSettings, kv: KvPublisher | None, load: LoadPublisher | None) -> None:
+        self.rank = rank
+        self.s = s
+        self.engine = EngineModel(s.engine)
+        self.kv = kv
+        self.load = load
+        self.jobs: dict[int, _Job] = {}
+        self.work = asyncio.Event()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.requests_total = 0
+        self.aborted_total = 0
+        self.gen_throughput = 0.0
+        self._tp_mark = (time.monotonic(), 0)
+
+    def now(self) -> float:
+        return time.monotonic() / self.s.time_scale
+
+    def publish(self, events: list[KV.KvEvent]) -> None:
+        if events and self.kv is not None:
+            self.kv.publish(events)
+
+    def submit(self, job: _Job, prompt: list[int]) -> None:
+        self.engine.submit(job.key, prompt, job.max_new, self.now())  # ValueError -> 400
+        self.jobs[job.key] = job
+        self.requests_total += 1
+        self.prompt_tokens_total += len(prompt)
+        self.work.set()
+
+    def cancel(self, job: _Job) -> None:
+        if self.jobs.pop(job.key, None) is not None:
+            self.engine.cancel(job.key)
+            self.aborted_total += 1
+
+    async def run(self) -> None:
+        eng = self.engine
+        while True:
+            if not eng.has_work():
+                self.publish(eng.drain_events())  # idle flush (e.g. a /flush_cache clear)
+                self.work.clear()
+                await self.work.wait()
+                continue
+            res = eng.step(self.now())
+            await asyncio.sleep(res.duration_s * self.s.time_scale)
+            jobs = self.jobs
+            for key, cached, _plen in res.first_tokens:
+                job = jobs.get(key)
+                if job is not None:
+                    job.cached = cached
+            for key, tok in res.tokens:
+                job = jobs.get(key)
+                if job is not None:
+                    job.queue.put_nowait(tok)
+            self.generation_tokens_total += len(res.tokens)
+            for key, reason, usage in res.finished:
+                job = jobs.pop(key, None)
+                if job is not None:
+                    self.cached_tokens_total += usage.get("cached_tokens", 0)
+                    job.queue.put_nowait((reason, usage))
+            self.publish(res.kv_events)
+
+    def load_snapshot(self) -> dict[str, Any]:
+        ls = self.engine.load_stat(self.rank)
+        now = time.monotonic()
+        t0, n0 = self._tp_mark
+        if now - t0 >= 1.0:
+            self.gen_throughput = (self.generation_tokens_total - n0) / (now - t0)
+            self._tp_mark = (now, self.generation_tokens_total)
+        cap = ls.max_total_num_tokens
+        hit = self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+        return {
+            "timestamp": time.time(),
+            "dp_rank": self.rank,
+            "num_running_reqs": ls.num_running_reqs,
+            "num_waiting_reqs": ls.num_waiting_reqs,
+            "num_waiting_uncached_tokens": ls.num_waiting_uncached_tokens,
+            "num_used_tokens": ls.num_tokens,
+            "num_total_tokens": ls.num_total_tokens,
+            "num_active_tokens": ls.num_total_tokens,
+            "num_prealloc_ready_tokens": 0,
+            "max_total_num_tokens": cap,
+            "max_running_requests": ls.max_running_requests,
+            "token_usage": round(ls.num_tokens / cap, 6) if cap else 0.0,
+            "gen_throughput": round(self.gen_throughput, 3),
+            "cache_hit_rate": round(hit, 6),
+            "utilization": round(min(1.0, ls.num_running_reqs / max(1, ls.max_running_requests)), 6),
+            "total_prefill_uncached_tokens": ls.total_prefill_uncached_tokens,
+            "total_prefill_busy_us": ls.total_prefill_busy_us,
+            "decode_moments": [],
+        }
+
+
+class SglangStub:
+    """The simulated server. ``await start()`` binds everything; ``await stop()`` releases it."""
+
+    def __init__(self, s: StubSettings, *, ctx: zmq.asyncio.Context | None = None) -> None:
+        s.validate()
+        self.s = s
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.log = get_logger(service="sglang_stub")
+        self.ranks: list[_Rank] = []
+        self.healthy = not s.fail_health
+        self.kv_base: int | None = None
+        self.replay_base: int | None = None
+        self.load_base: int | None = None
+        self.http_port: int | None = None
+        self.startup_time = time.time()
+        self._keys = itertools.count(1)
+        self._rr = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._runner: web.AppRunner | None = None
+        self.recent_requests: deque[dict] = deque(maxlen=32)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _zmq_host(self) -> str:
+        h = self.s.host
+        return "*" if h in ("0.0.0.0", "*", "::", "") else h
+
+    async def start(self) -> dict[str, Any]:
+        s = self.s
+        host = self._zmq_host()
+        n = s.dp_size
+        used: set[int] = set()
+        kv_socks: list = [None] * n
+        replay_socks: list = [None] * n
+        load_socks: list = [None] * n
+        if s.kv_port is not None:
+            kv_socks, self.kv_base = bind_port_range(self.ctx, SGLANG_PUB, host, s.kv_port, n)
+            used.update(self.kv_base + r for r in range(n))
+            if s.replay_port is not None:
+                replay_socks, self.replay_base = bind_port_range(self.ctx, SGLANG_REPLAY_ROUTER, host, s.replay_port, n, used)
+                used.update(self.replay_base + r for r in range(n))
+        if s.load_port is not None:
+            load_socks, self.load_base = bind_port_range(self.ctx, SGLANG_LOAD_PUB, host, s.load_port, n, used)
+        for r in range(n):
+            kv = None
+            if kv_socks[r] is not None:
+                kv = KvPublisher(r, kv_socks[r], replay_socks[r], topic=s.topic, form=s.event_format,
+                                 replay_frames=s.replay_frames, buffer_steps=s.buffer_steps)
+            load = LoadPublisher(r, load_socks[r]) if load_socks[r] is not None else None
+            self.ranks.append(_Rank(r, s, kv, load))
+        for rk in self.ranks:
+            rk.publish(rk.engine.drain_events())  # the startup cache reset: AllBlocksCleared at seq 0
+            self._tasks.append(asyncio.create_task(rk.run(), name=f"engine-{rk.rank}"))
+            if rk.kv is not None and rk.kv.replay is not None:
+                self._tasks.append(asyncio.create_task(rk.kv.serve_replay(), name=f"replay-{rk.rank}"))
+        self._tasks.append(asyncio.create_task(self._load_loop(), name="load"))
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        self._routes(app)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, s.host, s.port, reuse_address=True)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        self.http_port = sock.getsockname()[1]
+        return self.describe()
+
+    def describe(self) -> dict[str, Any]:
+        s = self.s
+        adv = "127.0.0.1" if self._zmq_host() == "*" else s.host
+        out: dict[str, Any] = {
+            "url": f"http://{adv}:{self.http_port}",
+            "port": self.http_port,
+            "dp_size": s.dp_size,
+            "event_format": s.event_format,
+            "topic": s.topic,
+            "page_size": s.engine.page_size,
+            "kv_endpoint": f"tcp://{adv}:{self.kv_base}" if self.kv_base is not None else None,
+            "kv_port_base": self.kv_base,
+            "replay_endpoint": f"tcp://{adv}:{self.replay_base}" if self.replay_base is not None else None,
+            "replay_port_base": self.replay_base,
+            "load_endpoint": f"tcp://{adv}:{self.load_base}" if self.load_base is not None else None,
+            "load_port_base": self.load_base,
+        }
+        return out
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for rk in self.ranks:
+            if rk.kv is not None:
+                rk.kv.close()
+            if rk.load is not None:
+                rk.load.close()
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.load_tick_s)
+            now = time.monotonic()
+            for rk in self.ranks:
+                if rk.load is not None:
+                    rk.load.maybe_publish(rk.engine.load_stat(rk.rank), now)
+
+    # ------------------------------------------------------------------ routes
+
+    def _routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post("/generate", self.h_generate)
+        r.add_put("/generate", self.h_generate)
+        r.add_post("/v1/completions", self.h_completions)
+        r.add_post("/v1/chat/completions", self.h_chat)
+        r.add_get("/v1/models", self.h_models)
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self.h_health)
+        r.add_get("/ready", self.h_health)
+        r.add_get("/ping", lambda req: web.Response(text=""))
+        r.add_get("/server_info", self.h_server_info)
+        r.add_get("/get_server_info", self.h_server_info)
+        r.add_get("/model_info", self.h_model_info)
+        r.add_get("/get_model_info", self.h_model_info)
+        if self.s.http_load_api == "v1_loads":
+            r.add_get("/v1/loads", self.h_loads)
+        if self.s.http_load_api == "get_load":
+            r.add_get("/v1/loads", self.h_loads)
+            r.add_get("/get_load", self.h_get_load)
+        r.add_get("/metrics", self.h_metrics)
+        r.add_get("/flush_cache", self.h_flush)
+        r.add_post("/flush_cache", self.h_flush)
+        r.add_post("/debug/health", self.h_debug_health)
+        r.add_post("/debug/drop_publishes", self.h_debug_drop)
+        r.add_post("/debug/publish_malformed", self.h_debug_malformed)
+        r.add_get("/debug/requests", lambda req: web.json_response(list(self.recent_requests)))
+        r.add_get("/debug/stats", self.h_debug_stats)
+
+    # ------------------------------------------------------------------ generation core
+
+    def _pick_rank(self, hint: Any) -> _Rank:
+        if hint is not None:
+            if type(hint) is not int or not 0 <= hint < len(self.ranks):
+                raise HttpError(400, f"routed_dp_rank {hint!r} out of range [0, {len(self.ranks)})")
+            return self.ranks[hint]
+        # SGLang's DP controller: round robin by default (shortest queue on ties is close enough).
+        loads = [(rk.engine.num_running + rk.engine.num_waiting, i) for i, rk in enumerate(self.ranks)]
+        least = min(x[0] for x in loads)
+        cands = [self.ranks[i] for n, i in loads if n == least]
+        return cands[next(self._rr) % len(cands)]
+
+    def _start_job(self, prompt: list[int], max_new: int, rid: str | None, rank_hint: Any) -> _Job:
+        if not prompt:
+            raise HttpError(400, "The input_ids / prompt is empty")
+        if type(max_new) is not int or max_new < 0:
+            raise HttpError(400, f"max_new_tokens must be a non-negative integer, got {max_new!r}")
+        rk = self._pick_rank(rank_hint)
+        job = _Job(next(self._keys), rid or uuid.uuid4().hex, rk.rank, len(prompt), max_new)
+        try:
+            rk.submit(job, prompt)
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
+        return job
+
+    async def _next(self, job: _Job) -> tuple[list[int], tuple[str, dict] | None]:
+        """New tokens since the last call (at least one item) and the finish, if reached."""
+        toks: list[int] = []
+        fin = None
+        item = await job.queue.get()
+        while True:
+            if type(item) is tuple:
+                fin = item
+                break
+            toks.append(item)
+            try:
+                item = job.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+        job.tokens.extend(toks)
+        if fin is not None:
+            job.finished = fin
+        return toks, fin
+
+    def _abandon(self, job: _Job) -> None:
+        if job.finished is None:
+            self.ranks[job.rank].cancel(job)
+
+    def _meta(self, job: _Job, fin: tuple[str, dict] | None) -> dict[str, Any]:
+        finish = None
+        if fin is not None:
+            finish = {"type": "length", "length": job.max_new} if fin[0] == "length" else {"type": fin[0]}
+        return {
+            "id": job.rid,
+            "finish_reason": finish,
+            "prompt_tokens": job.prompt_len,
+            "completion_tokens": len(job.tokens),
+            "cached_tokens": job.cached,
+            "reasoning_tokens": 0,
+            "weight_version": "default",
+            "num_retractions": 0,
+            "e2e_latency": round(time.monotonic() - job.t0, 6),
+            "dp_rank": job.rank,
+            "cached_tokens_details": None,
+        }
+
+    # ------------------------------------------------------------------ /generate
+
+    def _record(self, path: str, body: Any) -> None:
+        self.recent_requests.append({"path": path, "body": body})
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except Exception:
+            raise HttpError(400, "request body is not valid JSON") from None
+        if type(body) is not dict:
+            raise HttpError(400, "request body must be a JSON object")
+        self._record(request.path, body)
+        return body
+
+    @staticmethod
+    def _prompts(body: dict) -> tuple[list[list[int]], bool]:
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise HttpError(400, "Either text or input_ids should be provided (exactly one).")
+        if text is not None:
+            if type(text) is str:
+                return [text_to_tokens(text)], False
+            if type(text) is list and text and all(type(t) is str for t in text):
+                return [text_to_tokens(t) for t in text], True
+            raise HttpError(400, "text must be a string or a list of strings")
+        if type(ids) is list and ids and all(type(t) is int for t in ids):
+            return [ids], False
+        if type(ids) is list and ids and all(type(x) is list for x in ids):
+            return list(ids), True
+        raise HttpError(400, "input_ids must be a list of ints or a list of lists of ints")
+
+    @staticmethod
+    def _sampling(sp: Any) -> dict:
+        if sp is None:
+            return {}
+        if type(sp) is not dict:
+            raise HttpError(400, "sampling_params must be an object")
+        for k in sp:
+            if k not in SAMPLING_KEYS:
+                raise HttpError(400, f"unknown field '{k}' in sampling_params")
+        return sp
+
+    async def h_generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            prompts, batch = self._prompts(body)
+            sps = body.get("sampling_params")
+            sp_list = sps if type(sps) is list else [sps] * len(prompts)
+            if len(sp_list) != len(prompts):
+                raise HttpError(400, "sampling_params list length differs from the batch size")
+            sp_list = [self._sampling(x) for x in sp_list]
+            stream = bool(body.get("stream", False))
+            rank_hint = body.get("routed_dp_rank", body.get("data_parallel_rank"))
+            rids = body.get("rid")
+            if batch:
+                if stream:
+                    raise HttpError(400, "the stub does not stream batch requests")
+                rid_list = rids if type(rids) is list else [None] * len(prompts)
+                jobs = [self._start_job(p, sp.get("max_new_tokens", 128), r, rank_hint)
+                        for p, sp, r in zip(prompts, sp_list, rid_list)]
+                outs = []
+                for job in jobs:
+                    outs.append(await self._collect_generate(job, body))
+                return web.json_response(outs)
+            job = self._start_job(prompts[0], sp_list[0].get("max_new_tokens", 128), rids if type(rids) is str else None, rank_hint)
+        except HttpError as exc:
+            return _json_error(exc.status, exc.message)
+        if not stream:
+            try:
+                return web.json_response(await self._collect_generate(job, body))
+            finally:
+                self._abandon(job)
+        return await self._stream_generate(request, job, body, prompts[0])
+
+    def _gen_obj(self, job: _Job, fin, text: str, ids: list[int], body: dict, prompt: list[int] | None = None) -> dict:
+        out = {"text": text, "output_ids": ids, "meta_info": self._meta(job, fin)}
+        if body.get("return_prompt_token_ids") and prompt is not None:
+            out["prompt_token_ids"] = prompt
+        return out
+
+    async def _collect_generate(self, job: _Job, body: dict) -> dict:
+        while job.finished is None:
+            await self._next(job)
+        return self._gen_obj(job, job.finished, detokenize(job.tokens), list(job.tokens), body)
+
+    async def _sse_start(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
+
+    async def _stream_generate(self, request: web.Request, job: _Job, body: dict, prompt: list[int]) -> web.StreamResponse:
+        incremental = self.s.incremental_streaming_output
+        resp = await self._sse_start(request)
+        try:
+            while True:
+                toks, fin = await self._next(job)
+                if not toks and fin is None:
+                    continue
+                if incremental:
+                    obj = self._gen_obj(job, fin, detokenize(toks), toks, body)
+                else:
+                    obj = self._gen_obj(job, fin, detokenize(job.tokens), list(job.tokens), body, prompt)
+                await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                if fin is not None:
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        finally:
+            self._abandon(job)  # client gone (ConnectionResetError / cancellation): abort the request
+        return resp
+
+    # ------------------------------------------------------------------ OpenAI
+
+    @staticmethod
+    def _usage(job: _Job) -> dict:
+        return {"prompt_tokens": job.prompt_len, "completion_tokens": len(job.tokens),
+                "total_tokens": job.prompt_len + len(job.tokens), "prompt_tokens_details": {"cached_tokens": job.cached}}
+
+    @staticmethod
+    def _max_tokens(body: dict, default: int) -> int:
+        v = body.get("max_completion_tokens", body.get("max_tokens", default))
+        if v is None:
+            return default
+        if type(v) is not int or v < 0:
+            raise HttpError(400, f"max_tokens must be a non-negative integer, got {v!r}")
+        return v
+
+    async def h_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            p = body.get("prompt")
+            if type(p) is list and len(p) == 1 and type(p[0]) in (str, list):
+                p = p[0]
+            if type(p) is str and p:
+                prompt = text_to_tokens(p)
+            elif type(p) is list and p and all(type(t) is int for t in p):
+                prompt = p
+            else:
+                raise HttpError(400, "prompt must be a non-empty string or list of token ids (n=1)")
+            if body.get("n", 1) != 1:
+                raise HttpError(400, "the stub supports n=1 only")
+            job = self._start_job(prompt, self._max_tokens(body, 16), None, body.get("routed_dp_rank", body.get("data_parallel_rank")))
+        except HttpError as exc:
+            return _json_error(exc.status, exc.message)
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = body.get("model") or self.s.model
+        want_ids = bool(body.get("return_token_ids"))
+        if not body.get("stream"):
+            try:
+                while job.finished is None:
+                    await self._next(job)
+            finally:
+                self._abandon(job)
+            choice = {"index": 0, "text": detokenize(job.tokens), "logprobs": None, "finish_reason": job.finished[0], "matched_stop": None}
+            if want_ids:
+                choice["token_ids"] = list(job.tokens)
+                choice["prompt_token_ids"] = prompt
+            return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                      "choices": [choice], "usage": self._usage(job)})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = await self._sse_start(request)
+        try:
+            while True:
+                toks, fin = await self._next(job)
+                choice = {"index": 0, "text": detokenize(toks), "logprobs": None,
+                          "finish_reason": fin[0] if fin else None, "matched_stop": None}
+                if want_ids:
+                    choice["token_ids"] = toks
+                chunk = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice], "usage": None}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if fin is not None:
+                    break
+            if include_usage:
+                chunk = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": self._usage(job)}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        finally:
+            self._abandon(job)
+        return resp
+
+    @staticmethod
+    def _chat_prompt(body: dict) -> list[int]:
+        if body.get("input_ids") is not None:
+            ids = body["input_ids"]
+            if type(ids) is list and ids and all(type(t) is int for t in ids):
+                return ids
+            raise HttpError(400, "input_ids must be a list of ints")
+        msgs = body.get("messages")
+        if type(msgs) is not list or not msgs:
+            raise HttpError(400, "messages must be a non-empty list")
+        parts = []
+        for m in msgs:
+            if type(m) is not dict or type(m.get("role")) is not str:
+                raise HttpError(400, "each message needs a role")
+            c = m.get("content")
+            if type(c) is list:
+                c = "".join(p.get("text", "") for p in c if type(p) is dict)
+            parts.append(f"<|{m['role']}|>\n{c or ''}\n")
+        parts.append("<|assistant|>\n")
+        return text_to_tokens("".join(parts))
+
+    async def h_chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            prompt = self._chat_prompt(body)
+            job = self._start_job(prompt, self._max_tokens(body, 128), body.get("rid") if type(body.get("rid")) is str else None,
+                                  body.get("routed_dp_rank", body.get("data_parallel_rank")))
+        except HttpError as exc:
+            return _json_error(exc.status, exc.message)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = body.get("model") or self.s.model
+        if not body.get("stream"):
+            try:
+                while job.finished is None:
+                    await self._next(job)
+            finally:
+                self._abandon(job)
+            msg = {"role": "assistant", "content": detokenize(job.tokens), "reasoning_content": None, "tool_calls": None}
+            return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                                      "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": job.finished[0],
+                                                   "matched_stop": None}], "usage": self._usage(job)})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = await self._sse_start(request)
+
+        def chunk(delta: dict, finish: str | None) -> bytes:
+            obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}], "usage": None}
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        try:
+            await resp.write(chunk({"role": "assistant", "content": ""}, None))
+            while True:
+                toks, fin = await self._next(job)
+                if toks:
+                    await resp.write(chunk({"content": detokenize(toks)}, None))
+                if fin is not None:
+                    await resp.write(chunk({}, fin[0]))
+                    break
+            if include_usage:
+                obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": self._usage(job)}
+                await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        finally:
+            self._abandon(job)
+        return resp
+
+    async def h_models(self, request: web.Request) -> web.Response:
+        m = self.s.model
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "created": int(self.startup_time),
+                                                              "owned_by": "sglang", "root": m,
+                                                              "max_model_len": self.s.engine.max_total_num_tokens}]})
+
+    # ------------------------------------------------------------------ health, info, load
+
+    async def h_health(self, request: web.Request) -> web.Response:
+        if not self.healthy:
+            return web.Response(status=503, text="unhealthy (stub)")
+        return web.Response(status=200, text="")
+
+    def _kv_events_block(self) -> dict[str, Any] | None:
+        s = self.s
+        if self.kv_base is None:
+            return None
+        host = self._zmq_host()
+        block: dict[str, Any] = {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": self.kv_base,
+                                 "topic": s.topic, "block_size": s.engine.page_size, "dp_size": s.dp_size}
+        if self.load_base is not None:
+            block["load_endpoint_port_base"] = self.load_base
+            block["load_topic"] = "load"
+        if self.replay_base is not None:
+            block["replay_endpoint_port_base"] = self.replay_base
+        return block
+
+    def server_info(self) -> dict[str, Any]:
+        s = self.s
+        cfg = s.engine
+        host = self._zmq_host()
+        kv_cfg = None
+        if self.kv_base is not None:
+            kv_cfg = {"publisher": "zmq", "endpoint": f"tcp://{host}:{self.kv_base}", "topic": s.topic, "buffer_steps": s.buffer_steps}
+            if self.replay_base is not None:
+                kv_cfg["replay_endpoint"] = f"tcp://{host}:{self.replay_base}"
+        return {
+            "model_path": s.model,
+            "served_model_name": s.model,
+            "tokenizer_path": s.model,
+            "host": s.host,
+            "port": self.http_port,
+            "page_size": cfg.page_size,
+            "dp_size": s.dp_size,
+            "tp_size": 1,
+            "pp_size": 1,
+            "enable_dp_attention": False,
+            "kv_events_config": json.dumps(kv_cfg) if kv_cfg else None,
+            "load_publish_endpoint": f"tcp://{host}:{self.load_base}" if self.load_base is not None else "off",
+            "enable_metrics": True,
+            "incremental_streaming_output": s.incremental_streaming_output,
+            "stream_interval": 1,
+            "max_running_requests": cfg.max_running_requests,
+            "chunked_prefill_size": cfg.chunked_prefill_size,
+            "max_total_num_tokens": cfg.max_total_num_tokens,
+            "max_req_input_len": cfg.max_total_num_tokens - cfg.admission_reserve_tokens,
+            "startup_time": self.startup_time,
+            "launch_command": "mesh stub-sglang",
+            "kv_events": self._kv_events_block(),
+            "internal_states": [{"dp_rank": rk.rank, "max_total_num_tokens": cfg.max_total_num_tokens,
+                                 "max_running_requests": cfg.max_running_requests,
+                                 "last_gen_throughput": rk.gen_throughput} for rk in self.ranks],
+            "version": VERSION,
+            "frontend": "python",
+            "stub": "mesh",
+        }
+
+    async def h_server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.server_info())
+
+    async def h_model_info(self, request: web.Request) -> web.Response:
+        m = self.s.model
+        return web.json_response({"model_path": m, "served_model_name": m, "tokenizer_path": m, "is_generation": True,
+                                  "weight_version": "default", "disaggregation_mode": "null", "architectures": ["StubForCausalLM"]})
+
+    async def h_loads(self, request: web.Request) -> web.Response:
+        q = request.query
+        loads = [rk.load_snapshot() for rk in self.ranks]
+        if "dp_rank" in q:
+            try:
+                want = int(q["dp_rank"])
+            except ValueError:
+                return _json_error(400, "dp_rank must be an int")
+            loads = [x for x in loads if x["dp_rank"] == want]
+        if q.get("format") == "prometheus":
+            lines = []
+            for x in loads:
+                for k, v in x.items():
+                    if k in ("dp_rank", "timestamp") or not isinstance(v, (int, float)):
+                        continue
+                    lines.append(f'sglang_{k}{{dp_rank="{x["dp_rank"]}"}} {float(v)}')
+            return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        return web.json_response({"timestamp": time.time(), "version": VERSION, "accelerator": "stub",
+                                  "num_accelerators": self.s.dp_size, "loads": loads})
+
+    async def h_get_load(self, request: web.Request) -> web.Response:
+        out = []
+        for rk in self.ranks:
+            x = rk.load_snapshot()
+            out.append({"dp_rank": rk.rank, "num_reqs": x["num_running_reqs"] + x["num_waiting_reqs"],
+                        "num_waiting_reqs": x["num_waiting_reqs"], "num_tokens": x["num_total_tokens"],
+                        "num_pending_tokens": max(0, x["num_total_tokens"] - x["num_used_tokens"]), "ts_tic": time.time()})
+        return web.json_response(out)
+
+    async def h_metrics(self, request: web.Request) -> web.Response:
+        s = self.s
+        multi = s.dp_size > 1
+        fams: dict[str, tuple[str, str, list[tuple[str, float]]]] = {}
+
+        def add(name: str, kind: str, help_: str, labels: str, v: float) -> None:
+            fams.setdefault(name, (kind, help_, []))[2].append((labels, v))
+
+        for rk in self.ranks:
+            x = rk.load_snapshot()
+            lab = f'model_name="{s.model}",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"'
+            if multi:
+                lab += f',dp_rank="{rk.rank}"'
+            add("sglang:num_running_reqs", "gauge", "The number of running requests.", lab, x["num_running_reqs"])
+            add("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", lab, x["num_waiting_reqs"])
+            add("sglang:num_used_tokens", "gauge", "The number of used tokens.", lab, x["num_used_tokens"])
+            add("sglang:token_usage", "gauge", "The token usage.", lab, x["token_usage"])
+            add("sglang:max_total_num_tokens", "gauge", "KV capacity in tokens.", lab, x["max_total_num_tokens"])
+            add("sglang:gen_throughput", "gauge", "The generation throughput (token/s).", lab, x["gen_throughput"])
+            add("sglang:cache_hit_rate", "gauge", "The prefix cache hit rate.", lab, x["cache_hit_rate"])
+            add("sglang:utilization", "gauge", "Scheduler utilization.", lab, x["utilization"])
+            add("sglang:page_size", "gauge", "Tokens per KV page.", lab, s.engine.page_size)
+            add("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", lab, rk.prompt_tokens_total)
+            add("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", lab, rk.generation_tokens_total)
+            add("sglang:num_requests_total", "counter", "Number of requests processed.", lab, rk.requests_total)
+            add("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.", lab, rk.aborted_total)
+            add("sglang:cached_tokens_total", "counter", "Number of cached prompt tokens.", lab + ',cache_source="device"',
+                rk.cached_tokens_total)
+        lines = []
+        for name, (kind, help_, samples) in fams.items():
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, v in samples:
+                lines.append(f"{name}{{{labels}}} {float(v)}")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def h_flush(self, request: web.Request) -> web.Response:
+        if any(rk.engine.has_work() for rk in self.ranks):
+            return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.")
+        for rk in self.ranks:
+            rk.engine.flush_cache(rk.now())
+            rk.publish(rk.engine.drain_events())
+        return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
+                                             "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+    # ------------------------------------------------------------------ debug knobs
+
+    async def _debug_body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except Exception:
+            body = {}
+        return body if type(body) is dict else {}
+
+    def _debug_rank(self, body: dict) -> _Rank:
+        r = body.get("rank", 0)
+        if type(r) is not int or not 0 <= r < len(self.ranks):
+            raise HttpError(400, "bad rank")
+        rk = self.ranks[r]
+        if rk.kv is None:
+            raise HttpError(400, "KV events are off")
+        return rk
+
+    async def h_debug_health(self, request: web.Request) -> web.Response:
+        body = await self._debug_body(request)
+        self.healthy = bool(body.get("ok", True))
+        self.log.info("stub_health_set", healthy=self.healthy)
+        return web.json_response({"healthy": self.healthy})
+
+    async def h_debug_drop(self, request: web.Request) -> web.Response:
+        body = await self._debug_body(request)
+        try:
+            rk = self._debug_rank(body)
+        except HttpError as exc:
+            return _json_error(exc.status, exc.message)
+        rk.kv.drop_next(int(body.get("count", 1)))  # type: ignore[union-attr]
+        return web.json_response({"rank": rk.rank, "next_seq": rk.kv.seq})  # type: ignore[union-attr]
+
+    async def h_debug_malformed(self, request: web.Request) -> web.Response:
+        body = await self._debug_body(request)
+        try:
+            rk = self._debug_rank(body)
+        except HttpError as exc:
+            return _json_error(exc.status, exc.message)
+        kv = rk.kv
+        assert kv is not None
+        kind = body.get("kind", "bad_msgpack")
+        seq = None
+        if kind == "bad_msgpack":
+            seq = kv.publish_raw(b"\xc1\xc1 not msgpack")
+        elif kind == "bad_batch":
+            seq = kv.publish_raw(pack({"not": "a batch"}))
+        elif kind == "bad_events":
+            # one harmless valid event (removal of an unknown block) among garbage
+            good = KV.encode_event_map(KV.BlockRemoved((0x1234,), "GPU"))
+            events = [{"type": "Bogus"}, ["BlockStored", "not-a-list"], good, 42, {"type": "BlockStored", "block_hashes": []}]
+            seq = kv.publish_raw(pack([time.time(), events, rk.rank]))
+        elif kind == "bad_envelope":
+            kv.send_raw_frames([kv.topic, b"\x00\x01", b"x"])
+        else:
+            return _json_error(400, f"unknown kind {kind!r}")
+        return web.json_response({"rank": rk.rank, "seq": seq})
+
+    async def h_debug_stats(self, request: web.Request) -> web.Response:
+        out = []
+        for rk in self.ranks:
+            kv = rk.kv
+            out.append({"rank": rk.rank, "next_seq": kv.seq if kv else None, "dropped": kv.dropped if kv else 0,
+                        "replays_served": kv.replays_served if kv else 0, "cached_pages": rk.engine.num_cached_pages})
+        return web.json_response({"ranks": out, "healthy": self.healthy})
+
+
+async def serve_stub(s: StubSettings) -> None:
+    """Run the stub until SIGTERM/SIGINT (the ``mesh stub-sglang`` entry point)."""
+    configure(s.log_level)
+    stub = SglangStub(s)
+    desc = await stub.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    announce("sglang_stub_listening", pid=os.getpid(), **desc)
+    await stop.wait()
+    await stub.stop()
+    announce("sglang_stub_stopped")
