@@ -71,6 +71,7 @@ def _gauges(broker: Broker):
                 out["mesh_worker_kv_usage"].append((lab, agg.kv_usage))
         out["mesh_broker_inflight"].append(({"broker_id": broker.broker_id}, float(len(broker._inflight))))
         out["mesh_broker_retries_in_flight"].append(({"broker_id": broker.broker_id}, float(broker.budget.active)))
+        out.setdefault("mesh_broker_parked", []).append(({"broker_id": broker.broker_id}, float(len(broker._parked))))
         prov = broker.router.provider
         if prov is not None and hasattr(prov, "stats"):
             for k, v in _flatten(prov.stats()).items():

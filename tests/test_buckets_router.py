@@ -128,6 +128,8 @@ def test_short_and_long_traffic_stay_apart():
         assert d2.worker_id in ("l0", "l1") and d2.detail["bucket"] == "long" and d2.detail["pass"] == 1
         r.release(by[d.worker_id], d)
         r.release(by[d2.worker_id], d2)
+        for w in pool:  # the next heartbeat: the pending-token correction starts over
+            w.update_load([w.load[0]], 0.0)
 
 
 def test_no_config_is_one_global_domain_over_mixed_workers():
@@ -556,12 +558,13 @@ def test_pass_2_only_when_no_compatible_bucket_has_an_admitted_worker(workers, L
             compatible += [(w, spec.max_pending_prefill_tokens) for w in pool
                            if spec.selects(w.labels) and w.worker_id not in exclude]
     any_admitted = any(_admitted(w, L, lim) for w, lim in compatible)
+    if d.reason == "cache_candidate":  # #38814: an admitted cache winner goes regardless of bucket
+        assert cache is not None and winner and d.worker_id not in exclude
+        return
     if not compatible:
         assert d.worker_id is None and d.reason == "no_worker"
         return
     assert d.worker_id is not None and d.worker_id not in exclude
-    if d.reason == "cache_candidate":
-        return  # routed regardless of bucket; pass 2 did not run
     chosen = {w.worker_id: lim for w, lim in compatible}
     assert d.worker_id in chosen
     if any_admitted:

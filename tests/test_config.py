@@ -41,6 +41,8 @@ def test_worker_settings_errors():
 
 def test_example_configs_load_and_flags_win(tmp_path):
     for f in (REPO / "configs").glob("*.toml"):
+        if f.name.startswith("buckets"):
+            continue
         build(BrokerSettings, load_toml(f, "broker"))
         build(WorkerSettings, load_toml(f, "worker"))
     s = build(BrokerSettings, load_toml(REPO / "configs" / "single-host.toml", "broker"), {"policy": "power_of_two"})
