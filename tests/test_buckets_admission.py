@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from mesh.load import LoadStat
 from mesh.routing.admission import (
     LoadView,
@@ -10,6 +13,7 @@ from mesh.routing.admission import (
     admit_cache_candidate,
     admit_decode,
     admit_prefill,
+    admitted_workers,
     kv_ok,
     least_decode_pressure,
     least_prefill_pressure,
@@ -139,3 +143,21 @@ def test_pressure_guard_ms_variant():
     # without queue times on both sides the token variant applies
     assert g.prefers(v(ws(wu=2_000)), v(ws(wu=500)))  # 1500 tokens > 1024 and 2000 > 750
     assert not g.prefers(v(ws(wu=1_000)), v(ws(wu=100)))  # 900 tokens: no, whatever the ms threshold
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ranks=st.lists(st.tuples(st.integers(0, 10), st.integers(1, 10), st.integers(0, 5_000), st.integers(0, 5_000),
+                             st.booleans(), st.booleans()), min_size=0, max_size=3),
+    inflight=st.integers(0, 6), at_load=st.integers(0, 6), pend=st.integers(0, 3_000),
+    now=st.sampled_from([0.0, 4.9, 5.1]), L=st.integers(0, 6_000), limit=st.none() | st.integers(1, 8_000),
+)
+def test_fast_admission_scan_matches_the_formulas(ranks, inflight, at_load, pend, now, L, limit):
+    w = WorkerState("w", dp_size=max(1, len(ranks)))
+    if ranks:
+        w.update_load([LoadStat(r, 0, 0, 5_000 if cap else 0, i, wu, tot, mr, 0, 0, extended=ext)
+                       for i, (r, mr, wu, tot, ext, cap) in enumerate(ranks)], 0.0)
+    w.inflight, w.inflight_at_load, w.pending_since_load_tokens = inflight, at_load, pend
+    lv = LoadView.of(w, now, 5.0)
+    assert bool(admitted_workers([w], now, 5.0, L, L, limit)) == admit_prefill(lv, L, limit)
+    assert bool(admitted_workers([w], now, 5.0, L)) == admit_decode(lv, L)

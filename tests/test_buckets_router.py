@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from mesh.load import LoadStat
@@ -477,7 +477,7 @@ def test_cache_tournament_near_tie_guard_and_work_gap():
     assert d.worker_id == "s1" and d.reason == "cache_candidate"  # guard: l0 materially more queued
     d = cache_router(m, pressure_guard=False).route(req(2000), fleet(l0=ws("l0", pool="long", wu=6000)), 0.0)
     assert d.worker_id == "l0"  # no guard: smaller E wins
-    m = FakeMatch({"l0": 200, "s1": 70})  # E = 0... 3200-1 vs 1120: beyond the margin
+    m = FakeMatch({"l0": 200, "s1": 70})  # E = 100 vs 2180: s1 is not a near tie, pressure cannot help it
     d = cache_router(m).route(req(3300), fleet(l0=ws("l0", pool="long", wu=6000)), 0.0)
     assert d.worker_id == "l0"
 
@@ -517,9 +517,9 @@ worker_st = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    workers=st.lists(worker_st, min_size=0, max_size=8),
+    workers=st.lists(worker_st, min_size=1, max_size=8),
     L=st.integers(1, 12_000),
     short_max=st.integers(1, 8_000),
     long_min=st.none() | st.integers(0, 8_000),
@@ -551,6 +551,7 @@ def test_pass_2_only_when_no_compatible_bucket_has_an_admitted_worker(workers, L
         m = FakeMatch({f"w-{i}": b for i, b in cache.items()})
         r = router(cfg, CacheAware(random.Random(seed)), FakeProvider(m), seed=seed, global_cache_winner=winner)
     d = r.route(req(L), pool, 0.0, exclude=exclude)
+    event(d.reason)
 
     compatible = []  # (worker, bucket limit) of every compatible, live, non-excluded member
     for spec in cfg.prefill:
@@ -573,3 +574,45 @@ def test_pass_2_only_when_no_compatible_bucket_has_an_admitted_worker(workers, L
         assert _admitted(w, L, chosen[d.worker_id])
     else:
         assert d.detail["pass"] == 2 and d.reason == "capacity_fallback_power_of_two"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    decoders=st.lists(worker_st, min_size=0, max_size=6),
+    L=st.integers(1, 6_000),
+    max_new=st.none() | st.integers(0, 6_000),
+    seq_max=st.none() | st.integers(1, 10_000),
+    catch_all=st.booleans(),
+    excl=st.sets(st.integers(0, 5), max_size=2),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_pass_2_only_when_no_compatible_decode_worker_is_admitted(decoders, L, max_new, seq_max, catch_all, excl, seed):
+    buckets = [{"id": "p", "stage": "prefill", "rank": 1, "worker_ids": ["p0"]}]
+    ranged = {"id": "ranged", "stage": "decode", "rank": 10, "match_labels": {"pool": "short"}}
+    if seq_max is not None:
+        ranged["max_sequence_tokens"] = seq_max
+    buckets.append(ranged)
+    if catch_all:
+        buckets.append({"id": "all", "stage": "decode", "rank": 20, "match_labels": {"pool": "long"}})
+    cfg = parse_bucket_config({"buckets": buckets})
+    pool = [ws("p0", role="prefill")]
+    for i, p in enumerate(decoders):
+        pool.append(ws(f"d-{i}", role="decode", pool=p["pool"], fresh=p["fresh"], running=p["running"],
+                       max_running=p["max_running"], total=p["total"], cap=20_000))
+    exclude = {f"d-{i}" for i in excl}
+    d = router(cfg, pd=True, seed=seed).route(req(L, max_new_tokens=max_new), pool, 0.0, exclude=exclude)
+    T = L + (max_new or 0)
+    S = None if max_new is None else L + max_new
+    compatible = [w for w in pool[1:] for spec in cfg.decode
+                  if spec.fits_decode(L, S) and spec.selects(w.labels) and w.worker_id not in exclude]
+    event(d.detail.get("decode_reason", d.reason))
+    if not compatible:
+        assert d.worker_id is None and d.reason == "no_decode_worker"
+        assert pool[0].inflight == 0
+        return
+    assert d.worker_id == "p0" and d.decode_worker_id in {w.worker_id for w in compatible}
+    if any(_admitted(w, T, None) for w in compatible):
+        assert d.detail["decode_pass"] == 1
+        assert _admitted(next(w for w in compatible if w.worker_id == d.decode_worker_id), T, None)
+    else:
+        assert d.detail["decode_reason"] == "capacity_fallback_power_of_two"

@@ -201,7 +201,7 @@ def test_whole_kv_events_body_is_accepted_and_events_can_be_sliced_out() -> None
     body = pack({"dp_rank": 0, "epoch": 3, "seq": 0, "ts": 1.5, "events": events})
     assert events_from_body(body) == pack(events)
     core = IndexerCore(max_entries=None)
-    o = core.apply_batch("w", 0, 3, 0, body, is_body=True)
+    o = core.apply_batch("w", 0, 3, 0, body)  # a map: detected as a whole body
     assert o.events_applied == 1 and core.index.worker_entries("w") == 2
     with pytest.raises(ValueError):
         events_from_body(pack({"dp_rank": 0}))
@@ -218,6 +218,16 @@ def test_block_size_of_registered_worker_is_enforced_and_unregistered_ones_are_l
     assert core.index.worker_entries("b") == 1
     with pytest.raises(ValueError):
         core.register_worker("", 16)
+
+
+def test_silent_workers_expire_and_come_back_through_a_resync() -> None:
+    core = IndexerCore(max_entries=None)
+    core.apply_batch("old", 0, 1, 0, _raw(_stored(1, 2)), now_s=10.0)
+    core.apply_batch("new", 0, 1, 0, _raw(_stored(1, 2)), now_s=500.0)
+    assert core.expire_workers(600.0, ttl_s=300.0) == ["old"]
+    assert core.index.worker_entries("old") == 0 and core.index.worker_entries("new") == 2
+    o = core.apply_batch("old", 0, 1, 1, _raw(_stored(3, 1, parent=2)), now_s=601.0)
+    assert o.verdict == pb.GAP and o.resync_needed
 
 
 def test_bounded_memory_evicts_beyond_max_entries() -> None:

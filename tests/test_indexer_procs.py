@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import grpc
+import msgpack
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh import kv_events as KV
 from mesh.hashing import content_keys
 from mesh.indexer import indexer_pb2 as pb
-from mesh.indexer import indexer_pb2_grpc as pb_grpc
 from mesh.indexer.client import IndexerClient
 from mesh.procs import Proc, ProcGroup, wait_for_log_event
 from mesh.protocol import pack
@@ -83,11 +83,15 @@ def test_health_serving_and_apply_match_round_trip(shared_indexer: str) -> None:
                 r = await hs.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert r.status == health_pb2.HealthCheckResponse.SERVING
         workers = [FakeWorker(f"rt-{i}", 500 + i) for i in range(3)]
-        async with IndexerClient([shared_indexer], query_timeout_ms=2000) as client:
+        client = IndexerClient([shared_indexer], query_timeout_ms=2000)  # no start(): opens on first use
+        try:
             for w in workers:
                 await client.register_worker(w.worker_id, BS)
                 for _ in range(12):
                     seq, raw = w.batch()
+                    if w.worker_id == "rt-1":  # what a broker has at hand: the whole KV_EVENTS body
+                        raw = pack({"dp_rank": w.dp_rank, "epoch": w.epoch, "seq": seq, "ts": 1.0,
+                                    "events": msgpack.unpackb(raw)})
                     client.forward(w.worker_id, w.dp_rank, w.epoch, seq, raw)
             assert await client.flush(10)
             views = await _views(client, workers)
@@ -101,6 +105,8 @@ def test_health_serving_and_apply_match_round_trip(shared_indexer: str) -> None:
             assert st.workers >= 3 and st.entries > 0 and st.bytes_estimate > 0 and st.queries >= 1
             s = client.stats()
             assert s["forward_applied"] == 36 and s["forward_dropped"] == 0 and s["queries_degraded"] == {}
+        finally:
+            await client.aclose()
 
     run(body(), 40)
 

@@ -1,0 +1,14 @@
+"""The shared KV indexer: one prefix index that every broker feeds and queries over gRPC.
+
+* ``indexer.proto`` (package ``mesh.indexer.v1``) and its checked-in generated code
+  (``indexer_pb2*.py``; regenerate with ``python -m mesh.indexer.codegen``);
+* :mod:`mesh.indexer.server` -- ``mesh indexer --listen HOST:PORT``: the service around
+  :class:`mesh.index.PrefixIndex` (fed through the same provider code as a broker's local
+  index), with the standard ``grpc.health.v1`` service;
+* :mod:`mesh.indexer.client` -- :class:`~mesh.indexer.client.IndexerClient`, what a broker uses:
+  prefix queries with a deadline, bounded concurrency, replica failover and a circuit breaker
+  (``None`` = degraded, never an exception), and ordered at-least-once event forwarding;
+* :mod:`mesh.indexer.bench` -- ``mesh bench indexer``.
+
+Imports nothing heavy at package import: ``from mesh.indexer.client import IndexerClient``.
+"""

@@ -18,10 +18,11 @@ _DEFAULTS: dict[str, Any] = {
     "block_size": 16,
     "tls_cert": None,
     "tls_key": None,
+    "worker_ttl_s": 900.0,
     "log_level": "info",
 }
 _TYPES = {"listen": str, "max_entries": int, "max_inflight_queries": int, "block_size": int, "tls_cert": str,
-          "tls_key": str, "log_level": str}
+          "tls_key": str, "worker_ttl_s": (int, float), "log_level": str}
 
 
 def add_indexer_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,6 +39,7 @@ def add_indexer_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="page size assumed for workers never registered nor seen (default 16)")
     p.add_argument("--tls-cert", help="PEM certificate: serve TLS (https:// endpoint); needs --tls-key")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--worker-ttl-s", type=float, help="forget workers silent this long (default 900; 0 = never)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     # Test seam: every prefix query waits this long before running (overload/deadline tests).
     p.add_argument("--fault-query-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -57,7 +59,7 @@ def indexer_settings(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"{unknown[0]}: unknown key in [indexer]")
         for k, v in file_vals.items():
             if not isinstance(v, _TYPES[k]) or isinstance(v, bool):
-                raise ConfigError(f"{k}: expected {_TYPES[k].__name__}, got {v!r}")
+                raise ConfigError(f"{k}: wrong type, got {v!r}")
         vals.update(file_vals)
     vals.update({k: getattr(args, k) for k in _DEFAULTS if getattr(args, k, None) is not None})
     from mesh.indexer.server import parse_listen
@@ -67,6 +69,8 @@ def indexer_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("max_entries: must be >= 0 (0 = unbounded)")
     if vals["max_inflight_queries"] < 1:
         raise ConfigError("max_inflight_queries: must be >= 1")
+    if vals["worker_ttl_s"] < 0:
+        raise ConfigError("worker_ttl_s: must be >= 0 (0 = never)")
     if vals["block_size"] < 1:
         raise ConfigError("block_size: must be >= 1")
     if (vals["tls_cert"] is None) != (vals["tls_key"] is None):
@@ -83,7 +87,8 @@ def _cmd_indexer(args) -> int:
     v = indexer_settings(args)
     return run_server(v["listen"], log_level=v["log_level"], max_entries=v["max_entries"] or None,
                       max_inflight_queries=v["max_inflight_queries"], block_size=v["block_size"],
-                      tls_cert=v["tls_cert"], tls_key=v["tls_key"], query_delay_ms=args.fault_query_delay_ms)
+                      tls_cert=v["tls_cert"], tls_key=v["tls_key"], worker_ttl_s=float(v["worker_ttl_s"]),
+                      query_delay_ms=args.fault_query_delay_ms)
 
 
 def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:

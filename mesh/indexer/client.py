@@ -11,8 +11,13 @@ Queries (:meth:`IndexerClient.match`) never raise and never queue: ``None`` mean
 
 Replicas: every endpoint holds a full copy of the index. Queries go to the first replica whose
 breaker admits them and fail over to the next on error. A :class:`CircuitBreaker` per replica
-opens after ``breaker_failures`` consecutive failures (queries or forwards), lets one probe
-through after ``breaker_reset_s`` (half-open) and closes on its success.
+opens after ``breaker_failures`` consecutive failures (queries or forwards; RESOURCE_EXHAUSTED is
+not one: a shedding replica is alive), lets one probe through after ``breaker_reset_s``
+(half-open) and closes on its success. A dead replica therefore costs one fast failed RPC per
+query until its breaker opens, then nothing.
+
+Lifecycle: :meth:`start` (or the first ``match``/``forward``/``register_worker`` on a running
+loop) opens lazily connected channels and the forwarder tasks; :meth:`aclose` ends them.
 
 Forwarding (:meth:`IndexerClient.forward`) is non-blocking: the batch is appended to each
 replica's bounded FIFO (``forward_buffer`` batches) and a background task per replica sends it
@@ -59,6 +64,7 @@ from mesh.retry import RetryPolicy
 __all__ = ["IndexerClient", "MatchView", "CircuitBreaker", "BreakerState", "parse_endpoint", "events_from_body"]
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_MAX_BATCH_BYTES = MAX_MESSAGE_BYTES - (64 << 10)  # one batch must fit in one ApplyKvBatches
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -67,9 +73,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-#: Codes meaning "not processed, another try may work" (gRFC A6 practice).
+#: Forward/control codes worth another try (the server never sheds applies, so
+#: RESOURCE_EXHAUSTED there means "message too large": not retryable).
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
+                        grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
 _DEGRADED_REASON = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
     grpc.StatusCode.CANCELLED: "timeout",
@@ -501,6 +508,12 @@ class IndexerClient:
         stream = (worker_id, dp_rank)
         self._streams.add(stream)
         self.c["forward_enqueued"] += 1
+        if len(events_msgpack) > _MAX_BATCH_BYTES:
+            self.c["forward_too_large"] += 1
+            if self._rl.allow(("too_large", worker_id)):
+                self.log.warning("indexer_batch_too_large", worker_id=worker_id, dp_rank=dp_rank,
+                                 bytes=len(events_msgpack), limit=_MAX_BATCH_BYTES)
+            return
         item = ("b", worker_id, dp_rank, epoch, seq, events_msgpack, is_body)
         for rep in self.replicas:
             if len(rep.queue) >= self.forward_buffer:
@@ -528,6 +541,8 @@ class IndexerClient:
     def _control(self, item: _Item) -> None:
         if self._state is _State.CLOSED:
             return
+        if self._state is _State.UNOPENED:
+            self._open()  # called from a coroutine: a loop is running
         for rep in self.replicas:
             if item[0] == "f":
                 for s in [s for s in rep.dirty if s[0] == item[1]]:
@@ -575,7 +590,11 @@ class IndexerClient:
                 continue
             head = q[0]
             if head[0] != "b":
-                await self._send_control(rep, head)
+                try:
+                    await self._send_control(rep, head)
+                except Exception as exc:
+                    self.c["control_errors"] += 1
+                    self.log.exception("indexer_control_failed", endpoint=rep.endpoint, error=repr(exc)[:200])
                 q.popleft()
                 continue
             chunk: list[_Item] = []
@@ -588,6 +607,11 @@ class IndexerClient:
             rep.sending = len(chunk)
             try:
                 await self._send_chunk(rep, chunk)
+            except Exception as exc:  # a bug here must not stop forwarding: drop, count, resync
+                self.c["forward_errors"] += len(chunk)
+                self.log.exception("indexer_forward_failed", endpoint=rep.endpoint, error=repr(exc)[:200])
+                for it in chunk:
+                    rep.dirty.setdefault((it[1], it[2]), "forward_error")
             finally:
                 rep.sending = 0
             for _ in range(len(chunk)):
@@ -616,7 +640,7 @@ class IndexerClient:
         while True:
             await self._wait_for_breaker(rep)
             try:
-                retrying = self.retry.async_retrying((_Transient,), log=None)
+                retrying = self.retry.async_retrying((_Transient,), log=self.log)
                 async for attempt in retrying:
                     with attempt:
                         n = attempt.retry_state.attempt_number

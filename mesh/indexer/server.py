@@ -16,7 +16,9 @@ service needs on top:
   that forgot a worker) gets every live stream resynced instead of trusting increments on top of
   nothing;
 * workers that were never registered are registered with the block size of their first
-  ``BlockStored`` (events of any other size are then not applied, as in the local provider).
+  ``BlockStored`` (events of any other size are then not applied, as in the local provider);
+* workers silent for ``worker_ttl_s`` (no batch, no RegisterWorker) are forgotten: brokers never
+  forget a worker here, since another broker may still serve it.
 
 Overload: only ``MatchPrefix`` is shed (``RESOURCE_EXHAUSTED`` once ``max_inflight_queries`` are
 admitted and unanswered; each admitted query yields to the loop once before running, so a burst
@@ -50,11 +52,13 @@ from mesh.protocol import unpack
 from mesh.routing.providers import LocalIndexProvider
 
 __all__ = ["IndexerCore", "IndexerService", "ApplyOutcome", "serve", "run_server", "parse_listen",
-           "DEFAULT_MAX_ENTRIES", "SERVICE_NAME", "MAX_MESSAGE_BYTES"]
+           "DEFAULT_MAX_ENTRIES", "DEFAULT_WORKER_TTL_S", "SERVICE_NAME", "MAX_MESSAGE_BYTES"]
 
 SERVICE_NAME = "mesh.indexer.v1.Indexer"
 #: Default entry budget: ~10 M (block, stream) entries, a few GB of Python objects at most.
 DEFAULT_MAX_ENTRIES = 10_000_000
+#: Workers silent this long are forgotten (0 = never).
+DEFAULT_WORKER_TTL_S = 900.0
 #: gRPC message cap both ways: a resync snapshot of a big worker is one batch.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _APPLY_SLICE_NS = 2_000_000  # yield to queries after this much apply work in one RPC
@@ -108,6 +112,7 @@ class IndexerCore:
         self.instance = int.from_bytes(os.urandom(8), "little")
         self._known: set[tuple[str, int]] = set()  # streams this server has applied a batch of
         self._registered: set[str] = set()
+        self._last_seen: dict[str, float] = {}  # worker -> monotonic time of its last batch/register
         # untrusted/unknown stream -> when a resync was last asked for (cleared once trusted)
         self._asked_at: dict[tuple[str, int], float] = {}
         self.resync_retry_s = resync_retry_s
@@ -117,9 +122,9 @@ class IndexerCore:
 
     # ------------------------------------------------------------------ apply
     def apply_batch(self, worker_id: str, dp_rank: int, epoch: int, seq: int, payload: bytes, *,
-                    is_body: bool = False, now_s: float | None = None) -> ApplyOutcome:
+                    now_s: float | None = None) -> ApplyOutcome:
         """Apply one batch. ``payload`` is msgpack: the events array, or the whole KV_EVENTS body
-        (a map: its ``events`` are used; detected whatever ``is_body`` says).
+        (a map: its ``events`` are used).
 
         ``resync_needed`` is set at most once per ``resync_retry_s`` per untrusted (or unknown)
         stream, until it is trusted again (``now_s``: monotonic seconds, default now).
@@ -143,6 +148,7 @@ class IndexerCore:
             c["batches_rejected"] += 1
             return ApplyOutcome(pb.REJECTED, resync_needed=False, events_skipped=n_skipped)
         stream = (worker_id, dp_rank)
+        self._last_seen[worker_id] = now
         if dp_rank:
             self._single_rank = False
         snapshot = bool(events) and type(events[0]) is KV.AllBlocksCleared
@@ -208,17 +214,32 @@ class IndexerCore:
         if not worker_id or block_size <= 0:
             raise ValueError("worker_id must be non-empty and block_size > 0")
         self._register(worker_id, block_size)
+        self._last_seen[worker_id] = time.monotonic()
         self.c["workers_registered"] += 1
 
     def forget_worker(self, worker_id: str) -> int:
         n = self.index.worker_entries(worker_id)
         self.provider.remove_worker(worker_id)
         self._registered.discard(worker_id)
+        self._last_seen.pop(worker_id, None)
         self._known = {s for s in self._known if s[0] != worker_id}
         for s in [s for s in self._asked_at if s[0] == worker_id]:
             del self._asked_at[s]
         self.c["workers_forgotten"] += 1
         return n
+
+    def expire_workers(self, now_s: float, ttl_s: float) -> list[str]:
+        """Forget workers not heard from (no batch, no RegisterWorker) for ``ttl_s``.
+
+        Brokers never forget a worker here (another broker may still serve it), so this bounds
+        what dead workers keep. An idle live worker that is expired comes back through the
+        unknown-stream GAP -> resync path on its next batch.
+        """
+        gone = [w for w, t in self._last_seen.items() if now_s - t > ttl_s]
+        for w in gone:
+            self.forget_worker(w)
+            self.c["workers_expired"] += 1
+        return gone
 
     # ------------------------------------------------------------------ match
     def match(self, keys: Sequence[int], max_results: int = 0) -> pb.MatchPrefixResponse:
@@ -283,9 +304,9 @@ def _depth_groups(m: Any, single_rank: bool):
         deeper: Any = ()
         for i in range(len(ed) - 1, -1, -1):
             h = eh[i]
-            streams = h.keys() if type(h) is dict else (h.stream,)
+            streams = h.keys() if type(h) is dict else {h.stream}
             new = streams - deeper if deeper else streams
-            deeper = streams if type(h) is dict else set(streams)
+            deeper = streams
             if new:
                 ids = [s.worker.worker_id for s in new]
                 ids.sort()
@@ -346,9 +367,10 @@ class IndexerService(pb_grpc.IndexerServicer):
             t0 = time.perf_counter_ns()
             keys = list(request.keys)
             if not keys and len(request.token_ids):
-                if request.block_size <= 0:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids need block_size > 0")
-                keys = content_keys(list(request.token_ids), request.block_size)
+                try:
+                    keys = content_keys(list(request.token_ids), request.block_size)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids/block_size: {exc}")
             resp = self.core.match(keys, request.max_results)
             dt = time.perf_counter_ns() - t0
             resp.server_time_ns = dt
@@ -412,8 +434,8 @@ _SERVER_OPTIONS = [
 
 async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, max_inflight_queries: int = 32,
                 block_size: int = 16, tls_cert: str | None = None, tls_key: str | None = None,
-                query_delay_ms: float = 0.0, stop: asyncio.Event | None = None,
-                ready: Any = None) -> None:
+                query_delay_ms: float = 0.0, worker_ttl_s: float = DEFAULT_WORKER_TTL_S,
+                stop: asyncio.Event | None = None, ready: Any = None) -> None:
     """Run the indexer until ``stop`` is set, then shut down gracefully (health NOT_SERVING first).
 
     Announces ``indexer_listening`` with the bound ``endpoint`` (``http://`` or ``https://``
@@ -450,13 +472,24 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
     if ready is not None:
         ready(endpoint)
     stop = stop or asyncio.Event()
+    expiry = asyncio.create_task(_expire_loop(core, worker_ttl_s, log)) if worker_ttl_s > 0 else None
     try:
         await stop.wait()
     finally:
+        if expiry is not None:
+            expiry.cancel()
         await hs.enter_graceful_shutdown()  # NOT_SERVING before the port goes away
         await server.stop(grace=1.0)
         log.info("indexer_stopped", **{k: v for k, v in core.c.items() if not k.startswith("verdict_")})
         announce("indexer_stopped")
+
+
+async def _expire_loop(core: IndexerCore, ttl_s: float, log: Any) -> None:
+    while True:
+        await asyncio.sleep(min(30.0, max(0.05, ttl_s / 4)))
+        gone = core.expire_workers(time.monotonic(), ttl_s)
+        if gone:
+            log.info("workers_expired", count=len(gone), first=gone[0], ttl_s=ttl_s)
 
 
 def run_server(listen: str, *, log_level: str = "info", **kw: Any) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "admit_prefill",
     "admit_cache_candidate",
     "admit_decode",
+    "admitted_workers",
     "prefill_key",
     "decode_key",
     "least_prefill_pressure",
@@ -130,6 +131,39 @@ def admit_cache_candidate(v: LoadView, input_tokens: int, uncached_tokens: int, 
 def admit_decode(v: LoadView, kv_tokens: int) -> bool:
     """A decode worker: ``kv_ok(L + max_new_tokens)`` (or ``kv_ok(L)`` when the output is unbounded)."""
     return kv_ok(v, kv_tokens)
+
+
+def admitted_workers(workers: Sequence[WorkerState], now_s: float, freshness_s: float, kv_tokens: int,
+                     queue_tokens: int = 0, max_pending: int | None = None) -> list[WorkerState]:
+    """The admitted subset of ``workers``: ``kv_ok(kv_tokens)`` and, when ``max_pending`` is set,
+    ``waiting_uncached + queue_tokens <= max_pending``. Same result as building a
+    :class:`LoadView` per worker and calling :func:`admit_prefill` (``kv_tokens = queue_tokens = L``)
+    or :func:`admit_decode`, but with an inline single-rank fast path: a saturated fleet is scanned
+    whole on every request, so this loop is the hot one."""
+    out = []
+    for w in workers:
+        load = w.load
+        if len(load) != 1:
+            v = LoadView.of(w, now_s, freshness_s)
+            if not v.fresh or (kv_ok(v, kv_tokens) and (max_pending is None or v.waiting_uncached + queue_tokens <= max_pending)):
+                out.append(w)
+            continue
+        ls = load[0]
+        if (ls is None or now_s - w.load_at_s[0] > freshness_s or not ls.extended
+                or ls.max_total_num_tokens <= 0 or ls.max_running_requests <= 0):
+            out.append(w)  # fail open
+            continue
+        delta = w.inflight - w.inflight_at_load
+        running = ls.num_running_reqs
+        if delta < 0:
+            running = running + delta if running + delta > 0 else 0
+            delta = 0
+        pend = w.pending_since_load_tokens
+        if (running + delta + 1 <= ls.max_running_requests
+                and ls.num_total_tokens + pend + kv_tokens <= ls.max_total_num_tokens
+                and (max_pending is None or ls.num_waiting_uncached_tokens + pend + queue_tokens <= max_pending)):
+            out.append(w)
+    return out
 
 
 # --------------------------------------------------------------------------- pressure orderings

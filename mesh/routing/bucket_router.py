@@ -53,6 +53,7 @@ from mesh.routing.admission import (
     admit_cache_candidate,
     admit_decode,
     admit_prefill,
+    admitted_workers,
     least_decode_pressure,
     least_prefill_pressure,
     prefill_key,
@@ -397,7 +398,7 @@ class BucketRouter:
                 return _Pick(primary, "primary", d.id, 1, pd_.reason)
             if b_ok:
                 return _Pick(backup, "backup_primary_admission", d.id, 1, pd_.reason)
-        admitted = [w for w in cands if admit_prefill(snap.view(w), L, limit)]
+        admitted = admitted_workers(cands, snap.now_s, snap.freshness_s, L, L, limit)
         if not admitted:
             return None
         rd = self._choose(req, admitted, match, snap.now_s, None)
@@ -434,9 +435,9 @@ class BucketRouter:
             views = [snap.view(w) for w in two]
             if all(admit_decode(v, T) for v in views):
                 return _Pick(_of(two, least_decode_pressure(views)), "primary", d.id, 1)
-            admitted = [v for v in (snap.view(w) for w in cands) if admit_decode(v, T)]
+            admitted = admitted_workers(cands, snap.now_s, snap.freshness_s, T)
             if admitted:
-                best = least_decode_pressure(admitted)
+                best = least_decode_pressure([snap.view(w) for w in admitted])
                 return _Pick(_of(cands, best), "range_fallback", d.id, 1)
         for d, cands in live:
             two = self._sample2(cands, None)

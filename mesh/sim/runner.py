@@ -81,7 +81,8 @@ __all__ = ["SimConfig", "ArmSpec", "SimRouter", "Arm", "run_sim", "run_arm", "bu
 
 #: How each provider is fed KV events: per router ("local"), once into a shared index ("shared"),
 #: or not at all ("none").
-PROVIDER_FEEDS = {"radix_tree": "local", "indexer": "shared", "approx": "none"}
+#: ``none`` runs without a provider (cache-aware policies then see no matches).
+PROVIDER_FEEDS = {"radix_tree": "local", "indexer": "shared", "approx": "none", "none": "none"}
 ROUTER_PICKS = ("round_robin", "random")
 
 # event kinds
@@ -433,6 +434,7 @@ class Arm:
             progress(n, n)
 
         # ------------------------------------------------------------------ summary
+        self.tracks = tracks  # per-request records (arrival, router, worker, decision, times)
         done = [tr for tr in tracks if tr is not None and tr.done >= 0]
         span = max(last_done - t0, 1e-9)
         ttft = sorted((tr.first - tr.arrival) * 1e3 for tr in done)
