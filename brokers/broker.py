@@ -71,6 +71,10 @@ class Inflight:
     tried: set[str] = field(default_factory=set)
     retry_pending: bool = False
     parked_until_s: float | None = None
+    phase: str = "mixed"  # mixed | prefill | decode (prefill/decode disaggregation)
+    room: int = 0  # PD bootstrap room linking the two legs
+    prefill_worker: str = ""
+    prefill_usage: dict | None = None
     holds_retry_budget: bool = False
     reason: str = ""  # routing decision reason of the current attempt
     fail_cause: str = ""  # error code of the last failed attempt
@@ -509,7 +513,16 @@ class Broker:
         )
 
     def _dispatch(self, inf: Inflight, now: float) -> None:
-        """Route and send one attempt. On failure to find or reach a worker, fail or retry."""
+        """Route and send one attempt. On failure to find or reach a worker, fail or retry.
+
+        Prefill/decode mode: the first leg goes to the prefill worker (bootstrap mode
+        ``prefill``); its FINAL ``prefill_done`` hands the request to the decode worker chosen
+        with it (:meth:`_send_decode`). A decode leg that fails before any chunk is re-sent to
+        another decode worker; the prefill leg is retried whole.
+        """
+        if inf.phase == "decode":
+            self._send_decode(inf, now)
+            return
         pool = self.registry.pool()
         if inf.route_req is None:
             inf.route_req = self._route_request(inf)
@@ -519,38 +532,125 @@ class Broker:
             decision = self.router.route(req, pool, now, exclude=inf.tried)
             self.stats.decision_latency.observe(time.perf_counter() - t0)
             if decision.worker_id is None:
+                if decision.reason == "bad_slo":
+                    self._finish_error(inf, ErrorCode.BAD_REQUEST, "invalid SLO")
+                    return
                 if not pool and self._park(inf, now):
                     return  # no worker yet (startup, restart, fleet loss): wait briefly for one
-                if not inf.tried and not pool:
-                    self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker")
-                elif inf.tried:
+                if inf.tried:
                     code = ErrorCode(inf.fail_cause) if inf.fail_cause else ErrorCode.UNAVAILABLE
                     self._finish_error(inf, code, f"no other worker after {inf.attempt} attempt(s): {inf.fail_cause or 'failed'}")
                 else:
-                    self._finish_error(inf, ErrorCode.NO_WORKER, decision.reason)
+                    self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker" if not pool else decision.reason)
                 return
             self.stats.decisions[decision.reason] += 1
+            dr = decision.detail.get("decode_reason")
+            if dr:
+                self.stats.decisions[f"decode_{dr}"] += 1
             if decision.degraded:
                 self.stats.degraded_decisions += 1
             sess = self.registry.by_id[decision.worker_id]
             inf.attempt += 1
             inf.tried.add(sess.worker_id)
+            bootstrap = None
+            if decision.decode_worker_id is not None:
+                inf.phase = "prefill"
+                inf.room = int(decision.detail.get("bootstrap_room") or inf.rid)
+                bootstrap = {"mode": "prefill", "room": inf.room, "decode_worker": decision.decode_worker_id}
             remaining_ms = max(1, int((inf.deadline_s - now) * 1000))
-            frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw)
+            frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw, bootstrap)
+            inf.decision = decision
             if self._send_worker(sess.identity, frames):
                 inf.session = sess
-                inf.decision = decision
                 inf.reason = decision.reason
                 sess.inflight.add(inf.rid)
                 if inf.submit.stream:
                     self._send_client(inf.client, P.encode_accepted(inf.client_rid, sess.worker_id, decision.reason, inf.attempt))
                 return
             # Unreachable or full worker: it is failing; try another one right away.
-            Router.release(sess.state, decision)
+            self._release(inf, sess)
             self.stats.retries["send_failed"] += 1
             if inf.attempt >= self.s.max_attempts:
                 self._finish_error(inf, ErrorCode.UNAVAILABLE, "could not deliver the request to any worker")
                 return
+
+    def _release(self, inf: Inflight, sess: WorkerSession | None) -> None:
+        """Undo the routing bookkeeping of the current leg (both sides while the prefill leg runs)."""
+        d = inf.decision
+        if d is None:
+            return
+        inf.decision = None
+        if inf.phase == "decode":
+            ds = self.registry.by_id.get(d.decode_worker_id or "")
+            if ds is not None:
+                self.router.release(ds.state, d)
+            return
+        if sess is not None:
+            self.router.release(sess.state, d)
+        if inf.phase == "prefill" and d.decode_worker_id:
+            ds = self.registry.by_id.get(d.decode_worker_id)
+            if ds is not None:
+                self.router.release(ds.state, d)
+
+    def _release_decision(self, d: Decision) -> None:
+        """Undo a decision that will not be used (both sides)."""
+        for wid in (d.worker_id, d.decode_worker_id):
+            s = self.registry.by_id.get(wid or "")
+            if s is not None:
+                self.router.release(s.state, d)
+
+    def _handoff(self, inf: Inflight, sess: WorkerSession, m: P.WorkerFinal, now: float) -> None:
+        """The prefill leg is done: release it and send the decode leg."""
+        d = inf.decision
+        sess.inflight.discard(inf.rid)
+        inf.session = None
+        if d is not None:
+            self.router.release(sess.state, d)  # prefill side only; the decode side stays booked
+        inf.prefill_worker = sess.worker_id
+        inf.prefill_usage = m.usage
+        inf.phase = "decode"
+        self.stats.decisions["pd_handoff"] += 1
+        self._send_decode(inf, now)
+
+    def _send_decode(self, inf: Inflight, now: float) -> None:
+        d = inf.decision
+        dsess = self.registry.by_id.get(d.decode_worker_id or "") if d is not None else None
+        if dsess is None or dsess.draining or dsess.worker_id in inf.tried:
+            # The decode worker chosen with the prefill is gone or failed: pick another one.
+            if d is not None and dsess is not None:
+                self.router.release(dsess.state, d)
+            inf.decision = None
+            pool = self.registry.pool()
+            # prefer a decode worker not tried yet; a transient failure may retry the same one
+            tried_decode = {w for w in inf.tried if (s := self.registry.by_id.get(w)) is not None and s.ready.role == "decode"}
+            nd = self.router.route(inf.route_req, pool, now, exclude=tried_decode)
+            if (nd.worker_id is None or nd.decode_worker_id is None) and tried_decode:
+                if nd.worker_id is not None:
+                    self._release_decision(nd)
+                nd = self.router.route(inf.route_req, pool, now)
+            if nd.worker_id is None or nd.decode_worker_id is None:
+                if nd.worker_id is not None:
+                    self._release_decision(nd)
+                self._finish_error(inf, ErrorCode.NO_WORKER, "no decode worker for the handoff")
+                return
+            ps = self.registry.by_id.get(nd.worker_id)
+            if ps is not None:
+                self.router.release(ps.state, nd)  # only the decode side of this decision is used
+            inf.decision = d = nd
+            dsess = self.registry.by_id[nd.decode_worker_id]  # type: ignore[index]
+            self.stats.decisions["decode_reselected"] += 1
+        inf.attempt += 1
+        inf.tried.add(dsess.worker_id)
+        remaining_ms = max(1, int((inf.deadline_s - now) * 1000))
+        bootstrap = {"mode": "decode", "room": inf.room, "prefill_worker": inf.prefill_worker,
+                     "prompt_tokens": int((inf.prefill_usage or {}).get("prompt_tokens", 0)),
+                     "cached_tokens": int((inf.prefill_usage or {}).get("cached_tokens", 0))}
+        if self._send_worker(dsess.identity, P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid,
+                                                              inf.submit.raw, bootstrap)):
+            inf.session = dsess
+            dsess.inflight.add(inf.rid)
+            return
+        self._retry_or_fail(inf, ErrorCode.UNAVAILABLE, f"could not reach decode worker {dsess.worker_id}", now)
 
     def _park(self, inf: Inflight, now: float) -> bool:
         """Hold a request while no worker is routable, up to ``park_timeout_s`` (bounded queue).
@@ -588,14 +688,18 @@ class Broker:
         sess = inf.session
         if sess is not None:
             sess.inflight.discard(inf.rid)
-            if inf.decision is not None:
-                Router.release(sess.state, inf.decision)
+            self._release(inf, sess)
             inf.session = None
-            inf.decision = None
+        elif inf.decision is not None:
+            self._release(inf, None)
 
     def _retry_or_fail(self, inf: Inflight, code: ErrorCode, message: str, now: float) -> None:
-        """A dispatched attempt failed without output. Re-dispatch after a back-off, or fail."""
+        """A dispatched attempt failed without output. Re-dispatch after a back-off, or fail.
+
+        A failed prefill leg is retried whole; a failed decode leg only re-sends the decode."""
         self._detach(inf)
+        if inf.phase == "prefill":
+            inf.phase = "mixed"
         inf.fail_cause = code.value
         remaining = inf.deadline_s - now
         if inf.committed or not inf.submit.idempotent or not self.retry.should_retry(inf.attempt, remaining):
@@ -748,6 +852,14 @@ class Broker:
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
             self.stats.dropped["stale_reply"] += 1
             return
+        if inf.phase == "prefill":
+            if m.finish_reason == "prefill_done":
+                self._handoff(inf, sess, m, time.monotonic())
+                return
+        elif inf.phase == "decode" and inf.prefill_usage:
+            # the client sees the prompt accounting of the prefill leg (where the cache hit was)
+            m.usage = {**m.usage, "prompt_tokens": inf.prefill_usage.get("prompt_tokens", m.usage.get("prompt_tokens")),
+                       "cached_tokens": inf.prefill_usage.get("cached_tokens", 0)}
         self._forget(inf)
         self.stats.requests["ok"] += 1
         u = m.usage

@@ -39,7 +39,7 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
             on_resync=lambda wid, rank, why: holder["b"].post("resync", (wid, rank, why)) if "b" in holder else None,
         )
         provider = RemoteIndexProvider(client)
-        broker = Broker(settings, Router(policy, provider), kv_sink=provider, **kwargs)
+        broker = Broker(settings, _router(settings, policy, provider, rng), kv_sink=provider, **kwargs)
         provider.broker = broker
         holder["b"] = broker
         return broker
@@ -48,7 +48,19 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
             provider = make_provider(settings.cache_prefix_provider)
         except ValueError as exc:
             raise ConfigError(f"cache_prefix_provider: {exc}") from None
-    return Broker(settings, Router(policy, provider), kv_sink=provider, **kwargs)
+    return Broker(settings, _router(settings, policy, provider, rng), kv_sink=provider, **kwargs)
+
+
+def _router(settings: BrokerSettings, policy, provider, rng):
+    """Buckets or PD: the bucket router (admission, two passes); otherwise the plain Router."""
+    if not settings.bucket_config and not settings.pd:
+        return Router(policy, provider)
+    from mesh.routing.bucket_router import BucketRouter
+    from mesh.routing.buckets import load_bucket_config
+
+    cfg = load_bucket_config(settings.bucket_config) if settings.bucket_config else None
+    return BucketRouter(cfg, policy, provider, rng=rng, freshness_s=settings.load_freshness_s, pd=settings.pd,
+                        global_cache_winner=settings.global_cache_winner, decode_policy=settings.decode_policy)
 
 
 def _gauges(broker: Broker):

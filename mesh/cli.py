@@ -41,7 +41,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
                  "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "park_timeout_s", "max_parked", "drain_timeout_s", "policy", "cache_prefix_provider",
-                 "load_freshness_s", "metrics", "http", "api_key", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
+                 "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
 
 
 def _add_broker(sub) -> None:
@@ -56,6 +56,11 @@ def _add_broker(sub) -> None:
     p.add_argument("--kv-indexer-endpoint", action="append", help="shared KV indexer http://HOST:PORT (repeat for replicas)")
     p.add_argument("--kv-indexer-query-timeout-ms", type=int, help="deadline of one indexer query (default 100)")
     p.add_argument("--kv-indexer-query-max-inflight", type=int, help="concurrent indexer queries (default 32)")
+    p.add_argument("--bucket-config", help="bucket domains file (TOML or JSON), e.g. configs/buckets-example.toml")
+    p.add_argument("--pd", action="store_true", default=None, help="prefill/decode disaggregation (prefill + decode workers)")
+    p.add_argument("--no-global-cache-winner", dest="global_cache_winner", action="store_false", default=None,
+                   help="keep cache winners inside their bucket (default: an admitted global winner may bypass it)")
+    p.add_argument("--decode-policy", choices=["power_of_two", "legacy_host_affinity"])
     p.add_argument("--heartbeat-ms", type=int, help="application heartbeat interval (default 500)")
     p.add_argument("--liveness", type=int, help="heartbeats missed before a worker is expired (default 3)")
     p.add_argument("--default-deadline-ms", type=int, help="deadline for requests that carry none (default 30000)")
@@ -118,6 +123,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--kv-events-to", choices=["all", "one"], default="all",
                    help="send KV event batches to every broker (local indexes) or to one (shared indexer)")
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk")
+    p.add_argument("--transfer-failure-rate", type=float, default=0.0,
+                   help="PD decode workers: share of modelled KV transfers that fail (fault injection)")
     p.add_argument("--curve-secret", help="this worker's certificate (.key_secret)")
     p.add_argument("--curve-server-key", help="the brokers' public key (.key)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -161,7 +168,7 @@ def _cmd_worker(args) -> int:
         run_instant_fleet(settings)
         return 0
     asyncio.run(serve_workers(settings, _engine_cfg(args), kv_events_to=args.kv_events_to, stream_interval=args.stream_interval,
-                              curve=curve))
+                              curve=curve, transfer_failure_rate=args.transfer_failure_rate))
     return 0
 
 

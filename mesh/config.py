@@ -47,6 +47,10 @@ class BrokerSettings:
     kv_indexer_query_timeout_ms: int = 100
     kv_indexer_query_max_inflight: int = 32
     load_freshness_s: float = 5.0
+    bucket_config: str = ""  # TOML/JSON bucket domains (configs/buckets-example.toml); empty = one global domain
+    pd: bool = False  # prefill/decode disaggregation: route each request to a prefill and a decode worker
+    global_cache_winner: bool = True  # an admitted global cache winner may bypass its bucket (SGLang #38814)
+    decode_policy: str = "power_of_two"  # power_of_two | legacy_host_affinity
     metrics: str = ""  # host:port for the Prometheus endpoint; empty = off
     http: str = ""  # host:port of the OpenAI-compatible HTTP ingress; empty = off (port 0 = any)
     api_key: str = ""  # required as "Authorization: Bearer <key>" on the HTTP ingress when set
@@ -69,6 +73,10 @@ class BrokerSettings:
         _require(self.retry_budget_min >= 0, "retry_budget_min", "must be >= 0")
         _require(self.max_inflight > 0, "max_inflight", "must be > 0")
         _require(self.park_timeout_s >= 0, "park_timeout_s", "must be >= 0")
+        _require(self.decode_policy in ("power_of_two", "legacy_host_affinity"), "decode_policy",
+                 "must be power_of_two or legacy_host_affinity")
+        if self.bucket_config:
+            _require(Path(self.bucket_config).is_file(), "bucket_config", f"{self.bucket_config} does not exist")
         _require(self.max_parked >= 0, "max_parked", "must be >= 0")
         _require(self.load_freshness_s > 0, "load_freshness_s", "must be > 0")
         _require(self.log_level in ("debug", "info", "warning", "error"), "log_level", "must be debug|info|warning|error")

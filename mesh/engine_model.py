@@ -84,6 +84,7 @@ class EngineConfig:
     kv_bytes_per_token: int = 131_072
     hbm_bytes_per_s: float = 2.3e12
     decode_log_interval: int = 40  # KV event flush cadence in decode steps (SGLang's default)
+    kv_transfer_bytes_per_s: float = 25e9  # PD: KV transfer bandwidth prefill -> decode (RDMA class)
     # Free KV a new request must leave after its uncached prompt: headroom for the first decode
     # tokens of the running batch, so admission does not immediately force a retraction. Small on
     # purpose (SGLang over-commits decode and retracts); 128 tokens = 0.03 % of the default KV.
@@ -100,7 +101,7 @@ class EngineConfig:
                 raise ConfigError(f"{f.name} must be a finite number, got {v!r}")
         positive = (
             "max_total_num_tokens", "page_size", "max_running_requests", "prefill_tokens_per_s",
-            "chunked_prefill_size", "hbm_bytes_per_s", "decode_log_interval", "vocab_size",
+            "chunked_prefill_size", "hbm_bytes_per_s", "decode_log_interval", "vocab_size", "kv_transfer_bytes_per_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -164,7 +165,7 @@ class _Page:
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_new", "arrival_s", "output", "seq", "keys", "path", "computed",
-        "kv_tokens", "cached_tokens", "seed", "first_done", "admitted",
+        "kv_tokens", "cached_tokens", "seed", "first_done", "admitted", "transferred",
     )
 
     def __init__(self, rid: object, prompt: list[int], max_new: int, arrival_s: float, keys: list[int]) -> None:
@@ -182,6 +183,7 @@ class _Req:
         self.seed = _rid_seed(rid)
         self.first_done = False
         self.admitted = False
+        self.transferred = False  # PD decode leg: the prompt's KV arrives over the network
 
 
 class EngineModel:
@@ -210,8 +212,12 @@ class EngineModel:
 
     # ------------------------------------------------------------------ public API
 
-    def submit(self, rid: object, prompt: Sequence[int], max_new_tokens: int, now_s: float) -> None:
+    def submit(self, rid: object, prompt: Sequence[int], max_new_tokens: int, now_s: float, *, transferred: bool = False) -> None:
         """Queue a request. ``max_new_tokens`` is clipped so prompt + output fit the KV capacity.
+
+        ``transferred`` (the decode leg of prefill/decode disaggregation): the prompt's KV is
+        received from the prefill worker instead of computed, costing ``kv_transfer`` time
+        (``kv_bytes_per_token / kv_transfer_bytes_per_s`` per uncached token) instead of prefill.
 
         Raises ValueError on a duplicate rid, an empty prompt, bad token ids, a negative
         ``max_new_tokens`` or a prompt that cannot fit (prompt + admission reserve > capacity).
@@ -231,6 +237,7 @@ class EngineModel:
         # A lone request must always fit, so a retraction can never starve it.
         max_new = min(max_new_tokens, cfg.max_total_num_tokens - cfg.admission_reserve_tokens - n)
         req = _Req(rid, toks, max_new, now_s, keys)
+        req.transferred = transferred
         self._reqs[rid] = req
         self._waiting.append(req)
 
@@ -293,10 +300,17 @@ class EngineModel:
         if chunks:
             total = 0
             attn = 0
+            xfer = 0
             for r, take in chunks:
+                if r.transferred:
+                    xfer += take
+                    continue
                 total += take
                 attn += take * (r.computed + take)
-            prefill_ms = cfg.prefill_overhead_ms + total * 1e3 / cfg.prefill_tokens_per_s + attn * cfg.attention_coef_ms
+            if total:
+                prefill_ms = cfg.prefill_overhead_ms + total * 1e3 / cfg.prefill_tokens_per_s + attn * cfg.attention_coef_ms
+            if xfer:
+                prefill_ms += xfer * cfg.kv_bytes_per_token / cfg.kv_transfer_bytes_per_s * 1e3
             self._prefill_tokens_total += total
         duration_ms = decode_ms + prefill_ms
         res.duration_s = duration_ms / 1e3

@@ -10,7 +10,6 @@ import pytest
 
 from mesh.engine_model import EngineConfig, output_token_id
 from mesh.errors import ConfigError
-from mesh.hashing import content_keys
 from mesh.sim import SimConfig, Workload, load_mooncake, make_workload, oracle_cached_tokens, run_sim
 from mesh.sim.cli import add_sim_parser, config_from_args, dumps_report
 from mesh.sim.metrics import cv, percentile, ratio

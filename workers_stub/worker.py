@@ -55,6 +55,7 @@ class _Job:
     stream: bool
     seq: int = 0
     tokens: list[int] | None = None  # collected output when not streaming
+    mode: str = "mixed"  # mixed | prefill (PD first leg: stop after the prompt) | decode
 
 
 class SimWorker:
@@ -70,6 +71,7 @@ class SimWorker:
         curve: CurveKeys | None = None,
         kv_events_to: str = "all",
         stream_interval: int = 1,
+        transfer_failure_rate: float = 0.0,
     ) -> None:
         self.s = settings
         self.worker_id = worker_id
@@ -78,6 +80,8 @@ class SimWorker:
         self.curve = curve
         self.kv_events_to = kv_events_to
         self.stream_interval = max(1, stream_interval)
+        self.transfer_failure_rate = transfer_failure_rate
+        self._rng = random.Random(worker_id)
         self.epoch = int(time.time() * 1000) * 1000 + random.randrange(1000)
         self.log = get_logger(service="worker", worker_id=worker_id)
         self.engine = EngineModel(self.cfg)
@@ -173,15 +177,21 @@ class SimWorker:
             link.send(P.encode_worker_final(r.rid, r.attempt, "length", usage, {"token_ids": out}))
             self.served += 1
             return
+        mode = (r.bootstrap or {}).get("mode", "mixed")
+        if mode == "decode" and self.transfer_failure_rate and self._rng.random() < self.transfer_failure_rate:
+            # the modelled KV transfer from the prefill worker failed: retryable, nothing was streamed
+            link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.WORKER_ERROR, "KV transfer from the prefill worker failed"))
+            return
         key = next(self._keys)
         now = self._now()
         try:
-            self.engine.submit(key, prompt, max(1, sub.max_new_tokens), now)
+            self.engine.submit(key, prompt, 1 if mode == "prefill" else max(1, sub.max_new_tokens), now,
+                               transferred=mode == "decode")
         except ValueError as exc:
             link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.BAD_REQUEST, str(exc)))
             return
-        self._jobs[key] = _Job(link, r.rid, r.attempt, time.monotonic() + r.deadline_ms / 1000.0, sub.stream,
-                               tokens=None if sub.stream else [])
+        self._jobs[key] = _Job(link, r.rid, r.attempt, time.monotonic() + r.deadline_ms / 1000.0, sub.stream and mode != "prefill",
+                               tokens=None if sub.stream else [], mode=mode)
         self._by_remote[(id(link), r.rid, r.attempt)] = key
         self._work.set()
 
@@ -214,6 +224,8 @@ class SimWorker:
                 job = self._jobs.get(key)
                 if job is None:
                     continue
+                if job.mode == "prefill":
+                    continue
                 if job.stream:
                     buf = pending.setdefault(key, [])
                     buf.append(tok)
@@ -227,6 +239,11 @@ class SimWorker:
                 job = self._drop_job(key)
                 buf = pending.pop(key, None)
                 if job is None:
+                    continue
+                if job.mode == "prefill":
+                    # PD first leg: the prompt's KV is ready for the decode worker
+                    job.link.send(P.encode_worker_final(job.rid, job.attempt, "prefill_done", usage, {}))
+                    self.served += 1
                     continue
                 if buf:
                     job.link.send(P.encode_worker_chunk(job.rid, job.attempt, job.seq, {"token_ids": buf, "text": detok(buf)}))

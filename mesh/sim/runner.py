@@ -26,7 +26,8 @@ Each arm replays the same :class:`~mesh.sim.workloads.Workload` through fresh ob
 
 Policies that never read matches (``needs_match`` False: power_of_two, round_robin, random) run
 without a provider: with ``dedupe_load_only`` (default) they form one arm per fleet shape with
-``provider = "none"`` instead of one identical arm per provider.
+``provider = "none"`` instead of one identical arm per provider. ``provider = "none"`` can also
+be asked for explicitly (cache-aware policies then see no matches).
 
 Metrics of an arm (all over the requests that completed; times in virtual ms):
 
@@ -63,7 +64,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -189,7 +190,13 @@ def build_workload(cfg: SimConfig) -> Workload:
 
 
 class SimRouter:
-    """One simulated router: a real :class:`Router` plus its own view of every worker."""
+    """One simulated router: a real routing core plus its own view of every worker.
+
+    ``router`` is anything with the :class:`Router` contract -- ``pool(states)``,
+    ``route(req, pool, now_s)`` and ``release(state, decision)`` -- so
+    :class:`mesh.routing.bucket_router.BucketRouter` slots in unchanged (a P/D arm would also
+    dispatch to ``Decision.decode_worker_id`` and release that state too).
+    """
 
     __slots__ = ("index", "router", "states", "pool", "by_id")
 
@@ -197,14 +204,14 @@ class SimRouter:
         self.index = index
         self.router = router
         self.states = states  # by worker index
-        self.pool = Router.pool(states)
+        self.pool = router.pool(states)
         self.by_id = {s.worker_id: s for s in states}
 
     def route(self, req: RouteRequest, now_s: float) -> Decision:
         return self.router.route(req, self.pool, now_s)
 
     def release(self, worker_index: int, decision: Decision) -> None:
-        Router.release(self.states[worker_index], decision)
+        self.router.release(self.states[worker_index], decision)
 
 
 class _Worker:

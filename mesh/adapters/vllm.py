@@ -1,0 +1,179 @@
+"""``mesh attach vllm``: vLLM specifics (``worker-telemetry.md`` §12).
+
+* No HTTP discovery: ``--kv-endpoint`` (rank 0; rank r = port + r) and ``--block-size`` are
+  required, ``--replay-endpoint``, ``--dp-size`` (default 1) and ``--topic`` optional. The model
+  name comes from ``GET /v1/models``; the KV capacity from ``vllm:cache_config_info``
+  (``num_gpu_blocks x block_size``) unless ``--max-total-num-tokens`` is given.
+* Events: tagged maps with unsigned (or 32-byte ``bytes``) hashes, ``lora_name``, ``extra_keys``,
+  ``group_idx`` (hybrid models: only group 0 / main attention is kept by the decoder), batch rank =
+  ``data_parallel_rank``; replay replies always carry the topic frame. Decoding and relaying are
+  the shared ones (:mod:`mesh.adapters.base`).
+* Requests: ``POST /v1/completions`` (``prompt`` = token ids or text, ``stream: true``,
+  ``stream_options.include_usage``, ``return_token_ids`` for the generated ids); chunks are
+  already deltas. ``REQUEST.bootstrap["kv_transfer_params"]`` is passed through (vLLM's PD
+  connector field).
+* Load: ``/metrics`` (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` or v0's ``vllm:gpu_cache_usage_perc``), one LoadStat per ``engine``
+  label.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from mesh import protocol as P
+from mesh.adapters.base import (
+    AttachSettings,
+    Backend,
+    EngineInfo,
+    StreamState,
+    error_code_for_status,
+    parse_prometheus,
+    rank_endpoint,
+    replace_wildcard,
+)
+from mesh.errors import ConfigError, ErrorCode
+from mesh.load import LoadStat
+
+__all__ = ["VllmBackend", "completions_body", "loadstats_from_vllm_metrics"]
+
+# mesh params -> vLLM OpenAI completion fields (vLLM accepts these sampling extensions).
+_PARAMS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "min_new_tokens": "min_tokens",
+    "min_tokens": "min_tokens", "seed": "seed", "sampling_seed": "seed", "logit_bias": "logit_bias",
+    "skip_special_tokens": "skip_special_tokens", "cache_salt": "cache_salt", "priority": "priority",
+}
+
+
+def completions_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
+    sub = r.submit
+    body: dict[str, Any] = {"model": info.model}
+    for k, v in (sub.params or {}).items():
+        dst = _PARAMS.get(k)
+        if dst is not None:
+            body[dst] = v
+    body["prompt"] = list(sub.input_ids) if sub.input_ids is not None else sub.text
+    body["max_tokens"] = sub.max_new_tokens
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    body["return_token_ids"] = True
+    if r.bootstrap and r.bootstrap.get("kv_transfer_params") is not None:
+        body["kv_transfer_params"] = r.bootstrap["kv_transfer_params"]
+    return body
+
+
+def loadstats_from_vllm_metrics(text: str, info: EngineInfo) -> list[LoadStat] | None:
+    per: dict[int, dict[str, float]] = {}
+    cap = info.max_total_num_tokens
+    for name, labels, v in parse_prometheus(text):
+        if not name.startswith("vllm:"):
+            continue
+        try:
+            rank = int(labels.get("engine", 0))
+        except ValueError:
+            rank = 0
+        per.setdefault(rank, {})[name[5:]] = v
+    out = []
+    per_rank_cap = max(1, cap // max(1, info.dp_size))
+    for rank, m in sorted(per.items()):
+        if "num_requests_running" not in m:
+            continue
+        usage = m.get("kv_cache_usage_perc", m.get("gpu_cache_usage_perc", 0.0))
+        out.append(LoadStat(num_running_reqs=int(m["num_requests_running"]), num_waiting_reqs=int(m.get("num_requests_waiting", 0)),
+                            num_tokens=int(max(0.0, usage) * per_rank_cap), max_total_num_tokens=per_rank_cap,
+                            attn_dp_rank=rank, extended=False))
+    return out or None
+
+
+class VllmBackend(Backend):
+    kind = "vllm"
+    default_health_path = "/health"
+
+    def __init__(self, s: AttachSettings) -> None:
+        super().__init__(s)
+        if not s.kv_endpoint:
+            raise ConfigError("kv_endpoint: vLLM has no HTTP discovery; pass --kv-endpoint tcp://HOST:PORT (rank 0)")
+        if not s.block_size:
+            raise ConfigError("block_size: pass --block-size (vLLM's --block-size, default 16)")
+
+    async def discover(self, http: aiohttp.ClientSession) -> EngineInfo:
+        s = self.s
+        model = s.model
+        if not model:
+            status, d = await self.get_json(http, "/v1/models")
+            if status != 200 or not isinstance(d, dict) or not d.get("data"):
+                raise ValueError(f"/v1/models answered HTTP {status}")
+            model = str(d["data"][0].get("id") or "vllm")
+        max_total = s.max_total_num_tokens
+        if not max_total:
+            try:
+                status, text = await self.get_text(http, "/metrics")
+            except (aiohttp.ClientError, OSError):
+                status, text = 0, ""
+            for name, labels, _v in parse_prometheus(text) if status == 200 else []:
+                if name == "vllm:cache_config_info":
+                    try:
+                        max_total = int(labels.get("num_gpu_blocks", 0)) * int(labels.get("block_size", s.block_size))
+                    except ValueError:
+                        pass
+                    break
+        if not max_total:
+            self.log.warning("kv_capacity_unknown", hint="pass --max-total-num-tokens for load-aware routing")
+            max_total = 1 << 20
+        dp = s.dp_size or 1
+        host = s.url_host
+
+        def ranked(ep: str | None) -> list[str | None]:
+            if not ep:
+                return [None] * dp
+            base = replace_wildcard(ep, host)
+            return [rank_endpoint(base, r) for r in range(dp)]
+
+        return EngineInfo(model=model, block_size=int(s.block_size or 16), dp_size=dp, topic=s.topic or "",
+                          kv_endpoints=ranked(s.kv_endpoint), replay_endpoints=ranked(s.replay_endpoint),
+                          load_endpoints=ranked(s.load_endpoint), max_running_requests=s.max_running_requests or 256,
+                          max_total_num_tokens=max_total, incremental_streaming=True)
+
+    def request(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any]]:
+        return "/v1/completions", completions_body(r, info)
+
+    def parse(self, obj: Any, st: StreamState, info: EngineInfo) -> None:
+        if not isinstance(obj, dict):
+            return
+        err = obj.get("error")
+        if err is not None:
+            if isinstance(err, dict):
+                code = err.get("code")
+                msg = str(err.get("message") or err)
+                st.error = (error_code_for_status(code) if isinstance(code, int) else ErrorCode.WORKER_ERROR, msg)
+            else:
+                st.error = (ErrorCode.WORKER_ERROR, str(err)[:512])
+            return
+        choices = obj.get("choices") or []
+        if choices and isinstance(choices[0], dict):
+            c = choices[0]
+            ids = c.get("token_ids")
+            if isinstance(ids, list):
+                st.new_ids = ids
+            text = c.get("text")
+            if isinstance(text, str):
+                st.new_text = text
+            fr = c.get("finish_reason")
+            if fr == "abort":
+                st.error = (ErrorCode.WORKER_ERROR, "engine aborted the request")
+                return
+            if fr:
+                st.finish = str(fr)
+        u = obj.get("usage")
+        if isinstance(u, dict):
+            details = u.get("prompt_tokens_details") or {}
+            st.usage = {"prompt_tokens": int(u.get("prompt_tokens") or 0), "completion_tokens": int(u.get("completion_tokens") or 0),
+                        "cached_tokens": int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0)}
+
+    async def poll_load(self, http: aiohttp.ClientSession, info: EngineInfo) -> list[LoadStat] | None:
+        status, text = await self.get_text(http, "/metrics")
+        return loadstats_from_vllm_metrics(text, info) if status == 200 else None
