@@ -26,6 +26,7 @@ soak: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/mesh bench broker --json bench/broker.json
 	$(VENV)/bin/mesh bench routing --json bench/routing.json
+	$(VENV)/bin/mesh bench indexer --json bench/indexer.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

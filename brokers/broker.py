@@ -524,6 +524,13 @@ class Broker:
             self._send_decode(inf, now)
             return
         pool = self.registry.pool()
+        cap = self.s.max_inflight_per_worker
+        if cap and pool and all(w.inflight >= cap for w in pool):
+            # Every worker is at its in-flight cap: wait in the bounded queue for a free slot.
+            if self._park(inf, now, saturated=True):
+                return
+            self._finish_error(inf, ErrorCode.OVERLOADED, "every worker is at capacity and the wait queue is full or timed out")
+            return
         if inf.route_req is None:
             inf.route_req = self._route_request(inf)
         req = inf.route_req
@@ -652,21 +659,33 @@ class Broker:
             return
         self._retry_or_fail(inf, ErrorCode.UNAVAILABLE, f"could not reach decode worker {dsess.worker_id}", now)
 
-    def _park(self, inf: Inflight, now: float) -> bool:
-        """Hold a request while no worker is routable, up to ``park_timeout_s`` (bounded queue).
+    def _park(self, inf: Inflight, now: float, *, saturated: bool = False) -> bool:
+        """Hold a request while no worker is routable (``park_timeout_s``) or every worker is at
+        its in-flight cap (``queue_timeout_s``), in one bounded FIFO queue.
 
-        Returns False when it cannot wait (queue full, or its park time is over)."""
+        Returns False when it cannot wait (queue full, or its wait is over)."""
         if inf.parked_until_s is None:
             if len(self._parked) >= self.s.max_parked:
                 self.stats.dropped["park_queue_full"] += 1
                 return False
-            inf.parked_until_s = min(inf.deadline_s, now + self.s.park_timeout_s)
+            wait_s = self.s.queue_timeout_s if saturated else self.s.park_timeout_s
+            inf.parked_until_s = min(inf.deadline_s, now + wait_s)
         elif now >= inf.parked_until_s:
             return False
         self._parked[inf.rid] = None
         heapq.heappush(self._park_timers, (inf.parked_until_s, inf.rid))
         self.stats.requests_parked += 1
         return True
+
+    def _unpark_one(self, now: float) -> None:
+        """A worker slot freed: give it to the oldest waiting request (FIFO)."""
+        while self._parked:
+            rid = next(iter(self._parked))
+            del self._parked[rid]
+            inf = self._inflight.get(rid)
+            if inf is not None:
+                self._dispatch(inf, now)
+                return
 
     def _unpark(self, now: float, *, expired_only: bool = False) -> None:
         """Re-dispatch parked requests (a worker became routable) or fail the expired ones."""
@@ -730,7 +749,10 @@ class Broker:
 
     def _forget(self, inf: Inflight) -> None:
         self._parked.pop(inf.rid, None)
+        freed = inf.session is not None
         self._detach(inf)
+        if freed and self._parked and self.s.max_inflight_per_worker:
+            self._unpark_one(time.monotonic())
         self._inflight.pop(inf.rid, None)
         self._by_client.pop((inf.client, inf.client_rid), None)
         if inf.holds_retry_budget:
@@ -755,7 +777,10 @@ class Broker:
             inf = self._inflight.get(rid)
             if inf is not None:
                 if rid in self._parked:  # it never reached a worker: say why
-                    self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker before the deadline")
+                    if self.registry.pool():
+                        self._finish_error(inf, ErrorCode.OVERLOADED, "every worker stayed at capacity until the deadline")
+                    else:
+                        self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker before the deadline")
                 else:
                     self._finish_error(inf, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", cancel_worker=True)
 

@@ -40,7 +40,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 # ----------------------------------------------------------------------------- broker
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
-                 "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "park_timeout_s", "max_parked", "drain_timeout_s", "policy", "cache_prefix_provider",
+                 "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "park_timeout_s", "max_parked", "max_inflight_per_worker", "queue_timeout_s", "drain_timeout_s", "policy", "cache_prefix_provider",
                  "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
 
 
@@ -72,6 +72,8 @@ def _add_broker(sub) -> None:
     p.add_argument("--max-inflight", type=int, help="requests in flight before new ones get 'overloaded'")
     p.add_argument("--park-timeout-s", type=float, help="how long a request waits for a routable worker (default 2)")
     p.add_argument("--max-parked", type=int, help="requests that may wait for a worker at once (default 10000)")
+    p.add_argument("--max-inflight-per-worker", type=int, help="per-worker in-flight cap; at the cap requests queue (default off)")
+    p.add_argument("--queue-timeout-s", type=float, help="wait for a free slot before 'overloaded' 429 (default 5)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight work (default 10)")
     p.add_argument("--load-freshness-s", type=float, help="LoadStat older than this is ignored (default 5)")
     p.add_argument("--metrics", help="HOST:PORT for the Prometheus /metrics endpoint (default off)")
@@ -248,6 +250,9 @@ def _add_bench(sub) -> None:
     r.add_argument("--decisions", type=int, default=400, help="decisions timed per fleet size")
     r.add_argument("--json", help="write results to this JSON file")
     r.set_defaults(func=_cmd_bench_routing)
+    from mesh.indexer.cli import add_bench_parser
+
+    add_bench_parser(bsub)
 
 
 def _cmd_bench_broker(args) -> int:
@@ -280,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(sub)
     _add_top(sub)
     _add_keygen(sub)
+    from mesh.indexer.cli import add_indexer_parser
+
+    add_indexer_parser(sub)
     _add_bench(sub)
     return p
 

@@ -40,6 +40,8 @@ class BrokerSettings:
     max_inflight: int = 100_000
     park_timeout_s: float = 2.0  # how long a request may wait for a routable worker (startup, restart)
     max_parked: int = 10_000  # requests waiting for a worker at most; more get no_worker at once
+    max_inflight_per_worker: int = 0  # in-flight cap per worker from this broker (0 = none); at the cap, requests queue
+    queue_timeout_s: float = 5.0  # how long a request may wait for a free slot before 'overloaded' (429)
     drain_timeout_s: float = 10.0
     policy: str = "cache_aware"
     cache_prefix_provider: str = "radix_tree"
@@ -78,6 +80,8 @@ class BrokerSettings:
         if self.bucket_config:
             _require(Path(self.bucket_config).is_file(), "bucket_config", f"{self.bucket_config} does not exist")
         _require(self.max_parked >= 0, "max_parked", "must be >= 0")
+        _require(self.max_inflight_per_worker >= 0, "max_inflight_per_worker", "must be >= 0")
+        _require(self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0")
         _require(self.load_freshness_s > 0, "load_freshness_s", "must be > 0")
         _require(self.log_level in ("debug", "info", "warning", "error"), "log_level", "must be debug|info|warning|error")
         _require(self.cache_prefix_provider in ("radix_tree", "approx", "indexer"), "cache_prefix_provider",

@@ -147,3 +147,22 @@ def test_pd_kill_prefill_mid_handoff_and_decode_mid_stream(procs):
         assert any(code == "ok" for code, _ in outcomes)
 
     run(body(), timeout_s=120)
+
+
+def test_saturated_fleet_queues_then_overloads(procs):
+    b = procs.broker("b", *FAST, "--max-inflight-per-worker", "2", "--queue-timeout-s", "1.0", "--max-parked", "6")
+    procs.workers("w", [b.backend], "--decode-base-ms", "30", count=2)
+    run(wait_for_workers(b.frontend, 2))
+
+    async def body():
+        async with Client(b.frontend) as c:
+            # 4 slots, 6 queue places: 10 are served (some after waiting), the rest get 429 overloaded
+            tasks = [asyncio.create_task(c.generate(input_ids=[i + 1] * 32, max_new_tokens=10, deadline_ms=30_000)) for i in range(14)]
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            counters = (await c.status()).counters
+        ok = [r for r in results if not isinstance(r, Exception)]
+        errs = [r for r in results if isinstance(r, Exception)]
+        assert len(ok) >= 10 and errs and all(isinstance(e, RequestError) and e.code.value == "overloaded" for e in errs)
+        assert counters.get("requests_parked", 0) >= 6
+
+    run(body(), timeout_s=60)
