@@ -125,8 +125,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--kv-events-to", choices=["all", "one"], default="all",
                    help="send KV event batches to every broker (local indexes) or to one (shared indexer)")
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk")
-    p.add_argument("--transfer-failure-rate", type=float, default=0.0,
-                   help="PD decode workers: share of modelled KV transfers that fail (fault injection)")
+    p.add_argument("--fail-transfer-every", type=int, default=0,
+                   help="PD decode workers: fail every Nth modelled KV transfer (fault injection; 0 = never)")
     p.add_argument("--curve-secret", help="this worker's certificate (.key_secret)")
     p.add_argument("--curve-server-key", help="the brokers' public key (.key)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -170,7 +170,7 @@ def _cmd_worker(args) -> int:
         run_instant_fleet(settings)
         return 0
     asyncio.run(serve_workers(settings, _engine_cfg(args), kv_events_to=args.kv_events_to, stream_interval=args.stream_interval,
-                              curve=curve, transfer_failure_rate=args.transfer_failure_rate))
+                              curve=curve, fail_transfer_every=args.fail_transfer_every))
     return 0
 
 

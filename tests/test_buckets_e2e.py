@@ -66,7 +66,7 @@ def test_full_buckets_fall_back_instead_of_503(procs):
 
 
 def _pd_fleet(procs, *extra_decode: str):
-    b = procs.broker("b", *FAST, "--bucket-config", BUCKETS, "--pd", "--max-attempts", "4", "--retry-budget-min", "50")
+    b = procs.broker("b", *FAST, "--bucket-config", BUCKETS, "--pd", "--max-attempts", "6", "--retry-budget-min", "50")
     procs.workers("pre", [b.backend], "--role", "prefill", "--label", "pool=short", "--time-scale", "0.3", count=2)
     procs.workers("dec", [b.backend], "--role", "decode", "--label", "stage=decode", "--time-scale", "0.3", *extra_decode, count=2)
     run(wait_for_workers(b.frontend, 4))
@@ -98,7 +98,7 @@ def test_pd_mode_streams_correct_output(procs):
 
 
 def test_pd_failed_transfer_is_retried(procs):
-    b = _pd_fleet(procs, "--transfer-failure-rate", "0.3")
+    b = _pd_fleet(procs, "--fail-transfer-every", "3")
     rng = random.Random(4)
 
     async def body():

@@ -71,7 +71,7 @@ class SimWorker:
         curve: CurveKeys | None = None,
         kv_events_to: str = "all",
         stream_interval: int = 1,
-        transfer_failure_rate: float = 0.0,
+        fail_transfer_every: int = 0,
     ) -> None:
         self.s = settings
         self.worker_id = worker_id
@@ -80,8 +80,8 @@ class SimWorker:
         self.curve = curve
         self.kv_events_to = kv_events_to
         self.stream_interval = max(1, stream_interval)
-        self.transfer_failure_rate = transfer_failure_rate
-        self._rng = random.Random(worker_id)
+        self.fail_transfer_every = fail_transfer_every  # fault injection: every Nth KV transfer fails
+        self._transfers = 0
         self.epoch = int(time.time() * 1000) * 1000 + random.randrange(1000)
         self.log = get_logger(service="worker", worker_id=worker_id)
         self.engine = EngineModel(self.cfg)
@@ -178,10 +178,12 @@ class SimWorker:
             self.served += 1
             return
         mode = (r.bootstrap or {}).get("mode", "mixed")
-        if mode == "decode" and self.transfer_failure_rate and self._rng.random() < self.transfer_failure_rate:
-            # the modelled KV transfer from the prefill worker failed: retryable, nothing was streamed
-            link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.WORKER_ERROR, "KV transfer from the prefill worker failed"))
-            return
+        if mode == "decode" and self.fail_transfer_every:
+            self._transfers += 1
+            if self._transfers % self.fail_transfer_every == 0:
+                # fault injection: the modelled KV transfer failed; retryable, nothing was streamed
+                link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.WORKER_ERROR, "KV transfer from the prefill worker failed"))
+                return
         key = next(self._keys)
         now = self._now()
         try:
