@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mesh.indexer.cli import add_indexer_parser
 
     add_indexer_parser(sub)
+    from mesh.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     _add_bench(sub)
     return p
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import struct
 from hashlib import sha256 as _sha256
 from collections import deque
 from collections.abc import Sequence
@@ -192,6 +193,7 @@ class EngineModel:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = cfg = config or EngineConfig()
         self._ps = cfg.page_size
+        self._pack_page = struct.Struct(f"<{cfg.page_size}I").pack  # ids validated at submit
         self._cache: dict[int, _Page] = {}  # content key -> page; insertion order is parent-first
         self._heap: list[tuple[int, int, _Page]] = []  # (stamp, push no., page): LRU eviction candidates
         self._push_no = 0
@@ -399,7 +401,9 @@ class EngineModel:
         ``num_tokens``: KV tokens in use, cached pages included. ``num_total_tokens``: KV that
         cannot be reclaimed (pinned pages + private) plus the tokens of every waiting request, the
         demand SGLang's ``kv_ok`` compares with capacity. ``total_prefill_busy_us``: duration of
-        every step that carried prefill.
+        every step that carried prefill. ``num_waiting_uncached_tokens``: uncached prompt tokens of
+        the waiting queue plus the part of the chunk-prefilled request not computed yet (prefill
+        work still ahead of a new arrival, which is what a router needs to predict its TTFT).
         """
         cfg = self.config
         ps = self._ps
@@ -409,6 +413,9 @@ class EngineModel:
             n = len(r.seq)
             waiting_tokens += n
             waiting_uncached += n - self._match_len(self._seq_keys(r), n) * ps
+        c = self._chunked
+        if c is not None:
+            waiting_uncached += len(c.seq) - c.computed
         held = self._pinned_pages * ps + self._private
         return LoadStat(
             num_running_reqs=self.num_running,
@@ -516,7 +523,7 @@ class EngineModel:
             parent = r.path[-1] if r.path else None
             page = tokens[i * ps : (i + 1) * ps]
             prior = parent.digest if parent is not None else b""
-            digest = _sha256(prior + pack_tokens(page)).digest()
+            digest = _sha256(prior + self._pack_page(*page)).digest()
             p = _Page(key, parent, digest, tuple(page), self._tick())
             self._cache[key] = p
             if parent is not None:

@@ -595,6 +595,7 @@ class KvRelay:
 
     def _restart(self, rs: RankStream, why: str, **kw) -> None:
         self.counters["engine_restarts"] += 1
+        self.counters[f"restart_{why}"] += 1
         self.log.warning("kv_publisher_restarted", dp_rank=rs.rank, why=why, last_seq=rs.last_seq, new_epoch=rs.epoch + 1, **kw)
         rs.epoch += 1
         rs.mesh_seq = 0

@@ -527,9 +527,11 @@ class PrefixIndex:
             return i0
         # Engines list removals in prompt order, so the first one is usually the shallowest;
         # anything not in the tail after it needs its own lookup.
-        tail = set(ehs[i0:])
-        rest = [ehs.index(e) for e in ehs_in_run if e not in tail]
-        return min(rest) if rest and min(rest) < i0 else i0
+        want = set(ehs_in_run)
+        for i, h in enumerate(ehs):
+            if h in want:
+                return min(i, i0)
+        return i0
 
     def clear(self, stream: Stream) -> int:
         """Drop every block of ``stream``; returns entries dropped."""

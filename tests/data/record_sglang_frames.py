@@ -75,13 +75,16 @@ def main(root: str, version: str, out_path: str) -> None:
     kv = load_module(root, version)
     rank = 1
     base, rbase = free_port(), free_port()
-    kw = dict(attn_dp_rank=rank, endpoint=f"tcp://127.0.0.1:{base - rank}", replay_endpoint=f"tcp://127.0.0.1:{rbase - rank}",
+    # before 0.5.22 there is no "bind" key: the PUB binds only for a wildcard host (else it connects)
+    host = "127.0.0.1" if version >= "0.5.22" else "*"
+    kw = dict(attn_dp_rank=rank, endpoint=f"tcp://{host}:{base - rank}", replay_endpoint=f"tcp://{host}:{rbase - rank}",
               buffer_steps=4, topic="kv@test")
     if version >= "0.5.22":
         kw["bind"] = True
     pub = kv.ZmqEventPublisher(**kw)
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{base}")
     time.sleep(0.5)  # slow joiner (a recording script, not a test)
@@ -109,6 +112,7 @@ def main(root: str, version: str, out_path: str) -> None:
     live = [sub.recv_multipart() for _ in batches]
 
     dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
     dealer.connect(f"tcp://127.0.0.1:{rbase}")
     dealer.send_multipart([b"", (0).to_bytes(8, "big")])
     replay = []

@@ -1,0 +1,233 @@
+"""The adapter's KV relay against the stub's real ZMQ publisher (in-process sockets on 127.0.0.1):
+gap replay, lost history, publisher restart (sequence back to 0, or a replay whose timestamps
+differ), resync snapshots equal to the engine's cache. Relayed batches go through the broker's
+own index code (LocalIndexProvider) so index effects are checked, not just frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+from mesh import kv_events as KV
+from mesh import protocol as P
+from mesh.adapters.base import KvRelay, RankStream
+from mesh.engine_model import EngineConfig, EngineModel
+from mesh.routing.providers import LocalIndexProvider
+from tests.conftest import run
+from tests.test_adapters_support import until
+from workers_stub.sglang_wire import SGLANG_PUB, SGLANG_REPLAY_ROUTER, KvPublisher, bind_port_range
+
+BS = 4
+WID = "w"
+
+
+class Rig:
+    """Publisher (the stub's code) -> KvRelay -> LocalIndexProvider."""
+
+    def __init__(self, *, buffer_steps: int = 100, replay_frames: int = 4, form: str = "map", replay: bool = True) -> None:
+        self.ctx = zmq.asyncio.Context.instance()
+        self.form, self.replay_frames, self.buffer_steps, self.use_replay = form, replay_frames, buffer_steps, replay
+        self.kv_port = self.replay_port = 0
+        self.pub: KvPublisher | None = None
+        self._pub_task: asyncio.Task | None = None
+        self.open_publisher()
+        self.provider = LocalIndexProvider(speculative_ttl_s=0)
+        self.provider.add_worker(WID, BS)
+        self.msgs: list[P.KvEventsMsg] = []
+        self.entries_log: list[int] = []  # the worker's index entries after each relayed batch
+        rs = RankStream(0, f"tcp://127.0.0.1:{self.kv_port}", f"tcp://127.0.0.1:{self.replay_port}" if replay else None, "", BS, epoch=100)
+        self.rs = rs
+        self.relay = KvRelay(self.ctx, [rs], self._sink, replay_timeout_s=2.0)
+        self.relay.start()
+
+    def open_publisher(self) -> None:
+        (pub,), self.kv_port = bind_port_range(self.ctx, SGLANG_PUB, "127.0.0.1", self.kv_port, 1)
+        rep = None
+        if self.use_replay:
+            (rep,), self.replay_port = bind_port_range(self.ctx, SGLANG_REPLAY_ROUTER, "127.0.0.1", self.replay_port, 1)
+        self.pub = KvPublisher(0, pub, rep, form=self.form, replay_frames=self.replay_frames, buffer_steps=self.buffer_steps)
+        self._pub_task = asyncio.create_task(self.pub.serve_replay())
+
+    async def close_publisher(self) -> None:
+        assert self.pub is not None and self._pub_task is not None
+        self._pub_task.cancel()
+        await asyncio.gather(self._pub_task, return_exceptions=True)
+        self.pub.close()
+
+    def _sink(self, rank: int, frames: list[bytes]) -> None:
+        m = P.decode_worker(frames)
+        assert isinstance(m, P.KvEventsMsg)
+        self.msgs.append(m)
+        assert not self.provider.on_kv_events(WID, m, time.monotonic()), "the relayed stream must never need a resync"
+        self.entries_log.append(self.entries())
+
+    def entries(self) -> int:
+        return self.provider.index.worker_entries(WID)
+
+    async def synced(self, timeout_s: float = 5.0) -> None:
+        """Publish empty probes until the relay has seen the latest one live (SUB joined)."""
+        t_end = time.monotonic() + timeout_s
+        while True:
+            seq = self.pub.publish([])
+            try:
+                await until(lambda: self.rs.last_seq >= seq, 0.1)
+                return
+            except TimeoutError:
+                if time.monotonic() > t_end:
+                    raise
+
+    async def close(self) -> None:
+        await self.relay.stop()
+        await self.close_publisher()
+
+
+def _stored(first: int, n_blocks: int, parent: int | None = None) -> KV.BlockStored:
+    hashes = tuple(range(first, first + n_blocks))
+    return KV.BlockStored(hashes, parent, tuple(t for h in hashes for t in (h,) * BS), BS, "GPU")
+
+
+def test_a_dropped_live_batch_is_replayed_in_order():
+    async def go():
+        rig = Rig()
+        try:
+            await rig.synced()
+            rig.pub.publish([_stored(10, 2)])
+            rig.pub.drop_next(2)  # a slow subscriber's HWM drop: the live PUB skips these two
+            rig.pub.publish([_stored(20, 1, parent=11)])
+            rig.pub.publish([KV.BlockRemoved((20,), "GPU")])
+            last = rig.pub.publish([_stored(30, 3)])
+            await until(lambda: rig.rs.last_seq == last, 5, "relay caught up")
+            assert rig.pub.dropped == 2
+            c = rig.relay.counters
+            assert c["gaps"] >= 1 and c["history_lost"] == 0 and c["engine_restarts"] == 0
+            stored = [e for m in rig.msgs for e in KV.decode_events(m.events)[0] if type(e) is not KV.AllBlocksCleared]
+            assert [e.block_hashes for e in stored] == [(10, 11), (20,), (20,), (30, 31, 32)]  # in publish order
+            assert [m.seq for m in rig.msgs] == list(range(len(rig.msgs)))  # mesh seq contiguous
+            assert rig.entries() == 5 and set(k[1] for k in rig.rs.mirror.blocks) == {10, 11, 30, 31, 32}
+        finally:
+            await rig.close()
+
+    run(go(), 30)
+
+
+def test_lost_history_clears_the_rank_and_never_over_reports():
+    async def go():
+        rig = Rig(buffer_steps=2, replay_frames=3, form="array")
+        try:
+            await rig.synced()
+            rig.pub.publish([_stored(10, 2)])
+            await until(lambda: rig.entries() == 2, 5)
+            rig.pub.drop_next(3)
+            rig.pub.publish([KV.BlockRemoved((11,), "GPU")])  # lost for good: the buffer keeps 2 batches
+            rig.pub.publish([_stored(40, 1)])
+            rig.pub.publish([_stored(50, 1)])
+            last = rig.pub.publish([_stored(60, 1)])
+            await until(lambda: rig.rs.last_seq == last, 5)
+            assert rig.relay.counters["history_lost"] == 1
+            kinds = [[type(e).__name__ for e in KV.decode_events(m.events)[0]] for m in rig.msgs]
+            assert ["AllBlocksCleared"] in kinds[1:]
+            # 10 and 11 are gone (11 may have been evicted; 10 we cannot vouch for), 50 and 60 kept
+            assert set(k[1] for k in rig.rs.mirror.blocks) == {50, 60} and rig.entries() == 2
+        finally:
+            await rig.close()
+
+    run(go(), 30)
+
+
+def test_publisher_restart_sequence_back_to_zero_gives_a_new_epoch():
+    async def go():
+        rig = Rig()
+        try:
+            await rig.synced()
+            for i in range(6):
+                rig.pub.publish([_stored(100 + 10 * i, 1)])
+            await until(lambda: rig.entries() == 6, 5)
+            old_epoch = rig.msgs[-1].epoch
+            await rig.close_publisher()  # the server dies ...
+            rig.open_publisher()  # ... and comes back on the same ports, counting from 0
+            rig.pub.publish([KV.AllBlocksCleared()])  # seq 0 (SGLang's startup reset)
+            rig.pub.publish([_stored(900, 2)])  # seq 1
+            t_end = time.monotonic() + 10
+            while rig.relay.counters["engine_restarts"] == 0:  # probes until the SUB has reconnected
+                assert time.monotonic() < t_end, "restart not detected"
+                rig.pub.publish([])
+                await asyncio.sleep(0.05)
+            await until(lambda: 900 in {k[1] for k in rig.rs.mirror.blocks}, 5, "history of the new publisher relayed")
+            new = [m for m in rig.msgs if m.epoch > old_epoch]
+            assert new and new[0].seq == 0 and KV.decode_events(new[0].events)[0] == [KV.AllBlocksCleared()]
+            assert rig.msgs[-1].epoch == old_epoch + 1
+            assert rig.entries() == 2  # old blocks dropped, the new server's rebuilt
+            i6 = rig.entries_log.index(6)
+            assert 0 in rig.entries_log[i6:] and rig.entries_log[-1] == 2  # 6 -> 0 (new epoch) -> 2
+        finally:
+            await rig.close()
+
+    run(go(), 30)
+
+
+def test_restart_hidden_behind_a_gap_is_found_by_replay_timestamps():
+    async def go():
+        rig = Rig()
+        try:
+            await rig.synced()
+            rig.pub.publish([_stored(100, 1)])
+            rig.pub.publish([_stored(200, 1)])
+            await until(lambda: rig.entries() == 2, 5)
+            last_before = rig.rs.last_seq
+            await rig.close_publisher()
+            rig.open_publisher()
+            # the new server publishes past our last seq before the SUB reconnects: a "gap"
+            for i in range(last_before + 3):
+                rig.pub.publish([_stored(1000 + i, 1)] if i else [KV.AllBlocksCleared()])
+            t_end = time.monotonic() + 10
+            while rig.relay.counters["engine_restarts"] == 0:
+                assert time.monotonic() < t_end, "restart not detected"
+                rig.pub.publish([])
+                await asyncio.sleep(0.05)
+            await until(lambda: rig.entries() == last_before + 2, 5)
+            assert {k[1] for k in rig.rs.mirror.blocks} == {1000 + i for i in range(1, last_before + 3)}
+            assert rig.relay.counters["history_lost"] == 0
+            assert rig.relay.counters["restart_replay_timestamp_mismatch"] == 1
+        finally:
+            await rig.close()
+
+    run(go(), 30)
+
+
+def test_snapshot_matches_the_engine_cache_and_rebuilds_an_index():
+    async def go():
+        rig = Rig()
+        eng = EngineModel(EngineConfig(page_size=BS, max_total_num_tokens=256, admission_reserve_tokens=8))
+        try:
+            await rig.synced()
+            rig.pub.publish(eng.drain_events())
+            now = 0.0
+            for i in range(12):  # enough traffic to evict: stores and removals both flow
+                eng.submit(i, [i % 3] * 20 + [i] * 30, 4, now)
+                while eng.has_work():
+                    res = eng.step(now)
+                    now += res.duration_s
+                    if res.kv_events:
+                        rig.pub.publish(res.kv_events)
+            last = rig.pub.publish(eng.drain_events())
+            await until(lambda: rig.rs.last_seq >= last, 5)
+            mirror = {(k[1], v[0]) for k, v in rig.rs.mirror.blocks.items()}
+            assert mirror == set(eng.cached_blocks())
+            n_live = rig.entries()
+            assert n_live == eng.num_cached_pages
+            fresh = LocalIndexProvider(speculative_ttl_s=0)
+            fresh.add_worker(WID, BS)
+            before = len(rig.msgs)
+            rig.relay.snapshot(0)
+            for m in rig.msgs[before:]:
+                fresh.on_kv_events(WID, m, 0.0)
+            assert fresh.index.worker_entries(WID) == n_live
+            assert rig.entries() == n_live  # the snapshot is idempotent for an index already in sync
+        finally:
+            await rig.close()
+
+    run(go(), 30)

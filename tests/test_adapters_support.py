@@ -1,0 +1,157 @@
+"""Helpers shared by the adapter and stub-sglang tests (no tests here).
+
+* :func:`spawn_module` / :func:`start_stub` / :func:`start_adapter`: real processes through their
+  module entry points (``python -m workers_stub.sglang_cli`` / ``python -m mesh.adapters.cli``),
+  registered in the test's ProcGroup so teardown stops them; readiness from announce lines.
+* :class:`FakeBroker`: a minimal broker backend (ROUTER) that registers workers, heartbeats them,
+  records what they send and feeds KV_EVENTS into a real :class:`LocalIndexProvider` (the broker's
+  own index code), so tests can watch a worker's index entries.
+* :func:`until`: a bounded wait for a condition (polls; never a readiness guess).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+import zmq.asyncio
+
+from mesh import protocol as P
+from mesh.procs import Proc, ProcGroup, wait_for_log_event
+from mesh.routing.providers import LocalIndexProvider
+from mesh.sockets import BROKER_BACKEND, make_socket, recv_frames, send_frames
+
+DATA = Path(__file__).parent / "data"
+
+
+def load_frames(name: str) -> dict[str, Any]:
+    doc = json.loads((DATA / name).read_text())
+    for key in ("live", "replay_from_0"):
+        if key in doc:
+            doc[key] = [[bytes.fromhex(f) for f in m] for m in doc[key]]
+    return doc
+
+
+def spawn_module(group: ProcGroup, name: str, module: str, args: list[str]) -> Proc:
+    group.log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = group.log_dir / f"{name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **group.env}
+    with log_path.open("ab") as log:
+        p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = Proc(name, p, log_path)
+    group.procs.append(proc)
+    return proc
+
+
+def start_stub(group: ProcGroup, name: str, *args: str, timeout_s: float = 30.0) -> tuple[Proc, dict]:
+    """Start ``stub-sglang`` (free ports unless given) and return its readiness record."""
+    p = spawn_module(group, name, "workers_stub.sglang_cli", ["--port", "0", *args])
+    rec = wait_for_log_event(p.log_path, "sglang_stub_listening", timeout_s, p.popen)
+    return p, rec
+
+
+def start_adapter(group: ProcGroup, name: str, engine: str, url: str, brokers: list[str], *args: str,
+                  timeout_s: float = 30.0) -> tuple[Proc, dict]:
+    cmd = [engine, "--url", url, "--worker-id", name]
+    for b in brokers:
+        cmd += ["--broker", b]
+    p = spawn_module(group, name, "mesh.adapters.cli", [*cmd, *args])
+    rec = wait_for_log_event(p.log_path, "adapter_attached", timeout_s, p.popen)
+    return p, rec
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition", step_s: float = 0.01) -> None:
+    t_end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > t_end:
+            raise TimeoutError(f"{what} not reached within {timeout_s}s")
+        await asyncio.sleep(step_s)
+
+
+class FakeBroker:
+    """Worker-facing half of a broker, enough to register an adapter and index its KV events."""
+
+    def __init__(self, ctx: zmq.asyncio.Context | None = None, heartbeat_s: float = 0.2) -> None:
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.sock = make_socket(self.ctx, BROKER_BACKEND, bind="tcp://127.0.0.1:*")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sync = zmq.Socket.shadow(self.sock.underlying)
+        self.provider = LocalIndexProvider(speculative_ttl_s=0)
+        self.heartbeat_s = heartbeat_s
+        self.sessions: dict[bytes, str] = {}
+        self.readies: list[P.Ready] = []
+        self.kv: list[P.KvEventsMsg] = []
+        self.heartbeats: list[P.Heartbeat] = []
+        self.disconnects: list[str] = []
+        self.entries_log: list[int] = []  # worker entries after every applied KV batch
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> "FakeBroker":
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.sock.close(linger=0)
+
+    def entries(self, worker_id: str) -> int:
+        return self.provider.index.worker_entries(worker_id)
+
+    def send(self, ident: bytes, frames: list[bytes]) -> None:
+        try:
+            send_frames(self.sync, [ident, *frames])
+        except zmq.ZMQError:
+            pass
+
+    async def _run(self) -> None:
+        next_hb = time.monotonic()
+        while True:
+            timeout = max(0, int((next_hb - time.monotonic()) * 1000))
+            if await self.sock.poll(timeout, zmq.POLLIN):
+                while True:
+                    try:
+                        frames = recv_frames(self.sync)
+                    except zmq.Again:
+                        break
+                    self._handle(frames[0], frames[1:])
+            if time.monotonic() >= next_hb:
+                next_hb = time.monotonic() + self.heartbeat_s
+                for ident in list(self.sessions):
+                    self.send(ident, P.encode_heartbeat())
+
+    def _handle(self, ident: bytes, frames: list[bytes]) -> None:
+        m = P.decode_worker(frames)
+        if isinstance(m, P.Ready):
+            self.readies.append(m)
+            self.sessions[ident] = m.worker_id
+            self.provider.on_worker_ready(m)
+            self.send(ident, P.encode_heartbeat())
+            return
+        wid = self.sessions.get(ident)
+        if wid is None:
+            if not isinstance(m, P.Disconnect):
+                self.send(ident, P.encode_disconnect("not registered; send READY"))
+            return
+        if isinstance(m, P.KvEventsMsg):
+            self.kv.append(m)
+            for rank, why in self.provider.on_kv_events(wid, m, time.monotonic()):
+                self.send(ident, P.encode_resync(rank, why))
+            self.entries_log.append(self.entries(wid))
+        elif isinstance(m, P.Heartbeat):
+            self.heartbeats.append(m)
+        elif isinstance(m, P.Disconnect):
+            self.disconnects.append(m.reason)
+            if m.reason != P.DRAINING:
+                del self.sessions[ident]
+                if wid not in self.sessions.values():
+                    self.provider.on_worker_removed(wid)
