@@ -49,6 +49,28 @@ class Rig:
         rep = None
         if self.use_replay:
             (rep,), self.replay_port = bind_port_range(self.ctx, SGLANG_REPLAY_ROUTER, "127.0.0.1", self.replay_port, 1)
+        self._wrap(pub, rep)
+
+    async def reopen_publisher(self) -> None:
+        """Bind the same ports again (libzmq closes listeners asynchronously: retry while in use)."""
+        t_end = time.monotonic() + 5
+        while True:
+            try:
+                (pub,), _ = bind_port_range(self.ctx, SGLANG_PUB, "127.0.0.1", self.kv_port, 1)
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < t_end, "port never released"
+                await asyncio.sleep(0.02)
+        while True:
+            try:
+                (rep,), _ = bind_port_range(self.ctx, SGLANG_REPLAY_ROUTER, "127.0.0.1", self.replay_port, 1)
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < t_end, "port never released"
+                await asyncio.sleep(0.02)
+        self._wrap(pub, rep)
+
+    def _wrap(self, pub, rep) -> None:
         self.pub = KvPublisher(0, pub, rep, form=self.form, replay_frames=self.replay_frames, buffer_steps=self.buffer_steps)
         self._pub_task = asyncio.create_task(self.pub.serve_replay())
 
@@ -148,7 +170,7 @@ def test_publisher_restart_sequence_back_to_zero_gives_a_new_epoch():
             await until(lambda: rig.entries() == 6, 5)
             old_epoch = rig.msgs[-1].epoch
             await rig.close_publisher()  # the server dies ...
-            rig.open_publisher()  # ... and comes back on the same ports, counting from 0
+            await rig.reopen_publisher()  # ... and comes back on the same ports, counting from 0
             rig.pub.publish([KV.AllBlocksCleared()])  # seq 0 (SGLang's startup reset)
             rig.pub.publish([_stored(900, 2)])  # seq 1
             t_end = time.monotonic() + 10
@@ -179,7 +201,7 @@ def test_restart_hidden_behind_a_gap_is_found_by_replay_timestamps():
             await until(lambda: rig.entries() == 2, 5)
             last_before = rig.rs.last_seq
             await rig.close_publisher()
-            rig.open_publisher()
+            await rig.reopen_publisher()
             # the new server publishes past our last seq before the SUB reconnects: a "gap"
             for i in range(last_before + 3):
                 rig.pub.publish([_stored(1000 + i, 1)] if i else [KV.AllBlocksCleared()])

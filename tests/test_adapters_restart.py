@@ -1,0 +1,114 @@
+"""A server restart (its KV sequence back to 0) drops and rebuilds that worker's index entries.
+
+Real stub-sglang processes, restarted on the same ports; the adapter runs in-process against a
+FakeBroker whose index is the broker's own LocalIndexProvider, so the worker's entries can be
+watched batch by batch. Two ways a restart is noticed: by the KV stream alone (the restart is
+faster than the health checks), and across a health outage (``/server_info.startup_time``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+
+from mesh.adapters.base import Adapter, AttachSettings
+from mesh.adapters.sglang import SglangBackend
+from mesh.hashing import content_keys
+from tests.conftest import run
+from tests.test_adapters_support import FakeBroker, start_stub, until
+
+STUB = ["--time-scale", "0.05"]
+
+
+def _same_ports(rec: dict) -> list[str]:
+    return ["--port", str(rec["port"]), "--kv-port", str(rec["kv_port_base"]), "--replay-port", str(rec["replay_port_base"]),
+            "--load-port", str(rec["load_port_base"])]
+
+
+async def _warm(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> None:
+    async with http.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}) as r:
+        assert r.status == 200
+
+
+def _matched(fb: FakeBroker, wid: str, prompt: list[int]) -> int:
+    return fb.provider.index.match(content_keys(prompt, 16), time.monotonic()).matched_blocks(wid)
+
+
+def _restart_stub(procs, proc, rec):
+    proc.stop(grace_s=5)
+    return start_stub(procs, "stub-2", *STUB, *_same_ports(rec)[2:], "--port", str(rec["port"]))
+
+
+def test_restart_seen_on_the_kv_stream_new_epoch_drops_then_rebuilds(procs):
+    proc, rec = start_stub(procs, "stub", *STUB)
+    rng = random.Random(3)
+    p1 = [rng.randrange(1, 30_000) for _ in range(1024)]
+    p2 = [rng.randrange(1, 30_000) for _ in range(512)]
+
+    async def go():
+        fb = FakeBroker().start()
+        s = AttachSettings(url=rec["url"], brokers=(fb.endpoint,), worker_id="w", heartbeat_ms=200, health_interval_ms=60_000)
+        ad = Adapter(s, SglangBackend(s))
+        await ad.start()
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+                await until(lambda: fb.readies, 10, "registration")
+                await _warm(http, rec["url"], p1)
+                await until(lambda: _matched(fb, "w", p1) == 64, 10, "p1 indexed")
+                epoch0 = fb.kv[-1].epoch
+                n_before = fb.entries("w")
+                await asyncio.to_thread(_restart_stub, procs, proc, rec)  # same ports, sequence from 0
+                await _warm(http, rec["url"], p2)
+                t_end = time.monotonic() + 15
+                i = 0
+                while ad.counters["engine_restarts"] == 0:  # small requests until the SUB has reconnected
+                    assert time.monotonic() < t_end, "restart never detected"
+                    i += 1
+                    await _warm(http, rec["url"], [i % 1000 + 1] * 20)
+                    await asyncio.sleep(0.05)
+                await until(lambda: _matched(fb, "w", p2) == 32, 10, "p2 (warmed on the new server) indexed")
+                assert _matched(fb, "w", p1) == 0  # the old server's blocks are gone
+                assert fb.kv[-1].epoch == epoch0 + 1 and len(fb.readies) == 1  # new KV epoch, same session
+                log = fb.entries_log
+                k = log.index(n_before)
+                assert 0 in log[k:], log  # dropped to nothing, then rebuilt from the new server's replay
+                assert ad.counters["history_lost"] == 0
+        finally:
+            await ad.close()
+            await fb.close()
+
+    run(go(), 60)
+
+
+def test_restart_across_a_health_outage_is_found_by_startup_time(procs):
+    proc, rec = start_stub(procs, "stub", *STUB)
+    rng = random.Random(4)
+    p1 = [rng.randrange(1, 30_000) for _ in range(512)]
+    p2 = [rng.randrange(1, 30_000) for _ in range(256)]
+
+    async def go():
+        fb = FakeBroker().start()
+        s = AttachSettings(url=rec["url"], brokers=(fb.endpoint,), worker_id="w", heartbeat_ms=200, health_interval_ms=100,
+                           unhealthy_after=1)
+        ad = Adapter(s, SglangBackend(s))
+        await ad.start()
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+                await until(lambda: fb.readies, 10, "registration")
+                await _warm(http, rec["url"], p1)
+                await until(lambda: _matched(fb, "w", p1) == 32, 10, "p1 indexed")
+                await asyncio.to_thread(_restart_stub, procs, proc, rec)
+                await until(lambda: len(fb.readies) == 2, 15, "re-registration after the outage")
+                assert fb.disconnects and ad.counters["restart_startup_time_changed"] == 1
+                assert _matched(fb, "w", p1) == 0  # the snapshot sent on re-registration holds no stale block
+                await _warm(http, rec["url"], p2)
+                await until(lambda: _matched(fb, "w", p2) == 16, 10, "p2 indexed")
+                assert _matched(fb, "w", p1) == 0
+        finally:
+            await ad.close()
+            await fb.close()
+
+    run(go(), 60)
