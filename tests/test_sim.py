@@ -308,3 +308,31 @@ def test_determinism_across_processes(tmp_path):
         )
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
+
+
+def test_sim_buckets_overloaded_run_falls_back_and_rejects_nothing():
+    from pathlib import Path
+
+    from mesh.sim.runner import SimConfig, run_sim
+
+    buckets = str(Path(__file__).resolve().parents[1] / "configs" / "buckets-example.toml")
+    from mesh.engine_model import EngineConfig
+
+    # small GPUs (4 running requests, 40k KV tokens): every bucket is soon full
+    cfg = SimConfig(workload="shared_prefix", workload_params={"groups": 4, "prompts_per_group": 5}, rate=40.0, duration_s=3.0,
+                    policies=["cache_aware"], providers=["radix_tree"], workers=[4], buckets=buckets, seed=3,
+                    engine=EngineConfig(max_total_num_tokens=40_000, max_running_requests=4))
+    arm = run_sim(cfg)["arms"][0]
+    assert arm["rejected"] == 0 and arm["completed"] == arm["requests"]
+    assert arm["decisions"].get("capacity_fallback_power_of_two", 0) > 0
+
+
+def test_sim_pd_disaggregation_completes_every_request():
+    from mesh.sim.runner import SimConfig, run_sim
+
+    cfg = SimConfig(workload="shared_prefix", workload_params={"groups": 4, "prompts_per_group": 5}, rate=5.0, duration_s=3.0,
+                    policies=["cache_aware"], providers=["radix_tree"], pd=(2, 2), seed=4)
+    arm = run_sim(cfg)["arms"][0]
+    assert arm["rejected"] == 0 and arm["completed"] == arm["requests"] > 0
+    assert sum(v for k, v in arm["decisions"].items() if k.startswith("decode_")) == arm["requests"]
+    assert arm["hit_rate"] > 0  # the prefill leg reuses the shared system prompts

@@ -792,6 +792,7 @@ class Adapter:
         self._tasks.append(asyncio.create_task(self._load_poll_loop(), name="load-poll"))
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
+        self._tasks.append(asyncio.create_task(self._stats_loop(), name="stats"))
         announce("adapter_attached", worker_id=self.worker_id, engine=self.backend.kind, url=s.url, brokers=list(s.brokers),
                  **info.describe())
 
@@ -813,7 +814,18 @@ class Adapter:
             await asyncio.wait(list(self._serving.values()), timeout=max(0.01, t_end - time.monotonic()))
         await self.close()
 
+    async def _stats_loop(self, period_s: float = 30.0) -> None:
+        last: dict[str, int] = {}
+        while True:
+            await asyncio.sleep(period_s)
+            cur = dict(self.counters)
+            if cur != last:
+                self.log.info("adapter_stats", healthy=self.healthy, **cur)
+                last = cur
+
     async def close(self) -> None:
+        if self.info is not None:
+            announce("adapter_stopped", worker_id=self.worker_id, counters=dict(self.counters))
         self._close_links()
         for t in [*self._tasks, *self._serving.values(), *self._link_tasks]:
             t.cancel()

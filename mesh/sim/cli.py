@@ -68,6 +68,9 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--net-ms", type=float, default=0.5, help="one-way router<->worker latency (default 0.5)")
     f.add_argument("--load-freshness-s", type=float, default=5.0, help="routers ignore older LoadStat (default 5)")
     f.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="TTFT SLO for goodput (default 2000)")
+    f.add_argument("--buckets", help="bucket config (TOML/JSON, e.g. configs/buckets-example.toml): route through "
+                                     "bucket domains, admission and the two-pass fallback, as the broker does")
+    f.add_argument("--pd", help="P,D: prefill/decode disaggregation with P prefill and D decode workers (replaces --workers)")
     e = p.add_argument_group("engine model (defaults: 8B model on one H100)")
     for fl in fields(EngineConfig):
         typ = int if fl.type in ("int", int) else float
@@ -100,10 +103,22 @@ def config_from_args(args: argparse.Namespace):
         policies=args.policy, providers=args.provider, routers=args.routers, workers=args.workers,
         router_pick=args.router_pick, heartbeat_ms=args.heartbeat_ms, event_delay_ms=args.event_delay_ms,
         net_ms=args.net_ms, load_freshness_s=args.load_freshness_s, ttft_slo_ms=args.ttft_slo_ms, engine=engine,
-        dedupe_load_only=not args.no_dedupe,
+        dedupe_load_only=not args.no_dedupe, buckets=args.buckets, pd=_pd(args.pd),
     )
     cfg.validate()
     return cfg
+
+
+def _pd(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        p, d = (int(x) for x in text.split(","))
+    except ValueError:
+        from mesh.errors import ConfigError
+
+        raise ConfigError(f"pd: expected PREFILL,DECODE worker counts, got {text!r}") from None
+    return p, d
 
 
 def dumps_report(report: dict) -> str:

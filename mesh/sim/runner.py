@@ -87,7 +87,7 @@ PROVIDER_FEEDS = {"radix_tree": "local", "indexer": "shared", "approx": "none", 
 ROUTER_PICKS = ("round_robin", "random")
 
 # event kinds
-_ARRIVAL, _SUBMIT, _STEP_END, _DONE, _HEARTBEAT, _KV = range(6)
+_ARRIVAL, _SUBMIT, _STEP_END, _DONE, _HEARTBEAT, _KV, _SUBMIT_DECODE = range(7)
 
 
 @dataclass
@@ -116,6 +116,9 @@ class SimConfig:
     policy_options: dict[str, Any] = field(default_factory=dict)
     provider_options: dict[str, Any] = field(default_factory=dict)
     dedupe_load_only: bool = True
+    buckets: str | None = None  # bucket config (TOML/JSON): arms route through BucketRouter
+    pd: tuple[int, int] | None = None  # (prefill workers, decode workers): disaggregated arms
+    long_pool_share: float = 0.25  # with buckets: share of (prefill/mixed) workers labelled pool=long
 
     def validate(self, *, source: bool = True) -> None:
         """Raise ConfigError on a bad setting (``source``: also check trace/workload)."""
@@ -143,6 +146,12 @@ class SimConfig:
                     raise ConfigError(f"{name} must be positive ints, got {v!r}")
         if self.max_requests is not None and self.max_requests < 1:
             raise ConfigError("max_requests must be >= 1")
+        if self.pd is not None and (len(self.pd) != 2 or min(self.pd) < 1):
+            raise ConfigError("pd must be two positive worker counts: PREFILL,DECODE")
+        if self.buckets is not None:
+            from mesh.routing.buckets import load_bucket_config
+
+            load_bucket_config(self.buckets)  # ConfigError naming the bucket and field
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
@@ -232,18 +241,50 @@ class _Worker:
 class _Track:
     """Per-request bookkeeping of one arm."""
 
-    __slots__ = ("arrival", "router", "worker", "decision", "first", "done", "cached", "prompt", "completion")
+    __slots__ = ("arrival", "router", "worker", "decision", "first", "done", "cached", "prompt", "completion", "decode", "leg")
 
     def __init__(self, arrival: float, router: int, worker: int, decision: Decision) -> None:
         self.arrival = arrival
         self.router = router
         self.worker = worker
         self.decision = decision
+        self.decode = -1  # P/D: decode worker index
+        self.leg = 0  # P/D: 1 while the prefill leg runs, 2 for the decode leg
         self.first = -1.0
         self.done = -1.0
         self.cached = 0
         self.prompt = 0
         self.completion = 0
+
+
+def _roles_and_labels(cfg: SimConfig, n: int) -> tuple[list[str], list[dict[str, str]]]:
+    """Roles and READY labels of the simulated fleet (bucket selectors match these labels).
+
+    Mixed or prefill workers: the last ``long_pool_share`` are ``pool=long``, the rest
+    ``pool=short``; decode workers (``pd``): ``stage=decode``."""
+    n_front = n if cfg.pd is None else cfg.pd[0]
+    n_long = int(round(n_front * cfg.long_pool_share)) if cfg.buckets else 0
+    roles, labels = [], []
+    for i in range(n):
+        if i < n_front:
+            roles.append("prefill" if cfg.pd else "mixed")
+            labels.append({"pool": "long" if i >= n_front - n_long else "short"})
+        else:
+            roles.append("decode")
+            labels.append({"stage": "decode"})
+    return roles, labels
+
+
+def _make_router(cfg: SimConfig, pol, prov, index: int):
+    """The broker's router: the plain Router, or BucketRouter with buckets and/or P/D."""
+    if cfg.buckets is None and cfg.pd is None:
+        return Router(pol, prov)
+    from mesh.routing.bucket_router import BucketRouter
+    from mesh.routing.buckets import load_bucket_config
+
+    bcfg = load_bucket_config(cfg.buckets) if cfg.buckets else None
+    return BucketRouter(bcfg, pol, prov, rng=random.Random(_key(0xB0C, cfg.seed, index)), freshness_s=cfg.load_freshness_s,
+                        pd=cfg.pd is not None)
 
 
 def _worker_ids(n: int) -> list[str]:
@@ -263,8 +304,10 @@ class Arm:
         self.progress = progress
         ecfg = cfg.engine
         self.block_size = ecfg.page_size
-        ids = _worker_ids(spec.workers)
+        n_workers = spec.workers if cfg.pd is None else sum(cfg.pd)
+        ids = _worker_ids(n_workers)
         self.workers = [_Worker(i, wid, EngineModel(ecfg)) for i, wid in enumerate(ids)]
+        roles, labels = _roles_and_labels(cfg, n_workers)
         self.wix = {wid: i for i, wid in enumerate(ids)}
         feed = PROVIDER_FEEDS.get(spec.provider, "none")
         self.feed = feed
@@ -282,9 +325,10 @@ class Arm:
                     prov.add_worker(wid, self.block_size)
             pol = make_policy(spec.policy, rng=random.Random(_key(0x5E1, cfg.seed, r)),
                               freshness_s=cfg.load_freshness_s, **cfg.policy_options)
-            states = [WorkerState(wid, block_size=self.block_size, max_running_requests=ecfg.max_running_requests,
-                                  max_total_num_tokens=ecfg.max_total_num_tokens) for wid in ids]
-            self.routers.append(SimRouter(r, Router(pol, prov), states))
+            states = [WorkerState(wid, role=roles[i], labels=dict(labels[i]), block_size=self.block_size,
+                                  max_running_requests=ecfg.max_running_requests, max_total_num_tokens=ecfg.max_total_num_tokens)
+                      for i, wid in enumerate(ids)]
+            self.routers.append(SimRouter(r, _make_router(cfg, pol, prov, r), states))
         # KV event targets: providers that get each batch.
         if feed == "local":
             self.kv_targets = [sr.router.provider for sr in self.routers]
@@ -351,11 +395,20 @@ class Arm:
                 w = a
                 res = b
                 for rid, cached, prompt in res.first_tokens:
-                    tracks[rid].first = t + net
+                    if tracks[rid].leg != 1:  # a prefill leg's token is not the client's first token
+                        tracks[rid].first = t + net
                 for rid, _reason, usage in res.finished:
                     tr = tracks[rid]
-                    tr.cached = usage["cached_tokens"]
-                    tr.prompt = usage["prompt_tokens"]
+                    if tr.leg == 1:  # P/D: prompt computed, hand the request to its decode worker
+                        tr.cached = usage["cached_tokens"]
+                        tr.prompt = usage["prompt_tokens"]
+                        tr.leg = 2
+                        routers[tr.router].release(tr.worker, tr.decision)
+                        push(t + net, _SUBMIT_DECODE, rid, tr.decode)
+                        continue
+                    if tr.leg == 0:
+                        tr.cached = usage["cached_tokens"]
+                        tr.prompt = usage["prompt_tokens"]
                     tr.completion = usage["completion_tokens"]
                     if tr.first < 0:  # max_new_tokens == 0: no token, done after prefill
                         tr.first = t + net
@@ -399,21 +452,38 @@ class Arm:
                     if finished >= n:
                         break
                     continue
+                dr = d.detail.get("decode_reason")
+                if dr:
+                    decisions[f"decode_{dr}"] += 1
                 wi = self.wix[d.worker_id]
                 workers[wi].served += 1
-                tracks[i] = _Track(t, ri, wi, d)
+                tr = tracks[i] = _Track(t, ri, wi, d)
                 pending_prompts[i] = toks
+                if d.decode_worker_id is not None:
+                    tr.decode = self.wix[d.decode_worker_id]
+                    tr.leg = 1
                 push(t + net, _SUBMIT, i, wi)
             elif kind == _SUBMIT:
                 w = workers[b]
-                w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t)
+                tr = tracks[a]
+                if tr.leg == 1:  # P/D prefill leg: compute the prompt only (keep it for the decode leg)
+                    w.engine.submit(a, pending_prompts[a], 1, t)
+                else:
+                    w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t)
+                w.ls = None
+                if not w.stepping:
+                    start_step(w, t)
+            elif kind == _SUBMIT_DECODE:
+                w = workers[b]
+                w.served += 1
+                w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t, transferred=True)
                 w.ls = None
                 if not w.stepping:
                     start_step(w, t)
             elif kind == _DONE:
                 tr = tracks[a]
                 tr.done = t
-                routers[tr.router].release(tr.worker, tr.decision)
+                routers[tr.router].release(tr.decode if tr.leg == 2 else tr.worker, tr.decision)
                 finished += 1
                 if t > last_done:
                     last_done = t
@@ -466,6 +536,7 @@ class Arm:
             "requests": n,
             "completed": len(done),
             "unrouted": unrouted,
+            "rejected": unrouted,  # requests that got no_worker (the simulator never sheds: no overloaded)
             "hit_rate": _r(ratio(cached, prompt)),
             "any_hit_rate": _r(ratio(sum(1 for tr in done if tr.cached), len(done))),
             "oracle_hit_rate": _r(ratio(oracle[0], oracle[1])) if oracle else None,
