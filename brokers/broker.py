@@ -394,21 +394,25 @@ class Broker:
 
     # ------------------------------------------------------------------ sends
 
-    def _send_worker(self, identity: bytes, frames: list[bytes]) -> bool:
+    def _send(self, sock: zmq.Socket, path: str, identity: bytes, frames: list[bytes]) -> bool:
+        """Non-blocking send through a ROUTER_MANDATORY socket; a failure is counted, logged
+        (rate-limited) and reported to the caller, which decides what it means."""
         try:
-            send_frames(self._bs, [identity, *frames])
+            send_frames(sock, [identity, *frames])
             return True
         except zmq.Again:
-            self.stats.dropped["worker_send_hwm"] += 1
-            why = "hwm"
+            why = "send_hwm"
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            self.stats.dropped["worker_unreachable"] += 1
             why = "unreachable"
-        if self._limiter.allow(("worker_send_failed", identity)):
-            self.log.warning("worker_send_failed", peer=identity.decode(errors="replace")[:64], why=why)
+        self.stats.dropped[f"{path}_{why}"] += 1
+        if self._limiter.allow((path, "send_failed", identity)):
+            self.log.warning("send_failed", path=path, peer=identity.hex()[:32], why=why)
         return False
+
+    def _send_worker(self, identity: bytes, frames: list[bytes]) -> bool:
+        return self._send(self._bs, "worker", identity, frames)
 
     def _send_client(self, identity: bytes, frames: list[bytes]) -> bool:
         if identity[:1] == b"\x00" and len(identity) > 5:
@@ -418,20 +422,7 @@ class Broker:
                 return False
             q.put_nowait(frames)
             return True
-        try:
-            send_frames(self._fs, [identity, *frames])
-            return True
-        except zmq.Again:
-            self.stats.dropped["client_send_hwm"] += 1
-            why = "hwm"
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self.stats.dropped["client_unreachable"] += 1
-            why = "unreachable"
-        if self._limiter.allow(("client_send_failed", identity)):
-            self.log.warning("client_send_failed", client=identity.hex()[:32], why=why)
-        return False
+        return self._send(self._fs, "client", identity, frames)
 
     def _reject(self, path: str, err: ProtocolError, peer: bytes) -> None:
         self.stats.frames_rejected[(path, err.reason)] += 1

@@ -334,4 +334,7 @@ def test_mesh_cli_wiring():
     sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     if "attach" not in sub.choices or "stub-sglang" not in sub.choices:
         pytest.skip("mesh attach / mesh stub-sglang are not wired into mesh/cli.py yet")
-    assert "sglang" in sub.choices["attach"]._actions[-1].choices or True
+    args = build_parser().parse_args(["attach", "sglang", "--url", "http://h:1", "--broker", "tcp://b:2"])
+    assert args.engine == "sglang" and callable(args.func)
+    args = build_parser().parse_args(["stub-sglang", "--port", "0"])
+    assert args.port == 0 and callable(args.func)
