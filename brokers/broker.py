@@ -75,6 +75,7 @@ class Inflight:
     room: int = 0  # PD bootstrap room linking the two legs
     prefill_worker: str = ""
     prefill_usage: dict | None = None
+    prefill_bootstrap: dict = field(default_factory=dict)
     holds_retry_budget: bool = False
     reason: str = ""  # routing decision reason of the current attempt
     fail_cause: str = ""  # error code of the last failed attempt
@@ -606,6 +607,12 @@ class Broker:
             self.router.release(sess.state, d)  # prefill side only; the decode side stays booked
         inf.prefill_worker = sess.worker_id
         inf.prefill_usage = m.usage
+        try:  # a real SGLang prefill server names its bootstrap endpoint for the decode server
+            data = P.unpack(m.data) if m.data else {}
+        except ProtocolError:
+            data = {}
+        inf.prefill_bootstrap = {k: data[k] for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+                                 if isinstance(data, dict) and k in data}
         inf.phase = "decode"
         self.stats.decisions["pd_handoff"] += 1
         self._send_decode(inf, now)
@@ -642,7 +649,8 @@ class Broker:
         remaining_ms = max(1, int((inf.deadline_s - now) * 1000))
         bootstrap = {"mode": "decode", "room": inf.room, "prefill_worker": inf.prefill_worker,
                      "prompt_tokens": int((inf.prefill_usage or {}).get("prompt_tokens", 0)),
-                     "cached_tokens": int((inf.prefill_usage or {}).get("cached_tokens", 0))}
+                     "cached_tokens": int((inf.prefill_usage or {}).get("cached_tokens", 0)),
+                     **inf.prefill_bootstrap}
         if self._send_worker(dsess.identity, P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid,
                                                               inf.submit.raw, bootstrap)):
             inf.session = dsess

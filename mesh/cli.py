@@ -291,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     from mesh.sim.cli import add_sim_parser
 
     add_sim_parser(sub)
+    from mesh.adapters.cli import add_attach_parser
+    from workers_stub.sglang_cli import add_stub_sglang_parser
+
+    add_attach_parser(sub)
+    add_stub_sglang_parser(sub)
     _add_bench(sub)
     return p
 

@@ -92,6 +92,9 @@ class FakeBroker:
         self.heartbeats: list[P.Heartbeat] = []
         self.disconnects: list[str] = []
         self.entries_log: list[int] = []  # worker entries after every applied KV batch
+        self.chunks: dict[int, list[dict]] = {}
+        self.finals: dict[int, P.WorkerFinal] = {}
+        self.errors: dict[int, P.WorkerError] = {}
         self._task: asyncio.Task | None = None
 
     def start(self) -> "FakeBroker":
@@ -106,6 +109,15 @@ class FakeBroker:
 
     def entries(self, worker_id: str) -> int:
         return self.provider.index.worker_entries(worker_id)
+
+    def request(self, rid: int, submit_raw: bytes, *, attempt: int = 1, deadline_ms: int = 20_000,
+                bootstrap: dict | None = None) -> None:
+        """Dispatch one REQUEST (a client's SUBMIT body) to the first registered worker."""
+        ident = next(iter(self.sessions))
+        self.send(ident, P.encode_request(rid, attempt, deadline_ms, f"c-{rid}", submit_raw, bootstrap))
+
+    def cancel(self, rid: int, attempt: int = 1) -> None:
+        self.send(next(iter(self.sessions)), P.encode_worker_cancel(rid, attempt))
 
     def send(self, ident: bytes, frames: list[bytes]) -> None:
         try:
@@ -149,6 +161,12 @@ class FakeBroker:
             self.entries_log.append(self.entries(wid))
         elif isinstance(m, P.Heartbeat):
             self.heartbeats.append(m)
+        elif isinstance(m, P.WorkerChunk):
+            self.chunks.setdefault(m.rid, []).append(P.unpack(m.data))
+        elif isinstance(m, P.WorkerFinal):
+            self.finals[m.rid] = m
+        elif isinstance(m, P.WorkerError):
+            self.errors[m.rid] = m
         elif isinstance(m, P.Disconnect):
             self.disconnects.append(m.reason)
             if m.reason != P.DRAINING:

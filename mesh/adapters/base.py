@@ -103,6 +103,12 @@ END_SEQ = b"\xff" * 8
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 
 
+def _log_crash(log, task: asyncio.Task) -> None:
+    """Done-callback: a background task must never die silently."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("adapter_task_crashed", task=task.get_name(), error=repr(task.exception())[:500])
+
+
 # --------------------------------------------------------------------------- settings
 
 
@@ -125,6 +131,8 @@ class AttachSettings:
     max_running_requests: int | None = None
     max_total_num_tokens: int | None = None
     incremental_streaming: bool | None = None
+    bootstrap_host: str | None = None  # PD prefill servers: host of the KV bootstrap server (default: --url host)
+    bootstrap_port: int = 8998  # SGLang --disaggregation-bootstrap-port
     heartbeat_ms: int = 500
     liveness: int = 3
     reconnect_base_ms: float = 100.0
@@ -399,7 +407,9 @@ class KvRelay:
 
     def start(self) -> None:
         for rs in self.ranks:
-            self._tasks.append(asyncio.create_task(self._rank_loop(rs), name=f"kv-rank-{rs.rank}"))
+            t = asyncio.create_task(self._rank_loop(rs), name=f"kv-rank-{rs.rank}")
+            t.add_done_callback(lambda t: _log_crash(self.log, t))
+            self._tasks.append(t)
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -725,6 +735,10 @@ class Backend:
     async def poll_load(self, http: aiohttp.ClientSession, info: EngineInfo) -> list[LoadStat] | None:
         return None
 
+    def prefill_leg(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
+        """PD prefill leg (``bootstrap.mode == "prefill"``): (path, body, FINAL data) or None if unsupported."""
+        return None
+
     async def get_json(self, http: aiohttp.ClientSession, path: str, timeout_s: float = 5.0) -> tuple[int, Any]:
         async with http.get(self.s.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
@@ -793,6 +807,8 @@ class Adapter:
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
         self._tasks.append(asyncio.create_task(self._stats_loop(), name="stats"))
+        for t in self._tasks:
+            t.add_done_callback(lambda t: _log_crash(self.log, t))
         announce("adapter_attached", worker_id=self.worker_id, engine=self.backend.kind, url=s.url, brokers=list(s.brokers),
                  **info.describe())
 
@@ -883,7 +899,7 @@ class Adapter:
 
     def _close_links(self) -> None:
         for link in self.links:
-            self._conn_no[link.endpoint] = link.conn_no + 1
+            self._conn_no[link.endpoint] = link.conn_no
             link.close()
         self.links = []
         self._need_snapshot.clear()
@@ -1052,7 +1068,10 @@ class Adapter:
 
     async def _serve(self, link: BrokerLink, r: P.Request, key: tuple[int, int, int]) -> None:
         try:
-            code, msg = await self._proxy(link, r)
+            if (r.bootstrap or {}).get("mode") == "prefill":
+                code, msg = self._prefill_leg(link, r)
+            else:
+                code, msg = await self._proxy(link, r)
             if code is not None:
                 self.counters[f"errors_{code.value}"] += 1
                 link.send(P.encode_worker_error(r.rid, r.attempt, code, msg))
@@ -1060,6 +1079,37 @@ class Adapter:
             pass
         finally:
             self._serving.pop(key, None)
+
+    def _prefill_leg(self, link: BrokerLink, r: P.Request) -> tuple[ErrorCode | None, str]:
+        """PD prefill leg. A disaggregated prefill server only finishes once the decode server
+        pulls the KV, so the adapter starts the request in the background and answers the broker
+        at once with FINAL ``prefill_done`` carrying the bootstrap address for the decode leg."""
+        assert self.info is not None
+        plan = self.backend.prefill_leg(r, self.info)
+        if plan is None:
+            return ErrorCode.BAD_REQUEST, f"{self.backend.kind} adapter: prefill/decode disaggregation is not supported"
+        path, body, data = plan
+        task = asyncio.create_task(self._background(path, body, r.deadline_ms / 1000 if r.deadline_ms > 0 else None))
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        prompt = len(r.submit.input_ids) if r.submit.input_ids is not None else 0
+        link.send(P.encode_worker_final(r.rid, r.attempt, "prefill_done",
+                                        {"prompt_tokens": prompt, "completion_tokens": 0, "cached_tokens": 0}, data))
+        self.counters["prefill_legs"] += 1
+        return None, ""
+
+    async def _background(self, path: str, body: dict[str, Any], timeout_s: float | None) -> None:
+        assert self.http is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self.http.post(self.s.base_url + path, json=body) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        self.counters["prefill_leg_errors"] += 1
+                        self.log.warning("prefill_leg_failed", status=resp.status)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            self.counters["prefill_leg_errors"] += 1
+            self.log.warning("prefill_leg_failed", error=repr(exc)[:200])
 
     async def _proxy(self, link: BrokerLink, r: P.Request) -> tuple[ErrorCode | None, str]:
         """Run one request against the server; returns an error to send, or (None, "") when done."""

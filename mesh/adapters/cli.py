@@ -19,7 +19,7 @@ __all__ = ["add_attach_parser", "settings_from_args", "main"]
 _FIELDS = ["url", "brokers", "worker_id", "model", "role", "kv_endpoint", "replay_endpoint", "load_endpoint", "block_size",
            "dp_size", "topic", "max_running_requests", "max_total_num_tokens", "heartbeat_ms", "liveness", "health_path",
            "health_interval_ms", "health_timeout_ms", "unhealthy_after", "load_poll_ms", "load_stale_ms", "replay_timeout_ms",
-           "discovery_timeout_s", "kv_events_to", "drain_timeout_s", "log_level"]
+           "discovery_timeout_s", "kv_events_to", "drain_timeout_s", "log_level", "bootstrap_host", "bootstrap_port"]
 
 
 def _common(p: argparse.ArgumentParser, *, vllm: bool) -> None:
@@ -43,6 +43,8 @@ def _common(p: argparse.ArgumentParser, *, vllm: bool) -> None:
     if not vllm:
         g.add_argument("--incremental-streaming", action="store_true", default=None,
                        help="the server runs with --incremental-streaming-output (default: discovered)")
+        g.add_argument("--bootstrap-host", help="PD prefill server: host of its KV bootstrap server (default: the --url host)")
+        g.add_argument("--bootstrap-port", type=int, help="PD prefill server: its --disaggregation-bootstrap-port (default 8998)")
     h = p.add_argument_group("health, load, timing")
     h.add_argument("--health-path", help="health endpoint (default /health; /ready is cheaper on SGLang)")
     h.add_argument("--health-interval-ms", type=int, help="health check period (default 1000)")

@@ -121,7 +121,11 @@ def info_from_server_info(d: dict[str, Any], s: AttachSettings) -> EngineInfo:
 
 
 def generate_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
-    """The ``/generate`` body for a mesh REQUEST (always streamed; see the module docstring)."""
+    """The ``/generate`` body for a mesh REQUEST (always streamed; see the module docstring).
+
+    PD: ``REQUEST.bootstrap`` keys ``bootstrap_host|port|room|pair_key`` (the broker's ``room`` as
+    ``bootstrap_room``, ``host``/``port`` likewise) become SGLang's top-level bootstrap fields.
+    """
     sub = r.submit
     sp: dict[str, Any] = {}
     body: dict[str, Any] = {}
@@ -254,6 +258,16 @@ class SglangBackend(Backend):
 
     def request(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any]]:
         return "/generate", generate_body(r, info)
+
+    def prefill_leg(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """The prefill server gets the request with its own bootstrap address and the broker's
+        room; the same three fields go back in FINAL data for the decode leg."""
+        body = generate_body(r, info)
+        boot = {"bootstrap_host": body.get("bootstrap_host") or self.s.bootstrap_host or self.s.url_host,
+                "bootstrap_port": body.get("bootstrap_port") or self.s.bootstrap_port,
+                "bootstrap_room": body.get("bootstrap_room", r.rid)}
+        body.update(boot)
+        return "/generate", body, boot
 
     def parse(self, obj: Any, st: StreamState, info: EngineInfo) -> None:
         if not isinstance(obj, dict):
