@@ -182,7 +182,8 @@ def test_cost_bounded_candidates_in_large_fleet():
     pool = [ws(f"w{i:04d}") for i in range(2000)]
     p = CacheAware(random.Random(0), top_k=4, sample_others=4, temperature=0.0)
     m = FakeMatch({"w1234": 100, "w0007": 50}, 128)
-    cands = p._candidates(pool, m, {w.worker_id: w for w in pool})
+    cands, known, complete = p._candidates(pool, m, {w.worker_id: w for w in pool})
+    assert known["w1234"] == 100 and not complete
     assert len(cands) <= 8 and "w1234" in {w.worker_id for w in cands}
     assert p.choose(req(), pool, m, 0.1, by_id={w.worker_id: w for w in pool}).worker_id == "w1234"
 

@@ -67,13 +67,6 @@ def _rendezvous(request_id: str, worker_id: str) -> int:
     return hash_pair(request_id, worker_id)
 
 
-def _matched_tokens(match, w: WorkerState, req: RouteRequest, block_size: int) -> int:
-    if match is None:
-        return 0
-    blocks = match.matched_blocks(w.worker_id)
-    return min(blocks * block_size, max(0, req.prompt_tokens - 1))
-
-
 class CacheAwareGreedy:
     """SGLang's threshold policy (see module docstring)."""
 
@@ -139,11 +132,18 @@ class CacheAware:
         self.tie_tolerance = tie_tolerance
 
     # -------------------------------------------------------------- candidate set
-    def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None) -> list[WorkerState]:
+    def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
+                    ) -> tuple[list[WorkerState], dict[str, int], bool]:
+        """(candidates, matched blocks known from the ranking, whether that map is complete).
+
+        One ``top()`` call ranks the matches deepest first; reading blocks from it avoids a
+        per-worker lookup for every candidate."""
         n = len(candidates)
         if n <= self.full_scan_max:
-            return list(candidates)
+            known = {m.worker_id: m.blocks for m in match.top(n)} if match is not None else {}
+            return list(candidates), known, True
         chosen: dict[str, WorkerState] = {}
+        known = {}
         if match is not None:
             if by_id is None:
                 by_id = {w.worker_id: w for w in candidates}
@@ -151,12 +151,13 @@ class CacheAware:
                 w = by_id.get(m.worker_id)
                 if w is not None:
                     chosen[w.worker_id] = w
+                    known[w.worker_id] = m.blocks
                     if len(chosen) >= self.top_k:
                         break
         for i in self.rng.sample(range(n), min(n, self.sample_others)):
             w = candidates[i]
             chosen.setdefault(w.worker_id, w)
-        return list(chosen.values())
+        return list(chosen.values()), known, False
 
     # -------------------------------------------------------------- cost
     def predicted_ttft_ms(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float) -> float:
@@ -192,14 +193,17 @@ class CacheAware:
     def choose(self, req, candidates, match, now_s, by_id: dict[str, WorkerState] | None = None):
         if not candidates:
             return Decision(None, "no_candidates")
-        cands = self._candidates(candidates, match, by_id)
+        cands, known, complete = self._candidates(candidates, match, by_id)
         bs = req.block_size
         L = req.prompt_tokens
         scored = []
         best_hit = 0
         rid = req.request_id
         for w in cands:
-            hit = _matched_tokens(match, w, req, bs)
+            blocks = known.get(w.worker_id)
+            if blocks is None:
+                blocks = 0 if complete or match is None else match.matched_blocks(w.worker_id)
+            hit = min(blocks * bs, max(0, L - 1))
             best_hit = max(best_hit, hit)
             ttft, score = self._cost(w, L - hit, L, now_s)
             scored.append((score, ttft, w.worker_id, hit, w))
