@@ -57,6 +57,10 @@ class WorkerState:
     pending_since_load_tokens: int = 0  # uncached tokens this router sent since the last LoadStat
     prefill_tokens_per_s: float | None = None
     _prev_load: list[LoadStat | None] = field(default_factory=list)
+    # fresh_load() is read for every candidate of every decision: the sum over ranks is cached
+    # until the next LoadStat, with the time of its oldest rank for the freshness check.
+    _agg: AggregatedLoad | None = None
+    _agg_oldest_s: float = 0.0
 
     def update_load(self, stats: Sequence[LoadStat], now_s: float) -> None:
         """Record a heartbeat's LoadStats (one per rank, rank taken from ``attn_dp_rank``)."""
@@ -78,6 +82,7 @@ class WorkerState:
         if rates:
             self.prefill_tokens_per_s = sum(rates)
         self.inflight_at_load = self.inflight
+        self._agg = self._aggregate()
         self.pending_since_load_tokens = 0
 
     def record_dispatch(self, uncached_tokens: int) -> None:
@@ -96,12 +101,20 @@ class WorkerState:
 
         A partly silent worker yields None (never a sum over only its fresh ranks).
         """
+        agg = self._agg
+        if agg is None or now_s - self._agg_oldest_s > freshness_s:
+            return None
+        return agg
+
+    def _aggregate(self) -> AggregatedLoad | None:
         if not self.load:
             return None
         running = waiting = used = mx = wu = total = mr = 0
+        oldest = float("inf")
         for ls, at in zip(self.load, self.load_at_s):
-            if ls is None or now_s - at > freshness_s or not ls.extended or not ls.capacity_valid:
+            if ls is None or not ls.extended or not ls.capacity_valid:
                 return None
+            oldest = min(oldest, at)
             running += ls.num_running_reqs
             waiting += ls.num_waiting_reqs
             used += ls.num_tokens
@@ -109,6 +122,7 @@ class WorkerState:
             wu += ls.num_waiting_uncached_tokens
             total += ls.num_total_tokens
             mr += ls.max_running_requests
+        self._agg_oldest_s = oldest
         return AggregatedLoad(running, waiting, used, mx, wu, total, mr)
 
     def pressure(self, now_s: float, freshness_s: float) -> float:
