@@ -885,6 +885,7 @@ class Broker:
             m.usage = {**m.usage, "prompt_tokens": inf.prefill_usage.get("prompt_tokens", m.usage.get("prompt_tokens")),
                        "cached_tokens": inf.prefill_usage.get("cached_tokens", 0)}
         self._forget(inf)
+        sess.failures = 0
         self.stats.requests["ok"] += 1
         u = m.usage
         pt, ct = u.get("prompt_tokens"), u.get("cached_tokens")
@@ -908,10 +909,44 @@ class Broker:
             code = ErrorCode(m.code)
         except ValueError:
             code = ErrorCode.WORKER_ERROR
+        if code in (ErrorCode.WORKER_ERROR, ErrorCode.INTERNAL):
+            self._note_failure(sess, now)
         if code.retryable:
             self._retry_or_fail(inf, code, f"worker {sess.worker_id}: {m.message}", now)
         else:
             self._finish_error(inf, code, m.message)
+
+    # -- outlier ejection ---------------------------------------------------------------
+    def _note_failure(self, sess: WorkerSession, now: float) -> None:
+        """Count a worker-side failure; eject the worker after ``eject_after_failures`` in a row
+        for ``eject_base_s x n`` (capped), unless that would leave no routable worker (panic
+        mode: a failing worker is better than none)."""
+        sess.failures += 1
+        if sess.failures < self.s.eject_after_failures or sess.ejected_until_s:
+            return
+        healthy = sum(1 for s2 in self.registry.by_id.values() if s2.state.healthy and not s2.draining)
+        ejected = sum(1 for s2 in self.registry.by_id.values() if s2.ejected_until_s)
+        if healthy <= 1 or (ejected + 1) > max(1, int(self.s.max_ejected_ratio * len(self.registry))):
+            self.stats.workers["ejection_skipped"] += 1
+            return
+        sess.ejections += 1
+        dur = min(self.s.eject_base_s * sess.ejections, self.s.eject_max_s)
+        self.registry.set_ejected(sess, now + dur)
+        self.stats.workers["ejected"] += 1
+        self.log.warning("worker_ejected", worker_id=sess.worker_id, failures=sess.failures, for_s=dur)
+        self._event("worker_ejected", worker_id=sess.worker_id, for_s=dur)
+
+    def _note_success(self, sess: WorkerSession) -> None:
+        sess.failures = 0
+
+    def _reinstate_due(self, now: float) -> None:
+        for sess in list(self.registry.by_id.values()):
+            if sess.ejected_until_s and sess.ejected_until_s <= now:
+                sess.failures = 0
+                self.registry.set_ejected(sess, 0.0)
+                self.stats.workers["reinstated"] += 1
+                self.log.info("worker_reinstated", worker_id=sess.worker_id)
+                self._event("worker_reinstated", worker_id=sess.worker_id)
 
     def _on_worker_disconnect(self, sess: WorkerSession, reason: str, now: float) -> None:
         if reason == P.DRAINING:
@@ -955,6 +990,7 @@ class Broker:
         sess.inflight.clear()
 
     def _purge_expired(self, now: float) -> None:
+        self._reinstate_due(now)
         for sess in self.registry.expired(now):
             self.stats.workers["expired"] += 1
             self.log.warning("worker_expired", worker_id=sess.worker_id, inflight=len(sess.inflight))

@@ -24,6 +24,10 @@ class WorkerSession:
     expiry_s: float
     inflight: set[int] = field(default_factory=set)
     draining: bool = False
+    # Outlier ejection (per-worker circuit breaker): consecutive failures, current ejection.
+    failures: int = 0
+    ejections: int = 0
+    ejected_until_s: float = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -57,6 +61,11 @@ class Registry:
             del self.by_identity[sess.identity]
         if self.by_id.get(sess.worker_id) is sess:
             del self.by_id[sess.worker_id]
+        self._changed()
+
+    def set_ejected(self, sess: WorkerSession, until_s: float) -> None:
+        sess.ejected_until_s = until_s
+        sess.state.healthy = until_s == 0.0
         self._changed()
 
     def set_draining(self, sess: WorkerSession) -> None:

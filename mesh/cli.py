@@ -40,7 +40,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 # ----------------------------------------------------------------------------- broker
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
-                 "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "park_timeout_s", "max_parked", "max_inflight_per_worker", "queue_timeout_s", "drain_timeout_s", "policy", "cache_prefix_provider",
+                 "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "park_timeout_s", "max_parked", "max_inflight_per_worker", "queue_timeout_s", "eject_after_failures", "eject_base_s", "eject_max_s", "max_ejected_ratio", "drain_timeout_s", "policy", "cache_prefix_provider",
                  "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
 
 
@@ -74,6 +74,10 @@ def _add_broker(sub) -> None:
     p.add_argument("--max-parked", type=int, help="requests that may wait for a worker at once (default 10000)")
     p.add_argument("--max-inflight-per-worker", type=int, help="per-worker in-flight cap; at the cap requests queue (default off)")
     p.add_argument("--queue-timeout-s", type=float, help="wait for a free slot before 'overloaded' 429 (default 5)")
+    p.add_argument("--eject-after-failures", type=int, help="consecutive worker errors before ejection (default 5)")
+    p.add_argument("--eject-base-s", type=float, help="ejection time, times the number of ejections (default 30)")
+    p.add_argument("--eject-max-s", type=float, help="longest ejection (default 300)")
+    p.add_argument("--max-ejected-ratio", type=float, help="share of workers that may be ejected at once (default 0.5)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight work (default 10)")
     p.add_argument("--load-freshness-s", type=float, help="LoadStat older than this is ignored (default 5)")
     p.add_argument("--metrics", help="HOST:PORT for the Prometheus /metrics endpoint (default off)")
@@ -125,6 +129,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--kv-events-to", choices=["all", "one"], default="all",
                    help="send KV event batches to every broker (local indexes) or to one (shared indexer)")
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk")
+    p.add_argument("--fail-requests-every", type=int, default=0,
+                   help="answer every Nth request with worker_error (fault injection; 0 = never)")
     p.add_argument("--fail-transfer-every", type=int, default=0,
                    help="PD decode workers: fail every Nth modelled KV transfer (fault injection; 0 = never)")
     p.add_argument("--curve-secret", help="this worker's certificate (.key_secret)")
@@ -170,7 +176,8 @@ def _cmd_worker(args) -> int:
         run_instant_fleet(settings)
         return 0
     asyncio.run(serve_workers(settings, _engine_cfg(args), kv_events_to=args.kv_events_to, stream_interval=args.stream_interval,
-                              curve=curve, fail_transfer_every=args.fail_transfer_every))
+                              curve=curve, fail_transfer_every=args.fail_transfer_every,
+                              fail_requests_every=args.fail_requests_every))
     return 0
 
 

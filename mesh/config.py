@@ -42,6 +42,10 @@ class BrokerSettings:
     max_parked: int = 10_000  # requests waiting for a worker at most; more get no_worker at once
     max_inflight_per_worker: int = 0  # in-flight cap per worker from this broker (0 = none); at the cap, requests queue
     queue_timeout_s: float = 5.0  # how long a request may wait for a free slot before 'overloaded' (429)
+    eject_after_failures: int = 5  # outlier ejection: consecutive worker errors before a worker is ejected
+    eject_base_s: float = 30.0  # ejection lasts eject_base_s x (number of ejections), capped at eject_max_s
+    eject_max_s: float = 300.0
+    max_ejected_ratio: float = 0.5  # never eject more than this share of workers (at least one may be)
     drain_timeout_s: float = 10.0
     policy: str = "cache_aware"
     cache_prefix_provider: str = "radix_tree"
@@ -82,6 +86,9 @@ class BrokerSettings:
         _require(self.max_parked >= 0, "max_parked", "must be >= 0")
         _require(self.max_inflight_per_worker >= 0, "max_inflight_per_worker", "must be >= 0")
         _require(self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0")
+        _require(self.eject_after_failures >= 1, "eject_after_failures", "must be >= 1")
+        _require(0 < self.eject_base_s <= self.eject_max_s, "eject_base_s", "must be > 0 and <= eject_max_s")
+        _require(0 <= self.max_ejected_ratio <= 1, "max_ejected_ratio", "must be in [0, 1]")
         _require(self.load_freshness_s > 0, "load_freshness_s", "must be > 0")
         _require(self.log_level in ("debug", "info", "warning", "error"), "log_level", "must be debug|info|warning|error")
         _require(self.cache_prefix_provider in ("radix_tree", "approx", "indexer"), "cache_prefix_provider",

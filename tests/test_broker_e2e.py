@@ -312,3 +312,27 @@ def test_graceful_sigterm_drains(procs):
 
     run(body())
     assert b.popen.wait(10) == 0
+
+
+def test_failing_worker_is_ejected_then_reinstated(procs):
+    b = procs.broker("b", *FAST, "--eject-after-failures", "3", "--eject-base-s", "2", "--retry-budget-min", "50",
+                     "--policy", "round_robin")
+    procs.workers("bad", [b.backend], "--fail-requests-every", "1", count=1)
+    procs.workers("good", [b.backend], count=2)
+    run(wait_for_workers(b.frontend, 3))
+
+    async def body():
+        async with Client(b.frontend) as c:
+            # every request still succeeds: the failing worker's attempts are retried elsewhere
+            rs = [await c.generate(input_ids=[i + 1] * 16, max_new_tokens=2, deadline_ms=10_000) for i in range(12)]
+            assert all(r.worker.startswith("good") for r in rs)
+            st = await c.status()
+            assert st.counters.get("workers.ejected") == 1
+            assert {w["worker_id"]: w["healthy"] for w in st.workers}["bad"] is False
+            # while ejected it gets nothing; after 2 s it is reinstated automatically
+            t_end = time.monotonic() + 10
+            while (await c.status()).counters.get("workers.reinstated", 0) < 1:
+                assert time.monotonic() < t_end
+                await asyncio.sleep(0.1)
+
+    run(body(), timeout_s=60)

@@ -72,6 +72,7 @@ class SimWorker:
         kv_events_to: str = "all",
         stream_interval: int = 1,
         fail_transfer_every: int = 0,
+        fail_requests_every: int = 0,
     ) -> None:
         self.s = settings
         self.worker_id = worker_id
@@ -82,6 +83,8 @@ class SimWorker:
         self.stream_interval = max(1, stream_interval)
         self.fail_transfer_every = fail_transfer_every  # fault injection: every Nth KV transfer fails
         self._transfers = 0
+        self.fail_requests_every = fail_requests_every  # fault injection: every Nth request errors
+        self._requests_seen = 0
         self.epoch = int(time.time() * 1000) * 1000 + random.randrange(1000)
         self.log = get_logger(service="worker", worker_id=worker_id)
         self.engine = EngineModel(self.cfg)
@@ -177,6 +180,12 @@ class SimWorker:
             link.send(P.encode_worker_final(r.rid, r.attempt, "length", usage, {"token_ids": out}))
             self.served += 1
             return
+        if self.fail_requests_every:
+            self._requests_seen += 1
+            if self._requests_seen % self.fail_requests_every == 0:
+                # fault injection: a broken GPU answering with errors (outlier ejection tests)
+                link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.WORKER_ERROR, "injected worker fault"))
+                return
         mode = (r.bootstrap or {}).get("mode", "mixed")
         if mode == "decode" and self.fail_transfer_every:
             self._transfers += 1
