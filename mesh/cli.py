@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from mesh.config import BrokerSettings, WorkerSettings, build, load_toml

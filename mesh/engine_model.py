@@ -59,7 +59,7 @@ from dataclasses import dataclass, field, fields
 import xxhash
 
 from mesh.errors import ConfigError
-from mesh.hashing import ROOT_KEY, content_keys, pack_tokens
+from mesh.hashing import ROOT_KEY, content_keys
 from mesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from mesh.load import LoadStat
 

@@ -10,7 +10,6 @@ import asyncio
 import signal
 import time
 
-import msgpack
 import pytest
 import zmq
 import zmq.asyncio

@@ -13,7 +13,7 @@ from __future__ import annotations
 import xxhash
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from mesh.index import ROOT_KEY, ApproxIndex, PrefixIndex, Verdict
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mesh.load import LoadStat
-from mesh.routing.cache_policies import CacheAware, CacheAwareGreedy, CostModel
+from mesh.routing.cache_policies import CacheAware, CacheAwareGreedy
 from mesh.routing.policies import PowerOfTwo, RandomPolicy, RoundRobin
 from mesh.routing.router import Router, make_policy
 from mesh.routing.view import RouteRequest, WorkerState

@@ -11,7 +11,6 @@ import pytest
 from mesh.client import Client
 from mesh.errors import RequestError
 from mesh.security import client_keys, keygen
-from mesh.up import wait_for_workers
 from tests.conftest import run
 
 

@@ -121,17 +121,10 @@ def _cmd_stub_sglang(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mesh")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    add_stub_sglang_parser(sub)
-    args = parser.parse_args(["stub-sglang", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"mesh: configuration error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    """``python -m workers_stub.sglang_cli`` = ``mesh stub-sglang`` (one CLI entry point)."""
+    from mesh.cli import main as mesh_main
+
+    return mesh_main(["stub-sglang", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

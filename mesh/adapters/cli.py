@@ -146,17 +146,10 @@ def _cmd_attach(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mesh")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    add_attach_parser(sub)
-    args = parser.parse_args(["attach", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"mesh: configuration error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    """``python -m mesh.adapters.cli`` = ``mesh attach`` (one CLI entry point)."""
+    from mesh.cli import main as mesh_main
+
+    return mesh_main(["attach", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

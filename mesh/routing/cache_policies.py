@@ -46,7 +46,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from mesh.routing.view import Decision, RouteRequest, WorkerState
+from mesh.routing.view import Decision, WorkerState
 
 try:  # xxhash is a dependency; zlib's crc32 is the fallback
     from xxhash import xxh64_intdigest as _xxh
