@@ -19,7 +19,7 @@ from typing import Any
 
 from mesh.errors import ConfigError
 
-__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build"]
+__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "apply_toml_to_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,3 +231,13 @@ def build(cls: type, *sources: dict[str, Any]):
     obj = cls(**merged)
     obj.validate()
     return obj
+
+
+def apply_toml_to_args(args: Any, parser: Any, path: str | Path, section: str) -> None:
+    """For argparse-only commands: fill ``args`` from a TOML table where the flag was left at its
+    default (flags given on the command line win). Unknown keys are rejected by name."""
+    for key, value in load_toml(path, section).items():
+        if not hasattr(args, key) or key in ("func", "config"):
+            raise ConfigError(f"{key}: unknown setting in [{section}] of {path}")
+        if getattr(args, key) == parser.get_default(key):
+            setattr(args, key, value)

@@ -34,6 +34,7 @@ def add_stub_sglang_parser(subparsers) -> argparse.ArgumentParser:
         description="Run a simulated SGLang server: SGLang's HTTP API (/generate, OpenAI endpoints, /server_info, /v1/loads, "
                     "/metrics, ...) and its ZMQ KV event / replay / LoadStat sockets, driven by mesh's GPU server model. "
                     "Ports default to free ones; the readiness line 'sglang_stub_listening' names them.")
+    p.add_argument("--config", help="TOML file; its [stub_sglang] table uses these flag names (flags win)")
     p.add_argument("--host", default="127.0.0.1", help="bind address for HTTP and ZMQ (0.0.0.0 = all; advertised as '*')")
     p.add_argument("--port", type=int, default=30000, help="HTTP port (0 = any free port; default 30000)")
     p.add_argument("--kv-port", type=int, default=0, help="KV event PUB port of rank 0, rank r uses +r (0 = free range)")
@@ -60,7 +61,7 @@ def add_stub_sglang_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("engine model (defaults: 8B model on one H100; --page-size is SGLang's flag too)")
     for name in _ENGINE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=float if name.endswith(("_per_s", "_ms")) else int)
-    p.set_defaults(func=_cmd_stub_sglang)
+    p.set_defaults(func=_cmd_stub_sglang, _parser=p)
     return p
 
 
@@ -114,7 +115,11 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def _cmd_stub_sglang(args) -> int:
+    from mesh.config import apply_toml_to_args
     from workers_stub.sglang_server import serve_stub
+
+    if args.config:
+        apply_toml_to_args(args, args._parser, args.config, "stub_sglang")
 
     asyncio.run(serve_stub(settings_from_args(args)))
     return 0
