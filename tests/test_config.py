@@ -92,10 +92,10 @@ def test_toml_for_argparse_commands(tmp_path):
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--host", default="127.0.0.1")
     f = tmp_path / "c.toml"
-    f.write_text("[stub_sglang]\\nport = 31000\\nhost = \\"0.0.0.0\\"\\n")
+    f.write_text('[stub_sglang]\nport = 31000\nhost = "0.0.0.0"\n')
     args = p.parse_args(["--host", "10.1.1.1"])
     apply_toml_to_args(args, p, f, "stub_sglang")
     assert args.port == 31000 and args.host == "10.1.1.1"  # file fills defaults, flags win
-    f.write_text("[stub_sglang]\\nnope = 1\\n")
+    f.write_text("[stub_sglang]\nnope = 1\n")
     with pytest.raises(ConfigError, match="nope"):
         apply_toml_to_args(p.parse_args([]), p, f, "stub_sglang")
