@@ -30,13 +30,14 @@ deepest matches plus ``sample_others`` random workers, so decision cost stays fl
 grows.
 
 Choice: the worker is drawn from a softmax over scores, ``p ~ exp(-(score - min) / T)`` with
-``T = temperature_ms`` (default 100 ms; or ``temperature x min`` when only the relative
-``temperature`` is set); with both 0 it is the argmin, near-ties spread by a per-request
-rendezvous hash. Sampling matters with several routers: they decide on the same stale telemetry
-and an argmin makes them all pick the same worker (herding). An absolute scale keeps a cache hit
-worth hundreds of milliseconds decisive while spreading near-ties; in ``mesh sim`` on the
-Mooncake trace (4 routers) it beat both the argmin and a relative temperature on hit rate and
-TTFT p95 (README). Randomness comes from the seeded ``rng``, so runs are reproducible.
+``T = min(temperature_ms, temperature x min score)`` (defaults 100 ms and 0.5); with both 0 it is
+the argmin, near-ties spread by a per-request rendezvous hash. Sampling matters with several
+routers: they decide on the same stale telemetry and an argmin makes them all pick the same worker
+(herding). The scale is capped in absolute terms so a cache hit worth hundreds of milliseconds
+stays decisive on long prompts, and relative to the best score so a 50 ms hit on a short prompt
+is too; in ``mesh sim`` on the Mooncake trace (4 routers) this beat both the argmin and a purely
+relative temperature on hit rate and TTFT p95 (README). Randomness comes from the seeded ``rng``,
+so runs are reproducible.
 Reasons: ``cache_hit`` (chose the deepest match), ``load_override`` (a deeper match existed but
 cost more), ``cache_miss_min_load`` (no candidate matched).
 """
@@ -121,7 +122,7 @@ class CacheAware:
     needs_match = True
 
     def __init__(self, rng: random.Random | None = None, freshness_s: float = 5.0, *, cost: CostModel | None = None,
-                 full_scan_max: int = 32, top_k: int = 8, sample_others: int = 8, temperature: float = 0.0,
+                 full_scan_max: int = 32, top_k: int = 8, sample_others: int = 8, temperature: float = 0.5,
                  decode_harm_weight: float = 1.0, tie_tolerance: float = 0.02, temperature_ms: float = 100.0) -> None:
         self.rng = rng or random.Random()
         self.freshness_s = freshness_s
@@ -210,7 +211,7 @@ class CacheAware:
             best_hit = max(best_hit, hit)
             ttft, score = self._cost(w, L - hit, L, now_s)
             scored.append((score, ttft, w.worker_id, hit, w))
-        if (self.temperature > 0 or self.temperature_ms) and len(scored) > 1:
+        if (self.temperature > 0 or self.temperature_ms > 0) and len(scored) > 1:
             pick = self._sample(scored)
         else:
             lo = min(t[0] for t in scored)
@@ -230,6 +231,7 @@ class CacheAware:
 
     def _sample(self, scored):
         lo = min(t[0] for t in scored)
-        scale = self.temperature_ms if self.temperature_ms else max(lo, 1.0) * self.temperature
+        rel = max(lo, 1.0) * self.temperature if self.temperature > 0 else float("inf")
+        scale = min(self.temperature_ms if self.temperature_ms > 0 else float("inf"), rel)
         weights = [math.exp(-(t[0] - lo) / scale) for t in scored]
         return self.rng.choices(scored, weights=weights, k=1)[0]
