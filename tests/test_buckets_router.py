@@ -15,6 +15,7 @@ from mesh.routing.buckets import parse_bucket_config
 from mesh.routing.cache_policies import CacheAware
 from mesh.routing.policies import PowerOfTwo, RoundRobin
 from mesh.routing.view import RouteRequest, WorkerState
+from tests.fakes import FakeMatch, FakeProvider
 
 # ------------------------------------------------------------------ fixtures
 
@@ -52,41 +53,6 @@ class Pick:
             if wid in ids:
                 return Decision(wid, "picked")
         return Decision(ids[0], "first") if ids else Decision(None, "no_candidates")
-
-
-class FakeMatch:
-    def __init__(self, blocks, query_blocks=1000):
-        self.blocks = blocks
-        self.query_blocks = query_blocks
-
-    def matched_blocks(self, wid):
-        return self.blocks.get(wid, 0)
-
-    def top(self, k):
-        class M:
-            def __init__(self, w, b):
-                self.worker_id, self.blocks = w, b
-
-        items = sorted(((b, w) for w, b in self.blocks.items() if b > 0), key=lambda t: (-t[0], t[1]))
-        return [M(w, b) for b, w in items[:k]]
-
-    @property
-    def best_blocks(self):
-        return max(self.blocks.values(), default=0)
-
-
-class FakeProvider:
-    name = "fake"
-
-    def __init__(self, match):
-        self.m = match
-        self.routed = []
-
-    def match(self, req, now_s):
-        return self.m
-
-    def on_routed(self, req, wid, now_s):
-        self.routed.append(wid)
 
 
 def bcfg(*, long_min=4097, short_pending=None, decode=(), **top):

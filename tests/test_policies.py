@@ -11,42 +11,7 @@ from mesh.routing.cache_policies import CacheAware, CacheAwareGreedy
 from mesh.routing.policies import PowerOfTwo, RandomPolicy, RoundRobin
 from mesh.routing.router import Router, make_policy
 from mesh.routing.view import RouteRequest, WorkerState
-
-
-class FakeMatch:
-    """A MatchView with fixed per-worker blocks."""
-
-    def __init__(self, blocks: dict[str, int], query_blocks: int) -> None:
-        self.blocks = blocks
-        self.query_blocks = query_blocks
-
-    def matched_blocks(self, wid: str) -> int:
-        return self.blocks.get(wid, 0)
-
-    def top(self, k: int):
-        class M:
-            def __init__(self, w, b):
-                self.worker_id, self.blocks = w, b
-        items = sorted(((b, w) for w, b in self.blocks.items() if b > 0), key=lambda t: (-t[0], t[1]))
-        return [M(w, b) for b, w in items[:k]]
-
-    @property
-    def best_blocks(self) -> int:
-        return max(self.blocks.values(), default=0)
-
-
-class FakeProvider:
-    name = "fake"
-
-    def __init__(self, match):
-        self.m = match
-        self.routed = []
-
-    def match(self, req, now_s):
-        return self.m
-
-    def on_routed(self, req, wid, now_s):
-        self.routed.append(wid)
+from tests.fakes import FakeMatch, FakeProvider
 
 
 def ws(wid: str, *, running=0, waiting=0, wu=0, used=0, cap=400_000, inflight=0, at=0.0) -> WorkerState:
