@@ -495,3 +495,57 @@ ApproxMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestApproxMachine = ApproxMachine.TestCase
+
+
+# --------------------------------------------------------------------------- the walk alone
+from hypothesis import given  # noqa: E402
+
+from mesh.index.walk import walk_levels  # noqa: E402
+
+
+class _One:
+    """A single-holder value, as the indexes store it (not a dict)."""
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+
+
+def _linear_levels(get, keys):
+    """Reference: visit every key, cut a level wherever the holder set shrinks."""
+    sets = []
+    for k in keys:
+        v = get(k)
+        if v is None:
+            break
+        sets.append((set(v) if type(v) is dict else {v.holder}, v))
+    depths, holders = [], []
+    for d, (s, v) in enumerate(sets, 1):
+        if d == len(sets) or len(sets[d][0]) < len(s):
+            depths.append(d)
+            holders.append(v)
+    return depths, holders
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    depths=st.lists(st.integers(0, 40), min_size=0, max_size=6),
+    total=st.integers(1, 40),
+    one_dict=st.booleans(),
+)
+def test_walk_levels_matches_a_linear_scan(depths, total, one_dict):
+    """Holder ``h<i>`` holds keys[0..depths[i]) (prefix-closed, so sets nest along the chain);
+    the binary-search walk must find exactly the levels a key-by-key scan finds."""
+    keys = list(range(100, 100 + total))
+    table = {}
+    for d in range(total):
+        hs = [f"h{i}" for i, hd in enumerate(depths) if hd > d]
+        if not hs:
+            continue
+        if len(hs) == 1 and not one_dict:
+            table[keys[d]] = _One(hs[0])
+        else:
+            table[keys[d]] = {h: 1 for h in hs}
+    got = walk_levels(table.get, keys)
+    want = _linear_levels(table.get, keys)
+    assert got[0] == want[0]
+    assert [id(v) for v in got[1]] == [id(v) for v in want[1]]

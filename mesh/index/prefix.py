@@ -77,6 +77,7 @@ class _Worker:
 class _Stream:
     worker: _Worker
     rank: int
+    worker_id: str  # == worker.worker_id, kept flat because rankings read it per holder
     ehmap: dict[int, _Run] = field(default_factory=dict)
     runs: dict[_Run, None] = field(default_factory=dict)  # ordered set of this stream's runs
     alias: dict[int, list[_Run]] = field(default_factory=dict)  # key -> extra runs holding it
@@ -160,7 +161,7 @@ class PrefixIndex:
             if w is None:
                 w = self._workers[wid] = _Worker(wid)
                 self._sorted_workers = None
-            s = w.streams[rank] = _Stream(w, rank)
+            s = w.streams[rank] = _Stream(w, rank, w.worker_id)
             self._streams[stream] = s
         return s
 
@@ -656,7 +657,7 @@ class PrefixIndex:
         not invalidate results. Read the result before the next mutation (see MatchResult).
         """
         self.c.matches += 1
-        ev = walk_levels(self._holders.get, keys, _Run)
+        ev = walk_levels(self._holders.get, keys)
         if now_s is not None and self.spec._records:
             sp = self.spec.levels(keys, now_s)
         else:

@@ -148,7 +148,7 @@ class ApproxIndex:
         self.expire(now_s)
         if not self._holders:
             return [], []
-        return walk_levels(self._holders.get, keys, Record)
+        return walk_levels(self._holders.get, keys)
 
     def match(self, keys: Sequence[int], now_s: float) -> MatchResult:
         """Per-worker speculative prefix depth of ``keys`` (every match is flagged speculative)."""
