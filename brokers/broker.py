@@ -7,10 +7,13 @@ Data flow of one request (see :mod:`mesh.protocol` for every frame)::
 
 Design rules this module keeps:
 
-* **One owner per socket.** :meth:`Broker._loop` is the only code that touches the frontend and
-  backend sockets. It waits on an asyncio poller, then drains each socket with non-blocking
-  receives (through a synchronous *shadow* of the same socket: far cheaper per message than an
-  awaited receive) and runs timers (heartbeats, expiry, deadlines, delayed retries) when due.
+* **One owner per socket.** :meth:`Broker._pump` is the only code that touches the frontend and
+  backend sockets. It runs as an event-loop callback: when a socket's file descriptor becomes
+  readable, when a timer is due (heartbeats, expiry, deadlines, delayed retries), or when another
+  task posts work to the mailbox. Each run drains both sockets with non-blocking receives on
+  plain (synchronous) sockets, runs what is due, and re-arms one timer. No future or coroutine
+  is created per message: at half load each request costs a couple of loop wake-ups, not a poll
+  set-up and tear-down each time.
 * **No silent drops.** Both ROUTERs run with ROUTER_MANDATORY; every send is non-blocking and a
   failed send is counted and acted on (worker: treated as lost; client: its requests cancelled).
 * **Exactly one terminal frame** (FINAL or ERROR) per accepted client request. A request is
@@ -47,11 +50,15 @@ from mesh.retry import RetryBudget, RetryPolicy
 from mesh.routing.router import Router
 from mesh.hashing import text_to_tokens
 from mesh.routing.view import Decision, RouteRequest, WorkerState
-from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, send_frames
+from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, send_frames, socket_readable
 
 __all__ = ["Broker", "Inflight"]
 
 _DRAIN_BATCH = 512  # max messages taken from one socket before looking at the other
+_DRAIN_TICK_S = 0.05  # while draining for shutdown, re-check at least this often
+# Heartbeats to workers go out in this many slices per interval (each session in its own
+# slice, assigned round-robin at registration): 1,000 workers never cost one long send burst.
+_HB_SLICES = 10
 
 
 @dataclass(slots=True)
@@ -120,18 +127,24 @@ class Broker:
         self._park_timers: list[tuple[float, int]] = []
         self._retries: list[tuple[float, int]] = []
         self._state = "init"  # init -> serving -> draining -> closed
-        self._stop = asyncio.Event()
         self._started_s = time.monotonic()
         self.frontend_endpoint = ""
         self.backend_endpoint = ""
-        self._front: zmq.asyncio.Socket | None = None
-        self._back: zmq.asyncio.Socket | None = None
-        # Mailbox: other tasks of this loop (indexer queries, resync callbacks) hand work to the
-        # socket-owning loop through this deque and ring an inproc doorbell it polls.
+        self._front: zmq.Socket | None = None
+        self._back: zmq.Socket | None = None
+        # Mailbox: other tasks of this event loop (HTTP ingress, indexer queries, resync
+        # callbacks) hand work to the socket owner through this deque and schedule a pump.
         self._mail: deque[tuple[str, Any]] = deque()
-        self._bell_rx: zmq.asyncio.Socket | None = None
-        self._bell_tx: zmq.asyncio.Socket | None = None
-        self._bell_rung = False
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._done: asyncio.Future | None = None  # resolved when the pump has finished serving
+        self._pump_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+        self._readers: list[int] = []
+        self._watch: list[zmq.Socket] = []  # sockets whose readiness the pump re-checks
+        self._next_hb = self._next_sweep = self._next_tel = 0.0
+        self._hb_slot = 0
+        self._hb_slots = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         # Local clients (the HTTP ingress): identity -> reply queue. Their identities start with
         # b"\x00" and are longer than 5 bytes, which ZeroMQ reserves, so no peer can collide.
@@ -149,25 +162,19 @@ class Broker:
         """Bind both ROUTERs (ports may be ``*``); the bound endpoints land in ``*_endpoint``."""
         front_spec = BROKER_FRONTEND.with_curve(self.curve, b"clients")
         back_spec = BROKER_BACKEND.with_curve(self.curve, b"workers")
-        self._front = make_socket(self.ctx, front_spec, bind=self.s.frontend)
+        # Plain synchronous sockets on the same underlying context (same inproc namespace, same
+        # ZAP handler): the pump does non-blocking I/O itself and watches their FDs, so the
+        # zmq.asyncio machinery (a reader and futures per socket) would be pure overhead.
+        sctx = zmq.Context.shadow(self.ctx.underlying)
+        self._front = make_socket(sctx, front_spec, bind=self.s.frontend)
         try:
-            self._back = make_socket(self.ctx, back_spec, bind=self.s.backend)
+            self._back = make_socket(sctx, back_spec, bind=self.s.backend)
         except BaseException:
             self._front.close(linger=0)
             raise
-        # Synchronous shadows of the same sockets for non-blocking I/O on the hot path.
-        self._fs = zmq.Socket.shadow(self._front.underlying)
-        self._bs = zmq.Socket.shadow(self._back.underlying)
+        self._fs, self._bs = self._front, self._back
         self.frontend_endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_endpoint = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
-        bell = f"inproc://mesh-broker-bell-{id(self):x}"
-        self._bell_rx = self.ctx.socket(zmq.PAIR)
-        self._bell_rx.setsockopt(zmq.LINGER, 0)
-        self._bell_rx.bind(bell)
-        self._bell_tx = self.ctx.socket(zmq.PAIR)  # only its non-blocking sync shadow sends
-        self._bell_tx.setsockopt(zmq.LINGER, 0)
-        self._bell_tx.connect(bell)
-        self._bell_tx_sync = zmq.Socket.shadow(self._bell_tx.underlying)
         if self.curve is not None:
             # Handshake failures (unlisted keys) are counted: they never reach the decode boundary.
             ev = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -198,20 +205,18 @@ class Broker:
             self._state = "draining"
             self._drain_deadline_s = time.monotonic() + self.s.drain_timeout_s
             self.log.info("broker_draining", inflight=len(self._inflight))
-        self._stop.set()
+        self._kick()
 
     def close(self) -> None:
         """Close sockets (idempotent)."""
         if self._state == "closed":
             return
+        self._stop_io()
         if self._back is not None:
             for sess in list(self.registry.by_identity.values()):
                 self._send_worker(sess.identity, P.encode_disconnect("broker_shutdown"))
         for t in list(self._tasks):
             t.cancel()
-        for sock in (self._bell_tx, self._bell_rx):
-            if sock is not None:
-                sock.close(linger=0)
         for path, mon in self._monitors:
             mon.close(linger=0)
         if self.telemetry is not None:
@@ -239,71 +244,138 @@ class Broker:
     # ------------------------------------------------------------------ main loop
 
     async def _loop(self) -> None:
+        """Watch the sockets' FDs and wait until the pump says serving is over."""
         assert self._front is not None and self._back is not None
-        front, back = self._fs, self._bs
-        poller = zmq.asyncio.Poller()
-        poller.register(self._front, zmq.POLLIN)
-        poller.register(self._back, zmq.POLLIN)
-        poller.register(self._bell_rx, zmq.POLLIN)
-        bell = zmq.Socket.shadow(self._bell_rx.underlying)
-        for _, mon in self._monitors:
-            poller.register(mon, zmq.POLLIN)
+        loop = asyncio.get_running_loop()
+        self._aloop = loop
+        self._done = loop.create_future()
+        self._watch = [self._bs, self._fs, *(mon for _, mon in self._monitors)]
+        now = time.monotonic()
         hb_s = self.s.heartbeat_ms / 1000.0
-        next_hb = time.monotonic() + hb_s
-        next_sweep = time.monotonic() + hb_s / 5
-        next_tel = time.monotonic() + (self.telemetry.interval_s if self.telemetry else 1e9)
-        while True:
-            now = time.monotonic()
-            if self._state == "draining" and (not self._inflight or now >= self._drain_deadline_s):
-                self._fail_all(ErrorCode.UNAVAILABLE, "broker shut down before the request finished")
-                return
-            wake = min(next_hb, next_sweep, next_tel)
-            if self._deadlines:
-                wake = min(wake, self._deadlines[0][0])
-            if self._retries:
-                wake = min(wake, self._retries[0][0])
-            if self._park_timers:
-                wake = min(wake, self._park_timers[0][0])
-            timeout_ms = max(0, int((wake - now) * 1000) + 1)
-            if self._stop.is_set() and self._state == "draining":
-                timeout_ms = min(timeout_ms, 50)
-            await poller.poll(timeout_ms)
-            # Drain both sockets regardless of which one woke us: cheap when empty.
-            busy = True
-            while busy:
-                busy = self._drain(back, self._on_worker_frames) | self._drain(front, self._on_client_frames)
-            if self._mail or self._bell_rung:
-                self._drain_mail(bell)
-            for path, mon in self._monitors:
-                try:
-                    self._drain_monitor(path, mon)
-                except Exception as exc:  # monitoring must never take the loop down
-                    self.stats.dropped["handler_exception"] += 1
-                    self.log.exception("monitor_failed", error=repr(exc))
-            now = time.monotonic()
-            if now >= next_hb:
-                self._send_heartbeats()
-                next_hb = now + hb_s
-            if now >= next_sweep:
-                self._purge_expired(now)
-                next_sweep = now + hb_s / 5
-            if now >= next_tel and self.telemetry is not None:
-                self._publish_snapshot(now)
-                next_tel = now + self.telemetry.interval_s
-            if self._deadlines and self._deadlines[0][0] <= now:
-                self._expire_deadlines(now)
-            if self._retries and self._retries[0][0] <= now:
-                self._run_due_retries(now)
-            if self._park_timers and self._park_timers[0][0] <= now:
-                self._unpark(now, expired_only=True)
+        self._next_hb = now + hb_s / _HB_SLICES
+        self._next_sweep = now + hb_s / 5
+        self._next_tel = now + (self.telemetry.interval_s if self.telemetry else 1e9)
+        for sock in self._watch:
+            fd = sock.getsockopt(zmq.FD)
+            loop.add_reader(fd, self._pump)
+            self._readers.append(fd)
+        # ZeroMQ FDs are edge-triggered: messages queued before we watched would never be
+        # reported, so the first pump runs unconditionally.
+        self._kick()
+        try:
+            await self._done
+        finally:
+            self._stop_io()
+
+    def _stop_io(self) -> None:
+        """Stop watching the sockets and cancel the timer (idempotent)."""
+        if self._aloop is not None:
+            for fd in self._readers:
+                self._aloop.remove_reader(fd)
+        self._readers = []
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = float("inf")
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    def _kick(self) -> None:
+        """Schedule one pump soon (coalesced)."""
+        if self._aloop is not None and not self._pump_scheduled and self._readers:
+            self._pump_scheduled = True
+            self._aloop.call_soon(self._pump)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = float("inf")
+        self._pump()
+
+    def _pump(self) -> None:
+        """Drain both sockets and the mailbox, run due timers, re-arm the timer.
+
+        Runs from the event loop (FD readable, timer, or :meth:`_kick`). A ZeroMQ FD only
+        signals *changes*, and any send may consume a pending signal, so the pump ends by
+        reading every socket's EVENTS after its last send: if a socket still has input it
+        schedules itself again (after letting other tasks run) instead of waiting on the FD.
+        An unexpected exception ends serving and is raised from :meth:`run`.
+        """
+        self._pump_scheduled = False
+        if not self._readers:
+            return  # stopped
+        try:
+            self._pump_once()
+        except BaseException as exc:  # noqa: BLE001 - handed to run(), which re-raises it
+            if self._done is not None and not self._done.done():
+                self._done.set_exception(exc)
+            self._stop_io()
+
+    def _pump_once(self) -> None:
+        front, back = self._fs, self._bs
+        busy = True
+        while busy:
+            busy = self._drain(back, self._on_worker_frames) | self._drain(front, self._on_client_frames)
+        if self._mail:
+            self._drain_mail()
+        for path, mon in self._monitors:
+            try:
+                self._drain_monitor(path, mon)
+            except Exception as exc:  # monitoring must never take the loop down
+                self.stats.dropped["handler_exception"] += 1
+                self.log.exception("monitor_failed", error=repr(exc))
+        now = time.monotonic()
+        self._run_timers(now)
+        if self._state == "draining" and (not self._inflight or now >= self._drain_deadline_s):
+            self._fail_all(ErrorCode.UNAVAILABLE, "broker shut down before the request finished")
+            if self._done is not None and not self._done.done():
+                self._done.set_result(None)
+            self._stop_io()
+            return
+        if self._mail or any(socket_readable(sk) for sk in self._watch):
+            self._kick()
+        self._arm_timer(now)
+
+    def _run_timers(self, now: float) -> None:
+        hb_s = self.s.heartbeat_ms / 1000.0
+        if now >= self._next_hb:
+            self._send_heartbeats()
+            self._next_hb = now + hb_s / _HB_SLICES
+        if now >= self._next_sweep:
+            self._purge_expired(now)
+            self._next_sweep = now + hb_s / 5
+        if now >= self._next_tel and self.telemetry is not None:
+            self._publish_snapshot(now)
+            self._next_tel = now + self.telemetry.interval_s
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self._expire_deadlines(now)
+        if self._retries and self._retries[0][0] <= now:
+            self._run_due_retries(now)
+        if self._park_timers and self._park_timers[0][0] <= now:
+            self._unpark(now, expired_only=True)
+
+    def _arm_timer(self, now: float) -> None:
+        """Make sure the timer fires by the earliest due time (the loop clock is monotonic)."""
+        wake = min(self._next_hb, self._next_sweep, self._next_tel)
+        if self._deadlines:
+            wake = min(wake, self._deadlines[0][0])
+        if self._retries:
+            wake = min(wake, self._retries[0][0])
+        if self._park_timers:
+            wake = min(wake, self._park_timers[0][0])
+        if self._state == "draining":
+            wake = min(wake, now + _DRAIN_TICK_S)
+        if wake < self._timer_at - 1e-4:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = wake
+            self._timer = self._aloop.call_at(wake, self._on_timer)  # type: ignore[union-attr]
 
     def _drain_monitor(self, path: str, mon) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
-        sync = zmq.Socket.shadow(mon.underlying)
         while True:
             try:
-                ev = parse_monitor_message(sync.recv_multipart(zmq.NOBLOCK))
+                ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             self.stats.frames_rejected[(path, "auth_failed")] += 1
@@ -311,22 +383,12 @@ class Broker:
                 self.log.warning("handshake_rejected", path=path, endpoint=str(ev.get("endpoint")), zmq_event=int(ev.get("event", 0)))
 
     def post(self, kind: str, item: Any) -> None:
-        """Hand work to the loop from another task of the same event loop (never blocks)."""
+        """Hand work to the socket owner from another task of the same event loop (never
+        blocks; not thread-safe: every caller runs on the broker's loop)."""
         self._mail.append((kind, item))
-        if not self._bell_rung:
-            self._bell_rung = True
-            try:
-                self._bell_tx_sync.send(b"", zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # a ring is already pending
+        self._kick()
 
-    def _drain_mail(self, bell: zmq.Socket) -> None:
-        while True:
-            try:
-                bell.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        self._bell_rung = False
+    def _drain_mail(self) -> None:
         now = time.monotonic()
         while self._mail:
             kind, item = self._mail.popleft()
@@ -836,7 +898,7 @@ class Broker:
             worker_id=r.worker_id, role=r.role, labels=dict(r.labels), block_size=r.block_size,
             max_running_requests=r.max_running_requests, max_total_num_tokens=r.max_total_num_tokens, dp_size=r.dp_size,
         )
-        sess = WorkerSession(ident, r, state, expiry_s=0.0)
+        sess = WorkerSession(ident, r, state, expiry_s=0.0, hb_slot=next(self._hb_slots) % _HB_SLICES)
         sess.expiry_s = now + self._expiry_s(sess)
         old = self.registry.add(sess)
         if old is not None:
@@ -999,8 +1061,11 @@ class Broker:
             self._remove_session(sess, now, "expired")
 
     def _send_heartbeats(self) -> None:
+        """Heartbeat the sessions of the current slice (each session once per interval)."""
+        slot = self._hb_slot
+        self._hb_slot = (slot + 1) % _HB_SLICES
         hb = P.encode_heartbeat()
-        for sess in list(self.registry.by_identity.values()):
+        for sess in [s for s in self.registry.by_identity.values() if s.hb_slot == slot]:
             self._send_worker(sess.identity, hb)
 
     def _client_gone(self, inf: Inflight) -> None:

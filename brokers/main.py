@@ -9,6 +9,7 @@ from brokers.broker import Broker
 from brokers.stats import StatsCollector
 from mesh.config import BrokerSettings
 from mesh.errors import ConfigError
+from mesh.gc_tuning import freeze_startup_heap
 from mesh.routing.providers import make_provider
 from mesh.logs import announce, configure, get_logger
 from mesh.routing.router import Router, make_policy
@@ -148,6 +149,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
                               tokenizer_path=settings.tokenizer or None, metrics_registry=reg)
         url = await ingress.start(host or "127.0.0.1", int(port))
         announce("http_listening", url=url)
+    freeze_startup_heap()
     try:
         await broker.run()
     finally:

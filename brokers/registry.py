@@ -28,6 +28,7 @@ class WorkerSession:
     failures: int = 0
     ejections: int = 0
     ejected_until_s: float = 0.0
+    hb_slot: int = 0  # which slice of each heartbeat interval this session's heartbeat goes out in
 
     @property
     def worker_id(self) -> str:

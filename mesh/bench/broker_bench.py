@@ -1,18 +1,26 @@
 """``mesh bench broker``: throughput and latency through one broker vs a minimal ZMQ forwarder.
 
 Both arms run in the same invocation, one after the other, on the same machine, with the same
-load driver and the same request bytes (short non-streaming SUBMITs, 8 prompt tokens, 1 output
+harness and the same request bytes (short non-streaming SUBMITs, 8 prompt tokens, 1 output
 token):
 
-* **mesh**: a real broker process (power_of_two) with 64 instant simulated workers in a second
-  process (they answer each REQUEST with a FINAL at once, so all time is routing + transport);
-* **baseline**: a minimal Python ROUTER-to-DEALER forwarder (receive, forward, no parsing) with
-  64 echo DEALERs in a second process.
+* **mesh**: a real broker process (power_of_two) and 64 instant workers (they answer each
+  REQUEST with a FINAL at once, speaking the full worker protocol, so all time is decoding,
+  routing and transport);
+* **baseline**: a minimal Python ROUTER-to-DEALER forwarder process (receive, forward, no
+  parsing) and 64 echo DEALERs.
+
+The process under test (broker or forwarder) runs alone; the load driver and the 64 workers
+share one *harness* process and one loop (:class:`_Harness`). On a 2-core machine that leaves the
+process under test a core of its own, as it would have in production, instead of three busy
+processes taking turns on two cores (which turned scheduler waits into milliseconds of "added"
+latency). Both arms use the identical harness; the mesh arm's workers do more (they decode each
+REQUEST and encode a FINAL), which counts against mesh.
 
 Phase 1 (throughput): a closed loop keeps ``concurrency`` requests in flight for ``seconds``.
-Phase 2 (latency): open loop at half of phase 1's rate; the round-trip time of each request is
-recorded. With instant workers that round trip is the mesh's added latency (plus loopback
-transport, which the baseline shows on its own).
+Phase 2 (latency): open loop at half of the mesh's phase-1 rate, the same offered load for both
+arms; the round-trip time of each request is recorded. Added latency = mesh round trip minus
+the forwarder's, per percentile.
 """
 
 from __future__ import annotations
@@ -22,14 +30,20 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 
 from mesh import protocol as P
+from mesh.gc_tuning import freeze_startup_heap
 from mesh.procs import ProcGroup, wait_for_log_event
+from mesh.sockets import ReadyPoller, recv_frames, send_frames
 
 __all__ = ["run_broker_bench"]
+
+_TERMINAL = {bytes([P.Cmd.C_FINAL]), bytes([P.Cmd.C_ERROR]), bytes([P.Cmd.C_SUBMIT])}
+_ERROR = bytes([P.Cmd.C_ERROR])
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -44,85 +58,188 @@ def _request_frames(i: int) -> list[bytes]:
 
 def _is_terminal(frames: list[bytes]) -> bool:
     # mesh replies: FINAL or ERROR terminate; the baseline echoes the SUBMIT itself.
-    return len(frames) >= 2 and frames[1] in (bytes([P.Cmd.C_FINAL]), bytes([P.Cmd.C_ERROR]), bytes([P.Cmd.C_SUBMIT]))
+    return len(frames) >= 2 and frames[1] in _TERMINAL
 
 
-def _closed_loop(endpoint: str, concurrency: int, seconds: float) -> tuple[float, int]:
-    """Keep ``concurrency`` requests in flight; returns (requests/s, errors)."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDHWM, 100_000)
-    s.setsockopt(zmq.RCVHWM, 100_000)
-    s.connect(endpoint)
-    reqs = {f"b{i}": _request_frames(i) for i in range(concurrency)}
-    # warm-up: one round trip so the connection is up before timing starts
-    s.send_multipart(reqs["b0"])
-    while not _is_terminal(s.recv_multipart()):
-        pass
-    done = errors = 0
-    for r in reqs.values():
-        s.send_multipart(r)
-    t0 = time.perf_counter()
-    t_end = t0 + seconds
-    while True:
-        frames = s.recv_multipart()
-        if not _is_terminal(frames):
-            continue
-        done += 1
-        if frames[1] == bytes([P.Cmd.C_ERROR]):
-            errors += 1
-        if time.perf_counter() >= t_end:
-            break
-        s.send_multipart(reqs[P.unpack(frames[2])["rid"]])  # reuse the rid that just finished
-    elapsed = time.perf_counter() - t0
-    s.close()
-    ctx.term()
-    return done / elapsed, errors
+class _EchoFleet:
+    """The baseline's workers: ``n`` DEALERs that send every message straight back."""
+
+    def __init__(self, ctx: zmq.Context, poller: ReadyPoller, backend: str, n: int) -> None:
+        self.poller = poller
+        self._socks: set[zmq.Socket] = set()
+        for _ in range(n):
+            sk = ctx.socket(zmq.DEALER)
+            sk.setsockopt(zmq.LINGER, 0)
+            sk.connect(backend)
+            poller.register(sk)
+            self._socks.add(sk)
+
+    def owns(self, sk: zmq.Socket) -> bool:
+        return sk in self._socks
+
+    def tick(self, now_s: float) -> float:
+        return float("inf")
+
+    def serve(self, sk: zmq.Socket) -> None:
+        for _ in range(256):
+            try:
+                frames = recv_frames(sk)
+            except zmq.Again:
+                break
+            send_frames(sk, frames)
+        self.poller.recheck(sk)
+
+    def close(self) -> None:
+        for sk in self._socks:
+            self.poller.unregister(sk)
+            sk.close(linger=0)
 
 
-def _open_loop(endpoint: str, rate: float, seconds: float) -> list[float]:
-    """Send at a fixed ``rate``; return round-trip times in ms."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDHWM, 100_000)
-    s.connect(endpoint)
-    n = max(1, int(rate * seconds))
-    reqs = [_request_frames(i) for i in range(n)]
-    rids = [f"b{i}" for i in range(n)]
-    sent_at: dict[str, float] = {}
-    rtts: list[float] = []
-    poller = zmq.Poller()
-    poller.register(s, zmq.POLLIN)
-    t0 = time.perf_counter()
-    i = 0
-    idle_since = None
-    while len(rtts) < n:
-        now = time.perf_counter()
-        # Send everything that is due (1 ms ticks: the driver must not spin and steal a core).
-        while i < n and now >= t0 + i / rate:
-            sent_at[rids[i]] = time.perf_counter()
-            s.send_multipart(reqs[i])
-            i += 1
-        if poller.poll(1 if i < n else 100):
-            idle_since = None
-            while True:
-                try:
-                    frames = s.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if _is_terminal(frames):
-                    t = sent_at.pop(P.unpack(frames[2])["rid"], None)
-                    if t is not None:
-                        rtts.append((time.perf_counter() - t) * 1000)
-        elif i >= n:
-            idle_since = idle_since or time.perf_counter()
-            if time.perf_counter() - idle_since > 5:
-                break  # lost replies: stop rather than hang
-    s.close()
-    ctx.term()
-    return rtts
+class _Harness:
+    """Load driver + worker fleet in one loop: a client DEALER to ``frontend`` and the fleet
+    built by ``make_fleet(ctx, poller)``, all on one :class:`ReadyPoller`."""
+
+    def __init__(self, frontend: str, make_fleet: Callable[[zmq.Context, ReadyPoller], object]) -> None:
+        self.ctx = zmq.Context()
+        self.poller = ReadyPoller()
+        self.fleet = make_fleet(self.ctx, self.poller)
+        self.client = self.ctx.socket(zmq.DEALER)
+        for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 100_000), (zmq.RCVHWM, 100_000)):
+            self.client.setsockopt(opt, v)
+        self.client.connect(frontend)
+        self.poller.register(self.client)
+
+    def close(self) -> None:
+        self.fleet.close()  # type: ignore[attr-defined]
+        self.poller.unregister(self.client)
+        self.client.close(linger=0)
+        self.poller.close()
+        self.ctx.term()
+
+    def _send(self, frames: list[bytes]) -> None:
+        send_frames(self.client, frames)
+
+    def _turn(self, timeout_s: float, on_reply: Callable[[list[bytes]], None]) -> bool:
+        """One loop turn: heartbeats when due, wait up to ``timeout_s``, serve what is ready.
+        Returns False when nothing was ready."""
+        fleet = self.fleet
+        next_tick = fleet.tick(time.monotonic())  # type: ignore[attr-defined]
+        ready = self.poller.wait(max(0.0, min(timeout_s, next_tick - time.monotonic())))
+        for sk in ready:
+            if sk is self.client:
+                for _ in range(1024):
+                    try:
+                        frames = recv_frames(sk)
+                    except zmq.Again:
+                        break
+                    on_reply(frames)
+                self.poller.recheck(sk)
+            else:
+                fleet.serve(sk)  # type: ignore[attr-defined]
+        return bool(ready)
+
+    def wait_workers(self, n: int, timeout_s: float = 30.0) -> None:
+        """Serve the fleet until the broker reports ``n`` healthy workers (STATUS polling)."""
+        deadline = time.monotonic() + timeout_s
+        healthy = -1
+
+        def on_reply(frames: list[bytes]) -> None:
+            nonlocal healthy
+            msg = P.decode_client_reply(frames)
+            if isinstance(msg, P.StatusReply):
+                healthy = sum(1 for w in msg.workers if w.get("healthy"))
+
+        while healthy < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {healthy}/{n} workers registered after {timeout_s}s")
+            healthy = -1
+            self._send(P.encode_status_query())
+            t_next = time.monotonic() + 0.05
+            while healthy < 0 and time.monotonic() < deadline:
+                self._turn(0.05, on_reply)
+            while healthy < n and time.monotonic() < t_next:
+                self._turn(t_next - time.monotonic(), on_reply)
+
+    def warm_up(self, timeout_s: float = 10.0) -> None:
+        """One successful round trip, so connections are up before timing starts."""
+        done = False
+
+        def on_reply(frames: list[bytes]) -> None:
+            nonlocal done
+            if _is_terminal(frames):
+                if frames[1] == _ERROR:
+                    raise RuntimeError(f"warm-up request failed: {P.unpack(frames[2])}")
+                done = True
+
+        self._send(_request_frames(0))
+        deadline = time.monotonic() + timeout_s
+        while not done:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no reply to the warm-up request")
+            self._turn(0.05, on_reply)
+
+    def closed_loop(self, concurrency: int, seconds: float) -> tuple[float, int]:
+        """Keep ``concurrency`` requests in flight; returns (requests/s, errors)."""
+        reqs = {f"b{i}": _request_frames(i) for i in range(concurrency)}
+        done = errors = 0
+        stopping = False
+
+        def on_reply(frames: list[bytes]) -> None:
+            nonlocal done, errors
+            if not _is_terminal(frames):
+                return
+            done += 1
+            if frames[1] == _ERROR:
+                errors += 1
+            if not stopping:
+                self._send(reqs[P.unpack(frames[2])["rid"]])  # reuse the rid that just finished
+
+        for r in reqs.values():
+            self._send(r)
+        t0 = time.perf_counter()
+        t_end = t0 + seconds
+        while time.perf_counter() < t_end:
+            self._turn(0.01, on_reply)
+        elapsed = time.perf_counter() - t0
+        rate = done / elapsed
+        stopping = True  # let what is in flight finish so the next phase starts clean
+        quiet_until = time.monotonic() + 5.0
+        while time.monotonic() < quiet_until and self._turn(0.2, on_reply):
+            pass
+        return rate, errors
+
+    def open_loop(self, rate: float, seconds: float) -> list[float]:
+        """Send at a fixed ``rate`` (everything due at each ~1 ms loop turn); returns round
+        trips in ms."""
+        n = max(1, int(rate * seconds))
+        reqs = [_request_frames(i) for i in range(n)]
+        sent_at: dict[str, float] = {}
+        rtts: list[float] = []
+
+        def on_reply(frames: list[bytes]) -> None:
+            if _is_terminal(frames):
+                t = sent_at.pop(P.unpack(frames[2])["rid"], None)
+                if t is not None:
+                    rtts.append((time.perf_counter() - t) * 1000)
+
+        t0 = time.perf_counter()
+        i = 0
+        idle_since = None
+        while len(rtts) < n:
+            now = time.perf_counter()
+            while i < n and now >= t0 + i / rate:
+                sent_at[f"b{i}"] = time.perf_counter()
+                self._send(reqs[i])
+                i += 1
+            self.poller.recheck(self.client)  # sends may have consumed the FD's signal
+            wait_s = (t0 + i / rate - time.perf_counter()) if i < n else 0.1
+            if self._turn(wait_s, on_reply):
+                idle_since = None
+            elif i >= n:
+                idle_since = idle_since or time.perf_counter()
+                if time.perf_counter() - idle_since > 5:
+                    break  # lost replies: stop rather than hang
+        return rtts
 
 
 # --------------------------------------------------------------------------- baseline processes
@@ -139,6 +256,7 @@ def _forwarder(front_ep: str, back_ep: str) -> None:
         sk.setsockopt(zmq.RCVHWM, 100_000)
     front.bind(front_ep)
     back.bind(back_ep)
+    freeze_startup_heap()  # same GC treatment as the broker
     print('{"event": "forwarder_listening", "frontend": "%s", "backend": "%s"}' % (
         front.getsockopt_string(zmq.LAST_ENDPOINT), back.getsockopt_string(zmq.LAST_ENDPOINT)), flush=True)
     poller = zmq.Poller()
@@ -155,72 +273,52 @@ def _forwarder(front_ep: str, back_ep: str) -> None:
                 dst.send_multipart(msg)
 
 
-def _echo_workers(back_ep: str, n: int) -> None:
-    """``n`` DEALERs that send every message straight back (the baseline's instant workers)."""
-    ctx = zmq.Context()
-    socks = []
-    poller = zmq.Poller()
-    for _ in range(n):
-        sk = ctx.socket(zmq.DEALER)
-        sk.setsockopt(zmq.LINGER, 0)
-        sk.connect(back_ep)
-        poller.register(sk, zmq.POLLIN)
-        socks.append(sk)
-    print('{"event": "workers_started", "count": %d}' % n, flush=True)
-    while True:
-        for sk, _ in poller.poll():
-            for _ in range(512):
-                try:
-                    msg = sk.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                sk.send_multipart(msg)
-
-
 # --------------------------------------------------------------------------- runner
 
 
-def _measure(endpoint: str, concurrency: int, seconds: float, latency_rate: float | None = None) -> dict:
+def _measure(h: _Harness, concurrency: int, seconds: float, latency_rate: float | None = None) -> dict:
     """Throughput (closed loop), then round trips in an open loop at ``latency_rate`` (default:
     half of the measured maximum)."""
-    rps, errors = _closed_loop(endpoint, concurrency, seconds)
+    h.warm_up()
+    rps, errors = h.closed_loop(concurrency, seconds)
     rate = latency_rate or rps / 2
-    rtts = _open_loop(endpoint, rate=rate, seconds=min(seconds, 3.0))
+    rtts = h.open_loop(rate, seconds=min(seconds, 3.0))
     return {"rps": rps, "errors": errors, "p50_ms": _pct(rtts, 50), "p99_ms": _pct(rtts, 99), "latency_samples": len(rtts),
             "latency_rate_rps": rate}
 
 
 def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int = 256, quiet: bool = False) -> dict:
     """Run both arms and return the result dict (also printed unless ``quiet``)."""
-    import asyncio
     import subprocess
 
-    from mesh.up import wait_for_workers
+    from workers_stub.instant import InstantFleet
 
     log_dir = Path(tempfile.mkdtemp(prefix="mesh-bench-broker-"))
+    freeze_startup_heap()  # the harness gets the same GC treatment as the processes it drives
     with ProcGroup(log_dir) as g:
         b = g.broker("broker", "--policy", "power_of_two", "--log-level", "warning")
-        g.workers("instant", [b.backend], "--instant", "--log-level", "info", count=workers)
-        asyncio.run(wait_for_workers(b.frontend, workers))
-        mesh_res = _measure(b.frontend, concurrency, seconds)
-    if True:  # baseline arm: plain subprocesses, no mesh code on the data path
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        fwd_log = log_dir / "forwarder.log"
-        with fwd_log.open("wb") as lf:
-            fwd = subprocess.Popen([sys.executable, "-m", "mesh.bench.broker_bench", "forwarder"], stdout=lf, stderr=subprocess.STDOUT, env=env)
-        rec = wait_for_log_event(fwd_log, "forwarder_listening", 30, fwd)
-        echo_log = log_dir / "echo.log"
-        with echo_log.open("wb") as lf:
-            echo = subprocess.Popen([sys.executable, "-m", "mesh.bench.broker_bench", "echo", rec["backend"], str(workers)],
-                                    stdout=lf, stderr=subprocess.STDOUT, env=env)
+        h = _Harness(b.frontend, lambda ctx, poller: InstantFleet(ctx, poller, [b.backend], count=workers, worker_id="instant"))
         try:
-            wait_for_log_event(echo_log, "workers_started", 30, echo)
-            # the forwarder's round trips are taken at the mesh's half-load rate: same offered load
-            base_res = _measure(rec["frontend"], concurrency, seconds, latency_rate=mesh_res["rps"] / 2)
+            h.wait_workers(workers)
+            mesh_res = _measure(h, concurrency, seconds)
         finally:
-            for p in (echo, fwd):
-                p.kill()
-                p.wait(5)
+            h.close()
+    # baseline arm: a plain subprocess, no mesh code on the data path
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    fwd_log = log_dir / "forwarder.log"
+    with fwd_log.open("wb") as lf:
+        fwd = subprocess.Popen([sys.executable, "-m", "mesh.bench.broker_bench", "forwarder"], stdout=lf, stderr=subprocess.STDOUT, env=env)
+    try:
+        rec = wait_for_log_event(fwd_log, "forwarder_listening", 30, fwd)
+        h = _Harness(rec["frontend"], lambda ctx, poller: _EchoFleet(ctx, poller, rec["backend"], workers))
+        try:
+            # the forwarder's round trips are taken at the mesh's half-load rate: same offered load
+            base_res = _measure(h, concurrency, seconds, latency_rate=mesh_res["rps"] / 2)
+        finally:
+            h.close()
+    finally:
+        fwd.kill()
+        fwd.wait(5)
     res = {
         "rps": round(mesh_res["rps"], 1),
         "baseline_rps": round(base_res["rps"], 1),
@@ -237,6 +335,7 @@ def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int =
         "concurrency": concurrency,
         "seconds": seconds,
         "latency_rate_rps": round(mesh_res["latency_rate_rps"], 1),
+        "latency_samples": mesh_res["latency_samples"],
         "cpus": os.cpu_count(),
     }
     if not quiet:
@@ -261,15 +360,10 @@ def _print(res: dict) -> None:
 
 
 def _main() -> None:
-    ap = argparse.ArgumentParser(description="internal: baseline processes for mesh bench broker")
-    ap.add_argument("role", choices=["forwarder", "echo"])
-    ap.add_argument("backend", nargs="?")
-    ap.add_argument("count", nargs="?", type=int, default=64)
-    a = ap.parse_args()
-    if a.role == "forwarder":
-        _forwarder("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
-    else:
-        _echo_workers(a.backend, a.count)
+    ap = argparse.ArgumentParser(description="internal: the baseline process of mesh bench broker")
+    ap.add_argument("role", choices=["forwarder"])
+    ap.parse_args()
+    _forwarder("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
 
 
 if __name__ == "__main__":

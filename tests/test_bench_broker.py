@@ -1,0 +1,40 @@
+"""The broker benchmark's harness and the instant workers: small real runs (not timed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mesh.bench.broker_bench import run_broker_bench
+from mesh.client import Client
+from mesh.up import wait_for_workers
+
+from conftest import run
+
+
+def test_instant_worker_process_serves_requests(procs):
+    """``mesh worker-stub --instant``: registers, heartbeats in slices, answers at once."""
+    b = procs.broker("b", "--heartbeat-ms", "100")
+    procs.workers("w", [b.backend], "--instant", "--heartbeat-ms", "100", count=12)
+    run(wait_for_workers(b.frontend, 12))
+
+    async def body():
+        async with Client(b.frontend) as c:
+            for i in range(30):
+                r = await c.generate(input_ids=[3, 1, 4, 1, 5], max_new_tokens=2, deadline_ms=5000)
+                assert r.token_ids == [3, 1]
+            # several liveness windows (3 x 100 ms) pass: a worker whose heartbeat slice never
+            # went out would be expired by then
+            await asyncio.sleep(0.8)
+            st = await c.status(timeout_s=5)
+            assert sum(1 for w in st.workers if w.get("healthy")) == 12
+
+    run(body())
+
+
+def test_broker_bench_runs_both_arms_with_zero_errors():
+    res = run_broker_bench(workers=4, seconds=0.5, concurrency=16, quiet=True)
+    for key in ("rps", "baseline_rps", "ratio", "p50_ms", "p99_ms", "rtt_p50_ms", "baseline_p50_ms"):
+        assert key in res, key
+    assert res["errors"] == 0
+    assert res["rps"] > 0 and res["baseline_rps"] > 0
+    assert res["latency_samples"] >= 0.9 * res["latency_rate_rps"] * 0.5  # nearly every request came back
