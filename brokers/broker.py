@@ -331,8 +331,13 @@ class Broker:
                 self._done.set_result(None)
             self._stop_io()
             return
-        if self._mail or any(socket_readable(sk) for sk in self._watch):
+        if self._mail:
             self._kick()
+        else:
+            for sk in self._watch:
+                if socket_readable(sk):
+                    self._kick()
+                    break
         self._arm_timer(now)
 
     def _run_timers(self, now: float) -> None:
@@ -442,11 +447,17 @@ class Broker:
         self.post("matched", inf.rid)
 
     def _drain(self, sock: zmq.Socket, handler) -> bool:
-        """Receive up to _DRAIN_BATCH messages without blocking; True if the batch was full."""
+        """Receive up to _DRAIN_BATCH messages without blocking; True if the batch was full.
+
+        Readiness is read from ZMQ_EVENTS before each receive: about a third of what a failed
+        receive costs (pyzmq builds a zmq.Again exception), and most pumps find one socket idle.
+        """
         for _ in range(_DRAIN_BATCH):
+            if not socket_readable(sock):
+                return False
             try:
                 frames = recv_frames(sock)
-            except zmq.Again:
+            except zmq.Again:  # EVENTS promised a message; never expected, harmless
                 return False
             try:
                 handler(frames)

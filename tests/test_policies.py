@@ -175,3 +175,18 @@ def test_router_degraded_when_provider_has_no_answer():
 def test_make_policy_unknown():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
+
+
+def test_power_of_two_draws_exactly_like_random_sample():
+    """The fast two-index draw consumes the seeded stream exactly as rng.sample(range(n), 2),
+    for the small-population (pool) and large-population (rejection) paths alike."""
+    import random
+
+    from mesh.routing.policies import _two_distinct
+
+    for n in (2, 3, 21, 22, 64, 4096):
+        a, b = random.Random(n), random.Random(n)
+        for _ in range(500):
+            i, j = _two_distinct(b, n)
+            assert (i, j) == tuple(a.sample(range(n), 2))
+            assert i != j and 0 <= i < n and 0 <= j < n

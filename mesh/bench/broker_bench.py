@@ -26,11 +26,13 @@ the forwarder's, per percentile.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import zmq
@@ -276,13 +278,27 @@ def _forwarder(front_ep: str, back_ep: str) -> None:
 # --------------------------------------------------------------------------- runner
 
 
+@contextmanager
+def _no_gc():
+    """No cyclic GC in the harness while it measures (as timeit does): a full collection of
+    the request tables it just built would pause the driver for milliseconds, in either arm."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _measure(h: _Harness, concurrency: int, seconds: float, latency_rate: float | None = None) -> dict:
     """Throughput (closed loop), then round trips in an open loop at ``latency_rate`` (default:
     half of the measured maximum)."""
     h.warm_up()
-    rps, errors = h.closed_loop(concurrency, seconds)
+    with _no_gc():
+        rps, errors = h.closed_loop(concurrency, seconds)
     rate = latency_rate or rps / 2
-    rtts = h.open_loop(rate, seconds=min(seconds, 3.0))
+    with _no_gc():
+        rtts = h.open_loop(rate, seconds=min(seconds, 3.0))
     return {"rps": rps, "errors": errors, "p50_ms": _pct(rtts, 50), "p99_ms": _pct(rtts, 99), "latency_samples": len(rtts),
             "latency_rate_rps": rate}
 

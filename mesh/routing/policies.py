@@ -69,6 +69,20 @@ class RandomPolicy:
         return Decision(self.rng.choice(candidates).worker_id, "random")
 
 
+def _two_distinct(rng: random.Random, n: int) -> tuple[int, int]:
+    """Two distinct indexes in ``range(n)`` (n >= 2), drawn exactly as ``rng.sample(range(n), 2)``
+    draws them (same random stream, so seeded runs keep their results) at a third of its cost."""
+    if n <= 21:  # sample() draws from a shrinking pool for small populations
+        i = rng.randrange(n)
+        j = rng.randrange(n - 1)
+        return i, (n - 1 if j == i else j)
+    i = rng.randrange(n)  # and rejects repeats for larger ones
+    j = rng.randrange(n)
+    while j == i:
+        j = rng.randrange(n)
+    return i, j
+
+
 class PowerOfTwo:
     """Sample two distinct candidates, keep the less pressured (ties: lower worker id)."""
 
@@ -85,7 +99,7 @@ class PowerOfTwo:
             return Decision(None, "no_candidates")
         if n == 1:
             return Decision(candidates[0].worker_id, "power_of_two")
-        i, j = self.rng.sample(range(n), 2)
+        i, j = _two_distinct(self.rng, n)
         a, b = candidates[i], candidates[j]
         pa, pb = a.pressure(now_s, self.freshness_s), b.pressure(now_s, self.freshness_s)
         w = a if (pa, a.worker_id) <= (pb, b.worker_id) else b
