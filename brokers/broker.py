@@ -784,10 +784,14 @@ class Broker:
         elif inf.decision is not None:
             self._release(inf, None)
 
-    def _retry_or_fail(self, inf: Inflight, code: ErrorCode, message: str, now: float) -> None:
+    def _retry_or_fail(self, inf: Inflight, code: ErrorCode, message: str, now: float, *, budgeted: bool = True) -> None:
         """A dispatched attempt failed without output. Re-dispatch after a back-off, or fail.
 
-        A failed prefill leg is retried whole; a failed decode leg only re-sends the decode."""
+        A failed prefill leg is retried whole; a failed decode leg only re-sends the decode.
+        ``budgeted=False`` for requests displaced by a worker that announced it was leaving
+        (graceful drain): that is a planned move, not a failure, so it does not draw on the
+        retry budget that protects against retry storms (attempts and the deadline still bound
+        it)."""
         self._detach(inf)
         if inf.phase == "prefill":
             inf.phase = "mixed"
@@ -796,7 +800,7 @@ class Broker:
         if inf.committed or not inf.submit.idempotent or not self.retry.should_retry(inf.attempt, remaining):
             self._finish_error(inf, code, message)
             return
-        if not inf.holds_retry_budget:
+        if budgeted and not inf.holds_retry_budget:
             if not self.budget.try_acquire(len(self._inflight)):
                 self.stats.dropped["retry_budget_exhausted"] += 1
                 self._finish_error(inf, code if code is ErrorCode.WORKER_LOST else ErrorCode.UNAVAILABLE, f"{message} (retry budget exhausted)")
@@ -985,7 +989,9 @@ class Broker:
         if code in (ErrorCode.WORKER_ERROR, ErrorCode.INTERNAL):
             self._note_failure(sess, now)
         if code.retryable:
-            self._retry_or_fail(inf, code, f"worker {sess.worker_id}: {m.message}", now)
+            # a draining worker refusing work the broker sent before it saw DRAINING: a planned move
+            self._retry_or_fail(inf, code, f"worker {sess.worker_id}: {m.message}", now,
+                                budgeted=not (sess.draining and code is ErrorCode.UNAVAILABLE))
         else:
             self._finish_error(inf, code, m.message)
 
@@ -1059,7 +1065,8 @@ class Broker:
                 self._detach(inf)
                 self._finish_error(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost mid-stream ({why})")
             else:
-                self._retry_or_fail(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost ({why})", now)
+                self._retry_or_fail(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost ({why})", now,
+                                    budgeted=not sess.draining)
         sess.inflight.clear()
 
     def _purge_expired(self, now: float) -> None:

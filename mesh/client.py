@@ -17,8 +17,14 @@ Errors (:mod:`mesh.errors`): a request that ends in an ERROR frame raises
 broker never answers, the wait ends at the request deadline plus a grace period with
 ``deadline_exceeded``; nothing waits forever.
 
-The client's DEALER may connect to several brokers: ZeroMQ spreads requests across the live
-connections, and each reply returns on the connection its request used.
+The client may use several brokers: it keeps one DEALER per broker, sends each request to the
+next broker whose connection is up (round robin; when none is up, requests queue for whichever
+comes back first), and remembers which broker holds which request. When a broker's connection
+drops, its replies already received are delivered, and every request it still held ends with
+``unavailable`` ("broker connection lost"): the request or its reply may be lost with that
+broker, and :meth:`Client.generate` resubmits such requests to another broker (idempotent
+requests with no output yet), so a broker restart or crash never leaves a request waiting for
+its deadline.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class Stream:
     reason: str = ""
     attempt: int = 0
     first_token_s: float | None = None
+    _link: Any = None  # the broker link this request was sent on
     _q: asyncio.Queue = field(default_factory=asyncio.Queue)
     _tokens: list[int] = field(default_factory=list)
     _result: Result | None = None
@@ -119,7 +126,7 @@ class Stream:
     async def cancel(self) -> None:
         """Ask the broker to cancel. The stream then ends with ``cancelled`` (unless it finished)."""
         if not self._done:
-            await self.client._send(P.encode_cancel(self.rid))
+            await self.client._send(P.encode_cancel(self.rid), self._link)
 
     # called by the client's receive task
     def _on_accepted(self, m: P.Accepted) -> None:
@@ -151,22 +158,44 @@ class Stream:
             self._q.put_nowait(("error", err))
 
 
+# Monitor events that change a link's state (a ZMTP handshake follows every TCP connect).
+_UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_DOWN_EVENTS = zmq.EVENT_DISCONNECTED
+_LOST_DRAIN_S = 0.2  # on a drop, replies already queued are read for at most this long
+
+
+@dataclass(eq=False)
+class _Link:
+    """One broker: its DEALER, the DEALER's monitor, whether a connection is up, and the rids
+    of requests sent on it that have no terminal reply yet."""
+
+    endpoint: str
+    sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    up: bool = False
+    pending: set[str] = field(default_factory=set)
+
+
 class Client:
-    """Async mesh client. One DEALER (connected to every given broker), one receive task."""
+    """Async mesh client: one DEALER per broker, one receive task and one monitor task each."""
 
     def __init__(self, endpoints: str | list[str], *, ctx: zmq.asyncio.Context | None = None, curve: CurveKeys | None = None,
                  default_deadline_ms: int = _DEFAULT_DEADLINE_MS) -> None:
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.endpoints:
+            raise ValueError("at least one broker endpoint is required")
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.curve = curve
         self.default_deadline_ms = default_deadline_ms
-        self._sock: zmq.asyncio.Socket | None = None
+        self._links: list[_Link] = []
+        self._rr = 0
         self._streams: dict[str, Stream] = {}
         self._status_waiters: list[asyncio.Future] = []
-        self._rx: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid()}-{id(self) & 0xFFFFFF:x}"
         self.rejected_replies = 0
+        self.lost_requests = 0  # requests failed because their broker's connection dropped
         self._state = "unopened"
 
     async def __aenter__(self) -> "Client":
@@ -179,32 +208,56 @@ class Client:
     def open(self) -> None:
         if self._state != "unopened":
             raise RuntimeError(f"client is {self._state}; create a new one")
-        self._sock = make_socket(self.ctx, CLIENT_DEALER.with_curve(self.curve), connect=self.endpoints)
-        self._rx = asyncio.create_task(self._receive(), name="mesh-client-rx")
+        for ep in self.endpoints:
+            sock = make_socket(self.ctx, CLIENT_DEALER.with_curve(self.curve), connect=ep)
+            mon = sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS)
+            link = _Link(ep, sock, mon)
+            self._links.append(link)
+            self._tasks.append(asyncio.create_task(self._receive(link), name=f"mesh-client-rx-{ep}"))
+            self._tasks.append(asyncio.create_task(self._watch(link), name=f"mesh-client-monitor-{ep}"))
         self._state = "open"
 
     async def aclose(self) -> None:
-        """Fail pending requests with ``cancelled``, stop the receive task, close the socket. Idempotent."""
+        """Fail pending requests with ``cancelled``, stop the tasks, close the sockets. Idempotent."""
         if self._state != "open":
             self._state = "closed"
             return
         self._state = "closed"
-        if self._rx is not None:
-            self._rx.cancel()
-            await asyncio.gather(self._rx, return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for st in list(self._streams.values()):
             st._fail(error_for(ErrorCode.CANCELLED, "client closed", st.rid))
         self._streams.clear()
-        if self._sock is not None:
-            self._sock.close(linger=0)
+        for link in self._links:
+            link.sock.disable_monitor()
+            link.monitor.close(linger=0)
+            link.sock.close(linger=0)
 
-    async def _send(self, frames: list[bytes]) -> None:
+    def _pick(self) -> _Link:
+        """The next broker whose connection is up (round robin); any broker when none is."""
+        links = self._links
+        n = len(links)
+        for k in range(n):
+            link = links[(self._rr + k) % n]
+            if link.up:
+                self._rr = (self._rr + k + 1) % n
+                return link
+        link = links[self._rr % n]
+        self._rr = (self._rr + 1) % n
+        return link
+
+    async def _send(self, frames: list[bytes], link: _Link | None = None) -> _Link:
         if self._state != "open":
             raise RuntimeError("client is not open")
-        await self._sock.send_multipart(frames)  # type: ignore[union-attr]
+        link = link or self._pick()
+        await link.sock.send_multipart(frames)
+        return link
 
     def _forget(self, rid: str) -> None:
-        self._streams.pop(rid, None)
+        st = self._streams.pop(rid, None)
+        if st is not None and st._link is not None:
+            st._link.pending.discard(rid)
 
     async def submit(
         self,
@@ -223,19 +276,36 @@ class Client:
         rid = rid or f"{self._prefix}-{next(self._ids)}"
         budget_ms = deadline_ms or self.default_deadline_ms
         st = Stream(rid, time.monotonic() + budget_ms / 1000.0, self)
-        self._streams[rid] = st
         p = dict(params or {})
         p["max_new_tokens"] = max_new_tokens
-        await self._send(P.encode_submit(rid, input_ids=input_ids, text=text, params=p, deadline_ms=budget_ms,
-                                         stream=stream, idempotent=idempotent, slo=slo))
+        frames = P.encode_submit(rid, input_ids=input_ids, text=text, params=p, deadline_ms=budget_ms,
+                                 stream=stream, idempotent=idempotent, slo=slo)
+        link = self._pick()
+        st._link = link
+        self._streams[rid] = st
+        link.pending.add(rid)
+        try:
+            # A DEALER with no usable connection (e.g. a refused handshake) blocks sends: the
+            # request's deadline bounds that wait too.
+            await asyncio.wait_for(self._send(frames, link), max(0.0, st.deadline_s - time.monotonic()))
+        except asyncio.TimeoutError:
+            self._forget(rid)
+            raise error_for(ErrorCode.DEADLINE_EXCEEDED, f"could not send the request to {link.endpoint} before its deadline",
+                            rid) from None
+        except BaseException:
+            self._forget(rid)
+            raise
         return st
 
     async def generate(self, *, resubmit: int = 3, **kwargs) -> Result:
         """Submit and wait for the result (see :meth:`submit` for arguments).
 
-        A request refused with ``unavailable`` before any output (a draining or restarting
-        broker) is resubmitted up to ``resubmit`` times after a jittered back-off, so rolling
-        broker restarts do not fail requests; the deadline still bounds the whole call.
+        A request that ends with ``unavailable`` (a draining or restarting broker, or a broker
+        whose connection dropped while it held the request) is resubmitted up to ``resubmit``
+        times after a jittered back-off, so broker restarts and crashes do not fail requests;
+        the deadline still bounds the whole call. Partial output of the failed attempt is
+        discarded (``generate`` only returns whole results), so this holds mid-stream too;
+        requests submitted with ``idempotent=False`` are never resubmitted.
         """
         budget_ms = kwargs.get("deadline_ms") or self.default_deadline_ms
         t_end = time.monotonic() + budget_ms / 1000.0
@@ -250,7 +320,8 @@ class Client:
                 return await st.result()
             except RetryableError as exc:
                 remaining = t_end - time.monotonic()
-                if exc.code is not ErrorCode.UNAVAILABLE or st._tokens or not policy.should_retry(attempt, remaining):
+                if (exc.code is not ErrorCode.UNAVAILABLE or not kwargs.get("idempotent", True)
+                        or not policy.should_retry(attempt, remaining)):
                     raise
                 await asyncio.sleep(min(policy.delay_s(attempt), max(0.0, remaining)))
 
@@ -258,45 +329,74 @@ class Client:
         """Ask a broker for its view of the fleet."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._status_waiters.append(fut)
-        await self._send(P.encode_status_query())
+        t_end = time.monotonic() + timeout_s
         try:
-            return await asyncio.wait_for(fut, timeout_s)
+            await asyncio.wait_for(self._send(P.encode_status_query()), timeout_s)
+            return await asyncio.wait_for(fut, max(0.0, t_end - time.monotonic()))
         except asyncio.TimeoutError:
             raise error_for(ErrorCode.UNAVAILABLE, "no STATUS reply from the broker") from None
         finally:
             if fut in self._status_waiters:
                 self._status_waiters.remove(fut)
 
-    async def _receive(self) -> None:
-        sock = self._sock
-        assert sock is not None
+    async def _receive(self, link: _Link) -> None:
+        sock = link.sock
         while True:
-            frames = await sock.recv_multipart()
-            m = P.decode_client_reply(frames)
-            if isinstance(m, ProtocolError):
-                self.rejected_replies += 1
-                continue
-            if isinstance(m, P.StatusReply):
-                while self._status_waiters:
-                    f = self._status_waiters.pop(0)
-                    if not f.done():
-                        f.set_result(m)
-                        break
-                continue
-            st = self._streams.get(m.rid) if m.rid is not None else None
-            if st is None:
-                self.rejected_replies += 1
-                continue
-            if isinstance(m, P.ClientChunk):
-                st._on_chunk(m)
-            elif isinstance(m, P.Accepted):
-                st._on_accepted(m)
-            elif isinstance(m, P.ClientFinal):
-                self._streams.pop(m.rid, None)
-                st._on_final(m)
-            elif isinstance(m, P.ClientError):
-                self._streams.pop(m.rid, None)
-                st._fail(error_for(m.code, m.message, m.rid))
+            self._on_reply(link, await sock.recv_multipart())
+
+    def _on_reply(self, link: _Link, frames: list[bytes]) -> None:
+        m = P.decode_client_reply(frames)
+        if isinstance(m, ProtocolError):
+            self.rejected_replies += 1
+            return
+        if isinstance(m, P.StatusReply):
+            while self._status_waiters:
+                f = self._status_waiters.pop(0)
+                if not f.done():
+                    f.set_result(m)
+                    break
+            return
+        st = self._streams.get(m.rid) if m.rid is not None else None
+        if st is None:
+            self.rejected_replies += 1
+            return
+        if isinstance(m, P.ClientChunk):
+            st._on_chunk(m)
+        elif isinstance(m, P.Accepted):
+            st._on_accepted(m)
+        elif isinstance(m, P.ClientFinal):
+            self._forget(m.rid)
+            st._on_final(m)
+        elif isinstance(m, P.ClientError):
+            self._forget(m.rid)
+            st._fail(error_for(m.code, m.message, m.rid))
+
+    async def _watch(self, link: _Link) -> None:
+        """Track the link's connection; when it drops, end the requests it still holds."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            ev = parse_monitor_message(await link.monitor.recv_multipart())
+            event = ev.get("event", 0)
+            if event & _UP_EVENTS:
+                link.up = True
+            elif event & _DOWN_EVENTS:
+                link.up = False
+                await self._on_link_lost(link)
+
+    async def _on_link_lost(self, link: _Link) -> None:
+        # Replies that arrived before the drop are queued on the socket: let the receive task
+        # take them first (bounded), so a broker that drained cleanly loses nothing here.
+        t_end = time.monotonic() + _LOST_DRAIN_S
+        while link.pending and link.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < t_end:
+            await asyncio.sleep(0.001)
+        for rid in list(link.pending):
+            st = self._streams.get(rid)
+            self._forget(rid)
+            if st is not None and not st._done:
+                self.lost_requests += 1
+                st._fail(error_for(ErrorCode.UNAVAILABLE, f"broker connection lost ({link.endpoint}) before the reply", rid))
+        link.pending.clear()
 
 
 class SyncClient:

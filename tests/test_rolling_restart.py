@@ -72,3 +72,38 @@ def test_rolling_broker_restart_fails_nothing(procs):
 
     ok, errors = run(body(), timeout_s=120)
     assert errors == [] and ok > 30
+
+
+def test_broker_killed_holding_requests_client_resubmits_elsewhere(procs):
+    """SIGKILL a broker while it holds requests: the client sees its connection drop and
+    resubmits those requests to the other broker at once, instead of waiting for deadlines."""
+    import signal
+    import time
+
+    b1 = procs.broker("b1", *FAST)
+    b2 = procs.broker("b2", *FAST)
+    # slow decode (50 ms per step x 40 tokens): requests are in flight for about two seconds
+    procs.workers("w", [b1.backend, b2.backend], "--heartbeat-ms", "200", "--decode-base-ms", "50", count=2)
+    run(wait_for_workers(b1.frontend, 2))
+    run(wait_for_workers(b2.frontend, 2))
+
+    async def body():
+        async with Client([b1.frontend, b2.frontend]) as c:
+            await c.status()  # both links up before the requests are spread over them
+            while not all(link.up for link in c._links):
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            tasks = [asyncio.create_task(c.generate(input_ids=[i + 1] * 32, max_new_tokens=40, deadline_ms=30_000))
+                     for i in range(8)]
+            while not c._links[0].pending:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # the requests are being decoded on the workers now
+            b1.signal(signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+            elapsed = time.monotonic() - t0
+            return results, elapsed, c.lost_requests
+
+    results, elapsed, lost = run(body(), timeout_s=60)
+    assert all(r.finish_reason == "length" for r in results)
+    assert lost >= 1  # b1 held some of them when it died
+    assert elapsed < 15, elapsed  # resubmitted on the drop, not after the 30 s deadline

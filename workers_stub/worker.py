@@ -292,15 +292,12 @@ class SimWorker:
 
     async def _heartbeat_loop(self) -> None:
         hb_s = self.s.heartbeat_ms / 1000.0
-        # A random phase: workers started together (``--count N``) must not all heartbeat in
-        # the same instant, which would hand the broker a burst of N messages every interval.
-        await asyncio.sleep(random.uniform(0.0, hb_s))
         while True:
+            await asyncio.sleep(hb_s)
             frames = P.encode_heartbeat([self.engine.load_stat()])
             for link in self.links:
                 if link.sock is not None:
                     link.send(frames)
-            await asyncio.sleep(hb_s)
 
 
 async def run_workers(settings: WorkerSettings, engine_cfg: EngineConfig | None = None, **kwargs) -> list[SimWorker]:
