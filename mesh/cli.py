@@ -249,6 +249,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--workers", type=int, default=64, help="instant workers (default 64)")
     b.add_argument("--seconds", type=float, default=4.0, help="duration of each throughput phase (default 4)")
     b.add_argument("--concurrency", type=int, default=256, help="requests kept in flight in the throughput phase")
+    b.add_argument("--rounds", type=int, default=3, help="rounds of both arms; headline figures are medians (default 3)")
     b.add_argument("--json", help="write results to this JSON file")
     b.set_defaults(func=_cmd_bench_broker)
     r = bsub.add_parser("routing", help="decision time at 8..4096 workers, index apply rate, bytes per block")
@@ -264,7 +265,17 @@ def _add_bench(sub) -> None:
 def _cmd_bench_broker(args) -> int:
     from mesh.bench.broker_bench import run_broker_bench
 
-    res = run_broker_bench(workers=args.workers, seconds=args.seconds, concurrency=args.concurrency)
+    from rich.progress import Progress
+
+    if args.rounds < 1:
+        raise SystemExit("--rounds: must be >= 1")
+    with Progress(transient=True) as bar:
+        task = bar.add_task("rounds (mesh + forwarder)", total=args.rounds)
+        res = run_broker_bench(workers=args.workers, seconds=args.seconds, concurrency=args.concurrency,
+                               rounds=args.rounds, quiet=True, progress=lambda k: bar.update(task, completed=k))
+    from mesh.bench.broker_bench import _print
+
+    _print(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

@@ -20,7 +20,9 @@ REQUEST and encode a FINAL), which counts against mesh.
 Phase 1 (throughput): a closed loop keeps ``concurrency`` requests in flight for ``seconds``.
 Phase 2 (latency): open loop at half of the mesh's phase-1 rate, the same offered load for both
 arms; the round-trip time of each request is recorded. Added latency = mesh round trip minus
-the forwarder's, per percentile.
+the forwarder's, per percentile. A *round* is both arms, mesh first; the run does ``rounds``
+rounds (fresh processes each time) and reports every round plus the medians, because on a
+shared machine a neighbour's burst can own one round's p99.
 """
 
 from __future__ import annotations
@@ -303,23 +305,24 @@ def _measure(h: _Harness, concurrency: int, seconds: float, latency_rate: float 
             "latency_rate_rps": rate}
 
 
-def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int = 256, quiet: bool = False) -> dict:
-    """Run both arms and return the result dict (also printed unless ``quiet``)."""
-    import subprocess
-
+def _mesh_arm(log_dir: Path, workers: int, concurrency: int, seconds: float) -> dict:
+    """A broker process + the harness with ``workers`` instant workers."""
     from workers_stub.instant import InstantFleet
 
-    log_dir = Path(tempfile.mkdtemp(prefix="mesh-bench-broker-"))
-    freeze_startup_heap()  # the harness gets the same GC treatment as the processes it drives
     with ProcGroup(log_dir) as g:
         b = g.broker("broker", "--policy", "power_of_two", "--log-level", "warning")
         h = _Harness(b.frontend, lambda ctx, poller: InstantFleet(ctx, poller, [b.backend], count=workers, worker_id="instant"))
         try:
             h.wait_workers(workers)
-            mesh_res = _measure(h, concurrency, seconds)
+            return _measure(h, concurrency, seconds)
         finally:
             h.close()
-    # baseline arm: a plain subprocess, no mesh code on the data path
+
+
+def _baseline_arm(log_dir: Path, workers: int, concurrency: int, seconds: float, latency_rate: float) -> dict:
+    """The forwarder process (no mesh code on its data path) + the harness with echo workers."""
+    import subprocess
+
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     fwd_log = log_dir / "forwarder.log"
     with fwd_log.open("wb") as lf:
@@ -328,30 +331,78 @@ def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int =
         rec = wait_for_log_event(fwd_log, "forwarder_listening", 30, fwd)
         h = _Harness(rec["frontend"], lambda ctx, poller: _EchoFleet(ctx, poller, rec["backend"], workers))
         try:
-            # the forwarder's round trips are taken at the mesh's half-load rate: same offered load
-            base_res = _measure(h, concurrency, seconds, latency_rate=mesh_res["rps"] / 2)
+            return _measure(h, concurrency, seconds, latency_rate=latency_rate)
         finally:
             h.close()
     finally:
         fwd.kill()
         fwd.wait(5)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int = 256, rounds: int = 3,
+                     quiet: bool = False, progress: Callable[[int], None] | None = None) -> dict:
+    """Run ``rounds`` rounds of both arms (mesh, then the forwarder at the same offered load)
+    and return the result dict (also printed unless ``quiet``).
+
+    Headline figures are medians over rounds: a shared machine's noise comes and goes over
+    minutes, so one round's p99 can be dominated by a neighbour; every round is in ``rounds``.
+    ``progress(k)`` is called after round ``k`` (1-based)."""
+    if rounds < 1:
+        raise ValueError("rounds must be >= 1")
+    log_dir = Path(tempfile.mkdtemp(prefix="mesh-bench-broker-"))
+    freeze_startup_heap()  # the harness gets the same GC treatment as the processes it drives
+    per_round = []
+    errors = 0
+    for k in range(1, rounds + 1):
+        rdir = log_dir / f"round-{k}"
+        rdir.mkdir()
+        mesh_res = _mesh_arm(rdir, workers, concurrency, seconds)
+        # the forwarder's round trips are taken at the mesh's half-load rate: same offered load
+        base_res = _baseline_arm(rdir, workers, concurrency, seconds, latency_rate=mesh_res["rps"] / 2)
+        errors += mesh_res["errors"]
+        per_round.append({
+            "rps": round(mesh_res["rps"], 1),
+            "baseline_rps": round(base_res["rps"], 1),
+            "latency_rate_rps": round(mesh_res["latency_rate_rps"], 1),
+            "latency_samples": mesh_res["latency_samples"],
+            "rtt_p50_ms": round(mesh_res["p50_ms"], 3),
+            "rtt_p99_ms": round(mesh_res["p99_ms"], 3),
+            "baseline_p50_ms": round(base_res["p50_ms"], 3),
+            "baseline_p99_ms": round(base_res["p99_ms"], 3),
+            # added latency: mesh round trip minus the minimal forwarder's at the same offered load
+            "p50_ms": round(max(0.0, mesh_res["p50_ms"] - base_res["p50_ms"]), 3),
+            "p99_ms": round(max(0.0, mesh_res["p99_ms"] - base_res["p99_ms"]), 3),
+        })
+        if progress:
+            progress(k)
+
+    def med(key: str) -> float:
+        return round(_median([r[key] for r in per_round]), 3)
+
+    rps, base_rps = med("rps"), med("baseline_rps")
     res = {
-        "rps": round(mesh_res["rps"], 1),
-        "baseline_rps": round(base_res["rps"], 1),
-        "ratio": round(mesh_res["rps"] / base_res["rps"], 3) if base_res["rps"] else None,
-        # added latency: mesh round trip minus the minimal forwarder's at the same offered load
-        "p50_ms": round(max(0.0, mesh_res["p50_ms"] - base_res["p50_ms"]), 3),
-        "p99_ms": round(max(0.0, mesh_res["p99_ms"] - base_res["p99_ms"]), 3),
-        "rtt_p50_ms": round(mesh_res["p50_ms"], 3),
-        "rtt_p99_ms": round(mesh_res["p99_ms"], 3),
-        "baseline_p50_ms": round(base_res["p50_ms"], 3),
-        "baseline_p99_ms": round(base_res["p99_ms"], 3),
-        "errors": mesh_res["errors"],
+        "rps": rps,
+        "baseline_rps": base_rps,
+        "ratio": round(_median([r["rps"] / r["baseline_rps"] for r in per_round if r["baseline_rps"]]), 3),
+        "p50_ms": med("p50_ms"),
+        "p99_ms": med("p99_ms"),
+        "rtt_p50_ms": med("rtt_p50_ms"),
+        "rtt_p99_ms": med("rtt_p99_ms"),
+        "baseline_p50_ms": med("baseline_p50_ms"),
+        "baseline_p99_ms": med("baseline_p99_ms"),
+        "latency_rate_rps": med("latency_rate_rps"),
+        "latency_samples": sum(r["latency_samples"] for r in per_round),
+        "errors": errors,
         "workers": workers,
         "concurrency": concurrency,
         "seconds": seconds,
-        "latency_rate_rps": round(mesh_res["latency_rate_rps"], 1),
-        "latency_samples": mesh_res["latency_samples"],
+        "rounds": per_round,
         "cpus": os.cpu_count(),
     }
     if not quiet:
@@ -363,16 +414,22 @@ def _print(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"mesh bench broker ({res['workers']} instant workers, {res['concurrency']} in flight)")
-    t.add_column("arm")
-    t.add_column("max req/s", justify="right")
-    t.add_column(f"RTT p50 ms @ {res['latency_rate_rps']:.0f}/s", justify="right")
-    t.add_column(f"RTT p99 ms @ {res['latency_rate_rps']:.0f}/s", justify="right")
-    t.add_row("mesh broker", f"{res['rps']:.0f}", f"{res['rtt_p50_ms']:.3f}", f"{res['rtt_p99_ms']:.3f}")
-    t.add_row("minimal forwarder", f"{res['baseline_rps']:.0f}", f"{res['baseline_p50_ms']:.3f}", f"{res['baseline_p99_ms']:.3f}")
-    Console().print(t)
-    Console().print(f"ratio mesh/forwarder = {res['ratio']}; added latency at {res['latency_rate_rps']:.0f} req/s "
-                    f"(half the mesh maximum, both arms): p50 {res['p50_ms']:.3f} ms, p99 {res['p99_ms']:.3f} ms")
+    c = Console()
+    t = Table(title=f"mesh bench broker ({res['workers']} instant workers, {res['concurrency']} in flight; "
+                    f"each round: mesh, then the forwarder at the mesh's half-load rate)")
+    for col in ("round", "mesh req/s", "fwd req/s", "rate", "mesh RTT p50/p99 ms", "fwd RTT p50/p99 ms", "added p50/p99 ms"):
+        t.add_column(col, justify="right")
+    for k, r in enumerate(res["rounds"], 1):
+        t.add_row(str(k), f"{r['rps']:.0f}", f"{r['baseline_rps']:.0f}", f"{r['latency_rate_rps']:.0f}",
+                  f"{r['rtt_p50_ms']:.2f} / {r['rtt_p99_ms']:.2f}", f"{r['baseline_p50_ms']:.2f} / {r['baseline_p99_ms']:.2f}",
+                  f"{r['p50_ms']:.2f} / {r['p99_ms']:.2f}")
+    t.add_row("median", f"{res['rps']:.0f}", f"{res['baseline_rps']:.0f}", f"{res['latency_rate_rps']:.0f}",
+              f"{res['rtt_p50_ms']:.2f} / {res['rtt_p99_ms']:.2f}", f"{res['baseline_p50_ms']:.2f} / {res['baseline_p99_ms']:.2f}",
+              f"{res['p50_ms']:.2f} / {res['p99_ms']:.2f}", style="bold")
+    c.print(t)
+    c.print(f"ratio mesh/forwarder (median) = {res['ratio']}; added latency at half the mesh maximum "
+            f"(median over {len(res['rounds'])} rounds): p50 {res['p50_ms']:.3f} ms, p99 {res['p99_ms']:.3f} ms; "
+            f"errors {res['errors']}")
 
 
 def _main() -> None:
