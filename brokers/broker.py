@@ -361,8 +361,13 @@ class Broker:
     def _arm_timer(self, now: float) -> None:
         """Make sure the timer fires by the earliest due time (the loop clock is monotonic)."""
         wake = min(self._next_hb, self._next_sweep, self._next_tel)
-        if self._deadlines:
-            wake = min(wake, self._deadlines[0][0])
+        # Finished requests leave their deadline in the heap (lazy deletion); drop those from
+        # the top first, or under sustained load the timer would fire once per finished request.
+        dl, inflight = self._deadlines, self._inflight
+        while dl and dl[0][1] not in inflight:
+            heapq.heappop(dl)
+        if dl:
+            wake = min(wake, dl[0][0])
         if self._retries:
             wake = min(wake, self._retries[0][0])
         if self._park_timers:
