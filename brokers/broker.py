@@ -141,7 +141,8 @@ class Broker:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._readers: list[int] = []
-        self._watch: list[zmq.Socket] = []  # sockets whose readiness the pump re-checks
+        self._watch: list[zmq.Socket] = []  # sockets whose FDs the loop watches
+        self._dirty: set[zmq.Socket] = set()  # sent on since their last readiness check
         self._next_hb = self._next_sweep = self._next_tel = 0.0
         self._hb_slot = 0
         self._hb_slots = itertools.count()
@@ -334,10 +335,12 @@ class Broker:
         if self._mail:
             self._kick()
         else:
-            for sk in self._watch:
+            # Only sockets sent on after their last readiness check can hide queued input.
+            for sk in self._dirty:
                 if socket_readable(sk):
                     self._kick()
                     break
+        self._dirty.clear()
         self._arm_timer(now)
 
     def _run_timers(self, now: float) -> None:
@@ -459,6 +462,7 @@ class Broker:
         """
         for _ in range(_DRAIN_BATCH):
             if not socket_readable(sock):
+                self._dirty.discard(sock)  # just read EVENTS: its FD is armed again
                 return False
             try:
                 frames = recv_frames(sock)
@@ -476,6 +480,7 @@ class Broker:
     def _send(self, sock: zmq.Socket, path: str, identity: bytes, frames: list[bytes]) -> bool:
         """Non-blocking send through a ROUTER_MANDATORY socket; a failure is counted, logged
         (rate-limited) and reported to the caller, which decides what it means."""
+        self._dirty.add(sock)  # a send may consume the socket's FD signal: re-check it (see _pump)
         try:
             send_frames(sock, [identity, *frames])
             return True
