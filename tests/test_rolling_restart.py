@@ -97,7 +97,10 @@ def test_broker_killed_holding_requests_client_resubmits_elsewhere(procs):
                      for i in range(8)]
             while not c._links[0].pending:
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)  # the requests are being decoded on the workers now
+            # readiness signal: b1 reports requests in flight (dispatched, being decoded)
+            async with Client(b1.frontend) as probe:
+                while (await probe.status()).broker.get("inflight", 0) < 1:
+                    await asyncio.sleep(0.01)
             b1.signal(signal.SIGKILL)
             results = await asyncio.gather(*tasks)
             elapsed = time.monotonic() - t0
