@@ -328,9 +328,7 @@ class Broker:
         self._run_timers(now)
         if self._state == "draining" and (not self._inflight or now >= self._drain_deadline_s):
             self._fail_all(ErrorCode.UNAVAILABLE, "broker shut down before the request finished")
-            if self._done is not None and not self._done.done():
-                self._done.set_result(None)
-            self._stop_io()
+            self._stop_io()  # also resolves _done: run() returns and closes the sockets
             return
         if self._mail:
             self._kick()

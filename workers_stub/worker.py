@@ -8,15 +8,13 @@ SGLang's page-hash values after each prefill and every ``decode_log_interval`` d
 Request keys: the engine knows a request by an int ``key``; ``_jobs`` maps it back to the
 (link, broker rid, attempt) it answers to, so replies go to the broker that sent the request.
 
-``instant`` mode skips the engine and answers every REQUEST at once (used by the broker
-benchmark to measure routing overhead alone).
+Instant workers (answer every REQUEST at once, no engine) live in :mod:`workers_stub.instant`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -117,8 +115,7 @@ class SimWorker:
     async def run(self) -> None:
         tasks = [asyncio.create_task(link.run(), name=f"link-{link.endpoint}") for link in self.links]
         tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
-        if not self.s.instant:
-            tasks.append(asyncio.create_task(self._engine_loop(), name="engine"))
+        tasks.append(asyncio.create_task(self._engine_loop(), name="engine"))
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -174,12 +171,6 @@ class SimWorker:
             link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.UNAVAILABLE, "worker draining"))
             return
         prompt = sub.input_ids if sub.input_ids is not None else text_to_tokens(sub.text or "")
-        if self.s.instant:
-            out = prompt[: sub.max_new_tokens]
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "cached_tokens": 0}
-            link.send(P.encode_worker_final(r.rid, r.attempt, "length", usage, {"token_ids": out}))
-            self.served += 1
-            return
         if self.fail_requests_every:
             self._requests_seen += 1
             if self._requests_seen % self.fail_requests_every == 0:
@@ -298,11 +289,3 @@ class SimWorker:
             for link in self.links:
                 if link.sock is not None:
                     link.send(frames)
-
-
-async def run_workers(settings: WorkerSettings, engine_cfg: EngineConfig | None = None, **kwargs) -> list[SimWorker]:
-    """Run ``settings.count`` workers in this process until cancelled. Ids: ``<worker_id>-<i>``."""
-    base = settings.worker_id or f"sim-{os.getpid()}"
-    workers = [SimWorker(settings, base if settings.count == 1 else f"{base}-{i}", engine_cfg, **kwargs) for i in range(settings.count)]
-    await asyncio.gather(*(w.run() for w in workers))
-    return workers

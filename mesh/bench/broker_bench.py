@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from statistics import median
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -339,12 +340,6 @@ def _baseline_arm(log_dir: Path, workers: int, concurrency: int, seconds: float,
         fwd.wait(5)
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
 def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int = 256, rounds: int = 3,
                      quiet: bool = False, progress: Callable[[int], None] | None = None) -> dict:
     """Run ``rounds`` rounds of both arms (mesh, then the forwarder at the same offered load)
@@ -383,13 +378,13 @@ def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int =
             progress(k)
 
     def med(key: str) -> float:
-        return round(_median([r[key] for r in per_round]), 3)
+        return round(median([r[key] for r in per_round]), 3)
 
     rps, base_rps = med("rps"), med("baseline_rps")
     res = {
         "rps": rps,
         "baseline_rps": base_rps,
-        "ratio": round(_median([r["rps"] / r["baseline_rps"] for r in per_round if r["baseline_rps"]]), 3),
+        "ratio": round(median([r["rps"] / r["baseline_rps"] for r in per_round if r["baseline_rps"]]), 3),
         "p50_ms": med("p50_ms"),
         "p99_ms": med("p99_ms"),
         "rtt_p50_ms": med("rtt_p50_ms"),
