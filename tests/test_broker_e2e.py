@@ -184,7 +184,9 @@ def test_many_clients_many_workers_exactly_one_terminal(procs):
 
 
 def test_sigkill_busy_worker_requests_retried_or_worker_lost(procs):
-    b = procs.broker("b", *FAST, "--max-attempts", "3", "--retry-budget-min", "20")
+    # round_robin: the test is about worker loss, so the victim must hold work in every run; the
+    # default cost policy samples, and with two workers it put all ten streams on one of them ~1/1000
+    b = procs.broker("b", *FAST, "--max-attempts", "3", "--retry-budget-min", "20", "--policy", "round_robin")
     victim = procs.workers("victim", [b.backend], "--decode-base-ms", "40", count=1)
     procs.workers("survivor", [b.backend], "--decode-base-ms", "40", count=1)
     run(wait_for_workers(b.frontend, 2))
