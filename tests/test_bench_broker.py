@@ -40,3 +40,14 @@ def test_broker_bench_runs_both_arms_with_zero_errors():
     assert res["rps"] > 0 and res["baseline_rps"] > 0
     # nearly every request came back, in every round
     assert all(r["latency_samples"] >= 0.9 * r["latency_rate_rps"] * 0.5 for r in res["rounds"])
+
+
+def test_baseline_arm_answers_every_request_like_an_instant_worker(tmp_path):
+    """The forwarder arm's workers decode each SUBMIT and answer with a client FINAL (same
+    work as the instant workers), and the harness counts every one of those answers."""
+    from mesh.bench.broker_bench import _baseline_arm
+
+    res = _baseline_arm(tmp_path, workers=4, concurrency=16, seconds=0.5, latency_rate=400)
+    assert res["errors"] == 0 and res["rps"] > 0
+    assert res["latency_samples"] == 200  # 400 req/s for 0.5 s, all answered
+    assert res["p50_ms"] == res["p50_ms"]  # not NaN: round trips were recorded

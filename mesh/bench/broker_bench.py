@@ -8,14 +8,17 @@ token):
   REQUEST with a FINAL at once, speaking the full worker protocol, so all time is decoding,
   routing and transport);
 * **baseline**: a minimal Python ROUTER-to-DEALER forwarder process (receive, forward, no
-  parsing) and 64 echo DEALERs.
+  parsing) and 64 answering DEALERs. They do the instant workers' work, decoding each SUBMIT
+  and answering with a FINAL of the same shape, so the harness costs the same in both arms and
+  the difference between the arms is the broker alone.
 
 The process under test (broker or forwarder) runs alone; the load driver and the 64 workers
 share one *harness* process and one loop (:class:`_Harness`). On a 2-core machine that leaves the
 process under test a core of its own, as it would have in production, instead of three busy
 processes taking turns on two cores (which turned scheduler waits into milliseconds of "added"
-latency). Both arms use the identical harness; the mesh arm's workers do more (they decode each
-REQUEST and encode a FINAL), which counts against mesh.
+latency). Both arms use the identical harness doing the same work per request. (Pure echo
+workers would leave the baseline's machine less busy, and the harness's own scheduling delays
+would then be counted as latency the broker adds.)
 
 Phase 1 (throughput): a closed loop keeps ``concurrency`` requests in flight for ``seconds``.
 Phase 2 (latency): open loop at half of the mesh's phase-1 rate, the same offered load for both
@@ -47,7 +50,7 @@ from mesh.sockets import ReadyPoller, recv_frames, send_frames
 
 __all__ = ["run_broker_bench"]
 
-_TERMINAL = {bytes([P.Cmd.C_FINAL]), bytes([P.Cmd.C_ERROR]), bytes([P.Cmd.C_SUBMIT])}
+_TERMINAL = {bytes([P.Cmd.C_FINAL]), bytes([P.Cmd.C_ERROR])}
 _ERROR = bytes([P.Cmd.C_ERROR])
 
 
@@ -62,12 +65,15 @@ def _request_frames(i: int) -> list[bytes]:
 
 
 def _is_terminal(frames: list[bytes]) -> bool:
-    # mesh replies: FINAL or ERROR terminate; the baseline echoes the SUBMIT itself.
+    # FINAL or ERROR terminate (both arms answer with a client FINAL).
     return len(frames) >= 2 and frames[1] in _TERMINAL
 
 
-class _EchoFleet:
-    """The baseline's workers: ``n`` DEALERs that send every message straight back."""
+class _AnswerFleet:
+    """The baseline's workers: ``n`` DEALERs behind the forwarder. Each message is a client's
+    SUBMIT (after the client identity the forwarder added); it is decoded, and answered with
+    a client FINAL exactly as an instant worker answers a REQUEST (same decode, same reply
+    body), so the harness does the same work in both arms."""
 
     def __init__(self, ctx: zmq.Context, poller: ReadyPoller, backend: str, n: int) -> None:
         self.poller = poller
@@ -91,7 +97,13 @@ class _EchoFleet:
                 frames = recv_frames(sk)
             except zmq.Again:
                 break
-            send_frames(sk, frames)
+            sub = P.decode_client(frames[1:])
+            if not isinstance(sub, P.Submit):
+                continue  # the harness sends nothing else through the forwarder
+            prompt = sub.input_ids or list((sub.text or "").encode())
+            out = prompt[: sub.max_new_tokens]
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "cached_tokens": 0}
+            send_frames(sk, [frames[0], *P.encode_client_final(sub.rid, "length", usage, "answer", 1, P.pack({"token_ids": out}))])
         self.poller.recheck(sk)
 
     def close(self) -> None:
@@ -321,7 +333,7 @@ def _mesh_arm(log_dir: Path, workers: int, concurrency: int, seconds: float) -> 
 
 
 def _baseline_arm(log_dir: Path, workers: int, concurrency: int, seconds: float, latency_rate: float) -> dict:
-    """The forwarder process (no mesh code on its data path) + the harness with echo workers."""
+    """The forwarder process (no mesh code on its data path) + the harness with answering workers."""
     import subprocess
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -330,7 +342,7 @@ def _baseline_arm(log_dir: Path, workers: int, concurrency: int, seconds: float,
         fwd = subprocess.Popen([sys.executable, "-m", "mesh.bench.broker_bench", "forwarder"], stdout=lf, stderr=subprocess.STDOUT, env=env)
     try:
         rec = wait_for_log_event(fwd_log, "forwarder_listening", 30, fwd)
-        h = _Harness(rec["frontend"], lambda ctx, poller: _EchoFleet(ctx, poller, rec["backend"], workers))
+        h = _Harness(rec["frontend"], lambda ctx, poller: _AnswerFleet(ctx, poller, rec["backend"], workers))
         try:
             return _measure(h, concurrency, seconds, latency_rate=latency_rate)
         finally:
