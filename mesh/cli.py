@@ -250,6 +250,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--seconds", type=float, default=4.0, help="duration of each throughput phase (default 4)")
     b.add_argument("--concurrency", type=int, default=256, help="requests kept in flight in the throughput phase")
     b.add_argument("--rounds", type=int, default=3, help="rounds of both arms; headline figures are medians (default 3)")
+    b.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin the process under test to one CPU and the harness to the others "
+                        "(pinning is the default with 2+ CPUs on Linux)")
     b.add_argument("--json", help="write results to this JSON file")
     b.set_defaults(func=_cmd_bench_broker)
     r = bsub.add_parser("routing", help="decision time at 8..4096 workers, index apply rate, bytes per block")
@@ -272,7 +275,7 @@ def _cmd_bench_broker(args) -> int:
     with Progress(transient=True) as bar:
         task = bar.add_task("rounds (mesh + forwarder)", total=args.rounds)
         res = run_broker_bench(workers=args.workers, seconds=args.seconds, concurrency=args.concurrency,
-                               rounds=args.rounds, quiet=True, progress=lambda k: bar.update(task, completed=k))
+                               rounds=args.rounds, quiet=True, progress=lambda k: bar.update(task, completed=k), pin=args.pin)
     from mesh.bench.broker_bench import _print
 
     _print(res)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from mesh.bench.broker_bench import run_broker_bench
 from mesh.client import Client
 from mesh.up import wait_for_workers
 
 from conftest import run
+
+_START_MASK = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 
 def test_instant_worker_process_serves_requests(procs):
@@ -38,6 +41,11 @@ def test_broker_bench_runs_both_arms_with_zero_errors():
         assert key in res, key
     assert res["errors"] == 0
     assert res["rps"] > 0 and res["baseline_rps"] > 0
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
+        pin = res["pinning"]  # the process under test on its own CPU, the harness on the others
+        assert pin and set(pin["process_under_test"]).isdisjoint(pin["harness"])
+    if _START_MASK is not None:
+        assert os.sched_getaffinity(0) == _START_MASK  # the harness's pinning was undone
     # nearly every request came back, in every round
     assert all(r["latency_samples"] >= 0.9 * r["latency_rate_rps"] * 0.5 for r in res["rounds"])
 

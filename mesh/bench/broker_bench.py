@@ -44,6 +44,7 @@ from pathlib import Path
 import zmq
 
 from mesh import protocol as P
+from mesh.bench.cpu_pinning import Placement, pin_process, pinned_self, plan
 from mesh.gc_tuning import freeze_startup_heap
 from mesh.procs import ProcGroup, wait_for_log_event
 from mesh.sockets import ReadyPoller, recv_frames, send_frames
@@ -318,12 +319,14 @@ def _measure(h: _Harness, concurrency: int, seconds: float, latency_rate: float 
             "latency_rate_rps": rate}
 
 
-def _mesh_arm(log_dir: Path, workers: int, concurrency: int, seconds: float) -> dict:
+def _mesh_arm(log_dir: Path, workers: int, concurrency: int, seconds: float, place: Placement | None = None) -> dict:
     """A broker process + the harness with ``workers`` instant workers."""
     from workers_stub.instant import InstantFleet
 
     with ProcGroup(log_dir) as g:
         b = g.broker("broker", "--policy", "power_of_two", "--log-level", "warning")
+        if place is not None:
+            pin_process(b.pid, place.under_test)
         h = _Harness(b.frontend, lambda ctx, poller: InstantFleet(ctx, poller, [b.backend], count=workers, worker_id="instant"))
         try:
             h.wait_workers(workers)
@@ -332,7 +335,8 @@ def _mesh_arm(log_dir: Path, workers: int, concurrency: int, seconds: float) -> 
             h.close()
 
 
-def _baseline_arm(log_dir: Path, workers: int, concurrency: int, seconds: float, latency_rate: float) -> dict:
+def _baseline_arm(log_dir: Path, workers: int, concurrency: int, seconds: float, latency_rate: float,
+                  place: Placement | None = None) -> dict:
     """The forwarder process (no mesh code on its data path) + the harness with answering workers."""
     import subprocess
 
@@ -342,6 +346,8 @@ def _baseline_arm(log_dir: Path, workers: int, concurrency: int, seconds: float,
         fwd = subprocess.Popen([sys.executable, "-m", "mesh.bench.broker_bench", "forwarder"], stdout=lf, stderr=subprocess.STDOUT, env=env)
     try:
         rec = wait_for_log_event(fwd_log, "forwarder_listening", 30, fwd)
+        if place is not None:
+            pin_process(fwd.pid, place.under_test)
         h = _Harness(rec["frontend"], lambda ctx, poller: _AnswerFleet(ctx, poller, rec["backend"], workers))
         try:
             return _measure(h, concurrency, seconds, latency_rate=latency_rate)
@@ -352,26 +358,17 @@ def _baseline_arm(log_dir: Path, workers: int, concurrency: int, seconds: float,
         fwd.wait(5)
 
 
-def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int = 256, rounds: int = 3,
-                     quiet: bool = False, progress: Callable[[int], None] | None = None) -> dict:
-    """Run ``rounds`` rounds of both arms (mesh, then the forwarder at the same offered load)
-    and return the result dict (also printed unless ``quiet``).
-
-    Headline figures are medians over rounds: a shared machine's noise comes and goes over
-    minutes, so one round's p99 can be dominated by a neighbour; every round is in ``rounds``.
-    ``progress(k)`` is called after round ``k`` (1-based)."""
-    if rounds < 1:
-        raise ValueError("rounds must be >= 1")
-    log_dir = Path(tempfile.mkdtemp(prefix="mesh-bench-broker-"))
-    freeze_startup_heap()  # the harness gets the same GC treatment as the processes it drives
+def _rounds(log_dir: Path, rounds: int, workers: int, concurrency: int, seconds: float,
+            place: Placement | None, progress: Callable[[int], None] | None) -> tuple[list[dict], int]:
+    """Run the rounds; returns (one dict per round, errors summed over the mesh arms)."""
     per_round = []
     errors = 0
     for k in range(1, rounds + 1):
         rdir = log_dir / f"round-{k}"
         rdir.mkdir()
-        mesh_res = _mesh_arm(rdir, workers, concurrency, seconds)
+        mesh_res = _mesh_arm(rdir, workers, concurrency, seconds, place)
         # the forwarder's round trips are taken at the mesh's half-load rate: same offered load
-        base_res = _baseline_arm(rdir, workers, concurrency, seconds, latency_rate=mesh_res["rps"] / 2)
+        base_res = _baseline_arm(rdir, workers, concurrency, seconds, latency_rate=mesh_res["rps"] / 2, place=place)
         errors += mesh_res["errors"]
         per_round.append({
             "rps": round(mesh_res["rps"], 1),
@@ -388,6 +385,28 @@ def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int =
         })
         if progress:
             progress(k)
+    return per_round, errors
+
+
+def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int = 256, rounds: int = 3,
+                     quiet: bool = False, progress: Callable[[int], None] | None = None, pin: bool = True) -> dict:
+    """Run ``rounds`` rounds of both arms (mesh, then the forwarder at the same offered load)
+    and return the result dict (also printed unless ``quiet``).
+
+    With ``pin`` (default) and at least two usable CPUs, the process under test (broker or
+    forwarder, every thread) runs on one CPU and this harness on the others, in both arms
+    (:mod:`mesh.bench.cpu_pinning` says why); the placement is recorded as ``pinning``.
+
+    Headline figures are medians over rounds: a shared machine's noise comes and goes over
+    minutes, so one round's p99 can be dominated by a neighbour; every round is in ``rounds``.
+    ``progress(k)`` is called after round ``k`` (1-based)."""
+    if rounds < 1:
+        raise ValueError("rounds must be >= 1")
+    log_dir = Path(tempfile.mkdtemp(prefix="mesh-bench-broker-"))
+    freeze_startup_heap()  # the harness gets the same GC treatment as the processes it drives
+    place = plan() if pin else None
+    with pinned_self(place.harness if place else None):
+        per_round, errors = _rounds(log_dir, rounds, workers, concurrency, seconds, place, progress)
 
     def med(key: str) -> float:
         return round(median([r[key] for r in per_round]), 3)
@@ -411,6 +430,7 @@ def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int =
         "seconds": seconds,
         "rounds": per_round,
         "cpus": os.cpu_count(),
+        "pinning": place.as_dict() if place else None,
     }
     if not quiet:
         _print(res)
@@ -434,6 +454,9 @@ def _print(res: dict) -> None:
               f"{res['rtt_p50_ms']:.2f} / {res['rtt_p99_ms']:.2f}", f"{res['baseline_p50_ms']:.2f} / {res['baseline_p99_ms']:.2f}",
               f"{res['p50_ms']:.2f} / {res['p99_ms']:.2f}", style="bold")
     c.print(t)
+    pin = res.get("pinning")
+    if pin:
+        c.print(f"pinned: process under test on CPU {pin['process_under_test']}, harness on CPU {pin['harness']}")
     c.print(f"ratio mesh/forwarder (median) = {res['ratio']}; added latency at half the mesh maximum "
             f"(median over {len(res['rounds'])} rounds): p50 {res['p50_ms']:.3f} ms, p99 {res['p99_ms']:.3f} ms; "
             f"errors {res['errors']}")
