@@ -25,9 +25,17 @@ from mesh.gc_tuning import freeze_startup_heap
 from mesh.logs import announce
 from mesh.sockets import WORKER_DEALER, ReadyPoller, SocketSpec, make_socket, recv_frames, send_frames
 
-__all__ = ["InstantFleet", "run_instant_fleet"]
+__all__ = ["InstantFleet", "instant_answer", "run_instant_fleet"]
 
 _HB_SLICES = 10  # heartbeats go out in this many slices per interval
+
+
+def instant_answer(sub: P.Submit) -> tuple[list[int], dict[str, int]]:
+    """What an instant worker generates for ``sub``: its first ``max_new_tokens`` prompt ids
+    (text prompts as bytes), and the usage to report with them (nothing cached)."""
+    prompt = sub.input_ids or list((sub.text or "").encode())
+    out = prompt[: sub.max_new_tokens]
+    return out, {"prompt_tokens": len(prompt), "completion_tokens": len(out), "cached_tokens": 0}
 
 
 class InstantFleet:
@@ -94,10 +102,7 @@ class InstantFleet:
             msg = P.decode_broker_to_worker(frames)
             t = type(msg)
             if t is P.Request:
-                sub = msg.submit
-                prompt = sub.input_ids or list((sub.text or "").encode())
-                out = prompt[: sub.max_new_tokens]
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "cached_tokens": 0}
+                out, usage = instant_answer(msg.submit)
                 _try_send(sk, P.encode_worker_final(msg.rid, msg.attempt, "length", usage, {"token_ids": out}))
                 self.requests += 1
             elif t is P.Heartbeat:

@@ -48,6 +48,7 @@ from mesh.bench.cpu_pinning import Placement, pin_process, pinned_self, plan
 from mesh.gc_tuning import freeze_startup_heap
 from mesh.procs import ProcGroup, wait_for_log_event
 from mesh.sockets import ReadyPoller, recv_frames, send_frames
+from workers_stub.instant import InstantFleet, instant_answer
 
 __all__ = ["run_broker_bench"]
 
@@ -101,9 +102,7 @@ class _AnswerFleet:
             sub = P.decode_client(frames[1:])
             if not isinstance(sub, P.Submit):
                 continue  # the harness sends nothing else through the forwarder
-            prompt = sub.input_ids or list((sub.text or "").encode())
-            out = prompt[: sub.max_new_tokens]
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "cached_tokens": 0}
+            out, usage = instant_answer(sub)
             send_frames(sk, [frames[0], *P.encode_client_final(sub.rid, "length", usage, "answer", 1, P.pack({"token_ids": out}))])
         self.poller.recheck(sk)
 
@@ -321,8 +320,6 @@ def _measure(h: _Harness, concurrency: int, seconds: float, latency_rate: float 
 
 def _mesh_arm(log_dir: Path, workers: int, concurrency: int, seconds: float, place: Placement | None = None) -> dict:
     """A broker process + the harness with ``workers`` instant workers."""
-    from workers_stub.instant import InstantFleet
-
     with ProcGroup(log_dir) as g:
         b = g.broker("broker", "--policy", "power_of_two", "--log-level", "warning")
         if place is not None:
