@@ -257,7 +257,7 @@ def _add_bench(sub) -> None:
     b.set_defaults(func=_cmd_bench_broker)
     r = bsub.add_parser("routing", help="decision time at 8..4096 workers, index apply rate, bytes per block")
     r.add_argument("--sizes", default="8,64,512,4096", help="comma-separated fleet sizes")
-    r.add_argument("--decisions", type=int, default=400, help="decisions timed per fleet size")
+    r.add_argument("--decisions", type=int, default=2000, help="decisions timed per fleet size (after 50 untimed warm-up decisions)")
     r.add_argument("--json", help="write results to this JSON file")
     r.set_defaults(func=_cmd_bench_routing)
     from mesh.indexer.cli import add_bench_parser
