@@ -1,7 +1,8 @@
 """End to end: a real broker process and real simulated worker processes on 127.0.0.1.
 
 Covers hostile input (the broker survives, counts, answers), exactly-one terminal frame per
-request with several clients and workers, SIGKILL of a busy worker, and a broker restart.
+request with several clients and workers, SIGKILL of a busy worker, SIGSTOP/SIGCONT of a busy worker
+(expiry, retry, fencing of its late frames, re-registration), and a broker restart.
 """
 
 from __future__ import annotations
@@ -335,5 +336,69 @@ def test_failing_worker_is_ejected_then_reinstated(procs):
             while (await c.status()).counters.get("workers.reinstated", 0) < 1:
                 assert time.monotonic() < t_end
                 await asyncio.sleep(0.1)
+
+    run(body(), timeout_s=60)
+
+
+def test_stalled_worker_sigstop_is_expired_retried_and_fenced_after_sigcont(procs):
+    """SIGSTOP a worker holding requests: it is expired within the detection time and its
+    retry-safe requests finish elsewhere. After SIGCONT whatever it still sends for the old
+    attempts is dropped (never reaches the client), and it re-registers and serves again."""
+    b = procs.broker("b", *FAST, "--policy", "round_robin", "--max-attempts", "3", "--retry-budget-min", "20")
+    staller = procs.workers("staller", [b.backend], "--decode-base-ms", "30", "--heartbeat-ms", "200", count=1)
+    procs.workers("steady", [b.backend], "--decode-base-ms", "30", "--heartbeat-ms", "200", count=1)
+    run(wait_for_workers(b.frontend, 2))
+
+    async def body():
+        ctx = zmq.asyncio.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(b.frontend)
+        terminals: dict[str, list] = {}
+
+        async def collect(n: int, timeout_s: float) -> None:
+            t_end = time.monotonic() + timeout_s
+            while sum(len(v) for v in terminals.values()) < n:
+                left = t_end - time.monotonic()
+                assert left > 0, terminals
+                m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), left))
+                if isinstance(m, (P.ClientFinal, P.ClientError)):
+                    terminals.setdefault(m.rid, []).append(m)
+
+        async with Client(b.frontend) as c:
+            for i in range(8):  # non-streaming: retry-safe; round robin puts half on the staller
+                await s.send_multipart(P.encode_submit(f"s{i}", input_ids=[2] * 16 + [i], params={"max_new_tokens": 40},
+                                                       deadline_ms=30_000, stream=False))
+            t_end = time.monotonic() + 10
+            while not any(w["worker_id"] == "staller" and w["inflight"] for w in (await c.status()).workers):
+                assert time.monotonic() < t_end
+                await asyncio.sleep(0.02)
+            staller.signal(signal.SIGSTOP)
+            t_stop = time.monotonic()
+            try:
+                await collect(8, 15)
+                # expiry (3 x 200 ms) + a retry of a 40-token request (~1.2 s): well under 5 s
+                assert time.monotonic() - t_stop < 5
+                assert all(len(v) == 1 and isinstance(v[0], P.ClientFinal) for v in terminals.values()), terminals
+                moved = [v[0] for v in terminals.values() if v[0].attempt >= 2]
+                assert moved and all(f.worker == "steady" for f in moved)
+                assert (await c.status()).counters.get("workers.expired", 0) >= 1
+            finally:
+                staller.signal(signal.SIGCONT)
+            # it comes back (the broker told it DISCONNECT "expired"): registered and healthy again
+            await wait_for_workers(b.frontend, 2)
+            # it serves new work
+            rs = [await c.generate(input_ids=[8] * 16 + [i], max_new_tokens=2, deadline_ms=10_000) for i in range(4)]
+            assert {r.worker for r in rs} == {"staller", "steady"}
+        # nothing it sent for the superseded attempts reached the client: still one terminal each
+        try:
+            while True:
+                m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 0.3))
+                if isinstance(m, (P.ClientFinal, P.ClientError)):
+                    terminals.setdefault(m.rid, []).append(m)
+        except asyncio.TimeoutError:
+            pass
+        s.close(linger=0)
+        assert all(len(v) == 1 for v in terminals.values()), terminals
 
     run(body(), timeout_s=60)
