@@ -2,7 +2,8 @@
 
 Covers hostile input (the broker survives, counts, answers), exactly-one terminal frame per
 request with several clients and workers, SIGKILL of a busy worker, SIGSTOP/SIGCONT of a busy worker
-(expiry, retry, fencing of its late frames, re-registration), and a broker restart.
+(expiry, retry, fencing of its late frames, re-registration), a pause shorter than the liveness
+window (no expiry), and a broker restart.
 """
 
 from __future__ import annotations
@@ -402,3 +403,35 @@ def test_stalled_worker_sigstop_is_expired_retried_and_fenced_after_sigcont(proc
         assert all(len(v) == 1 for v in terminals.values()), terminals
 
     run(body(), timeout_s=60)
+
+
+def test_short_pause_below_the_liveness_window_expires_nothing(procs):
+    """A worker paused (SIGSTOP) for less than (liveness - 1) x heartbeat, like a long GC pause,
+    is not expired, and the request it holds finishes there, on its first attempt."""
+    b = procs.broker("b")  # default heartbeat 500 ms x liveness 3: expiry after 1.5 s of silence
+    w = procs.workers("pauser", [b.backend], "--decode-base-ms", "20", count=1)
+    run(wait_for_workers(b.frontend, 1))
+
+    async def body():
+        async with Client(b.frontend) as c:
+            st = await c.submit(input_ids=[5] * 16, max_new_tokens=30, stream=True, deadline_ms=20_000)
+            t_end = time.monotonic() + 10
+            while not st.first_token_s:
+                assert time.monotonic() < t_end
+                await asyncio.sleep(0.01)
+            w.signal(signal.SIGSTOP)
+            t_stop = time.monotonic()
+            try:
+                await asyncio.sleep(0.4)  # the fault itself: a 400 ms pause (< (3 - 1) x 500 ms)
+            finally:
+                w.signal(signal.SIGCONT)
+            r = await st.result()
+            assert (r.worker, r.attempt, len(r.token_ids)) == ("pauser", 1, 30)
+            # past the moment an expiry would have fired had the silence lasted: nothing expired
+            while time.monotonic() < t_stop + 2.0:
+                await asyncio.sleep(0.1)
+            s = await c.status()
+            assert s.counters.get("workers.expired", 0) == 0, s.counters
+            assert [x["healthy"] for x in s.workers] == [True]
+
+    run(body(), timeout_s=30)
