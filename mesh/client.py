@@ -162,6 +162,10 @@ class Stream:
 _UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN_EVENTS = zmq.EVENT_DISCONNECTED
 _LOST_DRAIN_S = 0.2  # on a drop, replies already queued are read for at most this long
+# After a broker answers ``unavailable`` (typically: it is draining), a resubmission waits up to
+# this long for another broker's connection to be up, rather than going back to the same one.
+# It covers a restarted broker's reconnect (the DEALER retries at most every 2 s).
+_OTHER_LINK_WAIT_S = 2.5
 
 
 @dataclass(eq=False)
@@ -196,6 +200,7 @@ class Client:
         self._prefix = f"{os.getpid()}-{id(self) & 0xFFFFFF:x}"
         self.rejected_replies = 0
         self.lost_requests = 0  # requests failed because their broker's connection dropped
+        self._link_up = asyncio.Event()  # set whenever some link's connection comes up
         self._state = "unopened"
 
     async def __aenter__(self) -> "Client":
@@ -234,18 +239,39 @@ class Client:
             link.monitor.close(linger=0)
             link.sock.close(linger=0)
 
-    def _pick(self) -> _Link:
-        """The next broker whose connection is up (round robin); any broker when none is."""
+    def _pick(self, avoid: _Link | None = None) -> _Link:
+        """The next broker whose connection is up (round robin), other than ``avoid`` if another
+        is up; any broker (``avoid`` last) when none is."""
         links = self._links
         n = len(links)
         for k in range(n):
             link = links[(self._rr + k) % n]
-            if link.up:
+            if link.up and link is not avoid:
                 self._rr = (self._rr + k + 1) % n
                 return link
-        link = links[self._rr % n]
-        self._rr = (self._rr + 1) % n
-        return link
+        if avoid is not None and avoid.up:
+            return avoid
+        for k in range(n):
+            link = links[(self._rr + k) % n]
+            if link is not avoid or n == 1:
+                self._rr = (self._rr + k + 1) % n
+                return link
+        return links[0]
+
+    async def _another_link_up(self, avoid: _Link | None, timeout_s: float) -> None:
+        """Return once a link other than ``avoid`` is up, or after ``timeout_s``."""
+        if avoid is None or len(self._links) < 2:
+            return
+        t_end = time.monotonic() + timeout_s
+        while not any(link.up for link in self._links if link is not avoid):
+            left = t_end - time.monotonic()
+            if left <= 0:
+                return
+            self._link_up.clear()
+            try:
+                await asyncio.wait_for(self._link_up.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     async def _send(self, frames: list[bytes], link: _Link | None = None) -> _Link:
         if self._state != "open":
@@ -273,6 +299,11 @@ class Client:
         rid: str | None = None,
     ) -> Stream:
         """Send one request; returns its :class:`Stream` at once (before any reply)."""
+        return await self._submit(input_ids=input_ids, text=text, max_new_tokens=max_new_tokens, params=params,
+                                  deadline_ms=deadline_ms, stream=stream, idempotent=idempotent, slo=slo, rid=rid)
+
+    async def _submit(self, *, input_ids, text, max_new_tokens, params, deadline_ms, stream, idempotent, slo, rid,
+                      avoid: _Link | None = None) -> Stream:
         rid = rid or f"{self._prefix}-{next(self._ids)}"
         budget_ms = deadline_ms or self.default_deadline_ms
         st = Stream(rid, time.monotonic() + budget_ms / 1000.0, self)
@@ -280,7 +311,7 @@ class Client:
         p["max_new_tokens"] = max_new_tokens
         frames = P.encode_submit(rid, input_ids=input_ids, text=text, params=p, deadline_ms=budget_ms,
                                  stream=stream, idempotent=idempotent, slo=slo)
-        link = self._pick()
+        link = self._pick(avoid)
         st._link = link
         self._streams[rid] = st
         link.pending.add(rid)
@@ -303,27 +334,36 @@ class Client:
         A request that ends with ``unavailable`` (a draining or restarting broker, or a broker
         whose connection dropped while it held the request) is resubmitted up to ``resubmit``
         times after a jittered back-off, so broker restarts and crashes do not fail requests;
-        the deadline still bounds the whole call. Partial output of the failed attempt is
-        discarded (``generate`` only returns whole results), so this holds mid-stream too;
-        requests submitted with ``idempotent=False`` are never resubmitted.
+        the deadline still bounds the whole call. A resubmission goes to another broker: if
+        none is connected yet (say the other one is itself restarting), it waits for one up to
+        ``_OTHER_LINK_WAIT_S`` rather than going back to the broker that just refused. Partial
+        output of the failed attempt is discarded (``generate`` only returns whole results), so
+        this holds mid-stream too; requests submitted with ``idempotent=False`` are never
+        resubmitted.
         """
         budget_ms = kwargs.get("deadline_ms") or self.default_deadline_ms
         t_end = time.monotonic() + budget_ms / 1000.0
         policy = RetryPolicy(max_attempts=resubmit + 1, base_ms=50.0, cap_ms=500.0)
+        args = {"input_ids": None, "text": None, "max_new_tokens": 128, "params": None, "stream": True,
+                "idempotent": True, "slo": None, "rid": None, **kwargs}
         attempt = 0
+        refused_by = None
         while True:
             attempt += 1
-            kwargs["deadline_ms"] = max(1, int((t_end - time.monotonic()) * 1000))
-            kwargs.pop("rid", None) if attempt > 1 else None
-            st = await self.submit(**kwargs)
+            args["deadline_ms"] = max(1, int((t_end - time.monotonic()) * 1000))
+            if attempt > 1:
+                args["rid"] = None
+            st = await self._submit(**args, avoid=refused_by)
             try:
                 return await st.result()
             except RetryableError as exc:
                 remaining = t_end - time.monotonic()
-                if (exc.code is not ErrorCode.UNAVAILABLE or not kwargs.get("idempotent", True)
+                if (exc.code is not ErrorCode.UNAVAILABLE or not args["idempotent"]
                         or not policy.should_retry(attempt, remaining)):
                     raise
+                refused_by = st._link
                 await asyncio.sleep(min(policy.delay_s(attempt), max(0.0, remaining)))
+                await self._another_link_up(refused_by, min(_OTHER_LINK_WAIT_S, max(0.0, t_end - time.monotonic())))
 
     async def status(self, timeout_s: float = 5.0) -> P.StatusReply:
         """Ask a broker for its view of the fleet."""
@@ -380,6 +420,7 @@ class Client:
             event = ev.get("event", 0)
             if event & _UP_EVENTS:
                 link.up = True
+                self._link_up.set()
             elif event & _DOWN_EVENTS:
                 link.up = False
                 await self._on_link_lost(link)

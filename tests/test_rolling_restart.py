@@ -110,3 +110,51 @@ def test_broker_killed_holding_requests_client_resubmits_elsewhere(procs):
     assert all(r.finish_reason == "length" for r in results)
     assert lost >= 1  # b1 held some of them when it died
     assert elapsed < 15, elapsed  # resubmitted on the drop, not after the 30 s deadline
+
+
+def test_resubmission_after_a_draining_refusal_waits_for_the_other_broker(procs):
+    """The rolling-restart race: one broker is down (restarting, its client link not yet
+    reconnected) while the other drains. A request refused by the draining broker must not be
+    resubmitted to it until the attempts run out; it waits for the restarted broker instead."""
+    import signal
+    import time
+
+    b1 = procs.broker("b1", *FAST)
+    b2 = procs.broker("b2", *FAST)
+    procs.workers("w", [b1.backend, b2.backend], "--heartbeat-ms", "200", "--decode-base-ms", "50", count=2)
+    run(wait_for_workers(b1.frontend, 2))
+    run(wait_for_workers(b2.frontend, 2))
+
+    async def body():
+        async with Client([b1.frontend, b2.frontend]) as c:
+            t_end = time.monotonic() + 10
+            while not all(link.up for link in c._links):
+                assert time.monotonic() < t_end
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(b1.stop, 20)
+            procs.procs.remove(b1)
+            while c._links[0].up:  # the client saw b1 go
+                assert time.monotonic() < t_end
+                await asyncio.sleep(0.01)
+            # b2 holds a long stream (60 x 50 ms), so after SIGTERM it stays draining for seconds
+            long = await c.submit(input_ids=[3] * 32, max_new_tokens=60, deadline_ms=30_000)
+            while not long.first_token_s:
+                assert time.monotonic() < t_end
+                await asyncio.sleep(0.01)
+            b2.signal(signal.SIGTERM)
+            async with Client(b2.frontend) as probe:
+                while (await probe.status()).broker.get("state") != "draining":
+                    assert time.monotonic() < t_end
+                    await asyncio.sleep(0.01)
+                job = asyncio.create_task(c.generate(input_ids=[4] * 32, max_new_tokens=4, deadline_ms=30_000))
+                # readiness: b2 refused it ("broker is draining")
+                while (await probe.status()).counters.get("requests.unavailable", 0) < 1:
+                    assert time.monotonic() < t_end
+                    await asyncio.sleep(0.01)
+            # only now does b1 come back; the client reconnects on its own schedule
+            await asyncio.to_thread(procs.broker, "b1", *FAST, frontend=b1.frontend, backend=b1.backend)
+            r = await asyncio.wait_for(job, 25)
+            assert r.finish_reason == "length" and len(r.token_ids) == 4
+            assert (await long.result()).finish_reason == "length"  # the drain finished it
+
+    run(body(), timeout_s=60)
