@@ -297,8 +297,9 @@ class Broker:
 
         Runs from the event loop (FD readable, timer, or :meth:`_kick`). A ZeroMQ FD only
         signals *changes*, and any send may consume a pending signal, so the pump ends by
-        reading every socket's EVENTS after its last send: if a socket still has input it
-        schedules itself again (after letting other tasks run) instead of waiting on the FD.
+        reading EVENTS on every socket sent on since its last readiness check: if one still
+        has input it schedules itself again (after letting other tasks run) instead of waiting
+        on the FD.
         An unexpected exception ends serving and is raised from :meth:`run`.
         """
         self._pump_scheduled = False

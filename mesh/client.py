@@ -239,24 +239,22 @@ class Client:
             link.monitor.close(linger=0)
             link.sock.close(linger=0)
 
-    def _pick(self, avoid: _Link | None = None) -> _Link:
-        """The next broker whose connection is up (round robin), other than ``avoid`` if another
-        is up; any broker (``avoid`` last) when none is."""
+    def _next(self, pred) -> _Link | None:
+        """The next link (round robin) that satisfies ``pred``, or None."""
         links = self._links
         n = len(links)
         for k in range(n):
-            link = links[(self._rr + k) % n]
-            if link.up and link is not avoid:
-                self._rr = (self._rr + k + 1) % n
-                return link
-        if avoid is not None and avoid.up:
-            return avoid
-        for k in range(n):
-            link = links[(self._rr + k) % n]
-            if link is not avoid or n == 1:
-                self._rr = (self._rr + k + 1) % n
-                return link
-        return links[0]
+            i = (self._rr + k) % n
+            if pred(links[i]):
+                self._rr = (i + 1) % n
+                return links[i]
+        return None
+
+    def _pick(self, avoid: _Link | None = None) -> _Link:
+        """The next broker whose connection is up, other than ``avoid`` if another is up; when
+        none is up, any broker (``avoid`` last)."""
+        return (self._next(lambda link: link.up and link is not avoid) or self._next(lambda link: link.up)
+                or self._next(lambda link: link is not avoid) or self._links[0])
 
     async def _another_link_up(self, avoid: _Link | None, timeout_s: float) -> None:
         """Return once a link other than ``avoid`` is up, or after ``timeout_s``."""
@@ -297,13 +295,10 @@ class Client:
         idempotent: bool = True,
         slo: dict[str, Any] | None = None,
         rid: str | None = None,
+        _avoid: _Link | None = None,
     ) -> Stream:
-        """Send one request; returns its :class:`Stream` at once (before any reply)."""
-        return await self._submit(input_ids=input_ids, text=text, max_new_tokens=max_new_tokens, params=params,
-                                  deadline_ms=deadline_ms, stream=stream, idempotent=idempotent, slo=slo, rid=rid)
-
-    async def _submit(self, *, input_ids, text, max_new_tokens, params, deadline_ms, stream, idempotent, slo, rid,
-                      avoid: _Link | None = None) -> Stream:
+        """Send one request; returns its :class:`Stream` at once (before any reply).
+        ``_avoid`` is internal (:meth:`generate`): a broker not to use if another is up."""
         rid = rid or f"{self._prefix}-{next(self._ids)}"
         budget_ms = deadline_ms or self.default_deadline_ms
         st = Stream(rid, time.monotonic() + budget_ms / 1000.0, self)
@@ -311,7 +306,7 @@ class Client:
         p["max_new_tokens"] = max_new_tokens
         frames = P.encode_submit(rid, input_ids=input_ids, text=text, params=p, deadline_ms=budget_ms,
                                  stream=stream, idempotent=idempotent, slo=slo)
-        link = self._pick(avoid)
+        link = self._pick(_avoid)
         st._link = link
         self._streams[rid] = st
         link.pending.add(rid)
@@ -344,21 +339,18 @@ class Client:
         budget_ms = kwargs.get("deadline_ms") or self.default_deadline_ms
         t_end = time.monotonic() + budget_ms / 1000.0
         policy = RetryPolicy(max_attempts=resubmit + 1, base_ms=50.0, cap_ms=500.0)
-        args = {"input_ids": None, "text": None, "max_new_tokens": 128, "params": None, "stream": True,
-                "idempotent": True, "slo": None, "rid": None, **kwargs}
         attempt = 0
         refused_by = None
         while True:
             attempt += 1
-            args["deadline_ms"] = max(1, int((t_end - time.monotonic()) * 1000))
-            if attempt > 1:
-                args["rid"] = None
-            st = await self._submit(**args, avoid=refused_by)
+            kwargs["deadline_ms"] = max(1, int((t_end - time.monotonic()) * 1000))
+            kwargs.pop("rid", None) if attempt > 1 else None
+            st = await self.submit(**kwargs, _avoid=refused_by)
             try:
                 return await st.result()
             except RetryableError as exc:
                 remaining = t_end - time.monotonic()
-                if (exc.code is not ErrorCode.UNAVAILABLE or not args["idempotent"]
+                if (exc.code is not ErrorCode.UNAVAILABLE or not kwargs.get("idempotent", True)
                         or not policy.should_retry(attempt, remaining)):
                     raise
                 refused_by = st._link

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,17 @@ def procs(tmp_path: Path):
 def run(coro, timeout_s: float = 60.0):
     """Run one async test body with a hard timeout (every await in tests is bounded)."""
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+async def until(pred, timeout_s: float = 10.0, step_s: float = 0.02, what: str = ""):
+    """Poll ``pred`` (a plain or async callable) until it returns something truthy and return
+    that; fail the test if it has not within ``timeout_s`` (a readiness wait, not a sleep)."""
+    t_end = time.monotonic() + timeout_s
+    while True:
+        r = pred()
+        if inspect.isawaitable(r):
+            r = await r
+        if r:
+            return r
+        assert time.monotonic() < t_end, f"not within {timeout_s} s: {what or pred}"
+        await asyncio.sleep(step_s)

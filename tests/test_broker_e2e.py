@@ -20,9 +20,26 @@ from mesh import protocol as P
 from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
 from mesh.up import wait_for_workers
-from tests.conftest import run
+from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200"]  # brokers: faster liveness for quicker tests (T_detect = 0.8 s)
+
+
+def _record(m, terminals: dict[str, list], seqs: dict[str, list[int]] | None = None) -> None:
+    """File one decoded client reply: terminal frames per rid, and chunk sequence numbers."""
+    if isinstance(m, P.ClientChunk) and seqs is not None:
+        seqs.setdefault(m.rid, []).append(m.seq)
+    elif isinstance(m, (P.ClientFinal, P.ClientError)):
+        terminals.setdefault(m.rid, []).append(m)
+
+
+async def _late_terminals(s: zmq.asyncio.Socket, terminals: dict[str, list], quiet_s: float = 0.3) -> None:
+    """Read replies until ``quiet_s`` passes without one: any late duplicate terminal shows up."""
+    try:
+        while True:
+            _record(P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), quiet_s)), terminals)
+    except asyncio.TimeoutError:
+        pass
 
 
 async def _raw_exchange(endpoint: str, frames: list[bytes], expect_reply: bool, timeout_s: float = 3.0) -> list[bytes] | None:
@@ -156,19 +173,8 @@ def test_many_clients_many_workers_exactly_one_terminal(procs):
                                                    deadline_ms=20_000, stream=bool(i % 2)))
         t_end = time.monotonic() + 30
         while sum(len(v) for v in terminals.values()) < per_client and time.monotonic() < t_end:
-            m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 30))
-            if isinstance(m, P.ClientChunk):
-                seqs.setdefault(m.rid, []).append(m.seq)
-            elif isinstance(m, (P.ClientFinal, P.ClientError)):
-                terminals.setdefault(m.rid, []).append(m)
-        # any late duplicate terminal would show up here
-        try:
-            while True:
-                m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 0.3))
-                if isinstance(m, (P.ClientFinal, P.ClientError)):
-                    terminals.setdefault(m.rid, []).append(m)
-        except asyncio.TimeoutError:
-            pass
+            _record(P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 30)), terminals, seqs)
+        await _late_terminals(s, terminals)
         s.close(linger=0)
         for rid, sq in seqs.items():
             assert sq == list(range(len(sq))), (rid, sq)  # contiguous chunk sequence
@@ -362,18 +368,16 @@ def test_stalled_worker_sigstop_is_expired_retried_and_fenced_after_sigcont(proc
             while sum(len(v) for v in terminals.values()) < n:
                 left = t_end - time.monotonic()
                 assert left > 0, terminals
-                m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), left))
-                if isinstance(m, (P.ClientFinal, P.ClientError)):
-                    terminals.setdefault(m.rid, []).append(m)
+                _record(P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), left)), terminals)
 
         async with Client(b.frontend) as c:
             for i in range(8):  # non-streaming: retry-safe; round robin puts half on the staller
                 await s.send_multipart(P.encode_submit(f"s{i}", input_ids=[2] * 16 + [i], params={"max_new_tokens": 40},
                                                        deadline_ms=30_000, stream=False))
-            t_end = time.monotonic() + 10
-            while not any(w["worker_id"] == "staller" and w["inflight"] for w in (await c.status()).workers):
-                assert time.monotonic() < t_end
-                await asyncio.sleep(0.02)
+            async def staller_busy() -> bool:
+                return any(w["worker_id"] == "staller" and w["inflight"] for w in (await c.status()).workers)
+
+            await until(staller_busy, what="the staller holds requests")
             staller.signal(signal.SIGSTOP)
             t_stop = time.monotonic()
             try:
@@ -392,13 +396,7 @@ def test_stalled_worker_sigstop_is_expired_retried_and_fenced_after_sigcont(proc
             rs = [await c.generate(input_ids=[8] * 16 + [i], max_new_tokens=2, deadline_ms=10_000) for i in range(4)]
             assert {r.worker for r in rs} == {"staller", "steady"}
         # nothing it sent for the superseded attempts reached the client: still one terminal each
-        try:
-            while True:
-                m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 0.3))
-                if isinstance(m, (P.ClientFinal, P.ClientError)):
-                    terminals.setdefault(m.rid, []).append(m)
-        except asyncio.TimeoutError:
-            pass
+        await _late_terminals(s, terminals)
         s.close(linger=0)
         assert all(len(v) == 1 for v in terminals.values()), terminals
 
@@ -415,10 +413,7 @@ def test_short_pause_below_the_liveness_window_expires_nothing(procs):
     async def body():
         async with Client(b.frontend) as c:
             st = await c.submit(input_ids=[5] * 16, max_new_tokens=30, stream=True, deadline_ms=20_000)
-            t_end = time.monotonic() + 10
-            while not st.first_token_s:
-                assert time.monotonic() < t_end
-                await asyncio.sleep(0.01)
+            await until(lambda: st.first_token_s, what="the first token")
             w.signal(signal.SIGSTOP)
             t_stop = time.monotonic()
             try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from brokers.main import build_broker
 from mesh import protocol as P
@@ -17,7 +16,7 @@ from mesh.client import Client
 from mesh.config import BrokerSettings, build
 from mesh.up import wait_for_workers
 
-from conftest import run
+from conftest import run, until
 
 
 class _BrokerThread:
@@ -110,27 +109,24 @@ def test_client_that_disconnects_mid_stream_is_forgotten_and_its_work_cancelled(
             if frames[1] == bytes([P.Cmd.C_CHUNK]):
                 break
         async with Client(b.frontend) as c:
-            t_end = time.monotonic() + 10
-            while True:  # the worker's own telemetry shows the stream running
-                w = (await c.status()).workers[0]
-                if w["load"] is not None and w["load"]["running"] >= 1:
-                    break
-                assert time.monotonic() < t_end, w
-                await asyncio.sleep(0.05)
+            async def worker_running(n_ok) -> P.StatusReply | None:
+                st = await c.status()
+                load = st.workers[0]["load"]
+                return st if load is not None and n_ok(load["running"]) else None
+
+            await until(lambda: worker_running(lambda n: n >= 1), what="the worker's LoadStat shows the stream")
             gone.close(linger=0)  # the client goes away without a CANCEL
             ctx.term()
             # Wait for the broker to notice (its next CHUNK relay fails), forget the request and
             # CANCEL it on the worker: the worker's own LoadStat then shows nothing running.
             # Uncancelled, the 400-token stream would run for about 16 s.
-            t_end = time.monotonic() + 10
-            while True:
-                st = await c.status()
-                w = st.workers[0]
-                if (st.counters.get("requests.client_gone", 0) >= 1 and not w["inflight"]
-                        and w["load"] is not None and w["load"]["running"] == 0):
-                    break
-                assert time.monotonic() < t_end, (st.counters, st.workers)
-                await asyncio.sleep(0.05)
+            async def forgotten_and_cancelled() -> P.StatusReply | None:
+                st = await worker_running(lambda n: n == 0)
+                if st and st.counters.get("requests.client_gone", 0) >= 1 and not st.workers[0]["inflight"]:
+                    return st
+                return None
+
+            st = await until(forgotten_and_cancelled, what="client_gone counted, the stream cancelled on the worker")
             assert st.counters.get("dropped.client_unreachable", 0) >= 1
             # and it keeps serving
             r = await c.generate(input_ids=[6] * 8, max_new_tokens=2, deadline_ms=10_000)

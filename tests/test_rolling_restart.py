@@ -7,9 +7,20 @@ import random
 
 from mesh.client import Client
 from mesh.up import wait_for_workers
-from tests.conftest import run
+from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200"]
+
+
+def _two_brokers_slow_workers(procs):
+    """Two brokers and two workers serving both, decoding at 50 ms per step (requests stay in
+    flight long enough to kill or drain a broker under them)."""
+    b1 = procs.broker("b1", *FAST)
+    b2 = procs.broker("b2", *FAST)
+    procs.workers("w", [b1.backend, b2.backend], "--heartbeat-ms", "200", "--decode-base-ms", "50", count=2)
+    run(wait_for_workers(b1.frontend, 2))
+    run(wait_for_workers(b2.frontend, 2))
+    return b1, b2
 
 
 async def _steady_load(frontends: list[str], stop: asyncio.Event, rate: float = 25.0) -> tuple[int, list[str]]:
@@ -80,12 +91,7 @@ def test_broker_killed_holding_requests_client_resubmits_elsewhere(procs):
     import signal
     import time
 
-    b1 = procs.broker("b1", *FAST)
-    b2 = procs.broker("b2", *FAST)
-    # slow decode (50 ms per step x 40 tokens): requests are in flight for about two seconds
-    procs.workers("w", [b1.backend, b2.backend], "--heartbeat-ms", "200", "--decode-base-ms", "50", count=2)
-    run(wait_for_workers(b1.frontend, 2))
-    run(wait_for_workers(b2.frontend, 2))
+    b1, b2 = _two_brokers_slow_workers(procs)  # 40 tokens at 50 ms: about two seconds in flight
 
     async def body():
         async with Client([b1.frontend, b2.frontend]) as c:
@@ -117,40 +123,29 @@ def test_resubmission_after_a_draining_refusal_waits_for_the_other_broker(procs)
     reconnected) while the other drains. A request refused by the draining broker must not be
     resubmitted to it until the attempts run out; it waits for the restarted broker instead."""
     import signal
-    import time
 
-    b1 = procs.broker("b1", *FAST)
-    b2 = procs.broker("b2", *FAST)
-    procs.workers("w", [b1.backend, b2.backend], "--heartbeat-ms", "200", "--decode-base-ms", "50", count=2)
-    run(wait_for_workers(b1.frontend, 2))
-    run(wait_for_workers(b2.frontend, 2))
+    b1, b2 = _two_brokers_slow_workers(procs)
 
     async def body():
         async with Client([b1.frontend, b2.frontend]) as c:
-            t_end = time.monotonic() + 10
-            while not all(link.up for link in c._links):
-                assert time.monotonic() < t_end
-                await asyncio.sleep(0.01)
+            await until(lambda: all(link.up for link in c._links), what="both links up")
             await asyncio.to_thread(b1.stop, 20)
             procs.procs.remove(b1)
-            while c._links[0].up:  # the client saw b1 go
-                assert time.monotonic() < t_end
-                await asyncio.sleep(0.01)
+            await until(lambda: not c._links[0].up, what="the client saw b1 go")
             # b2 holds a long stream (60 x 50 ms), so after SIGTERM it stays draining for seconds
             long = await c.submit(input_ids=[3] * 32, max_new_tokens=60, deadline_ms=30_000)
-            while not long.first_token_s:
-                assert time.monotonic() < t_end
-                await asyncio.sleep(0.01)
+            await until(lambda: long.first_token_s, what="the long stream's first token")
             b2.signal(signal.SIGTERM)
             async with Client(b2.frontend) as probe:
-                while (await probe.status()).broker.get("state") != "draining":
-                    assert time.monotonic() < t_end
-                    await asyncio.sleep(0.01)
+                async def b2_draining() -> bool:
+                    return (await probe.status()).broker.get("state") == "draining"
+
+                async def b2_refused() -> bool:
+                    return (await probe.status()).counters.get("requests.unavailable", 0) >= 1
+
+                await until(b2_draining, what="b2 draining")
                 job = asyncio.create_task(c.generate(input_ids=[4] * 32, max_new_tokens=4, deadline_ms=30_000))
-                # readiness: b2 refused it ("broker is draining")
-                while (await probe.status()).counters.get("requests.unavailable", 0) < 1:
-                    assert time.monotonic() < t_end
-                    await asyncio.sleep(0.01)
+                await until(b2_refused, what="b2 refused the request (broker is draining)")
             # only now does b1 come back; the client reconnects on its own schedule
             await asyncio.to_thread(procs.broker, "b1", *FAST, frontend=b1.frontend, backend=b1.backend)
             r = await asyncio.wait_for(job, 25)
