@@ -32,9 +32,10 @@ def run(coro, timeout_s: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-async def until(pred, timeout_s: float = 10.0, step_s: float = 0.02, what: str = ""):
+async def until(pred, timeout_s: float = 10.0, what: str = "condition", step_s: float = 0.01):
     """Poll ``pred`` (a plain or async callable) until it returns something truthy and return
-    that; fail the test if it has not within ``timeout_s`` (a readiness wait, not a sleep)."""
+    that; raise TimeoutError (failing the test) if it has not within ``timeout_s``. A readiness
+    wait, not a sleep."""
     t_end = time.monotonic() + timeout_s
     while True:
         r = pred()
@@ -42,5 +43,6 @@ async def until(pred, timeout_s: float = 10.0, step_s: float = 0.02, what: str =
             r = await r
         if r:
             return r
-        assert time.monotonic() < t_end, f"not within {timeout_s} s: {what or pred}"
+        if time.monotonic() > t_end:
+            raise TimeoutError(f"{what} not reached within {timeout_s}s")
         await asyncio.sleep(step_s)

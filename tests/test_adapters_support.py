@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -27,6 +27,7 @@ from mesh import protocol as P
 from mesh.procs import Proc, ProcGroup, wait_for_log_event
 from mesh.routing.providers import LocalIndexProvider
 from mesh.sockets import BROKER_BACKEND, make_socket, recv_frames, send_frames
+from tests.conftest import until  # noqa: F401 - the adapter tests import it from here
 
 DATA = Path(__file__).parent / "data"
 
@@ -66,14 +67,6 @@ def start_adapter(group: ProcGroup, name: str, engine: str, url: str, brokers: l
     p = spawn_module(group, name, "mesh.adapters.cli", [*cmd, *args])
     rec = wait_for_log_event(p.log_path, "adapter_attached", timeout_s, p.popen)
     return p, rec
-
-
-async def until(cond: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition", step_s: float = 0.01) -> None:
-    t_end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > t_end:
-            raise TimeoutError(f"{what} not reached within {timeout_s}s")
-        await asyncio.sleep(step_s)
 
 
 class FakeBroker:
