@@ -7,7 +7,8 @@
     ├── ConfigError            a config file or flag is invalid (fatal at startup; names the field)
     └── RequestError           a request ended in an error reply; carries an ErrorCode
         ├── RetryableError     worker_lost, unavailable, overloaded, worker_error: another try may succeed
-        └── FatalRequestError  bad_request, deadline_exceeded, duplicate, cancelled, no_worker, internal
+        └── FatalRequestError  bad_request, deadline_exceeded, duplicate, cancelled, no_worker, internal,
+                               context_length_exceeded, too_large, rate_limited
 
 Callers decide retry versus fail from the type alone (``RetryableError``), or from
 ``ErrorCode.retryable`` when they hold a code from the wire.
@@ -43,6 +44,9 @@ class ErrorCode(StrEnum):
     CANCELLED = "cancelled"
     UNAUTHORIZED = "unauthorized"
     INTERNAL = "internal"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt exceeds every worker's capacity
+    TOO_LARGE = "too_large"  # a body or frame above the mesh's size limits
+    RATE_LIMITED = "rate_limited"  # a per-client quota (in-flight requests) was reached
 
     @property
     def retryable(self) -> bool:
@@ -60,6 +64,9 @@ _RETRYABLE = frozenset(
 
 _HTTP_STATUS = {
     ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.RATE_LIMITED: 429,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.DUPLICATE: 409,
     ErrorCode.OVERLOADED: 429,
