@@ -3,42 +3,82 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming and not; a usage
 chunk at the end when ``stream_options.include_usage``), ``POST /generate`` (SGLang native,
 cumulative streaming like SGLang), ``GET /v1/models``, ``GET /health`` (200 when at least one
-worker is routable), ``GET /readyz``, ``GET /metrics`` (Prometheus).
+worker is routable), ``GET /readyz``, ``GET /metrics`` (Prometheus; needs the API key when one is
+set, like every path except the health probes).
 
 An HTTP request becomes an ordinary mesh SUBMIT from a *local client*: it enters the broker loop
 through its mailbox and its replies come back through a per-request queue, so HTTP traffic gets
 the same routing, retries, deadlines and exactly-one-terminal guarantee as ZeroMQ clients.
+Each request gets its own local identity, ``b"\\x00http:"`` + 16 random bytes (never derived from
+a counter, never shown to anyone), and a random rid; a reply on its queue whose rid is not that
+rid is dropped and counted (``dropped{what=http_foreign_reply}``). The ids in OpenAI bodies are a
+third random value.
 
 Prompts: with ``--tokenizer FILE`` (a Hugging Face ``tokenizer.json``, needs the ``tokenizers``
 package) prompts are tokenised here and routed by token ids; otherwise the prompt text is sent
 and the broker routes by a byte-level key of the text. SLO headers ``x-sgl-ttft-slo-ms`` and
-``x-sgl-tps-slo`` become the request's SLO; an invalid value is a 400. Errors are OpenAI-style
-JSON bodies (``{"error": {"message", "type", "code"}}``) with the status of the mesh error code.
+``x-sgl-tps-slo`` become the request's SLO and ``x-mesh-deadline-ms`` its deadline; an invalid
+value is a 400 naming the header. Every body field is validated (400 naming the field); nothing a
+client sends produces a 500. Errors are OpenAI-style JSON bodies
+(``{"error": {"message", "type", "code"}}``) with the status of the mesh error code; ``overloaded``
+and ``rate_limited`` are 429 with ``Retry-After``. A streamed request commits its 200 and SSE
+headers only once the first output (or, after ACCEPTED, at most ``_FIRST_OUTPUT_WAIT_S``) is
+there, so an error before any output keeps its HTTP status; later errors go in-band as an SSE
+``error`` event.
+
+Size limits: the worker sockets cap every frame at ``mesh.protocol.MAX_FRAME_BYTES`` (4 MiB) and the
+broker forwards the SUBMIT body verbatim as the worker's REQUEST frame 3, so an oversized SUBMIT
+would cost the connection of every worker it is tried on. JSON -> msgpack never grows what the
+client sent (a JSON string's UTF-8 payload plus its quotes is at least the msgpack str; a token id
+takes at least as many bytes in JSON, separator included, as in msgpack), but the ingress adds
+bytes: chat role prefixes (``{}`` is 3 bytes of JSON and ``"user: \\n"`` 7 bytes of prompt) and
+tokenisation (up to one id of up to 5 bytes per input byte). So the body limit is a cheap first
+bound, ``MAX_FRAME_BYTES // 2`` (checked from Content-Length before reading), and the exact check
+is on the encoded SUBMIT (at most ``MAX_SUBMIT_BYTES``). Either gives 413 ``too_large``.
+
+Connections (slowloris): at most ``max_connections`` HTTP connections are open at once. A
+connection must deliver a complete request head within ``header_timeout_s`` of connecting (or of
+the first byte of its next request on a kept-alive connection), a body within ``body_timeout_s``,
+and an idle kept-alive connection is closed after ``idle_timeout_s``. When the limit is reached,
+a new connection evicts the connection that has waited longest for its request head, else the
+longest-idle kept-alive one; when every connection is busy with a request, the new one gets a 503
+and is closed. The listen backlog is bounded too, so the ingress holds at most
+``max_connections + backlog`` descriptors however many connections arrive.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import hmac
 import json
 import math
+import re
+import secrets
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
 
 from mesh import protocol as P
 from mesh.errors import ErrorCode
+from mesh.logs import get_logger
 
-__all__ = ["HttpIngress"]
+__all__ = ["HttpIngress", "MAX_BODY_BYTES", "MAX_SUBMIT_BYTES"]
 
-_MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_BODY_BYTES = P.MAX_FRAME_BYTES // 2
+# The SUBMIT body becomes REQUEST frame 3 verbatim; keep a small margin under the frame cap.
+MAX_SUBMIT_BYTES = P.MAX_FRAME_BYTES - 4096
 _LOCAL_PREFIX = b"\x00http:"
+_MAX_TOKENS = 1 << 20  # the protocol's max_new_tokens bound
+_MAX_DEADLINE_MS = 86_400_000  # the protocol's deadline_ms bound
+_FIRST_OUTPUT_WAIT_S = 5.0  # after ACCEPTED, how long a stream waits for output before committing a 200
+_RETRY_AFTER_S = "1"
+_INT_RE = re.compile(r"[0-9]{1,12}")
 
 
-def _err(status: int, message: str, code: str, etype: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": etype, "code": code}}, status=status)
+def _err(status: int, message: str, code: str, etype: str = "invalid_request_error",
+         headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": etype, "code": code}}, status=status, headers=headers)
 
 
 def _mesh_err(code: str, message: str) -> web.Response:
@@ -47,24 +87,243 @@ def _mesh_err(code: str, message: str) -> web.Response:
     except ValueError:
         ec = ErrorCode.INTERNAL
     etype = "invalid_request_error" if ec.http_status < 500 else "server_error"
-    return _err(ec.http_status, message, ec.value, etype)
+    headers = {"Retry-After": _RETRY_AFTER_S} if ec in (ErrorCode.OVERLOADED, ErrorCode.RATE_LIMITED) else None
+    return _err(ec.http_status, message, ec.value, etype, headers)
 
 
 class _BadRequest(Exception):
+    def __init__(self, message: str, *, close: bool = False) -> None:
+        super().__init__(message)
+        self.close = close  # the connection is not worth keeping (an unread or half-read body)
+
+
+class _TooLarge(Exception):
     pass
+
+
+# ---------------------------------------------------------------------------- connection guard
+
+
+class _Conn(asyncio.Protocol):
+    """Wraps aiohttp's RequestHandler for one connection (public protocol API only) and tracks
+    where the connection is: waiting for a request head, busy with a request, or idle."""
+
+    __slots__ = ("guard", "inner", "transport", "state", "since", "timer", "refused")
+
+    def __init__(self, guard: "_ConnGuard", inner: asyncio.Protocol) -> None:
+        self.guard = guard
+        self.inner = inner
+        self.transport: asyncio.Transport | None = None
+        self.state = "head"
+        self.since = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.refused = False
+
+    # asyncio protocol interface
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        if not self.guard.admit(self):
+            self.refused = True
+            transport.write(_REFUSED_RESPONSE)
+            transport.close()
+            return
+        self.inner.connection_made(transport)
+        self.guard.head_started(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        if self.state == "idle":  # first bytes of the next request on a kept-alive connection
+            self.guard.head_started(self)
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        if self.refused:
+            return None
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self.guard.forget(self)
+        if not self.refused:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if not self.refused:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if not self.refused:
+            self.inner.resume_writing()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+_REFUSED_BODY = json.dumps({"error": {"message": "too many HTTP connections", "type": "server_error",
+                                      "code": ErrorCode.UNAVAILABLE.value}}).encode()
+_REFUSED_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: "
+                     + _RETRY_AFTER_S.encode() + b"\r\nConnection: close\r\nContent-Length: "
+                     + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n" + _REFUSED_BODY)
+
+
+class _ConnGuard:
+    def __init__(self, stats, max_connections: int, header_timeout_s: float) -> None:
+        self.stats = stats
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.conns: dict[_Conn, None] = {}
+        self.peak = 0
+
+    def admit(self, c: _Conn) -> bool:
+        if len(self.conns) >= self.max_connections:
+            victim = self._victim()
+            if victim is None:
+                self.stats.dropped["http_conn_refused"] += 1
+                return False
+            self.stats.dropped["http_conn_evicted"] += 1
+            self.forget(victim)
+            victim.close()
+        self.conns[c] = None
+        self.peak = max(self.peak, len(self.conns))
+        return True
+
+    def _victim(self) -> _Conn | None:
+        best = None
+        for c in self.conns:
+            if c.state == "busy":
+                continue
+            key = (c.state != "head", c.since)  # waiting for a head first, then the longest idle
+            if best is None or key < best[0]:
+                best = (key, c)
+        return best[1] if best else None
+
+    def head_started(self, c: _Conn) -> None:
+        c.state = "head"
+        c.since = time.monotonic()
+        if c.timer is not None:
+            c.timer.cancel()
+        c.timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._head_expired, c)
+
+    def _head_expired(self, c: _Conn) -> None:
+        c.timer = None
+        if c.state == "head" and c in self.conns:
+            self.stats.dropped["http_header_timeout"] += 1
+            self.forget(c)
+            c.close()
+
+    def busy(self, c: _Conn) -> None:
+        c.state = "busy"
+        if c.timer is not None:
+            c.timer.cancel()
+            c.timer = None
+
+    def idle(self, c: _Conn) -> None:
+        if c.state == "busy":
+            c.state = "idle"
+            c.since = time.monotonic()  # aiohttp's keep-alive timeout (idle_timeout_s) closes it
+
+    def forget(self, c: _Conn) -> None:
+        if c.timer is not None:
+            c.timer.cancel()
+            c.timer = None
+        self.conns.pop(c, None)
+
+    def close_all(self) -> None:
+        for c in list(self.conns):
+            self.forget(c)
+            c.close()
+
+
+# ---------------------------------------------------------------------------- one request
+
+
+class _Call:
+    """One submitted request: its replies, filtered to its own rid, until the terminal one."""
+
+    __slots__ = ("broker", "ident", "rid", "q", "t_end", "done")
+
+    def __init__(self, broker, ident: bytes, rid: str, q: asyncio.Queue, timeout_s: float) -> None:
+        self.broker = broker
+        self.ident = ident
+        self.rid = rid
+        self.q = q
+        self.t_end = time.monotonic() + timeout_s
+        self.done = False
+
+    async def next(self, until: float | None = None):
+        """The next reply of this request, or None when ``until`` (default: the request's own
+        deadline plus grace) passes first."""
+        t_end = self.t_end if until is None else min(until, self.t_end)
+        while True:
+            left = t_end - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                frames = await asyncio.wait_for(self.q.get(), left)
+            except asyncio.TimeoutError:
+                return None
+            m = P.decode_client_reply(frames)
+            if isinstance(m, P.ProtocolError):
+                self.broker.stats.dropped["http_bad_reply"] += 1
+                continue
+            if getattr(m, "rid", None) != self.rid:
+                self.broker.stats.dropped["http_foreign_reply"] += 1
+                continue
+            if isinstance(m, (P.ClientFinal, P.ClientError)):
+                self.done = True
+            return m
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.broker.cancel_local(self.ident)
+        self.broker.forget_local(self.ident)
+
+
+# ---------------------------------------------------------------------------- field checks
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_num(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _opt_bool(body: dict, k: str, default: bool = False) -> bool:
+    v = body.get(k)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        raise _BadRequest(f"{k} must be true or false")
+    return v
+
+
+def _token_ids(v: Any, name: str) -> list[int]:
+    if type(v) is not list or not v or not all(type(t) is int and 0 <= t < P.MAX_TOKEN_ID for t in v):
+        raise _BadRequest(f"{name} must be a non-empty list of integer token ids in [0, 2**32)")
+    return v
 
 
 class HttpIngress:
     """Serves HTTP on the broker's event loop; talks to the broker only through its mailbox."""
 
     def __init__(self, broker, *, model: str = "mesh", api_key: str | None = None, tokenizer_path: str | None = None,
-                 metrics_registry=None) -> None:
+                 metrics_registry=None, max_connections: int = 512, header_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128) -> None:
         self.broker = broker
         self.model = model
-        self.api_key = api_key
+        self._key = api_key.encode() if api_key else None
         self.metrics_registry = metrics_registry
-        self._ids = itertools.count(1)
+        self.idle_timeout_s = idle_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.backlog = max(1, min(backlog, max_connections))
+        self.guard = _ConnGuard(broker.stats, max_connections, header_timeout_s)
+        self.log = get_logger(service="http")
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
         self.endpoint = ""
         self.tokenizer = None
         if tokenizer_path:
@@ -75,7 +334,7 @@ class HttpIngress:
 
                 raise ConfigError("tokenizer: the 'tokenizers' package is not installed (pip install mesh-router[tokenizers])") from exc
             self.tokenizer = Tokenizer.from_file(tokenizer_path)
-        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._auth])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard_mw, self._auth])
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -88,28 +347,67 @@ class HttpIngress:
         ])
         self.app = app
 
+    @property
+    def api_key(self) -> str | None:
+        return self._key.decode() if self._key else None
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host: str, port: int) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None)
+        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.idle_timeout_s, shutdown_timeout=5.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
-        h, p = sock.getsockname()[:2]
+        server = self._runner.server
+        assert server is not None
+
+        def factory() -> _Conn:
+            return _Conn(self.guard, server())
+
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True)
+        h, p = self._server.sockets[0].getsockname()[:2]
         self.endpoint = f"http://{h}:{p}"
         return self.endpoint
 
     async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self.guard.close_all()
 
     # ------------------------------------------------------------------ middleware
     @web.middleware
+    async def _guard_mw(self, request: web.Request, handler):
+        """Marks the connection busy (no head timeout, not evictable) while a request runs; turns
+        routing errors into OpenAI-style bodies and any unexpected exception into a logged 500
+        without details (no traceback reaches a client)."""
+        tr = request.transport
+        conn = tr.get_protocol() if tr is not None else None
+        if isinstance(conn, _Conn):
+            self.guard.busy(conn)
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _err(exc.status, exc.reason, "bad_request" if exc.status < 500 else "internal",
+                        "invalid_request_error" if exc.status < 500 else "server_error")
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as exc:
+            self.broker.stats.dropped["http_handler_exception"] += 1
+            self.log.exception("http_handler_failed", path=request.path, error=repr(exc))
+            return _err(500, "internal error", ErrorCode.INTERNAL.value, "server_error")
+        finally:
+            if isinstance(conn, _Conn):
+                self.guard.idle(conn)
+
+    @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.api_key and request.path not in ("/health", "/healthz", "/readyz"):
-            got = request.headers.get("Authorization", "")
-            if got != f"Bearer {self.api_key}":
+        if self._key and request.path not in ("/health", "/healthz", "/readyz"):
+            got = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(got, b"Bearer " + self._key):
                 self.broker.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
                 return _err(401, "missing or invalid API key", "unauthorized", "authentication_error")
         return await handler(request)
@@ -133,55 +431,138 @@ class HttpIngress:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------------ request plumbing
+    def _bad(self, exc: _BadRequest) -> web.Response:
+        self.broker.stats.requests[ErrorCode.BAD_REQUEST.value] += 1
+        resp = _err(400, str(exc), ErrorCode.BAD_REQUEST.value)
+        if exc.close:
+            resp.force_close()
+        return resp
+
+    def _too_large(self, message: str) -> web.Response:
+        self.broker.stats.requests[ErrorCode.TOO_LARGE.value] += 1
+        resp = _err(413, message, ErrorCode.TOO_LARGE.value)
+        resp.force_close()  # the rest of the body is not worth reading
+        return resp
+
+    def _header_int(self, request: web.Request, name: str, lo: int, hi: int) -> int | None:
+        raw = request.headers.get(name)
+        if raw is None:
+            return None
+        raw = raw.strip()
+        if not _INT_RE.fullmatch(raw) or not lo <= int(raw) <= hi:
+            raise _BadRequest(f"{name} must be an integer in [{lo}, {hi}], got {raw[:40]!r}")
+        return int(raw)
+
     def _slo(self, request: web.Request) -> dict[str, Any] | None:
         slo: dict[str, Any] = {}
-        raw = request.headers.get("x-sgl-ttft-slo-ms")
-        if raw is not None:
-            try:
-                v = int(raw)
-            except ValueError:
-                raise _BadRequest(f"x-sgl-ttft-slo-ms must be a positive integer, got {raw!r}") from None
-            if v <= 0:
-                raise _BadRequest("x-sgl-ttft-slo-ms must be a positive integer")
+        v = self._header_int(request, "x-sgl-ttft-slo-ms", 1, _MAX_DEADLINE_MS)
+        if v is not None:
             slo["ttft_ms"] = v
         raw = request.headers.get("x-sgl-tps-slo")
         if raw is not None:
             try:
                 f = float(raw)
             except ValueError:
-                raise _BadRequest(f"x-sgl-tps-slo must be a positive number, got {raw!r}") from None
+                raise _BadRequest(f"x-sgl-tps-slo must be a positive number, got {raw[:40]!r}") from None
             if not math.isfinite(f) or f <= 0:
                 raise _BadRequest("x-sgl-tps-slo must be a finite positive number")
             slo["tps"] = f
         return slo or None
 
+    def _deadline_ms(self, request: web.Request) -> int:
+        v = self._header_int(request, "x-mesh-deadline-ms", 1, _MAX_DEADLINE_MS)
+        return self.broker.s.default_deadline_ms if v is None else v
+
     async def _json(self, request: web.Request) -> dict:
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise _TooLarge(f"request body of {request.content_length} bytes exceeds the limit of {MAX_BODY_BYTES}")
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except web.HTTPRequestEntityTooLarge:
+            raise _TooLarge(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes") from None
+        except asyncio.TimeoutError:
+            self.broker.stats.dropped["http_body_timeout"] += 1
+            raise _BadRequest(f"request body not received within {self.body_timeout_s:g} s", close=True) from None
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise _BadRequest("request body is nested too deeply") from None
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError, ints over the digit limit
             raise _BadRequest("request body must be JSON") from None
         if not isinstance(body, dict):
             raise _BadRequest("request body must be a JSON object")
         return body
 
-    def _prompt(self, text: str | None, ids: list[int] | None) -> dict[str, Any]:
+    def _prompt(self, text: Any, ids: Any) -> dict[str, Any]:
         if ids is not None:
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise _BadRequest("input_ids must be a non-empty list of integers")
-            return {"input_ids": ids}
+            return {"input_ids": _token_ids(ids, "input_ids")}
         if not isinstance(text, str) or not text:
-            raise _BadRequest("prompt must be a non-empty string")
+            raise _BadRequest("prompt must be a non-empty string or a list of token ids")
         if self.tokenizer is not None:
-            return {"input_ids": self.tokenizer.encode(text).ids}
+            try:
+                return {"input_ids": self.tokenizer.encode(text).ids}
+            except Exception:  # e.g. lone surrogates
+                raise _BadRequest("prompt could not be tokenised") from None
         return {"text": text}
 
     def _max_tokens(self, body: dict, default: int = 16) -> int:
-        v = body.get("max_completion_tokens", body.get("max_tokens", default))
+        v = body.get("max_completion_tokens")
+        if v is None:
+            v = body.get("max_tokens")
         if v is None:
             return default
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 1_000_000:
-            raise _BadRequest("max_tokens must be a non-negative integer")
+        if not _is_int(v) or not 0 <= v <= _MAX_TOKENS:
+            raise _BadRequest(f"max_tokens must be an integer in [0, {_MAX_TOKENS}]")
         return v
+
+    def _sampling(self, body: dict) -> dict[str, Any]:
+        params: dict[str, Any] = {}
+        for k, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+            v = body.get(k)
+            if v is None:
+                continue
+            if not _is_num(v) or not lo <= v <= hi:
+                raise _BadRequest(f"{k} must be a number in [{lo:g}, {hi:g}]")
+            params[k] = v
+        stop = body.get("stop")
+        if stop is not None:
+            if isinstance(stop, str):
+                stop = [stop]
+            if type(stop) is not list or len(stop) > 4 or not all(isinstance(s, str) and 0 < len(s) <= 1024 for s in stop):
+                raise _BadRequest("stop must be a string or a list of at most 4 non-empty strings")
+            params["stop"] = stop
+        n = body.get("n")
+        if n is not None and (not _is_int(n) or n != 1):
+            raise _BadRequest("n must be 1 (one choice per request)")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _BadRequest("model must be a string")
+        return params
+
+    def _chat_prompt(self, msgs: Any) -> str:
+        if type(msgs) is not list or not msgs:
+            raise _BadRequest("messages must be a non-empty list")
+        parts = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise _BadRequest(f"messages[{i}] must be an object")
+            role = m.get("role", "user")
+            if not isinstance(role, str) or not role or len(role) > 64:
+                raise _BadRequest(f"messages[{i}].role must be a non-empty string")
+            content = m.get("content")
+            if content is None:
+                content = ""
+            elif isinstance(content, list):  # content parts: only text parts are supported
+                texts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise _BadRequest(f"messages[{i}].content[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}})")
+                    texts.append(part["text"])
+                content = "".join(texts)
+            elif not isinstance(content, str):
+                raise _BadRequest(f"messages[{i}].content must be a string or a list of text parts")
+            parts.append(f"{role}: {content}\n")
+        return "".join(parts) + "assistant:"
 
     def _detok(self, data: dict) -> str:
         if "text" in data and isinstance(data["text"], str):
@@ -191,32 +572,52 @@ class HttpIngress:
             return self.tokenizer.decode(ids)
         return "".join(f" <{t}>" for t in ids)
 
-    async def _submit(self, prompt: dict[str, Any], max_new_tokens: int, *, stream: bool, slo, deadline_ms: int | None,
-                      params: dict[str, Any]) -> tuple[bytes, asyncio.Queue]:
-        ident = _LOCAL_PREFIX + str(next(self._ids)).encode()
-        rid = uuid.uuid4().hex
-        q: asyncio.Queue = asyncio.Queue()
-        frames = P.encode_submit(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"),
-                                 params={**params, "max_new_tokens": max_new_tokens}, deadline_ms=deadline_ms, stream=stream, slo=slo)
-        self.broker.submit_local(ident, frames, q)
-        return ident, q
-
-    async def _events(self, ident: bytes, q: asyncio.Queue, timeout_s: float):
-        """Yield decoded replies until the terminal one; cancel the request if the caller goes away."""
-        done = False
+    def _submit(self, prompt: dict[str, Any], max_new_tokens: int, *, stream: bool, slo, deadline_ms: int,
+                params: dict[str, Any]) -> _Call:
+        """Encode, check (size, and the broker's own decoder, so the broker never answers an
+        unreadable rid) and submit; raises _BadRequest or _TooLarge."""
+        ident = _LOCAL_PREFIX + secrets.token_bytes(16)
+        rid = secrets.token_hex(16)
         try:
-            while True:
-                frames = await asyncio.wait_for(q.get(), timeout_s)
-                m = P.decode_client_reply(frames)
-                if isinstance(m, (P.ClientFinal, P.ClientError)):
-                    done = True
-                yield m
-                if done:
-                    return
-        finally:
-            if not done:
-                self.broker.cancel_local(ident)
-            self.broker.forget_local(ident)
+            frames = P.encode_submit(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"),
+                                     params={**params, "max_new_tokens": max_new_tokens}, deadline_ms=deadline_ms, stream=stream, slo=slo)
+        except (UnicodeEncodeError, ValueError, OverflowError, TypeError):  # lone surrogates in a string, ...
+            raise _BadRequest("request holds text that is not valid Unicode") from None
+        if len(frames[2]) > MAX_SUBMIT_BYTES:
+            raise _TooLarge(f"the encoded request is {len(frames[2])} bytes; the limit is {MAX_SUBMIT_BYTES}")
+        check = P.decode_client(frames)
+        if isinstance(check, P.ProtocolError):
+            raise _BadRequest(f"invalid request: {check.detail or check.reason}"[:300])
+        q: asyncio.Queue = asyncio.Queue()
+        self.broker.submit_local(ident, frames, q)
+        return _Call(self.broker, ident, rid, q, deadline_ms / 1000.0 + 5.0)
+
+    async def _first_output(self, call: _Call):
+        """For streams: the first reply worth committing HTTP headers for (a CHUNK or a terminal),
+        or None when the request was accepted but produced nothing within _FIRST_OUTPUT_WAIT_S
+        (or nothing came at all: ``call`` then has no terminal, see ``call.done``)."""
+        until = None
+        while True:
+            m = await call.next(until)
+            if m is None or not isinstance(m, P.Accepted):
+                return m
+            if until is None:
+                until = time.monotonic() + _FIRST_OUTPUT_WAIT_S
+
+    async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
+        try:
+            await asyncio.wait_for(resp.write(data), self.body_timeout_s)
+        except asyncio.TimeoutError:  # a client that does not read holds a handler: drop it
+            self.broker.stats.dropped["http_write_timeout"] += 1
+            raise ConnectionResetError("client stopped reading") from None
+
+    async def _sse(self, resp: web.StreamResponse, obj: dict) -> None:
+        await self._write(resp, b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+    async def _begin_stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
 
     # ------------------------------------------------------------------ OpenAI endpoints
     async def completions(self, request: web.Request):
@@ -227,116 +628,168 @@ class HttpIngress:
 
     async def _openai(self, request: web.Request, *, chat: bool):
         try:
-            body = await self._json(request)
             slo = self._slo(request)
+            deadline_ms = self._deadline_ms(request)
+            body = await self._json(request)
             if chat:
-                msgs = body.get("messages")
-                if not isinstance(msgs, list) or not msgs:
-                    raise _BadRequest("messages must be a non-empty list")
-                parts = []
-                for m in msgs:
-                    if not isinstance(m, dict) or not isinstance(m.get("content", ""), str):
-                        raise _BadRequest("each message needs a string content")
-                    parts.append(f"{m.get('role', 'user')}: {m.get('content', '')}\n")
-                prompt = self._prompt("".join(parts) + "assistant:", None)
+                prompt = self._prompt(self._chat_prompt(body.get("messages")), None)
             else:
                 p = body.get("prompt")
-                if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-                    prompt = self._prompt(None, p)
-                else:
-                    prompt = self._prompt(p, None)
+                if type(p) is list and p and isinstance(p[0], str):
+                    if len(p) != 1:
+                        raise _BadRequest("prompt: batched prompts are not supported; send one request per prompt")
+                    p = p[0]
+                prompt = self._prompt(None, p) if type(p) is list else self._prompt(p, None)
             max_tokens = self._max_tokens(body)
-            stream = bool(body.get("stream", False))
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-            params = {k: body[k] for k in ("temperature", "top_p", "stop") if k in body}
+            stream = _opt_bool(body, "stream")
+            so = body.get("stream_options")
+            if so is not None and not isinstance(so, dict):
+                raise _BadRequest("stream_options must be an object")
+            include_usage = _opt_bool(so or {}, "include_usage")
+            params = self._sampling(body)
+            call = self._submit(prompt, max_tokens, stream=stream, slo=slo, deadline_ms=deadline_ms, params=params)
         except _BadRequest as exc:
-            self.broker.stats.requests[ErrorCode.BAD_REQUEST.value] += 1
-            return _err(400, str(exc), "bad_request")
-        deadline_ms = int(request.headers.get("x-mesh-deadline-ms", self.broker.s.default_deadline_ms))
-        ident, q = await self._submit(prompt, max_tokens, stream=stream, slo=slo, deadline_ms=deadline_ms, params=params)
-        rid = ("chatcmpl-" if chat else "cmpl-") + ident[len(_LOCAL_PREFIX):].decode()
+            return self._bad(exc)
+        except _TooLarge as exc:
+            return self._too_large(str(exc))
+        try:
+            return await self._openai_reply(request, call, chat=chat, stream=stream, include_usage=include_usage)
+        finally:
+            call.close()
+
+    async def _openai_reply(self, request: web.Request, call: _Call, *, chat: bool, stream: bool, include_usage: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        timeout_s = deadline_ms / 1000.0 + 5.0
         if not stream:
-            text = ""
-            async for m in self._events(ident, q, timeout_s):
+            while True:
+                m = await call.next()
+                if m is None:
+                    return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error")
                 if isinstance(m, P.ClientError):
                     return _mesh_err(m.code, m.message)
                 if isinstance(m, P.ClientFinal):
                     text = self._detok(m.data)
-                    usage = _usage(m.usage)
                     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": _finish(m.finish_reason)}
                               if chat else {"index": 0, "text": text, "finish_reason": _finish(m.finish_reason), "logprobs": None})
                     return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model,
-                                              "choices": [choice], "usage": usage})
-            return _err(504, "no reply", "deadline_exceeded", "server_error")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+                                              "choices": [choice], "usage": _usage(m.usage)})
+        m = await self._first_output(call)
+        if m is None and not call.done and call.t_end <= time.monotonic():
+            return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error")
+        if isinstance(m, P.ClientError):
+            return _mesh_err(m.code, m.message)
+        resp = await self._begin_stream(request)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         first = True
-        try:
-            async for m in self._events(ident, q, timeout_s):
-                if isinstance(m, P.ClientChunk):
-                    text = self._detok(m.data)
-                    delta = ({"role": "assistant", "content": text} if first else {"content": text}) if chat else None
-                    first = False
-                    choice = {"index": 0, "delta": delta, "finish_reason": None} if chat else {"index": 0, "text": text, "finish_reason": None}
-                    await _sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
-                elif isinstance(m, P.ClientFinal):
-                    choice = ({"index": 0, "delta": {}, "finish_reason": _finish(m.finish_reason)} if chat
-                              else {"index": 0, "text": "", "finish_reason": _finish(m.finish_reason)})
-                    await _sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
-                    if include_usage:
-                        await _sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [],
-                                          "usage": _usage(m.usage)})
-                elif isinstance(m, P.ClientError):
-                    await _sse(resp, {"error": {"message": m.message, "type": "server_error", "code": m.code}})
-            await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
+        while True:
+            if m is None:
+                m = await call.next()
+                if m is None:
+                    await self._sse(resp, {"error": {"message": "no reply before the deadline", "type": "server_error",
+                                                     "code": ErrorCode.DEADLINE_EXCEEDED.value}})
+                    break
+            if isinstance(m, P.ClientChunk):
+                text = self._detok(m.data)
+                delta = ({"role": "assistant", "content": text} if first else {"content": text}) if chat else None
+                first = False
+                choice = {"index": 0, "delta": delta, "finish_reason": None} if chat else {"index": 0, "text": text, "finish_reason": None}
+                await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
+            elif isinstance(m, P.ClientFinal):
+                choice = ({"index": 0, "delta": {}, "finish_reason": _finish(m.finish_reason)} if chat
+                          else {"index": 0, "text": "", "finish_reason": _finish(m.finish_reason)})
+                await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
+                if include_usage:
+                    await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [],
+                                           "usage": _usage(m.usage)})
+                break
+            elif isinstance(m, P.ClientError):
+                etype = "invalid_request_error" if _status(m.code) < 500 else "server_error"
+                await self._sse(resp, {"error": {"message": m.message, "type": etype, "code": m.code}})
+                break
+            m = None
+        await self._write(resp, b"data: [DONE]\n\n")
         return resp
 
     # ------------------------------------------------------------------ SGLang /generate
     async def generate(self, request: web.Request):
         try:
-            body = await self._json(request)
             slo = self._slo(request)
-            prompt = self._prompt(body.get("text"), body.get("input_ids"))
-            sp = body.get("sampling_params") or {}
+            deadline_ms = self._deadline_ms(request)
+            body = await self._json(request)
+            text, ids = body.get("text"), body.get("input_ids")
+            if text is not None and ids is not None:
+                raise _BadRequest("give either text or input_ids, not both")
+            prompt = self._prompt(text, ids)
+            sp = body.get("sampling_params")
+            if sp is None:
+                sp = {}
             if not isinstance(sp, dict):
                 raise _BadRequest("sampling_params must be an object")
-            max_tokens = self._max_tokens({"max_tokens": sp.get("max_new_tokens", 128)})
-            stream = bool(body.get("stream", False))
+            mnt = sp.get("max_new_tokens")
+            max_tokens = self._max_tokens({"max_tokens": 128 if mnt is None else mnt})
+            params = self._sampling({k: sp[k] for k in ("temperature", "top_p", "stop") if k in sp})
+            stream = _opt_bool(body, "stream")
+            user_rid = body.get("rid")
+            if user_rid is not None and (not isinstance(user_rid, str) or not 0 < len(user_rid) <= P.MAX_RID_BYTES):
+                raise _BadRequest(f"rid must be a string of 1..{P.MAX_RID_BYTES} characters")
+            call = self._submit(prompt, max_tokens, stream=stream, slo=slo, deadline_ms=deadline_ms, params=params)
         except _BadRequest as exc:
-            self.broker.stats.requests[ErrorCode.BAD_REQUEST.value] += 1
-            return _err(400, str(exc), "bad_request")
-        deadline_ms = int(request.headers.get("x-mesh-deadline-ms", self.broker.s.default_deadline_ms))
-        ident, q = await self._submit(prompt, max_tokens, stream=stream, slo=slo, deadline_ms=deadline_ms, params={})
-        rid = body.get("rid") or ident[len(_LOCAL_PREFIX):].decode()
-        timeout_s = deadline_ms / 1000.0 + 5.0
-        ids: list[int] = []
-        text = ""
+            return self._bad(exc)
+        except _TooLarge as exc:
+            return self._too_large(str(exc))
+        try:
+            return await self._generate_reply(request, call, user_rid or secrets.token_hex(16), stream)
+        finally:
+            call.close()
+
+    async def _generate_reply(self, request: web.Request, call: _Call, rid: str, stream: bool):
         if not stream:
-            async for m in self._events(ident, q, timeout_s):
+            while True:
+                m = await call.next()
+                if m is None:
+                    return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error")
                 if isinstance(m, P.ClientError):
                     return _mesh_err(m.code, m.message)
                 if isinstance(m, P.ClientFinal):
                     return web.json_response({"text": self._detok(m.data), "output_ids": m.data.get("token_ids", []),
                                               "meta_info": {"id": rid, **_sgl_meta(m)}})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        async for m in self._events(ident, q, timeout_s):
+        m = await self._first_output(call)
+        if m is None and not call.done and call.t_end <= time.monotonic():
+            return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error")
+        if isinstance(m, P.ClientError):
+            return _mesh_err(m.code, m.message)
+        resp = await self._begin_stream(request)
+        ids: list[int] = []
+        text = ""
+        while True:
+            if m is None:
+                m = await call.next()
+                if m is None:
+                    await self._sse(resp, {"error": {"message": "no reply before the deadline", "type": "server_error",
+                                                     "code": ErrorCode.DEADLINE_EXCEEDED.value, "retryable": False}})
+                    break
             if isinstance(m, P.ClientChunk):  # SGLang streams cumulative text and ids
                 ids.extend(m.data.get("token_ids") or [])
                 text += self._detok(m.data)
-                await _sse(resp, {"text": text, "output_ids": ids, "meta_info": {"id": rid, "finish_reason": None}})
+                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": {"id": rid, "finish_reason": None}})
             elif isinstance(m, P.ClientFinal):
-                await _sse(resp, {"text": text, "output_ids": ids, "meta_info": {"id": rid, **_sgl_meta(m)}})
+                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": {"id": rid, **_sgl_meta(m)}})
+                break
             elif isinstance(m, P.ClientError):
-                await _sse(resp, {"error": {"message": m.message, "type": "invalid_request_error", "code": m.code, "retryable": False}})
-        await resp.write(b"data: [DONE]\n\n")
+                await self._sse(resp, {"error": {"message": m.message, "type": "invalid_request_error" if _status(m.code) < 500
+                                                 else "server_error", "code": m.code, "retryable": False}})
+                break
+            m = None
+        await self._write(resp, b"data: [DONE]\n\n")
         return resp
+
+
+def _status(code: str) -> int:
+    try:
+        return ErrorCode(code).http_status
+    except ValueError:
+        return 500
 
 
 def _finish(reason: str) -> str:
@@ -344,16 +797,16 @@ def _finish(reason: str) -> str:
 
 
 def _usage(u: dict) -> dict:
-    pt, ct = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+    def n(k: str) -> int:
+        v = u.get(k, 0)
+        return v if type(v) is int else 0
+
+    pt, ct = n("prompt_tokens"), n("completion_tokens")
     return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,
-            "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens", 0))}}
+            "prompt_tokens_details": {"cached_tokens": n("cached_tokens")}}
 
 
 def _sgl_meta(m: P.ClientFinal) -> dict:
     u = m.usage
     return {"finish_reason": {"type": m.finish_reason}, "prompt_tokens": u.get("prompt_tokens"),
             "completion_tokens": u.get("completion_tokens"), "cached_tokens": u.get("cached_tokens"), "worker": m.worker}
-
-
-async def _sse(resp: web.StreamResponse, obj: dict) -> None:
-    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import random
+import sys
+from pathlib import Path
 
 from brokers.broker import Broker
 from brokers.stats import StatsCollector
@@ -115,6 +118,7 @@ def metrics_registry(broker: Broker):
 async def serve_broker(settings: BrokerSettings) -> None:
     """Run one broker until SIGTERM/SIGINT, then drain and exit."""
     configure(settings.log_level)
+    log = get_logger(service="broker")
     broker = build_broker(settings)
     auth = None
     if broker.curve is not None:
@@ -133,9 +137,16 @@ async def serve_broker(settings: BrokerSettings) -> None:
     if settings.metrics:
         from prometheus_client import start_http_server
 
+        # The Prometheus port has no authentication: an empty host binds loopback only; binding
+        # anything else is the operator's explicit choice (and is logged).
         host, _, port = settings.metrics.rpartition(":")
-        start_http_server(int(port), addr=host or "127.0.0.1", registry=reg)
-        announce("metrics_listening", endpoint=f"http://{settings.metrics}/metrics")
+        host = host.strip("[]") or "127.0.0.1"
+        server, _thread = start_http_server(int(port), addr=host, registry=reg)
+        bound = server.server_address
+        if not _is_loopback(host):
+            log.warning("metrics_public", host=host, note="the --metrics port has no authentication; prefer 127.0.0.1 "
+                        "and scrape through a proxy, or use the HTTP ingress's /metrics (API key)")
+        announce("metrics_listening", endpoint=f"http://{_hostport(bound[0], bound[1])}/metrics")
     broker.install_signal_handlers()
     client = getattr(broker.router.provider, "client", None)
     if client is not None:
@@ -145,9 +156,12 @@ async def serve_broker(settings: BrokerSettings) -> None:
         from brokers.http_ingress import HttpIngress
 
         host, _, port = settings.http.rpartition(":")
-        ingress = HttpIngress(broker, model=settings.model_name, api_key=settings.api_key or None,
-                              tokenizer_path=settings.tokenizer or None, metrics_registry=reg)
-        url = await ingress.start(host or "127.0.0.1", int(port))
+        ingress = HttpIngress(broker, model=settings.model_name, api_key=_api_key(settings, log),
+                              tokenizer_path=settings.tokenizer or None, metrics_registry=reg,
+                              max_connections=settings.http_max_connections, header_timeout_s=settings.http_header_timeout_s,
+                              idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s)
+        _check_fd_budget(settings, log)
+        url = await ingress.start(host.strip("[]") or "127.0.0.1", int(port))
         announce("http_listening", url=url)
     freeze_startup_heap()
     try:
@@ -160,6 +174,46 @@ async def serve_broker(settings: BrokerSettings) -> None:
         if client is not None:
             await client.aclose()
         broker.terminate()
+
+
+def _api_key(settings: BrokerSettings, log) -> str | None:
+    """The HTTP ingress key: --api-key-file, else --api-key / MESH_API_KEY (the CLI folds the
+    environment variable into api_key). A key given as a flag is visible to every local user in
+    the process list, so that is logged."""
+    if settings.api_key_file:
+        key = Path(settings.api_key_file).read_text().strip()
+        if not key:  # validated at startup; the file may have changed since
+            raise ConfigError(f"api_key_file: {settings.api_key_file} is empty")
+        return key
+    if settings.api_key and any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv):
+        log.warning("api_key_on_command_line", note="--api-key is visible in the process list; use --api-key-file or MESH_API_KEY")
+    return settings.api_key or None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_fd_budget(settings: BrokerSettings, log) -> None:
+    """The HTTP ingress may hold http_max_connections descriptors plus its listen backlog; warn when
+    that leaves too few of the process's descriptors for the ZeroMQ sockets and the rest."""
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - non-POSIX
+        return
+    need = settings.http_max_connections + min(128, settings.http_max_connections) + 256
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning("http_fd_budget", rlimit_nofile=soft, http_max_connections=settings.http_max_connections,
+                    note=f"raise the descriptor limit to at least {need} or lower --http-max-connections")
 
 
 def main(settings: BrokerSettings) -> None:

@@ -40,7 +40,10 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
                  "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "park_timeout_s", "max_parked", "max_inflight_per_worker", "queue_timeout_s", "eject_after_failures", "eject_base_s", "eject_max_s", "max_ejected_ratio", "drain_timeout_s", "policy", "cache_prefix_provider",
-                 "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
+                 "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "api_key_file", "http_max_connections", "http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
+
+# containment limits (issue 12): what one worker or client may ask of a broker
+_BROKER_FLAGS += ["max_worker_heartbeat_ms", "max_workers", "max_inflight_per_client", "progress_timeout_ms", "overload_lag_ms"]
 
 
 def _add_broker(sub) -> None:
@@ -78,10 +81,22 @@ def _add_broker(sub) -> None:
     p.add_argument("--eject-max-s", type=float, help="longest ejection (default 300)")
     p.add_argument("--max-ejected-ratio", type=float, help="share of workers that may be ejected at once (default 0.5)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight work (default 10)")
+    p.add_argument("--max-worker-heartbeat-ms", type=int, help="cap on the heartbeat interval a worker may announce (default 2000)")
+    p.add_argument("--max-workers", type=int, help="registered worker sessions at most (default 4096)")
+    p.add_argument("--max-inflight-per-client", type=int, help="in-flight requests per client before 'rate_limited' 429 (default 4096)")
+    p.add_argument("--progress-timeout-ms", type=int, help="an attempt that gets no reply at all for this long fails over "
+                                                             "and counts against its worker (default 15000; 0 = off)")
+    p.add_argument("--overload-lag-ms", type=float, help="shed new requests while the event loop lags more than this (default 250)")
     p.add_argument("--load-freshness-s", type=float, help="LoadStat older than this is ignored (default 5)")
     p.add_argument("--metrics", help="HOST:PORT for the Prometheus /metrics endpoint (default off)")
     p.add_argument("--http", help="HOST:PORT of the OpenAI-compatible HTTP ingress (port 0 = any free port)")
-    p.add_argument("--api-key", help="require this bearer token on the HTTP ingress (or set MESH_API_KEY)")
+    p.add_argument("--api-key", help="require this bearer token on the HTTP ingress (visible in the process list: "
+                                     "prefer --api-key-file or MESH_API_KEY)")
+    p.add_argument("--api-key-file", help="file holding the HTTP ingress bearer token")
+    p.add_argument("--http-max-connections", type=int, help="concurrent HTTP connections (default 512)")
+    p.add_argument("--http-header-timeout-s", type=float, help="time to receive a complete request head (default 10)")
+    p.add_argument("--http-idle-timeout-s", type=float, help="idle keep-alive HTTP connections are closed after this (default 60)")
+    p.add_argument("--http-body-timeout-s", type=float, help="time to receive a request body or drain a streamed write (default 30)")
     p.add_argument("--tokenizer", help="tokenizer.json used by the HTTP ingress to tokenise prompts")
     p.add_argument("--model-name", help="model id reported by /v1/models (default mesh)")
     p.add_argument("--telemetry", help="ZeroMQ PUB endpoint for the live telemetry stream (mesh top)")
@@ -98,7 +113,7 @@ def _cmd_broker(args) -> int:
 
     from brokers.main import main as broker_main
 
-    if getattr(args, "api_key", None) is None and os.environ.get("MESH_API_KEY"):
+    if getattr(args, "api_key", None) is None and getattr(args, "api_key_file", None) is None and os.environ.get("MESH_API_KEY"):
         args.api_key = os.environ["MESH_API_KEY"]
     settings = _settings(BrokerSettings, args, "broker", _BROKER_FLAGS)
     broker_main(settings)

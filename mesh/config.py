@@ -60,6 +60,11 @@ class BrokerSettings:
     metrics: str = ""  # host:port for the Prometheus endpoint; empty = off
     http: str = ""  # host:port of the OpenAI-compatible HTTP ingress; empty = off (port 0 = any)
     api_key: str = ""  # required as "Authorization: Bearer <key>" on the HTTP ingress when set
+    api_key_file: str = ""  # file holding the API key (not visible in the process list); excludes api_key
+    http_max_connections: int = 512  # concurrent HTTP connections; beyond it head-waiting/idle ones are evicted, else 503
+    http_header_timeout_s: float = 10.0  # a complete request head must arrive within this
+    http_idle_timeout_s: float = 60.0  # an idle kept-alive HTTP connection is closed after this
+    http_body_timeout_s: float = 30.0  # a request body must arrive (and a streamed write drain) within this
     tokenizer: str = ""  # tokenizer.json for the HTTP ingress (optional)
     model_name: str = "mesh"  # the model id the HTTP ingress reports
     telemetry: str = ""  # ZMQ PUB endpoint for the telemetry stream; empty = off
@@ -102,6 +107,19 @@ class BrokerSettings:
                      f"{ep!r} needs an explicit http://, https:// or unix: scheme")
         _require(self.kv_indexer_query_timeout_ms > 0, "kv_indexer_query_timeout_ms", "must be > 0")
         _require(self.kv_indexer_query_max_inflight > 0, "kv_indexer_query_max_inflight", "must be > 0")
+        if self.api_key_file:
+            _require(not self.api_key, "api_key_file", "give either api_key or api_key_file, not both")
+            kp = Path(self.api_key_file)
+            _require(kp.is_file(), "api_key_file", f"{self.api_key_file} does not exist")
+            try:
+                key_ok = bool(kp.read_text().strip())
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from None
+            _require(key_ok, "api_key_file", f"{self.api_key_file} is empty")
+        _require(self.http_max_connections >= 1, "http_max_connections", "must be >= 1")
+        for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s"):
+            v = getattr(self, name)
+            _require(math.isfinite(v) and v > 0, name, "must be a positive number of seconds")
         for name in ("http", "metrics"):
             v = getattr(self, name)
             if v:
