@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_attach_parser(sub)
     add_stub_sglang_parser(sub)
+    from mesh.fuzz.cli import add_fuzz_parser
+
+    add_fuzz_parser(sub)
     _add_bench(sub)
     return p
 
