@@ -16,29 +16,61 @@ service needs on top:
   that forgot a worker) gets every live stream resynced instead of trusting increments on top of
   nothing;
 * workers that were never registered are registered with the block size of their first
-  ``BlockStored`` (events of any other size are then not applied, as in the local provider);
+  ``BlockStored``; ``BlockStored`` events of any other size are *rejected loudly*: counted
+  (``events_rejected_block_size``), logged (``indexer_block_size_mismatch``, rate-limited) and
+  reported in the batch's ``events_skipped``;
 * workers silent for ``worker_ttl_s`` (no batch, no RegisterWorker) are forgotten: brokers never
   forget a worker here, since another broker may still serve it.
 
+Hostile or broken peers (see ``Limits``):
+
+* **authentication**: with a token configured, every Indexer RPC must carry
+  ``authorization: Bearer <token>`` (compared with ``hmac.compare_digest``); otherwise
+  UNAUTHENTICATED, counted as ``auth_failures``. ``grpc.health.v1`` stays open. Optional TLS
+  client certificates (``tls_client_ca``) on top. Without a token the server logs
+  ``indexer_unauthenticated`` at startup and accepts everyone, as before;
+* **ownership**: a worker's registration belongs to the caller that first registered it (the
+  ``x-mesh-owner`` metadata value, e.g. the broker id). Another owner may re-register the same
+  block size (a second broker serving the worker) but may not change it nor ForgetWorker it:
+  PERMISSION_DENIED, counted as ``permission_denied``. The owner changing the block size is an
+  explicit reset (the worker's blocks and streams are dropped; ``block_size_resets``). Ownership
+  lapses after ``owner_ttl_s`` without the owner registering or forwarding for that worker (a
+  broker that went away for good). Owner ids are asserted by token holders: they separate
+  well-behaved brokers, they do not authenticate them individually;
+* **bounded work per call**: gRPC refuses messages above ``max_message_bytes``
+  (RESOURCE_EXHAUSTED before any handler runs); a batch of more than ``max_batch_events`` events
+  is refused; an allowed big batch is decoded and applied in slices, yielding to the event loop
+  every ``_APPLY_SLICE_NS`` so concurrent MatchPrefix calls keep their deadlines. Mutations
+  (apply, register, forget, expiry) hold one asyncio lock, so a batch stays atomic for the other
+  mutators while queries interleave with it;
+* **bounded state**: at most ``max_workers`` workers, ``max_ranks_per_worker`` streams per worker
+  and ``max_streams`` streams in all (more: RESOURCE_EXHAUSTED for RegisterWorker/ApplyKvBatch, a
+  REJECTED verdict inside ApplyKvBatches; ``refused_*`` counters). *Ghosts* -- workers and streams
+  that never got a block into the index -- are dropped ``ghost_ttl_s`` after they first appeared
+  (``ghosts_expired``, ``ghost_streams_expired``), and no per-batch cost grows with their number.
+
 Overload: only ``MatchPrefix`` is shed (``RESOURCE_EXHAUSTED`` once ``max_inflight_queries`` are
 admitted and unanswered; each admitted query yields to the loop once before running, so a burst
-that arrives together is counted together). Apply RPCs are never shed; a long ``ApplyKvBatches``
-yields to the loop every ``_APPLY_SLICE_NS`` so queries are not stuck behind a big ingest chunk.
+that arrives together is counted together). Apply RPCs are never shed.
 Memory: the index holds at most ``max_entries`` (block, stream) entries (LRU eviction).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import os
 import signal
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import grpc
+import msgpack
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mesh import kv_events as KV
@@ -47,22 +79,36 @@ from mesh.hashing import content_keys
 from mesh.index import PrefixIndex, Verdict
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer import indexer_pb2_grpc as pb_grpc
-from mesh.logs import announce, configure, get_logger
+from mesh.logs import RateLimiter, announce, configure, get_logger
 from mesh.protocol import unpack
-from mesh.routing.providers import LocalIndexProvider
+from mesh.routing.providers import LocalIndexProvider, _BlockSizeVote
 
-__all__ = ["IndexerCore", "IndexerService", "ApplyOutcome", "serve", "run_server", "parse_listen",
-           "DEFAULT_MAX_ENTRIES", "DEFAULT_WORKER_TTL_S", "SERVICE_NAME", "MAX_MESSAGE_BYTES"]
+__all__ = ["IndexerCore", "IndexerService", "ApplyOutcome", "Limits", "Refused", "serve", "run_server",
+           "parse_listen", "read_token_file", "DEFAULT_MAX_ENTRIES", "DEFAULT_WORKER_TTL_S", "SERVICE_NAME",
+           "MAX_MESSAGE_BYTES", "OWNER_METADATA", "TOKEN_ENV"]
 
 SERVICE_NAME = "mesh.indexer.v1.Indexer"
 #: Default entry budget: ~10 M (block, stream) entries, a few GB of Python objects at most.
 DEFAULT_MAX_ENTRIES = 10_000_000
 #: Workers silent this long are forgotten (0 = never).
 DEFAULT_WORKER_TTL_S = 900.0
-#: gRPC message cap both ways: a resync snapshot of a big worker is one batch.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Default gRPC message cap (both ways). A bigger batch is refused before it is read; brokers
+#: drop (and count) batches above it instead of sending them.
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+#: Metadata key naming the caller (a broker id) for worker ownership.
+OWNER_METADATA = "x-mesh-owner"
+#: Environment variable holding the bearer token when no --token-file is given.
+TOKEN_ENV = "MESH_INDEXER_TOKEN"
+_MAX_OWNER_CHARS = 128
+_MAX_WORKER_ID_CHARS = 256
 _APPLY_SLICE_NS = 2_000_000  # yield to queries after this much apply work in one RPC
+_SLICED_DECODE_BYTES = 128 << 10  # payloads above this are unpacked event by event, with yields
+_DECODE_SLICE_EVENTS = 256  # events unpacked + decoded between two chances to yield
+_APPLY_SLICE_BLOCKS = 256  # blocks applied between two chances to yield
+_SPLIT_STORE_BLOCKS = 1024  # a BlockStored longer than this is applied as parent-linked pieces
+_EXPIRE_SLICE = 256  # workers/streams expired between two yields
 _LATENCY_WINDOW = 8192  # recent query handler times kept for the p50/p99 in Stats
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 _VERDICT_PB = {
     Verdict.APPLY: pb.APPLY,
@@ -71,6 +117,43 @@ _VERDICT_PB = {
     Verdict.NEW_EPOCH: pb.NEW_EPOCH,
     Verdict.STALE_EPOCH: pb.STALE_EPOCH,
 }
+_ARRAY_HEADERS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+_MAP_HEADERS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one peer can make the server hold or do per call (``mesh indexer --help``)."""
+
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_batch_events: int = 262_144
+    max_workers: int = 16_384
+    max_ranks_per_worker: int = 1024
+    max_streams: int = 131_072
+    ghost_ttl_s: float = 60.0  # 0 = ghosts are kept until the worker TTL
+    owner_ttl_s: float = DEFAULT_WORKER_TTL_S  # 0 = ownership never lapses
+
+    def validate(self) -> None:
+        for name in ("max_message_bytes", "max_batch_events", "max_workers", "max_ranks_per_worker", "max_streams"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1")
+        if self.max_message_bytes < 64 << 10:
+            raise ConfigError("max_message_bytes: must be >= 65536")
+        for name in ("ghost_ttl_s", "owner_ttl_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0 (0 = never)")
+
+
+class Refused(Exception):
+    """A request the server will not carry out; mapped to a gRPC status at the service boundary.
+
+    ``reason`` is also the counter name (``permission_denied``, ``refused_max_workers``, ...).
+    """
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
 
 
 class _VerdictIndex(PrefixIndex):
@@ -83,74 +166,323 @@ class _VerdictIndex(PrefixIndex):
         self.last_verdict = v
         return v
 
+    def stream_entries(self, stream: tuple[str, int]) -> int:
+        s = self._streams.get(stream)
+        return len(s.ehmap) if s is not None else 0
+
+    def drop_empty_stream(self, stream: tuple[str, int]) -> bool:
+        """Forget one rank's sequencing state when it holds no block (ghost streams).
+
+        PrefixIndex only forgets whole workers; a stream without entries is referenced by
+        nothing but these two tables, so dropping it there is complete.
+        """
+        s = self._streams.get(stream)
+        if s is None or s.ehmap:
+            return False
+        del self._streams[stream]
+        s.worker.streams.pop(stream[1], None)
+        return True
+
+
+class _CountingVote(_BlockSizeVote):
+    """The provider's fleet block size, kept with O(1) updates.
+
+    The stock vote recounts every worker after each membership change, on the next batch: with
+    tens of thousands of registered (ghost) workers every new worker cost a full recount.
+    """
+
+    def __init__(self, default: int) -> None:
+        super().__init__(default)
+        self.sizes: Counter[int] = Counter()
+
+    def set(self, worker_id: str, bs: int) -> None:
+        old = self.by_worker.get(worker_id)
+        if old == bs:
+            return
+        if old is not None:
+            self._dec(old)
+        self.by_worker[worker_id] = bs
+        self.sizes[bs] += 1
+        self._value = None
+
+    def drop(self, worker_id: str) -> None:
+        old = self.by_worker.pop(worker_id, None)
+        if old is not None:
+            self._dec(old)
+            self._value = None
+
+    def _dec(self, bs: int) -> None:
+        n = self.sizes[bs] - 1
+        if n:
+            self.sizes[bs] = n
+        else:
+            del self.sizes[bs]
+
+    @property
+    def value(self) -> int:
+        if self._value is None:  # O(distinct block sizes)
+            self._value = max(self.sizes.items(), key=lambda kv: kv[1])[0] if self.sizes else self.default
+        return self._value
+
+
+@dataclass(slots=True, eq=False)
+class _WorkerRec:
+    """What the service knows about one worker besides its index entries."""
+
+    first_seen: float
+    last_seen: float
+    block_size: int | None = None  # None: neither registered nor seen storing a block
+    owner: str = ""  # "" = unowned (auto-registered from events, or registered anonymously)
+    owner_seen: float = 0.0  # last registration/forward of this worker by its owner
+    ranks: set[int] = field(default_factory=set)  # streams admitted (counted against the bounds)
+    active: bool = False  # some batch got a block into the index: not a ghost
+
 
 @dataclass(slots=True, frozen=True)
 class ApplyOutcome:
-    """What happened to one batch (mirrors ``ApplyKvBatchResult``)."""
+    """What happened to one batch (mirrors ``ApplyKvBatchResult``; ``refused`` = counter name
+    when a bound refused it)."""
 
     verdict: int  # pb.Verdict value
     missed: int = 0
     resync_needed: bool = False
     events_applied: int = 0
     events_skipped: int = 0
+    refused: str = ""
 
 
 _REJECTED = ApplyOutcome(pb.REJECTED, resync_needed=True)
 
 
+def _drain(steps: Generator[None, None, ApplyOutcome]) -> ApplyOutcome:
+    """Run an apply generator to completion without yielding (the synchronous path)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def _events_value_offset(payload: bytes) -> int | None:
+    """Offset of the (last) ``events`` value of a msgpack map, None without one. Raises on bad msgpack."""
+    u = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(payload))
+    u.feed(payload)
+    pos = None
+    for _ in range(u.read_map_header()):
+        if u.unpack() == "events":
+            pos = u.tell()
+        u.skip()
+    if u.tell() != len(payload):
+        raise ValueError("extra data after the body")
+    return pos
+
+
+def _raw_event_chunks(payload: bytes, n: int) -> Iterator[list[Any] | None]:
+    """Unpack a big payload (events array, or a KV_EVENTS map with ``events``) lazily: lists of at
+    most ``n`` undecoded events; one ``None`` when there is no events array (a bad_batch).
+    Raises ProtocolError(bad_msgpack) like :func:`mesh.protocol.unpack`."""
+    try:
+        first = payload[0]
+        if first in _MAP_HEADERS:
+            start = _events_value_offset(payload)
+            whole = False
+        elif first in _ARRAY_HEADERS:
+            start, whole = 0, True
+        else:
+            unpack(payload)  # a scalar: must still be valid msgpack to count as a bad_batch
+            start = None
+        if start is None or payload[start] not in _ARRAY_HEADERS:
+            yield None  # no events array: decode_events would call it a bad_batch
+            return
+        u = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(payload))
+        u.feed(memoryview(payload)[start:])
+        buf: list[Any] = []
+        for _ in range(u.read_array_header()):
+            buf.append(u.unpack())
+            if len(buf) >= n:
+                yield buf
+                buf = []
+        if buf:
+            yield buf
+        if whole and u.tell() != len(payload):
+            raise ValueError("extra data after the events array")
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several non-UnpackException types
+        raise ProtocolError("bad_msgpack", f"{type(exc).__name__}: {exc}") from exc
+
+
+def _split_store(ev: KV.BlockStored, n: int) -> list[KV.BlockStored]:
+    """One long BlockStored as parent-linked pieces of ``n`` blocks (the same chain, stored in steps)."""
+    hs, toks, bs = ev.block_hashes, ev.token_ids, ev.block_size
+    out = []
+    parent = ev.parent_block_hash
+    for i in range(0, len(hs), n):
+        piece = hs[i:i + n]
+        last = i + n >= len(hs)
+        out.append(dataclasses.replace(ev, block_hashes=piece, parent_block_hash=parent,
+                                       token_ids=toks[i * bs:(i + len(piece)) * bs],
+                                       lookahead_token_id=ev.lookahead_token_id if last else None))
+        parent = piece[-1]
+    return out
+
+
 class IndexerCore:
     """The service logic without gRPC: apply batches, match prompts, register/forget, stats.
 
-    Not thread-safe: the server calls it from its one event loop.
+    Not thread-safe: the server calls it from its one event loop. :meth:`apply_steps` is a
+    generator so a big batch can be applied across several loop iterations (the caller holds the
+    service's mutation lock meanwhile); :meth:`apply_batch` runs it in one go.
     """
 
     def __init__(self, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, block_size: int = 16,
-                 resync_retry_s: float = 5.0) -> None:
+                 resync_retry_s: float = 5.0, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.limits.validate()
         self.index = _VerdictIndex(max_entries, key_fn=content_keys)
         # speculative_ttl_s=0: a shared index never holds one router's guesses.
         self.provider = LocalIndexProvider(self.index, name="indexer", block_size=block_size, speculative_ttl_s=0)
+        self.provider._bs = _CountingVote(block_size)
         self.instance = int.from_bytes(os.urandom(8), "little")
         self._known: set[tuple[str, int]] = set()  # streams this server has applied a batch of
-        self._registered: set[str] = set()
-        self._last_seen: dict[str, float] = {}  # worker -> monotonic time of its last batch/register
+        self._w: dict[str, _WorkerRec] = {}
+        self._n_streams = 0
+        self._ranked_streams = 0  # admitted streams with dp_rank > 0 (0 enables the fast level path)
+        # Ghost candidates in first-seen order (dicts keep insertion order): expiry pops the front.
+        self._ghosts: dict[str, float] = {}
+        self._ghost_streams: dict[tuple[str, int], float] = {}
         # untrusted/unknown stream -> when a resync was last asked for (cleared once trusted)
         self._asked_at: dict[tuple[str, int], float] = {}
         self.resync_retry_s = resync_retry_s
-        self._single_rank = True  # no stream with dp_rank > 0 seen yet (enables the fast level path)
         self.c: Counter[str] = Counter()
         self.latency_ns: deque[int] = deque(maxlen=_LATENCY_WINDOW)
+        self.log = get_logger(service="indexer")
+        self._rl = RateLimiter(1.0)
+
+    @property
+    def _single_rank(self) -> bool:
+        return self._ranked_streams == 0
+
+    # ------------------------------------------------------------------ admission
+    def _refuse(self, reason: str, **fields: Any) -> str:
+        self.c[reason] += 1
+        if self._rl.allow(reason):
+            self.log.warning("indexer_refused", reason=reason, **fields)
+        return reason
+
+    def _admission_refusal(self, worker_id: str, dp_rank: int | None) -> str:
+        """The counter name of the bound a new worker/stream would break ("" = admissible)."""
+        rec = self._w.get(worker_id)
+        lim = self.limits
+        if rec is None and len(self._w) >= lim.max_workers:
+            return "refused_max_workers"
+        if dp_rank is None or (rec is not None and dp_rank in rec.ranks):
+            return ""
+        if rec is not None and len(rec.ranks) >= lim.max_ranks_per_worker:
+            return "refused_max_ranks"
+        if self._n_streams >= lim.max_streams:
+            return "refused_max_streams"
+        return ""
+
+    def _admit(self, worker_id: str, dp_rank: int | None, now: float) -> _WorkerRec:
+        """Create the worker/stream records (the caller checked :meth:`_admission_refusal`)."""
+        rec = self._w.get(worker_id)
+        if rec is None:
+            rec = self._w[worker_id] = _WorkerRec(first_seen=now, last_seen=now)
+            self._ghosts[worker_id] = now
+        if dp_rank is not None and dp_rank not in rec.ranks:
+            rec.ranks.add(dp_rank)
+            self._n_streams += 1
+            if dp_rank:
+                self._ranked_streams += 1
+            if rec.active:  # a new rank of a live worker: a ghost until it holds a block
+                self._ghost_streams[(worker_id, dp_rank)] = now
+        return rec
+
+    def _mark_active(self, worker_id: str, rec: _WorkerRec, stream: tuple[str, int]) -> None:
+        self._ghost_streams.pop(stream, None)
+        if not rec.active:
+            rec.active = True
+            self._ghosts.pop(worker_id, None)
+            for r in rec.ranks:  # the worker's other ranks are now ghosts of a live worker
+                s = (worker_id, r)
+                if s != stream and self.index.stream_entries(s) == 0:
+                    self._ghost_streams[s] = rec.first_seen
+
+    def _owns(self, rec: _WorkerRec, owner: str, now: float) -> bool:
+        """May ``owner`` change or forget this worker? (unowned or lapsed: anyone may)"""
+        if not rec.owner or rec.owner == owner:
+            return True
+        ttl = self.limits.owner_ttl_s
+        return ttl > 0 and now - rec.owner_seen > ttl
 
     # ------------------------------------------------------------------ apply
     def apply_batch(self, worker_id: str, dp_rank: int, epoch: int, seq: int, payload: bytes, *,
-                    now_s: float | None = None) -> ApplyOutcome:
+                    now_s: float | None = None, owner: str = "") -> ApplyOutcome:
         """Apply one batch. ``payload`` is msgpack: the events array, or the whole KV_EVENTS body
         (a map: its ``events`` are used).
 
         ``resync_needed`` is set at most once per ``resync_retry_s`` per untrusted (or unknown)
         stream, until it is trusted again (``now_s``: monotonic seconds, default now).
         """
+        return _drain(self.apply_steps(worker_id, dp_rank, epoch, seq, payload, now_s=now_s, owner=owner))
+
+    def apply_steps(self, worker_id: str, dp_rank: int, epoch: int, seq: int, payload: bytes, *,
+                    now_s: float | None = None, owner: str = "") -> Generator[None, None, ApplyOutcome]:
+        """:meth:`apply_batch` as a generator: it yields (nothing) between slices of a big batch,
+        where the caller may let other work run; its return value is the outcome."""
         c = self.c
         c["batches_received"] += 1
         now = time.monotonic() if now_s is None else now_s
-        try:
-            obj = unpack(payload)
-        except ProtocolError:
+        if not worker_id or len(worker_id) > _MAX_WORKER_ID_CHARS:
             c["batches_rejected"] += 1
-            return _REJECTED
-        if type(obj) is dict:  # a whole KV_EVENTS body
-            obj = obj.get("events")
-        events, skipped = KV.decode_events(obj)
+            c["refused_worker_id"] += 1
+            return ApplyOutcome(pb.REJECTED, refused="refused_worker_id")
+        refusal = self._admission_refusal(worker_id, dp_rank)
+        if refusal:  # cheap refusals before any decoding
+            self._refuse(refusal, worker_id=worker_id[:64], dp_rank=dp_rank)
+            return ApplyOutcome(pb.REJECTED, refused=refusal)
+        max_events = self.limits.max_batch_events
+        skipped: Counter[str] = Counter()
+        if len(payload) <= _SLICED_DECODE_BYTES:
+            try:
+                obj = unpack(payload)
+            except ProtocolError:
+                c["batches_rejected"] += 1
+                return _REJECTED
+            if type(obj) is dict:  # a whole KV_EVENTS body
+                obj = obj.get("events")
+            events, sk = KV.decode_events(obj)
+            skipped.update(sk)
+        else:
+            events = []
+            try:
+                for chunk in _raw_event_chunks(payload, _DECODE_SLICE_EVENTS):
+                    if chunk is None:
+                        skipped["bad_batch"] += 1
+                        break
+                    evs, sk = KV.decode_events(chunk)
+                    events.extend(evs)
+                    skipped.update(sk)
+                    if len(events) > max_events:
+                        break
+                    yield
+            except ProtocolError:
+                c["batches_rejected"] += 1
+                return _REJECTED
+        if len(events) > max_events:
+            reason = self._refuse("refused_batch_events", worker_id=worker_id[:64], dp_rank=dp_rank,
+                                  limit=max_events)
+            return ApplyOutcome(pb.REJECTED, refused=reason)
         n_skipped = 0
         for reason, n in skipped.items():
             c[f"events_skipped_{reason}"] += n
             n_skipped += n
-        if not worker_id:
-            c["batches_rejected"] += 1
-            return ApplyOutcome(pb.REJECTED, resync_needed=False, events_skipped=n_skipped)
         stream = (worker_id, dp_rank)
-        self._last_seen[worker_id] = now
-        if dp_rank:
-            self._single_rank = False
+        rec = self._admit(worker_id, dp_rank, now)
+        rec.last_seen = now
+        if owner and owner == rec.owner:
+            rec.owner_seen = now
         snapshot = bool(events) and type(events[0]) is KV.AllBlocksCleared
         known = stream in self._known
         if not known and seq > 0 and not snapshot:
@@ -158,26 +490,42 @@ class IndexerCore:
             c["unknown_stream_gaps"] += 1
             c["verdict_gap"] += 1
             return ApplyOutcome(pb.GAP, missed=seq, resync_needed=self._ask(stream, now), events_skipped=n_skipped)
-        if worker_id not in self._registered:
+        if rec.block_size is None:
             for ev in events:
                 if type(ev) is KV.BlockStored:
-                    self._register(worker_id, ev.block_size)
+                    self._set_block_size(worker_id, rec, ev.block_size)
                     c["auto_registered"] += 1
                     break
         ix = self.index
         was_trusted = ix.is_trusted(stream)
         ix.last_verdict = None
-        self.provider.apply_events(worker_id, dp_rank, epoch, seq, events, now)
+        rejected = [0]  # stores of the wrong block size taken out, filled in as slices are made
+        slices = self._slices(worker_id, rec, events, rejected)
+        first = next(slices, [])
+        self.provider.apply_events(worker_id, dp_rank, epoch, seq, first, now)
         v = ix.last_verdict
         if v is None:  # the resync path: a snapshot re-trusted an untrusted stream
             verdict, applied, missed = pb.RESYNCED, True, 0
         else:
             verdict, applied, missed = _VERDICT_PB[v.verdict], v.apply, v.missed
-            if applied:
+        if applied:
+            bs = rec.block_size if rec.block_size is not None else self.provider.block_size
+            for piece in slices:
+                yield
+                # NOTE: the batch's later slices, with the semantics of apply_events' own apply
+                # step (the sequencing verdict above covers the whole batch).
+                self.provider._apply(stream, piece, bs)
+        rejected_bs = rejected[0]
+        if applied:
+            if v is not None:
                 if snapshot and (not known or not was_trusted):
                     verdict = pb.RESYNCED
                 elif not ix.is_trusted(stream):
                     verdict = pb.UNTRUSTED  # applied, but a hole before it is still unfilled
+            if not rec.active and ix.stream_entries(stream):
+                self._mark_active(worker_id, rec, stream)
+            elif stream in self._ghost_streams and ix.stream_entries(stream):
+                del self._ghost_streams[stream]
         if ix.is_trusted(stream):
             ask = False
             self._asked_at.pop(stream, None)
@@ -187,13 +535,53 @@ class IndexerCore:
                 # the next one finds the stream untrusted and re-trusts it.
                 self._asked_at.pop(stream, None)
             ask = self._ask(stream, now)
-        out = ApplyOutcome(verdict, missed=missed, resync_needed=ask,
-                           events_applied=len(events) if applied else 0, events_skipped=n_skipped)
+        n_applied = len(events) - rejected_bs if applied else 0
+        out = ApplyOutcome(verdict, missed=missed, resync_needed=ask, events_applied=n_applied,
+                           events_skipped=n_skipped + rejected_bs)
         if applied:
             self._known.add(stream)
-            c["events_applied"] += out.events_applied
+            c["events_applied"] += n_applied
         c[f"verdict_{pb.Verdict.Name(verdict).lower()}"] += 1
         return out
+
+    def _slices(self, worker_id: str, rec: _WorkerRec, events: list[KV.KvEvent],
+                rejected: list[int]) -> Iterator[list[KV.KvEvent]]:
+        """The batch's events in slices of about ``_APPLY_SLICE_BLOCKS`` blocks, with stores of the
+        wrong block size taken out (counted in ``rejected[0]`` and the service counters, logged)
+        and very long stores split into parent-linked pieces.
+        """
+        bs = rec.block_size
+        out: list[KV.KvEvent] = []
+        blocks = 0
+        for ev in events:
+            if type(ev) is KV.BlockStored:
+                if bs is not None and ev.block_size != bs:
+                    rejected[0] += 1
+                    self._reject_block_size(worker_id, bs, ev.block_size)
+                    continue
+                n = len(ev.block_hashes)
+                if n > _SPLIT_STORE_BLOCKS:
+                    if out:
+                        yield out
+                    for piece in _split_store(ev, _APPLY_SLICE_BLOCKS):
+                        yield [piece]
+                    out, blocks = [], 0
+                    continue
+                blocks += n
+            else:
+                blocks += 1
+            out.append(ev)
+            if blocks >= _APPLY_SLICE_BLOCKS:
+                yield out
+                out, blocks = [], 0
+        if out:
+            yield out
+
+    def _reject_block_size(self, worker_id: str, expected: int, got: int) -> None:
+        self.c["events_rejected_block_size"] += 1
+        if self._rl.allow(("block_size", worker_id)):
+            self.log.warning("indexer_block_size_mismatch", worker_id=worker_id[:64], registered=expected, got=got,
+                             note="events of another block size are not indexed; re-register the worker to reset it")
 
     def _ask(self, stream: tuple[str, int], now: float) -> bool:
         """Ask for a resync of an untrusted stream at most once per ``resync_retry_s``."""
@@ -206,40 +594,150 @@ class IndexerCore:
         self.c["resyncs_asked"] += 1
         return True
 
-    def _register(self, worker_id: str, block_size: int) -> None:
+    def _set_block_size(self, worker_id: str, rec: _WorkerRec, block_size: int) -> None:
+        rec.block_size = block_size
         self.provider.add_worker(worker_id, block_size)
-        self._registered.add(worker_id)
 
-    def register_worker(self, worker_id: str, block_size: int) -> None:
-        if not worker_id or block_size <= 0:
-            raise ValueError("worker_id must be non-empty and block_size > 0")
-        self._register(worker_id, block_size)
-        self._last_seen[worker_id] = time.monotonic()
+    # ------------------------------------------------------------------ register / forget
+    def register_worker(self, worker_id: str, block_size: int, *, owner: str = "", now_s: float | None = None) -> None:
+        """Declare a worker's page size; the first named caller becomes its owner.
+
+        Raises ValueError (bad arguments) or :class:`Refused` (a bound; another owner changing
+        the block size). The owner re-registering another block size resets the worker.
+        """
+        if not worker_id or len(worker_id) > _MAX_WORKER_ID_CHARS or block_size <= 0:
+            raise ValueError(f"worker_id must be 1..{_MAX_WORKER_ID_CHARS} characters and block_size > 0")
+        now = time.monotonic() if now_s is None else now_s
+        rec = self._w.get(worker_id)
+        if rec is None:
+            refusal = self._admission_refusal(worker_id, None)
+            if refusal:
+                self._refuse(refusal, worker_id=worker_id[:64])
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal,
+                              f"more than {self.limits.max_workers} workers")
+            rec = self._admit(worker_id, None, now)
+        elif rec.block_size is not None and rec.block_size != block_size:
+            if not self._owns(rec, owner, now):
+                self._deny("register", worker_id, owner, rec)
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
+                              f"worker {worker_id!r} is registered by another owner with block size {rec.block_size}")
+            self._reset_worker(worker_id, rec, block_size)
+        if owner and owner != rec.owner and self._owns(rec, owner, now):
+            self.c["owner_taken_over" if rec.owner else "owner_bound"] += 1
+            rec.owner = owner
+        if owner and owner == rec.owner:
+            rec.owner_seen = now
+        if rec.block_size != block_size:
+            self._set_block_size(worker_id, rec, block_size)
+        rec.last_seen = now
         self.c["workers_registered"] += 1
 
-    def forget_worker(self, worker_id: str) -> int:
+    def _reset_worker(self, worker_id: str, rec: _WorkerRec, block_size: int) -> None:
+        """The owner changed the worker's block size: drop its blocks and streams (a resync follows)."""
+        dropped = self.index.worker_entries(worker_id)
+        old = rec.block_size
+        self._drop_streams(worker_id, rec)
+        self.index.remove_worker(worker_id)
+        self.c["block_size_resets"] += 1
+        self.log.warning("indexer_block_size_reset", worker_id=worker_id[:64], old=old, new=block_size,
+                         entries_dropped=dropped)
+
+    def _drop_streams(self, worker_id: str, rec: _WorkerRec) -> None:
+        for r in rec.ranks:
+            s = (worker_id, r)
+            self._known.discard(s)
+            self._asked_at.pop(s, None)
+            self._ghost_streams.pop(s, None)
+            if r:
+                self._ranked_streams -= 1
+        self._n_streams -= len(rec.ranks)
+        rec.ranks = set()
+        if rec.active:  # its future ranks start as ghosts again until they hold a block
+            rec.active = False
+            rec.first_seen = rec.last_seen
+            self._ghosts[worker_id] = rec.first_seen
+
+    def forget_worker(self, worker_id: str, *, owner: str | None = None, now_s: float | None = None) -> int:
+        """Drop every block and the sequencing state of a worker; returns entries dropped.
+
+        ``owner`` None = the server itself (expiry); otherwise only the worker's owner may (or
+        anyone once it is unowned / its ownership lapsed): :class:`Refused` PERMISSION_DENIED.
+        """
+        rec = self._w.get(worker_id)
+        if rec is not None and owner is not None:
+            if not self._owns(rec, owner, time.monotonic() if now_s is None else now_s):
+                self._deny("forget", worker_id, owner, rec)
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
+                              f"worker {worker_id!r} belongs to another owner")
         n = self.index.worker_entries(worker_id)
         self.provider.remove_worker(worker_id)
-        self._registered.discard(worker_id)
-        self._last_seen.pop(worker_id, None)
-        self._known = {s for s in self._known if s[0] != worker_id}
-        for s in [s for s in self._asked_at if s[0] == worker_id]:
-            del self._asked_at[s]
+        if rec is not None:
+            self._drop_streams(worker_id, rec)
+            del self._w[worker_id]
+            self._ghosts.pop(worker_id, None)
         self.c["workers_forgotten"] += 1
         return n
 
-    def expire_workers(self, now_s: float, ttl_s: float) -> list[str]:
+    def _deny(self, what: str, worker_id: str, owner: str, rec: _WorkerRec) -> None:
+        self.c["permission_denied"] += 1
+        self.c[f"permission_denied_{what}"] += 1
+        if self._rl.allow(("denied", what, owner)):
+            self.log.warning("indexer_permission_denied", action=what, worker_id=worker_id[:64],
+                             caller=owner[:_MAX_OWNER_CHARS] or "(anonymous)", owner=rec.owner)
+
+    # ------------------------------------------------------------------ expiry
+    def expire_workers(self, now_s: float, ttl_s: float, *, limit: int | None = None) -> list[str]:
         """Forget workers not heard from (no batch, no RegisterWorker) for ``ttl_s``.
 
         Brokers never forget a worker here (another broker may still serve it), so this bounds
         what dead workers keep. An idle live worker that is expired comes back through the
-        unknown-stream GAP -> resync path on its next batch.
+        unknown-stream GAP -> resync path on its next batch. ``limit``: at most that many.
         """
-        gone = [w for w, t in self._last_seen.items() if now_s - t > ttl_s]
+        gone = [w for w, r in self._w.items() if now_s - r.last_seen > ttl_s]
+        if limit is not None:
+            gone = gone[:limit]
         for w in gone:
             self.forget_worker(w)
             self.c["workers_expired"] += 1
         return gone
+
+    def expire_ghosts(self, now_s: float, ttl_s: float | None = None, *, limit: int | None = None) -> int:
+        """Drop ghosts first seen more than ``ttl_s`` (default ``limits.ghost_ttl_s``) ago: workers
+        that never got a block into the index, and such ranks of live workers. O(expired)."""
+        ttl = self.limits.ghost_ttl_s if ttl_s is None else ttl_s
+        budget = limit if limit is not None else 1 << 62
+        n = 0
+        ghosts = self._ghosts
+        while ghosts and n < budget:
+            w, t = next(iter(ghosts.items()))
+            if now_s - t <= ttl:
+                break
+            rec = self._w.get(w)
+            if rec is None or rec.active:  # stale entry
+                del ghosts[w]
+                continue
+            self.forget_worker(w)
+            self.c["ghosts_expired"] += 1
+            n += 1
+        gs = self._ghost_streams
+        while gs and n < budget:
+            s, t = next(iter(gs.items()))
+            if now_s - t <= ttl:
+                break
+            del gs[s]
+            rec = self._w.get(s[0])
+            if rec is None or s[1] not in rec.ranks or self.index.stream_entries(s):
+                continue
+            self.index.drop_empty_stream(s)
+            rec.ranks.discard(s[1])
+            self._n_streams -= 1
+            if s[1]:
+                self._ranked_streams -= 1
+            self._known.discard(s)
+            self._asked_at.pop(s, None)
+            self.c["ghost_streams_expired"] += 1
+            n += 1
+        return n
 
     # ------------------------------------------------------------------ match
     def match(self, keys: Sequence[int], max_results: int = 0) -> pb.MatchPrefixResponse:
@@ -279,11 +777,21 @@ class IndexerCore:
         def pct(p: float) -> float:
             return lat[min(len(lat) - 1, int(p / 100 * (len(lat) - 1)))] / 1000.0 if lat else 0.0
 
+        lim = self.limits
         return {
             **s,
             "service": dict(c),
             "server_instance": self.instance,
             "known_streams": len(self._known),
+            "tracked_workers": len(self._w),
+            "tracked_streams": self._n_streams,
+            "ghost_workers": len(self._ghosts),
+            "ghost_streams": len(self._ghost_streams),
+            "limit_max_workers": lim.max_workers,
+            "limit_max_streams": lim.max_streams,
+            "limit_max_ranks_per_worker": lim.max_ranks_per_worker,
+            "limit_max_batch_events": lim.max_batch_events,
+            "limit_max_message_bytes": lim.max_message_bytes,
             "match_p50_us": pct(50),
             "match_p99_us": pct(99),
         }
@@ -316,8 +824,19 @@ def _depth_groups(m: Any, single_rank: bool):
         yield depth, [w.worker_id for w in wms], [w.dp_rank or 0 for w in wms]
 
 
+# ---------------------------------------------------------------------- gRPC service
+
+
+def _owner_of(context: Any) -> str:
+    for md in context.invocation_metadata() or ():
+        if md.key == OWNER_METADATA:
+            return md.value if isinstance(md.value, str) else ""
+    return ""
+
+
 class IndexerService(pb_grpc.IndexerServicer):
-    """gRPC shell around :class:`IndexerCore` (see module docstring for shedding)."""
+    """gRPC shell around :class:`IndexerCore` (see the module docstring for shedding, bounds,
+    ownership). Every mutation runs under ``self.mutex``; queries never wait for it."""
 
     def __init__(self, core: IndexerCore, *, max_inflight_queries: int = 32, query_delay_ms: float = 0.0) -> None:
         if max_inflight_queries < 1:
@@ -326,31 +845,64 @@ class IndexerService(pb_grpc.IndexerServicer):
         self.max_inflight_queries = max_inflight_queries
         self.query_delay_s = query_delay_ms / 1000.0  # fault-injection seam for tests
         self.inflight_queries = 0
+        self.mutex = asyncio.Lock()
+        self._slice_t0 = 0
         self.log = get_logger(service="indexer")
 
-    def _apply(self, b: pb.ApplyKvBatchRequest) -> pb.ApplyKvBatchResult:
+    async def _owner(self, context: Any) -> str:
+        owner = _owner_of(context)
+        if len(owner) > _MAX_OWNER_CHARS:
+            self.core.c["refused_owner"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{OWNER_METADATA}: at most {_MAX_OWNER_CHARS} characters")
+        return owner
+
+    async def _run(self, steps: Generator[None, None, ApplyOutcome]) -> ApplyOutcome:
+        """Drive an apply generator, yielding to the loop every ``_APPLY_SLICE_NS`` of work."""
+        clock = time.perf_counter_ns
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+            if clock() - self._slice_t0 > _APPLY_SLICE_NS:
+                await asyncio.sleep(0)  # let queries in; the mutex keeps other mutators out
+                self._slice_t0 = clock()
+
+    async def _apply(self, b: pb.ApplyKvBatchRequest, owner: str) -> ApplyOutcome:
         which = b.WhichOneof("payload")
         if which is None:
             self.core.c["batches_rejected"] += 1
-            return pb.ApplyKvBatchResult(verdict=pb.REJECTED, resync_needed=True)
-        o = self.core.apply_batch(b.worker_id, b.dp_rank, b.epoch, b.seq,
-                                  b.kv_events_body if which == "kv_events_body" else b.events_msgpack)
+            return _REJECTED
+        async with self.mutex:
+            return await self._run(self.core.apply_steps(
+                b.worker_id, b.dp_rank, b.epoch, b.seq,
+                b.kv_events_body if which == "kv_events_body" else b.events_msgpack, owner=owner))
+
+    @staticmethod
+    def _result(o: ApplyOutcome) -> pb.ApplyKvBatchResult:
         return pb.ApplyKvBatchResult(verdict=o.verdict, missed=o.missed, resync_needed=o.resync_needed,
                                      events_applied=o.events_applied, events_skipped=o.events_skipped)
 
     async def ApplyKvBatch(self, request, context):
-        return self._apply(request)
+        owner = await self._owner(context)
+        self._slice_t0 = time.perf_counter_ns()
+        o = await self._apply(request, owner)
+        if o.refused and o.refused != "refused_worker_id":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"batch refused: {o.refused}")
+        return self._result(o)
 
     async def ApplyKvBatches(self, request, context):
+        # A refused batch inside a multi-batch call is a REJECTED verdict (resync_needed false),
+        # not a failed call: one stream over a bound must not fail a broker's whole chunk.
+        owner = await self._owner(context)
         resp = pb.ApplyKvBatchesResponse(server_instance=self.core.instance)
         out = resp.results
-        clock = time.perf_counter_ns
-        t0 = clock()
+        self._slice_t0 = time.perf_counter_ns()
         for b in request.batches:
-            out.append(self._apply(b))
-            if clock() - t0 > _APPLY_SLICE_NS:
-                await asyncio.sleep(0)  # let queries in; batches of one stream stay in order
-                t0 = clock()
+            out.append(self._result(await self._apply(b, owner)))
+            if time.perf_counter_ns() - self._slice_t0 > _APPLY_SLICE_NS:
+                await asyncio.sleep(0)  # batches of one stream stay in order
+                self._slice_t0 = time.perf_counter_ns()
         self.core.c["apply_rpcs"] += 1
         return resp
 
@@ -381,14 +933,24 @@ class IndexerService(pb_grpc.IndexerServicer):
             self.inflight_queries -= 1
 
     async def RegisterWorker(self, request, context):
+        owner = await self._owner(context)
         try:
-            self.core.register_worker(request.worker_id, request.block_size)
+            async with self.mutex:
+                self.core.register_worker(request.worker_id, request.block_size, owner=owner)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Refused as exc:
+            await context.abort(exc.code, str(exc))
         return pb.RegisterWorkerResponse()
 
     async def ForgetWorker(self, request, context):
-        return pb.ForgetWorkerResponse(entries_dropped=self.core.forget_worker(request.worker_id))
+        owner = await self._owner(context)
+        try:
+            async with self.mutex:
+                n = self.core.forget_worker(request.worker_id, owner=owner)
+        except Refused as exc:
+            await context.abort(exc.code, str(exc))
+        return pb.ForgetWorkerResponse(entries_dropped=n)
 
     async def Stats(self, request, context):
         s = self.core.stats()
@@ -411,6 +973,39 @@ class IndexerService(pb_grpc.IndexerServicer):
         )
 
 
+class _TokenAuth(grpc.aio.ServerInterceptor):
+    """Bearer-token check on every RPC but the health service (constant-time compare)."""
+
+    def __init__(self, token: str, core: IndexerCore) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._core = core
+        self._rl = RateLimiter(1.0)
+        self._log = get_logger(service="indexer")
+
+        async def deny(request: Any, context: Any) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method or ""
+        if method.startswith(_HEALTH_PREFIX):
+            return await continuation(handler_call_details)
+        got = b""
+        for k, v in handler_call_details.invocation_metadata or ():
+            if k == "authorization":
+                got = v.encode() if isinstance(v, str) else bytes(v)
+                break
+        if hmac.compare_digest(got, self._expected):
+            return await continuation(handler_call_details)
+        c = self._core.c
+        c["auth_failures"] += 1
+        c["auth_failures_missing" if not got else "auth_failures_wrong"] += 1
+        if self._rl.allow(method):
+            self._log.warning("indexer_auth_failed", method=method, token="missing" if not got else "wrong")
+        return self._deny
+
+
 # ---------------------------------------------------------------------- server lifecycle
 
 
@@ -422,37 +1017,64 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-_SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
-    # brokers may keep idle channels open with keepalive pings
-    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+def read_token_file(path: str, field_name: str = "token_file") -> str:
+    """The bearer token in ``path`` (surrounding whitespace stripped); ConfigError when the file
+    is missing, empty or holds more than one line."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{field_name}: cannot read {path!r}: {exc.strerror or exc}") from None
+    if not token:
+        raise ConfigError(f"{field_name}: {path!r} is empty")
+    if any(ch.isspace() for ch in token) or not token.isprintable():
+        raise ConfigError(f"{field_name}: {path!r} must hold one token (printable, no whitespace)")
+    return token
+
+
+def _server_options(limits: Limits) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+        # brokers may keep idle channels open with keepalive pings
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
 
 
 async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, max_inflight_queries: int = 32,
                 block_size: int = 16, tls_cert: str | None = None, tls_key: str | None = None,
+                tls_client_ca: str | None = None, token: str | None = None, limits: Limits | None = None,
                 query_delay_ms: float = 0.0, worker_ttl_s: float = DEFAULT_WORKER_TTL_S,
                 stop: asyncio.Event | None = None, ready: Any = None) -> None:
     """Run the indexer until ``stop`` is set, then shut down gracefully (health NOT_SERVING first).
 
+    ``token``: the bearer token every Indexer RPC must carry (None = unauthenticated, logged as
+    ``indexer_unauthenticated``). ``tls_client_ca``: require client certificates signed by it.
     Announces ``indexer_listening`` with the bound ``endpoint`` (``http://`` or ``https://``
     HOST:PORT) once the health service reports SERVING; ``ready(endpoint)`` is called then too.
     """
     host, _ = parse_listen(listen)
     if (tls_cert is None) != (tls_key is None):
         raise ConfigError("tls_cert/tls_key: give both or neither")
-    core = IndexerCore(max_entries=max_entries, block_size=block_size)
+    if tls_client_ca is not None and tls_cert is None:
+        raise ConfigError("tls_client_ca: needs tls_cert and tls_key")
+    if token is not None and not token:
+        raise ConfigError("token: must not be empty")
+    limits = limits or Limits()
+    core = IndexerCore(max_entries=max_entries, block_size=block_size, limits=limits)
     svc = IndexerService(core, max_inflight_queries=max_inflight_queries, query_delay_ms=query_delay_ms)
-    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    interceptors = [_TokenAuth(token, core)] if token else []
+    server = grpc.aio.server(options=_server_options(limits), interceptors=interceptors)
     pb_grpc.add_IndexerServicer_to_server(svc, server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    log = svc.log
     try:
         if tls_cert is not None:
-            creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+            ca = Path(tls_client_ca).read_bytes() if tls_client_ca else None
+            creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())],
+                                                root_certificates=ca, require_client_auth=ca is not None)
             port = server.add_secure_port(listen, creds)
             scheme = "https"
         else:
@@ -462,34 +1084,61 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
         raise ConfigError(f"listen: cannot bind {listen}: {exc}") from None
     if not port:
         raise ConfigError(f"listen: cannot bind {listen}")
+    if not token:
+        log.warning("indexer_unauthenticated",
+                    note="no --token-file (or MESH_INDEXER_TOKEN): anyone reaching the port may apply, register "
+                         "and forget workers")
+    elif scheme == "http":
+        log.warning("indexer_token_in_cleartext", note="the bearer token travels unencrypted; serve TLS (--tls-cert)")
     await server.start()
     for name in ("", SERVICE_NAME):
         await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
     endpoint = f"{scheme}://{host}:{port}"
-    log = svc.log
     announce("indexer_listening", endpoint=endpoint, max_entries=max_entries,
-             max_inflight_queries=max_inflight_queries, server_instance=core.instance, pid=os.getpid())
+             max_inflight_queries=max_inflight_queries, server_instance=core.instance, pid=os.getpid(),
+             auth="token" if token else "none", client_certs=tls_client_ca is not None,
+             **{f"limit_{k}": v for k, v in dataclasses.asdict(limits).items()})
     if ready is not None:
         ready(endpoint)
     stop = stop or asyncio.Event()
-    expiry = asyncio.create_task(_expire_loop(core, worker_ttl_s, log)) if worker_ttl_s > 0 else None
+    expiry = asyncio.create_task(_expire_loop(svc, worker_ttl_s, limits.ghost_ttl_s, log))
     try:
         await stop.wait()
     finally:
-        if expiry is not None:
-            expiry.cancel()
+        expiry.cancel()
         await hs.enter_graceful_shutdown()  # NOT_SERVING before the port goes away
         await server.stop(grace=1.0)
         log.info("indexer_stopped", **{k: v for k, v in core.c.items() if not k.startswith("verdict_")})
         announce("indexer_stopped")
 
 
-async def _expire_loop(core: IndexerCore, ttl_s: float, log: Any) -> None:
+async def _expire_loop(svc: IndexerService, ttl_s: float, ghost_ttl_s: float, log: Any) -> None:
+    """Expire silent workers (``ttl_s``) and ghosts (``ghost_ttl_s``), a slice at a time under the
+    mutation lock, so a mass expiry never stalls queries."""
+    core = svc.core
+    ttls = [t for t in (ttl_s, ghost_ttl_s) if t > 0]
+    if not ttls:
+        return
+    period = min(30.0, max(0.05, min(ttls) / 4))
     while True:
-        await asyncio.sleep(min(30.0, max(0.05, ttl_s / 4)))
-        gone = core.expire_workers(time.monotonic(), ttl_s)
+        await asyncio.sleep(period)
+        now = time.monotonic()
+        gone: list[str] = []
+        ghosts = 0
+        while True:
+            async with svc.mutex:
+                g = core.expire_workers(now, ttl_s, limit=_EXPIRE_SLICE) if ttl_s > 0 else []
+                n = core.expire_ghosts(now, ghost_ttl_s, limit=_EXPIRE_SLICE) if ghost_ttl_s > 0 else 0
+            gone += g
+            ghosts += n
+            if len(g) < _EXPIRE_SLICE and n < _EXPIRE_SLICE:
+                break
+            await asyncio.sleep(0)
         if gone:
             log.info("workers_expired", count=len(gone), first=gone[0], ttl_s=ttl_s)
+        if ghosts:
+            log.info("ghosts_expired", count=ghosts, ttl_s=ghost_ttl_s, ghost_workers=len(core._ghosts),
+                     ghost_streams=len(core._ghost_streams))
 
 
 def run_server(listen: str, *, log_level: str = "info", **kw: Any) -> int:
