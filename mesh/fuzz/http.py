@@ -76,6 +76,8 @@ async def run_http_fuzz(base_url: str, frontend: str | None = None, *, seconds: 
     for b in bad:
         distinct.setdefault((b["path"], b["mutation"], b["status"]), b)
     for (path, mut, status), b in distinct.items():
+        if status == 504 and "deadline_exceeded" in b["response"]:
+            continue  # a tiny x-mesh-deadline-ms header legitimately ends in 504
         findings.append(f"HTTP {status} on POST {path} ({mut}): headers={b['headers']} body={b['body'][:160]!r} -> {b['response'][:160]!r}")
     if alive is False:
         findings.append("broker process died during HTTP fuzzing")
