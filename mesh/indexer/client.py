@@ -16,6 +16,12 @@ not one: a shedding replica is alive), lets one probe through after ``breaker_re
 (half-open) and closes on its success. A dead replica therefore costs one fast failed RPC per
 query until its breaker opens, then nothing.
 
+Authentication and ownership: with ``token`` (or ``token_file``) every RPC carries
+``authorization: Bearer <token>``; every RPC also carries ``x-mesh-owner: <owner>`` (the broker id;
+default ``<host>:<pid>``), which makes this client the owner of the workers it registers first:
+another owner can neither forget them nor change their block size. UNAUTHENTICATED and
+PERMISSION_DENIED are never retried: counted (``auth_failures``, ``control_denied``) and logged.
+
 Lifecycle: :meth:`start` (or the first ``match``/``forward``/``register_worker`` on a running
 loop) opens lazily connected channels and the forwarder tasks; :meth:`aclose` ends them.
 
@@ -45,6 +51,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -61,18 +69,26 @@ from mesh.indexer import indexer_pb2_grpc as pb_grpc
 from mesh.logs import RateLimiter, get_logger
 from mesh.retry import RetryPolicy
 
-__all__ = ["IndexerClient", "MatchView", "CircuitBreaker", "BreakerState", "parse_endpoint", "events_from_body"]
+__all__ = ["IndexerClient", "MatchView", "CircuitBreaker", "BreakerState", "parse_endpoint", "events_from_body",
+           "read_token_file", "MAX_MESSAGE_BYTES"]
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_MAX_BATCH_BYTES = MAX_MESSAGE_BYTES - (64 << 10)  # one batch must fit in one ApplyKvBatches
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Reconnect quickly once a restarted indexer is back (gRPC's default backoff grows to 120 s).
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+#: Default message cap, the server's default (``mesh indexer --max-message-bytes``).
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+_ENVELOPE_BYTES = 64 << 10  # room for the rest of an ApplyKvBatches around one batch
+OWNER_METADATA = "x-mesh-owner"  # = mesh.indexer.server.OWNER_METADATA (not imported: no server deps)
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Reconnect quickly once a restarted indexer is back (gRPC's default backoff grows to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
 #: Forward/control codes worth another try (the server never sheds applies, so
 #: RESOURCE_EXHAUSTED there means "message too large": not retryable).
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -82,7 +98,13 @@ _DEGRADED_REASON = {
     grpc.StatusCode.CANCELLED: "timeout",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
 }
+_AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+#: Refusals of a healthy replica (not breaker failures): ownership, a bound, a bad argument.
+_ANSWERED = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       grpc.StatusCode.INVALID_ARGUMENT})
 _RESYNC_REASON = {pb.GAP: "gap", pb.UNTRUSTED: "untrusted", pb.REJECTED: "rejected"}
 
 
@@ -101,6 +123,20 @@ def parse_endpoint(endpoint: str, field: str = "kv_indexer_endpoint") -> tuple[s
                 raise ConfigError(f"{field}: {endpoint!r} must be {scheme}HOST:PORT")
             return hostport, tls
     raise ConfigError(f"{field}: {endpoint!r} needs an explicit http:// or https:// scheme (or unix:)")
+
+
+def read_token_file(path: str, field: str = "kv_indexer_token_file") -> str:
+    """The bearer token in ``path`` (surrounding whitespace stripped). ConfigError (naming
+    ``field``) when the file is missing, empty or holds more than one word."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot read {path!r}: {exc.strerror or exc}") from None
+    if not token:
+        raise ConfigError(f"{field}: {path!r} is empty")
+    if any(ch.isspace() for ch in token) or not token.isprintable():
+        raise ConfigError(f"{field}: {path!r} must hold one token (printable, no whitespace)")
+    return token
 
 
 def events_from_body(body: bytes) -> bytes:
@@ -315,7 +351,9 @@ class IndexerClient:
                  on_resync: Callable[[str, int, str], Any] | None = None, ca_file: str | None = None,
                  max_results: int = 0, forward_chunk_batches: int = 512, forward_chunk_bytes: int = 4 << 20,
                  forward_retry: RetryPolicy | None = None, apply_timeout_s: float = 10.0,
-                 resync_holdoff_s: float = 1.0) -> None:
+                 resync_holdoff_s: float = 1.0, token: str | None = None, token_file: str | None = None,
+                 owner: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 client_cert: str | None = None, client_key: str | None = None) -> None:
         if isinstance(endpoints, str):
             endpoints = [endpoints]
         if not endpoints:
@@ -332,6 +370,22 @@ class IndexerClient:
             raise ConfigError("kv_indexer_breaker_reset_s: must be > 0")
         if ca_file is not None and not Path(ca_file).is_file():
             raise ConfigError(f"kv_indexer_ca: no such file {ca_file!r}")
+        if token is not None and token_file is not None:
+            raise ConfigError("kv_indexer_token_file: give a token or a token file, not both")
+        if token_file is not None:
+            token = read_token_file(token_file)
+        if token is not None and (not token or any(ch.isspace() for ch in token) or not token.isprintable()):
+            raise ConfigError("kv_indexer_token: must be one printable word")
+        owner = f"{socket.gethostname()}:{os.getpid()}" if owner is None else owner
+        if not owner or len(owner) > 128 or not owner.isprintable():
+            raise ConfigError("kv_indexer_owner: must be 1..128 printable characters")
+        if max_message_bytes < 2 * _ENVELOPE_BYTES:
+            raise ConfigError(f"kv_indexer_max_message_bytes: must be >= {2 * _ENVELOPE_BYTES}")
+        if (client_cert is None) != (client_key is None):
+            raise ConfigError("kv_indexer_client_cert: give the certificate and its key together")
+        for name, path in (("kv_indexer_client_cert", client_cert), ("kv_indexer_client_key", client_key)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{name}: no such file {path!r}")
         self.replicas = [_Replica(ep, CircuitBreaker(breaker_failures, breaker_reset_s)) for ep in endpoints]
         if len({r.target for r in self.replicas}) != len(self.replicas):
             raise ConfigError("kv_indexer_endpoint: the same endpoint is given twice")
@@ -340,9 +394,17 @@ class IndexerClient:
         self.forward_buffer = forward_buffer
         self.on_resync = on_resync
         self.ca_file = ca_file
+        self.client_cert, self.client_key = client_cert, client_key
+        self.owner = owner
+        md = [(OWNER_METADATA, owner)]
+        if token is not None:
+            md.append(("authorization", f"Bearer {token}"))
+        self._md = tuple(md)  # sent with every RPC
+        self.max_message_bytes = max_message_bytes
+        self.max_batch_bytes = max_message_bytes - _ENVELOPE_BYTES  # one batch must fit in one ApplyKvBatches
         self.max_results = max_results
         self.chunk_batches = forward_chunk_batches
-        self.chunk_bytes = forward_chunk_bytes
+        self.chunk_bytes = min(forward_chunk_bytes, self.max_batch_bytes)
         self.retry = forward_retry or RetryPolicy(max_attempts=4, base_ms=25.0, cap_ms=250.0)
         self.apply_timeout_s = apply_timeout_s
         self.resync_holdoff_s = resync_holdoff_s
@@ -373,13 +435,16 @@ class IndexerClient:
         creds = None
         if any(r.tls for r in self.replicas):
             ca = Path(self.ca_file).read_bytes() if self.ca_file else None
-            creds = grpc.ssl_channel_credentials(root_certificates=ca)
+            key = Path(self.client_key).read_bytes() if self.client_key else None
+            chain = Path(self.client_cert).read_bytes() if self.client_cert else None
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain)
+        options = _channel_options(self.max_message_bytes)
         try:
             for r in self.replicas:
                 if r.tls:
-                    r.channel = grpc.aio.secure_channel(r.target, creds, options=_CHANNEL_OPTIONS)
+                    r.channel = grpc.aio.secure_channel(r.target, creds, options=options)
                 else:
-                    r.channel = grpc.aio.insecure_channel(r.target, options=_CHANNEL_OPTIONS)
+                    r.channel = grpc.aio.insecure_channel(r.target, options=options)
                 r.stub = pb_grpc.IndexerStub(r.channel)
                 r.task = asyncio.create_task(self._forward_loop(r), name=f"indexer-forward-{r.endpoint}")
         except BaseException:
@@ -452,7 +517,7 @@ class IndexerClient:
             try:
                 if req is None:
                     req = pb.MatchPrefixRequest(keys=keys, block_size=block_size, max_results=self.max_results)
-                resp = await rep.stub.MatchPrefix(req, timeout=remaining)
+                resp = await rep.stub.MatchPrefix(req, timeout=remaining, metadata=self._md)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -463,6 +528,8 @@ class IndexerClient:
                     rep.breaker.failure(clock())
                 reason = _DEGRADED_REASON.get(code, "error")
                 rep.last_error = f"{code.name}: {exc.details()}"[:200]
+                if code in _AUTH_CODES:
+                    self._auth_failed(rep, "query", code)
                 continue
             except (ValueError, TypeError) as exc:  # keys not u64, block_size out of range
                 rep.breaker.probe_inflight = False
@@ -508,11 +575,11 @@ class IndexerClient:
         stream = (worker_id, dp_rank)
         self._streams.add(stream)
         self.c["forward_enqueued"] += 1
-        if len(events_msgpack) > _MAX_BATCH_BYTES:
+        if len(events_msgpack) > self.max_batch_bytes:
             self.c["forward_too_large"] += 1
             if self._rl.allow(("too_large", worker_id)):
                 self.log.warning("indexer_batch_too_large", worker_id=worker_id, dp_rank=dp_rank,
-                                 bytes=len(events_msgpack), limit=_MAX_BATCH_BYTES)
+                                 bytes=len(events_msgpack), limit=self.max_batch_bytes)
             return
         item = ("b", worker_id, dp_rank, epoch, seq, events_msgpack, is_body)
         for rep in self.replicas:
@@ -650,7 +717,10 @@ class IndexerClient:
                         try:
                             res = await call()
                         except grpc.aio.AioRpcError as exc:
-                            rep.breaker.failure(time.monotonic())
+                            if exc.code() in _ANSWERED:
+                                rep.breaker.success()  # a considered refusal: the replica is alive
+                            else:
+                                rep.breaker.failure(time.monotonic())
                             rep.last_error = f"{exc.code().name}: {exc.details()}"[:200]
                             if exc.code() in _RETRYABLE:
                                 raise _Transient(exc) from exc
@@ -673,9 +743,13 @@ class IndexerClient:
                 add(worker_id=w, dp_rank=r, epoch=e, seq=s, events_msgpack=payload)
         try:
             resp = await self._rpc_with_retries(
-                rep, lambda: rep.stub.ApplyKvBatches(req, timeout=self.apply_timeout_s), "forward")
+                rep, lambda: rep.stub.ApplyKvBatches(req, timeout=self.apply_timeout_s, metadata=self._md), "forward")
         except grpc.aio.AioRpcError as exc:  # not retryable (e.g. INVALID_ARGUMENT): resync those streams
             self.c["forward_rejected"] += len(chunk)
+            if exc.code() in _AUTH_CODES:
+                # A configuration error, not the streams' fault: a resync would be refused too.
+                self._auth_failed(rep, "forward", exc.code())
+                return
             self.log.warning("indexer_forward_rejected", endpoint=rep.endpoint, code=exc.code().name,
                              batches=len(chunk))
             for it in chunk:
@@ -696,6 +770,12 @@ class IndexerClient:
         for it, res in zip(chunk, resp.results):
             v = res.verdict
             verdicts[v] += 1
+            if res.events_skipped:
+                self.c["events_skipped_by_indexer"] += res.events_skipped
+            if v == pb.REJECTED and not res.resync_needed:  # refused by a bound of the server
+                self.c["forward_refused"] += 1
+                if self._rl.allow(("refused", rep.endpoint)):
+                    self.log.warning("indexer_batch_refused", endpoint=rep.endpoint, worker_id=it[1], dp_rank=it[2])
             if res.resync_needed:
                 self._request_resync(it[1], it[2], _RESYNC_REASON.get(v, "resync"))
             elif v == pb.RESYNCED or v == pb.NEW_EPOCH:
@@ -703,17 +783,31 @@ class IndexerClient:
 
     async def _send_control(self, rep: _Replica, item: _Item) -> None:
         kind, wid, bs = item
+        md = self._md
         if kind == "r":
-            call = lambda: rep.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=wid, block_size=bs), timeout=5.0)  # noqa: E731
+            call = lambda: rep.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=wid, block_size=bs), timeout=5.0, metadata=md)  # noqa: E731
         else:
-            call = lambda: rep.stub.ForgetWorker(pb.ForgetWorkerRequest(worker_id=wid), timeout=5.0)  # noqa: E731
+            call = lambda: rep.stub.ForgetWorker(pb.ForgetWorkerRequest(worker_id=wid), timeout=5.0, metadata=md)  # noqa: E731
         try:
             await self._rpc_with_retries(rep, call, "control")
             self.c["register_ok" if kind == "r" else "forget_ok"] += 1
         except grpc.aio.AioRpcError as exc:
             self.c["control_rejected"] += 1
+            if exc.code() is grpc.StatusCode.PERMISSION_DENIED:
+                self.c["control_denied"] += 1
+            elif exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                self._auth_failed(rep, "control", exc.code())
             self.log.warning("indexer_control_rejected", endpoint=rep.endpoint, kind=kind, worker_id=wid,
-                             code=exc.code().name)
+                             code=exc.code().name, owner=self.owner, error=exc.details())
+
+    def _auth_failed(self, rep: _Replica, what: str, code: grpc.StatusCode) -> None:
+        if code is grpc.StatusCode.UNAUTHENTICATED:
+            self.c["auth_failures"] += 1
+        else:
+            self.c["permission_denied"] += 1
+        if self._rl.allow(("auth", rep.endpoint, what)):
+            self.log.error("indexer_auth_failed", endpoint=rep.endpoint, call=what, code=code.name,
+                           token="set" if len(self._md) > 1 else "none", owner=self.owner)
 
     # ------------------------------------------------------------------ introspection
     async def server_stats(self, replica: int = 0, timeout_s: float = 2.0) -> pb.StatsResponse | None:
@@ -722,7 +816,7 @@ class IndexerClient:
         if rep.stub is None:
             return None
         try:
-            return await rep.stub.Stats(pb.StatsRequest(), timeout=timeout_s)
+            return await rep.stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError:
             return None
 
@@ -752,6 +846,8 @@ class IndexerClient:
             "forward_retried": c["forward_retried"],
             "forward_give_ups": c["forward_give_ups"],
             "forward_rejected": c["forward_rejected"],
+            "forward_refused": c["forward_refused"],
+            "auth_failures": c["auth_failures"],
             "resyncs_requested": dict(self.resyncs),
             "resyncs_suppressed": c["resyncs_suppressed"],
             "verdicts": {pb.Verdict.Name(k).lower(): v for k, v in self.verdicts.items()},

@@ -79,6 +79,7 @@ from mesh.hashing import content_keys
 from mesh.index import PrefixIndex, Verdict
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer import indexer_pb2_grpc as pb_grpc
+from mesh.indexer.client import read_token_file
 from mesh.logs import RateLimiter, announce, configure, get_logger
 from mesh.protocol import unpack
 from mesh.routing.providers import LocalIndexProvider, _BlockSizeVote
@@ -1015,20 +1016,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"listen: expected HOST:PORT, got {listen!r}")
     return host, int(port)
-
-
-def read_token_file(path: str, field_name: str = "token_file") -> str:
-    """The bearer token in ``path`` (surrounding whitespace stripped); ConfigError when the file
-    is missing, empty or holds more than one line."""
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"{field_name}: cannot read {path!r}: {exc.strerror or exc}") from None
-    if not token:
-        raise ConfigError(f"{field_name}: {path!r} is empty")
-    if any(ch.isspace() for ch in token) or not token.isprintable():
-        raise ConfigError(f"{field_name}: {path!r} must hold one token (printable, no whitespace)")
-    return token
 
 
 def _server_options(limits: Limits) -> list[tuple[str, Any]]:
