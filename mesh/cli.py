@@ -230,14 +230,19 @@ def _cmd_up(args) -> int:
 
 def _add_keygen(sub) -> None:
     p = sub.add_parser("keygen", help="create a CURVE key pair (NAME.key public, NAME.key_secret private)")
-    p.add_argument("name", help="file name stem, e.g. broker, worker-0, client-app")
-    p.add_argument("--dir", default=".", help="output directory (default .)")
+    p.add_argument("name", help="file name stem, e.g. broker, worker-0, client-app ([A-Za-z0-9._-], at most 64, no leading .)")
+    p.add_argument("--dir", default=".", help="output directory (default .; created with mode 0700 if missing)")
+    p.add_argument("--force", action="store_true", help="replace an existing key pair of that name (default: refuse)")
 
     def _run(a) -> int:
         from mesh.security import keygen
 
-        pub, sec = keygen(a.dir, a.name)
-        print(f"public key:  {pub}\nsecret key:  {sec}  (keep private)")
+        try:
+            pub, sec = keygen(a.dir, a.name, force=a.force)
+        except ConfigError as exc:
+            print(f"mesh keygen: {exc}", file=sys.stderr)
+            return 2
+        print(f"public key:  {pub}\nsecret key:  {sec}  (mode 0600, keep private)")
         return 0
 
     p.set_defaults(func=_run)

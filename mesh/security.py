@@ -1,7 +1,12 @@
 """CURVE key material and the broker's allow-lists (ZAP), in one place.
 
 * ``mesh keygen --dir DIR NAME`` writes ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret``
-  (public + secret) in ZeroMQ's certificate format.
+  (public + secret) in ZeroMQ's certificate format. ``NAME`` is ``[A-Za-z0-9._-]{1,64}`` not
+  starting with ``.`` (no paths); ``DIR`` is created with mode 0700 when missing. Existing
+  files are never overwritten unless ``--force``. The secret file is created with mode 0600 by
+  ``open(O_CREAT|O_EXCL, 0o600)`` (never readable by others, not even for a moment); with
+  ``--force`` the new file is written the same way under a temporary name and renamed over the
+  old one (atomic: the old pair or the new one, never a half-written or widened file).
 * A broker with ``--curve-secret BROKER.key_secret`` encrypts both ROUTERs. Its allow-lists are
   directories of public ``.key`` files: ``--curve-allow-workers DIR`` for the backend and
   ``--curve-allow-clients DIR`` for the frontend. A peer whose key is not listed fails the CURVE
@@ -12,21 +17,107 @@
 
 from __future__ import annotations
 
+import datetime
+import os
+import re
+import secrets
 from pathlib import Path
 
+import zmq
 import zmq.auth
 
 from mesh.errors import ConfigError
 from mesh.sockets import CurveKeys
 
-__all__ = ["keygen", "server_keys", "client_keys"]
+__all__ = ["keygen", "server_keys", "client_keys", "valid_key_name"]
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_SECRET_BANNER = ("#   ****  Generated on {0} by mesh keygen  ****\n#   ZeroMQ CURVE **Secret** Certificate\n"
+                  "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.\n\n")
+_PUBLIC_BANNER = ("#   ****  Generated on {0} by mesh keygen  ****\n#   ZeroMQ CURVE Public Certificate\n"
+                  "#   Exchange securely, or use a secure mechanism to verify the contents of this file after exchange.\n\n")
 
 
-def keygen(directory: str | Path, name: str) -> tuple[Path, Path]:
+def valid_key_name(name: str) -> bool:
+    """A key name is a plain file name stem: ``[A-Za-z0-9._-]{1,64}``, not starting with ``.``."""
+    return bool(_NAME.fullmatch(name)) and not name.startswith(".")
+
+
+def _cert_text(banner: str, public_key: bytes, secret_key: bytes | None = None) -> bytes:
+    text = banner.format(datetime.datetime.now()) + "metadata\ncurve\n"
+    text += f'    public-key = "{public_key.decode()}"\n'
+    if secret_key is not None:
+        text += f'    secret-key = "{secret_key.decode()}"\n'
+    return text.encode()
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    """Create ``path`` (it must not exist) with ``mode`` from the first byte on."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fd = -1
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _write_replace(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to a fresh temporary file next to ``path`` (created with ``mode``), then
+    rename it over ``path`` (atomic; a symlink at ``path`` is replaced, never followed)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    _write_new(tmp, data, mode)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def keygen(directory: str | Path, name: str, *, force: bool = False) -> tuple[Path, Path]:
+    """Write ``DIR/NAME.key`` (public, 0644) and ``DIR/NAME.key_secret`` (0600); return both paths.
+
+    Raises ConfigError for a bad name, or when a file exists and ``force`` is false (nothing is
+    written then)."""
+    if not valid_key_name(name):
+        raise ConfigError(f"name: {name!r} is not a valid key name (use 1-64 of A-Z a-z 0-9 . _ -, not starting with '.')")
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    pub, sec = zmq.auth.create_certificates(d, name)
-    return Path(pub), Path(sec)
+    if not d.exists():
+        try:
+            d.mkdir(mode=0o700, parents=True)
+        except FileExistsError:
+            pass
+    elif not d.is_dir():
+        raise ConfigError(f"dir: {d} exists and is not a directory")
+    pub_path, sec_path = d / f"{name}.key", d / f"{name}.key_secret"
+    if not force:
+        for p in (sec_path, pub_path):
+            if os.path.lexists(p):
+                raise ConfigError(f"{p} already exists; refusing to overwrite it (pass --force to replace the key pair)")
+    public_key, secret_key = zmq.curve_keypair()
+    sec_data = _cert_text(_SECRET_BANNER, public_key, secret_key)
+    pub_data = _cert_text(_PUBLIC_BANNER, public_key)
+    try:
+        if force:
+            _write_replace(sec_path, sec_data, 0o600)
+            _write_replace(pub_path, pub_data, 0o644)
+        else:
+            _write_new(sec_path, sec_data, 0o600)
+            try:
+                _write_new(pub_path, pub_data, 0o644)
+            except BaseException:
+                sec_path.unlink(missing_ok=True)  # never leave half a pair behind
+                raise
+    except FileExistsError as exc:  # created by someone else since the check above
+        raise ConfigError(f"{exc.filename} already exists; refusing to overwrite it (pass --force to replace the key pair)") from None
+    except OSError as exc:
+        raise ConfigError(f"dir: cannot write keys in {d}: {exc.strerror or exc}") from None
+    return pub_path, sec_path
 
 
 def _load(path: str | Path, field: str, need_secret: bool) -> tuple[bytes, bytes | None]:
