@@ -353,7 +353,9 @@ class HttpIngress:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host: str, port: int) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.idle_timeout_s, shutdown_timeout=5.0)
+        # handler_cancellation: a client that goes away cancels its handler, which cancels its request
+        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.idle_timeout_s, shutdown_timeout=5.0,
+                                     handler_cancellation=True)
         await self._runner.setup()
         server = self._runner.server
         assert server is not None

@@ -96,6 +96,7 @@ class _FakeBroker:
     def __init__(self) -> None:
         self.stats = BrokerStats()
         self.idents: list[bytes] = []
+        self.cancelled: list[bytes] = []
 
         class S:
             default_deadline_ms = 5000
@@ -111,7 +112,7 @@ class _FakeBroker:
         q.put_nowait(P.encode_client_final(rid, "length", {"completion_tokens": 2}, "w", 1, data))
 
     def cancel_local(self, ident) -> None:
-        pass
+        self.cancelled.append(ident)
 
     def forget_local(self, ident) -> None:
         pass
@@ -300,6 +301,41 @@ def test_header_body_and_idle_timeouts(procs):
     assert c.get("dropped.http_header_timeout", 0) >= 2 and c.get("dropped.http_body_timeout", 0) >= 1
     for s in (silent, dripping, slow_body, ka):
         s.close()
+
+
+class _SilentBroker(_FakeBroker):
+    def submit_local(self, ident, frames, q) -> None:  # never answers: the request stays busy
+        self.idents.append(ident)
+
+
+def test_connections_all_busy_get_503_and_are_closed():
+    async def body():
+        fake = _SilentBroker()
+        ing = HttpIngress(fake, max_connections=2)
+        url = await ing.start("127.0.0.1", 0)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+                held = [asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": "x"},
+                                                     headers={"x-mesh-deadline-ms": "60000"})) for _ in range(2)]
+                await until(lambda: len(fake.idents) == 2, 5, "two requests busy")
+                r, w = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
+                w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                raw = await asyncio.wait_for(r.read(), 5)  # read() to EOF: the broker closed it
+                w.close()
+                for t in held:
+                    t.cancel()
+                await asyncio.gather(*held, return_exceptions=True)
+            # the clients went away: their requests are cancelled at once, not at their deadline
+            await until(lambda: sorted(fake.cancelled) == sorted(fake.idents), 5, "requests of gone clients cancelled")
+        finally:
+            await ing.stop()
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head
+        assert json.loads(payload)["error"]["code"] == "unavailable"
+        assert fake.stats.dropped["http_conn_refused"] == 1 and len(ing.guard.conns) == 0
+
+    run(body(), 20)
 
 
 # ---------------------------------------------------------------------------- 4. bad input
