@@ -88,7 +88,8 @@ def _add_broker(sub) -> None:
                                                              "and counts against its worker (default 15000; 0 = off)")
     p.add_argument("--overload-lag-ms", type=float, help="shed new requests while the event loop lags more than this (default 250)")
     p.add_argument("--load-freshness-s", type=float, help="LoadStat older than this is ignored (default 5)")
-    p.add_argument("--metrics", help="HOST:PORT for the Prometheus /metrics endpoint (default off)")
+    p.add_argument("--metrics", help="HOST:PORT for the Prometheus /metrics endpoint (default off; no authentication: "
+                                     "an empty HOST, as in :9100, binds 127.0.0.1 only)")
     p.add_argument("--http", help="HOST:PORT of the OpenAI-compatible HTTP ingress (port 0 = any free port)")
     p.add_argument("--api-key", help="require this bearer token on the HTTP ingress (visible in the process list: "
                                      "prefer --api-key-file or MESH_API_KEY)")
