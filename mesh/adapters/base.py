@@ -778,6 +778,8 @@ class Adapter:
         self._loads: list[tuple[LoadStat, float, str] | None] = []  # per rank: (stat, received at, source)
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
+        self._force = asyncio.Event()  # a second stop signal: skip the drain
+        self._force_stop = False
         self._health_kick = asyncio.Event()
         self._stopping = False
         self._reconnect = RetryPolicy(max_attempts=1_000_000, base_ms=s.reconnect_base_ms, cap_ms=s.reconnect_cap_ms)
@@ -813,11 +815,39 @@ class Adapter:
                  **info.describe())
 
     async def run(self) -> None:
-        await self.start()
-        await self._stop.wait()
-        await self.drain_and_stop()
+        """Start, serve until :meth:`request_stop`, drain, close. A stop requested while the
+        adapter is still starting (e.g. waiting for an unreachable engine) ends it at once."""
+        starting = asyncio.create_task(self.start(), name="adapter-start")
+        stopped = asyncio.create_task(self._stop.wait(), name="adapter-stop")
+        try:
+            await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():  # stop requested first: give up starting
+                starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            if starting.cancelled():
+                self.log.info("adapter_stopped_before_attach", reason="stop requested while waiting for the engine",
+                              url=self.s.url, discovery_failures=self.counters["discovery_failures"])
+                await self.close()
+                return
+            if starting.exception() is not None:  # e.g. discovery gave up (ConfigError)
+                await self.close()
+                raise starting.exception()  # type: ignore[misc]
+            await stopped
+        finally:
+            for t in (starting, stopped):
+                t.cancel()
+            await asyncio.gather(starting, stopped, return_exceptions=True)
+        if self._force_stop:
+            await self.close()
+        else:
+            await self.drain_and_stop()
 
-    def request_stop(self) -> None:
+    def request_stop(self, *, force: bool = False) -> None:
+        """Ask :meth:`run` to finish: drain in-flight requests (bounded by ``drain_timeout_s``), or
+        with ``force`` (a second signal) close at once."""
+        if force:
+            self._force_stop = True
+            self._force.set()
         self._stop.set()
 
     async def drain_and_stop(self) -> None:
@@ -826,8 +856,15 @@ class Adapter:
         for link in self.links:
             link.send(P.encode_disconnect(P.DRAINING))
         t_end = time.monotonic() + self.s.drain_timeout_s
-        while self._serving and time.monotonic() < t_end:
-            await asyncio.wait(list(self._serving.values()), timeout=max(0.01, t_end - time.monotonic()))
+        if self._serving:
+            self.log.info("adapter_draining", inflight=len(self._serving), timeout_s=self.s.drain_timeout_s)
+        force = asyncio.ensure_future(self._force.wait())
+        try:
+            while self._serving and time.monotonic() < t_end and not self._force.is_set():
+                await asyncio.wait([*self._serving.values(), force], timeout=max(0.01, t_end - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            force.cancel()
         await self.close()
 
     async def _stats_loop(self, period_s: float = 30.0) -> None:
@@ -865,6 +902,8 @@ class Adapter:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
                 if self.s.discovery_timeout_s and time.monotonic() - t0 > self.s.discovery_timeout_s:
                     raise ConfigError(f"url: no answer from {self.s.url} within {self.s.discovery_timeout_s}s ({exc!r})") from None
+                if self.counters["discovery_failures"] == 0:
+                    announce("adapter_waiting_for_engine", url=self.s.url, error=repr(exc)[:200])
                 if self.counters["discovery_failures"] % 20 == 0:
                     self.log.warning("discovery_retry", url=self.s.url, error=repr(exc)[:200])
                 self.counters["discovery_failures"] += 1

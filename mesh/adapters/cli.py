@@ -126,23 +126,42 @@ def make_backend(engine: str, s):
     raise ConfigError(f"engine: unknown engine {engine!r}")
 
 
-async def _run(engine: str, s) -> None:
+async def _run(engine: str, s) -> int:
+    """Run the adapter until SIGTERM/SIGINT; returns the exit code (0, or 130 after SIGINT).
+
+    The first signal stops it in any state: while it waits for the engine it exits at once,
+    while it serves it drains (bounded by ``drain_timeout_s``); a second signal skips the drain."""
     from mesh.adapters.base import Adapter
-    from mesh.logs import configure
+    from mesh.logs import configure, get_logger
 
     configure(s.log_level)
+    log = get_logger(service="adapter")
     adapter = Adapter(s, make_backend(engine, s))
     loop = asyncio.get_running_loop()
+    got: list[int] = []
+
+    def _on_signal(sig: int) -> None:
+        got.append(sig)
+        again = len(got) > 1
+        log.info("adapter_signal", signal=signal.Signals(sig).name, action="stop now" if again else "stop",
+                 worker_id=adapter.worker_id)
+        adapter.request_stop(force=again)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, adapter.request_stop)
-    await adapter.run()
+        loop.add_signal_handler(sig, _on_signal, sig)
+    try:
+        await adapter.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("adapter_exit", signal=signal.Signals(got[0]).name if got else None)
+    return 130 if got and got[0] == signal.SIGINT else 0
 
 
 def _cmd_attach(args) -> int:
     s = settings_from_args(args)
     make_backend(args.engine, s)  # flag errors (e.g. vLLM without --kv-endpoint) before any I/O
-    asyncio.run(_run(args.engine, s))
-    return 0
+    return asyncio.run(_run(args.engine, s))
 
 
 def main(argv: list[str] | None = None) -> int:
