@@ -24,7 +24,10 @@ drops, its replies already received are delivered, and every request it still he
 ``unavailable`` ("broker connection lost"): the request or its reply may be lost with that
 broker, and :meth:`Client.generate` resubmits such requests to another broker (idempotent
 requests with no output yet), so a broker restart or crash never leaves a request waiting for
-its deadline.
+its deadline. It also resubmits an idempotent request that ended with ``worker_lost`` before
+any CHUNK reached the client: the broker ran out of attempts (``--max-attempts``) or retry
+budget when its worker died, but nothing was generated for the client, so the request can
+simply run again (on any broker).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class Stream:
     reason: str = ""
     attempt: int = 0
     first_token_s: float | None = None
+    chunks: int = 0  # CHUNK frames received
     _link: Any = None  # the broker link this request was sent on
     _q: asyncio.Queue = field(default_factory=asyncio.Queue)
     _tokens: list[int] = field(default_factory=list)
@@ -134,6 +138,7 @@ class Stream:
 
     def _on_chunk(self, m: P.ClientChunk) -> None:
         toks = m.data.get("token_ids") or []
+        self.chunks += 1
         if self.first_token_s is None:
             self.first_token_s = time.monotonic()
         self._tokens.extend(toks)
@@ -335,6 +340,12 @@ class Client:
         output of the failed attempt is discarded (``generate`` only returns whole results), so
         this holds mid-stream too; requests submitted with ``idempotent=False`` are never
         resubmitted.
+
+        A request that ends with ``worker_lost`` before any CHUNK arrived (its worker died and
+        the broker had no attempt or retry budget left to re-dispatch it) is resubmitted too,
+        within the same limits (``resubmit``, back-off, deadline), to any broker: the broker
+        that answered is not at fault. One that streamed output first is not (it ran, at least
+        partly, and the caller may have seen its chunks through :meth:`submit`).
         """
         budget_ms = kwargs.get("deadline_ms") or self.default_deadline_ms
         t_end = time.monotonic() + budget_ms / 1000.0
@@ -350,10 +361,12 @@ class Client:
                 return await st.result()
             except RetryableError as exc:
                 remaining = t_end - time.monotonic()
-                if (exc.code is not ErrorCode.UNAVAILABLE or not kwargs.get("idempotent", True)
+                lost_unstarted = exc.code is ErrorCode.WORKER_LOST and st.chunks == 0
+                if ((exc.code is not ErrorCode.UNAVAILABLE and not lost_unstarted) or not kwargs.get("idempotent", True)
                         or not policy.should_retry(attempt, remaining)):
                     raise
-                refused_by = st._link
+                # unavailable: that broker refused or went away, prefer another; worker_lost: any
+                refused_by = st._link if exc.code is ErrorCode.UNAVAILABLE else None
                 await asyncio.sleep(min(policy.delay_s(attempt), max(0.0, remaining)))
                 await self._another_link_up(refused_by, min(_OTHER_LINK_WAIT_S, max(0.0, t_end - time.monotonic())))
 
