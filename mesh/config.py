@@ -52,6 +52,7 @@ class BrokerSettings:
     kv_indexer_endpoint: tuple[str, ...] = ()  # replicas of the shared KV indexer (http://HOST:PORT)
     kv_indexer_query_timeout_ms: int = 100
     kv_indexer_query_max_inflight: int = 32
+    kv_indexer_token_file: str = ""  # file holding the shared KV indexer's bearer token; empty = none
     load_freshness_s: float = 5.0
     bucket_config: str = ""  # TOML/JSON bucket domains (configs/buckets-example.toml); empty = one global domain
     pd: bool = False  # prefill/decode disaggregation: route each request to a prefill and a decode worker
@@ -107,6 +108,9 @@ class BrokerSettings:
                      f"{ep!r} needs an explicit http://, https:// or unix: scheme")
         _require(self.kv_indexer_query_timeout_ms > 0, "kv_indexer_query_timeout_ms", "must be > 0")
         _require(self.kv_indexer_query_max_inflight > 0, "kv_indexer_query_max_inflight", "must be > 0")
+        if self.kv_indexer_token_file:
+            _require(Path(self.kv_indexer_token_file).is_file(), "kv_indexer_token_file",
+                     f"{self.kv_indexer_token_file} does not exist")
         if self.api_key_file:
             _require(not self.api_key, "api_key_file", "give either api_key or api_key_file, not both")
             kp = Path(self.api_key_file)
