@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections import deque
+import math
+from collections import Counter, deque
 import itertools
 import os
 import random
@@ -59,6 +60,23 @@ _DRAIN_TICK_S = 0.05  # while draining for shutdown, re-check at least this ofte
 # Heartbeats to workers go out in this many slices per interval (each session in its own
 # slice, assigned round-robin at registration): 1,000 workers never cost one long send burst.
 _HB_SLICES = 10
+# One pump reads for at most this long before it runs the timers (heartbeats, expiry) and yields
+# the loop: a flood on one socket or a few expensive messages never starve liveness or HTTP.
+_PUMP_BUDGET_S = 0.02
+# A loop stall longer than this (a slow pump, another task hogging the loop) is credited to every
+# worker's liveness: the broker's own lateness is not the workers' silence.
+_STALL_CREDIT_S = 0.05
+# An in-process (HTTP) client whose reply queue holds this many frames is not reading: it is
+# treated like a ZeroMQ client at its send HWM.
+_LOCAL_QUEUE_MAX = 4096
+# Error-rate outlier ejection: a worker with at least _OUTLIER_MIN_OUTCOMES recent outcomes whose
+# error rate is >= _OUTLIER_MIN_RATE and exceeds its peers' by _OUTLIER_MARGIN is ejected.
+_OUTLIER_MIN_OUTCOMES = 16
+_OUTLIER_MIN_RATE = 0.5
+_OUTLIER_MARGIN = 0.3
+_MAX_KEY_TOKENS = 1 << 20  # prompt tokens hashed for routing while no worker has registered
+_STATUS_CACHE_S = 0.1  # STATUS worker lists of large fleets are rebuilt at most this often
+_STATUS_CACHE_MIN_WORKERS = 256  # smaller fleets always get a fresh list
 
 
 @dataclass(slots=True)
@@ -86,6 +104,7 @@ class Inflight:
     holds_retry_budget: bool = False
     reason: str = ""  # routing decision reason of the current attempt
     fail_cause: str = ""  # error code of the last failed attempt
+    replied: bool = False  # the current attempt's worker sent something for it (progress)
 
     @property
     def committed(self) -> bool:
@@ -156,6 +175,17 @@ class Broker:
         self._monitors: list[tuple[str, Any]] = []
         self._worker_tokens: dict[str, list[int]] = {}  # worker_id -> [requests, prompt tokens, cached tokens]
         self.ready = asyncio.Event()
+        self._client_inflight: Counter[bytes] = Counter()  # client identity -> its requests in flight
+        self._progress: list[tuple[float, int, int]] = []  # (due_s, rid, attempt): no-progress checks
+        self._due_s = 0.0  # the timer promised a pump by then: running later is loop lag
+        self._lag_s = 0.0  # decaying maximum of recent loop stalls (load shedding)
+        self._lag_at_s = 0.0
+        self._send_why = ""  # why the last failed send failed (send_hwm | unreachable)
+        self._fleet_errors = 0  # sums of every session's outcome window (peer error rate)
+        self._fleet_outcomes = 0
+        self._cap_version = -1  # registry version the fleet capacity was computed at
+        self._cap_tokens = 0
+        self._status_cache: tuple[float, list[dict]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -314,9 +344,15 @@ class Broker:
 
     def _pump_once(self) -> None:
         front, back = self._fs, self._bs
+        t0 = time.monotonic()
+        # The timer promised a pump by _due_s; starting later means the loop was busy elsewhere.
+        lag_s = t0 - self._due_s if self._due_s else 0.0
+        budget_end = t0 + _PUMP_BUDGET_S
         busy = True
         while busy:
-            busy = self._drain(back, self._on_worker_frames) | self._drain(front, self._on_client_frames)
+            busy = self._drain(back, self._on_worker_frames, budget_end) | self._drain(front, self._on_client_socket_frames, budget_end)
+            if busy and time.monotonic() >= budget_end:
+                break  # more is queued: run the timers, let other tasks in, come straight back
         if self._mail:
             self._drain_mail()
         for path, mon in self._monitors:
@@ -326,12 +362,13 @@ class Broker:
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("monitor_failed", error=repr(exc))
         now = time.monotonic()
-        self._run_timers(now)
+        self._note_stall(max(0.0, lag_s) + (now - t0), now)
+        self._run_timers(now, drained=not busy)
         if self._state == "draining" and (not self._inflight or now >= self._drain_deadline_s):
             self._fail_all(ErrorCode.UNAVAILABLE, "broker shut down before the request finished")
             self._stop_io()  # also resolves _done: run() returns and closes the sockets
             return
-        if self._mail:
+        if self._mail or busy:
             self._kick()
         else:
             # Only sockets sent on after their last readiness check can hide queued input.
@@ -341,13 +378,39 @@ class Broker:
                     break
         self._dirty.clear()
         self._arm_timer(now)
+        self._due_s = self._timer_at
 
-    def _run_timers(self, now: float) -> None:
+    def _note_stall(self, stall_s: float, now: float) -> None:
+        """Account one pump's lateness plus its own duration: loop lag, measured.
+
+        A stall above ``_STALL_CREDIT_S`` moves every session's expiry by its length (what was
+        queued meanwhile is read before anyone is expired, see :meth:`_run_timers`), and a
+        decaying maximum of recent stalls drives load shedding in :meth:`_on_submit`."""
+        self.stats.loop_lag.observe(stall_s)
+        decay = math.exp(-(now - self._lag_at_s) / 0.5) if self._lag_at_s else 0.0
+        self._lag_s = max(stall_s, self._lag_s * decay)
+        self._lag_at_s = now
+        if stall_s > _STALL_CREDIT_S:
+            self.stats.loop["stalls"] += 1
+            self.stats.loop["stalled_ms"] += int(stall_s * 1000)
+            for sess in self.registry.by_identity.values():
+                sess.expiry_s += stall_s
+
+    def _run_timers(self, now: float, drained: bool = True) -> None:
         hb_s = self.s.heartbeat_ms / 1000.0
         if now >= self._next_hb:
-            self._send_heartbeats()
-            self._next_hb = now + hb_s / _HB_SLICES
-        if now >= self._next_sweep:
+            # After a stall, every overdue slice goes out now (each session once per interval).
+            slice_s = hb_s / _HB_SLICES
+            for _ in range(_HB_SLICES):
+                self._send_heartbeats(now)
+                self._next_hb += slice_s
+                if self._next_hb > now:
+                    break
+            if self._next_hb <= now:
+                self._next_hb = now + slice_s
+        # Expire only after reading what is queued (a heartbeat may be waiting behind a flood);
+        # a broker that never catches up still sweeps, one interval late.
+        if now >= self._next_sweep and (drained or now >= self._next_sweep + hb_s):
             self._purge_expired(now)
             self._next_sweep = now + hb_s / 5
         if now >= self._next_tel and self.telemetry is not None:
@@ -359,6 +422,8 @@ class Broker:
             self._run_due_retries(now)
         if self._park_timers and self._park_timers[0][0] <= now:
             self._unpark(now, expired_only=True)
+        if self._progress and self._progress[0][0] <= now:
+            self._check_progress(now)
 
     def _arm_timer(self, now: float) -> None:
         """Make sure the timer fires by the earliest due time (the loop clock is monotonic)."""
@@ -374,6 +439,11 @@ class Broker:
             wake = min(wake, self._retries[0][0])
         if self._park_timers:
             wake = min(wake, self._park_timers[0][0])
+        pg = self._progress
+        while pg and pg[0][1] not in inflight:
+            heapq.heappop(pg)
+        if pg:
+            wake = min(wake, pg[0][0])
         if self._state == "draining":
             wake = min(wake, now + _DRAIN_TICK_S)
         if wake < self._timer_at - 1e-4:
@@ -453,13 +523,16 @@ class Broker:
                 self.log.warning("prefetch_failed", error=repr(exc))
         self.post("matched", inf.rid)
 
-    def _drain(self, sock: zmq.Socket, handler) -> bool:
-        """Receive up to _DRAIN_BATCH messages without blocking; True if the batch was full.
+    def _drain(self, sock: zmq.Socket, handler, budget_end: float = float("inf")) -> bool:
+        """Receive up to _DRAIN_BATCH messages without blocking, and not past ``budget_end``
+        (monotonic; checked every 16 messages); True if more may be queued.
 
         Readiness is read from ZMQ_EVENTS before each receive: about a third of what a failed
         receive costs (pyzmq builds a zmq.Again exception), and most pumps find one socket idle.
         """
-        for _ in range(_DRAIN_BATCH):
+        for i in range(_DRAIN_BATCH):
+            if i & 15 == 15 and time.monotonic() >= budget_end:
+                return True
             if not socket_readable(sock):
                 self._dirty.discard(sock)  # just read EVENTS: its FD is armed again
                 return False
@@ -489,6 +562,7 @@ class Broker:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             why = "unreachable"
+        self._send_why = why
         self.stats.dropped[f"{path}_{why}"] += 1
         if self._limiter.allow((path, "send_failed", identity)):
             self.log.warning("send_failed", path=path, peer=identity.hex()[:32], why=why)
@@ -501,7 +575,12 @@ class Broker:
         if identity[:1] == b"\x00" and len(identity) > 5:
             q = self._local.get(identity)
             if q is None:
+                self._send_why = "unreachable"
                 self.stats.dropped["client_unreachable"] += 1
+                return False
+            if q.qsize() >= _LOCAL_QUEUE_MAX:  # an HTTP client that stopped reading
+                self._send_why = "send_hwm"
+                self.stats.dropped["client_send_hwm"] += 1
                 return False
             q.put_nowait(frames)
             return True
@@ -514,6 +593,19 @@ class Broker:
 
     # ------------------------------------------------------------------ client path
 
+    def _on_client_socket_frames(self, frames: list[bytes]) -> None:
+        """Frames read from the frontend socket. Identities that start with a zero byte and are
+        longer than 5 bytes are the in-process (HTTP) clients' namespace; a remote peer may set
+        such a ROUTING_ID (libzmq does not forbid it), and replies to it would be delivered to a
+        local client's queue: such frames are refused, counted, and never answered."""
+        ident = frames[0]
+        if ident[0] == 0 and len(ident) > 5:
+            self.stats.frames_rejected[("client", "reserved_identity")] += 1
+            if self._limiter.allow(("client", "reserved_identity")):
+                self.log.warning("frame_rejected", path="client", reason="reserved_identity", peer=ident.hex()[:32])
+            return
+        self._on_client_frames(frames)
+
     def _on_client_frames(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
             self.stats.frames_rejected[("client", "bad_frame_count")] += 1
@@ -525,7 +617,7 @@ class Broker:
         elif isinstance(msg, P.Cancel):
             self._on_client_cancel(ident, msg.rid)
         elif isinstance(msg, P.StatusQuery):
-            self._send_client(ident, P.encode_status_reply(self._status_broker(), self._status_workers(), self.stats.flat()))
+            self._send_client(ident, self._status_reply())
         else:
             self._reject("client", msg, ident)
             # Answer when the sender can be identified: a client path header means a client.
@@ -549,17 +641,56 @@ class Broker:
             self._send_client(ident, P.encode_client_error(sub.rid, ErrorCode.OVERLOADED, "broker in-flight limit reached"))
             return
         now = time.monotonic()
+        refusal = self._refusal(ident, sub, now)
+        if refusal is not None:
+            code, message = refusal
+            self.stats.requests[code.value] += 1
+            self._send_client(ident, P.encode_client_error(sub.rid, code, message))
+            return
         budget_ms = sub.deadline_ms or self.s.default_deadline_ms
         rid = next(self._rid_seq)
         inf = Inflight(rid, ident, sub.rid, sub, now + budget_ms / 1000.0)
         self._inflight[rid] = inf
         self._by_client[key] = rid
+        self._client_inflight[ident] += 1
         heapq.heappush(self._deadlines, (inf.deadline_s, rid))
         if self.async_provider:
             inf.route_req = self._route_request(inf)
             self.spawn(self._prefetch(inf))
             return
         self._dispatch(inf, now)
+
+    def _refusal(self, ident: bytes, sub: P.Submit, now: float) -> tuple[ErrorCode, str] | None:
+        """Why a new SUBMIT is refused before any work is done on it (None: accept it).
+        Checked in order of cost; nothing here looks at the prompt beyond its length."""
+        if len(sub.raw) > P.MAX_FRAME_BYTES:  # an in-process client: workers could not take the frame
+            return ErrorCode.TOO_LARGE, f"request body of {len(sub.raw)} bytes exceeds the {P.MAX_FRAME_BYTES}-byte frame limit"
+        if self._client_inflight[ident] >= self.s.max_inflight_per_client:
+            return ErrorCode.RATE_LIMITED, f"this client already has {self.s.max_inflight_per_client} requests in flight"
+        if self._lag_s * 1000.0 > self.s.overload_lag_ms:
+            self.stats.loop["shed"] += 1
+            return ErrorCode.OVERLOADED, f"broker overloaded (event loop lag {self._lag_s * 1000:.0f} ms)"
+        return self._context_refusal(sub)
+
+    def _fleet_capacity(self) -> int:
+        """The most KV tokens any registered worker can hold (0 while none is registered)."""
+        if self._cap_version != self.registry.version:
+            self._cap_version = self.registry.version
+            self._cap_tokens = max((s.ready.max_total_num_tokens for s in self.registry.by_id.values()), default=0)
+        return self._cap_tokens
+
+    def _context_refusal(self, sub: P.Submit) -> tuple[ErrorCode, str] | None:
+        """A prompt longer than every worker's KV capacity can never run: refuse it before it is
+        hashed. Text is counted conservatively (no real tokenizer packs 32 characters per
+        token on average), so a text prompt that could fit is never refused."""
+        cap = self._fleet_capacity()
+        if not cap:
+            return None  # no worker yet: checked again at dispatch
+        n = len(sub.input_ids) if sub.input_ids is not None else len(sub.text or "") // 32
+        if n > cap:
+            return (ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                    f"prompt of {n}{'+' if sub.input_ids is None else ''} tokens exceeds the largest worker's capacity of {cap} tokens")
+        return None
 
     def _on_client_cancel(self, ident: bytes, client_rid: str) -> None:
         rid = self._by_client.get((ident, client_rid))
@@ -574,14 +705,24 @@ class Broker:
     def _route_request(self, inf: Inflight) -> RouteRequest:
         sub = inf.submit
         tokens = sub.input_ids
+        packed = sub.packed
+        # Only a prefix that some worker could hold can match: keys beyond the fleet's capacity
+        # are never hashed (a 4M-token prompt once blocked the loop for 0.9 s hashing in full).
+        cap = self._fleet_capacity() or _MAX_KEY_TOKENS
         if tokens is None and self.router.policy.needs_match:
-            tokens = text_to_tokens(sub.text or "")  # text prompts route by a byte-level key
+            tokens = text_to_tokens((sub.text or "")[:cap])[:cap]  # text prompts route by a byte-level key
+            n_prompt = sub.prompt_len
+        else:
+            n_prompt = len(tokens) if tokens is not None else sub.prompt_len
+            if tokens is not None and len(tokens) > cap:
+                tokens = tokens[:cap]
+                packed = packed[:cap] if packed is not None else None
         return RouteRequest(
             request_id=inf.client_rid,
-            prompt_tokens=len(tokens) if tokens is not None else sub.prompt_len,
+            prompt_tokens=n_prompt,
             max_new_tokens=sub.max_new_tokens,
             tokens=tokens,
-            packed=sub.packed,
+            packed=packed,
             ttft_slo_ms=sub.ttft_slo_ms,
             tps_slo=sub.tps_slo,
         )
@@ -606,6 +747,10 @@ class Broker:
             self._finish_error(inf, ErrorCode.OVERLOADED, "every worker is at capacity and the wait queue is full or timed out")
             return
         if inf.route_req is None:
+            refusal = self._context_refusal(inf.submit)  # workers may have registered since the submit
+            if refusal is not None:
+                self._finish_error(inf, *refusal)
+                return
             inf.route_req = self._route_request(inf)
         req = inf.route_req
         while True:
@@ -645,6 +790,7 @@ class Broker:
                 inf.session = sess
                 inf.reason = decision.reason
                 sess.inflight.add(inf.rid)
+                self._watch_progress(inf, now)
                 if inf.submit.stream:
                     self._send_client(inf.client, P.encode_accepted(inf.client_rid, sess.worker_id, decision.reason, inf.attempt))
                 return
@@ -654,6 +800,32 @@ class Broker:
             if inf.attempt >= self.s.max_attempts:
                 self._finish_error(inf, ErrorCode.UNAVAILABLE, "could not deliver the request to any worker")
                 return
+
+    def _watch_progress(self, inf: Inflight, now: float) -> None:
+        """A dispatched attempt must hear from its worker within ``progress_timeout_ms``."""
+        inf.replied = False
+        if self.s.progress_timeout_ms:
+            heapq.heappush(self._progress, (now + self.s.progress_timeout_ms / 1000.0, inf.rid, inf.attempt))
+
+    def _check_progress(self, now: float) -> None:
+        """Attempts whose worker sent nothing at all in time: the worker is holding requests it
+        does not serve (heartbeats alone prove its loop, not its engine). The attempt counts as
+        a failure of that worker and is retried elsewhere while nothing was streamed."""
+        while self._progress and self._progress[0][0] <= now:
+            _, rid, attempt = heapq.heappop(self._progress)
+            inf = self._inflight.get(rid)
+            if inf is None or inf.attempt != attempt or inf.session is None or inf.replied:
+                continue
+            sess = inf.session
+            self.stats.workers["no_progress"] += 1
+            if self._limiter.allow(("no_progress", sess.worker_id)):
+                self.log.warning("worker_no_progress", worker_id=sess.worker_id, request_id=inf.client_rid,
+                                 attempt=attempt, timeout_ms=self.s.progress_timeout_ms)
+            self._send_worker(sess.identity, P.encode_worker_cancel(inf.rid, inf.attempt))
+            self._note_outcome(sess, True, now)
+            self._note_failure(sess, now)
+            self._retry_or_fail(inf, ErrorCode.WORKER_ERROR,
+                                f"worker {sess.worker_id} sent nothing for {self.s.progress_timeout_ms} ms", now)
 
     def _release(self, inf: Inflight, sess: WorkerSession | None) -> None:
         """Undo the routing bookkeeping of the current leg (both sides while the prefill leg runs)."""
@@ -737,6 +909,7 @@ class Broker:
                                                               inf.submit.raw, bootstrap)):
             inf.session = dsess
             dsess.inflight.add(inf.rid)
+            self._watch_progress(inf, now)
             return
         self._retry_or_fail(inf, ErrorCode.UNAVAILABLE, f"could not reach decode worker {dsess.worker_id}", now)
 
@@ -839,7 +1012,12 @@ class Broker:
         if freed and self._parked and self.s.max_inflight_per_worker:
             self._unpark_one(time.monotonic())
         self._inflight.pop(inf.rid, None)
-        self._by_client.pop((inf.client, inf.client_rid), None)
+        if self._by_client.pop((inf.client, inf.client_rid), None) is not None:
+            n = self._client_inflight[inf.client] - 1
+            if n > 0:
+                self._client_inflight[inf.client] = n
+            else:
+                del self._client_inflight[inf.client]
         if inf.holds_retry_budget:
             self.budget.release()
             inf.holds_retry_budget = False
@@ -867,6 +1045,10 @@ class Broker:
                     else:
                         self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker before the deadline")
                 else:
+                    sess = inf.session
+                    if sess is not None and not inf.replied:  # it held the request and said nothing
+                        self._note_outcome(sess, True, now)
+                        self._note_failure(sess, now)
                     self._finish_error(inf, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", cancel_worker=True)
 
     # ------------------------------------------------------------------ worker path
@@ -891,6 +1073,7 @@ class Broker:
             return
         now = time.monotonic()
         sess.expiry_s = now + self._expiry_s(sess)
+        sess.last_seen_s = now
         t = type(msg)
         if t is P.WorkerFinal:
             self._on_worker_final(sess, msg)
@@ -906,26 +1089,58 @@ class Broker:
         elif t is P.Disconnect:
             self._on_worker_disconnect(sess, msg.reason, now)
         elif t is P.Ready:
-            # A second READY on a live session is a protocol violation: make it start over.
+            if msg.worker_id == sess.worker_id and msg.epoch == sess.ready.epoch:
+                # The same registration again (a worker that missed our first heartbeat, or one
+                # that re-sent READY after a stall): acknowledge it, keep its requests and index.
+                self.stats.workers["ready_repeated"] += 1
+                self._send_worker(ident, P.encode_heartbeat())
+                return
+            # A different identity on a live session is a protocol violation: make it start over.
             self.stats.frames_rejected[("worker", "duplicate_ready")] += 1
             self._send_worker(ident, P.encode_disconnect("duplicate READY"))
             self._remove_session(sess, now, "duplicate_ready")
 
     def _expiry_s(self, sess: WorkerSession) -> float:
-        # The slower of our interval and the worker's own decides liveness (mismatch-proof).
-        hb_ms = max(self.s.heartbeat_ms, sess.ready.heartbeat_ms)
+        # The slower of our interval and the worker's own decides liveness (mismatch-proof), but
+        # never beyond the broker's cap: a worker cannot switch its own liveness off.
+        hb_ms = min(max(self.s.heartbeat_ms, sess.ready.heartbeat_ms), self.s.max_worker_heartbeat_ms)
         return hb_ms * self.s.liveness / 1000.0
+
+    def _refuse_ready(self, ident: bytes, r: P.Ready, why: str, message: str) -> None:
+        """Refuse a registration: counted, warned (rate-limited) and answered with DISCONNECT at
+        most once a second per peer, so a peer that retries at once cannot make us ping-pong."""
+        self.stats.workers[f"refused_{why}"] += 1
+        if self._limiter.allow(("ready_refused", why, r.worker_id)):
+            self.log.warning("worker_refused", worker_id=r.worker_id, why=why, peer=ident.hex()[:32])
+        if self._limiter.allow(("ready_refused_reply", ident)):
+            self._send_worker(ident, P.encode_disconnect(message))
 
     def _on_ready(self, ident: bytes, r: P.Ready) -> None:
         now = time.monotonic()
+        old = self.registry.by_id.get(r.worker_id)
+        if old is None and len(self.registry) >= self.s.max_workers:
+            self._refuse_ready(ident, r, "max_workers", f"broker already has {self.s.max_workers} workers")
+            return
+        if old is not None and old.identity != ident:
+            # A live worker id is not given away: a second claimant (an impostor, or a restart
+            # whose old connection is still up) waits until the old session is silent. A
+            # restarted worker's old connection is gone, so our next heartbeat to it fails and
+            # frees the id within one heartbeat interval (see _send_heartbeats).
+            if now - old.last_seen_s < 1.5 * self._expiry_s(old) / self.s.liveness:
+                self._refuse_ready(ident, r, "duplicate_id", f"worker_id {r.worker_id!r} is registered on another live connection")
+                return
+        if r.heartbeat_ms > self.s.max_worker_heartbeat_ms and self._limiter.allow(("hb_capped", r.worker_id)):
+            self.log.warning("worker_heartbeat_capped", worker_id=r.worker_id, announced_ms=r.heartbeat_ms,
+                             cap_ms=self.s.max_worker_heartbeat_ms)
         state = WorkerState(
             worker_id=r.worker_id, role=r.role, labels=dict(r.labels), block_size=r.block_size,
             max_running_requests=r.max_running_requests, max_total_num_tokens=r.max_total_num_tokens, dp_size=r.dp_size,
         )
-        sess = WorkerSession(ident, r, state, expiry_s=0.0, hb_slot=next(self._hb_slots) % _HB_SLICES)
+        sess = WorkerSession(ident, r, state, expiry_s=0.0, hb_slot=next(self._hb_slots) % _HB_SLICES, last_seen_s=now)
         sess.expiry_s = now + self._expiry_s(sess)
         old = self.registry.add(sess)
         if old is not None:
+            self._forget_outcomes(old)
             self.stats.workers["replaced"] += 1
             self._orphan_requests(old, now, "worker_replaced")
             if self.kv_sink is not None and old.ready.epoch != r.epoch:
@@ -945,6 +1160,7 @@ class Broker:
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
             self.stats.dropped["stale_reply"] += 1
             return
+        inf.replied = True
         if m.seq != inf.chunks_sent:
             self.stats.dropped["chunk_out_of_order"] += 1
             if self._limiter.allow(("chunk_seq", sess.worker_id)):
@@ -955,7 +1171,7 @@ class Broker:
         if self._send_client(inf.client, P.encode_client_chunk(inf.client_rid, m.seq, m.data)):
             inf.chunks_sent += 1
         else:
-            self._client_gone(inf)
+            self._client_gone(inf, self._send_why)
 
     def _on_worker_final(self, sess: WorkerSession, m: P.WorkerFinal) -> None:
         inf = self._inflight.get(m.rid)
@@ -972,7 +1188,7 @@ class Broker:
                        "cached_tokens": inf.prefill_usage.get("cached_tokens", 0)}
         self._forget(inf)
         sess.failures = 0
-        self.stats.requests["ok"] += 1
+        self._note_outcome(sess, False, time.monotonic())
         u = m.usage
         pt, ct = u.get("prompt_tokens"), u.get("cached_tokens")
         if type(pt) is int and type(ct) is int:
@@ -984,18 +1200,31 @@ class Broker:
             wt[0] += 1
             wt[1] += pt
             wt[2] += ct
-        self._send_client(inf.client, P.encode_client_final(inf.client_rid, m.finish_reason, u, sess.worker_id, m.attempt, m.data, inf.reason))
+        if self._send_client(inf.client, P.encode_client_final(inf.client_rid, m.finish_reason, u, sess.worker_id, m.attempt, m.data, inf.reason)):
+            self.stats.requests["ok"] += 1
+        else:  # finished, but the client is gone or not reading: never counted ok
+            slow = self._send_why == "send_hwm"
+            self.stats.requests["client_slow" if slow else "client_gone"] += 1
+            if self._limiter.allow(("final_undelivered", inf.client)):
+                self.log.warning("client_slow" if slow else "client_gone", client=inf.client.hex()[:32], request_id=inf.client_rid)
 
     def _on_worker_error(self, sess: WorkerSession, m: P.WorkerError, now: float) -> None:
         inf = self._inflight.get(m.rid)
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
             self.stats.dropped["stale_reply"] += 1
             return
+        inf.replied = True
+        if m.malformed:
+            self.stats.frames_rejected[("worker", "bad_payload")] += 1
+            if self._limiter.allow(("bad_payload", sess.worker_id)):
+                self.log.warning("frame_rejected", path="worker", reason="bad_payload", worker_id=sess.worker_id, detail=m.message[:200])
         try:
             code = ErrorCode(m.code)
         except ValueError:
             code = ErrorCode.WORKER_ERROR
-        if code in (ErrorCode.WORKER_ERROR, ErrorCode.INTERNAL):
+        if code is not ErrorCode.CANCELLED and not (sess.draining and code is ErrorCode.UNAVAILABLE):
+            self._note_outcome(sess, True, now)
+        if code in (ErrorCode.WORKER_ERROR, ErrorCode.INTERNAL) or (code is ErrorCode.UNAVAILABLE and not sess.draining):
             self._note_failure(sess, now)
         if code.retryable:
             # a draining worker refusing work the broker sent before it saw DRAINING: a planned move
@@ -1012,6 +1241,11 @@ class Broker:
         sess.failures += 1
         if sess.failures < self.s.eject_after_failures or sess.ejected_until_s:
             return
+        self._eject(sess, now, f"{sess.failures} failures in a row")
+
+    def _eject(self, sess: WorkerSession, now: float, why: str) -> None:
+        """Eject ``sess`` for ``eject_base_s x n`` (capped), unless that would leave no routable
+        worker or eject more than ``max_ejected_ratio`` of them (panic mode)."""
         healthy = sum(1 for s2 in self.registry.by_id.values() if s2.state.healthy and not s2.draining)
         ejected = sum(1 for s2 in self.registry.by_id.values() if s2.ejected_until_s)
         if healthy <= 1 or (ejected + 1) > max(1, int(self.s.max_ejected_ratio * len(self.registry))):
@@ -1021,16 +1255,48 @@ class Broker:
         dur = min(self.s.eject_base_s * sess.ejections, self.s.eject_max_s)
         self.registry.set_ejected(sess, now + dur)
         self.stats.workers["ejected"] += 1
-        self.log.warning("worker_ejected", worker_id=sess.worker_id, failures=sess.failures, for_s=dur)
+        self.log.warning("worker_ejected", worker_id=sess.worker_id, failures=sess.failures, why=why, for_s=dur)
         self._event("worker_ejected", worker_id=sess.worker_id, for_s=dur)
 
     def _note_success(self, sess: WorkerSession) -> None:
         sess.failures = 0
 
+    def _note_outcome(self, sess: WorkerSession, failed: bool, now: float) -> None:
+        """Record one attempt outcome; eject a worker whose recent error rate stands out from
+        its peers' (Envoy-style success-rate outlier detection). Any error counts, ``bad_request``
+        too: a worker that refuses everything its peers serve is broken, whatever code it uses;
+        one bad client makes every worker answer alike, so no worker stands out."""
+        w = sess.outcomes
+        if len(w) == w.maxlen:
+            old = w[0]
+            sess.outcome_errors -= old
+            self._fleet_errors -= old
+            self._fleet_outcomes -= 1
+        v = 1 if failed else 0
+        w.append(v)
+        sess.outcome_errors += v
+        self._fleet_errors += v
+        self._fleet_outcomes += 1
+        if not failed or len(w) < _OUTLIER_MIN_OUTCOMES or sess.ejected_until_s:
+            return
+        rate = sess.outcome_errors / len(w)
+        peers_n = self._fleet_outcomes - len(w)
+        peer_rate = (self._fleet_errors - sess.outcome_errors) / peers_n if peers_n > 0 else 0.0
+        if rate >= _OUTLIER_MIN_RATE and rate >= peer_rate + _OUTLIER_MARGIN:
+            self._eject(sess, now, f"error rate {rate:.2f} vs peers {peer_rate:.2f}")
+
+    def _forget_outcomes(self, sess: WorkerSession) -> None:
+        """Take a session that is going away out of the fleet's outcome sums."""
+        self._fleet_errors -= sess.outcome_errors
+        self._fleet_outcomes -= len(sess.outcomes)
+        sess.outcomes.clear()
+        sess.outcome_errors = 0
+
     def _reinstate_due(self, now: float) -> None:
         for sess in list(self.registry.by_id.values()):
             if sess.ejected_until_s and sess.ejected_until_s <= now:
                 sess.failures = 0
+                self._forget_outcomes(sess)  # a fresh window after ejection
                 self.registry.set_ejected(sess, 0.0)
                 self.stats.workers["reinstated"] += 1
                 self.log.info("worker_reinstated", worker_id=sess.worker_id)
@@ -1060,6 +1326,7 @@ class Broker:
 
     def _remove_session(self, sess: WorkerSession, now: float, why: str) -> None:
         self.registry.remove(sess)
+        self._forget_outcomes(sess)
         self._orphan_requests(sess, now, why)
         if self.kv_sink is not None and sess.worker_id not in self.registry.by_id:
             self.kv_sink.on_worker_removed(sess.worker_id)
@@ -1074,8 +1341,10 @@ class Broker:
                 self._detach(inf)
                 self._finish_error(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost mid-stream ({why})")
             else:
-                self._retry_or_fail(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost ({why})", now,
-                                    budgeted=not sess.draining)
+                # Not budgeted: a lost worker's requests are each retried at most max_attempts
+                # times anyway, and the budget (sized for retry storms) would fail the requests a
+                # third of the fleet held when one of three workers stalls (issue 12, item 9).
+                self._retry_or_fail(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost ({why})", now, budgeted=False)
         sess.inflight.clear()
 
     def _purge_expired(self, now: float) -> None:
@@ -1087,23 +1356,35 @@ class Broker:
             self._send_worker(sess.identity, P.encode_disconnect("expired"))
             self._remove_session(sess, now, "expired")
 
-    def _send_heartbeats(self) -> None:
-        """Heartbeat the sessions of the current slice (each session once per interval)."""
+    def _send_heartbeats(self, now: float) -> None:
+        """Heartbeat the sessions of the current slice (each session once per interval). A
+        session whose connection is gone (ROUTER_MANDATORY: unreachable) is removed at once:
+        its requests are retried now and its worker id is free for its reconnection."""
         slot = self._hb_slot
         self._hb_slot = (slot + 1) % _HB_SLICES
         hb = P.encode_heartbeat()
+        gone = []
         for sess in [s for s in self.registry.by_identity.values() if s.hb_slot == slot]:
-            self._send_worker(sess.identity, hb)
+            if not self._send_worker(sess.identity, hb) and self._send_why == "unreachable":
+                gone.append(sess)
+        for sess in gone:
+            self.stats.workers["connection_lost"] += 1
+            self.log.warning("worker_connection_lost", worker_id=sess.worker_id, inflight=len(sess.inflight))
+            self._event("worker_connection_lost", worker_id=sess.worker_id)
+            self._remove_session(sess, now, "connection_lost")
 
-    def _client_gone(self, inf: Inflight) -> None:
-        """The client's connection is gone: cancel all of its requests (nobody can read them)."""
+    def _client_gone(self, inf: Inflight, why: str = "unreachable") -> None:
+        """The client's connection is gone, or it stopped reading (its pipe is at the send HWM):
+        cancel all of its requests (nobody reads them) and count them ``client_gone`` or
+        ``client_slow``, never ``ok``."""
         client = inf.client
-        self.log.warning("client_gone", client=client.hex()[:32], request_id=inf.client_rid)
+        outcome = "client_slow" if why == "send_hwm" else "client_gone"
+        self.log.warning(outcome, client=client.hex()[:32], request_id=inf.client_rid)
         for other in [i for i in self._inflight.values() if i.client == client]:
             if other.session is not None:
                 self._send_worker(other.session.identity, P.encode_worker_cancel(other.rid, other.attempt))
             self._forget(other)
-            self.stats.requests["client_gone"] += 1
+            self.stats.requests[outcome] += 1
 
     # ------------------------------------------------------------------ telemetry
 
@@ -1112,7 +1393,7 @@ class Broker:
             self.telemetry.event(event, **fields)
 
     def _publish_snapshot(self, now: float) -> None:
-        workers = self._status_workers()
+        workers = self._status_workers()[:P.MAX_STATUS_WORKERS]
         for w in workers:
             req, pt, ct = self._worker_tokens.get(w["worker_id"], (0, 0, 0))
             w["requests"] = req
@@ -1123,9 +1404,24 @@ class Broker:
 
     # ------------------------------------------------------------------ status
 
+    def _status_reply(self) -> list[bytes]:
+        """The STATUS reply, bounded to ``MAX_STATUS_WORKERS`` workers. For large fleets the
+        worker list (O(workers) to build) is reused for ``_STATUS_CACHE_S``, so a flood of
+        queries costs one build per interval; broker state and counters are always current."""
+        now = time.monotonic()
+        c = self._status_cache
+        if c is None or now - c[0] >= _STATUS_CACHE_S or len(self.registry) <= _STATUS_CACHE_MIN_WORKERS:
+            workers = self._status_workers()[:P.MAX_STATUS_WORKERS]
+            c = self._status_cache = (now, workers)
+        broker = self._status_broker()
+        if len(self.registry) > len(c[1]):
+            broker["workers_truncated"] = True
+        return P.encode_status_reply(broker, c[1], self.stats.flat())
+
     def _status_broker(self) -> dict:
         return {"id": self.broker_id, "state": self._state, "inflight": len(self._inflight),
                 "uptime_s": round(time.monotonic() - self._started_s, 3), "policy": self.router.policy.name,
+                "loop_lag_ms": round(self._lag_s * 1000, 2), "workers_total": len(self.registry),
                 "provider": getattr(self.router.provider, "name", "none")}
 
     def _status_workers(self) -> list[dict]:

@@ -8,12 +8,15 @@ requests are handled as lost. Liveness is tracked for idle and busy sessions ali
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from mesh.protocol import Ready
 from mesh.routing.view import WorkerState
 
-__all__ = ["WorkerSession", "Registry"]
+__all__ = ["WorkerSession", "Registry", "OUTCOME_WINDOW"]
+
+OUTCOME_WINDOW = 32  # recent attempt outcomes kept per session (error-rate outlier detection)
 
 
 @dataclass(slots=True)
@@ -29,6 +32,10 @@ class WorkerSession:
     ejections: int = 0
     ejected_until_s: float = 0.0
     hb_slot: int = 0  # which slice of each heartbeat interval this session's heartbeat goes out in
+    last_seen_s: float = 0.0  # when the broker last read anything from this session
+    # Outcome window for outlier ejection: 1 = the attempt failed on this worker, 0 = it finished.
+    outcomes: deque = field(default_factory=lambda: deque(maxlen=OUTCOME_WINDOW))
+    outcome_errors: int = 0  # sum of ``outcomes``
 
     @property
     def worker_id(self) -> str:

@@ -18,6 +18,8 @@ __all__ = ["BrokerStats", "StatsCollector", "LatencyHistogram"]
 
 # Bucket bounds (seconds) for decision latency: 10 us .. 100 ms.
 _DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+# Loop lag: 100 us .. 5 s.
+_LAG_BUCKETS_S = (1e-4, 1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class LatencyHistogram:
@@ -55,11 +57,13 @@ class BrokerStats:
         self.retries: Counter[str] = Counter()  # why: worker_lost, worker_error, send_failed
         self.workers: Counter[str] = Counter()  # registered, expired, disconnected, replaced
         self.kv: Counter[str] = Counter()  # batches, events, duplicates, gaps, ...
+        self.loop: Counter[str] = Counter()  # stalls, stalled_ms, shed: the broker's own event loop
         self.degraded_decisions = 0
         self.requests_parked = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
         self.decision_latency = LatencyHistogram()
+        self.loop_lag = LatencyHistogram(_LAG_BUCKETS_S)  # per pump: lateness + own duration
 
     def flat(self) -> dict[str, int]:
         """All counters as one flat name -> value map (for STATUS replies and tests)."""
@@ -71,6 +75,7 @@ class BrokerStats:
             ("retries", self.retries),
             ("workers", self.workers),
             ("kv", self.kv),
+            ("loop", self.loop),
         ):
             for k, v in ctr.items():
                 out[f"{prefix}.{k}"] = v
@@ -99,6 +104,7 @@ class StatsCollector(Collector):
             ("mesh_retries", "Re-dispatches by cause", "cause", s.retries),
             ("mesh_worker_events", "Worker lifecycle events", "event", s.workers),
             ("mesh_kv_events", "KV event stream handling", "what", s.kv),
+            ("mesh_loop", "Broker event loop stalls and load shedding", "what", s.loop),
         ):
             fam = CounterMetricFamily(name, doc, labels=[label])
             for k, v in sorted(ctr.items()):
@@ -114,6 +120,8 @@ class StatsCollector(Collector):
         yield CounterMetricFamily("mesh_routed_cached_tokens", "Cached prompt tokens reported by workers", value=s.cached_tokens)
         h = s.decision_latency
         yield HistogramMetricFamily("mesh_decision_latency_seconds", "Routing decision latency", buckets=h.buckets(), sum_value=h.sum_s)
+        h = s.loop_lag
+        yield HistogramMetricFamily("mesh_loop_lag_seconds", "Broker pump lateness plus duration", buckets=h.buckets(), sum_value=h.sum_s)
         by_name: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
         for name, samples in self.gauges().items():
             by_name[name].extend(samples)

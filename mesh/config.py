@@ -47,6 +47,12 @@ class BrokerSettings:
     eject_max_s: float = 300.0
     max_ejected_ratio: float = 0.5  # never eject more than this share of workers (at least one may be)
     drain_timeout_s: float = 10.0
+    # Containment (see README "Threat model and limits"): what a worker or client may ask for.
+    max_worker_heartbeat_ms: int = 2000  # a worker's announced heartbeat interval is capped here
+    max_workers: int = 4096  # registered worker sessions at most; more READYs are refused
+    max_inflight_per_client: int = 4096  # one client identity's in-flight requests (rate_limited beyond)
+    progress_timeout_ms: int = 15_000  # an attempt with no reply at all for this long is a worker failure
+    overload_lag_ms: float = 250.0  # shed new requests (overloaded) while the loop lags more than this
     policy: str = "cache_aware"
     cache_prefix_provider: str = "radix_tree"
     kv_indexer_endpoint: tuple[str, ...] = ()  # replicas of the shared KV indexer (http://HOST:PORT)
@@ -96,6 +102,11 @@ class BrokerSettings:
         _require(0 < self.eject_base_s <= self.eject_max_s, "eject_base_s", "must be > 0 and <= eject_max_s")
         _require(0 <= self.max_ejected_ratio <= 1, "max_ejected_ratio", "must be in [0, 1]")
         _require(self.load_freshness_s > 0, "load_freshness_s", "must be > 0")
+        _require(self.max_worker_heartbeat_ms >= self.heartbeat_ms, "max_worker_heartbeat_ms", "must be >= heartbeat_ms")
+        _require(1 <= self.max_workers <= 100_000, "max_workers", "must be in [1, 100000]")
+        _require(self.max_inflight_per_client > 0, "max_inflight_per_client", "must be > 0")
+        _require(self.progress_timeout_ms >= 0, "progress_timeout_ms", "must be >= 0 (0 = off)")
+        _require(self.overload_lag_ms > 0, "overload_lag_ms", "must be > 0")
         _require(self.log_level in ("debug", "info", "warning", "error"), "log_level", "must be debug|info|warning|error")
         _require(self.cache_prefix_provider in ("radix_tree", "approx", "indexer"), "cache_prefix_provider",
                  "must be radix_tree, approx or indexer")

@@ -130,6 +130,8 @@ __all__ = [
     "CLIENT_HEADER",
     "WORKER_HEADER",
     "MAX_FRAME_BYTES",
+    "MAX_LABELS",
+    "MAX_STATUS_WORKERS",
     "Cmd",
     "Submit",
     "Cancel",
@@ -161,6 +163,12 @@ CLIENT_HEADER = b"MESHC1"
 WORKER_HEADER = b"MESHW1"
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 MAX_RID_BYTES = 256
+# READY labels are echoed in every STATUS reply and telemetry snapshot: bounded so that a fleet
+# of MAX_STATUS_WORKERS workers always fits one frame (64 x 60 KB labels made 11.5 MB replies).
+MAX_LABELS = 16
+MAX_LABEL_KEY_BYTES = 64
+MAX_LABEL_VALUE_BYTES = 128
+MAX_STATUS_WORKERS = 1024
 MAX_TOKEN_ID = 2**32
 
 ROLES = ("prefill", "decode", "mixed")
@@ -276,6 +284,18 @@ def _opt_map(d: dict, k: str) -> dict | None:
     if type(v) is not dict:
         raise ProtocolError("bad_field", f"{k} must be a map, got {type(v).__name__}")
     return v
+
+
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+_MAX_USAGE = 1 << 40
+
+
+def _usage(d: dict) -> dict[str, int]:
+    """A worker's usage map, reduced to the counts the mesh uses, each an int in [0, 2**40).
+    Anything else is dropped: these values are summed into counters that STATUS encodes
+    (2**64-1 once overflowed msgpack and silenced STATUS)."""
+    u = _opt_map(d, "usage") or {}
+    return {k: v for k in USAGE_KEYS if type(v := u.get(k)) is int and 0 <= v < _MAX_USAGE}
 
 
 def _rid(d: dict) -> str:
@@ -589,6 +609,7 @@ class WorkerError:
     attempt: int
     code: str
     message: str
+    malformed: bool = False  # made by the decoder from a CHUNK/FINAL whose payload was unusable
 
 
 @dataclass(slots=True)
@@ -672,8 +693,10 @@ def _parse_ready(d: dict) -> Ready:
     if role not in ROLES:
         raise ProtocolError("bad_field", f"role must be one of {ROLES}, got {role!r}")
     labels = _opt_map(d, "labels") or {}
-    if len(labels) > 64 or any(type(k) is not str or type(v) is not str for k, v in labels.items()):
-        raise ProtocolError("bad_field", "labels must be a map of at most 64 str->str entries")
+    if len(labels) > MAX_LABELS or any(type(k) is not str or type(v) is not str for k, v in labels.items()):
+        raise ProtocolError("bad_field", f"labels must be a map of at most {MAX_LABELS} str->str entries")
+    if any(len(k.encode()) > MAX_LABEL_KEY_BYTES or len(v.encode()) > MAX_LABEL_VALUE_BYTES for k, v in labels.items()):
+        raise ProtocolError("bad_field", f"label keys are at most {MAX_LABEL_KEY_BYTES} bytes, values {MAX_LABEL_VALUE_BYTES}")
     wid = _str(d, "worker_id", max_bytes=256)
     if not wid:
         raise ProtocolError("bad_field", "worker_id must be non-empty")
@@ -705,9 +728,18 @@ def decode_worker(frames: list[bytes]):
                 raise ProtocolError("bad_frame_count", f"{n} frames for {cmd.name}")
             d = _map(unpack(body))
             rid, attempt = _int(d, "rid"), _int(d, "attempt", lo=1)
+            # The payload is forwarded to the client verbatim, so it must be what clients can
+            # decode: a map (a FINAL may also carry none). A bad one fails that attempt as a
+            # worker error (retried, counted against the worker) instead of reaching a client.
+            data = frames[3]
+            if data or cmd is Cmd.CHUNK:
+                try:
+                    _map(unpack(data))
+                except ProtocolError as exc:
+                    return WorkerError(rid, attempt, "worker_error", f"malformed {cmd.name} payload: {exc}", malformed=True)
             if cmd is Cmd.CHUNK:
-                return WorkerChunk(rid, attempt, _int(d, "seq"), frames[3])
-            return WorkerFinal(rid, attempt, _str(d, "finish_reason", max_bytes=256), _opt_map(d, "usage") or {}, frames[3])
+                return WorkerChunk(rid, attempt, _int(d, "seq"), data)
+            return WorkerFinal(rid, attempt, _str(d, "finish_reason", max_bytes=256), _usage(d), data)
         if n != 3:
             raise ProtocolError("bad_frame_count", f"{n} frames for {cmd.name}")
         d = _map(unpack(body))

@@ -149,8 +149,10 @@ class SocketSpec:
 
 # ROUTERs: ROUTER_MANDATORY so an unroutable or full peer raises instead of dropping silently;
 # bounded HWMs so a slow peer cannot exhaust broker memory; short linger so shutdown is bounded.
-BROKER_FRONTEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True)
-BROKER_BACKEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True)
+BROKER_FRONTEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True,
+                             heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
+BROKER_BACKEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True,
+                            heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
 # Worker DEALERs: IMMEDIATE so nothing queues onto a connection that is not up (the broker
 # re-dispatches what a lost link never delivered).
 WORKER_DEALER = SocketSpec(zmq.DEALER, sndhwm=10_000, rcvhwm=10_000, linger_ms=0, immediate=True)

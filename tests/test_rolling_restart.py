@@ -23,7 +23,9 @@ def _two_brokers_slow_workers(procs):
     return b1, b2
 
 
-async def _steady_load(frontends: list[str], stop: asyncio.Event, rate: float = 25.0) -> tuple[int, list[str]]:
+async def _steady_load(frontends: list[str], stop: asyncio.Event, rate: float = 25.0, min_requests: int = 40) -> tuple[int, list[str]]:
+    """Submit at ``rate`` until ``stop`` is set and at least ``min_requests`` went out (a fast
+    restart must not leave the test with too few requests to mean anything)."""
     rng = random.Random(3)
     ok, errors = 0, []
     async with Client(frontends) as c:
@@ -35,7 +37,7 @@ async def _steady_load(frontends: list[str], stop: asyncio.Event, rate: float = 
             except Exception as exc:  # every failure is reported, the test asserts there is none
                 errors.append(repr(exc))
         tasks, i = [], 0
-        while not stop.is_set():
+        while not stop.is_set() or i < min_requests:
             tasks.append(asyncio.create_task(one(i)))
             i += 1
             await asyncio.sleep(rng.expovariate(rate))

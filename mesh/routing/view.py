@@ -31,6 +31,10 @@ class AggregatedLoad:
         return self.used_tokens / self.max_tokens if self.max_tokens > 0 else 0.0
 
 
+LOAD_STRIKES = 3  # consecutive implausible LoadStats before a worker's telemetry is ignored
+LOAD_DISTRUST_S = 30.0  # how long it is then ignored
+
+
 @dataclass(slots=True)
 class WorkerState:
     """What a router knows about one worker.
@@ -61,6 +65,12 @@ class WorkerState:
     # until the next LoadStat, with the time of its oldest rank for the freshness check.
     _agg: AggregatedLoad | None = None
     _agg_oldest_s: float = 0.0
+    # A worker whose LoadStat claims far fewer requests than this router alone has on it is lying
+    # or broken: after LOAD_STRIKES such reports in a row its telemetry is ignored (router-local
+    # estimates instead) for LOAD_DISTRUST_S; ``load_distrusted`` counts how often.
+    load_strikes: int = 0
+    load_distrust_until_s: float = 0.0
+    load_distrusted: int = 0
 
     def update_load(self, stats: Sequence[LoadStat], now_s: float) -> None:
         """Record a heartbeat's LoadStats (one per rank, rank taken from ``attn_dp_rank``)."""
@@ -82,8 +92,21 @@ class WorkerState:
         if rates:
             self.prefill_tokens_per_s = sum(rates)
         self.inflight_at_load = self.inflight
-        self._agg = self._aggregate()
+        self._agg = agg = self._aggregate()
         self.pending_since_load_tokens = 0
+        if agg is not None:
+            # Honest telemetry counts at least this router's requests (all routers' in fact),
+            # give or take the few in transit: half of ours, minus slack, cannot be honest.
+            if self.inflight >= 4 and 2 * (agg.running + agg.waiting) + 2 < self.inflight:
+                self.load_strikes += 1
+                if self.load_strikes >= LOAD_STRIKES:
+                    self.load_strikes = 0
+                    self.load_distrust_until_s = now_s + LOAD_DISTRUST_S
+                    self.load_distrusted += 1
+            else:
+                self.load_strikes = 0
+        if now_s < self.load_distrust_until_s:
+            self.prefill_tokens_per_s = None  # its counters are no more credible than its queue
 
     def record_dispatch(self, uncached_tokens: int) -> None:
         """This router sent a request here (keeps the live corrections to stale telemetry)."""
@@ -102,7 +125,7 @@ class WorkerState:
         A partly silent worker yields None (never a sum over only its fresh ranks).
         """
         agg = self._agg
-        if agg is None or now_s - self._agg_oldest_s > freshness_s:
+        if agg is None or now_s - self._agg_oldest_s > freshness_s or now_s < self.load_distrust_until_s:
             return None
         return agg
 
