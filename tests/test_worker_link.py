@@ -116,11 +116,14 @@ def test_worker_reregisters_quickly_after_broker_restart(procs):
         b.popen.kill()  # a crash: no DISCONNECT, the worker's connection just drops
         b.popen.wait(5)
         procs.procs.remove(b)
-        b = procs.broker("b", "--heartbeat-ms", str(HB_MS), frontend=b.frontend, backend=b.backend)
-        t0 = time.monotonic()
+        t_spawn = time.monotonic()
+        # a new name, so a new log file (the old one holds the old broker's readiness line)
+        b = procs.broker(f"b-{restart}", "--heartbeat-ms", str(HB_MS), frontend=b.frontend, backend=b.backend)
+        t_listening = time.monotonic()
         run(until(lambda: _registered(b.log_path, "w") >= 1, 10, "re-registered", step_s=0.005))
-        took = time.monotonic() - t0
-        print(f"restart {restart}: re-registered {took:.3f} s after the broker listened")
+        took = time.monotonic() - t_listening
+        print(f"restart {restart}: re-registered {time.monotonic() - t_spawn:.3f} s after the broker process started, "
+              f"{took:.3f} s after its listening line was seen")
         # bounded by libzmq's reconnect interval (the DEALER's back-off), not by a heartbeat
         # round trip or the link's liveness expiry
         assert took < 2.5, took
@@ -159,3 +162,35 @@ def test_replies_during_sends_wake_the_worker_at_once(procs):
     p50, p99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99) - 1]
     print(f"32 concurrent x {PER_LOOP} requests: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {lat[-1] * 1000:.1f} ms")
     assert p99 < 0.2, (p50, p99, lat[-5:])
+
+
+def test_ready_falls_back_when_no_handshake_is_reported(monkeypatch):
+    """If the monitor never reports the handshake, READY still goes out (blindly, within half
+    the liveness window, before the silence expiry could recycle the socket)."""
+    import zmq
+
+    from mesh import protocol as P
+    from mesh.retry import RetryPolicy
+    from tests.test_adapters_support import FakeBroker
+    from workers_stub import links
+
+    async def register(events: int) -> tuple[float, int, int]:
+        monkeypatch.setattr(links, "_MONITOR_EVENTS", events)
+        fb = FakeBroker().start()
+        ready = lambda: P.encode_ready(P.Ready("w", "m", "mixed", {}, 16, 8, 1000, 1, 1, 200))  # noqa: E731
+        link = links.BrokerLink(fb.ctx, fb.endpoint, "w", 1, ready, lambda *_: None, lambda *_: None,
+                                heartbeat_ms=200, liveness=3, reconnect=RetryPolicy(1000, 100, 1000))
+        t0 = time.monotonic()
+        task = asyncio.create_task(link.run())
+        try:
+            await until(lambda: link.registered, 5, "registered", step_s=0.002)
+            return time.monotonic() - t0, link.ready_fallbacks, len(fb.readies)
+        finally:
+            link.close()
+            await asyncio.gather(task, return_exceptions=True)
+            await fb.close()
+
+    took, fallbacks, readies = run(register(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED), 20)
+    assert fallbacks == 0 and readies == 1 and took < 0.25, (took, fallbacks, readies)
+    took, fallbacks, readies = run(register(zmq.EVENT_MONITOR_STOPPED), 20)  # handshakes never reported
+    assert fallbacks >= 1 and readies == 1 and 0.25 <= took < 0.6, (took, fallbacks, readies)

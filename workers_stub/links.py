@@ -8,8 +8,8 @@ Registration: worker DEALERs are ``IMMEDIATE`` (nothing queues onto a connection
 up), so a READY sent right after ``connect()`` would be refused (or lost) and the worker would
 only register after a heartbeat round trip (``unregistered_peer`` -> DISCONNECT -> READY). The
 link therefore watches its socket's monitor and sends READY when the ZMTP handshake (CURVE
-included) has succeeded. If no handshake is reported within ``ready_timeout_s`` it falls back
-to sending READY blindly, retried every heartbeat interval until one is accepted by a live pipe
+included) has succeeded. If no handshake is reported within ``ready_timeout_s`` (at most half
+the liveness window) it falls back to sending READY blindly, retried every heartbeat interval until one is accepted by a live pipe
 (and still at the next handshake). Until READY went out, other sends are refused (a heartbeat
 ahead of READY would only earn a DISCONNECT). When the same socket reconnects (say the broker
 restarted), the link sends one HEARTBEAT at once: a broker that knows the session takes it as a
@@ -126,7 +126,8 @@ class BrokerLink:
         self.registered = False
         self.handshakes = 0
         self._ready_due = True
-        self._ready_at_s = time.monotonic() + self.ready_timeout_s
+        # the fallback must fire well before the silence expiry would recycle the socket
+        self._ready_at_s = time.monotonic() + min(self.ready_timeout_s, self.hb_s * self.liveness / 2)
         self.last_heard_s = time.monotonic()
 
     def _unwatch(self) -> None:
