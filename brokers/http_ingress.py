@@ -73,6 +73,7 @@ _MAX_TOKENS = 1 << 20  # the protocol's max_new_tokens bound
 _MAX_DEADLINE_MS = 86_400_000  # the protocol's deadline_ms bound
 _FIRST_OUTPUT_WAIT_S = 5.0  # after ACCEPTED, how long a stream waits for output before committing a 200
 _RETRY_AFTER_S = "1"
+_MAX_MESSAGES = 10_000  # chat messages per request
 _INT_RE = re.compile(r"[0-9]{1,12}")
 
 
@@ -544,6 +545,8 @@ class HttpIngress:
     def _chat_prompt(self, msgs: Any) -> str:
         if type(msgs) is not list or not msgs:
             raise _BadRequest("messages must be a non-empty list")
+        if len(msgs) > _MAX_MESSAGES:  # building a prompt from ~10^6 tiny messages stalls the broker loop
+            raise _TooLarge(f"messages holds {len(msgs)} entries; the limit is {_MAX_MESSAGES}")
         parts = []
         for i, m in enumerate(msgs):
             if not isinstance(m, dict):

@@ -207,13 +207,36 @@ def test_oversized_bodies_get_413_and_workers_survive(instant_mesh):
     raw = b'{"max_tokens":1,"messages":[' + b",".join([b"{}"] * n_msgs) + b"]}"
     assert len(raw) <= MAX_BODY_BYTES and 7 * n_msgs > MAX_SUBMIT_BYTES
     code, body, _ = _post(url + "/v1/chat/completions", raw)
-    assert code == 413 and body["error"]["code"] == "too_large" and "encoded" in body["error"]["message"]
+    assert code == 413 and body["error"]["code"] == "too_large" and "messages" in body["error"]["message"]
     # a prompt near the limit that fits is served, and both workers are still registered
     code, body, _ = _post_served(url + "/v1/completions", {"prompt": "b" * (MAX_BODY_BYTES - 1000), "max_tokens": 3})
     assert code == 200 and body["usage"]["completion_tokens"] == 3
     run(wait_for_workers(b.frontend, 2, timeout_s=5))
     c = run(_counters(b.frontend))
     assert c.get("requests.too_large") == 2 and not c.get("workers.expired") and not c.get("workers.disconnected")
+
+
+def test_encoded_submit_size_is_checked(monkeypatch):
+    """What the ingress adds (tokenisation, role prefixes) can grow a body; the encoded SUBMIT is
+    checked against the frame cap before anything is submitted (shown here with a small cap)."""
+    import brokers.http_ingress as hi
+
+    monkeypatch.setattr(hi, "MAX_SUBMIT_BYTES", 1000)
+
+    async def body():
+        fake = _FakeBroker()
+        ing = HttpIngress(fake)
+        url = await ing.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+                async with s.post(url + "/v1/chat/completions", json={"messages": [{}] * 200}) as r:
+                    status, out = r.status, await r.json()
+        finally:
+            await ing.stop()
+        assert status == 413 and out["error"]["code"] == "too_large" and "encoded" in out["error"]["message"]
+        assert fake.idents == [] and fake.stats.requests["too_large"] == 1
+
+    run(body(), 20)
 
 
 # ---------------------------------------------------------------------------- 3. slowloris
