@@ -66,6 +66,7 @@ _PUMP_BUDGET_S = 0.02
 # A loop stall longer than this (a slow pump, another task hogging the loop) is credited to every
 # worker's liveness: the broker's own lateness is not the workers' silence.
 _STALL_CREDIT_S = 0.05
+_LAG_WINDOW_S = 1.0  # time constant of the loop-lag average that drives load shedding
 # An in-process (HTTP) client whose reply queue holds this many frames is not reading: it is
 # treated like a ZeroMQ client at its send HWM.
 _LOCAL_QUEUE_MAX = 4096
@@ -75,6 +76,12 @@ _OUTLIER_MIN_OUTCOMES = 16
 _OUTLIER_MIN_RATE = 0.5
 _OUTLIER_MARGIN = 0.3
 _MAX_KEY_TOKENS = 1 << 20  # prompt tokens hashed for routing while no worker has registered
+# KV_EVENTS larger than this many events are applied in slices across pumps (a 4 MB batch is
+# ~0.3 s of index work); while any is queued, later batches queue behind it (order per stream).
+_KV_SLICE_EVENTS = 1024
+_KV_BACKLOG_BUDGET_S = 0.01  # index work per pump while a backlog exists
+_KV_BACKLOG_MAX_EVENTS = 200_000  # queued events at most (all workers); beyond, batches are dropped
+_KV_BACKLOG_MAX_WORKER_EVENTS = 40_000  # ... and per worker (one flooding worker cannot fill it)
 _STATUS_CACHE_S = 0.1  # STATUS worker lists of large fleets are rebuilt at most this often
 _STATUS_CACHE_MIN_WORKERS = 256  # smaller fleets always get a fresh list
 
@@ -105,6 +112,7 @@ class Inflight:
     reason: str = ""  # routing decision reason of the current attempt
     fail_cause: str = ""  # error code of the last failed attempt
     replied: bool = False  # the current attempt's worker sent something for it (progress)
+    sent_s: float = 0.0  # when the current attempt was sent (first-reply latency per worker)
 
     @property
     def committed(self) -> bool:
@@ -186,6 +194,8 @@ class Broker:
         self._cap_version = -1  # registry version the fleet capacity was computed at
         self._cap_tokens = 0
         self._status_cache: tuple[float, list[dict]] | None = None
+        self._kv_backlog: deque[tuple[str, bytes, int, Any]] = deque()  # (worker_id, identity, events, slice generator)
+        self._kv_backlog_events: Counter[str] = Counter()  # queued events per worker
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -355,6 +365,8 @@ class Broker:
                 break  # more is queued: run the timers, let other tasks in, come straight back
         if self._mail:
             self._drain_mail()
+        if self._kv_backlog:
+            self._run_kv_backlog()
         for path, mon in self._monitors:
             try:
                 self._drain_monitor(path, mon)
@@ -368,7 +380,7 @@ class Broker:
             self._fail_all(ErrorCode.UNAVAILABLE, "broker shut down before the request finished")
             self._stop_io()  # also resolves _done: run() returns and closes the sockets
             return
-        if self._mail or busy:
+        if self._mail or busy or self._kv_backlog:
             self._kick()
         else:
             # Only sockets sent on after their last readiness check can hide queued input.
@@ -384,11 +396,13 @@ class Broker:
         """Account one pump's lateness plus its own duration: loop lag, measured.
 
         A stall above ``_STALL_CREDIT_S`` moves every session's expiry by its length (what was
-        queued meanwhile is read before anyone is expired, see :meth:`_run_timers`), and a
-        decaying maximum of recent stalls drives load shedding in :meth:`_on_submit`."""
+        queued meanwhile is read before anyone is expired, see :meth:`_run_timers`), and their
+        time-weighted average drives load shedding in :meth:`_refusal`."""
         self.stats.loop_lag.observe(stall_s)
-        decay = math.exp(-(now - self._lag_at_s) / 0.5) if self._lag_at_s else 0.0
-        self._lag_s = max(stall_s, self._lag_s * decay)
+        # Time-weighted average of the stalls over about a second: one slow pump (a 4 MB KV
+        # batch, a GC pass) does not shed, a loop that keeps lagging does.
+        keep = math.exp(-(now - self._lag_at_s) / _LAG_WINDOW_S) if self._lag_at_s else 0.0
+        self._lag_s = self._lag_s * keep + (stall_s if stall_s > _STALL_CREDIT_S else 0.0) * (1.0 - keep)
         self._lag_at_s = now
         if stall_s > _STALL_CREDIT_S:
             self.stats.loop["stalls"] += 1
@@ -525,13 +539,14 @@ class Broker:
 
     def _drain(self, sock: zmq.Socket, handler, budget_end: float = float("inf")) -> bool:
         """Receive up to _DRAIN_BATCH messages without blocking, and not past ``budget_end``
-        (monotonic; checked every 16 messages); True if more may be queued.
+        (monotonic; checked before each message after the first); True if more may be queued.
 
         Readiness is read from ZMQ_EVENTS before each receive: about a third of what a failed
         receive costs (pyzmq builds a zmq.Again exception), and most pumps find one socket idle.
         """
+        mono = time.monotonic
         for i in range(_DRAIN_BATCH):
-            if i & 15 == 15 and time.monotonic() >= budget_end:
+            if i and mono() >= budget_end:  # one message can be expensive (a 4 MB batch)
                 return True
             if not socket_readable(sock):
                 self._dirty.discard(sock)  # just read EVENTS: its FD is armed again
@@ -804,6 +819,7 @@ class Broker:
     def _watch_progress(self, inf: Inflight, now: float) -> None:
         """A dispatched attempt must hear from its worker within ``progress_timeout_ms``."""
         inf.replied = False
+        inf.sent_s = now
         if self.s.progress_timeout_ms:
             heapq.heappush(self._progress, (now + self.s.progress_timeout_ms / 1000.0, inf.rid, inf.attempt))
 
@@ -1160,7 +1176,9 @@ class Broker:
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
             self.stats.dropped["stale_reply"] += 1
             return
-        inf.replied = True
+        if not inf.replied:
+            inf.replied = True
+            sess.state.record_first_reply((time.monotonic() - inf.sent_s) * 1000.0)
         if m.seq != inf.chunks_sent:
             self.stats.dropped["chunk_out_of_order"] += 1
             if self._limiter.allow(("chunk_seq", sess.worker_id)):
@@ -1178,6 +1196,9 @@ class Broker:
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
             self.stats.dropped["stale_reply"] += 1
             return
+        if not inf.replied:
+            inf.replied = True
+            sess.state.record_first_reply((time.monotonic() - inf.sent_s) * 1000.0)
         if inf.phase == "prefill":
             if m.finish_reason == "prefill_done":
                 self._handoff(inf, sess, m, time.monotonic())
@@ -1320,9 +1341,51 @@ class Broker:
         self.stats.kv["batches"] += 1
         if self.kv_sink is None:
             return
-        for dp_rank, why in self.kv_sink.on_kv_events(sess.worker_id, m, time.monotonic()):
-            self.stats.kv["resync_requested"] += 1
-            self._send_worker(sess.identity, P.encode_resync(dp_rank, why))
+        slices = getattr(self.kv_sink, "kv_slices", None)
+        if slices is None or (not self._kv_backlog and len(m.events) <= _KV_SLICE_EVENTS):
+            for dp_rank, why in self.kv_sink.on_kv_events(sess.worker_id, m, time.monotonic()):
+                self.stats.kv["resync_requested"] += 1
+                self._send_worker(sess.identity, P.encode_resync(dp_rank, why))
+            return
+        # Large (or behind a large one): applied in slices by _run_kv_backlog, bounded in memory.
+        # A dropped batch leaves a sequence gap, which the index turns into a resync request.
+        n = len(m.events)
+        queued = sum(self._kv_backlog_events.values())
+        if queued + n > _KV_BACKLOG_MAX_EVENTS or self._kv_backlog_events[sess.worker_id] + n > _KV_BACKLOG_MAX_WORKER_EVENTS:
+            self.stats.kv["backlog_dropped"] += 1
+            if self._limiter.allow(("kv_backlog_full", sess.worker_id)):
+                self.log.warning("kv_batch_dropped", worker_id=sess.worker_id, events=n, queued=queued)
+            return
+        self.stats.kv["backlog_queued"] += 1
+        self._kv_backlog_events[sess.worker_id] += n
+        self._kv_backlog.append((sess.worker_id, sess.identity, n, slices(sess.worker_id, m, time.monotonic(), _KV_SLICE_EVENTS)))
+
+    def _run_kv_backlog(self) -> None:
+        """Apply queued KV batches slice by slice for at most ``_KV_BACKLOG_BUDGET_S``."""
+        end = time.monotonic() + _KV_BACKLOG_BUDGET_S
+        bl = self._kv_backlog
+        while bl and time.monotonic() < end:
+            wid, ident, n, gen = bl[0]
+            try:
+                next(gen)
+                continue
+            except StopIteration as done:
+                resyncs = done.value or []
+            except Exception as exc:  # the index must never take the loop down
+                resyncs = []
+                self.stats.dropped["handler_exception"] += 1
+                self.log.exception("kv_apply_failed", worker_id=wid, error=repr(exc))
+            bl.popleft()
+            left = self._kv_backlog_events[wid] - n
+            if left > 0:
+                self._kv_backlog_events[wid] = left
+            else:
+                del self._kv_backlog_events[wid]
+            sess = self.registry.by_identity.get(ident)
+            for dp_rank, why in resyncs:
+                if sess is not None:
+                    self.stats.kv["resync_requested"] += 1
+                    self._send_worker(ident, P.encode_resync(dp_rank, why))
 
     def _remove_session(self, sess: WorkerSession, now: float, why: str) -> None:
         self.registry.remove(sess)
@@ -1432,7 +1495,7 @@ class Broker:
             agg = st.fresh_load(now, self.s.load_freshness_s)
             out.append({
                 "worker_id": st.worker_id, "role": st.role, "labels": st.labels, "healthy": st.healthy and not sess.draining,
-                "inflight": st.inflight, "epoch": sess.ready.epoch,
+                "inflight": st.inflight, "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
                 "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4)},
             })
         return out

@@ -37,6 +37,9 @@ _BASE_LEN = 6  # tag + 5 prefix fields
 _FULL_LEN = 1 + len(_FIELDS)
 
 
+_MAX_VALUE = 1 << 40  # beyond any real counter; keeps sums and STATUS replies encodable
+
+
 @dataclass(slots=True)
 class LoadStat:
     """One DP rank's load as SGLang publishes it. ``extended`` says positions 6-10 were present."""
@@ -74,8 +77,8 @@ class LoadStat:
         else:
             raise ProtocolError("bad_loadstat", f"expected array or map, got {type(obj).__name__}")
         for name, v in zip(_FIELDS, vals):
-            if type(v) is not int or v < 0:
-                raise ProtocolError("bad_loadstat", f"{name} must be a non-negative int, got {v!r}")
+            if type(v) is not int or not 0 <= v < _MAX_VALUE:
+                raise ProtocolError("bad_loadstat", f"{name} must be an int in [0, 2**40), got {v!r}")
         return cls(*vals, extended=extended)
 
     @property

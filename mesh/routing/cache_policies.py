@@ -192,6 +192,10 @@ class CacheAware:
         ttft = 1000.0 * work / rate + c.prefill_overhead_ms + chunks * step
         if capacity and used + prompt_tokens > capacity:
             ttft += c.kv_full_penalty_ms  # must wait for running requests to free KV
+        if agg is None and w.distrusted(now_s):
+            # Its LoadStat lied (it claimed fewer requests than this router has there): what it
+            # has actually been delivering bounds the prediction from below.
+            ttft = max(ttft, w.first_reply_ms)
         return ttft, ttft + self.decode_harm_weight * running * own_ms
 
     def choose(self, req, candidates, match, now_s, by_id: dict[str, WorkerState] | None = None):

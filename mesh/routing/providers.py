@@ -157,14 +157,20 @@ class LocalIndexProvider:
         meanwhile, so the index under-reports but never over-reports); a resync snapshot (a
         batch that starts with AllBlocksCleared) re-trusts it.
         """
+        return self._apply_batch(worker_id, dp_rank, epoch, seq, events, now_s)[0]
+
+    def _apply_batch(self, worker_id: str, dp_rank: int, epoch: int, seq: int, events: Sequence[KV.KvEvent],
+                     now_s: float) -> tuple[str | None, bool]:
+        """:meth:`apply_events`, also saying whether the batch was applied (not a duplicate)."""
         stream = (worker_id, dp_rank)
         bs = self._bs.by_worker.get(worker_id, self.block_size)
+        self.counters["batches"] += 1
         if events and type(events[0]) is KV.AllBlocksCleared and not self.index.is_trusted(stream):
             self.index.reset_stream(stream, epoch, seq)
             self._resync_pending.pop(stream, None)
             self.counters["resyncs_applied"] += 1
             self._apply(stream, events[1:], bs)
-            return None
+            return None, True
         v = self.index.begin_batch(stream, epoch, seq)
         if v.apply:  # begin_batch already advanced the stream: the batch must be applied
             self._apply(stream, events, bs)
@@ -176,8 +182,8 @@ class LocalIndexProvider:
             last = self._resync_pending.get(stream)
             if last is None or now_s - last >= self.resync_retry_s:
                 self._resync_pending[stream] = now_s
-                return "gap"
-        return None
+                return "gap", v.apply
+        return None, v.apply
 
     def _apply(self, stream, events: Sequence[KV.KvEvent], bs: int) -> None:
         ops: list[Any] = []
@@ -194,7 +200,6 @@ class LocalIndexProvider:
                 ops.append(Clear())
         if ops:
             self.index.apply(stream, ops)
-        self.counters["batches"] += 1
 
     # ------------------------------------------------------------------ broker adapter
     def on_worker_ready(self, ready) -> None:
@@ -205,11 +210,32 @@ class LocalIndexProvider:
 
     def on_kv_events(self, worker_id: str, msg, now_s: float = 0.0) -> list[tuple[int, str]]:
         """Broker entry point: decode a KV_EVENTS message (tolerantly) and apply it."""
-        events, skipped = KV.decode_events(msg.events)
-        for reason, n in skipped.items():
-            self.counters[f"skipped_{reason}"] += n
+        events = self._decode(msg.events)
         why = self.apply_events(worker_id, msg.dp_rank, msg.epoch, msg.seq, events, now_s)
         return [(msg.dp_rank, why)] if why else []
+
+    def kv_slices(self, worker_id: str, msg, now_s: float = 0.0, step: int = 1024):
+        """:meth:`on_kv_events` in slices of ``step`` events: a generator that yields between
+        slices (so a broker can serve and heartbeat while a 4 MB batch is applied) and returns
+        the resync requests. The first slice decides, as for a whole batch, whether the batch
+        is applied (sequence check); matches in between see a partly applied batch, which only
+        under-reports."""
+        raw = msg.events
+        why, applied = self._apply_batch(worker_id, msg.dp_rank, msg.epoch, msg.seq, self._decode(raw[:step]), now_s)
+        stream = (worker_id, msg.dp_rank)
+        for start in range(step, len(raw) if applied else 0, step):
+            yield
+            bs = self._bs.by_worker.get(worker_id)
+            if bs is None:
+                break  # the worker left meanwhile: its entries are gone, do not re-add them
+            self._apply(stream, self._decode(raw[start:start + step]), bs)
+        return [(msg.dp_rank, why)] if why else []
+
+    def _decode(self, raw: list) -> list[KV.KvEvent]:
+        events, skipped = KV.decode_events(raw)
+        for reason, n in skipped.items():
+            self.counters[f"skipped_{reason}"] += n
+        return events
 
     def stats(self) -> dict[str, Any]:
         return {**self.index.stats(), **{f"provider_{k}": v for k, v in self.counters.items()}}

@@ -71,6 +71,16 @@ class WorkerState:
     load_strikes: int = 0
     load_distrust_until_s: float = 0.0
     load_distrusted: int = 0
+    first_reply_ms: float = 0.0  # EWMA of dispatch -> first reply seen by this router (outcomes)
+
+    def distrusted(self, now_s: float) -> bool:
+        """True while this worker's telemetry is ignored (see ``load_strikes``)."""
+        return now_s < self.load_distrust_until_s
+
+    def record_first_reply(self, ms: float) -> None:
+        """An attempt sent here got its first reply after ``ms``: what this worker really does,
+        whatever its LoadStat says (policies use it where the telemetry is distrusted)."""
+        self.first_reply_ms = ms if self.first_reply_ms == 0.0 else 0.8 * self.first_reply_ms + 0.2 * ms
 
     def update_load(self, stats: Sequence[LoadStat], now_s: float) -> None:
         """Record a heartbeat's LoadStats (one per rank, rank taken from ``attn_dp_rank``)."""
