@@ -113,6 +113,7 @@ class Inflight:
     fail_cause: str = ""  # error code of the last failed attempt
     replied: bool = False  # the current attempt's worker sent something for it (progress)
     sent_s: float = 0.0  # when the current attempt was sent (first-reply latency per worker)
+    quota: bytes = b""  # whose in-flight quota it counts against (the client; an HTTP request's peer)
 
     @property
     def committed(self) -> bool:
@@ -183,7 +184,8 @@ class Broker:
         self._monitors: list[tuple[str, Any]] = []
         self._worker_tokens: dict[str, list[int]] = {}  # worker_id -> [requests, prompt tokens, cached tokens]
         self.ready = asyncio.Event()
-        self._client_inflight: Counter[bytes] = Counter()  # client identity -> its requests in flight
+        self._client_inflight: Counter[bytes] = Counter()  # quota key (client identity) -> its requests in flight
+        self._local_quota: dict[bytes, bytes] = {}  # local (HTTP) identity -> its quota key
         self._progress: list[tuple[float, int, int]] = []  # (due_s, rid, attempt): no-progress checks
         self._due_s = 0.0  # the timer promised a pump by then: running later is loop lag
         self._lag_s = 0.0  # decaying maximum of recent loop stalls (load shedding)
@@ -509,9 +511,13 @@ class Broker:
                 self.log.exception("mail_handler_failed", kind=kind, error=repr(exc))
 
     # -- local clients (HTTP ingress) -------------------------------------------------
-    def submit_local(self, identity: bytes, frames: list[bytes], replies: asyncio.Queue) -> None:
-        """Submit client frames on behalf of an in-process client; replies land in ``replies``."""
+    def submit_local(self, identity: bytes, frames: list[bytes], replies: asyncio.Queue, *, quota_key: bytes | None = None) -> None:
+        """Submit client frames on behalf of an in-process client; replies land in ``replies``.
+        ``quota_key`` names who the request counts against for ``max_inflight_per_client``
+        (the HTTP peer; each HTTP request has a fresh identity)."""
         self._local[identity] = replies
+        if quota_key is not None:
+            self._local_quota[identity] = quota_key
         self.post("client_frames", [identity, *frames])
 
     def cancel_local(self, identity: bytes) -> None:
@@ -519,6 +525,7 @@ class Broker:
 
     def forget_local(self, identity: bytes) -> None:
         self._local.pop(identity, None)
+        self._local_quota.pop(identity, None)
 
     def spawn(self, coro) -> asyncio.Task:
         """Run a helper coroutine on the broker's loop; it is cancelled when the broker closes."""
@@ -667,7 +674,8 @@ class Broker:
         inf = Inflight(rid, ident, sub.rid, sub, now + budget_ms / 1000.0)
         self._inflight[rid] = inf
         self._by_client[key] = rid
-        self._client_inflight[ident] += 1
+        inf.quota = self._local_quota.get(ident, ident)
+        self._client_inflight[inf.quota] += 1
         heapq.heappush(self._deadlines, (inf.deadline_s, rid))
         if self.async_provider:
             inf.route_req = self._route_request(inf)
@@ -680,7 +688,7 @@ class Broker:
         Checked in order of cost; nothing here looks at the prompt beyond its length."""
         if len(sub.raw) > P.MAX_FRAME_BYTES:  # an in-process client: workers could not take the frame
             return ErrorCode.TOO_LARGE, f"request body of {len(sub.raw)} bytes exceeds the {P.MAX_FRAME_BYTES}-byte frame limit"
-        if self._client_inflight[ident] >= self.s.max_inflight_per_client:
+        if self._client_inflight[self._local_quota.get(ident, ident)] >= self.s.max_inflight_per_client:
             return ErrorCode.RATE_LIMITED, f"this client already has {self.s.max_inflight_per_client} requests in flight"
         if self._lag_s * 1000.0 > self.s.overload_lag_ms:
             self.stats.loop["shed"] += 1
@@ -1029,11 +1037,12 @@ class Broker:
             self._unpark_one(time.monotonic())
         self._inflight.pop(inf.rid, None)
         if self._by_client.pop((inf.client, inf.client_rid), None) is not None:
-            n = self._client_inflight[inf.client] - 1
+            qk = inf.quota
+            n = self._client_inflight[qk] - 1
             if n > 0:
-                self._client_inflight[inf.client] = n
+                self._client_inflight[qk] = n
             else:
-                del self._client_inflight[inf.client]
+                self._client_inflight.pop(qk, None)
         if inf.holds_retry_budget:
             self.budget.release()
             inf.holds_retry_budget = False

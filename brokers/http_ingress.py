@@ -49,6 +49,7 @@ and is closed. The listen backlog is bounded too, so the ingress holds at most
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import math
@@ -63,13 +64,17 @@ from mesh import protocol as P
 from mesh.errors import ErrorCode
 from mesh.logs import get_logger
 
+# The quota key of the HTTP request being handled (its peer address): every HTTP request has its
+# own random local identity, so the broker's per-client in-flight quota counts by this instead.
+_QUOTA_KEY: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("mesh_http_quota_key", default=None)
+
 __all__ = ["HttpIngress", "MAX_BODY_BYTES", "MAX_SUBMIT_BYTES"]
 
 MAX_BODY_BYTES = P.MAX_FRAME_BYTES // 2
 # The SUBMIT body becomes REQUEST frame 3 verbatim; keep a small margin under the frame cap.
 MAX_SUBMIT_BYTES = P.MAX_FRAME_BYTES - 4096
 _LOCAL_PREFIX = b"\x00http:"
-_MAX_TOKENS = 1 << 20  # the protocol's max_new_tokens bound
+_MAX_TOKENS = P.MAX_NEW_TOKENS  # the protocol's max_new_tokens bound
 _MAX_DEADLINE_MS = 86_400_000  # the protocol's deadline_ms bound
 _FIRST_OUTPUT_WAIT_S = 5.0  # after ACCEPTED, how long a stream waits for output before committing a 200
 _RETRY_AFTER_S = "1"
@@ -389,6 +394,7 @@ class HttpIngress:
         conn = tr.get_protocol() if tr is not None else None
         if isinstance(conn, _Conn):
             self.guard.busy(conn)
+        _QUOTA_KEY.set(b"\x00httpq:" + (request.remote or "?").encode())
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -594,7 +600,7 @@ class HttpIngress:
         if isinstance(check, P.ProtocolError):
             raise _BadRequest(f"invalid request: {check.detail or check.reason}"[:300])
         q: asyncio.Queue = asyncio.Queue()
-        self.broker.submit_local(ident, frames, q)
+        self.broker.submit_local(ident, frames, q, quota_key=_QUOTA_KEY.get())
         return _Call(self.broker, ident, rid, q, deadline_ms / 1000.0 + 5.0)
 
     async def _first_output(self, call: _Call):

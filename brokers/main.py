@@ -40,7 +40,7 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
         client = IndexerClient(
             list(settings.kv_indexer_endpoint), query_timeout_ms=settings.kv_indexer_query_timeout_ms,
             max_inflight=settings.kv_indexer_query_max_inflight,
-            token_file=settings.kv_indexer_token_file or None,
+            token_file=settings.kv_indexer_token_file or None, owner=settings.broker_id or None,
             on_resync=lambda wid, rank, why: holder["b"].post("resync", (wid, rank, why)) if "b" in holder else None,
         )
         provider = RemoteIndexProvider(client)

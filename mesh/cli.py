@@ -43,7 +43,8 @@ _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_
                  "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "api_key_file", "http_max_connections", "http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
 
 # containment limits (issue 12): what one worker or client may ask of a broker
-_BROKER_FLAGS += ["max_worker_heartbeat_ms", "max_workers", "max_inflight_per_client", "progress_timeout_ms", "overload_lag_ms"]
+_BROKER_FLAGS += ["max_worker_heartbeat_ms", "max_workers", "max_inflight_per_client", "progress_timeout_ms", "overload_lag_ms",
+                  "kv_indexer_token_file"]
 
 
 def _add_broker(sub) -> None:
@@ -58,6 +59,7 @@ def _add_broker(sub) -> None:
     p.add_argument("--kv-indexer-endpoint", action="append", help="shared KV indexer http://HOST:PORT (repeat for replicas)")
     p.add_argument("--kv-indexer-query-timeout-ms", type=int, help="deadline of one indexer query (default 100)")
     p.add_argument("--kv-indexer-query-max-inflight", type=int, help="concurrent indexer queries (default 32)")
+    p.add_argument("--kv-indexer-token-file", help="file holding the shared KV indexer's bearer token (mesh indexer --token-file)")
     p.add_argument("--bucket-config", help="bucket domains file (TOML or JSON), e.g. configs/buckets-example.toml")
     p.add_argument("--pd", action="store_true", default=None, help="prefill/decode disaggregation (prefill + decode workers)")
     p.add_argument("--no-global-cache-winner", dest="global_cache_winner", action="store_false", default=None,

@@ -132,6 +132,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "MAX_LABELS",
     "MAX_STATUS_WORKERS",
+    "MAX_NEW_TOKENS",
     "Cmd",
     "Submit",
     "Cancel",
@@ -170,6 +171,10 @@ MAX_LABEL_KEY_BYTES = 64
 MAX_LABEL_VALUE_BYTES = 128
 MAX_STATUS_WORKERS = 1024
 MAX_TOKEN_ID = 2**32
+# A non-streamed FINAL carries every output token (and its text) back through one frame:
+# 2**18 tokens at up to 5 msgpack bytes each plus their text stays under MAX_FRAME_BYTES, so a
+# long answer can never exceed the worker path's frame limit (and drop the worker's connection).
+MAX_NEW_TOKENS = 1 << 18
 
 ROLES = ("prefill", "decode", "mixed")
 DRAINING = "draining"  # DISCONNECT reason: graceful worker drain
@@ -472,7 +477,7 @@ def _parse_submit(raw: bytes) -> Submit:
     elif type(text) is not str or not text:
         raise ProtocolError("bad_field", "text must be a non-empty string")
     params = _opt_map(d, "params") or {}
-    mnt = _int(params, "max_new_tokens", required=False, default=128, lo=0, hi=1 << 20)
+    mnt = _int(params, "max_new_tokens", required=False, default=128, lo=0, hi=MAX_NEW_TOKENS)
     deadline = _int(d, "deadline_ms", required=False, default=0, lo=1, hi=86_400_000) if "deadline_ms" in d else None
     slo = _opt_map(d, "slo") or {}
     ttft = _int(slo, "ttft_ms", required=False, default=0, lo=1) if slo.get("ttft_ms") is not None else None

@@ -473,3 +473,32 @@ async def _final_counts(frontend: str, n: int):
     c = (await status(frontend)).counters
     done = c.get("requests.ok", 0) + c.get("requests.client_slow", 0) + c.get("requests.client_gone", 0)
     return c if done >= n and c.get("requests.client_slow", 0) else None
+
+
+def test_http_requests_count_against_their_peers_quota(procs):
+    """Every HTTP request has a fresh local identity, so a per-identity quota never bound HTTP
+    users: the ingress passes the peer's address as the quota key."""
+    import aiohttp
+
+    from mesh.procs import wait_for_log_event
+
+    b = procs.broker("b", *FAST, "--http", "127.0.0.1:0", "--max-inflight-per-client", "3", "--progress-timeout-ms", "0")
+    url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen)["url"]
+
+    async def body():
+        hold = await FakeWorker(b.backend, "hold", never_answer).start()
+        async with aiohttp.ClientSession() as http:
+            async def post():
+                async with http.post(f"{url}/v1/completions", json={"model": "mesh", "prompt": "hi", "max_tokens": 1},
+                                     headers={"x-mesh-deadline-ms": "3000"}) as r:
+                    return r.status, await r.json()
+            first = [asyncio.create_task(post()) for _ in range(3)]
+            await until(lambda: hold.requests == 3, what="three requests held")
+            status_code, err = await post()
+            assert status_code == 429 and err["error"]["code"] == ErrorCode.RATE_LIMITED.value, err
+            await asyncio.gather(*first)  # they end at their deadline (504): the quota frees again
+        c = (await status(b.frontend)).counters
+        assert c.get("requests.rate_limited") == 1, c
+        await hold.close()
+
+    run(body())
