@@ -51,7 +51,8 @@ from mesh.retry import RetryBudget, RetryPolicy
 from mesh.routing.router import Router
 from mesh.hashing import text_to_tokens
 from mesh.routing.view import Decision, RouteRequest, WorkerState
-from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, send_frames, socket_readable
+from mesh.security import key_may_claim
+from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, recv_frames_user, send_frames, socket_readable
 
 __all__ = ["Broker", "Inflight"]
 
@@ -132,11 +133,16 @@ class Broker:
         kv_sink: Any = None,
         curve: CurveKeys | None = None,
         ctx: zmq.asyncio.Context | None = None,
+        worker_keys: dict[bytes, str] | None = None,
     ) -> None:
         self.s = settings
         self.router = router
         self.kv_sink = kv_sink  # optional: receives KV_EVENTS (mesh.routing providers)
         self.curve = curve
+        # CURVE: z85 public key -> key name of every allow-listed worker key. A registration is
+        # bound to the key its connection authenticated with (mesh.security.key_may_claim).
+        self.worker_keys = worker_keys
+        self._peer_key: bytes | None = None  # User-Id of the worker message being handled
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         self.broker_id = settings.broker_id or f"broker-{os.getpid()}"
@@ -362,7 +368,8 @@ class Broker:
         budget_end = t0 + _PUMP_BUDGET_S
         busy = True
         while busy:
-            busy = self._drain(back, self._on_worker_frames, budget_end) | self._drain(front, self._on_client_socket_frames, budget_end)
+            busy = (self._drain(back, self._on_worker_frames, budget_end, with_user=self.worker_keys is not None)
+                    | self._drain(front, self._on_client_socket_frames, budget_end))
             if busy and time.monotonic() >= budget_end:
                 break  # more is queued: run the timers, let other tasks in, come straight back
         if self._mail:
@@ -544,7 +551,7 @@ class Broker:
                 self.log.warning("prefetch_failed", error=repr(exc))
         self.post("matched", inf.rid)
 
-    def _drain(self, sock: zmq.Socket, handler, budget_end: float = float("inf")) -> bool:
+    def _drain(self, sock: zmq.Socket, handler, budget_end: float = float("inf"), with_user: bool = False) -> bool:
         """Receive up to _DRAIN_BATCH messages without blocking, and not past ``budget_end``
         (monotonic; checked before each message after the first); True if more may be queued.
 
@@ -559,7 +566,10 @@ class Broker:
                 self._dirty.discard(sock)  # just read EVENTS: its FD is armed again
                 return False
             try:
-                frames = recv_frames(sock)
+                if with_user:
+                    frames, self._peer_key = recv_frames_user(sock)
+                else:
+                    frames = recv_frames(sock)
             except zmq.Again:  # EVENTS promised a message; never expected, harmless
                 return False
             try:
@@ -1146,7 +1156,13 @@ class Broker:
         if old is None and len(self.registry) >= self.s.max_workers:
             self._refuse_ready(ident, r, "max_workers", f"broker already has {self.s.max_workers} workers")
             return
-        if old is not None and old.identity != ident:
+        key_name = None
+        if self.worker_keys is not None:
+            key_name = self.worker_keys.get(self._peer_key or b"")
+            if key_name is None or not key_may_claim(key_name, r.worker_id):
+                self._refuse_ready(ident, r, "key_mismatch", f"this CURVE key may not register as {r.worker_id!r}")
+                return
+        if old is not None and old.identity != ident and not (key_name and old.key_name == key_name):
             # A live worker id is not given away: a second claimant (an impostor, or a restart
             # whose old connection is still up) waits until the old session is silent. A
             # restarted worker's old connection is gone, so our next heartbeat to it fails and
@@ -1161,7 +1177,8 @@ class Broker:
             worker_id=r.worker_id, role=r.role, labels=dict(r.labels), block_size=r.block_size,
             max_running_requests=r.max_running_requests, max_total_num_tokens=r.max_total_num_tokens, dp_size=r.dp_size,
         )
-        sess = WorkerSession(ident, r, state, expiry_s=0.0, hb_slot=next(self._hb_slots) % _HB_SLICES, last_seen_s=now)
+        sess = WorkerSession(ident, r, state, expiry_s=0.0, hb_slot=next(self._hb_slots) % _HB_SLICES, last_seen_s=now,
+                             key_name=key_name or "")
         sess.expiry_s = now + self._expiry_s(sess)
         old = self.registry.add(sess)
         if old is not None:

@@ -26,6 +26,10 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
         from mesh.security import server_keys
 
         kwargs["curve"] = server_keys(settings.curve_secret)
+    if settings.curve_secret and settings.curve_allow_workers and "worker_keys" not in kwargs:
+        from mesh.security import worker_key_names
+
+        kwargs["worker_keys"] = worker_key_names(settings.curve_allow_workers)
     rng = random.Random(settings.seed)
     try:
         policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s)

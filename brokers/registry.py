@@ -33,6 +33,7 @@ class WorkerSession:
     ejected_until_s: float = 0.0
     hb_slot: int = 0  # which slice of each heartbeat interval this session's heartbeat goes out in
     last_seen_s: float = 0.0  # when the broker last read anything from this session
+    key_name: str = ""  # CURVE: the allow-listed key this registration authenticated with
     # Outcome window for outlier ejection: 1 = the attempt failed on this worker, 0 = it finished.
     outcomes: deque = field(default_factory=lambda: deque(maxlen=OUTCOME_WINDOW))
     outcome_errors: int = 0  # sum of ``outcomes``

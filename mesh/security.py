@@ -29,7 +29,7 @@ import zmq.auth
 from mesh.errors import ConfigError
 from mesh.sockets import CurveKeys
 
-__all__ = ["keygen", "server_keys", "client_keys", "valid_key_name"]
+__all__ = ["keygen", "server_keys", "client_keys", "valid_key_name", "worker_key_names", "key_may_claim"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SECRET_BANNER = ("#   ****  Generated on {0} by mesh keygen  ****\n#   ZeroMQ CURVE **Secret** Certificate\n"
@@ -139,3 +139,24 @@ def client_keys(secret_path: str | Path, server_public_path: str | Path) -> Curv
     pub, sec = _load(secret_path, "curve_secret", True)
     server_pub, _ = _load(server_public_path, "curve_server_key", False)
     return CurveKeys(public_key=pub, secret_key=sec, server=False, server_key=server_pub)  # type: ignore[arg-type]
+
+
+def worker_key_names(allow_dir: str | Path) -> dict[bytes, str]:
+    """The worker allow-list as ``z85 public key -> key name`` (the ``NAME`` of ``NAME.key``):
+    the broker binds each registration to the key its connection authenticated with."""
+    from zmq.auth import load_certificate
+
+    out: dict[bytes, str] = {}
+    for path in sorted(Path(allow_dir).glob("*.key")):
+        try:
+            public, _ = load_certificate(str(path))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"curve_allow_workers: {path} is not a public key file ({exc})") from None
+        out[public] = path.stem
+    return out
+
+
+def key_may_claim(key_name: str, worker_id: str) -> bool:
+    """A worker key named ``NAME`` may register as ``NAME`` or ``NAME-...`` / ``NAME/...`` (one
+    process with ``--count N`` registers ``NAME-0`` .. ``NAME-{N-1}``), and as nothing else."""
+    return worker_id == key_name or worker_id.startswith((key_name + "-", key_name + "/"))

@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from mesh.protocol import MAX_FRAME_BYTES
 
-__all__ = ["send_frames", "recv_frames", "socket_readable", "ReadyPoller", "SocketSpec", "CurveKeys", "make_socket", "BROKER_FRONTEND", "BROKER_BACKEND", "WORKER_DEALER", "CLIENT_DEALER", "TELEMETRY_PUB"]
+__all__ = ["send_frames", "recv_frames", "recv_frames_user", "socket_readable", "ReadyPoller", "SocketSpec", "CurveKeys", "make_socket", "BROKER_FRONTEND", "BROKER_BACKEND", "WORKER_DEALER", "CLIENT_DEALER", "TELEMETRY_PUB"]
 
 
 # Hot-path helpers. pyzmq's sugar layer (enum flag arithmetic, per-part type checks) costs more
@@ -53,6 +53,24 @@ def recv_frames(sock: zmq.Socket) -> list[bytes]:
         parts.append(f.bytes)
         if not f.more:
             return parts
+
+
+def recv_frames_user(sock: zmq.Socket) -> tuple[list[bytes], bytes | None]:
+    """:func:`recv_frames` plus the message's ZAP ``User-Id`` (the z85 CURVE public key the
+    peer authenticated with; None without ZAP)."""
+    parts = []
+    user = None
+    while True:
+        f = _raw_recv(sock, _NOBLOCK, False)
+        if user is None:
+            try:
+                u = f.get("User-Id")
+            except zmq.ZMQError:
+                u = None
+            user = u.encode() if isinstance(u, str) and u else b""
+        parts.append(f.bytes)
+        if not f.more:
+            return parts, (user or None)
 
 
 def socket_readable(sock: zmq.Socket) -> bool:

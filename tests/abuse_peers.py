@@ -31,7 +31,7 @@ def raw_dealer(endpoint: str, *, identity: bytes | None = None, **opts: int) -> 
         s.setsockopt(zmq.ROUTING_ID, identity)
     for name, v in opts.items():
         s.setsockopt(getattr(zmq, name), v)
-    s.connect(endpoint)
+    s.connect(endpoint)  # (CURVE_* options, when given, are set before this)
     return s
 
 
@@ -68,13 +68,13 @@ class FakeWorker:
 
     def __init__(self, backend: str, worker_id: str, behaviour: Behaviour = answer_ok, *, heartbeat_ms: int = 200,
                  load: LoadStat | None = None, labels: dict[str, str] | None = None, token: int = 7,
-                 max_total_num_tokens: int = 400_000, identity: bytes | None = None) -> None:
+                 max_total_num_tokens: int = 400_000, identity: bytes | None = None, **sockopts) -> None:
         self.worker_id = worker_id
         self.behaviour = behaviour
         self.load = load
         self.token = token
         self.ready = P.Ready(worker_id, "m", "mixed", labels or {}, 16, 256, max_total_num_tokens, 1, next(_ids), heartbeat_ms)
-        self.sock = raw_dealer(backend, identity=identity or f"fake-{worker_id}-{next(_ids)}".encode())
+        self.sock = raw_dealer(backend, identity=identity or f"fake-{worker_id}-{next(_ids)}".encode(), **sockopts)
         self.requests = 0
         self.disconnects: list[str] = []
         self.registered = asyncio.Event()

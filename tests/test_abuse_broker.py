@@ -502,3 +502,36 @@ def test_http_requests_count_against_their_peers_quota(procs):
         await hold.close()
 
     run(body())
+
+
+def test_under_curve_a_key_may_only_claim_its_own_worker_ids(procs, tmp_path):
+    """Before: any allow-listed key could register as any worker id (and so replace it). Now
+    the key named NAME may register NAME, NAME-* and NAME/* only."""
+    from mesh.security import client_keys, keygen
+
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    keygen(keys, "broker")
+    allow.mkdir()
+    for name in ("gpu1", "gpu2"):
+        pub, _ = keygen(keys, name)
+        (allow / pub.name).write_bytes(pub.read_bytes())
+    b = procs.broker("b", *FAST, "--curve-secret", str(keys / "broker.key_secret"), "--curve-allow-workers", str(allow))
+
+    def curve_opts(name: str) -> dict:
+        ck = client_keys(keys / f"{name}.key_secret", keys / "broker.key")
+        return {"CURVE_SERVERKEY": ck.server_key, "CURVE_PUBLICKEY": ck.public_key, "CURVE_SECRETKEY": ck.secret_key}
+
+    async def body():
+        mine = await FakeWorker(b.backend, "gpu1-0", **curve_opts("gpu1")).start()
+        thief = FakeWorker(b.backend, "gpu1-1", **curve_opts("gpu2"))  # gpu2's key claiming gpu1's id
+        await thief.start(wait=False)
+        assert "may not register" in " ".join(await _disconnects(thief))
+        assert not thief.registered.is_set()
+        ok2 = await FakeWorker(b.backend, "gpu2", **curve_opts("gpu2")).start()
+        await ok2.close()
+        await thief.close()
+        await mine.close()
+
+    run(body())
+    # (STATUS needs a client key on a CURVE frontend: the refusal is read from the broker's log)
+    assert '"why": "key_mismatch"' in b.log_path.read_text()

@@ -17,7 +17,7 @@ from tests.conftest import run
 def test_curve_allow_lists(procs, tmp_path):
     keys, allowed_w, allowed_c, other = (tmp_path / d for d in ("keys", "allow-w", "allow-c", "other"))
     keygen(keys, "broker")
-    for name, d in (("good-worker", allowed_w), ("app", allowed_c)):
+    for name, d in (("good", allowed_w), ("app", allowed_c)):
         pub, _ = keygen(keys, name)
         d.mkdir(exist_ok=True)
         (d / pub.name).write_bytes(pub.read_bytes())
@@ -25,7 +25,7 @@ def test_curve_allow_lists(procs, tmp_path):
     keygen(other, "evil-app")
     b = procs.broker("b", "--curve-secret", str(keys / "broker.key_secret"), "--curve-allow-workers", str(allowed_w),
                      "--curve-allow-clients", str(allowed_c), "--heartbeat-ms", "200")
-    procs.workers("good", [b.backend], "--curve-secret", str(keys / "good-worker.key_secret"),
+    procs.workers("good", [b.backend], "--curve-secret", str(keys / "good.key_secret"),
                   "--curve-server-key", str(keys / "broker.key"), count=1)
     procs.workers("evil", [b.backend], "--curve-secret", str(other / "evil-worker.key_secret"),
                   "--curve-server-key", str(keys / "broker.key"), count=1)
