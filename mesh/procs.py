@@ -20,14 +20,17 @@ from pathlib import Path
 __all__ = ["Proc", "ProcGroup", "BrokerProc", "wait_for_log_event"]
 
 
-def wait_for_log_event(path: Path, event: str, timeout_s: float, proc: subprocess.Popen | None = None) -> dict:
-    """Block until a JSON log line with ``"event": event`` appears in ``path``; return it.
+def wait_for_log_event(path: Path, event: str, timeout_s: float, proc: subprocess.Popen | None = None, *,
+                       start: int = 0) -> dict:
+    """Block until a JSON log line with ``"event": event`` appears in ``path`` at or after byte
+    ``start``; return it. (Logs are appended to: a process restarted under the same name must
+    not be taken as ready on its predecessor's line, so spawners pass the size at spawn time.)
 
     Raises TimeoutError (with the log tail) if it does not appear in time, or RuntimeError if
     ``proc`` exits first.
     """
     deadline = time.monotonic() + timeout_s
-    pos = 0
+    pos = start
     buf = ""
     while True:
         if path.exists():
@@ -65,6 +68,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    log_start: int = 0  # size of the (appended) log when this process was spawned
 
     @property
     def pid(self) -> int:
@@ -105,11 +109,12 @@ class ProcGroup:
     def _spawn(self, name: str, args: list[str]) -> Proc:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
+        start = log_path.stat().st_size if log_path.exists() else 0
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with log_path.open("ab") as log:
             p = subprocess.Popen([sys.executable, "-m", "mesh.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        proc = Proc(name, p, log_path)
+        proc = Proc(name, p, log_path, start)
         self.procs.append(proc)
         return proc
 
@@ -117,8 +122,8 @@ class ProcGroup:
                timeout_s: float = 30.0) -> BrokerProc:
         """Start a broker and wait for its ``broker_listening`` line (which names the real ports)."""
         p = self._spawn(name, ["broker", "--frontend", frontend, "--backend", backend, "--broker-id", name, *extra])
-        rec = wait_for_log_event(p.log_path, "broker_listening", timeout_s, p.popen)
-        bp = BrokerProc(p.name, p.popen, p.log_path, frontend=rec["frontend"], backend=rec["backend"])
+        rec = wait_for_log_event(p.log_path, "broker_listening", timeout_s, p.popen, start=p.log_start)
+        bp = BrokerProc(p.name, p.popen, p.log_path, p.log_start, frontend=rec["frontend"], backend=rec["backend"])
         self.procs[-1] = bp
         return bp
 
@@ -128,7 +133,7 @@ class ProcGroup:
         for b in backends:
             args += ["--broker", b]
         p = self._spawn(name, [*args, *extra])
-        wait_for_log_event(p.log_path, "workers_started", timeout_s, p.popen)
+        wait_for_log_event(p.log_path, "workers_started", timeout_s, p.popen, start=p.log_start)
         return p
 
     def stop_all(self, grace_s: float = 10.0) -> None:
