@@ -1104,11 +1104,14 @@ class Broker:
             elif not isinstance(msg, P.Disconnect):
                 # Unknown peer (e.g. we restarted and its TCP connection came back): ask it to re-register.
                 self.stats.frames_rejected[("worker", "unregistered_peer")] += 1
-                self._send_worker(ident, P.encode_disconnect("not registered; send READY"))
+                if self._limiter.allow(("unregistered_reply", ident)):  # at most once a second per peer
+                    self._send_worker(ident, P.encode_disconnect("not registered; send READY"))
             return
         now = time.monotonic()
         sess.expiry_s = now + self._expiry_s(sess)
         sess.last_seen_s = now
+        if not sess.confirmed:
+            self._confirm(sess, now)
         t = type(msg)
         if t is P.WorkerFinal:
             self._on_worker_final(sess, msg)
@@ -1140,6 +1143,13 @@ class Broker:
         # never beyond the broker's cap: a worker cannot switch its own liveness off.
         hb_ms = min(max(self.s.heartbeat_ms, sess.ready.heartbeat_ms), self.s.max_worker_heartbeat_ms)
         return hb_ms * self.s.liveness / 1000.0
+
+    def _confirm(self, sess: WorkerSession, now: float) -> None:
+        """The session's first message after READY: it is routable from now on."""
+        self.registry.set_confirmed(sess)
+        self.stats.workers["confirmed"] += 1
+        if self._parked:
+            self._unpark(now)
 
     def _refuse_ready(self, ident: bytes, r: P.Ready, why: str, message: str) -> None:
         """Refuse a registration: counted, warned (rate-limited) and answered with DISCONNECT at
@@ -1520,7 +1530,7 @@ class Broker:
             st = sess.state
             agg = st.fresh_load(now, self.s.load_freshness_s)
             out.append({
-                "worker_id": st.worker_id, "role": st.role, "labels": st.labels, "healthy": st.healthy and not sess.draining,
+                "worker_id": st.worker_id, "role": st.role, "labels": st.labels, "healthy": st.healthy and not sess.draining and sess.confirmed,
                 "inflight": st.inflight, "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
                 "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4)},
             })

@@ -34,6 +34,7 @@ class WorkerSession:
     hb_slot: int = 0  # which slice of each heartbeat interval this session's heartbeat goes out in
     last_seen_s: float = 0.0  # when the broker last read anything from this session
     key_name: str = ""  # CURVE: the allow-listed key this registration authenticated with
+    confirmed: bool = False  # it sent something after READY: only then is it routable
     # Outcome window for outlier ejection: 1 = the attempt failed on this worker, 0 = it finished.
     outcomes: deque = field(default_factory=lambda: deque(maxlen=OUTCOME_WINDOW))
     outcome_errors: int = 0  # sum of ``outcomes``
@@ -77,6 +78,10 @@ class Registry:
         sess.state.healthy = until_s == 0.0
         self._changed()
 
+    def set_confirmed(self, sess: WorkerSession) -> None:
+        sess.confirmed = True
+        self._changed()
+
     def set_draining(self, sess: WorkerSession) -> None:
         sess.draining = True
         sess.state.healthy = False
@@ -90,9 +95,11 @@ class Registry:
         return {wid: s.state for wid, s in self.by_id.items()}
 
     def pool(self) -> list[WorkerState]:
-        """Healthy, non-draining worker states (all roles), cached until membership changes."""
+        """Healthy, non-draining, confirmed worker states (all roles), cached until membership
+        changes. A session is confirmed by its first message after READY: a peer that
+        registers and then stays silent (or a thousand of them) never receives a request."""
         if self._pool is None:
-            self._pool = [s.state for s in self.by_id.values() if s.state.healthy and not s.draining]
+            self._pool = [s.state for s in self.by_id.values() if s.state.healthy and not s.draining and s.confirmed]
         return self._pool
 
     def expired(self, now_s: float) -> list[WorkerSession]:

@@ -55,8 +55,16 @@ async def never_answer(w: "FakeWorker", r: P.Request) -> None:
 
 
 async def answer_ok(w: "FakeWorker", r: P.Request) -> None:
-    await w.send(P.encode_worker_final(r.rid, r.attempt, "length", {"prompt_tokens": 1, "completion_tokens": 1},
-                                       {"token_ids": [w.token]}))
+    """An honest answer: ``max_new_tokens`` tokens, streamed as one chunk when the client streams."""
+    n = r.submit.max_new_tokens
+    toks = [w.token] * n
+    usage = {"prompt_tokens": len(r.submit.input_ids or []), "completion_tokens": n}
+    if r.submit.stream:
+        if n:
+            await w.send(P.encode_worker_chunk(r.rid, r.attempt, 0, {"token_ids": toks}))
+        await w.send(P.encode_worker_final(r.rid, r.attempt, "length", usage))
+    else:
+        await w.send(P.encode_worker_final(r.rid, r.attempt, "length", usage, {"token_ids": toks}))
 
 
 class FakeWorker:

@@ -446,6 +446,11 @@ def test_one_client_cannot_take_the_whole_broker(procs):
 
 
 async def _long_stream(w: FakeWorker, r: P.Request) -> None:
+    """1,000 chunks of 64 tokens for the slow reader's requests (first token 77); an honest
+    answer to anything else (it may be routed other clients' requests)."""
+    if not r.submit.input_ids or r.submit.input_ids[0] != 77:
+        await answer_ok(w, r)
+        return
     for seq in range(1000):
         await w.send(P.encode_worker_chunk(r.rid, r.attempt, seq, {"token_ids": list(range(64))}))
     await w.send(P.encode_worker_final(r.rid, r.attempt, "length", {"prompt_tokens": 2, "completion_tokens": 1000}))
@@ -459,7 +464,7 @@ def test_a_client_that_stops_reading_is_counted_slow_never_ok(procs):
         w = await FakeWorker(b.backend, "streamer", _long_stream).start()
         lazy = raw_dealer(b.frontend, RCVHWM=1, RCVBUF=4096)
         for i in range(100):  # 100k chunks: more than the broker's send HWM and every buffer
-            await lazy.send_multipart(P.encode_submit(f"s{i}", input_ids=[1, i], params={"max_new_tokens": 1000}))
+            await lazy.send_multipart(P.encode_submit(f"s{i}", input_ids=[77, i], params={"max_new_tokens": 1000}))
         c = await until(lambda: _final_counts(b.frontend, 100), timeout_s=40, what="every stream ended")
         assert c.get("requests.client_slow", 0) >= 1, c
         assert c.get("requests.ok", 0) < 100, c

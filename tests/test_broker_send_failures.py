@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from brokers.main import build_broker
 from mesh import protocol as P
@@ -71,6 +72,8 @@ def test_request_for_a_worker_whose_connection_is_gone_goes_to_another_worker(pr
         run(wait_for_workers(b.frontend_endpoint, 1))
         ghost = P.Ready("ghost", "m", "mixed", {}, 16, 256, 400_000, 1, 1, 1000)
         bt.call(b._on_ready, b"ghost-identity-never-connected", ghost)
+        # it had been serving (a confirmed session) when its connection went away
+        bt.call(lambda: b._confirm(b.registry.by_id["ghost"], time.monotonic()))
         run(wait_for_workers(b.frontend_endpoint, 2))  # the ghost is listed (healthy until its liveness expires)
 
         async def body():

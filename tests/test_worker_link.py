@@ -98,7 +98,8 @@ def test_ready_waits_for_the_curve_handshake(procs, tmp_path):
     curve = client_keys(keys / "app.key_secret", keys / "broker.key")
 
     async def body():
-        times = [await _start_and_time(procs, b, f"w{i}", "--curve-secret", str(keys / "w.key_secret"),
+        # key "w" may register as w-0, w-1, ... (a CURVE key is bound to the worker ids it names)
+        times = [await _start_and_time(procs, b, f"w-{i}", "--curve-secret", str(keys / "w.key_secret"),
                                        "--curve-server-key", str(keys / "broker.key")) for i in range(3)]
         return times, await _counters(b.frontend, curve)
 

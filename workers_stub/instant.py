@@ -106,7 +106,9 @@ class InstantFleet:
                 _try_send(sk, P.encode_worker_final(msg.rid, msg.attempt, "length", usage, {"token_ids": out}))
                 self.requests += 1
             elif t is P.Heartbeat:
-                self._unacked.discard(sk)
+                if sk in self._unacked:  # registered: confirm at once (the broker routes only then)
+                    self._unacked.discard(sk)
+                    _try_send(sk, self._hb)
             elif t is P.Disconnect:
                 self._unacked.add(sk)
                 _try_send(sk, self._ready[sk])

@@ -312,4 +312,7 @@ class BrokerLink:
         if not self.registered and isinstance(msg, P.Heartbeat):
             self.registered = True
             self.log.info("worker_link_registered")
+            # Confirm at once: a broker routes to a new session only after it has heard from it
+            # since READY (silent registrations never get traffic), so do not wait a full interval.
+            self._send(P.encode_heartbeat())
         self.on_message(self, msg)
