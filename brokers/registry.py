@@ -99,7 +99,12 @@ class Registry:
         changes. A session is confirmed by its first message after READY: a peer that
         registers and then stays silent (or a thousand of them) never receives a request."""
         if self._pool is None:
-            self._pool = [s.state for s in self.by_id.values() if s.state.healthy and not s.draining and s.confirmed]
+            pool = [s.state for s in self.by_id.values() if s.state.healthy and not s.draining and s.confirmed]
+            if not pool:
+                # Panic mode (as Envoy's): when every remaining worker is ejected, route to them
+                # anyway; an ejected worker is better than none (its peers may have left since).
+                pool = [s.state for s in self.by_id.values() if s.ejected_until_s and not s.draining and s.confirmed]
+            self._pool = pool
         return self._pool
 
     def expired(self, now_s: float) -> list[WorkerSession]:

@@ -17,6 +17,7 @@ def _broker_with_workers(n: int):
     b._fs = b._bs = None  # never bound: _send above stands in for both sockets
     for i in range(n):
         b._on_ready(f"id{i}".encode(), P.Ready(f"w{i}", "m", "mixed", {}, 16, 256, 400_000, 1, 1, 500))
+        b._confirm(b.registry.by_id[f"w{i}"], time.monotonic())  # as its first heartbeat would
     b._state = "serving"
     return b, sent
 

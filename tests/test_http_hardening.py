@@ -486,7 +486,8 @@ def test_stream_errors_before_output_keep_status_and_429_retry_after(procs):
     code, body, _ = _post(empty_url + "/generate", {"text": "x", "stream": True}, key=None)
     assert code == 503 and body["error"]["code"] == "no_worker"
 
-    holder = threading.Thread(target=_post, args=(url + "/v1/completions", {"prompt": "hold", "max_tokens": 60}),
+    # long enough (about 4 s of decoding) that it is still in flight while the 429s are checked
+    holder = threading.Thread(target=_post, args=(url + "/v1/completions", {"prompt": "hold", "max_tokens": 1000}),
                               kwargs={"key": None, "timeout": 30})
     holder.start()
     try:
