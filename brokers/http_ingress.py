@@ -603,6 +603,17 @@ class HttpIngress:
         self.broker.submit_local(ident, frames, q, quota_key=_QUOTA_KEY.get())
         return _Call(self.broker, ident, rid, q, deadline_ms / 1000.0 + 5.0)
 
+    async def _open_stream(self, request: web.Request, call: _Call):
+        """Wait for the first output before sending headers: an error (or the deadline) that
+        comes first keeps its HTTP status. Returns (error response, None, None) or
+        (None, the prepared stream, the first message or None)."""
+        m = await self._first_output(call)
+        if m is None and not call.done and call.t_end <= time.monotonic():
+            return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error"), None, None
+        if isinstance(m, P.ClientError):
+            return _mesh_err(m.code, m.message), None, None
+        return None, await self._begin_stream(request), m
+
     async def _first_output(self, call: _Call):
         """For streams: the first reply worth committing HTTP headers for (a CHUNK or a terminal),
         or None when the request was accepted but produced nothing within _FIRST_OUTPUT_WAIT_S
@@ -685,12 +696,9 @@ class HttpIngress:
                               if chat else {"index": 0, "text": text, "finish_reason": _finish(m.finish_reason), "logprobs": None})
                     return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model,
                                               "choices": [choice], "usage": _usage(m.usage)})
-        m = await self._first_output(call)
-        if m is None and not call.done and call.t_end <= time.monotonic():
-            return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error")
-        if isinstance(m, P.ClientError):
-            return _mesh_err(m.code, m.message)
-        resp = await self._begin_stream(request)
+        early, resp, m = await self._open_stream(request, call)
+        if early is not None:
+            return early
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         first = True
         while True:
@@ -765,12 +773,9 @@ class HttpIngress:
                 if isinstance(m, P.ClientFinal):
                     return web.json_response({"text": self._detok(m.data), "output_ids": m.data.get("token_ids", []),
                                               "meta_info": {"id": rid, **_sgl_meta(m)}})
-        m = await self._first_output(call)
-        if m is None and not call.done and call.t_end <= time.monotonic():
-            return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error")
-        if isinstance(m, P.ClientError):
-            return _mesh_err(m.code, m.message)
-        resp = await self._begin_stream(request)
+        early, resp, m = await self._open_stream(request, call)
+        if early is not None:
+            return early
         ids: list[int] = []
         text = ""
         while True:
