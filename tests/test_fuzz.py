@@ -90,10 +90,13 @@ def test_worker_answers():
     msgs = [P.decode_worker(f) for f in frames]
     assert [type(m) for m in msgs] == [P.WorkerChunk] * 4 + [P.WorkerFinal]
     assert [m.seq for m in msgs[:4]] == [0, 1, 2, 3] and all((m.rid, m.attempt) == (7, 2) for m in msgs)
-    _, frames = answer_request(rng, req, "garbage_payload")
-    final = P.decode_worker(frames[-1])
-    assert isinstance(final, P.WorkerFinal)
-    assert isinstance(P.decode_client_reply(P.encode_client_final("r1", "stop", {}, "w", 2, final.data)), ProtocolError)
+    for _ in range(50):
+        _, frames = answer_request(rng, req, "garbage_payload")
+        final = P.decode_worker(frames[-1])
+        if frames[-1][3] == b"":  # an empty payload is an empty map: a valid FINAL
+            assert isinstance(final, P.WorkerFinal)
+        else:  # the decoder turns a FINAL with an undecodable payload into a malformed worker error
+            assert isinstance(final, P.WorkerError) and final.malformed, final
     seen = {answer_request(rng, req)[0] for _ in range(600)}
     assert seen == set(REPLY_KINDS)
 
@@ -110,7 +113,17 @@ def test_http_cases():
     assert seen == set(HTTP_MUTATIONS)
 
 
+# glibc keeps what libzmq's I/O thread allocated for queued inbound frames (up to 4 MB each,
+# RCVHWM 10,000 per connection) in its arenas after the broker has read and freed them, and
+# raises its mmap threshold after the first large free, so RSS after an unpaced burst measures
+# the burst's peak queue, not what the broker still holds (~150 MB of 177 MB growth were free
+# malloc memory; malloc_trim gave it back). A fixed mmap threshold and two arenas make RSS
+# track live memory, so the growth check below detects what the broker keeps.
+_ALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def _e2e(procs, seconds: float, seed: int, peers: int = 4) -> dict:
+    procs.env.update(_ALLOC_ENV)
     b = procs.broker("b", "--heartbeat-ms", "200")
     procs.workers("w", [b.backend], "--time-scale", "0.2", count=1)
     run(wait_for_workers(b.frontend, 1))
@@ -131,7 +144,11 @@ def check_broker_survived(s: dict) -> None:
     assert s["real_ok"], f"real requests after fuzzing: {s['real_requests']}; {why}"
     assert s["frames_rejected_total"] > 0 and s["frames"]["paced"] > 0 and s["frames"]["unpaced"] > 0
     growth = s["rss_kb"]["growth_mb"]
-    assert growth is not None and growth < 100, f"broker RSS grew {growth} MB ({s['rss_kb']}); {why}"
+    # With _ALLOC_ENV the broker's live Python heap grows ~10-30 MB here (prefix + speculative
+    # index entries, counters, pymalloc arenas kept by a few live objects); the rest is small
+    # frames still queued in or freed from libzmq's pipes (24-97 MB in repeated 9 s runs). A leak
+    # (1.27 GB in 40 s before) is far above this.
+    assert growth is not None and growth < 150, f"broker RSS grew {growth} MB ({s['rss_kb']}); {why}"
 
 
 def test_fuzz_broker_e2e(procs):

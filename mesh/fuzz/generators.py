@@ -323,7 +323,7 @@ class ClientGen:
                 frames = P.encode_submit(rid, input_ids=[0, 2**32 - 1] * r.choice([1, 4096, 60_000]), params={"max_new_tokens": 1},
                                          deadline_ms=2000)
             elif choice == 1:
-                frames = P.encode_submit(rid, input_ids=[1], params={"max_new_tokens": r.choice([0, 1 << 20])}, deadline_ms=r.choice([1, 2]))
+                frames = P.encode_submit(rid, input_ids=[1], params={"max_new_tokens": r.choice([0, P.MAX_NEW_TOKENS])}, deadline_ms=r.choice([1, 2]))
             elif choice == 2:
                 frames = P.encode_submit(rid, input_ids=[5, 6], params={"max_new_tokens": 1}, deadline_ms=2000,
                                          slo={"ttft_ms": 2**63 - 1, "tps": 1.7976931348623157e308})
@@ -376,8 +376,10 @@ class ClientGen:
 
 def loadstat(rng: random.Random, *, rank: int = 0, extreme: bool = False) -> LoadStat:
     if extreme:
-        v = lambda: rng.choice([0, 1, 2**63 - 1, 2**64 - 1, 2**32, 10**15])  # noqa: E731
-        return LoadStat(v(), v(), v(), v(), rng.choice([rank, 2**63 - 1, 1023, 1024, 2**64 - 1]), v(), v(), v(), v(), v(),
+        # The extremes a decoder accepts (LoadStat values are ints in [0, 2**40)); values beyond
+        # that are body mutations (huge_int), rejected as bad_loadstat.
+        v = lambda: rng.choice([0, 1, 2**32, 10**12, 2**40 - 1])  # noqa: E731
+        return LoadStat(v(), v(), v(), v(), rng.choice([rank, 1023, 1024, 2**32, 2**40 - 1]), v(), v(), v(), v(), v(),
                         extended=rng.random() < 0.7)
     mt = rng.choice([100_000, 500_000])
     return LoadStat(rng.randint(0, 8), rng.randint(0, 4), rng.randint(0, mt), mt, rank, rng.randint(0, 4096),
