@@ -83,6 +83,7 @@ _KV_SLICE_EVENTS = 1024
 _KV_BACKLOG_BUDGET_S = 0.01  # index work per pump while a backlog exists
 _KV_BACKLOG_MAX_EVENTS = 200_000  # queued events at most (all workers); beyond, batches are dropped
 _KV_BACKLOG_MAX_WORKER_EVENTS = 40_000  # ... and per worker (one flooding worker cannot fill it)
+_SLOW_PREFILL_TOKENS_PER_S = 5000.0  # a pessimistic prefill rate for the progress window
 _STATUS_CACHE_S = 0.1  # STATUS worker lists of large fleets are rebuilt at most this often
 _STATUS_CACHE_MIN_WORKERS = 256  # smaller fleets always get a fresh list
 
@@ -834,23 +835,36 @@ class Broker:
                 self._finish_error(inf, ErrorCode.UNAVAILABLE, "could not deliver the request to any worker")
                 return
 
+    def _progress_window_s(self, inf: Inflight) -> float:
+        """How long an attempt may go without a word: ``progress_timeout_ms`` plus its prompt at
+        a slow prefill rate (a 400k-token prompt may legitimately take a minute to first token)."""
+        req = inf.route_req
+        n = req.prompt_tokens if req is not None else 0
+        return self.s.progress_timeout_ms / 1000.0 + n / _SLOW_PREFILL_TOKENS_PER_S
+
     def _watch_progress(self, inf: Inflight, now: float) -> None:
-        """A dispatched attempt must hear from its worker within ``progress_timeout_ms``."""
+        """A dispatched attempt must hear from its worker within its progress window."""
         inf.replied = False
         inf.sent_s = now
         if self.s.progress_timeout_ms:
-            heapq.heappush(self._progress, (now + self.s.progress_timeout_ms / 1000.0, inf.rid, inf.attempt))
+            heapq.heappush(self._progress, (now + self._progress_window_s(inf), inf.rid, inf.attempt))
 
     def _check_progress(self, now: float) -> None:
-        """Attempts whose worker sent nothing at all in time: the worker is holding requests it
-        does not serve (heartbeats alone prove its loop, not its engine). The attempt counts as
-        a failure of that worker and is retried elsewhere while nothing was streamed."""
+        """Attempts that heard nothing in their window, from a worker that answered *nothing at
+        all* meanwhile: it holds requests it does not serve (heartbeats prove its loop, not its
+        engine). A busy worker that keeps answering other requests is only slow: the check is
+        re-armed. A failed check counts against the worker, and the attempt is retried elsewhere
+        while nothing was streamed."""
         while self._progress and self._progress[0][0] <= now:
             _, rid, attempt = heapq.heappop(self._progress)
             inf = self._inflight.get(rid)
             if inf is None or inf.attempt != attempt or inf.session is None or inf.replied:
                 continue
             sess = inf.session
+            window_s = self._progress_window_s(inf)
+            if now - sess.last_reply_s < window_s:
+                heapq.heappush(self._progress, (sess.last_reply_s + window_s, rid, attempt))
+                continue
             self.stats.workers["no_progress"] += 1
             if self._limiter.allow(("no_progress", sess.worker_id)):
                 self.log.warning("worker_no_progress", worker_id=sess.worker_id, request_id=inf.client_rid,
@@ -1212,9 +1226,10 @@ class Broker:
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
             self.stats.dropped["stale_reply"] += 1
             return
+        sess.last_reply_s = now = time.monotonic()
         if not inf.replied:
             inf.replied = True
-            sess.state.record_first_reply((time.monotonic() - inf.sent_s) * 1000.0)
+            sess.state.record_first_reply((now - inf.sent_s) * 1000.0)
         if m.seq != inf.chunks_sent:
             self.stats.dropped["chunk_out_of_order"] += 1
             if self._limiter.allow(("chunk_seq", sess.worker_id)):
@@ -1232,9 +1247,10 @@ class Broker:
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
             self.stats.dropped["stale_reply"] += 1
             return
+        sess.last_reply_s = now = time.monotonic()
         if not inf.replied:
             inf.replied = True
-            sess.state.record_first_reply((time.monotonic() - inf.sent_s) * 1000.0)
+            sess.state.record_first_reply((now - inf.sent_s) * 1000.0)
         if inf.phase == "prefill":
             if m.finish_reason == "prefill_done":
                 self._handoff(inf, sess, m, time.monotonic())
@@ -1271,6 +1287,7 @@ class Broker:
             self.stats.dropped["stale_reply"] += 1
             return
         inf.replied = True
+        sess.last_reply_s = now
         if m.malformed:
             self.stats.frames_rejected[("worker", "bad_payload")] += 1
             if self._limiter.allow(("bad_payload", sess.worker_id)):

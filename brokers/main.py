@@ -12,7 +12,7 @@ from brokers.broker import Broker
 from brokers.stats import StatsCollector
 from mesh.config import BrokerSettings
 from mesh.errors import ConfigError
-from mesh.gc_tuning import freeze_startup_heap
+from mesh.gc_tuning import bound_malloc_retention, freeze_startup_heap
 from mesh.routing.providers import make_provider
 from mesh.logs import announce, configure, get_logger
 from mesh.routing.router import Router, make_policy
@@ -124,6 +124,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
     """Run one broker until SIGTERM/SIGINT, then drain and exit."""
     configure(settings.log_level)
     log = get_logger(service="broker")
+    bound_malloc_retention()  # before the ZeroMQ context starts its I/O threads
     broker = build_broker(settings)
     auth = None
     if broker.curve is not None:

@@ -35,6 +35,7 @@ class WorkerSession:
     last_seen_s: float = 0.0  # when the broker last read anything from this session
     key_name: str = ""  # CURVE: the allow-listed key this registration authenticated with
     confirmed: bool = False  # it sent something after READY: only then is it routable
+    last_reply_s: float = 0.0  # its last CHUNK/FINAL/ERROR for a live attempt (progress)
     # Outcome window for outlier ejection: 1 = the attempt failed on this worker, 0 = it finished.
     outcomes: deque = field(default_factory=lambda: deque(maxlen=OUTCOME_WINDOW))
     outcome_errors: int = 0  # sum of ``outcomes``

@@ -4,8 +4,10 @@ libzmq defaults are wrong for a broker (infinite LINGER hangs exit, ROUTER drops
 and for unknown identities, no MAXMSGSIZE, no connection heartbeats), so no socket in mesh is
 created anywhere else. Each role gets a :class:`SocketSpec` with every option spelled out.
 
-ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``/``TTL``) detect dead *connections*; application
-heartbeats (protocol HEARTBEAT) detect dead *event loops*; per-request deadlines catch stuck work.
+ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``/``TTL``) detect dead *connections* on the DEALERs
+(the broker's ROUTERs run without them: see BROKER_FRONTEND); application heartbeats (protocol
+HEARTBEAT) detect dead *event loops*; per-request deadlines catch stuck work; TCP keepalive
+catches vanished hosts.
 """
 
 from __future__ import annotations
@@ -149,6 +151,11 @@ class SocketSpec:
     reconnect_ivl_max_ms: int = 2000
     handshake_ivl_ms: int = 5000
     tcp_keepalive: int = 1
+    # A vanished host (no FIN, no RST) is found by TCP keepalive in idle + intvl x cnt = 60 s;
+    # the kernel default idle time is 2 hours.
+    tcp_keepalive_idle_s: int = 30
+    tcp_keepalive_intvl_s: int = 10
+    tcp_keepalive_cnt: int = 3
     identity: bytes | None = None
     curve: CurveKeys | None = None
     zap_domain: bytes | None = None  # ZAP domain for server-side authentication (allow-lists)
@@ -167,9 +174,17 @@ class SocketSpec:
 
 # ROUTERs: ROUTER_MANDATORY so an unroutable or full peer raises instead of dropping silently;
 # bounded HWMs so a slow peer cannot exhaust broker memory; short linger so shutdown is bounded.
-BROKER_FRONTEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True,
+#
+# No ZMTP heartbeats on the ROUTERs: libzmq 4.3.5 aborts the whole process (Assertion failed:
+# !_io_error, stream_engine_base.cpp:310) when an engine whose input stopped at RCVHWM sees its
+# peer's connection die and its heartbeat timer then writes on it (upstream #4364/#3937/#4767;
+# guarded on libzmq master). Any peer can provoke that by filling its pipe and closing, so the
+# broker relies on application heartbeats (workers) and TCP keepalive instead.
+# RCVHWM 1,000: what one connection can make the broker buffer is RCVHWM x MAXMSGSIZE (libzmq
+# counts messages, not bytes); 10,000 let one unauthenticated client queue 40 GB of 4 MB frames.
+BROKER_FRONTEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=1_000, linger_ms=500, router_mandatory=True,
                              heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
-BROKER_BACKEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000, linger_ms=500, router_mandatory=True,
+BROKER_BACKEND = SocketSpec(zmq.ROUTER, sndhwm=10_000, rcvhwm=1_000, linger_ms=500, router_mandatory=True,
                             heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
 # Worker DEALERs: IMMEDIATE so nothing queues onto a connection that is not up (the broker
 # re-dispatches what a lost link never delivered).
@@ -209,6 +224,9 @@ def make_socket(
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, spec.reconnect_ivl_max_ms)
         sock.setsockopt(zmq.HANDSHAKE_IVL, spec.handshake_ivl_ms)
         sock.setsockopt(zmq.TCP_KEEPALIVE, spec.tcp_keepalive)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, spec.tcp_keepalive_idle_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, spec.tcp_keepalive_intvl_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, spec.tcp_keepalive_cnt)
         if spec.kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, int(spec.router_mandatory))
             sock.setsockopt(zmq.ROUTER_HANDOVER, int(spec.router_handover))
