@@ -194,7 +194,7 @@ class Broker:
         self._client_inflight: Counter[bytes] = Counter()  # quota key (client identity) -> its requests in flight
         self._local_quota: dict[bytes, bytes] = {}  # local (HTTP) identity -> its quota key
         self._progress: list[tuple[float, int, int]] = []  # (due_s, rid, attempt): no-progress checks
-        self._due_s = 0.0  # the timer promised a pump by then: running later is loop lag
+        self._due_s = float("inf")  # earliest time a pump was wanted (kick, timer): starting later is loop lag
         self._lag_s = 0.0  # decaying maximum of recent loop stalls (load shedding)
         self._lag_at_s = 0.0
         self._send_why = ""  # why the last failed send failed (send_hwm | unreachable)
@@ -334,6 +334,9 @@ class Broker:
         """Schedule one pump soon (coalesced)."""
         if self._aloop is not None and not self._pump_scheduled and self._readers:
             self._pump_scheduled = True
+            now = time.monotonic()
+            if now < self._due_s:
+                self._due_s = now
             self._aloop.call_soon(self._pump)
 
     def _on_timer(self) -> None:
@@ -364,8 +367,10 @@ class Broker:
     def _pump_once(self) -> None:
         front, back = self._fs, self._bs
         t0 = time.monotonic()
-        # The timer promised a pump by _due_s; starting later means the loop was busy elsewhere.
-        lag_s = t0 - self._due_s if self._due_s else 0.0
+        # A pump was wanted by _due_s (a kick, or the timer); starting later means the loop was
+        # busy elsewhere. Pumps woken by a socket's FD have no known due time and count no lag.
+        lag_s = t0 - self._due_s if self._due_s < t0 else 0.0
+        self._due_s = float("inf")
         budget_end = t0 + _PUMP_BUDGET_S
         busy = True
         while busy:
@@ -400,7 +405,11 @@ class Broker:
                     break
         self._dirty.clear()
         self._arm_timer(now)
-        self._due_s = self._timer_at
+        # A timer already due (say a sweep deferred while input is still queued) wants the next
+        # pump now, not at its original time: lag counts from the end of this pump at most.
+        due = max(self._timer_at, now)
+        if due < self._due_s:
+            self._due_s = due
 
     def _note_stall(self, stall_s: float, now: float) -> None:
         """Account one pump's lateness plus its own duration: loop lag, measured.

@@ -18,7 +18,8 @@ import gc
 
 __all__ = ["freeze_startup_heap", "bound_malloc_retention"]
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
+_M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 
@@ -32,14 +33,16 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def bound_malloc_retention(mmap_threshold_bytes: int = 128 * 1024, arena_max: int = 2) -> bool:
+def bound_malloc_retention(mmap_threshold_bytes: int = 1 << 20, trim_threshold_bytes: int = 64 << 20, arena_max: int = 0) -> bool:
     """Keep glibc from holding on to freed memory after bursts of large messages.
 
     libzmq's I/O threads queue inbound frames in per-thread malloc arenas; after a flood of
     4 MB frames is read and freed, glibc keeps those arenas' pages (a fuzz run left 150-350 MB
-    of free but retained memory in a broker whose live heap was 30 MB). Allocations above
-    ``mmap_threshold_bytes`` then go to mmap and are returned to the OS when freed, and at most
-    ``arena_max`` arenas exist. Call before any thread starts (before the ZeroMQ context).
+    of free but retained memory in a broker whose live heap was 30 MB): its dynamic mmap
+    threshold had grown to the frames' size. With a fixed ``mmap_threshold_bytes`` frames above
+    it are mmap'd and returned to the OS when freed; the heap is trimmed once
+    ``trim_threshold_bytes`` are free at its top; ``arena_max`` (0 = glibc's default) caps the
+    arenas, which cost half the broker's throughput at 2. Call before any thread starts.
     Returns False where glibc's ``mallopt`` is not available (other libcs: no-op).
     """
     import ctypes
@@ -51,4 +54,9 @@ def bound_malloc_retention(mmap_threshold_bytes: int = 128 * 1024, arena_max: in
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes))) and bool(mallopt(_M_ARENA_MAX, int(arena_max)))
+    # A fixed mmap threshold also freezes the trim threshold at its 128 KiB default, and
+    # trimming the heap that often halved the broker's throughput: keep trimming for real excess.
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes))) and bool(mallopt(_M_TRIM_THRESHOLD, int(trim_threshold_bytes)))
+    if arena_max:
+        ok = bool(mallopt(_M_ARENA_MAX, int(arena_max))) and ok
+    return ok
