@@ -303,8 +303,15 @@ def _cmd_bench_broker(args) -> int:
 
     _print(res)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        _write_json(args.json, res)
     return 0
+
+
+def _write_json(path: str, res) -> None:
+    """Write a benchmark's result, creating the folder (``bench/`` holds no file in git)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
 
 
 def _cmd_bench_routing(args) -> int:
@@ -313,7 +320,7 @@ def _cmd_bench_routing(args) -> int:
     sizes = tuple(int(x) for x in args.sizes.split(","))
     res = run_routing_bench(sizes=sizes, decisions=args.decisions)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        _write_json(args.json, res)
     return 0
 
 
