@@ -1197,10 +1197,11 @@ class Broker:
                 return
         if old is not None and old.identity != ident and not (key_name and old.key_name == key_name):
             # A live worker id is not given away: a second claimant (an impostor, or a restart
-            # whose old connection is still up) waits until the old session is silent. A
-            # restarted worker's old connection is gone, so our next heartbeat to it fails and
+            # whose old connection is still up) waits until the old session expires (its expiry
+            # carries the credit of our own stalls: a slow broker loop must not open a window).
+            # A restarted worker's old connection is gone, so our next heartbeat to it fails and
             # frees the id within one heartbeat interval (see _send_heartbeats).
-            if now - old.last_seen_s < 1.5 * self._expiry_s(old) / self.s.liveness:
+            if old.expiry_s > now:
                 self._refuse_ready(ident, r, "duplicate_id", f"worker_id {r.worker_id!r} is registered on another live connection")
                 return
         if r.heartbeat_ms > self.s.max_worker_heartbeat_ms and self._limiter.allow(("hb_capped", r.worker_id)):
