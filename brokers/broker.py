@@ -203,6 +203,7 @@ class Broker:
         self._cap_version = -1  # registry version the fleet capacity was computed at
         self._cap_tokens = 0
         self._status_cache: tuple[float, list[dict]] | None = None
+        self._front_first = False  # which socket the next pump reads first (alternates)
         self._kv_backlog: deque[tuple[str, bytes, int, Any]] = deque()  # (worker_id, identity, events, slice generator)
         self._kv_backlog_events: Counter[str] = Counter()  # queued events per worker
 
@@ -373,9 +374,17 @@ class Broker:
         self._due_s = float("inf")
         budget_end = t0 + _PUMP_BUDGET_S
         busy = True
+        # Which side reads first alternates between pumps: when one side floods (and uses up the
+        # budget), the other still gets whole pumps every other time, not one message per pump.
+        self._front_first = first_front = not self._front_first
+        with_user = self.worker_keys is not None
         while busy:
-            busy = (self._drain(back, self._on_worker_frames, budget_end, with_user=self.worker_keys is not None)
-                    | self._drain(front, self._on_client_socket_frames, budget_end))
+            if first_front:
+                busy = (self._drain(front, self._on_client_socket_frames, budget_end)
+                        | self._drain(back, self._on_worker_frames, budget_end, with_user=with_user))
+            else:
+                busy = (self._drain(back, self._on_worker_frames, budget_end, with_user=with_user)
+                        | self._drain(front, self._on_client_socket_frames, budget_end))
             if busy and time.monotonic() >= budget_end:
                 break  # more is queued: run the timers, let other tasks in, come straight back
         if self._mail:

@@ -136,7 +136,7 @@ def _e2e(procs, seconds: float, seed: int, peers: int = 4) -> dict:
     return s
 
 
-def check_broker_survived(s: dict) -> None:
+def check_broker_survived(s: dict, max_growth_mb: float = 150.0) -> None:
     """What a fuzzed broker must still do: live, answer STATUS, serve a real request, bounded memory."""
     why = f"seed {s['seed']}; findings: {json.dumps(s['findings'], default=str)[:3000]}; log: {s.get('broker_log_errors')}"
     assert s["exit_code"] is None and s["alive"], f"broker exited ({s['exit_code']}); crash: {s.get('crash')}; {why}"
@@ -148,7 +148,7 @@ def check_broker_survived(s: dict) -> None:
     # index entries, counters, pymalloc arenas kept by a few live objects); the rest is small
     # frames still queued in or freed from libzmq's pipes (24-97 MB in repeated 9 s runs). A leak
     # (1.27 GB in 40 s before) is far above this.
-    assert growth is not None and growth < 150, f"broker RSS grew {growth} MB ({s['rss_kb']}); {why}"
+    assert growth is not None and growth < max_growth_mb, f"broker RSS grew {growth} MB ({s['rss_kb']}); {why}"
 
 
 def test_fuzz_broker_e2e(procs):

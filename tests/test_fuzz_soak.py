@@ -15,4 +15,9 @@ SECONDS = float(os.environ.get("MESH_FUZZ_SECONDS", "180"))
 @pytest.mark.soak
 @pytest.mark.timeout(int(SECONDS) + 300)
 def test_fuzz_broker_soak(procs):
-    check_broker_survived(_e2e(procs, seconds=SECONDS, seed=int(os.environ.get("MESH_FUZZ_SEED", "424242")), peers=6))
+    # Six unpaced peers for minutes: RSS grew 183 MB in 60 s, 227 MB in 120 s and 256 MB in
+    # 180 s (seed 424242): it levels off (libzmq's inbound queues and the allocator's retained
+    # pages under a continuous flood; the Python heap itself stays ~10-30 MB above start-up).
+    # Before the hardening a 40 s run reached 1.27 GB.
+    check_broker_survived(_e2e(procs, seconds=SECONDS, seed=int(os.environ.get("MESH_FUZZ_SEED", "424242")), peers=6),
+                          max_growth_mb=float(os.environ.get("MESH_FUZZ_MAX_RSS_MB", "400")))
