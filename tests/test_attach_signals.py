@@ -72,6 +72,7 @@ def test_stop_after_the_engine_went_away_and_when_attached(procs):
     # the engine dies under an attached adapter: it goes unhealthy; SIGTERM still ends it
     p = _attach(procs, "a2", url, b.backend)
     wait_for_log_event(p.log_path, "adapter_attached", 30, p.popen)
+    wait_for_log_event(p.log_path, "adapter_healthy", 30, p.popen)  # healthy first: then the engine dies
     stub.popen.kill()
     stub.popen.wait(5)
     wait_for_log_event(p.log_path, "adapter_unhealthy", 30, p.popen)
