@@ -195,7 +195,7 @@ class Broker:
         self._local_quota: dict[bytes, bytes] = {}  # local (HTTP) identity -> its quota key
         self._progress: list[tuple[float, int, int]] = []  # (due_s, rid, attempt): no-progress checks
         self._due_s = float("inf")  # earliest time a pump was wanted (kick, timer): starting later is loop lag
-        self._lag_s = 0.0  # decaying maximum of recent loop stalls (load shedding)
+        self._lag_s = 0.0  # time-weighted average of recent loop stalls (load shedding)
         self._lag_at_s = 0.0
         self._send_why = ""  # why the last failed send failed (send_hwm | unreachable)
         self._fleet_errors = 0  # sums of every session's outcome window (peer error rate)
@@ -707,14 +707,24 @@ class Broker:
         self._client_inflight[inf.quota] += 1
         heapq.heappush(self._deadlines, (inf.deadline_s, rid))
         if self.async_provider:
-            inf.route_req = self._route_request(inf)
-            self.spawn(self._prefetch(inf))
+            if self._prepare_route(inf):
+                self.spawn(self._prefetch(inf))
             return
         self._dispatch(inf, now)
 
+    def _prepare_route(self, inf: Inflight) -> bool:
+        """Build the request's routing view once, after checking it can run at all (workers
+        may have registered since the submit); False: it was refused and is finished."""
+        refusal = self._context_refusal(inf.submit)
+        if refusal is not None:
+            self._finish_error(inf, *refusal)
+            return False
+        inf.route_req = self._route_request(inf)
+        return True
+
     def _refusal(self, ident: bytes, sub: P.Submit, now: float) -> tuple[ErrorCode, str] | None:
         """Why a new SUBMIT is refused before any work is done on it (None: accept it).
-        Checked in order of cost; nothing here looks at the prompt beyond its length."""
+        Checked in order of cost; nothing here looks at the prompt."""
         if len(sub.raw) > P.MAX_FRAME_BYTES:  # an in-process client: workers could not take the frame
             return ErrorCode.TOO_LARGE, f"request body of {len(sub.raw)} bytes exceeds the {P.MAX_FRAME_BYTES}-byte frame limit"
         if self._client_inflight[self._local_quota.get(ident, ident)] >= self.s.max_inflight_per_client:
@@ -722,7 +732,7 @@ class Broker:
         if self._lag_s * 1000.0 > self.s.overload_lag_ms:
             self.stats.loop["shed"] += 1
             return ErrorCode.OVERLOADED, f"broker overloaded (event loop lag {self._lag_s * 1000:.0f} ms)"
-        return self._context_refusal(sub)
+        return None  # the prompt's length is checked where it is routed (_prepare_route)
 
     def _fleet_capacity(self) -> int:
         """The most KV tokens any registered worker can hold (0 while none is registered)."""
@@ -798,12 +808,8 @@ class Broker:
                 return
             self._finish_error(inf, ErrorCode.OVERLOADED, "every worker is at capacity and the wait queue is full or timed out")
             return
-        if inf.route_req is None:
-            refusal = self._context_refusal(inf.submit)  # workers may have registered since the submit
-            if refusal is not None:
-                self._finish_error(inf, *refusal)
-                return
-            inf.route_req = self._route_request(inf)
+        if inf.route_req is None and not self._prepare_route(inf):
+            return
         req = inf.route_req
         while True:
             t0 = time.perf_counter()
