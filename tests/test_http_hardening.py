@@ -130,19 +130,26 @@ class _FakeBroker:
         pass
 
 
+async def _post_to_fake(fake, path: str, bodies: list[dict]) -> list[tuple[int, dict]]:
+    """POST ``bodies`` in turn to an ingress serving in front of ``fake`` (a broker stand-in that
+    injects replies); returns (status, JSON) of each."""
+    ing = HttpIngress(fake)
+    url = await ing.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            outs = []
+            for b in bodies:
+                async with s.post(url + path, json=b) as r:
+                    outs.append((r.status, await r.json()))
+            return outs
+    finally:
+        await ing.stop()
+
+
 def test_foreign_replies_dropped_and_identities_random():
     async def body():
         fake = _FakeBroker()
-        ing = HttpIngress(fake)
-        url = await ing.start("127.0.0.1", 0)
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-                outs = []
-                for _ in range(2):
-                    async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
-                        outs.append((r.status, await r.json()))
-        finally:
-            await ing.stop()
+        outs = await _post_to_fake(fake, "/v1/completions", [{"prompt": "hi", "max_tokens": 2}] * 2)
         for status, out in outs:
             assert status == 200 and "INJECTED" not in out["choices"][0]["text"] and out["usage"]["completion_tokens"] == 2
         assert fake.stats.dropped["http_foreign_reply"] == 2
@@ -225,14 +232,7 @@ def test_encoded_submit_size_is_checked(monkeypatch):
 
     async def body():
         fake = _FakeBroker()
-        ing = HttpIngress(fake)
-        url = await ing.start("127.0.0.1", 0)
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-                async with s.post(url + "/v1/chat/completions", json={"messages": [{}] * 200}) as r:
-                    status, out = r.status, await r.json()
-        finally:
-            await ing.stop()
+        [(status, out)] = await _post_to_fake(fake, "/v1/chat/completions", [{"messages": [{}] * 200}])
         assert status == 413 and out["error"]["code"] == "too_large" and "encoded" in out["error"]["message"]
         assert fake.idents == [] and fake.stats.requests["too_large"] == 1
 
