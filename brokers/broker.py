@@ -521,6 +521,8 @@ class Broker:
                     inf = self._inflight.get(item)
                     if inf is not None and inf.session is None and not inf.retry_pending:
                         self._dispatch(inf, now)
+                elif kind == "local_submit":
+                    self._on_submit(*item)
                 elif kind == "client_frames":
                     self._on_client_frames(item)
                 elif kind == "cancel_local":
@@ -537,14 +539,20 @@ class Broker:
                 self.log.exception("mail_handler_failed", kind=kind, error=repr(exc))
 
     # -- local clients (HTTP ingress) -------------------------------------------------
-    def submit_local(self, identity: bytes, frames: list[bytes], replies: asyncio.Queue, *, quota_key: bytes | None = None) -> None:
+    def submit_local(self, identity: bytes, frames: list[bytes], replies: asyncio.Queue, *, quota_key: bytes | None = None,
+                     decoded: P.Submit | None = None) -> None:
         """Submit client frames on behalf of an in-process client; replies land in ``replies``.
         ``quota_key`` names who the request counts against for ``max_inflight_per_client``
-        (the HTTP peer; each HTTP request has a fresh identity)."""
+        (the HTTP peer; each HTTP request has a fresh identity); ``decoded`` is ``frames``
+        already through :func:`mesh.protocol.decode_client` (the ingress checks it), so the
+        loop does not decode it again."""
         self._local[identity] = replies
         if quota_key is not None:
             self._local_quota[identity] = quota_key
-        self.post("client_frames", [identity, *frames])
+        if isinstance(decoded, P.Submit):
+            self.post("local_submit", (identity, decoded))
+        else:
+            self.post("client_frames", [identity, *frames])
 
     def cancel_local(self, identity: bytes) -> None:
         self.post("cancel_local", identity)

@@ -266,9 +266,13 @@ class _Call:
             if left <= 0:
                 return None
             try:
-                frames = await asyncio.wait_for(self.q.get(), left)
-            except asyncio.TimeoutError:
-                return None
+                frames = self.q.get_nowait()  # replies are usually waiting: no timer, no task
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(left):
+                        frames = await self.q.get()
+                except TimeoutError:
+                    return None
             m = P.decode_client_reply(frames)
             if isinstance(m, P.ProtocolError):
                 self.broker.stats.dropped["http_bad_reply"] += 1
@@ -600,7 +604,9 @@ class HttpIngress:
         if isinstance(check, P.ProtocolError):
             raise _BadRequest(f"invalid request: {check.detail or check.reason}"[:300])
         q: asyncio.Queue = asyncio.Queue()
-        self.broker.submit_local(ident, frames, q, quota_key=_QUOTA_KEY.get())
+        # The broker takes the decoded SUBMIT as it is: decoding it twice (a 4 MiB prompt is a
+        # full msgpack pass plus token validation) would cost the shared loop for nothing.
+        self.broker.submit_local(ident, frames, q, quota_key=_QUOTA_KEY.get(), decoded=check)
         return _Call(self.broker, ident, rid, q, deadline_ms / 1000.0 + 5.0)
 
     async def _open_stream(self, request: web.Request, call: _Call):
@@ -628,8 +634,9 @@ class HttpIngress:
 
     async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
         try:
-            await asyncio.wait_for(resp.write(data), self.body_timeout_s)
-        except asyncio.TimeoutError:  # a client that does not read holds a handler: drop it
+            async with asyncio.timeout(self.body_timeout_s):  # no Task per write (wait_for makes one)
+                await resp.write(data)
+        except TimeoutError:  # a client that does not read holds a handler: drop it
             self.broker.stats.dropped["http_write_timeout"] += 1
             raise ConnectionResetError("client stopped reading") from None
 

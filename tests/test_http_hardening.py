@@ -115,7 +115,7 @@ class _FakeBroker:
 
         self.s = S()
 
-    def submit_local(self, ident, frames, q, quota_key=None) -> None:
+    def submit_local(self, ident, frames, q, quota_key=None, decoded=None) -> None:
         self.idents.append(ident)
         rid = msgpack.unpackb(frames[2])["rid"]
         data = msgpack.packb({"token_ids": [7, 7]})
@@ -339,7 +339,7 @@ def test_header_body_and_idle_timeouts(procs):
 
 
 class _SilentBroker(_FakeBroker):
-    def submit_local(self, ident, frames, q, quota_key=None) -> None:  # never answers: the request stays busy
+    def submit_local(self, ident, frames, q, quota_key=None, decoded=None) -> None:  # never answers: the request stays busy
         self.idents.append(ident)
 
 

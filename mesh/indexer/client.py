@@ -75,7 +75,7 @@ __all__ = ["IndexerClient", "MatchView", "CircuitBreaker", "BreakerState", "pars
 #: Default message cap, the server's default (``mesh indexer --max-message-bytes``).
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 _ENVELOPE_BYTES = 64 << 10  # room for the rest of an ApplyKvBatches around one batch
-OWNER_METADATA = "x-mesh-owner"  # = mesh.indexer.server.OWNER_METADATA (not imported: no server deps)
+OWNER_METADATA = "x-mesh-owner"  # the server imports it from here
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:

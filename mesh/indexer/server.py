@@ -79,7 +79,7 @@ from mesh.hashing import content_keys
 from mesh.index import PrefixIndex, Verdict
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer import indexer_pb2_grpc as pb_grpc
-from mesh.indexer.client import read_token_file
+from mesh.indexer.client import OWNER_METADATA, read_token_file
 from mesh.logs import RateLimiter, announce, configure, get_logger
 from mesh.protocol import unpack
 from mesh.routing.providers import LocalIndexProvider, _BlockSizeVote
@@ -96,8 +96,8 @@ DEFAULT_WORKER_TTL_S = 900.0
 #: Default gRPC message cap (both ways). A bigger batch is refused before it is read; brokers
 #: drop (and count) batches above it instead of sending them.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-#: Metadata key naming the caller (a broker id) for worker ownership.
-OWNER_METADATA = "x-mesh-owner"
+# OWNER_METADATA, the metadata key naming the caller (a broker id) for worker ownership, is
+# defined once, in mesh.indexer.client (which must not import the server).
 #: Environment variable holding the bearer token when no --token-file is given.
 TOKEN_ENV = "MESH_INDEXER_TOKEN"
 _MAX_OWNER_CHARS = 128
@@ -1107,30 +1107,38 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
 async def _expire_loop(svc: IndexerService, ttl_s: float, ghost_ttl_s: float, log: Any) -> None:
     """Expire silent workers (``ttl_s``) and ghosts (``ghost_ttl_s``), a slice at a time under the
     mutation lock, so a mass expiry never stalls queries."""
-    core = svc.core
     ttls = [t for t in (ttl_s, ghost_ttl_s) if t > 0]
     if not ttls:
         return
     period = min(30.0, max(0.05, min(ttls) / 4))
     while True:
         await asyncio.sleep(period)
-        now = time.monotonic()
-        gone: list[str] = []
-        ghosts = 0
-        while True:
-            async with svc.mutex:
-                g = core.expire_workers(now, ttl_s, limit=_EXPIRE_SLICE) if ttl_s > 0 else []
-                n = core.expire_ghosts(now, ghost_ttl_s, limit=_EXPIRE_SLICE) if ghost_ttl_s > 0 else 0
-            gone += g
-            ghosts += n
-            if len(g) < _EXPIRE_SLICE and n < _EXPIRE_SLICE:
-                break
-            await asyncio.sleep(0)
-        if gone:
-            log.info("workers_expired", count=len(gone), first=gone[0], ttl_s=ttl_s)
-        if ghosts:
-            log.info("ghosts_expired", count=ghosts, ttl_s=ghost_ttl_s, ghost_workers=len(core._ghosts),
-                     ghost_streams=len(core._ghost_streams))
+        try:
+            await _expire_once(svc, ttl_s, ghost_ttl_s, log)
+        except Exception as exc:  # one bad pass must not end expiry for good (nothing would say so)
+            log.exception("expire_failed", error=repr(exc))
+
+
+async def _expire_once(svc: IndexerService, ttl_s: float, ghost_ttl_s: float, log: Any) -> None:
+    """One expiry pass, a slice at a time under the mutation lock."""
+    core = svc.core
+    now = time.monotonic()
+    gone: list[str] = []
+    ghosts = 0
+    while True:
+        async with svc.mutex:
+            g = core.expire_workers(now, ttl_s, limit=_EXPIRE_SLICE) if ttl_s > 0 else []
+            n = core.expire_ghosts(now, ghost_ttl_s, limit=_EXPIRE_SLICE) if ghost_ttl_s > 0 else 0
+        gone += g
+        ghosts += n
+        if len(g) < _EXPIRE_SLICE and n < _EXPIRE_SLICE:
+            break
+        await asyncio.sleep(0)
+    if gone:
+        log.info("workers_expired", count=len(gone), first=gone[0], ttl_s=ttl_s)
+    if ghosts:
+        log.info("ghosts_expired", count=ghosts, ttl_s=ghost_ttl_s, ghost_workers=len(core._ghosts),
+                 ghost_streams=len(core._ghost_streams))
 
 
 def run_server(listen: str, *, log_level: str = "info", **kw: Any) -> int:
