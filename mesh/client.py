@@ -219,8 +219,12 @@ class Client:
         if self._state != "unopened":
             raise RuntimeError(f"client is {self._state}; create a new one")
         for ep in self.endpoints:
-            sock = make_socket(self.ctx, CLIENT_DEALER.with_curve(self.curve), connect=ep)
+            # The monitor is attached before connect: a handshake that completes first (a busy
+            # machine can deschedule this thread between the two calls) would otherwise never
+            # be reported and the link would stay "down" for good.
+            sock = make_socket(self.ctx, CLIENT_DEALER.with_curve(self.curve))
             mon = sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS)
+            sock.connect(ep)
             link = _Link(ep, sock, mon)
             self._links.append(link)
             self._tasks.append(asyncio.create_task(self._receive(link), name=f"mesh-client-rx-{ep}"))
