@@ -58,6 +58,7 @@ import secrets
 import time
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from mesh import protocol as P
@@ -82,9 +83,22 @@ _MAX_MESSAGES = 10_000  # chat messages per request
 _INT_RE = re.compile(r"[0-9]{1,12}")
 
 
+def _dumps(obj: Any) -> bytes:
+    """JSON for replies (orjson: several times faster than json.dumps; anything it cannot encode
+    -- never expected, the bodies are built here -- falls back to the standard library)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":"), default=str).encode()
+
+
+def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=_dumps(obj), status=status, headers=headers, content_type="application/json")
+
+
 def _err(status: int, message: str, code: str, etype: str = "invalid_request_error",
          headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": etype, "code": code}}, status=status, headers=headers)
+    return _json_response({"error": {"message": message, "type": etype, "code": code}}, status=status, headers=headers)
 
 
 def _mesh_err(code: str, message: str) -> web.Response:
@@ -247,7 +261,7 @@ class _ConnGuard:
 class _Call:
     """One submitted request: its replies, filtered to its own rid, until the terminal one."""
 
-    __slots__ = ("broker", "ident", "rid", "q", "t_end", "done")
+    __slots__ = ("broker", "ident", "rid", "q", "t_end", "done", "worker")
 
     def __init__(self, broker, ident: bytes, rid: str, q: asyncio.Queue, timeout_s: float) -> None:
         self.broker = broker
@@ -256,6 +270,7 @@ class _Call:
         self.q = q
         self.t_end = time.monotonic() + timeout_s
         self.done = False
+        self.worker = ""  # the worker of the latest ACCEPTED (streams)
 
     async def next(self, until: float | None = None):
         """The next reply of this request, or None when ``until`` (default: the request's own
@@ -497,11 +512,14 @@ class HttpIngress:
             self.broker.stats.dropped["http_body_timeout"] += 1
             raise _BadRequest(f"request body not received within {self.body_timeout_s:g} s", close=True) from None
         try:
-            body = json.loads(raw)
-        except RecursionError:
-            raise _BadRequest("request body is nested too deeply") from None
-        except ValueError:  # JSONDecodeError, UnicodeDecodeError, ints over the digit limit
-            raise _BadRequest("request body must be JSON") from None
+            body = orjson.loads(raw)  # depth-limited (1024), strict UTF-8, 64-bit integers
+        except orjson.JSONDecodeError:
+            try:  # what orjson refuses but JSON allows (integers beyond 64 bits): the slow, exact parser
+                body = json.loads(raw)
+            except RecursionError:
+                raise _BadRequest("request body is nested too deeply") from None
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError, ints over the digit limit
+                raise _BadRequest("request body must be JSON") from None
         if not isinstance(body, dict):
             raise _BadRequest("request body must be a JSON object")
         return body
@@ -618,7 +636,7 @@ class HttpIngress:
             return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error"), None, None
         if isinstance(m, P.ClientError):
             return _mesh_err(m.code, m.message), None, None
-        return None, await self._begin_stream(request), m
+        return None, await self._begin_stream(request, call), m
 
     async def _first_output(self, call: _Call):
         """For streams: the first reply worth committing HTTP headers for (a CHUNK or a terminal),
@@ -629,6 +647,7 @@ class HttpIngress:
             m = await call.next(until)
             if m is None or not isinstance(m, P.Accepted):
                 return m
+            call.worker = m.worker
             if until is None:
                 until = time.monotonic() + _FIRST_OUTPUT_WAIT_S
 
@@ -641,10 +660,11 @@ class HttpIngress:
             raise ConnectionResetError("client stopped reading") from None
 
     async def _sse(self, resp: web.StreamResponse, obj: dict) -> None:
-        await self._write(resp, b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        await self._write(resp, b"data: " + _dumps(obj) + b"\n\n")
 
-    async def _begin_stream(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _begin_stream(self, request: web.Request, call: _Call) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **_mesh_headers(call, call.worker)})
         await resp.prepare(request)
         return resp
 
@@ -701,13 +721,21 @@ class HttpIngress:
                     text = self._detok(m.data)
                     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": _finish(m.finish_reason)}
                               if chat else {"index": 0, "text": text, "finish_reason": _finish(m.finish_reason), "logprobs": None})
-                    return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model,
-                                              "choices": [choice], "usage": _usage(m.usage)})
+                    return _json_response({"id": rid, "object": obj, "created": created, "model": self.model,
+                                           "choices": [choice], "usage": _usage(m.usage)}, headers=_mesh_headers(call, m.worker))
         early, resp, m = await self._open_stream(request, call)
         if early is not None:
             return early
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         first = True
+
+        async def content(text: str) -> None:
+            nonlocal first
+            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if chat else None
+            first = False
+            choice = {"index": 0, "delta": delta, "finish_reason": None} if chat else {"index": 0, "text": text, "finish_reason": None}
+            await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
+
         while True:
             if m is None:
                 m = await call.next()
@@ -716,12 +744,10 @@ class HttpIngress:
                                                      "code": ErrorCode.DEADLINE_EXCEEDED.value}})
                     break
             if isinstance(m, P.ClientChunk):
-                text = self._detok(m.data)
-                delta = ({"role": "assistant", "content": text} if first else {"content": text}) if chat else None
-                first = False
-                choice = {"index": 0, "delta": delta, "finish_reason": None} if chat else {"index": 0, "text": text, "finish_reason": None}
-                await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
+                await content(self._detok(m.data))
             elif isinstance(m, P.ClientFinal):
+                if m.data.get("token_ids") or m.data.get("text"):  # the engine's last delta
+                    await content(self._detok(m.data))
                 choice = ({"index": 0, "delta": {}, "finish_reason": _finish(m.finish_reason)} if chat
                           else {"index": 0, "text": "", "finish_reason": _finish(m.finish_reason)})
                 await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
@@ -770,6 +796,9 @@ class HttpIngress:
             call.close()
 
     async def _generate_reply(self, request: web.Request, call: _Call, rid: str, stream: bool):
+        """SGLang's own answer shapes. Behind an adapter the engine's ``meta_info`` comes through
+        as the engine wrote it (``id`` set to the request's id); workers without one (simulated)
+        get the same fields built from the FINAL."""
         if not stream:
             while True:
                 m = await call.next()
@@ -778,13 +807,14 @@ class HttpIngress:
                 if isinstance(m, P.ClientError):
                     return _mesh_err(m.code, m.message)
                 if isinstance(m, P.ClientFinal):
-                    return web.json_response({"text": self._detok(m.data), "output_ids": m.data.get("token_ids", []),
-                                              "meta_info": {"id": rid, **_sgl_meta(m)}})
+                    return _json_response({"text": self._detok(m.data), "output_ids": m.data.get("token_ids", []),
+                                           "meta_info": _sgl_meta(m, rid)}, headers=_mesh_headers(call, m.worker))
         early, resp, m = await self._open_stream(request, call)
         if early is not None:
             return early
         ids: list[int] = []
         text = ""
+        n_chunks = 0
         while True:
             if m is None:
                 m = await call.next()
@@ -795,9 +825,15 @@ class HttpIngress:
             if isinstance(m, P.ClientChunk):  # SGLang streams cumulative text and ids
                 ids.extend(m.data.get("token_ids") or [])
                 text += self._detok(m.data)
-                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": {"id": rid, "finish_reason": None}})
+                n_chunks += 1
+                meta = m.data.get("meta_info")
+                meta = {**meta, "id": rid} if type(meta) is dict else {"id": rid, "finish_reason": None, "completion_tokens": len(ids)}
+                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": meta})
             elif isinstance(m, P.ClientFinal):
-                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": {"id": rid, **_sgl_meta(m)}})
+                if m.data.get("token_ids") or m.data.get("text"):  # the engine's last event
+                    ids.extend(m.data.get("token_ids") or [])
+                    text += self._detok(m.data)
+                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": _sgl_meta(m, rid)})
                 break
             elif isinstance(m, P.ClientError):
                 await self._sse(resp, {"error": {"message": m.message, "type": "invalid_request_error" if _status(m.code) < 500
@@ -829,7 +865,28 @@ def _usage(u: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": n("cached_tokens")}}
 
 
-def _sgl_meta(m: P.ClientFinal) -> dict:
+def _sgl_meta(m: P.ClientFinal, rid: str) -> dict:
+    """The final ``meta_info``: the engine's own when an adapter passed it on, else SGLang's
+    fields from the FINAL (``length`` as SGLang reports it: the completion length)."""
+    meta = m.data.get("meta_info")
+    if type(meta) is dict:
+        return {**meta, "id": rid}
     u = m.usage
-    return {"finish_reason": {"type": m.finish_reason}, "prompt_tokens": u.get("prompt_tokens"),
-            "completion_tokens": u.get("completion_tokens"), "cached_tokens": u.get("cached_tokens"), "worker": m.worker}
+    fr: dict[str, Any] = {"type": m.finish_reason}
+    if m.finish_reason == "length":
+        fr["length"] = u.get("completion_tokens")
+    return {"id": rid, "finish_reason": fr, "prompt_tokens": u.get("prompt_tokens"),
+            "completion_tokens": u.get("completion_tokens"), "cached_tokens": u.get("cached_tokens")}
+
+
+def _mesh_headers(call: _Call, worker: str | None) -> dict[str, str]:
+    """mesh's own metadata rides in headers, never in the engine's body fields."""
+    h = {"x-mesh-request-id": call.rid}
+    if worker:
+        h["x-mesh-worker"] = _header_safe(worker)
+    return h
+
+
+def _header_safe(v: str) -> str:
+    """A worker id as a header value: printable ASCII only (ids come from peers)."""
+    return "".join(ch if " " <= ch <= "~" else "?" for ch in v[:256])

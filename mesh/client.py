@@ -147,10 +147,11 @@ class Stream:
     def _on_final(self, m: P.ClientFinal) -> None:
         now = time.monotonic()
         toks = m.data.get("token_ids")
-        if toks:
+        if toks:  # a stream's last delta (adapters put the engine's last event here), or all tokens
             self._tokens.extend(toks)
             if self.first_token_s is None:
                 self.first_token_s = now
+            self._q.put_nowait(("chunk", toks))
         self._result = Result(self.rid, self._tokens, m.finish_reason, m.usage, m.worker, m.attempt, m.reason or self.reason,
                               None if self.first_token_s is None else self.first_token_s - self.started_s, now - self.started_s)
         self._done = True

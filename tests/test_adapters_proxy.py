@@ -51,11 +51,17 @@ def test_proxy_incremental_stream_errors_cancel_and_metrics_load(procs):
             fb.request(2, _submit("n", list(range(1, 50)), 5, stream=False))
             fb.request(3, _submit("big", list(range(1, 5000)), 5))  # > KV capacity: HTTP 400
             await until(lambda: {1, 2} <= set(fb.finals) and 3 in fb.errors, 10, "replies")
-            toks = [t for c in fb.chunks[1] for t in c["token_ids"]]
-            assert len(fb.chunks[1]) >= 2 and len(toks) == 8 and _stub_made(toks)
-            assert "".join(c.get("text", "") for c in fb.chunks[1]).split() != []
+            # the engine's last event (the one with the finish reason) rides in the FINAL, so the
+            # stream ends as the engine's does; its meta_info is passed through
             f1 = fb.finals[1]
-            assert f1.finish_reason == "length" and f1.usage["completion_tokens"] == 8 and P.unpack(f1.data) == {}
+            last = P.unpack(f1.data)
+            toks = [t for c in fb.chunks[1] for t in c["token_ids"]] + last["token_ids"]
+            assert len(fb.chunks[1]) >= 2 and len(toks) == 8 and _stub_made(toks) and len(last["token_ids"]) == 1
+            assert "".join(c.get("text", "") for c in fb.chunks[1]).split() != []
+            assert all(c["meta_info"]["finish_reason"] is None for c in fb.chunks[1])
+            assert [c["meta_info"]["completion_tokens"] for c in fb.chunks[1]] == list(range(1, 8))
+            assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+            assert f1.finish_reason == "length" and f1.usage["completion_tokens"] == 8
             assert 2 not in fb.chunks and len(P.unpack(fb.finals[2].data)["token_ids"]) == 5
             assert fb.errors[3].code == "bad_request" and "HTTP 400" in fb.errors[3].message
 

@@ -50,7 +50,6 @@ flight), and registers again (READY, then a KV snapshot) when the server answers
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import time
@@ -60,10 +59,12 @@ from typing import Any, AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
+import orjson
 import zmq
 import zmq.asyncio
 
 from mesh import kv_events as KV
+from mesh.adapters.engine_http import EngineConnectionError, EngineHttp
 from mesh import protocol as P
 from mesh.errors import ConfigError, ErrorCode, ProtocolError
 from mesh.load import LoadStat
@@ -627,31 +628,33 @@ class KvRelay:
 # --------------------------------------------------------------------------- HTTP helpers
 
 
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The ``data`` payloads of a server-sent-event stream (any line length)."""
-    buf = bytearray()
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The ``data`` payloads of a server-sent-event stream, from body pieces of any size (an event
+    may span pieces, a piece may hold many events; CRLF or LF line ends; multi-line data joined
+    with LF, as the SSE spec says)."""
+    buf = b""
     data: list[bytes] = []
-    async for chunk in resp.content.iter_any():
-        buf += chunk
+    async for chunk in chunks:
+        buf = buf + chunk if buf else chunk
         pos = 0
         while True:
             i = buf.find(b"\n", pos)
             if i < 0:
                 break
-            line = bytes(buf[pos:i])
+            line = buf[pos:i]
             pos = i + 1
             if line.endswith(b"\r"):
                 line = line[:-1]
             if not line:
                 if data:
-                    yield b"\n".join(data)
+                    yield data[0] if len(data) == 1 else b"\n".join(data)
                     data = []
             elif line.startswith(b"data:"):
                 v = line[5:]
                 data.append(v[1:] if v.startswith(b" ") else v)
-        del buf[:pos]
+        buf = buf[pos:]
     if buf.startswith(b"data:"):
-        v = bytes(buf[5:]).rstrip(b"\r")
+        v = buf[5:].rstrip(b"\r")
         data.append(v[1:] if v.startswith(b" ") else v)
     if data:
         yield b"\n".join(data)
@@ -707,6 +710,7 @@ class StreamState:
     usage: dict[str, int] = field(default_factory=dict)
     error: tuple[ErrorCode, str] | None = None
     prompt_len: int = 0
+    meta: dict[str, Any] | None = None  # the engine's own metadata of the latest event (SGLang meta_info)
 
 
 class Backend:
@@ -767,7 +771,8 @@ class Adapter:
         self.counters: Counter[str] = Counter()
         self.info: EngineInfo | None = None
         self.relay: KvRelay | None = None
-        self.http: aiohttp.ClientSession | None = None
+        self.http: aiohttp.ClientSession | None = None  # discovery, health, load polls
+        self.engine: EngineHttp | None = None  # the request path (see engine_http for why not aiohttp)
         self.healthy = False
         self._was_healthy = False
         self.links: list[BrokerLink] = []
@@ -791,6 +796,7 @@ class Adapter:
         s = self.s
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), read_bufsize=1 << 20,
                                           timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self.engine = EngineHttp.for_url(s.base_url)
         self.info = info = await self._discover()
         ranks = []
         for r in range(info.dp_size):
@@ -888,6 +894,8 @@ class Adapter:
             await self.relay.stop()
         if self.http is not None:
             await self.http.close()
+        if self.engine is not None:
+            await self.engine.close()
 
     async def _discover(self) -> EngineInfo:
         assert self.http is not None
@@ -1138,71 +1146,153 @@ class Adapter:
         return None, ""
 
     async def _background(self, path: str, body: dict[str, Any], timeout_s: float | None) -> None:
-        assert self.http is not None
+        assert self.engine is not None
         try:
             async with asyncio.timeout(timeout_s):
-                async with self.http.post(self.s.base_url + path, json=body) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        self.counters["prefill_leg_errors"] += 1
-                        self.log.warning("prefill_leg_failed", status=resp.status)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                status, _ = await self.engine.request("POST", path, orjson.dumps(body))
+                if status != 200:
+                    self.counters["prefill_leg_errors"] += 1
+                    self.log.warning("prefill_leg_failed", status=status)
+        except (TimeoutError, EngineConnectionError, OSError) as exc:
             self.counters["prefill_leg_errors"] += 1
             self.log.warning("prefill_leg_failed", error=repr(exc)[:200])
 
     async def _proxy(self, link: BrokerLink, r: P.Request) -> tuple[ErrorCode | None, str]:
-        """Run one request against the server; returns an error to send, or (None, "") when done."""
-        assert self.http is not None and self.info is not None
+        """Run one request against the server; returns an error to send, or (None, "") when done.
+
+        A request the client does not stream is sent unstreamed when the backend allows it (one
+        JSON body, no SSE). A streamed one becomes CHUNKs for every engine event but the one that
+        carries the finish reason, whose delta rides in the FINAL, so a stream ends as the
+        engine's does. The engine's own per-event metadata (SGLang's ``meta_info``) is passed
+        through: scalars on every CHUNK, all of it (bounded) on the FINAL."""
+        assert self.engine is not None and self.info is not None
         sub = r.submit
         path, body = self.backend.request(r, self.info)
+        engine_streams = bool(body.get("stream"))
+        try:
+            payload = orjson.dumps(body)
+        except (orjson.JSONEncodeError, TypeError) as exc:  # e.g. an integer param beyond 64 bits
+            return ErrorCode.BAD_REQUEST, f"request parameters cannot be sent to the engine as JSON: {exc}"[:512]
         st = StreamState(prompt_len=len(sub.input_ids) if sub.input_ids is not None else 0)
-        collected: list[int] = []
-        texts: list[str] = []
-        seq = 0
         timeout_s = r.deadline_ms / 1000 if r.deadline_ms > 0 else None
+        final_sent = False
         try:
             async with asyncio.timeout(timeout_s):
-                async with self.http.post(self.s.base_url + path, json=body) as resp:
-                    if resp.status != 200:
-                        text = (await resp.text())[:512]
-                        return error_code_for_status(resp.status), f"HTTP {resp.status} from {path}: {text}"
-                    async for data in sse_events(resp):
+                if not engine_streams:
+                    status, raw = await self.engine.request("POST", path, payload)
+                    if status != 200:
+                        return error_code_for_status(status), f"HTTP {status} from {path}: {raw[:512].decode('utf-8', 'replace')}"
+                    try:
+                        obj = orjson.loads(raw)
+                    except orjson.JSONDecodeError:
+                        return ErrorCode.WORKER_ERROR, f"engine answered {path} with a body that is not JSON"
+                    self.backend.parse(obj, st, self.info)
+                    if st.error is not None:
+                        return st.error
+                    if st.finish is None:
+                        return ErrorCode.WORKER_ERROR, "engine answer holds no finish reason"
+                    self._send_final(link, r, st, st.new_ids, st.new_text)
+                    return None, ""
+                collected: list[int] = []
+                texts: list[str] = []
+                seq = 0
+                async with self.engine.stream("POST", path, payload) as (status, chunks):
+                    if status != 200:
+                        head = b""
+                        async for piece in chunks:
+                            head += piece
+                            if len(head) >= 512:
+                                break
+                        return error_code_for_status(status), f"HTTP {status} from {path}: {head[:512].decode('utf-8', 'replace')}"
+                    tail_ids: list[int] = []  # deltas from the event that carried the finish reason on
+                    tail_text: list[str] = []
+                    async for data in sse_events(chunks):
+                        if final_sent:
+                            continue  # read to the end: the connection is then reused
                         if data == b"[DONE]":
-                            break
+                            if st.finish is not None:
+                                final_sent = self._finish(link, r, st, collected, texts, tail_ids, tail_text)
+                            continue
                         try:
-                            obj = json.loads(data)
-                        except ValueError:
+                            obj = orjson.loads(data)
+                        except orjson.JSONDecodeError:
                             self.counters["bad_stream_chunks"] += 1
                             continue
                         st.new_ids, st.new_text = [], ""
                         self.backend.parse(obj, st, self.info)
                         if st.error is not None:
                             return st.error
-                        if st.new_ids or st.new_text:
+                        if st.finish is not None:  # hold the last delta for the FINAL (usage may follow)
+                            tail_ids.extend(st.new_ids)
+                            tail_text.append(st.new_text)
+                        elif st.new_ids or st.new_text:
                             if sub.stream:
                                 chunk: dict[str, Any] = {"token_ids": st.new_ids}
                                 if st.new_text:
                                     chunk["text"] = st.new_text
+                                if st.meta is not None:
+                                    chunk["meta_info"] = _scalar_meta(st.meta)
                                 link.send(P.encode_worker_chunk(r.rid, r.attempt, seq, chunk))
                                 seq += 1
                             else:
                                 collected.extend(st.new_ids)
                                 texts.append(st.new_text)
+                    if not final_sent and st.finish is not None:  # a stream without [DONE]
+                        final_sent = self._finish(link, r, st, collected, texts, tail_ids, tail_text)
         except TimeoutError:
+            if final_sent:
+                return None, ""
             return ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the engine was generating"
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+        except (EngineConnectionError, OSError) as exc:
+            if final_sent:
+                return None, ""  # the answer is out; the engine only failed to end the stream cleanly
             self._health_kick.set()
             return ErrorCode.UNAVAILABLE, f"engine connection failed: {type(exc).__name__}: {exc}"[:512]
-        if st.finish is None:
+        if not final_sent:
             return ErrorCode.WORKER_ERROR, "engine stream ended without a finish reason"
+        return None, ""
+
+    def _finish(self, link: BrokerLink, r: P.Request, st: StreamState, collected: list[int], texts: list[str],
+                tail_ids: list[int], tail_text: list[str]) -> bool:
+        """FINAL of a stream from the engine: a streaming client gets the last delta in it, an
+        unstreamed one everything."""
+        if r.submit.stream:
+            self._send_final(link, r, st, tail_ids, "".join(tail_text))
+        else:
+            self._send_final(link, r, st, collected + tail_ids, "".join(texts) + "".join(tail_text))
+        return True
+
+    def _send_final(self, link: BrokerLink, r: P.Request, st: StreamState, ids: list[int], text: str) -> None:
         usage = {"prompt_tokens": st.usage.get("prompt_tokens", st.prompt_len),
                  "completion_tokens": st.usage.get("completion_tokens", 0),
                  "cached_tokens": st.usage.get("cached_tokens", 0)}
-        data: dict[str, Any] = {}
-        if not sub.stream:
-            data = {"token_ids": collected}
-            if any(texts):
-                data["text"] = "".join(texts)
-        link.send(P.encode_worker_final(r.rid, r.attempt, st.finish, usage, data))
+        data: dict[str, Any] = {"token_ids": ids}
+        if text:
+            data["text"] = text
+        if st.meta is not None:
+            data["meta_info"] = self._final_meta(st.meta)
+        link.send(P.encode_worker_final(r.rid, r.attempt, st.finish or "stop", usage, data))
         self.counters["requests_ok"] += 1
-        return None, ""
+
+    def _final_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """The engine's final metadata, whole unless it would crowd the frame (logprobs of a long
+        answer): then its scalars only, counted."""
+        if len(meta) <= 32 and all(type(v) in _META_SCALARS or type(v) is dict and len(v) <= 8 for v in meta.values()):
+            return meta  # the common case, nothing to measure
+        try:
+            if len(P.pack(meta)) <= _MAX_META_BYTES:
+                return meta
+        except (TypeError, ValueError, OverflowError):
+            pass
+        self.counters["meta_info_truncated"] += 1
+        return _scalar_meta(meta)
+
+
+_META_SCALARS = (int, float, str, bool, type(None))
+_MAX_META_BYTES = 1 << 20  # FINAL frames stay far below the 4 MiB frame cap
+
+
+def _scalar_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """Per-chunk metadata: the scalar fields (counts, ids, latencies) and the finish reason, not
+    the lists (logprobs) that SGLang repeats cumulatively in every chunk."""
+    return {k: v for k, v in meta.items() if type(v) in _META_SCALARS or (k == "finish_reason" and type(v) is dict)}

@@ -7,7 +7,8 @@
   ``kv_events_config`` server arg. Every value can be overridden by a flag. Also read:
   ``served_model_name``, ``max_running_requests``, ``max_total_num_tokens``,
   ``incremental_streaming_output``, ``startup_time`` (a change across a health outage = restart).
-* Requests: ``POST /generate`` with ``stream: true``; ``output_ids``/``text`` are cumulative unless
+* Requests: ``POST /generate``, with ``stream: true`` when the client streams (else one JSON
+  answer); streamed ``output_ids``/``text`` are cumulative unless
   the server runs with ``--incremental-streaming-output``; the adapter sends deltas as mesh CHUNKs.
   ``params`` keys SGLang knows as sampling params go to ``sampling_params`` (unknown keys there
   would be a 400), a few request-level keys pass through, the rest is dropped. PD bootstrap:
@@ -121,7 +122,7 @@ def info_from_server_info(d: dict[str, Any], s: AttachSettings) -> EngineInfo:
 
 
 def generate_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
-    """The ``/generate`` body for a mesh REQUEST (always streamed; see the module docstring).
+    """The ``/generate`` body for a mesh REQUEST (streamed when the client streams).
 
     PD: ``REQUEST.bootstrap`` keys ``bootstrap_host|port|room|pair_key`` (the broker's ``room`` as
     ``bootstrap_room``, ``host``/``port`` likewise) become SGLang's top-level bootstrap fields.
@@ -143,7 +144,7 @@ def generate_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
     else:
         body["text"] = sub.text
     body["sampling_params"] = sp
-    body["stream"] = True
+    body["stream"] = bool(sub.stream)  # unstreamed: one JSON answer, no SSE to parse
     body["rid"] = f"{sub.rid}/{r.rid}.{r.attempt}.{secrets.token_hex(3)}"[:256]
     if r.bootstrap:
         for k, v in r.bootstrap.items():
@@ -287,7 +288,11 @@ class SglangBackend(Backend):
             if isinstance(text, str) and len(text) > st.text_len:
                 st.new_text = text[st.text_len:]
                 st.text_len = len(text)
-        meta = obj.get("meta_info") or {}
+        meta = obj.get("meta_info")
+        if not isinstance(meta, dict):
+            meta = {}
+        else:
+            st.meta = meta
         fr = meta.get("finish_reason")
         if fr is None:
             return
