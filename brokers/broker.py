@@ -113,6 +113,7 @@ class Inflight:
     holds_retry_budget: bool = False
     reason: str = ""  # routing decision reason of the current attempt
     fail_cause: str = ""  # error code of the last failed attempt
+    fail_message: str = ""  # and its message (what the engine said), for the client's error
     replied: bool = False  # the current attempt's worker sent something for it (progress)
     sent_s: float = 0.0  # when the current attempt was sent (first-reply latency per worker)
     quota: bytes = b""  # whose in-flight quota it counts against (the client; an HTTP request's peer)
@@ -831,7 +832,8 @@ class Broker:
                     return  # no worker yet (startup, restart, fleet loss): wait briefly for one
                 if inf.tried:
                     code = ErrorCode(inf.fail_cause) if inf.fail_cause else ErrorCode.UNAVAILABLE
-                    self._finish_error(inf, code, f"no other worker after {inf.attempt} attempt(s): {inf.fail_cause or 'failed'}")
+                    self._finish_error(inf, code, f"no other worker after {inf.attempt} attempt(s); last: {inf.fail_cause or 'failed'}"
+                                       + (f": {inf.fail_message}" if inf.fail_message else ""))
                 else:
                     self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker" if not pool else decision.reason)
                 return
@@ -1058,6 +1060,7 @@ class Broker:
         if inf.phase == "prefill":
             inf.phase = "mixed"
         inf.fail_cause = code.value
+        inf.fail_message = message[:400]
         remaining = inf.deadline_s - now
         if inf.committed or not inf.submit.idempotent or not self.retry.should_retry(inf.attempt, remaining):
             self._finish_error(inf, code, message)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from brokers.broker import Broker
 from brokers.stats import StatsCollector
+from mesh import aio
 from mesh.config import BrokerSettings
 from mesh.errors import ConfigError
 from mesh.gc_tuning import bound_malloc_retention, freeze_startup_heap
@@ -223,4 +224,4 @@ def _check_fd_budget(settings: BrokerSettings, log) -> None:
 
 
 def main(settings: BrokerSettings) -> None:
-    asyncio.run(serve_broker(settings))
+    aio.run(serve_broker(settings))

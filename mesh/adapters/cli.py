@@ -12,6 +12,7 @@ import asyncio
 import signal
 import sys
 
+from mesh import aio
 from mesh.errors import ConfigError
 
 __all__ = ["add_attach_parser", "settings_from_args", "main"]
@@ -161,7 +162,7 @@ async def _run(engine: str, s) -> int:
 def _cmd_attach(args) -> int:
     s = settings_from_args(args)
     make_backend(args.engine, s)  # flag errors (e.g. vLLM without --kv-endpoint) before any I/O
-    return asyncio.run(_run(args.engine, s))
+    return aio.run(_run(args.engine, s))
 
 
 def main(argv: list[str] | None = None) -> int:

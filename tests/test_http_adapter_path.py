@@ -1,0 +1,186 @@
+"""The path users run, with real processes: HTTP client -> ``mesh broker --http`` -> ``mesh attach
+sglang`` -> ``mesh stub-sglang`` (SGLang's own answer formats).
+
+* no stall: concurrent requests through real adapters complete without waiting for a heartbeat
+  (a lost wake-up on a socket owner used to park requests until its poll timed out);
+* fidelity: the body of a /generate answer has the engine's fields (``meta_info`` as the engine
+  wrote it, ``finish_reason.length`` included, the request's own ``rid`` as ``id``), a stream has
+  exactly the engine's events (no extra final event) with token counts in every event, and mesh's
+  own metadata is in ``x-mesh-*`` headers;
+* errors: when every engine answers 500, a stream that failed before its first byte gets an HTTP
+  error status and a JSON error body, not a 200 with an SSE error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from mesh.procs import ProcGroup, wait_for_log_event
+from mesh.up import wait_for_workers
+from tests.conftest import run
+
+HB_MS = 1000  # a stall would last about one heartbeat (the worker link's poll timeout)
+
+
+def _path(procs: ProcGroup, n: int = 2, *, engine_urls: list[str] | None = None, time_scale: str = "0.001"):
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "round_robin", "--heartbeat-ms", str(HB_MS))
+    url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"]
+    engines = list(engine_urls or [])
+    for i in range(n - len(engines)):
+        p = procs._spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale])
+        engines.append(wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"])
+    for i, e in enumerate(engines):
+        procs._spawn(f"a{i}", ["attach", "sglang", "--url", e, "--broker", b.backend, "--worker-id", f"a{i}",
+                               "--heartbeat-ms", str(HB_MS)])
+    run(wait_for_workers(b.frontend, len(engines)), 40)
+    return url, engines
+
+
+async def _sse(resp: aiohttp.ClientResponse) -> list[bytes]:
+    raw = await resp.read()
+    return [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+def test_concurrent_requests_through_real_adapters_do_not_stall(procs):
+    url, _ = _path(procs)
+
+    async def body() -> list[float]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+            async def one(k: int, i: int, stream: bool) -> float:
+                t0 = time.monotonic()
+                async with s.post(url + "/generate", json={"text": f"loop {k} request {i} of the stall test",
+                                                            "sampling_params": {"max_new_tokens": 4}, "stream": stream}) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+                return time.monotonic() - t0
+
+            await one(0, 0, False)  # warm up: first connections, first decisions
+
+            async def loop(k: int) -> list[float]:
+                return [await one(k, i, i % 2 == 1) for i in range(12)]
+
+            return sorted(x for lats in await asyncio.gather(*(loop(k) for k in range(32))) for x in lats)
+
+    lat = run(body(), 90)
+    p50, p99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99) - 1]
+    print(f"32 loops x 12 requests through 2 adapters: p50 {p50 * 1000:.1f} ms p99 {p99 * 1000:.1f} ms max {lat[-1] * 1000:.1f} ms")
+    assert p99 < 0.3 * HB_MS / 1000 + 0.1, (p50, p99, lat[-5:])
+
+
+def test_generate_answers_keep_the_engines_fields_and_events(procs):
+    url, engines = _path(procs, 1)
+    req = {"input_ids": list(range(100, 140)), "sampling_params": {"max_new_tokens": 6}}
+
+    async def body() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+            async def post(base: str, **extra):
+                async with s.post(base + "/generate", json={**req, **extra}) as r:
+                    assert r.status == 200, (base, r.status, await r.text())
+                    return r.headers, (await _sse(r) if extra.get("stream") else await r.json())
+
+            _, direct = await post(engines[0], rid="direct-1")
+            headers, via = await post(url, rid="my-request-1")
+            assert set(via) == set(direct) == {"text", "output_ids", "meta_info"}
+            assert set(via["meta_info"]) == set(direct["meta_info"]), set(via["meta_info"]) ^ set(direct["meta_info"])
+            assert via["meta_info"]["finish_reason"] == direct["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+            assert via["meta_info"]["id"] == "my-request-1"
+            assert len(via["output_ids"]) == len(direct["output_ids"]) == 6 and via["text"]
+            assert headers["x-mesh-worker"] == "a0" and headers["x-mesh-request-id"]
+
+            _, no_rid = await post(url)  # no rid given: the id is the one the broker logs the request by
+            assert isinstance(no_rid["meta_info"]["id"], str) and len(no_rid["meta_info"]["id"]) >= 16
+
+            _, d_events = await post(engines[0], stream=True, rid="direct-2")
+            headers, v_events = await post(url, stream=True, rid="my-request-2")
+            assert headers["x-mesh-worker"] == "a0" and headers["Content-Type"].startswith("text/event-stream")
+            assert d_events[-1] == v_events[-1] == b"[DONE]"
+            assert len(v_events) == len(d_events), (len(v_events), len(d_events))  # no extra final event
+            d, v = [orjson.loads(x) for x in d_events[:-1]], [orjson.loads(x) for x in v_events[:-1]]
+            assert [len(e["output_ids"]) for e in v] == [len(e["output_ids"]) for e in d] == list(range(1, 7))  # cumulative
+            assert [e["meta_info"]["completion_tokens"] for e in v] == [e["meta_info"]["completion_tokens"] for e in d]
+            assert all(e["meta_info"]["finish_reason"] is None for e in v[:-1])
+            assert v[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+            assert all(e["meta_info"]["id"] == "my-request-2" for e in v)
+            assert set(v[-1]["meta_info"]) == set(d[-1]["meta_info"])
+
+    run(body(), 60)
+
+
+@pytest.fixture
+def failing_engines():
+    """Two SGLang-shaped engines that are healthy but answer every /generate with HTTP 500."""
+    import threading
+
+    urls: list[str] = []
+    ready = threading.Event()
+    stop: asyncio.Event | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    hits = {"generate": 0}
+
+    async def main() -> None:
+        nonlocal stop, loop
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        async def info(_):
+            return web.json_response({"served_model_name": "broken", "page_size": 16, "max_running_requests": 64,
+                                      "max_total_num_tokens": 65536})
+
+        async def ok(_):
+            return web.json_response({})
+
+        async def generate(request):
+            await request.read()
+            hits["generate"] += 1
+            return web.json_response({"object": "error", "message": "CUDA error: an illegal memory access", "code": 500},
+                                     status=500)
+
+        runners = []
+        for _ in range(2):
+            app = web.Application()
+            app.add_routes([web.get("/server_info", info), web.get("/health", ok), web.get("/v1/loads", ok),
+                            web.post("/generate", generate)])
+            r = web.AppRunner(app, access_log=None)
+            await r.setup()
+            site = web.TCPSite(r, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]
+            urls.append(f"http://127.0.0.1:{port}")
+            runners.append(r)
+        ready.set()
+        await stop.wait()
+        for r in runners:
+            await r.cleanup()
+
+    t = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    t.start()
+    assert ready.wait(10)
+    yield urls, hits
+    loop.call_soon_threadsafe(stop.set)
+    t.join(10)
+
+
+def test_when_every_engine_answers_500_the_client_gets_an_http_error(procs, failing_engines):
+    engines, hits = failing_engines
+    url, _ = _path(procs, 2, engine_urls=engines)
+
+    async def body() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            for path, req in (("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}}),
+                              ("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 4})):
+                for stream in (False, True):
+                    async with s.post(url + path, json={**req, "stream": stream}) as r:
+                        body = await r.read()
+                        assert r.status == 502, (path, stream, r.status, body[:300])
+                        assert r.headers["Content-Type"].startswith("application/json"), (path, stream, r.headers)
+                        err = orjson.loads(body)["error"]
+                        assert err["code"] == "worker_error" and "HTTP 500" in err["message"], err
+
+    run(body(), 90)
+    assert hits["generate"] >= 8  # every request was tried on more than one engine before giving up
