@@ -41,12 +41,17 @@ ACCEPTED   0x13  b->c    ``rid``, ``worker`` str, ``reason`` str (routing decisi
                          on retry); a non-streaming request learns the same from its FINAL.
 CHUNK      0x14  b->c    ``rid``, ``seq`` int (0, 1, 2, ... contiguous per request).
                          Frame 3: the worker's chunk data, a msgpack map
-                         (``token_ids`` list[int], optional ``text`` str).
+                         (``token_ids`` list[int], optional ``text`` str, optional
+                         ``meta_info`` map: the engine's own per-event metadata, scalars only,
+                         passed through by adapters).
 FINAL      0x15  b->c    ``rid``, ``finish_reason`` str, ``usage`` map (``prompt_tokens``,
                          ``completion_tokens``, ``cached_tokens``), ``worker`` str, ``attempt``,
                          ``reason`` str (routing decision reason of the final attempt).
-                         Frame 3: the worker's final data map (all ``token_ids`` when the
-                         request was not streamed, otherwise empty).
+                         Frame 3: the worker's final data map: ``token_ids`` (and ``text``)
+                         are all of the output when the request was not streamed, otherwise the
+                         last delta (adapters send the engine's last event here, so a stream ends
+                         as the engine's does; often empty); optional ``meta_info`` map (the
+                         engine's final metadata, e.g. SGLang's, passed through to HTTP).
 ERROR      0x16  b->c    ``rid`` str or nil (nil when the request id was unreadable), ``code``
                          (an :class:`~mesh.errors.ErrorCode` value), ``message`` str.
 STATUS     0x17  c->b    empty map: ask for the broker's view of the fleet.
