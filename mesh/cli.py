@@ -202,10 +202,12 @@ def _cmd_worker(args) -> int:
 
 
 def _add_up(sub) -> None:
-    p = sub.add_parser("up", help="all-in-one local mesh: broker + simulated workers + load, then a summary",
-                       description="Start a broker and N simulated workers on 127.0.0.1, drive open-loop shared-prefix "
-                                   "load for a bounded time, print a summary table and exit (0 when no request failed).")
-    p.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
+    p = sub.add_parser("up", help="all-in-one local mesh: HTTP -> broker -> adapters -> SGLang stubs, then ZeroMQ -> simulated workers",
+                       description="Start a broker on 127.0.0.1 with N SGLang stub engines, each attached by a `mesh attach "
+                                   "sglang` adapter, and drive open-loop shared-prefix load through the OpenAI HTTP API (part 1, "
+                                   "the path users run); then N simulated workers driven by ZeroMQ clients for a third of the "
+                                   "time (part 2). Prints a summary table per part and exits 0 when no request failed.")
+    p.add_argument("--workers", type=int, default=8, help="engines + adapters in part 1, simulated workers in part 2 (default 8)")
     p.add_argument("--policy", default="cache_aware", help="broker routing policy (default cache_aware)")
     p.add_argument("--rate", type=float, default=30.0, help="requests per second, Poisson (default 30)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of offered load (default 15)")
@@ -214,11 +216,14 @@ def _add_up(sub) -> None:
     p.add_argument("--question-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="also write the summary as JSON to this file")
+    p.add_argument("--json", help="also write both summaries as JSON ({\"http\": ..., \"zmq\": ...}) to this file")
     p.add_argument("--log-dir", help="keep process logs here (default: a temporary directory)")
-    p.add_argument("--serve", action="store_true", help="no load generator: keep serving until Ctrl-C / SIGTERM")
+    p.add_argument("--serve", action="store_true",
+                   help="no load: keep the engines, adapters and simulated workers serving until Ctrl-C / SIGTERM")
     p.add_argument("--http", help="HOST:PORT of the OpenAI-compatible ingress (default 127.0.0.1, any free port)")
     p.add_argument("--telemetry", help="telemetry PUB endpoint (default tcp://127.0.0.1:*)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="engines' and simulated workers' modelled durations x this (default 1.0: an 8B model on an H100)")
     p.set_defaults(func=_cmd_up)
 
 
