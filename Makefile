@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test soak bench venv clean
+.PHONY: demo test soak bench bench-http venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ bench: $(STAMP)
 	$(VENV)/bin/mesh bench broker --json bench/broker.json
 	$(VENV)/bin/mesh bench routing --json bench/routing.json
 	$(VENV)/bin/mesh bench indexer --json bench/indexer.json
+
+# the HTTP path side by side (direct engine, broker + ZMQ workers, broker + adapters, sglang-router);
+# wrk is installed when missing and we may (root with apt-get), else the built-in load generator runs
+bench-http: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	@if ! command -v wrk >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y wrk || { apt-get update && apt-get install -y wrk; } || echo "wrk not installed: the built-in load generator runs"; fi
+	$(VENV)/bin/mesh bench http --json bench/http.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

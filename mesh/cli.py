@@ -291,6 +291,9 @@ def _add_bench(sub) -> None:
     from mesh.indexer.cli import add_bench_parser
 
     add_bench_parser(bsub)
+    from mesh.bench.http_cli import add_bench_http_parser
+
+    add_bench_http_parser(bsub)
 
 
 def _cmd_bench_broker(args) -> int:
@@ -351,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_attach_parser(sub)
     add_stub_sglang_parser(sub)
+    from workers_stub.instant_http import add_instant_engine_parser
+
+    add_instant_engine_parser(sub)
     from mesh.fuzz.cli import add_fuzz_parser
 
     add_fuzz_parser(sub)

@@ -1,0 +1,511 @@
+"""``mesh bench http``: the HTTP path users run, measured end to end next to its baselines, in one run.
+
+Arms, each a set of real processes on 127.0.0.1 (fresh for every arm), each measured at every
+concurrency of ``--concurrency`` with a real closed-loop load generator (:mod:`mesh.bench.http_load`:
+wrk when on PATH, else the built-in one):
+
+* ``direct``: load generator -> one instant HTTP engine (``mesh instant-engine``, which answers
+  SGLang's API at once; the baseline).
+* ``broker_zmq``: load generator -> ``mesh broker --http`` -> 4 instant ZMQ workers in one process
+  (``mesh worker-stub --instant --count 4``).
+* ``broker_adapters`` (the full path): load generator -> ``mesh broker --http`` -> 4 x
+  ``mesh attach sglang`` -> 4 instant HTTP engines.
+* ``sglang_router`` (when the ``sglang_router`` package is importable, the ``bench`` extra):
+  SGLang's Rust router (``--policy round_robin``) -> the same 4 instant HTTP engines. It probes
+  each worker's ``/health``, ``/server_info`` and ``/model_info`` when it registers it (and
+  ``/health`` every 60 s) and tries to load the tokenizer named by the served model; the
+  instant engine answers all of these, and ``HF_ENDPOINT`` points at a closed local port so that
+  lookup fails at once instead of leaving the machine.
+
+Each cell (arm, c) warms up (``--warmup``, default 1 s), then measures for ``--seconds``. Besides
+req/s and round-trip p50/p99/max, it records the CPU time every process of the arm spent in the
+measured window (``/proc/PID/stat`` utime + stime, every thread, see :mod:`mesh.bench.proc_cpu`)
+divided by the requests completed in it: microseconds of CPU per request, per role: ``loadgen``,
+``router`` (broker or sglang-router), ``adapters`` (sum), ``engines`` (instant engines or ZMQ
+workers, sum) and ``path`` = router + adapters (the whole path's CPU per request).
+
+Then the targets, computed from this run only: full path req/s / direct req/s (>= 0.32 at c=64,
+>= 0.25 at c=1), the full path's p99/p50 (<= 2.5 at both), its max latency (<= 100 ms) and p50
+(<= 1 ms) at c=1, and the broker's CPU per request in ``broker_zmq`` (<= 250 us); sglang_router's
+figures are shown beside them. A missed target is printed (MISS), not an error: the command exits
+non-zero only when an arm broke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mesh.bench.http_load import PROMPT, request_body, run_load, wrk_path, wrk_version
+from mesh.procs import Proc, ProcGroup, wait_for_log_event
+from mesh.up import wait_for_workers
+
+__all__ = ["ALL_ARMS", "run_http_bench", "evaluate_targets", "print_results", "sglang_router_available"]
+
+ALL_ARMS = ("direct", "broker_zmq", "broker_adapters", "sglang_router")
+FULL_PATH = "broker_adapters"
+ROLES = ("loadgen", "router", "adapters", "engines")
+MODEL = "instant"
+_ENGINE_POSTS = {"/generate", "/v1/completions"}  # what mesh instant-engine answers
+_BROKER_POSTS = {"/generate", "/v1/completions", "/v1/chat/completions"}  # the broker's HTTP ingress
+_STARTUP_S = 60.0
+
+
+def sglang_router_available() -> bool:
+    try:
+        return importlib.util.find_spec("sglang_router") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass
+class _Arm:
+    name: str
+    url: str = ""
+    roles: dict[str, list[int]] = field(default_factory=dict)  # role -> root pids (loadgen excluded)
+    engine_logs: list[Path] = field(default_factory=list)
+
+
+class ArmSkipped(Exception):
+    """The arm cannot run here (not an error): the reason is printed and recorded."""
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _spawn_engines(g: ProcGroup, n: int, prefix: str = "engine") -> tuple[list[Proc], list[str]]:
+    """Start ``n`` instant engines (all at once), wait for each one's readiness line."""
+    procs = [g._spawn(f"{prefix}{i}", ["instant-engine", "--host", "127.0.0.1", "--port", "0", "--model", MODEL])
+             for i in range(n)]
+    urls = [wait_for_log_event(p.log_path, "instant_engine_listening", _STARTUP_S, p.popen, start=p.log_start)["url"]
+            for p in procs]
+    return procs, urls
+
+
+def _broker(g: ProcGroup, policy: str | None) -> tuple[Proc, str]:
+    extra = ["--http", "127.0.0.1:0", "--log-level", "warning"] + (["--policy", policy] if policy else [])
+    b = g.broker("broker", *extra, timeout_s=_STARTUP_S)
+    url = wait_for_log_event(b.log_path, "http_listening", _STARTUP_S, b.popen, start=b.log_start)["url"]
+    return b, url
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _probe(arm: _Arm, path: str, body: bytes) -> None:
+    """One request through the arm before any load: a broken arm fails here with its answer."""
+    status, data = _post(arm.url + path, body)
+    if status != 200:
+        raise RuntimeError(f"probe {path} answered HTTP {status}: {data[:300].decode(errors='replace')}")
+
+
+def _start_arm(g: ProcGroup, name: str, *, engines: int, policy: str | None, log_dir: Path, path: str, body: bytes) -> _Arm:
+    arm = _Arm(name)
+    if name == "direct":
+        procs, urls = _spawn_engines(g, 1)
+        arm.url, arm.roles = urls[0], {"engines": [procs[0].pid]}
+        arm.engine_logs = [p.log_path for p in procs]
+    elif name == "broker_zmq":
+        b, arm.url = _broker(g, policy)
+        w = g.workers("workers", [b.backend], "--instant", "--log-level", "warning", count=engines, timeout_s=_STARTUP_S)
+        asyncio.run(wait_for_workers(b.frontend, engines, timeout_s=_STARTUP_S))
+        arm.roles = {"router": [b.pid], "engines": [w.pid]}
+    elif name == "broker_adapters":
+        b, arm.url = _broker(g, policy)
+        procs, urls = _spawn_engines(g, engines)
+        adapters = [g._spawn(f"a{i}", ["attach", "sglang", "--url", u, "--broker", b.backend, "--worker-id", f"a{i}",
+                                       "--log-level", "warning"]) for i, u in enumerate(urls)]
+        asyncio.run(wait_for_workers(b.frontend, engines, timeout_s=_STARTUP_S))
+        arm.roles = {"router": [b.pid], "adapters": [a.pid for a in adapters], "engines": [p.pid for p in procs]}
+        arm.engine_logs = [p.log_path for p in procs]
+    elif name == "sglang_router":
+        if not sglang_router_available():
+            raise ArmSkipped("the sglang_router package is not importable (pip install '.[bench]')")
+        procs, urls = _spawn_engines(g, engines)
+        r = _spawn_sglang_router(g, urls, log_dir)
+        arm.url = r.url
+        arm.roles = {"router": [r.proc.pid], "engines": [p.pid for p in procs]}
+        arm.engine_logs = [p.log_path for p in procs]
+        _wait_router_ready(r, path, body)
+    else:
+        raise ValueError(f"unknown arm {name!r}")
+    _probe(arm, path, body)
+    return arm
+
+
+@dataclass
+class _Router:
+    proc: Proc
+    url: str
+
+
+def _spawn_sglang_router(g: ProcGroup, worker_urls: list[str], log_dir: Path) -> _Router:
+    port, prom = _free_port(), _free_port()
+    hf = log_dir / "hf-home"
+    hf.mkdir(parents=True, exist_ok=True)
+    # The router tries to fetch the served model's tokenizer from the Hugging Face hub: point it at
+    # a closed local port (fails at once, stays on this machine) with an empty cache.
+    env = {**os.environ, **g.env, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1",
+           "NO_COLOR": "1", "RUST_LOG_STYLE": "never"}
+    args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", "round_robin",
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+            "--log-level", "warn", "--shutdown-grace-period-secs", "1"]
+    log_path = log_dir / "sglang_router.log"
+    with log_path.open("ab") as log:
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                             start_new_session=True)
+    proc = Proc("sglang_router", p, log_path)
+    g.procs.append(proc)  # stopped with the group
+    return _Router(proc, f"http://127.0.0.1:{port}")
+
+
+def _wait_router_ready(r: _Router, path: str, body: bytes) -> None:
+    """The router registers its workers in the background: poll with the benchmark's own request
+    until it answers 200 (a readiness wait on the real path)."""
+    deadline = time.monotonic() + _STARTUP_S
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not r.proc.alive():
+            raise RuntimeError(f"sglang_router exited ({r.proc.popen.returncode}); log tail:\n{_tail(r.proc.log_path)}")
+        try:
+            status, data = _post(r.url + path, body, timeout_s=5)
+            if status == 200:
+                return
+            last = f"HTTP {status}: {data[:200].decode(errors='replace')}"
+        except (OSError, urllib.error.URLError) as exc:
+            last = repr(exc)
+        time.sleep(0.1)  # polling interval of a readiness wait
+    raise RuntimeError(f"sglang_router not ready within {_STARTUP_S:.0f}s ({last}); log tail:\n{_tail(r.proc.log_path)}")
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _engine_stats(logs: Iterable[Path], bench_path: str) -> tuple[dict[str, int], list[int | None]]:
+    """Requests per path the engines saw, summed (what a router or adapter asks an engine), and
+    each engine's count of ``bench_path`` (how evenly the arm spread the load), from their
+    ``instant_engine_stopped`` lines (read after the stop; None for an engine without one)."""
+    total: dict[str, int] = {}
+    per_engine: list[int | None] = []
+    for path in logs:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        rec = None
+        for line in lines:
+            if '"instant_engine_stopped"' in line:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    pass
+        if rec is None:
+            per_engine.append(None)
+            continue
+        paths = rec.get("paths") or {}
+        for k, v in paths.items():
+            total[k] = total.get(k, 0) + int(v)
+        per_engine.append(int(paths.get(bench_path, 0)))
+    return dict(sorted(total.items(), key=lambda kv: -kv[1])), per_engine
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _served(arm: str, path: str) -> bool:
+    return path in (_BROKER_POSTS if arm.startswith("broker") else _ENGINE_POSTS)
+
+
+def _per_req(cpu_s: float | None, n: int) -> float | None:
+    if cpu_s is None or n <= 0:
+        return None
+    return round(cpu_s / n * 1e6, 1)
+
+
+def _cell(arm: _Arm, c: int, res: dict) -> dict:
+    n = int(res["requests"])
+    cpu = {"loadgen": res.get("loadgen_cpu_s")}
+    for role in ("router", "adapters", "engines"):
+        cpu[role] = res["cpu_s"].get(role) if role in arm.roles else None
+    us = {role: _per_req(v, n) for role, v in cpu.items()}
+    path_parts = [us[r] for r in ("router", "adapters") if us[r] is not None]
+    us["path"] = round(sum(path_parts), 1) if n > 0 else None
+    return {
+        "arm": arm.name, "c": c, "loadgen": res["loadgen"], "requests": n, "seconds": round(res["seconds"], 3),
+        "rps": round(res["rps"], 1), "p50_ms": round(res["p50_ms"], 3), "p99_ms": round(res["p99_ms"], 3),
+        "max_ms": round(res["max_ms"], 3), "errors": int(res["errors"]), "error_detail": res.get("error_detail", {}),
+        "cpu_us_per_req": us, "cpu_s": {k: (round(v, 3) if v is not None else None) for k, v in cpu.items()},
+        "processes": {role: len(pids) for role, pids in arm.roles.items()}, "cpus": os.cpu_count(),
+    }
+
+
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for dist in ("mesh-router", "aiohttp", "uvloop", "httptools", "orjson", "pyzmq", "msgpack", "sglang-router", "rich"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _machine() -> dict:
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"cpus": os.cpu_count(), "cpus_usable": affinity, "platform": platform.platform(),
+            "python": platform.python_version(), "packages": _versions(), "wrk": wrk_version(),
+            "loadavg_at_start": [round(x, 2) for x in load] if load else None}
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM to the benchmark stops it like Ctrl-C, so its processes are stopped too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[int] = (1, 64), seconds: float = 8.0,
+                   warmup_s: float = 1.0, path: str = "/generate", stream: bool = False, max_new_tokens: int = 8,
+                   loadgen: str = "auto", engines: int = 4, broker_policy: str | None = None,
+                   progress: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None,
+                   log_dir: str | Path | None = None) -> dict:
+    """Run every (arm, concurrency) cell and return the results (see the module docstring).
+
+    ``arms``: default all (sglang_router only when importable; asked for explicitly and missing,
+    it is skipped with the reason). ``loadgen``: ``auto`` (wrk when on PATH), ``wrk`` or
+    ``python``. ``progress(label)`` is called after each cell (skipped ones included), ``say(msg)``
+    for notices (skips, arm failures)."""
+    say = say or (lambda m: print(m, file=sys.stderr))
+    concurrency = [int(c) for c in concurrency]
+    if not concurrency or any(c < 1 for c in concurrency):
+        raise ValueError("concurrency: positive integers")
+    if seconds <= 0 or warmup_s < 0:
+        raise ValueError("seconds must be > 0 and warmup >= 0")
+    if arms is None:
+        arm_list = [a for a in ALL_ARMS if a != "sglang_router" or sglang_router_available()]
+    else:
+        arm_list = list(arms)
+    bad = [a for a in arm_list if a not in ALL_ARMS]
+    if bad:
+        raise ValueError(f"unknown arm(s) {bad}: choose from {', '.join(ALL_ARMS)}")
+    if loadgen == "auto":
+        loadgen = "wrk" if wrk_path() else "python"
+    if loadgen == "wrk" and not wrk_path():
+        raise ValueError("loadgen wrk: wrk is not on PATH")
+    if loadgen not in ("wrk", "python"):
+        raise ValueError(f"loadgen: expected auto, wrk or python, got {loadgen!r}")
+    body = request_body(path, stream=stream, max_new_tokens=max_new_tokens, model=MODEL)
+    root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mesh-bench-http-"))
+    res: dict = {
+        "bench": "http",
+        "config": {"arms": arm_list, "concurrency": concurrency, "seconds": seconds, "warmup_s": warmup_s, "path": path,
+                   "stream": stream, "max_new_tokens": max_new_tokens, "prompt_bytes": len(PROMPT.encode()),
+                   "loadgen": loadgen, "engines": engines, "broker_policy": broker_policy or "default",
+                   "sglang_router_policy": "round_robin", "log_dir": str(root)},
+        "machine": _machine(),
+        "cells": [],
+        "arms": {},
+    }
+    with _sigterm_as_interrupt():
+        for name in arm_list:
+            info: dict = {"status": "ok"}
+            res["arms"][name] = info
+            if not _served(name, path):
+                info.update(status="skipped", reason=f"{path} is not served by this arm (the instant engine answers "
+                                                     f"{', '.join(sorted(_ENGINE_POSTS))})")
+                say(f"[bench http] {name}: skipped: {info['reason']}")
+                for c in concurrency:
+                    progress and progress(f"{name} c={c} (skipped)")
+                continue
+            arm_dir = root / name
+            done_cells = 0
+            with ProcGroup(arm_dir) as g:
+                try:
+                    arm = _start_arm(g, name, engines=engines, policy=broker_policy, log_dir=arm_dir, path=path, body=body)
+                    info["processes"] = {role: len(p) for role, p in arm.roles.items()}
+                    for c in concurrency:
+                        out = run_load(arm.url + path, body, c, seconds, warmup_s=warmup_s, loadgen=loadgen,
+                                       roles=arm.roles, stream=stream)
+                        dead = [p.name for p in g.procs if not p.alive()]
+                        if dead:
+                            raise RuntimeError(f"process(es) died during c={c}: {dead}")
+                        res["cells"].append(_cell(arm, c, out))
+                        done_cells += 1
+                        progress and progress(f"{name} c={c}")
+                except ArmSkipped as exc:
+                    info.update(status="skipped", reason=str(exc))
+                    say(f"[bench http] {name}: skipped: {exc}")
+                except KeyboardInterrupt:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - one broken arm must not hide the others' results
+                    info.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:2000])
+                    say(f"[bench http] {name}: FAILED: {info['reason']}")
+                finally:
+                    for _ in range(len(concurrency) - done_cells):
+                        progress and progress(f"{name} (not run)")
+            if name in ("direct", "broker_adapters", "sglang_router") and info["status"] == "ok":
+                engine_path = "/generate" if name == "broker_adapters" else path  # the adapters always call /generate
+                info["engine_paths"], info["engine_requests"] = _engine_stats(arm.engine_logs, engine_path)
+                info["engine_requests_path"] = engine_path
+    try:
+        res["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    res["targets"] = evaluate_targets(res["cells"], concurrency)
+    res["ok"] = all(a["status"] != "error" for a in res["arms"].values())
+    return res
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def _find(cells: list[dict], arm: str, c: int) -> dict | None:
+    for cell in cells:
+        if cell["arm"] == arm and cell["c"] == c:
+            return cell
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b or a != a or b != b:
+        return None
+    return round(a / b, 3)
+
+
+def evaluate_targets(cells: list[dict], concurrency: Iterable[int]) -> list[dict]:
+    """The targets' figures from this run: one row per (target, c), with mesh's value, the
+    comparison value of sglang_router (same formula on its cells) and PASS/MISS (``n/a`` when a
+    needed arm did not run; ``info`` for a concurrency without a target)."""
+    rows: list[dict] = []
+
+    def add(name: str, c: int, op: str, target: float | None, value: float | None, sglang: float | None, unit: str = "") -> None:
+        if value is None:
+            result = "n/a"
+        elif target is None:
+            result = "info"
+        else:
+            result = "PASS" if (value >= target if op == ">=" else value <= target) else "MISS"
+        rows.append({"name": name, "c": c, "op": op, "target": target, "value": value, "sglang_router": sglang,
+                     "unit": unit, "result": result})
+
+    for c in concurrency:
+        direct, full, sg, zmq = (_find(cells, a, c) for a in ("direct", FULL_PATH, "sglang_router", "broker_zmq"))
+        d_rps = direct["rps"] if direct else None
+        add("full path req/s / direct req/s", c, ">=", {1: 0.25, 64: 0.32}.get(c),
+            _ratio(full["rps"], d_rps) if full else None, _ratio(sg["rps"], d_rps) if sg else None)
+        add("full path p99 / p50", c, "<=", 2.5 if c in (1, 64) else None,
+            _ratio(full["p99_ms"], full["p50_ms"]) if full else None, _ratio(sg["p99_ms"], sg["p50_ms"]) if sg else None)
+        if c == 1:
+            add("full path max latency", c, "<=", 100.0, full["max_ms"] if full else None, sg["max_ms"] if sg else None, "ms")
+            add("full path p50", c, "<=", 1.0, full["p50_ms"] if full else None, sg["p50_ms"] if sg else None, "ms")
+        add("broker_zmq router CPU per request", c, "<=", 250.0,
+            zmq["cpu_us_per_req"]["router"] if zmq else None, sg["cpu_us_per_req"]["router"] if sg else None, "us")
+        add("full path CPU per request (router + adapters)", c, "<=", None,
+            full["cpu_us_per_req"]["path"] if full else None, sg["cpu_us_per_req"]["path"] if sg else None, "us")
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _f(v, fmt: str = "{:.0f}") -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    return fmt.format(v)
+
+
+def print_results(res: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console()
+    cfg = res["config"]
+    for c in cfg["concurrency"]:
+        t = Table(title=f"mesh bench http: c={c}, {cfg['seconds']:g} s per cell, POST {cfg['path']}"
+                        f"{' (stream)' if cfg['stream'] else ''}, max_new_tokens {cfg['max_new_tokens']}, "
+                        f"loadgen {cfg['loadgen']}, {res['machine']['cpus']} CPUs")
+        t.add_column("arm")
+        for col in ("req/s", "p50 ms", "p99 ms", "max ms", "errors", "CPU us/req loadgen", "router", "adapters", "engines",
+                    "path"):
+            t.add_column(col, justify="right")
+        for name, info in res["arms"].items():
+            cell = _find(res["cells"], name, c)
+            if cell is None:
+                t.add_row(name, f"[dim]{info['status']}[/dim]", *([""] * 10))
+                continue
+            us = cell["cpu_us_per_req"]
+            t.add_row(name, _f(cell["rps"]), _f(cell["p50_ms"], "{:.2f}"), _f(cell["p99_ms"], "{:.2f}"), _f(cell["max_ms"], "{:.1f}"),
+                      str(cell["errors"]), _f(us["loadgen"]), _f(us["router"]), _f(us["adapters"]), _f(us["engines"]),
+                      _f(us["path"]), style="bold" if name == FULL_PATH else None)
+        con.print(t)
+    t = Table(title=f"targets (from this run; full path = {FULL_PATH}, sglang_router for comparison)")
+    for col, j in (("target", "left"), ("c", "right"), ("goal", "right"), ("mesh", "right"), ("sglang_router", "right"),
+                   ("result", "left")):
+        t.add_column(col, justify=j)
+    for r in res["targets"]:
+        unit = f" {r['unit']}" if r["unit"] else ""
+        fmt = "{:.3f}" if not r["unit"] else "{:.2f}" if r["unit"] == "ms" else "{:.0f}"
+        goal = f"{r['op']} {r['target']:g}{unit}" if r["target"] is not None else "-"
+        style = {"PASS": "green", "MISS": "red"}.get(r["result"], "dim")
+        t.add_row(r["name"], str(r["c"]), goal, _f(r["value"], fmt) + (unit if r["value"] is not None else ""),
+                  _f(r["sglang_router"], fmt) + (unit if r["sglang_router"] is not None else ""),
+                  f"[{style}]{r['result']}[/{style}]")
+    con.print(t)
+    for name, info in res["arms"].items():
+        if info["status"] != "ok":
+            con.print(f"{name}: {info['status']}: {info.get('reason', '')}")
+        elif info.get("engine_paths") and name != "direct":
+            con.print(f"{name}: requests the engines saw, by path: {info['engine_paths']}; "
+                      f"{info.get('engine_requests_path')} per engine: {info.get('engine_requests')}")
+    m = res["machine"]
+    con.print(f"load average at start {m.get('loadavg_at_start')}, at end {m.get('loadavg_at_end')}; logs in {cfg['log_dir']}")

@@ -1,0 +1,95 @@
+"""``mesh bench http``: command-line wiring (kept free of heavy imports: the parser is built on
+every ``mesh`` invocation). The benchmark itself is :mod:`mesh.bench.http_bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["add_bench_http_parser"]
+
+_ARMS = ("direct", "broker_zmq", "broker_adapters", "sglang_router")
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not out or any(c < 1 for c in out):
+        raise argparse.ArgumentTypeError("expected positive integers")
+    return out
+
+
+def _arms(s: str) -> list[str]:
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [a for a in out if a not in _ARMS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown arm(s) {bad or s!r}: choose from {','.join(_ARMS)}")
+    return out
+
+
+def add_bench_http_parser(bsub) -> argparse.ArgumentParser:
+    p = bsub.add_parser(
+        "http", help="the HTTP path end to end (wrk or a built-in load generator) vs a direct engine and sglang-router",
+        description="Measure the HTTP path in one run, side by side: direct (load -> instant HTTP engine), broker_zmq "
+                    "(-> mesh broker --http -> instant ZMQ workers), broker_adapters (-> broker -> mesh attach sglang x4 -> "
+                    "instant HTTP engines x4) and sglang_router (SGLang's Rust router -> the same engines; when installed). "
+                    "Prints req/s, p50/p99/max latency, errors and CPU microseconds per request of every process role, then "
+                    "the targets (PASS/MISS; a miss does not fail the command, a broken arm does).")
+    p.add_argument("--arms", type=_arms, default=None, help=f"comma-separated arms (default: all available: {','.join(_ARMS)})")
+    p.add_argument("--concurrency", type=_ints, default=[1, 64], help="comma-separated connection counts (default 1,64)")
+    p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per cell (default 8; wrk rounds to whole seconds)")
+    p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds before each cell (default 1)")
+    p.add_argument("--path", default="/generate", choices=["/generate", "/v1/completions", "/v1/chat/completions"],
+                   help="endpoint to load (default /generate; arms that do not serve it are skipped)")
+    p.add_argument("--stream", action="store_true", help="streamed requests (SSE) instead of one JSON answer")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="output tokens per request (default 8)")
+    p.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto",
+                   help="load generator: wrk (when on PATH, the default) or the built-in Python one")
+    p.add_argument("--broker-policy", help="the broker's --policy in the broker arms (default: the broker's default)")
+    p.add_argument("--log-dir", help="keep the processes' logs here (default: a temporary directory)")
+    p.add_argument("--json", help="write every figure to this JSON file")
+    p.set_defaults(func=_cmd_bench_http)
+    return p
+
+
+def _cmd_bench_http(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mesh.bench.http_bench import ALL_ARMS, print_results, run_http_bench, sglang_router_available
+
+    arms = args.arms or [a for a in ALL_ARMS if a != "sglang_router" or sglang_router_available()]
+    if args.arms is None and "sglang_router" not in arms:
+        Console(stderr=True).print("[bench http] sglang_router: skipped: the sglang_router package is not importable "
+                                   "(pip install '.[bench]')")
+    total = len(arms) * len(args.concurrency)
+    con = Console()
+    if not con.is_terminal:
+        con = Console(width=max(con.width, 150))  # a log file or pipe: keep the tables' columns whole
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=con, transient=True) as bar:
+        task = bar.add_task("cells", total=total)
+
+        def progress(label: str) -> None:
+            bar.update(task, advance=1, description=f"cells (last: {label})")
+
+        try:
+            res = run_http_bench(arms=arms, concurrency=args.concurrency, seconds=args.seconds, warmup_s=args.warmup,
+                                 path=args.path, stream=args.stream, max_new_tokens=args.max_new_tokens,
+                                 loadgen=args.loadgen, broker_policy=args.broker_policy, progress=progress,
+                                 say=lambda m: bar.console.print(m), log_dir=args.log_dir)
+        except ValueError as exc:
+            con.print(f"mesh bench http: {exc}")
+            return 2
+    if args.arms is None and not sglang_router_available():
+        res["arms"]["sglang_router"] = {"status": "skipped", "reason": "the sglang_router package is not importable"}
+    print_results(res, con)
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        con.print(f"wrote {out}")
+    return 0 if res["ok"] else 1
