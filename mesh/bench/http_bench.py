@@ -66,6 +66,7 @@ MODEL = "instant"
 _ENGINE_POSTS = {"/generate", "/v1/completions"}  # what mesh instant-engine answers
 _BROKER_POSTS = {"/generate", "/v1/completions", "/v1/chat/completions"}  # the broker's HTTP ingress
 _STARTUP_S = 60.0
+_DRAIN_S = 2.0
 
 
 def sglang_router_available() -> bool:
@@ -100,7 +101,9 @@ def _spawn_engines(g: ProcGroup, n: int, prefix: str = "engine") -> tuple[list[P
 
 
 def _broker(g: ProcGroup, policy: str | None) -> tuple[Proc, str]:
-    extra = ["--http", "127.0.0.1:0", "--log-level", "warning"] + (["--policy", policy] if policy else [])
+    # a short drain: the load is over when the arm is stopped; the default 10 s would only slow the teardown
+    extra = ["--http", "127.0.0.1:0", "--log-level", "warning", "--drain-timeout-s", str(_DRAIN_S)] + (
+        ["--policy", policy] if policy else [])
     b = g.broker("broker", *extra, timeout_s=_STARTUP_S)
     url = wait_for_log_event(b.log_path, "http_listening", _STARTUP_S, b.popen, start=b.log_start)["url"]
     return b, url
@@ -144,7 +147,7 @@ def _start_arm(g: ProcGroup, name: str, *, engines: int, policy: str | None, log
         b, arm.url = _broker(g, policy)
         procs, urls = _spawn_engines(g, engines)
         adapters = [g._spawn(f"a{i}", ["attach", "sglang", "--url", u, "--broker", b.backend, "--worker-id", f"a{i}",
-                                       "--log-level", "warning"]) for i, u in enumerate(urls)]
+                                       "--log-level", "warning", "--drain-timeout-s", str(_DRAIN_S)]) for i, u in enumerate(urls)]
         asyncio.run(wait_for_workers(b.frontend, engines, timeout_s=_STARTUP_S))
         arm.roles = {"router": [b.pid], "adapters": [a.pid for a in adapters], "engines": [p.pid for p in procs]}
         arm.engine_logs = [p.log_path for p in procs]
@@ -213,6 +216,29 @@ def _tail(path: Path, n: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+def _stop_front_to_back(g: ProcGroup, grace_s: float = 10.0) -> None:
+    """Stop the arm from the load's side inwards: the router (broker or sglang-router) first, so
+    what is still in flight drains through live adapters and engines; then the adapters; then the
+    engines. (All at once, an engine could go before the adapter proxying to it, failing requests
+    the broker then retries on the others and an adapter's drain would wait for nothing.)"""
+    def layer(p: Proc) -> int:
+        if p.name in ("broker", "sglang_router"):
+            return 0
+        return 1 if p.name.startswith("a") and p.name[1:].isdigit() else 2
+
+    for k in range(3):
+        procs = [p for p in g.procs if layer(p) == k and p.alive()]
+        for p in procs:
+            p.signal(signal.SIGTERM)
+        t_end = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.popen.wait(max(0.1, t_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(5)
 
 
 def _engine_stats(logs: Iterable[Path], bench_path: str) -> tuple[dict[str, int], list[int | None]]:
@@ -391,6 +417,7 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                     info.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:2000])
                     say(f"[bench http] {name}: FAILED: {info['reason']}")
                 finally:
+                    _stop_front_to_back(g)
                     for _ in range(len(concurrency) - done_cells):
                         progress and progress(f"{name} (not run)")
             if name in ("direct", "broker_adapters", "sglang_router") and info["status"] == "ok":

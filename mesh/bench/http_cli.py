@@ -84,6 +84,9 @@ def _cmd_bench_http(args) -> int:
         except ValueError as exc:
             con.print(f"mesh bench http: {exc}")
             return 2
+        except KeyboardInterrupt:
+            con.print("mesh bench http: interrupted (every process it started has been stopped)")
+            return 130
     if args.arms is None and not sglang_router_available():
         res["arms"]["sglang_router"] = {"status": "skipped", "reason": "the sglang_router package is not importable"}
     print_results(res, con)
