@@ -13,11 +13,12 @@ import statistics
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
 
 from mesh.client import Client
 from mesh.errors import RequestError
 
-__all__ = ["LoadSpec", "Outcome", "run_load", "summarize", "shared_prefix_prompts"]
+__all__ = ["LoadSpec", "Outcome", "Summary", "run_load", "open_loop", "planned_prompts", "summarize", "shared_prefix_prompts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,31 +66,45 @@ async def _one(client: Client, prompt: list[int], spec: LoadSpec, out: list[Outc
         out.append(Outcome(exc.request_id or "?", False, code=exc.code.value))
 
 
+def planned_prompts(spec: LoadSpec) -> list[list[int]]:
+    """The prompt stream of one run: more than the Poisson arrivals of ``spec`` will ask for."""
+    return shared_prefix_prompts(spec, int(spec.rate_rps * spec.duration_s * 1.5) + 10)
+
+
+async def open_loop(spec: LoadSpec, prompts: list, one: Callable[[Any], Awaitable[None]],
+                    progress: Callable[[float], None] | None = None) -> float:
+    """Start ``one(prompts[i])`` at seeded Poisson arrivals at ``spec.rate_rps`` for
+    ``spec.duration_s`` (open loop: a slow mesh never delays the next arrival), wait for every
+    started request, and return the wall time (from the first arrival slot to the last reply).
+    ``progress(elapsed_s)`` is called after each arrival."""
+    rng = random.Random(spec.seed + 1)
+    tasks: list[asyncio.Task] = []
+    t0 = time.monotonic()
+    t_next = t0
+    i = 0
+    while True:
+        t_next += rng.expovariate(spec.rate_rps)
+        if t_next - t0 > spec.duration_s or i >= len(prompts):
+            break
+        delay = t_next - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(prompts[i])))
+        i += 1
+        if progress is not None:
+            progress(min(time.monotonic() - t0, spec.duration_s))
+    if tasks:
+        await asyncio.gather(*tasks)
+    return time.monotonic() - t0
+
+
 async def run_load(endpoints: list[str], spec: LoadSpec, progress=None) -> tuple[list[Outcome], float]:
     """Drive the load; returns outcomes and the wall time of the run (until the last reply)."""
-    rng = random.Random(spec.seed + 1)
-    n_expected = int(spec.rate_rps * spec.duration_s * 1.5) + 10
-    prompts = shared_prefix_prompts(spec, n_expected)
+    prompts = planned_prompts(spec)
     out: list[Outcome] = []
-    tasks: list[asyncio.Task] = []
+    tick = None if progress is None else (lambda t: progress(t, len(out)))
     async with Client(endpoints, default_deadline_ms=spec.deadline_ms) as client:
-        t0 = time.monotonic()
-        t_next = t0
-        i = 0
-        while True:
-            t_next += rng.expovariate(spec.rate_rps)
-            if t_next - t0 > spec.duration_s or i >= len(prompts):
-                break
-            delay = t_next - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(client, prompts[i], spec, out)))
-            i += 1
-            if progress is not None:
-                progress(min(time.monotonic() - t0, spec.duration_s), len(out))
-        if tasks:
-            await asyncio.gather(*tasks)
-        wall = time.monotonic() - t0
+        wall = await open_loop(spec, prompts, lambda p: _one(client, p, spec, out), tick)
     return out, wall
 
 

@@ -1,10 +1,29 @@
-"""``mesh up``: an all-in-one local mesh (broker + simulated workers) driven by a load generator."""
+"""``mesh up``: an all-in-one local mesh on 127.0.0.1, driven the way users drive it.
+
+Part 1, the path users run: HTTP clients (the official ``openai`` package, streaming
+``/v1/completions``) -> ``mesh broker --http`` -> one ``mesh attach sglang`` adapter per engine ->
+``mesh stub-sglang`` engines (SGLang's HTTP API, KV events and LoadStat over the GPU server model).
+Part 2, the ZeroMQ client path: :class:`mesh.client.Client` -> the same broker -> ``mesh
+worker-stub`` simulated workers, for a third of the duration. Both parts offer the same seeded
+open-loop shared-prefix load (:mod:`mesh.loadgen`, :mod:`mesh.loadgen_http`) and print the same
+summary table; the exit code is 0 only when every request of both parts succeeded.
+
+``--serve`` starts the engines, their adapters and the simulated workers on one broker, prints
+where to point applications and keeps serving until Ctrl-C / SIGTERM.
+
+Readiness is always an event: the broker's and engines' listening lines, then STATUS polling until
+the expected worker ids are healthy. Every process is stopped on the way out, also after Ctrl-C or
+SIGTERM (a second signal during that bounded stop is ignored, so nothing is left behind).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -14,27 +33,43 @@ from rich.table import Table
 
 from mesh.client import Client
 from mesh.loadgen import LoadSpec, run_load, summarize
-from mesh.procs import ProcGroup
+from mesh.procs import BrokerProc, Proc, ProcGroup, wait_for_log_event
 
-__all__ = ["run_up", "wait_for_workers"]
+__all__ = ["HttpPath", "run_up", "start_http_path", "wait_for_workers"]
+
+_START_TIMEOUT_S = 60.0  # 2N + 1 Python processes starting at once on a small shared machine
 
 
-async def wait_for_workers(frontend: str, n: int, timeout_s: float = 30.0) -> None:
-    """Wait until the broker at ``frontend`` reports ``n`` healthy workers (STATUS polling)."""
+async def wait_for_workers(frontend: str, n: int, timeout_s: float = 30.0, *, ids: set[str] | None = None) -> None:
+    """Wait until the broker at ``frontend`` reports ``n`` healthy workers (STATUS polling).
+
+    With ``ids``: until the healthy workers are exactly ``ids`` (so workers that are leaving, for
+    example draining adapters, are not counted in place of the ones just started)."""
     deadline = time.monotonic() + timeout_s
     async with Client(frontend) as c:
         while True:
             st = await c.status(timeout_s=max(0.1, deadline - time.monotonic()))
-            healthy = sum(1 for w in st.workers if w.get("healthy"))
-            if healthy >= n:
+            healthy = {w.get("worker_id") for w in st.workers if w.get("healthy")}
+            if (healthy == ids) if ids is not None else len(healthy) >= n:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {healthy}/{n} workers registered after {timeout_s}s")
-            await asyncio.sleep(0.05)
+                want = sorted(ids) if ids is not None else f"{n} workers"
+                raise TimeoutError(f"healthy workers after {timeout_s}s: {sorted(healthy)}; wanted {want}")
+            await asyncio.sleep(0.05)  # STATUS polling period
 
 
-def _table(summary, console: Console) -> None:
-    t = Table(title="mesh up: summary", show_header=True)
+async def _broker_counters(frontend: str) -> dict:
+    async with Client(frontend) as c:
+        return (await c.status()).counters
+
+
+def _retries(before: dict, after: dict) -> int:
+    return sum(int(v) - int(before.get(k, 0)) for k, v in after.items() if k.startswith("retries."))
+
+
+def _table(summary, console: Console, title: str = "mesh up: summary", *, retried_label: str = "retried requests",
+           adapter_ok: dict[str, int | None] | None = None) -> None:
+    t = Table(title=title, show_header=True)
     t.add_column("metric")
     t.add_column("value", justify="right")
     errors = sum(summary.errors.values())
@@ -45,16 +80,22 @@ def _table(summary, console: Console) -> None:
         ("TTFT p50 / p99", f"{summary.ttft_p50_ms:.1f} / {summary.ttft_p99_ms:.1f} ms"),
         ("E2E p50", f"{summary.e2e_p50_ms:.1f} ms"),
         ("cache hit rate (tokens)", f"{summary.hit_rate:.1%}"),
-        ("retried requests", f"{summary.retried}"),
+        (retried_label, f"{summary.retried}"),
     ]
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
     w = Table(title="per worker", show_header=True)
-    for c in ("worker", "requests", "cache hit rate"):
+    cols = ["worker", "requests", "cache hit rate"] + (["adapter ok"] if adapter_ok is not None else [])
+    for c in cols:
         w.add_column(c, justify="right" if c != "worker" else "left")
-    for wid, d in summary.per_worker.items():
-        w.add_row(wid, str(d["requests"]), f"{d['hit_rate']:.1%}")
+    for wid in sorted(set(summary.per_worker) | set(adapter_ok or ())):
+        d = summary.per_worker.get(wid, {"requests": 0, "hit_rate": 0.0})
+        row = [wid or "(not named)", str(d["requests"]), f"{d['hit_rate']:.1%}"]
+        if adapter_ok is not None:
+            n = adapter_ok.get(wid)
+            row.append("?" if n is None else str(n))
+        w.add_row(*row)
     console.print(w)
 
 
@@ -72,11 +113,13 @@ def _metrics_excerpt(url: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(keep)]
 
 
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.fields[done]} done"),
+                    TimeRemainingColumn(), console=console, transient=True)
+
+
 def _serve(args, console: Console, group: ProcGroup) -> int:
     """Keep the local mesh up until SIGINT/SIGTERM, printing where to point applications."""
-    import signal
-    import threading
-
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -90,41 +133,178 @@ def _serve(args, console: Console, group: ProcGroup) -> int:
     return 0
 
 
+def _stop_procs(procs: list[Proc], grace_s: float = 15.0) -> None:
+    """SIGTERM all of ``procs`` at once, then wait for each (SIGKILL after the grace period)."""
+    for p in procs:
+        if p.alive():
+            p.popen.send_signal(signal.SIGTERM)
+    t_end = time.monotonic() + grace_s
+    for p in procs:
+        p.stop(max(0.1, t_end - time.monotonic()))
+
+
+def _adapter_ok(adapters: list[Proc], ids: list[str]) -> dict[str, int | None]:
+    """Each stopped adapter's own ``requests_ok`` counter (from its ``adapter_stopped`` line)."""
+    out: dict[str, int | None] = {}
+    for p, wid in zip(adapters, ids):
+        try:
+            rec = wait_for_log_event(p.log_path, "adapter_stopped", 0, start=p.log_start)
+        except TimeoutError:  # it did not stop cleanly: no counters
+            out[wid] = None
+            continue
+        out[rec.get("worker_id", wid)] = int(rec.get("counters", {}).get("requests_ok", 0))
+    return out
+
+
+def _raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+@dataclasses.dataclass
+class HttpPath:
+    """A running broker with ``--http`` and its engines, each behind a ``mesh attach sglang`` adapter."""
+
+    broker: BrokerProc
+    url: str  # the broker's HTTP ingress (OpenAI API under url + "/v1")
+    telemetry: str
+    engines: list[Proc]
+    engine_urls: list[str]
+    adapters: list[Proc]
+    worker_ids: list[str]  # adapter i attaches engine i as worker_ids[i]
+
+
+def start_http_path(group: ProcGroup, n: int, *, policy: str = "cache_aware", seed: int = 0, http: str = "127.0.0.1:0",
+                    time_scale: str = "1.0", telemetry: str = "tcp://127.0.0.1:*", wait: bool = True,
+                    timeout_s: float = _START_TIMEOUT_S) -> HttpPath:
+    """Start ``mesh broker --http``, ``n`` ``mesh stub-sglang --port 0`` engines and one ``mesh attach
+    sglang --worker-id stub-<i>`` adapter per engine in ``group``. The engines start while the
+    broker does; each adapter starts once its engine's ``sglang_stub_listening`` line names its
+    URL. With ``wait``, returns once the broker has exactly these ``n`` workers healthy."""
+    engines = [group._spawn(f"engine-{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale]) for i in range(n)]
+    broker = group.broker("broker", "--policy", policy, "--seed", str(seed), "--http", http, "--telemetry", telemetry,
+                          timeout_s=timeout_s)
+    url = wait_for_log_event(broker.log_path, "http_listening", timeout_s, broker.popen, start=broker.log_start)["url"]
+    tel = wait_for_log_event(broker.log_path, "broker_listening", 5, start=broker.log_start)["telemetry"]
+    ids = [f"stub-{i}" for i in range(n)]
+    engine_urls, adapters = [], []
+    for i, p in enumerate(engines):
+        engine_urls.append(wait_for_log_event(p.log_path, "sglang_stub_listening", timeout_s, p.popen, start=p.log_start)["url"])
+        adapters.append(group._spawn(f"adapter-{i}", ["attach", "sglang", "--url", engine_urls[-1], "--broker", broker.backend,
+                                                      "--worker-id", ids[i]]))
+    if wait:
+        asyncio.run(wait_for_workers(broker.frontend, n, timeout_s, ids=set(ids)))
+    return HttpPath(broker, url, tel, engines, engine_urls, adapters, ids)
+
+
 def run_up(args) -> int:
     console = Console()
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="mesh-up-"))
+    group = ProcGroup(log_dir)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None  # SIGTERM stops everything too
+    try:
+        return _run(args, console, group, log_dir)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: stopping every process")
+        return 130
+    finally:
+        # The stop is bounded (SIGTERM, grace, SIGKILL); a second Ctrl-C must not cut it short.
+        if main_thread:
+            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            group.stop_all()
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, old_int)
+                signal.signal(signal.SIGTERM, old_term)
+
+
+def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
+    n = args.workers
+    if n < 1:
+        console.print("[red]--workers must be at least 1[/]")
+        return 2
+    ts = str(getattr(args, "time_scale", None) or 1.0)
     spec = LoadSpec(rate_rps=args.rate, duration_s=args.duration, groups=args.groups, system_tokens=args.system_tokens,
                     question_tokens=args.question_tokens, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    spec_zmq = dataclasses.replace(spec, duration_s=args.duration / 3)
+    serve = getattr(args, "serve", False)
     http = getattr(args, "http", None) or "127.0.0.1:0"
-    with ProcGroup(log_dir) as group:
-        console.print(f"[bold]mesh up[/]: starting a broker and {args.workers} simulated workers (logs in {log_dir})")
-        broker = group.broker("broker", "--policy", args.policy, "--seed", str(args.seed), "--http", http,
-                              "--telemetry", getattr(args, "telemetry", None) or "tcp://127.0.0.1:*")
-        from mesh.procs import wait_for_log_event
+    console.print(f"[bold]mesh up[/]: a broker, {n} SGLang stub engines each behind a `mesh attach sglang` adapter, "
+                  f"{n} simulated workers{' (part 2)' if not serve else ''} (logs in {log_dir})")
 
-        url = wait_for_log_event(broker.log_path, "http_listening", 20, broker.popen)["url"]
-        tel = wait_for_log_event(broker.log_path, "broker_listening", 5)["telemetry"]
-        group.workers("worker", [broker.backend], count=args.workers)
-        asyncio.run(wait_for_workers(broker.frontend, args.workers))
-        console.print(f"  ZeroMQ clients   {broker.frontend}   (mesh.client.Client)")
-        console.print(f"  workers          {broker.backend}   (mesh worker-stub --broker ...)")
-        console.print(f"  OpenAI HTTP      {url}/v1   (/v1/completions, /v1/chat/completions, /generate)")
-        console.print(f"  metrics          {url}/metrics")
-        console.print(f"  live view        mesh top --telemetry {tel}")
-        if getattr(args, "serve", False):
-            return _serve(args, console, group)
-        console.print(f"policy {args.policy}; offering {args.rate:g} req/s for {args.duration:g} s")
-        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.fields[done]} done"),
-                      TimeRemainingColumn(), console=console, transient=True) as prog:
-            task = prog.add_task("load", total=spec.duration_s, done=0)
-            outcomes, wall = asyncio.run(run_load([broker.frontend], spec,
-                                                  progress=lambda t, n: prog.update(task, completed=t, done=n)))
-        summary = summarize(outcomes, wall)
-        metrics = _metrics_excerpt(url)
-    _table(summary, console)
-    console.print("[bold]live broker metrics[/] (GET /metrics, excerpt):")
+    path = start_http_path(group, n, policy=args.policy, seed=args.seed, http=http, time_scale=ts,
+                           telemetry=getattr(args, "telemetry", None) or "tcp://127.0.0.1:*", wait=False)
+    broker, url, tel, engine_urls, stub_ids = path.broker, path.url, path.telemetry, path.engine_urls, path.worker_ids
+    engines, adapters = path.engines, path.adapters
+    sim_ids = [f"worker-{i}" for i in range(n)] if n > 1 else ["worker"]
+    if serve:  # the simulated workers join the same broker (one process, cheap)
+        group.workers("worker", [broker.backend], "--time-scale", ts, count=n, timeout_s=_START_TIMEOUT_S)
+    asyncio.run(wait_for_workers(broker.frontend, n, _START_TIMEOUT_S, ids=set(stub_ids) | (set(sim_ids) if serve else set())))
+
+    console.print(f"  OpenAI HTTP      {url}/v1   (/v1/completions, /v1/chat/completions, /generate)")
+    console.print(f"  ZeroMQ clients   {broker.frontend}   (mesh.client.Client)")
+    console.print(f"  workers          {broker.backend}   (mesh attach sglang|vllm --broker ..., mesh worker-stub --broker ...)")
+    hosts = {u.rsplit(":", 1)[0] for u in engine_urls}
+    where = (f"{hosts.pop()} ports {', '.join(u.rsplit(':', 1)[1] for u in engine_urls)}" if len(hosts) == 1
+             else ", ".join(engine_urls))
+    console.print(f"  SGLang engines   {where}   (mesh stub-sglang, attached as {stub_ids[0]}..{stub_ids[-1]})")
+    if serve:
+        console.print(f"  simulated        {sim_ids[0]}..{sim_ids[-1]}   (mesh worker-stub)")
+    console.print(f"  metrics          {url}/metrics")
+    console.print(f"  live view        mesh top --telemetry {tel}")
+    if serve:
+        return _serve(args, console, group)
+
+    # ---- part 1: HTTP clients -> broker --http -> mesh attach sglang -> mesh stub-sglang
+    import gc
+
+    import openai  # noqa: F401  (imported before the freeze: its many long-lived objects leave the collector's scans)
+
+    from mesh.loadgen_http import run_http_load
+
+    # A full collection over everything imported so far is a pause of 0.1-0.2 s in the load
+    # generator's loop, measured as TTFT; frozen objects are not scanned again.
+    gc.freeze()
+    console.rule("[bold]part 1: the path users run[/] (HTTP)")
+    console.print("openai client -> mesh broker --http -> mesh attach sglang -> mesh stub-sglang")
+    console.print(f"policy {args.policy}; {n} engines (time scale {ts}); streaming /v1/completions at {spec.rate_rps:g} req/s "
+                  f"for {spec.duration_s:g} s")
+    before = asyncio.run(_broker_counters(broker.frontend))
+    with _progress(console) as prog:
+        task = prog.add_task("part 1 HTTP", total=spec.duration_s, done=0)
+        outcomes, wall = asyncio.run(run_http_load(url, spec, progress=lambda t, k: prog.update(task, completed=t, done=k)))
+    http_summary = summarize(outcomes, wall)
+    http_summary.retried = _retries(before, asyncio.run(_broker_counters(broker.frontend)))
+    _stop_procs(adapters)  # adapters first: they DISCONNECT and report their counters, then the engines
+    adapter_ok = _adapter_ok(adapters, stub_ids)
+    _stop_procs(engines)
+    _table(http_summary, console, "part 1: HTTP path summary", retried_label="retries (broker STATUS)",
+           adapter_ok=adapter_ok)
+
+    # ---- part 2: ZeroMQ clients -> the same broker -> simulated workers
+    console.rule("[bold]part 2: the ZeroMQ client path[/]")
+    console.print("mesh.client.Client -> the same broker -> mesh worker-stub (simulated workers)")
+    group.workers("worker", [broker.backend], "--time-scale", ts, count=n, timeout_s=_START_TIMEOUT_S)
+    asyncio.run(wait_for_workers(broker.frontend, n, _START_TIMEOUT_S, ids=set(sim_ids)))
+    console.print(f"{n} simulated workers; ZeroMQ SUBMITs (token ids) at {spec_zmq.rate_rps:g} req/s for {spec_zmq.duration_s:g} s")
+    with _progress(console) as prog:
+        task = prog.add_task("part 2 ZeroMQ", total=spec_zmq.duration_s, done=0)
+        outcomes, wall = asyncio.run(run_load([broker.frontend], spec_zmq,
+                                              progress=lambda t, k: prog.update(task, completed=t, done=k)))
+    zmq_summary = summarize(outcomes, wall)
+    metrics = _metrics_excerpt(url)
+    _table(zmq_summary, console, "part 2: ZeroMQ path summary")
+    console.print("[bold]live broker metrics[/] (GET /metrics, excerpt, both parts):")
     for line in metrics:
         console.print("  " + line, markup=False, highlight=False)
     if args.json:
-        Path(args.json).write_text(json.dumps(summary.as_dict(), indent=2, default=str))
-    return 0 if summary.ok == summary.requests and summary.requests > 0 else 1
+        http_d = http_summary.as_dict()
+        http_d["retries_broker"] = http_d.pop("retried")
+        for wid, k in adapter_ok.items():
+            http_d["per_worker"].setdefault(wid, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_rate": 0.0})
+            http_d["per_worker"][wid]["adapter_requests_ok"] = k
+        Path(args.json).write_text(json.dumps({"http": http_d, "zmq": zmq_summary.as_dict()}, indent=2, default=str))
+    ok = all(s.requests > 0 and s.ok == s.requests for s in (http_summary, zmq_summary))
+    return 0 if ok else 1
