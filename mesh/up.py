@@ -231,6 +231,13 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     spec_zmq = dataclasses.replace(spec, duration_s=args.duration / 3)
     serve = getattr(args, "serve", False)
     http = getattr(args, "http", None) or "127.0.0.1:0"
+    if not serve:
+        try:  # part 1's HTTP clients; checked before any process starts
+            import openai  # noqa: F401
+        except ImportError:
+            console.print("[red]mesh up drives its HTTP part with the openai package: pip install openai[/] "
+                          "(or use --serve, which needs no client)")
+            return 2
     console.print(f"[bold]mesh up[/]: a broker, {n} SGLang stub engines each behind a `mesh attach sglang` adapter, "
                   f"{n} simulated workers{' (part 2)' if not serve else ''} (logs in {log_dir})")
 
@@ -260,12 +267,10 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     # ---- part 1: HTTP clients -> broker --http -> mesh attach sglang -> mesh stub-sglang
     import gc
 
-    import openai  # noqa: F401  (imported before the freeze: its many long-lived objects leave the collector's scans)
-
     from mesh.loadgen_http import run_http_load
 
-    # A full collection over everything imported so far is a pause of 0.1-0.2 s in the load
-    # generator's loop, measured as TTFT; frozen objects are not scanned again.
+    # A full collection over everything imported so far (openai is, see above) is a pause of
+    # 0.1-0.2 s in the load generator's loop, measured as TTFT; frozen objects are not scanned again.
     gc.freeze()
     console.rule("[bold]part 1: the path users run[/] (HTTP)")
     console.print("openai client -> mesh broker --http -> mesh attach sglang -> mesh stub-sglang")
