@@ -11,8 +11,13 @@ through its mailbox and its replies come back through a per-request queue, so HT
 the same routing, retries, deadlines and exactly-one-terminal guarantee as ZeroMQ clients.
 Each request gets its own local identity, ``b"\\x00http:"`` + 16 random bytes (never derived from
 a counter, never shown to anyone), and a random rid; a reply on its queue whose rid is not that
-rid is dropped and counted (``dropped{what=http_foreign_reply}``). The ids in OpenAI bodies are a
-third random value.
+rid is dropped and counted (``dropped{what=http_foreign_reply}``). The ids in answer bodies are
+that rid (``cmpl-<rid>``, ``meta_info.id`` unless the client gave its own ``rid``), the id the
+broker's logs carry; the identity is never shown.
+
+Bodies: ``/generate`` answers have SGLang's fields; behind ``mesh attach`` they are the engine's
+own (``meta_info`` passed through, ``id`` set as above), and a stream has exactly the engine's
+events. mesh's own metadata is in headers: ``x-mesh-request-id``, ``x-mesh-worker``.
 
 Prompts: with ``--tokenizer FILE`` (a Hugging Face ``tokenizer.json``, needs the ``tokenizers``
 package) prompts are tokenised here and routed by token ids; otherwise the prompt text is sent
@@ -359,7 +364,7 @@ class HttpIngress:
 
                 raise ConfigError("tokenizer: the 'tokenizers' package is not installed (pip install mesh-router[tokenizers])") from exc
             self.tokenizer = Tokenizer.from_file(tokenizer_path)
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard_mw, self._auth])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard_mw])
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -406,15 +411,21 @@ class HttpIngress:
     # ------------------------------------------------------------------ middleware
     @web.middleware
     async def _guard_mw(self, request: web.Request, handler):
-        """Marks the connection busy (no head timeout, not evictable) while a request runs; turns
-        routing errors into OpenAI-style bodies and any unexpected exception into a logged 500
-        without details (no traceback reaches a client)."""
+        """Marks the connection busy (no head timeout, not evictable) while a request runs, checks
+        the API key (every path but the health probes); turns routing errors into OpenAI-style
+        bodies and any unexpected exception into a logged 500 without details (no traceback
+        reaches a client). One middleware, not a chain: each layer costs every request."""
         tr = request.transport
         conn = tr.get_protocol() if tr is not None else None
         if isinstance(conn, _Conn):
             self.guard.busy(conn)
         _QUOTA_KEY.set(b"\x00httpq:" + (request.remote or "?").encode())
         try:
+            if self._key and request.path not in ("/health", "/healthz", "/readyz"):
+                got = request.headers.get("Authorization", "").encode("utf-8", "replace")
+                if not hmac.compare_digest(got, b"Bearer " + self._key):
+                    self.broker.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
+                    return _err(401, "missing or invalid API key", "unauthorized", "authentication_error")
             return await handler(request)
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -430,15 +441,6 @@ class HttpIngress:
         finally:
             if isinstance(conn, _Conn):
                 self.guard.idle(conn)
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        if self._key and request.path not in ("/health", "/healthz", "/readyz"):
-            got = request.headers.get("Authorization", "").encode("utf-8", "replace")
-            if not hmac.compare_digest(got, b"Bearer " + self._key):
-                self.broker.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
-                return _err(401, "missing or invalid API key", "unauthorized", "authentication_error")
-        return await handler(request)
 
     # ------------------------------------------------------------------ simple endpoints
     async def models(self, request: web.Request) -> web.Response:
@@ -609,8 +611,9 @@ class HttpIngress:
                 params: dict[str, Any]) -> _Call:
         """Encode, check (size, and the broker's own decoder, so the broker never answers an
         unreadable rid) and submit; raises _BadRequest or _TooLarge."""
-        ident = _LOCAL_PREFIX + secrets.token_bytes(16)
-        rid = secrets.token_hex(16)
+        raw = secrets.token_bytes(32)  # one system call for both
+        ident = _LOCAL_PREFIX + raw[:16]
+        rid = raw[16:].hex()
         try:
             frames = P.encode_submit(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"),
                                      params={**params, "max_new_tokens": max_new_tokens}, deadline_ms=deadline_ms, stream=stream, slo=slo)
@@ -707,7 +710,7 @@ class HttpIngress:
             call.close()
 
     async def _openai_reply(self, request: web.Request, call: _Call, *, chat: bool, stream: bool, include_usage: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        rid = ("chatcmpl-" if chat else "cmpl-") + call.rid  # the id the broker logs the request by
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
@@ -791,7 +794,7 @@ class HttpIngress:
         except _TooLarge as exc:
             return self._too_large(str(exc))
         try:
-            return await self._generate_reply(request, call, user_rid or secrets.token_hex(16), stream)
+            return await self._generate_reply(request, call, user_rid or call.rid, stream)
         finally:
             call.close()
 
