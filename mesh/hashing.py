@@ -163,6 +163,8 @@ def content_keys_from_packed(buf: bytes, block_size: int, parent_key: int = ROOT
     n = len(buf) // (4 * block_size)
     if n == 0:
         return []
+    if n * block_size <= _SMALL_TOKENS:
+        return _content_keys_small(buf, n, block_size, parent_key)
     toks = np.frombuffer(buf, dtype="<u4", count=n * block_size).reshape(n, block_size).astype(np.uint64)
     with np.errstate(over="ignore"):
         page = _splitmix64_np(toks @ _coeffs(block_size) + np.uint64((block_size * _S) & _MASK))  # integer matmul wraps mod 2**64
@@ -171,6 +173,29 @@ def content_keys_from_packed(buf: bytes, block_size: int, parent_key: int = ROOT
         acc = np.cumsum(page * pinv[:n], dtype=np.uint64) + np.uint64((parent_key * _R) & _MASK)
         keys = acc * pw[:n]
     return keys.tolist()
+
+
+# Below this many tokens numpy's fixed cost per call (array set-up, errstate, ~40 us) is more
+# than the arithmetic: short prompts (chat turns, benchmarks) take the plain-integer path, which
+# computes the same keys (tests check both paths agree).
+_SMALL_TOKENS = 96
+_COEFFS_INT: dict[int, tuple[int, ...]] = {}
+
+
+def _content_keys_small(buf: bytes, n: int, block_size: int, parent_key: int) -> list[int]:
+    c = _COEFFS_INT.get(block_size)
+    if c is None:
+        c = _COEFFS_INT[block_size] = tuple(int(x) for x in _coeffs(block_size))
+    toks = struct.unpack_from(f"<{n * block_size}I", buf)
+    bias = (block_size * _S) & _MASK
+    key = parent_key & _MASK
+    out = []
+    for k in range(n):
+        base = k * block_size
+        page = _splitmix64_int((sum(t * m for t, m in zip(toks[base:base + block_size], c)) + bias) & _MASK)
+        key = (key * _R + page) & _MASK
+        out.append(key)
+    return out
 
 
 def content_keys(token_ids: Sequence[int], block_size: int, parent_key: int = ROOT_KEY) -> list[int]:

@@ -153,3 +153,22 @@ def test_norm_hash():
 @given(st.integers(-(2**63), 2**63 - 1))
 def test_signed_unsigned_round_trip(v):
     assert to_signed64(norm_hash(v)) == v
+
+
+def test_short_prompts_take_the_integer_path_and_get_the_same_keys(monkeypatch):
+    """Prompts under ``_SMALL_TOKENS`` are keyed without numpy (its fixed cost per call was most
+    of a short request's routing time); both paths give identical keys for every page size."""
+    import random
+
+    from mesh import hashing as H
+
+    rng = random.Random(7)
+    for _ in range(1500):
+        bs = rng.choice([1, 2, 3, 8, 16, 32, 64])
+        toks = [rng.randrange(0, 2**32) for _ in range(rng.randrange(0, 2 * H._SMALL_TOKENS))]
+        parent = rng.choice([H.ROOT_KEY, rng.randrange(0, 2**64)])
+        buf = H.pack_tokens(toks)
+        fast = H.content_keys_from_packed(buf, bs, parent)
+        monkeypatch.setattr(H, "_SMALL_TOKENS", -1)
+        assert H.content_keys_from_packed(buf, bs, parent) == fast, (bs, len(toks))
+        monkeypatch.setattr(H, "_SMALL_TOKENS", 96)
