@@ -201,7 +201,14 @@ def run_up(args) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="mesh-up-"))
     group = ProcGroup(log_dir)
     main_thread = threading.current_thread() is threading.main_thread()
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None  # SIGTERM stops everything too
+    old = {}
+    if main_thread:
+        # Ctrl-C and SIGTERM raise KeyboardInterrupt wherever the main thread is. asyncio.run's own
+        # SIGINT handling (it installs one only over the default handler) instead cancels the main
+        # task, and a cleanup that awaits a task it cancelled can swallow that cancellation: the
+        # demo would go on running.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, _raise_interrupt)
     try:
         return _run(args, console, group, log_dir)
     except KeyboardInterrupt:
@@ -209,15 +216,13 @@ def run_up(args) -> int:
         return 130
     finally:
         # The stop is bounded (SIGTERM, grace, SIGKILL); a second Ctrl-C must not cut it short.
-        if main_thread:
-            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in old:
+            signal.signal(sig, signal.SIG_IGN)
         try:
             group.stop_all()
         finally:
-            if main_thread:
-                signal.signal(signal.SIGINT, old_int)
-                signal.signal(signal.SIGTERM, old_term)
+            for sig, h in old.items():
+                signal.signal(sig, h)
 
 
 def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
