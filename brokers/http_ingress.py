@@ -264,10 +264,13 @@ class _ConnGuard:
 # ---------------------------------------------------------------------------- one request
 
 
+_EXPIRED = object()  # queued by a request's deadline timer
+
+
 class _Call:
     """One submitted request: its replies, filtered to its own rid, until the terminal one."""
 
-    __slots__ = ("broker", "ident", "rid", "q", "t_end", "done", "worker")
+    __slots__ = ("broker", "ident", "rid", "q", "t_end", "done", "worker", "expired", "_timer")
 
     def __init__(self, broker, ident: bytes, rid: str, q: asyncio.Queue, timeout_s: float) -> None:
         self.broker = broker
@@ -277,23 +280,34 @@ class _Call:
         self.t_end = time.monotonic() + timeout_s
         self.done = False
         self.worker = ""  # the worker of the latest ACCEPTED (streams)
+        self.expired = False
+        # One timer per request puts a marker in the queue at the deadline: waits then need no
+        # timeout context each (a stream waits once per token).
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, q.put_nowait, _EXPIRED)
 
     async def next(self, until: float | None = None):
         """The next reply of this request, or None when ``until`` (default: the request's own
         deadline plus grace) passes first."""
-        t_end = self.t_end if until is None else min(until, self.t_end)
         while True:
-            left = t_end - time.monotonic()
-            if left <= 0:
+            if self.expired:
                 return None
             try:
                 frames = self.q.get_nowait()  # replies are usually waiting: no timer, no task
             except asyncio.QueueEmpty:
-                try:
-                    async with asyncio.timeout(left):
-                        frames = await self.q.get()
-                except TimeoutError:
-                    return None
+                if until is None:
+                    frames = await self.q.get()
+                else:
+                    left = until - time.monotonic()
+                    if left <= 0:
+                        return None
+                    try:
+                        async with asyncio.timeout(left):
+                            frames = await self.q.get()
+                    except TimeoutError:
+                        return None
+            if frames is _EXPIRED:
+                self.expired = True
+                return None
             m = P.decode_client_reply(frames)
             if isinstance(m, P.ProtocolError):
                 self.broker.stats.dropped["http_bad_reply"] += 1
@@ -306,6 +320,7 @@ class _Call:
             return m
 
     def close(self) -> None:
+        self._timer.cancel()
         if not self.done:
             self.done = True
             self.broker.cancel_local(self.ident)
@@ -638,7 +653,7 @@ class HttpIngress:
         comes first keeps its HTTP status. Returns (error response, None, None) or
         (None, the prepared stream, the first message or None)."""
         m = await self._first_output(call)
-        if m is None and not call.done and call.t_end <= time.monotonic():
+        if m is None and not call.done and call.expired:
             return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error"), None, None
         if isinstance(m, P.ClientError):
             return _mesh_err(m.code, m.message), None, None

@@ -184,3 +184,31 @@ def test_when_every_engine_answers_500_the_client_gets_an_http_error(procs, fail
 
     run(body(), 90)
     assert hits["generate"] >= 8  # every request was tried on more than one engine before giving up
+
+
+def test_a_request_past_its_deadline_is_a_504_and_the_engine_is_freed(procs):
+    """x-mesh-deadline-ms bounds the whole request: the broker answers 504 at the deadline and the
+    adapter abandons the engine request (its connection closes, the engine aborts)."""
+    url, engines = _path(procs, 1, time_scale="1.0")  # modelled speed: 2,000 tokens take seconds
+
+    async def body() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+            t0 = time.monotonic()
+            async with s.post(url + "/generate", headers={"x-mesh-deadline-ms": "400"},
+                              json={"text": "a long answer please", "sampling_params": {"max_new_tokens": 2000}}) as r:
+                err = orjson.loads(await r.read())["error"]
+            took = time.monotonic() - t0
+            assert r.status == 504 and err["code"] == "deadline_exceeded", (r.status, err)
+            assert 0.35 < took < 3.0, took
+
+            async def idle() -> bool:
+                async with s.get(engines[0] + "/v1/loads?include=core") as resp:
+                    loads = (await resp.json())["loads"]
+                return sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads) == 0
+
+            t_end = time.monotonic() + 10
+            while not await idle():
+                assert time.monotonic() < t_end, "the engine kept generating for a request nobody waits for"
+                await asyncio.sleep(0.05)
+
+    run(body(), 60)
