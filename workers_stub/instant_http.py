@@ -438,15 +438,6 @@ async def serve(host: str = "127.0.0.1", port: int = 0, model: str = "instant", 
     return app
 
 
-def _run(coro) -> Any:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
-        return r.run(coro)
-
-
 def add_instant_engine_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "instant-engine", help="an HTTP server answering SGLang's API at once (benchmark baseline, no GPU, no model)",
@@ -464,7 +455,9 @@ def _cmd_instant_engine(args) -> int:
     from mesh.gc_tuning import freeze_startup_heap
 
     freeze_startup_heap()
-    _run(serve(args.host, args.port, args.model))
+    from mesh import aio
+
+    aio.run(serve(args.host, args.port, args.model))
     return 0
 
 
