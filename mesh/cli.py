@@ -294,6 +294,9 @@ def _add_bench(sub) -> None:
     from mesh.bench.http_cli import add_bench_http_parser
 
     add_bench_http_parser(bsub)
+    from mesh.tokenization.bench import add_bench_tokenizer_parser
+
+    add_bench_tokenizer_parser(bsub)
 
 
 def _cmd_bench_broker(args) -> int:

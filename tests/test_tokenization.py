@@ -416,3 +416,31 @@ def test_pool_refuses_past_its_queue_bound(models):
 
     res = asyncio.run(main())
     assert res == [orig("job 0"), orig("job 1")]
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------
+
+def test_make_prompt_hits_the_token_count(models):
+    from mesh.tokenization.bench import make_prompt
+
+    ours, _ = models["mistral_v3"]
+    for n in (1, 100, 1024):
+        assert len(ours.encode(make_prompt(ours.files.tokenizer, n), add_special_tokens=False)) == n
+
+
+def test_bench_tokenizer_cli_runs_on_the_builtin_tokenizer(tmp_path, capsys):
+    from mesh.cli import main
+
+    out = tmp_path / "tok.json"
+    assert main(["bench", "tokenizer", "--builtin", "--sizes", "64,256", "--iters", "5", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    arms = {(a["size"], a["arm"]) for a in res["arms"]}
+    assert arms == {(64, "encode"), (64, "render+encode"), (256, "encode"), (256, "render+encode")}
+    assert all(a["tokens_per_s"] > 0 and a["p99_ms"] >= a["p50_ms"] > 0 for a in res["arms"])
+    assert "render+encode" in capsys.readouterr().out
+
+
+def test_bench_tokenizer_needs_a_source():
+    from mesh.cli import main
+
+    assert main(["bench", "tokenizer"]) == 2  # ConfigError: give --model-dir DIR or --builtin
