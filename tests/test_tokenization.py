@@ -444,3 +444,36 @@ def test_bench_tokenizer_needs_a_source():
     from mesh.cli import main
 
     assert main(["bench", "tokenizer"]) == 2  # ConfigError: give --model-dir DIR or --builtin
+
+
+def test_text_part_separator_is_a_parameter(models, tmp_path):
+    ours, _ = models["qwen2_chatml"]
+    sglang_style = ModelTokenizer(ours.files, text_part_separator=" ")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert "<|im_start|>user\na\nb<|im_end|>" in ours.render_chat(parts)[0]  # vLLM's join
+    assert "<|im_start|>user\na b<|im_end|>" in sglang_style.render_chat(parts)[0]  # SGLang's join
+
+
+def test_transformers_does_not_flatten_parts_for_string_templates(models):
+    """Why we flatten: transformers hands the list to a string-only template, which fails or prints a repr."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    for name in ("mistral_v3", "qwen2_chatml"):  # "[INST] " + content
+        with pytest.raises(TypeError, match="concatenate"):
+            models[name][1].apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
+    text = models["llama3"][1].apply_chat_template(parts, tokenize=False)  # content | trim: the list's repr
+    assert "[{'type': 'text', 'text': 'hello'}]" in text
+    assert "\n\nhello<|eot_id|>" in models["llama3"][0].render_chat(parts)[0]
+
+
+@pytest.mark.parametrize("template, expected", [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% for p in m['content'][1:] %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% for p in m['content'] | list %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+])
+def test_content_format_detection_patterns(template, expected):
+    from mesh.tokenization import ChatTemplate
+
+    assert ChatTemplate(template).content_format == expected

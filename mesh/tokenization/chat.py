@@ -14,8 +14,12 @@ Content given as a list of parts (the OpenAI form ``[{"type": "text", "text": ..
 
 - a template that iterates over a message's content (detected from its syntax tree, as vLLM's
   ``_detect_content_format`` and SGLang's port of it do) gets the list unchanged;
-- a template that only reads content as a string gets the text parts joined with ``"\\n"``, as vLLM does for
-  its "string" content format (a template given a list would otherwise print the list's Python repr);
+- a template that only reads content as a string gets the text parts joined: with ``"\\n"`` by default, as
+  vLLM does for its "string" content format; SGLang joins them with ``" "`` instead, so the separator is a
+  parameter (``text_part_separator``): a front end that forwards chat messages to SGLang engines, which
+  render them again, should pass ``" "`` so its routing key matches the prompt the engine builds.
+  ``transformers`` itself does neither: it hands the list to the template, which then fails (``"[INST] " +
+  list``) or prints the list's Python repr (``{{ message['content'] }}``);
 - a part that is not text (image, audio, file...) is refused with ``ValueError`` naming the message and part
   index: mesh routes text-only models, and silently dropping media would route a different prompt.
 
@@ -106,12 +110,14 @@ def _is_content_expr(node: Any, content_vars: set[str]) -> bool:
     """True for ``x['content']``, ``x.content`` or a name assigned from one of them."""
     nodes = _jinja().nodes
     if isinstance(node, nodes.Getitem):
+        if isinstance(node.arg, nodes.Slice):  # ``message['content'][1:]``
+            return _is_content_expr(node.node, content_vars)
         return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
     if isinstance(node, nodes.Getattr):
         return node.attr == "content"
     if isinstance(node, nodes.Name):
         return node.name in content_vars
-    if isinstance(node, nodes.Filter):  # e.g. ``message['content'] | list``
+    if isinstance(node, (nodes.Filter, nodes.Test)):  # e.g. ``message['content'] | list``
         return node.node is not None and _is_content_expr(node.node, content_vars)
     return False
 
@@ -144,7 +150,7 @@ def _check_parts(parts: list, mi: int) -> list[dict]:
     return parts
 
 
-def normalize_messages(messages: Iterable[Any], content_format: str) -> list[dict]:
+def normalize_messages(messages: Iterable[Any], content_format: str, text_part_separator: str = "\n") -> list[dict]:
     """Validate and normalise chat messages for a template of ``content_format``; a fresh copy, never the input."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
         raise ValueError("messages must be a list of message objects")
@@ -162,7 +168,7 @@ def normalize_messages(messages: Iterable[Any], content_format: str) -> list[dic
             parts = [dict(p) if isinstance(p, dict) else p for p in content]
             _check_parts(parts, mi)
             if content_format == ContentFormat.STRING:
-                m["content"] = "\n".join(p["text"] for p in parts)
+                m["content"] = text_part_separator.join(p["text"] for p in parts)
             else:
                 m["content"] = parts
         elif content is not None and not isinstance(content, str):
@@ -179,10 +185,12 @@ class ChatTemplate:
     mutable state, so the tokenizer pool's threads can render concurrently."""
 
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None,
-                 additional_special_tokens: Iterable[str] = (), origin: str = "chat template") -> None:
+                 additional_special_tokens: Iterable[str] = (), origin: str = "chat template",
+                 text_part_separator: str = "\n") -> None:
         jinja2 = _jinja()
         self.source = source
         self.origin = origin
+        self.text_part_separator = text_part_separator
         self._env = _build_environment()
         try:
             self._template = self._env.from_string(source)
@@ -200,7 +208,7 @@ class ChatTemplate:
         """The prompt text for ``messages``. Raises ``ValueError`` for malformed messages and for errors the
         template raises itself (``raise_exception``, say roles that do not alternate)."""
         jinja2 = _jinja()
-        msgs = normalize_messages(messages, self.content_format)
+        msgs = normalize_messages(messages, self.content_format, self.text_part_separator)
         kwargs = {**self._kwargs, **template_kwargs}
         kwargs.setdefault("tools", None)
         kwargs.setdefault("documents", None)

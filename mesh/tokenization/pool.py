@@ -41,15 +41,18 @@ class ModelTokenizer:
     """One model's tokenizer and chat template, with blocking calls. Thread-safe (``tokenizers.Tokenizer`` is
     immutable once loaded and the template shares no state), so a pool's threads share one instance."""
 
-    def __init__(self, files: ModelFiles) -> None:
+    def __init__(self, files: ModelFiles, text_part_separator: str = "\n") -> None:
         self.files = files
         self.chat_template = (ChatTemplate(files.chat_template, files.special_tokens, files.additional_special_tokens,
-                                           origin=files.chat_template_source)
+                                           origin=files.chat_template_source, text_part_separator=text_part_separator)
                               if files.chat_template is not None else None)
 
     @classmethod
-    def from_dir(cls, path: str | Path, chat_template_file: str | Path | None = None) -> "ModelTokenizer":
-        return cls(load_model_dir(path, chat_template_file))
+    def from_dir(cls, path: str | Path, chat_template_file: str | Path | None = None,
+                 text_part_separator: str = "\n") -> "ModelTokenizer":
+        """``text_part_separator``: how text content parts are joined for string-only templates ("\\n" as vLLM
+        does, " " as SGLang does; see ``chat.py``)."""
+        return cls(load_model_dir(path, chat_template_file), text_part_separator)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. ``add_special_tokens=True`` (completions prompts, as vLLM and SGLang encode
