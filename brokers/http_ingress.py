@@ -70,6 +70,7 @@ from aiohttp import web
 from mesh import protocol as P
 from mesh.errors import ErrorCode
 from mesh.logs import get_logger
+from mesh.params import ParamError, from_generate, from_openai
 
 # The quota key of the HTTP request being handled (its peer address): every HTTP request has its
 # own random local identity, so the broker's per-client in-flight quota counts by this instead.
@@ -81,7 +82,6 @@ MAX_BODY_BYTES = P.MAX_FRAME_BYTES // 2
 # The SUBMIT body becomes REQUEST frame 3 verbatim; keep a small margin under the frame cap.
 MAX_SUBMIT_BYTES = P.MAX_FRAME_BYTES - 4096
 _LOCAL_PREFIX = b"\x00http:"
-_MAX_TOKENS = P.MAX_NEW_TOKENS  # the protocol's max_new_tokens bound
 _MAX_DEADLINE_MS = 86_400_000  # the protocol's deadline_ms bound
 _FIRST_OUTPUT_WAIT_S = 5.0  # after ACCEPTED, how long a stream waits for output before committing a 200
 _RETRY_AFTER_S = "1"
@@ -330,14 +330,6 @@ class _Call:
 # ---------------------------------------------------------------------------- field checks
 
 
-def _is_int(v: Any) -> bool:
-    return type(v) is int
-
-
-def _is_num(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v)
-
-
 def _opt_bool(body: dict, k: str, default: bool = False) -> bool:
     v = body.get(k)
     if v is None:
@@ -556,39 +548,16 @@ class HttpIngress:
                 raise _BadRequest("prompt could not be tokenised") from None
         return {"text": text}
 
-    def _max_tokens(self, body: dict, default: int = 16) -> int:
-        v = body.get("max_completion_tokens")
-        if v is None:
-            v = body.get("max_tokens")
-        if v is None:
-            return default
-        if not _is_int(v) or not 0 <= v <= _MAX_TOKENS:
-            raise _BadRequest(f"max_tokens must be an integer in [0, {_MAX_TOKENS}]")
-        return v
-
-    def _sampling(self, body: dict) -> dict[str, Any]:
-        params: dict[str, Any] = {}
-        for k, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-            v = body.get(k)
-            if v is None:
-                continue
-            if not _is_num(v) or not lo <= v <= hi:
-                raise _BadRequest(f"{k} must be a number in [{lo:g}, {hi:g}]")
-            params[k] = v
-        stop = body.get("stop")
-        if stop is not None:
-            if isinstance(stop, str):
-                stop = [stop]
-            if type(stop) is not list or len(stop) > 4 or not all(isinstance(s, str) and 0 < len(s) <= 1024 for s in stop):
-                raise _BadRequest("stop must be a string or a list of at most 4 non-empty strings")
-            params["stop"] = stop
-        n = body.get("n")
-        if n is not None and (not _is_int(n) or n != 1):
-            raise _BadRequest("n must be 1 (one choice per request)")
+    def _params(self, body: dict, *, chat: bool | None) -> dict[str, Any]:
+        """Generation parameters (:mod:`mesh.params`): every field reaches the engine or is a 400
+        that names it. ``chat`` None: SGLang's ``/generate``."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _BadRequest("model must be a string")
-        return params
+        try:
+            return from_generate(body) if chat is None else from_openai(body, chat=chat)
+        except ParamError as exc:
+            raise _BadRequest(str(exc)) from None
 
     def _chat_prompt(self, msgs: Any) -> str:
         if type(msgs) is not list or not msgs:
@@ -625,7 +594,7 @@ class HttpIngress:
             return self.tokenizer.decode(ids)
         return "".join(f" <{t}>" for t in ids)
 
-    def _submit(self, prompt: dict[str, Any], max_new_tokens: int, *, stream: bool, slo, deadline_ms: int,
+    def _submit(self, prompt: dict[str, Any], *, stream: bool, slo, deadline_ms: int,
                 params: dict[str, Any]) -> _Call:
         """Encode, check (size, and the broker's own decoder, so the broker never answers an
         unreadable rid) and submit; raises _BadRequest or _TooLarge."""
@@ -634,7 +603,7 @@ class HttpIngress:
         rid = raw[16:].hex()
         try:
             frames = P.encode_submit(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"),
-                                     params={**params, "max_new_tokens": max_new_tokens}, deadline_ms=deadline_ms, stream=stream, slo=slo)
+                                     params=params, deadline_ms=deadline_ms, stream=stream, slo=slo)
         except (UnicodeEncodeError, ValueError, OverflowError, TypeError):  # lone surrogates in a string, ...
             raise _BadRequest("request holds text that is not valid Unicode") from None
         if len(frames[2]) > MAX_SUBMIT_BYTES:
@@ -710,14 +679,13 @@ class HttpIngress:
                         raise _BadRequest("prompt: batched prompts are not supported; send one request per prompt")
                     p = p[0]
                 prompt = self._prompt(None, p) if type(p) is list else self._prompt(p, None)
-            max_tokens = self._max_tokens(body)
             stream = _opt_bool(body, "stream")
             so = body.get("stream_options")
             if so is not None and not isinstance(so, dict):
                 raise _BadRequest("stream_options must be an object")
             include_usage = _opt_bool(so or {}, "include_usage")
-            params = self._sampling(body)
-            call = self._submit(prompt, max_tokens, stream=stream, slo=slo, deadline_ms=deadline_ms, params=params)
+            params = self._params(body, chat=chat)
+            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=deadline_ms, params=params)
         except _BadRequest as exc:
             return self._bad(exc)
         except _TooLarge as exc:
@@ -794,19 +762,12 @@ class HttpIngress:
             if text is not None and ids is not None:
                 raise _BadRequest("give either text or input_ids, not both")
             prompt = self._prompt(text, ids)
-            sp = body.get("sampling_params")
-            if sp is None:
-                sp = {}
-            if not isinstance(sp, dict):
-                raise _BadRequest("sampling_params must be an object")
-            mnt = sp.get("max_new_tokens")
-            max_tokens = self._max_tokens({"max_tokens": 128 if mnt is None else mnt})
-            params = self._sampling({k: sp[k] for k in ("temperature", "top_p", "stop") if k in sp})
+            params = self._params(body, chat=None)
             stream = _opt_bool(body, "stream")
             user_rid = body.get("rid")
             if user_rid is not None and (not isinstance(user_rid, str) or not 0 < len(user_rid) <= P.MAX_RID_BYTES):
                 raise _BadRequest(f"rid must be a string of 1..{P.MAX_RID_BYTES} characters")
-            call = self._submit(prompt, max_tokens, stream=stream, slo=slo, deadline_ms=deadline_ms, params=params)
+            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=deadline_ms, params=params)
         except _BadRequest as exc:
             return self._bad(exc)
         except _TooLarge as exc:

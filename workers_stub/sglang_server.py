@@ -67,12 +67,7 @@ __all__ = ["StubSettings", "SglangStub", "serve_stub", "SAMPLING_KEYS"]
 VERSION = "0.5.23"
 
 #: ``sampling_params`` keys SGLang accepts; anything else is answered with HTTP 400.
-SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
-    "skip_special_tokens", "spaces_between_special_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "no_stop_trim", "stream_interval",
-    "logit_bias", "sampling_seed", "custom_params",
-})
+from mesh.params import SAMPLING_KEYS  # noqa: E402 - the one vocabulary (re-exported)
 _WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do", "eiusmod",
           "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim", "ad", "minim", "veniam",
           "quis", "nostrud", "exercitation", "ullamco", "laboris", "nisi", "aliquip", "ex", "ea")

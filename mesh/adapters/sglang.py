@@ -41,21 +41,12 @@ from mesh.adapters.base import (
 )
 from mesh.errors import ConfigError, ErrorCode
 from mesh.load import LoadStat
+from mesh.params import REQUEST_KEYS, SAMPLING_KEYS
 
 __all__ = ["SglangBackend", "info_from_server_info", "generate_body", "SAMPLING_KEYS", "loadstat_from_v1", "loadstats_from_metrics"]
 
-SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
-    "skip_special_tokens", "spaces_between_special_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "no_stop_trim", "stream_interval",
-    "logit_bias", "sampling_seed", "custom_params",
-})
 _ALIASES = {"seed": "sampling_seed", "max_tokens": None, "min_tokens": "min_new_tokens"}
-TOP_LEVEL_KEYS = frozenset({
-    "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "lora_path",
-    "extra_key", "cache_salt", "priority", "routing_key", "session_params", "session_id", "routed_dp_rank",
-    "return_prompt_token_ids", "return_hidden_states",
-})
+TOP_LEVEL_KEYS = REQUEST_KEYS
 _BOOTSTRAP = {"bootstrap_host": "bootstrap_host", "bootstrap_port": "bootstrap_port", "bootstrap_room": "bootstrap_room",
               "bootstrap_pair_key": "bootstrap_pair_key", "host": "bootstrap_host", "port": "bootstrap_port",
               "room": "bootstrap_room"}
@@ -146,7 +137,8 @@ def generate_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
             sp[k2] = v
         elif k2 in TOP_LEVEL_KEYS:
             body[k2] = v
-    sp["max_new_tokens"] = sub.max_new_tokens
+    if "max_new_tokens" in (sub.params or {}):  # no limit given: the engine's own default applies
+        sp["max_new_tokens"] = sub.max_new_tokens
     if sub.input_ids is not None:
         body["input_ids"] = list(sub.input_ids)
     else:

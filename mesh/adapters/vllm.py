@@ -57,7 +57,8 @@ def completions_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
         if dst is not None:
             body[dst] = v
     body["prompt"] = list(sub.input_ids) if sub.input_ids is not None else sub.text
-    body["max_tokens"] = sub.max_new_tokens
+    if "max_new_tokens" in (sub.params or {}):  # else vLLM's default: the rest of the context
+        body["max_tokens"] = sub.max_new_tokens
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
     body["return_token_ids"] = True
