@@ -38,12 +38,16 @@ TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
 LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
-# name -> (template file, extra control tokens, where the template is written, bos override)
+# name -> (template file, extra control tokens, where the template is written, shipped tokenizer). The two
+# Mistral models are exactly the shipped tokenizer with its own template; the others put a real template over
+# the v3 (SentencePiece) or Tekken (byte-level BPE) vocabulary with the template's control tokens added.
 MODELS = {
-    "mistral_v3": ("mistral_v3.jinja", [], "tokenizer_config"),
-    "qwen2_chatml": ("qwen2_chatml.jinja", CHATML_TOKENS, "jinja"),
-    "llama3": ("llama3.jinja", LLAMA3_TOKENS, "tokenizer_config"),
-    "qwen2_vl": ("qwen2_vl.jinja", CHATML_TOKENS + ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"], "json"),
+    "mistral_v3": ("mistral_v3.jinja", [], "tokenizer_config", "mistral_v3"),
+    "mistral_nemo": ("mistral_v3_tekken.jinja", [], "tokenizer_config", "tekken"),
+    "qwen2_chatml": ("qwen2_chatml.jinja", CHATML_TOKENS, "jinja", "tekken"),
+    "llama3": ("llama3.jinja", LLAMA3_TOKENS, "tokenizer_config", "tekken"),
+    "qwen2_vl": ("qwen2_vl.jinja", CHATML_TOKENS + ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"], "json",
+                 "mistral_v3"),
 }
 
 
@@ -61,9 +65,9 @@ def base_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, base_cache) -> dict[str, tuple[ModelTokenizer, object]]:
     out = {}
-    for name, (tpl_file, extra, where) in MODELS.items():
+    for name, (tpl_file, extra, where, kind) in MODELS.items():
         d = build_model_dir(tmp_path_factory.mktemp(name), chat_template=(TEMPLATES / tpl_file).read_text(),
-                            extra_special_tokens=extra, cache_dir=base_cache, write_template=where)
+                            extra_special_tokens=extra, cache_dir=base_cache, write_template=where, tokenizer=kind)
         if name == "llama3":  # Llama-3's bos is its own control token
             cfg = json.loads((d / "tokenizer_config.json").read_text())
             cfg["bos_token"] = "<|begin_of_text|>"
@@ -143,7 +147,8 @@ def test_matches_transformers_apply_chat_template(models, model, conv, add_gener
 
 def test_content_format_detection(models):
     formats = {name: m.chat_template.content_format for name, (m, _) in models.items()}
-    assert formats == {"mistral_v3": "string", "qwen2_chatml": "string", "llama3": "string", "qwen2_vl": "openai"}
+    assert formats == {"mistral_v3": "string", "mistral_nemo": "string", "qwen2_chatml": "string", "llama3": "string",
+                       "qwen2_vl": "openai"}
 
 
 def test_template_sources_and_special_tokens(models):
@@ -168,6 +173,27 @@ def test_plain_encode_matches_transformers_and_sentencepiece(models):
         if not text.startswith("  "):  # HF's Llama conversion splits leading runs of spaces differently from
             # SentencePiece itself; engines serve the tokenizer.json, so HF is the reference that matters
             assert ours.encode(text) == [sp.bos_id()] + sp.encode(text)
+
+
+def _special(tk, token: str) -> int:
+    return (tk.get_special_token if hasattr(tk, "get_special_token") else tk.get_control_token)(token)
+
+
+def test_tekken_encodes_as_mistral_common_does(models):
+    """The converted Tekken tokenizer.json gives the ids mistral-common's own Tekkenizer gives."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    from mesh.tokenization.builtin import SHIPPED_TEKKEN, shipped_file
+
+    ours, hf = models["mistral_nemo"]
+    tk = Tekkenizer.from_file(str(shipped_file(SHIPPED_TEKKEN)))
+    for text in ["Hello world", "  leading spaces", "Grüße 👋 日本語", "line\nbreak\ttab", "def f(x):\n    return x"]:
+        assert ours.encode(text, add_special_tokens=False) == tk.encode(text, bos=False, eos=False)
+        assert ours.encode(text) == hf.encode(text) == tk.encode(text, bos=True, eos=False)
+    text, ids = ours.render_chat([{"role": "user", "content": "Hi"}])
+    assert text == "<s>[INST]Hi[/INST]"
+    assert ids == [tk.bos_id, _special(tk, "[INST]")] + tk.encode("Hi", bos=False, eos=False) + [
+        _special(tk, "[/INST]")]
 
 
 def test_control_tokens_in_template_are_single_ids(models):

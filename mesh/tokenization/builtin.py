@@ -8,6 +8,9 @@ tokens). ``transformers`` converts it to a ``tokenizer.json`` (its ``LlamaTokeni
 special tokens. Extra control tokens (``<|im_start|>``...) can be added as special tokens, to stand in for a
 model whose vocabulary declares them (a ChatML or Llama-3 template over this vocabulary).
 
+``tokenizer="tekken"`` gives instead ``tekken_240718.json``, the Tekken (tiktoken-style byte-level BPE,
+131,072 tokens) tokenizer of Mistral-Nemo-Instruct-2407, converted by ``transformers``' ``MistralConverter``.
+
 Needs ``mistral-common`` and ``transformers`` (the ``dev`` extra); never touches the network.
 """
 
@@ -22,9 +25,11 @@ from typing import Iterable
 
 from mesh.errors import ConfigError
 
-__all__ = ["SHIPPED_SPM", "shipped_spm_path", "build_model_dir", "MISTRAL_V3_TEMPLATE"]
+__all__ = ["SHIPPED_SPM", "SHIPPED_TEKKEN", "shipped_file", "shipped_spm_path", "build_model_dir",
+           "MISTRAL_V3_TEMPLATE"]
 
 SHIPPED_SPM = "mistral_instruct_tokenizer_240323.model.v3"
+SHIPPED_TEKKEN = "tekken_240718.json"
 
 # Mistral-7B-Instruct-v0.3's chat template (mistralai's "v3" template), as its tokenizer_config.json has it;
 # tests/data/chat_templates/mistral_v3.jinja holds the same text.
@@ -118,15 +123,28 @@ MISTRAL_V3_TEMPLATE = r'''{%- if messages[0]["role"] == "system" %}
 '''
 
 
-def shipped_spm_path() -> Path:
+def shipped_file(name: str) -> Path:
     try:
         import mistral_common
     except ImportError as exc:
         raise ConfigError("--builtin: needs the 'mistral-common' package (pip install 'mesh-router[dev]')") from exc
-    p = Path(mistral_common.__file__).parent / "data" / SHIPPED_SPM
+    p = Path(mistral_common.__file__).parent / "data" / name
     if not p.is_file():
         raise ConfigError(f"--builtin: {p}: not found in this mistral-common install")
     return p
+
+
+def shipped_spm_path() -> Path:
+    return shipped_file(SHIPPED_SPM)
+
+
+def _convert_tekken(tekken: Path, out: Path) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers.integrations.mistral.tokenizer import MistralConverter
+    except ImportError as exc:
+        raise ConfigError("--builtin: needs 'transformers' >= 5 to convert the Tekken tokenizer") from exc
+    MistralConverter(str(tekken)).converted().save(str(out))
 
 
 def _convert(spm: Path, out: Path) -> None:
@@ -144,30 +162,40 @@ def _convert(spm: Path, out: Path) -> None:
 
 def build_model_dir(dest: str | Path, chat_template: str | None = None,
                     extra_special_tokens: Iterable[str] = (), cache_dir: str | Path | None = None,
-                    write_template: str = "tokenizer_config") -> Path:
+                    write_template: str = "tokenizer_config", tokenizer: str = "mistral_v3") -> Path:
     """Write a model folder at ``dest``: ``tokenizer.json`` from the shipped SentencePiece model, plus
     ``tokenizer_config.json``. ``chat_template`` goes into tokenizer_config.json (``write_template=
     "tokenizer_config"``), into ``chat_template.jinja`` (``"jinja"``) or ``chat_template.json`` (``"json"``).
-    ``cache_dir`` keeps the converted base ``tokenizer.json`` between calls."""
+    ``cache_dir`` keeps the converted base ``tokenizer.json`` between calls. ``tokenizer``: "mistral_v3"
+    (SentencePiece) or "tekken"."""
     from tokenizers import AddedToken, Tokenizer, processors
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    base = Path(cache_dir) / "mistral_v3_base_tokenizer.json" if cache_dir else None
+    if tokenizer not in ("mistral_v3", "tekken"):
+        raise ValueError(f"tokenizer: {tokenizer!r} (choose mistral_v3 or tekken)")
+    base = Path(cache_dir) / f"{tokenizer}_base_tokenizer.json" if cache_dir else None
     if base is None or not base.is_file():
         target = base or (dest / "tokenizer.json")
         target.parent.mkdir(parents=True, exist_ok=True)
-        _convert(shipped_spm_path(), target)
+        if tokenizer == "tekken":
+            _convert_tekken(shipped_file(SHIPPED_TEKKEN), target)
+        else:
+            _convert(shipped_spm_path(), target)
         base = target
     tok = Tokenizer.from_file(str(base))
-    tok.post_processor = processors.TemplateProcessing(single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1",
-                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    bos = processors.TemplateProcessing(single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1",
+                                        special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    # the published models' tokenizer.json adds BOS on plain encodes; Tekken keeps its byte-level step first
+    tok.post_processor = bos if tok.post_processor is None or tokenizer != "tekken" else processors.Sequence(
+        [tok.post_processor, bos])
     extra = list(extra_special_tokens)
     if extra:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
     tok.save(str(dest / "tokenizer.json"))
-    cfg: dict = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                 "add_bos_token": True, "add_eos_token": False, "tokenizer_class": "LlamaTokenizerFast"}
+    cfg: dict = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                 "add_eos_token": False,
+                 "tokenizer_class": "PreTrainedTokenizerFast" if tokenizer == "tekken" else "LlamaTokenizerFast"}
     if extra:
         cfg["additional_special_tokens"] = extra
     if chat_template is not None:
