@@ -5,7 +5,9 @@ Four arms per prompt size: ``encode`` (a completions prompt, ``add_special_token
 result), each awaited through ``TokenizerPool`` from an event loop, as the HTTP ingress will call it.
 
 - **added latency p50 / p99**: one request at a time; the wall time from ``await pool.encode(...)`` to its
-  result, i.e. what tokenization adds to a request's time to first token on an idle front end.
+  result, i.e. what tokenization adds to a request's time to first token on an idle front end. ``direct
+  p50`` is the same work as a blocking call on the loop's thread (what the pool avoids doing there); the
+  difference is the cost of the hop to a pool thread and back.
 - **tokens/s**: prompt tokens tokenized per second with ``concurrency`` jobs kept in flight (the pool's
   threads all busy), i.e. the throughput ceiling of one front-end process.
 - **loop lag p99 / max**: how late a 1 ms ticker on the same loop ran during the throughput phase: how long
@@ -14,7 +16,7 @@ result), each awaited through ``TokenizerPool`` from an event loop, as the HTTP 
 
 Prompts are pseudo-random words (seeded), trimmed to the exact token count, so BPE meets realistic text
 rather than one repeated phrase. ``--builtin`` uses the shipped Mistral-7B-Instruct-v0.3 tokenizer
-(``mesh.tokenization.builtin``) with its chat template; ``--model-dir DIR`` any local model folder.
+(``mesh.tokenization.builtin``) with its chat template (``--builtin tekken``: Mistral-Nemo's Tekken vocabulary); ``--model-dir DIR`` any local model folder.
 """
 
 from __future__ import annotations
@@ -58,9 +60,15 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
 
 
-async def _arm(pool: Any, job: Any, iters: int, concurrency: int) -> dict[str, float]:
+async def _arm(pool: Any, job: Any, direct: Any, iters: int, concurrency: int) -> dict[str, float]:
     for _ in range(3):  # warm-up: thread start, template compile caches
         await job()
+        direct()
+    lat_direct = []
+    for _ in range(iters):  # the same work as a blocking call on this thread: what the pool's hop costs on top
+        t0 = time.perf_counter()
+        direct()
+        lat_direct.append(time.perf_counter() - t0)
     lat = []
     n_tok = 0
     for _ in range(iters):
@@ -95,29 +103,32 @@ async def _arm(pool: Any, job: Any, iters: int, concurrency: int) -> dict[str, f
     wall = time.perf_counter() - t0
     stop.set()
     await tick
-    return {"tokens": n_tok, "p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
+    return {"tokens": n_tok, "direct_p50_ms": _pct(lat_direct, 0.5) * 1e3, "p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
             "mean_ms": statistics.fmean(lat) * 1e3, "tokens_per_s": total / wall,
             "loop_lag_p99_ms": (_pct(lags, 0.99) if lags else 0.0) * 1e3,
             "loop_lag_max_ms": max(lags, default=0.0) * 1e3}
 
 
 def run_tokenizer_bench(model_dir: str | Path | None = None, chat_template_file: str | Path | None = None,
-                        builtin: bool = False, sizes: tuple[int, ...] = (1024, 8192), iters: int = 100,
+                        builtin: bool | str = False, sizes: tuple[int, ...] = (1024, 8192), iters: int = 100,
                         workers: int = 2, concurrency: int = 8) -> dict[str, Any]:
     """Run the four arms per size; returns a JSON-able dict (see the module docstring for each figure)."""
     from .pool import ModelTokenizer, TokenizerPool
 
     tmp = None
+    kind = builtin if isinstance(builtin, str) else "mistral_v3"
     if builtin:
         from .builtin import MISTRAL_V3_TEMPLATE, build_model_dir
 
         tmp = tempfile.TemporaryDirectory(prefix="mesh-tokbench-")
-        model_dir = build_model_dir(Path(tmp.name) / "model", chat_template=MISTRAL_V3_TEMPLATE)
+        model_dir = build_model_dir(Path(tmp.name) / "model", chat_template=MISTRAL_V3_TEMPLATE, tokenizer=kind)
     if model_dir is None:
         raise ValueError("give model_dir or builtin=True")
     try:
         mt = ModelTokenizer.from_dir(model_dir, chat_template_file)
-        res: dict[str, Any] = {"model_dir": "builtin:mistral-7b-instruct-v0.3" if builtin else str(model_dir),
+        label = {"mistral_v3": "builtin:mistral-7b-instruct-v0.3 (SentencePiece)",
+                 "tekken": "builtin:mistral-nemo tekken (byte-level BPE)"}
+        res: dict[str, Any] = {"model_dir": label[kind] if builtin else str(model_dir),
                                "workers": workers, "concurrency": concurrency, "iters": iters, "arms": []}
 
         async def main():
@@ -128,7 +139,8 @@ def run_tokenizer_bench(model_dir: str | Path | None = None, chat_template_file:
                     async def enc(text=text):
                         return len(await pool.encode(text))
 
-                    res["arms"].append({"size": n, "arm": "encode", **await _arm(pool, enc, iters, concurrency)})
+                    res["arms"].append({"size": n, "arm": "encode",
+                                        **await _arm(pool, enc, lambda: mt.encode(text), iters, concurrency)})
                     if mt.chat_template is None:
                         continue
                     msgs = [{"role": "system", "content": "You are a helpful assistant."},
@@ -137,7 +149,8 @@ def run_tokenizer_bench(model_dir: str | Path | None = None, chat_template_file:
                     async def chat(msgs=msgs):
                         return len((await pool.render_chat(msgs))[1])
 
-                    res["arms"].append({"size": n, "arm": "render+encode", **await _arm(pool, chat, iters, concurrency)})
+                    res["arms"].append({"size": n, "arm": "render+encode",
+                                        **await _arm(pool, chat, lambda: mt.render_chat(msgs), iters, concurrency)})
 
         asyncio.run(main())
         return res
@@ -149,11 +162,11 @@ def run_tokenizer_bench(model_dir: str | Path | None = None, chat_template_file:
 def print_table(res: dict[str, Any]) -> None:
     print(f"tokenizer pool: {res['model_dir']}  ({res['workers']} threads; latency: {res['iters']} sequential "
           f"requests; tokens/s: {res['concurrency']} in flight)")
-    head = f"{'prompt':>7}  {'arm':<14}{'tokens':>7}  {'p50 ms':>7}  {'p99 ms':>7}  {'tokens/s':>11}  {'loop lag p99/max ms':>19}"
+    head = f"{'prompt':>7}  {'arm':<14}{'tokens':>7}  {'direct p50':>10}  {'p50 ms':>7}  {'p99 ms':>7}  {'tokens/s':>11}  {'loop lag p99/max ms':>19}"
     print(head)
     print("-" * len(head))
     for a in res["arms"]:
-        print(f"{a['size']:>7}  {a['arm']:<14}{a['tokens']:>7}  {a['p50_ms']:>7.2f}  {a['p99_ms']:>7.2f}  "
+        print(f"{a['size']:>7}  {a['arm']:<14}{a['tokens']:>7}  {a['direct_p50_ms']:>10.2f}  {a['p50_ms']:>7.2f}  {a['p99_ms']:>7.2f}  "
               f"{a['tokens_per_s']:>11,.0f}  {a['loop_lag_p99_ms']:>9.2f} / {a['loop_lag_max_ms']:<7.2f}")
 
 
@@ -186,8 +199,9 @@ def add_bench_tokenizer_parser(bsub) -> argparse.ArgumentParser:
     p = bsub.add_parser("tokenizer", help="tokens/s and added latency of tokenization in the pool (1k and 8k-token prompts)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model-dir", help="a local model folder (tokenizer.json, tokenizer_config.json)")
-    src.add_argument("--builtin", action="store_true",
-                     help="the Mistral-7B-Instruct-v0.3 tokenizer that mistral-common ships (needs the dev extra)")
+    src.add_argument("--builtin", nargs="?", const="mistral_v3", choices=("mistral_v3", "tekken"),
+                     help="a tokenizer that mistral-common ships: mistral_v3 (Mistral-7B-Instruct-v0.3's SentencePiece, "
+                          "the default) or tekken (Mistral-Nemo's byte-level BPE); needs the dev extra")
     p.add_argument("--chat-template", help="a chat template file, instead of the model folder's")
     p.add_argument("--sizes", type=_sizes, default=[1024, 8192], help="prompt sizes in tokens (default 1024,8192)")
     p.add_argument("--iters", type=int, default=100, help="sequential requests per arm (default 100)")
