@@ -270,7 +270,7 @@ _EXPIRED = object()  # queued by a request's deadline timer
 class _Call:
     """One submitted request: its replies, filtered to its own rid, until the terminal one."""
 
-    __slots__ = ("broker", "ident", "rid", "q", "t_end", "done", "worker", "expired", "_timer")
+    __slots__ = ("broker", "ident", "rid", "q", "t_end", "done", "worker", "expired", "idle", "_timer")
 
     def __init__(self, broker, ident: bytes, rid: str, q: asyncio.Queue, timeout_s: float) -> None:
         self.broker = broker
@@ -281,6 +281,7 @@ class _Call:
         self.done = False
         self.worker = ""  # the worker of the latest ACCEPTED (streams)
         self.expired = False
+        self.idle = False  # a stream ended for want of output (stream_idle_timeout_s)
         # One timer per request puts a marker in the queue at the deadline: waits then need no
         # timeout context each (a stream waits once per token).
         self._timer = asyncio.get_running_loop().call_later(timeout_s, q.put_nowait, _EXPIRED)
@@ -350,8 +351,11 @@ class HttpIngress:
 
     def __init__(self, broker, *, model: str = "mesh", api_key: str | None = None, tokenizer_path: str | None = None,
                  metrics_registry=None, max_connections: int = 512, header_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128) -> None:
+                 idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128,
+                 request_timeout_s: float = 1800.0, stream_idle_timeout_s: float = 300.0) -> None:
         self.broker = broker
+        self.request_timeout_s = request_timeout_s
+        self.stream_idle_timeout_s = stream_idle_timeout_s
         self.model = model
         self._key = api_key.encode() if api_key else None
         self.metrics_registry = metrics_registry
@@ -508,9 +512,16 @@ class HttpIngress:
             slo["tps"] = f
         return slo or None
 
-    def _deadline_ms(self, request: web.Request) -> int:
-        v = self._header_int(request, "x-mesh-deadline-ms", 1, _MAX_DEADLINE_MS)
-        return self.broker.s.default_deadline_ms if v is None else v
+    def _deadline_ms(self, request: web.Request) -> int | None:
+        """The request's own deadline header (a bad value is a 400), or None."""
+        return self._header_int(request, "x-mesh-deadline-ms", 1, _MAX_DEADLINE_MS)
+
+    def _lifetime_ms(self, header_ms: int | None, stream: bool) -> int:
+        """The header's deadline; else unstreamed requests live ``request_timeout_s`` and streams
+        have no total bound (the protocol's 24 h), only ``stream_idle_timeout_s`` between outputs."""
+        if header_ms is not None:
+            return header_ms
+        return _MAX_DEADLINE_MS if stream else int(self.request_timeout_s * 1000)
 
     async def _json(self, request: web.Request) -> dict:
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
@@ -622,8 +633,8 @@ class HttpIngress:
         comes first keeps its HTTP status. Returns (error response, None, None) or
         (None, the prepared stream, the first message or None)."""
         m = await self._first_output(call)
-        if m is None and not call.done and call.expired:
-            return _err(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error"), None, None
+        if m is None and not call.done and (call.expired or call.idle):
+            return _err(504, self._timeout_message(call), ErrorCode.DEADLINE_EXCEEDED.value, "server_error"), None, None
         if isinstance(m, P.ClientError):
             return _mesh_err(m.code, m.message), None, None
         return None, await self._begin_stream(request, call), m
@@ -631,15 +642,32 @@ class HttpIngress:
     async def _first_output(self, call: _Call):
         """For streams: the first reply worth committing HTTP headers for (a CHUNK or a terminal),
         or None when the request was accepted but produced nothing within _FIRST_OUTPUT_WAIT_S
-        (or nothing came at all: ``call`` then has no terminal, see ``call.done``)."""
-        until = None
+        (or nothing came at all: ``call`` then has no terminal, see ``call.done``; ``call.idle``
+        when that was for ``stream_idle_timeout_s``)."""
+        idle_end = time.monotonic() + self.stream_idle_timeout_s
+        until = idle_end
         while True:
             m = await call.next(until)
-            if m is None or not isinstance(m, P.Accepted):
+            if m is None:
+                call.idle = not call.expired and time.monotonic() >= idle_end
+                return None
+            if not isinstance(m, P.Accepted):
                 return m
             call.worker = m.worker
-            if until is None:
-                until = time.monotonic() + _FIRST_OUTPUT_WAIT_S
+            until = min(idle_end, time.monotonic() + _FIRST_OUTPUT_WAIT_S)
+
+    async def _next_output(self, call: _Call):
+        """A stream's next reply, or None: the deadline passed (``call.expired``) or no output came
+        for ``stream_idle_timeout_s`` (counted; the request is cancelled when the handler ends)."""
+        m = await call.next(time.monotonic() + self.stream_idle_timeout_s)
+        if m is None and not call.expired:
+            call.idle = True
+            self.broker.stats.dropped["http_stream_idle_timeout"] += 1
+        return m
+
+    def _timeout_message(self, call: _Call) -> str:
+        return (f"no output for {self.stream_idle_timeout_s:g} s" if call.idle and not call.expired
+                else "no reply before the deadline")
 
     async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
         try:
@@ -685,7 +713,7 @@ class HttpIngress:
                 raise _BadRequest("stream_options must be an object")
             include_usage = _opt_bool(so or {}, "include_usage")
             params = self._params(body, chat=chat)
-            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=deadline_ms, params=params)
+            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=self._lifetime_ms(deadline_ms, stream), params=params)
         except _BadRequest as exc:
             return self._bad(exc)
         except _TooLarge as exc:
@@ -727,9 +755,9 @@ class HttpIngress:
 
         while True:
             if m is None:
-                m = await call.next()
+                m = await self._next_output(call)
                 if m is None:
-                    await self._sse(resp, {"error": {"message": "no reply before the deadline", "type": "server_error",
+                    await self._sse(resp, {"error": {"message": self._timeout_message(call), "type": "server_error",
                                                      "code": ErrorCode.DEADLINE_EXCEEDED.value}})
                     break
             if isinstance(m, P.ClientChunk):
@@ -767,7 +795,7 @@ class HttpIngress:
             user_rid = body.get("rid")
             if user_rid is not None and (not isinstance(user_rid, str) or not 0 < len(user_rid) <= P.MAX_RID_BYTES):
                 raise _BadRequest(f"rid must be a string of 1..{P.MAX_RID_BYTES} characters")
-            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=deadline_ms, params=params)
+            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=self._lifetime_ms(deadline_ms, stream), params=params)
         except _BadRequest as exc:
             return self._bad(exc)
         except _TooLarge as exc:
@@ -799,9 +827,9 @@ class HttpIngress:
         n_chunks = 0
         while True:
             if m is None:
-                m = await call.next()
+                m = await self._next_output(call)
                 if m is None:
-                    await self._sse(resp, {"error": {"message": "no reply before the deadline", "type": "server_error",
+                    await self._sse(resp, {"error": {"message": self._timeout_message(call), "type": "server_error",
                                                      "code": ErrorCode.DEADLINE_EXCEEDED.value, "retryable": False}})
                     break
             if isinstance(m, P.ClientChunk):  # SGLang streams cumulative text and ids

@@ -166,7 +166,9 @@ async def serve_broker(settings: BrokerSettings) -> None:
         ingress = HttpIngress(broker, model=settings.model_name, api_key=_api_key(settings, log),
                               tokenizer_path=settings.tokenizer or None, metrics_registry=reg,
                               max_connections=settings.http_max_connections, header_timeout_s=settings.http_header_timeout_s,
-                              idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s)
+                              idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s,
+                              request_timeout_s=settings.http_request_timeout_s,
+                              stream_idle_timeout_s=settings.http_stream_idle_timeout_s)
         _check_fd_budget(settings, log)
         url = await ingress.start(host.strip("[]") or "127.0.0.1", int(port))
         announce("http_listening", url=url)

@@ -40,7 +40,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
                  "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "park_timeout_s", "max_parked", "max_inflight_per_worker", "queue_timeout_s", "eject_after_failures", "eject_base_s", "eject_max_s", "max_ejected_ratio", "drain_timeout_s", "policy", "cache_prefix_provider",
-                 "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "api_key_file", "http_max_connections", "http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
+                 "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "api_key_file", "http_max_connections", "http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "http_request_timeout_s", "http_stream_idle_timeout_s", "tokenizer", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
 
 # containment limits (issue 12): what one worker or client may ask of a broker
 _BROKER_FLAGS += ["max_worker_heartbeat_ms", "max_workers", "max_inflight_per_client", "progress_timeout_ms", "overload_lag_ms",
@@ -100,6 +100,11 @@ def _add_broker(sub) -> None:
     p.add_argument("--http-header-timeout-s", type=float, help="time to receive a complete request head (default 10)")
     p.add_argument("--http-idle-timeout-s", type=float, help="idle keep-alive HTTP connections are closed after this (default 60)")
     p.add_argument("--http-body-timeout-s", type=float, help="time to receive a request body or drain a streamed write (default 30)")
+    p.add_argument("--http-request-timeout-s", type=float,
+                   help="lifetime of an unstreamed HTTP request (default 1800; header x-mesh-deadline-ms overrides)")
+    p.add_argument("--http-stream-idle-timeout-s", type=float,
+                   help="a stream ends when no output came for this long (default 300); streams have no total bound "
+                        "unless x-mesh-deadline-ms gives one")
     p.add_argument("--tokenizer", help="tokenizer.json used by the HTTP ingress to tokenise prompts")
     p.add_argument("--model-name", help="model id reported by /v1/models (default mesh)")
     p.add_argument("--telemetry", help="ZeroMQ PUB endpoint for the live telemetry stream (mesh top)")

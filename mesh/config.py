@@ -72,6 +72,11 @@ class BrokerSettings:
     http_header_timeout_s: float = 10.0  # a complete request head must arrive within this
     http_idle_timeout_s: float = 60.0  # an idle kept-alive HTTP connection is closed after this
     http_body_timeout_s: float = 30.0  # a request body must arrive (and a streamed write drain) within this
+    # HTTP request lifetimes (x-mesh-deadline-ms overrides per request): an unstreamed request
+    # ends at http_request_timeout_s; a stream has no total bound, only the idle one between
+    # outputs (and the first output), like SGLang's router (request_timeout_secs 1800).
+    http_request_timeout_s: float = 1800.0
+    http_stream_idle_timeout_s: float = 300.0
     tokenizer: str = ""  # tokenizer.json for the HTTP ingress (optional)
     model_name: str = "mesh"  # the model id the HTTP ingress reports
     telemetry: str = ""  # ZMQ PUB endpoint for the telemetry stream; empty = off
@@ -132,9 +137,10 @@ class BrokerSettings:
                 raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from None
             _require(key_ok, "api_key_file", f"{self.api_key_file} is empty")
         _require(self.http_max_connections >= 1, "http_max_connections", "must be >= 1")
-        for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s"):
+        for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "http_request_timeout_s",
+                     "http_stream_idle_timeout_s"):
             v = getattr(self, name)
-            _require(math.isfinite(v) and v > 0, name, "must be a positive number of seconds")
+            _require(math.isfinite(v) and 0 < v <= 86_400, name, "must be a positive number of seconds, at most 86400")
         for name in ("http", "metrics"):
             v = getattr(self, name)
             if v:

@@ -28,8 +28,9 @@ from tests.conftest import run
 HB_MS = 1000  # a stall would last about one heartbeat (the worker link's poll timeout)
 
 
-def _path(procs: ProcGroup, n: int = 2, *, engine_urls: list[str] | None = None, time_scale: str = "0.001"):
-    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "round_robin", "--heartbeat-ms", str(HB_MS))
+def _path(procs: ProcGroup, n: int = 2, *, engine_urls: list[str] | None = None, time_scale: str = "0.001",
+          broker_args: tuple[str, ...] = ()):
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "round_robin", "--heartbeat-ms", str(HB_MS), *broker_args)
     url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"]
     engines = list(engine_urls or [])
     for i in range(n - len(engines)):
@@ -112,16 +113,15 @@ def test_generate_answers_keep_the_engines_fields_and_events(procs):
     run(body(), 60)
 
 
-@pytest.fixture
-def failing_engines():
-    """Two SGLang-shaped engines that are healthy but answer every /generate with HTTP 500."""
+def _serve_engines(n: int, generate):
+    """Start ``n`` SGLang-shaped fake engines (discovery, health, loads, and ``generate`` as the
+    /generate handler) on a thread of their own; yields their URLs."""
     import threading
 
     urls: list[str] = []
     ready = threading.Event()
     stop: asyncio.Event | None = None
     loop: asyncio.AbstractEventLoop | None = None
-    hits = {"generate": 0}
 
     async def main() -> None:
         nonlocal stop, loop
@@ -135,18 +135,12 @@ def failing_engines():
         async def ok(_):
             return web.json_response({})
 
-        async def generate(request):
-            await request.read()
-            hits["generate"] += 1
-            return web.json_response({"object": "error", "message": "CUDA error: an illegal memory access", "code": 500},
-                                     status=500)
-
         runners = []
-        for _ in range(2):
+        for _ in range(n):
             app = web.Application()
             app.add_routes([web.get("/server_info", info), web.get("/health", ok), web.get("/v1/loads", ok),
                             web.post("/generate", generate)])
-            r = web.AppRunner(app, access_log=None)
+            r = web.AppRunner(app, access_log=None, handler_cancellation=True)  # as SGLang aborts on disconnect
             await r.setup()
             site = web.TCPSite(r, "127.0.0.1", 0)
             await site.start()
@@ -161,9 +155,46 @@ def failing_engines():
     t = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
     t.start()
     assert ready.wait(10)
-    yield urls, hits
+    yield urls
     loop.call_soon_threadsafe(stop.set)
     t.join(10)
+
+
+@pytest.fixture
+def failing_engines():
+    """Two SGLang-shaped engines that are healthy but answer every /generate with HTTP 500."""
+    hits = {"generate": 0}
+
+    async def generate(request):
+        await request.read()
+        hits["generate"] += 1
+        return web.json_response({"object": "error", "message": "CUDA error: an illegal memory access", "code": 500},
+                                 status=500)
+
+    for urls in _serve_engines(2, generate):
+        yield urls, hits
+
+
+@pytest.fixture
+def stalling_engine():
+    """One engine whose streams send one event and then nothing (a wedged GPU)."""
+    seen = {"aborted": 0}
+
+    async def generate(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"text": "a", "output_ids": [97], "meta_info": {"id": "x", "finish_reason": null, '
+                         b'"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}}\n\n')
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            seen["aborted"] += 1  # the adapter closed the connection: the engine would abort the request
+            raise
+        return resp
+
+    for urls in _serve_engines(1, generate):
+        yield urls, seen
 
 
 def test_when_every_engine_answers_500_the_client_gets_an_http_error(procs, failing_engines):
@@ -209,6 +240,75 @@ def test_a_request_past_its_deadline_is_a_504_and_the_engine_is_freed(procs):
             t_end = time.monotonic() + 10
             while not await idle():
                 assert time.monotonic() < t_end, "the engine kept generating for a request nobody waits for"
+                await asyncio.sleep(0.05)
+
+    run(body(), 60)
+
+
+async def _engine_idle(s: aiohttp.ClientSession, engine: str, within_s: float = 10.0) -> None:
+    t_end = time.monotonic() + within_s
+    while True:
+        async with s.get(engine + "/v1/loads?include=core") as resp:
+            loads = (await resp.json())["loads"]
+        if sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads) == 0:
+            return
+        assert time.monotonic() < t_end, "the engine kept generating for a request nobody waits for"
+        await asyncio.sleep(0.05)
+
+
+def test_lifetimes_streams_are_bounded_by_idle_time_unstreamed_by_the_request_timeout(procs):
+    """--http-request-timeout-s bounds an unstreamed request; a stream that keeps producing runs
+    past it (only --http-stream-idle-timeout-s between outputs bounds it); a client that goes
+    away cancels its request on the engine, streamed or not."""
+    url, engines = _path(procs, 1, time_scale="1.0",
+                         broker_args=("--http-request-timeout-s", "1.5", "--http-stream-idle-timeout-s", "1"))
+
+    async def body() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            req = {"text": "tell me a long story", "sampling_params": {"max_new_tokens": 2000}}
+            t0 = time.monotonic()
+            async with s.post(url + "/generate", json=req) as r:
+                err = orjson.loads(await r.read())["error"]
+            assert r.status == 504 and err["code"] == "deadline_exceeded" and 1.3 < time.monotonic() - t0 < 5
+            await _engine_idle(s, engines[0])
+
+            # a stream of a few seconds (500 tokens at the modelled speed): past the request timeout, never idle
+            t0 = time.monotonic()
+            async with s.post(url + "/generate", json={**req, "stream": True, "sampling_params": {"max_new_tokens": 500}}) as r:
+                events = await _sse(r)
+            took = time.monotonic() - t0
+            last = orjson.loads(events[-2])
+            assert r.status == 200 and events[-1] == b"[DONE]" and last["meta_info"]["finish_reason"]["type"] == "length", events[-2:]
+            assert took > 1.5, took  # it outlived --http-request-timeout-s
+
+            for stream in (False, True):  # the client goes away mid-generation
+                with pytest.raises(asyncio.TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        async with s.post(url + "/generate", json={**req, "stream": stream}) as r:
+                            await r.read()
+                await _engine_idle(s, engines[0])
+
+    run(body(), 90)
+
+
+def test_a_stream_without_output_for_the_idle_timeout_ends_with_an_error_and_frees_the_engine(procs, stalling_engine):
+    engines, seen = stalling_engine
+    url, _ = _path(procs, 1, engine_urls=engines, broker_args=("--http-stream-idle-timeout-s", "1"))
+
+    async def body() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+            t0 = time.monotonic()
+            async with s.post(url + "/generate", json={"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 9}}) as r:
+                events = await _sse(r)
+            took = time.monotonic() - t0
+            assert r.status == 200 and len(events) == 3 and events[-1] == b"[DONE]", events
+            assert orjson.loads(events[0])["output_ids"] == [97]
+            err = orjson.loads(events[1])["error"]
+            assert err["code"] == "deadline_exceeded" and "no output for 1 s" in err["message"], err
+            assert 0.9 < took < 5, took
+            t_end = time.monotonic() + 10
+            while not seen["aborted"]:
+                assert time.monotonic() < t_end, "the engine request was never abandoned"
                 await asyncio.sleep(0.05)
 
     run(body(), 60)
