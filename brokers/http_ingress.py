@@ -443,7 +443,8 @@ class HttpIngress:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return _err(exc.status, exc.reason, "bad_request" if exc.status < 500 else "internal",
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "bad_request" if exc.status < 500 else "internal")
+            return _err(exc.status, exc.reason, code,
                         "invalid_request_error" if exc.status < 500 else "server_error")
         except (asyncio.CancelledError, ConnectionError):
             raise
