@@ -283,6 +283,20 @@ def test_post_processor_from_add_bos_token_when_tokenizer_json_has_none(tmp_path
     assert load_model_dir(d).tokenizer.encode("hi").ids[0] != 1
 
 
+def test_special_tokens_missing_from_the_vocabulary_are_added_as_transformers_adds_them(tmp_path, base_cache):
+    d = build_model_dir(tmp_path / "m", cache_dir=base_cache,
+                        chat_template="{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.update(eos_token="<|my_eos|>", pad_token="<|my_pad|>")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, hf = ModelTokenizer.from_dir(d), _load_hf(d)
+    msgs = [{"role": "user", "content": "hi"}]
+    text, ids = ours.render_chat(msgs)
+    assert text.endswith("<|my_eos|>") and ids[-1] == ours.files.token_id("<|my_eos|>") == hf.eos_token_id
+    assert ours.files.token_id("<|my_pad|>") == hf.pad_token_id
+    assert ids == list(hf.apply_chat_template(msgs, tokenize=True, return_dict=False, add_generation_prompt=True))
+
+
 # ---- bad files: ConfigError naming the file and the field ------------------------------------------------
 
 def _good_dir(tmp_path, base_cache) -> Path:
@@ -297,7 +311,7 @@ def _edit_cfg(d: Path, **fields) -> None:
 
 @pytest.mark.parametrize("fields, match", [
     ({"bos_token": 5}, r"tokenizer_config\.json: field 'bos_token'"),
-    ({"eos_token": "<not-a-token>"}, r"field 'eos_token': token '<not-a-token>' is not in"),
+    ({"eos_token": {"id": 3}}, r"field 'eos_token': must be a string, null or an object with a string 'content'"),
     ({"add_bos_token": "yes"}, r"field 'add_bos_token': must be true or false"),
     ({"chat_template": 42}, r"field 'chat_template': must be a string or a list"),
     ({"chat_template": [{"name": "tool_use", "template": "x"}]}, r"field 'chat_template': .*no 'default'"),

@@ -12,7 +12,8 @@ What is read, and from where (the same files and precedence as ``transformers``'
 (``[{"name": "default", "template": ...}, {"name": "tool_use", ...}]``), of which "default" is used.
 
 Special tokens: ``tokenizer_config.json`` gives them as strings or as AddedToken dicts
-(``{"content": "<s>", ...}``). ``add_bos_token`` / ``add_eos_token`` matter only for plain encodes
+(``{"content": "<s>", ...}``); one that ``tokenizer.json`` lacks is added as a special token at the next free
+id, as ``transformers`` adds it. ``add_bos_token`` / ``add_eos_token`` matter only for plain encodes
 (``add_special_tokens=True``): as in ``transformers`` 5, the ``post_processor`` in ``tokenizer.json`` decides
 what a plain encode adds; only when ``tokenizer.json`` has no post-processor do these two flags build one
 (``<bos> $A <eos>``), as ``transformers``' ``update_post_processor`` does. Chat prompts are encoded without
@@ -162,8 +163,6 @@ def load_model_dir(path: str | Path, chat_template_file: str | Path | None = Non
     for key in SPECIAL_TOKEN_KEYS:
         tok = _token_str(cfg.get(key), f"{cfg_path}: field '{key}'")
         if tok is not None:
-            if tokenizer.token_to_id(tok) is None:
-                raise ConfigError(f"{cfg_path}: field '{key}': token {tok!r} is not in tokenizer.json's vocabulary")
             special[key] = tok
     extra_raw = cfg.get("additional_special_tokens", cfg.get("extra_special_tokens")) or []
     if isinstance(extra_raw, dict):  # transformers 5 allows {"name": token}
@@ -172,6 +171,13 @@ def load_model_dir(path: str | Path, chat_template_file: str | Path | None = Non
         raise ConfigError(f"{cfg_path}: field 'additional_special_tokens': must be a list")
     extra = tuple(t for i, v in enumerate(extra_raw)
                   if (t := _token_str(v, f"{cfg_path}: field 'additional_special_tokens'[{i}]")) is not None)
+    # Named and additional special tokens missing from tokenizer.json are added as special tokens, at the
+    # next free ids, as transformers does when it loads the folder, so both give the same ids.
+    missing = [t for t in (*special.values(), *extra) if tokenizer.token_to_id(t) is None]
+    if missing:
+        from tokenizers import AddedToken
+
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(missing)])
     flags: dict[str, bool | None] = {}
     for key in ("add_bos_token", "add_eos_token"):
         v = cfg.get(key)
