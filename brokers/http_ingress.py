@@ -127,6 +127,31 @@ class _TooLarge(Exception):
     pass
 
 
+class _Overloaded(Exception):
+    pass
+
+
+def _load_tokenizer(path: str, chat_template_path: str | None):
+    """``--tokenizer``: a model folder (tokenizer.json, tokenizer_config.json with its chat template)
+    or a ``tokenizer.json`` inside one. Returns (ModelTokenizer, TokenizerPool)."""
+    from pathlib import Path
+
+    from mesh.errors import ConfigError
+
+    try:
+        from mesh.tokenization import ModelTokenizer, TokenizerPool
+        import tokenizers  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the optional extra
+        raise ConfigError("tokenizer: the 'tokenizers' extra is not installed (pip install mesh-router[tokenizers])") from exc
+    p = Path(path)
+    if p.is_file():
+        if p.name != "tokenizer.json":
+            raise ConfigError(f"tokenizer: {path} must be a model folder or its tokenizer.json")
+        p = p.parent
+    tok = ModelTokenizer.from_dir(p, chat_template_path)
+    return tok, TokenizerPool(tok, workers=2, max_queued=256)
+
+
 # ---------------------------------------------------------------------------- connection guard
 
 
@@ -350,6 +375,7 @@ class HttpIngress:
     """Serves HTTP on the broker's event loop; talks to the broker only through its mailbox."""
 
     def __init__(self, broker, *, model: str = "mesh", api_key: str | None = None, tokenizer_path: str | None = None,
+                 chat_template_path: str | None = None,
                  metrics_registry=None, max_connections: int = 512, header_timeout_s: float = 10.0,
                  idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128,
                  request_timeout_s: float = 1800.0, stream_idle_timeout_s: float = 300.0) -> None:
@@ -368,15 +394,10 @@ class HttpIngress:
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
         self.endpoint = ""
-        self.tokenizer = None
+        self.tokenizer = None  # mesh.tokenization.ModelTokenizer: the model's tokenizer and chat template
+        self.tok_pool = None  # ... run off the event loop (a thread pool; HF tokenizers release the GIL)
         if tokenizer_path:
-            try:
-                from tokenizers import Tokenizer
-            except ImportError as exc:  # pragma: no cover - depends on the optional extra
-                from mesh.errors import ConfigError
-
-                raise ConfigError("tokenizer: the 'tokenizers' package is not installed (pip install mesh-router[tokenizers])") from exc
-            self.tokenizer = Tokenizer.from_file(tokenizer_path)
+            self.tokenizer, self.tok_pool = _load_tokenizer(tokenizer_path, chat_template_path)
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard_mw])
         app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -420,6 +441,8 @@ class HttpIngress:
             await self._runner.cleanup()
             self._runner = None
         self.guard.close_all()
+        if self.tok_pool is not None:
+            self.tok_pool.close()
 
     # ------------------------------------------------------------------ middleware
     @web.middleware
@@ -548,16 +571,13 @@ class HttpIngress:
             raise _BadRequest("request body must be a JSON object")
         return body
 
-    def _prompt(self, text: Any, ids: Any) -> dict[str, Any]:
+    async def _prompt(self, text: Any, ids: Any) -> dict[str, Any]:
         if ids is not None:
             return {"input_ids": _token_ids(ids, "input_ids")}
         if not isinstance(text, str) or not text:
             raise _BadRequest("prompt must be a non-empty string or a list of token ids")
-        if self.tokenizer is not None:
-            try:
-                return {"input_ids": self.tokenizer.encode(text).ids}
-            except Exception:  # e.g. lone surrogates
-                raise _BadRequest("prompt could not be tokenised") from None
+        if self.tok_pool is not None:
+            return {"input_ids": await self._tokenize(self.tok_pool.encode, text)}
         return {"text": text}
 
     def _params(self, body: dict, *, chat: bool | None) -> dict[str, Any]:
@@ -570,6 +590,35 @@ class HttpIngress:
             return from_generate(body) if chat is None else from_openai(body, chat=chat)
         except ParamError as exc:
             raise _BadRequest(str(exc)) from None
+
+    async def _tokenize(self, fn, *args) -> list[int]:
+        """Run a pool call; what the tokenizer or template refuses is a 400 naming why, a full pool
+        a 429 (``overloaded``, retry later)."""
+        from mesh.tokenization import TokenizerBusy
+
+        try:
+            out = await fn(*args)
+        except TokenizerBusy as exc:
+            self.broker.stats.dropped["tokenizer_busy"] += 1
+            raise _Overloaded(str(exc)) from None
+        except (ValueError, TypeError, UnicodeError) as exc:  # lone surrogates, template raise_exception, bad parts
+            raise _BadRequest(f"prompt could not be tokenised: {exc}"[:400]) from None
+        except Exception as exc:  # a template error (jinja2) is the request's, not the broker's
+            if type(exc).__module__.startswith("jinja2"):
+                raise _BadRequest(f"the chat template refused the messages: {exc}"[:400]) from None
+            raise
+        return out[1] if isinstance(out, tuple) else out
+
+    async def _chat_input(self, msgs: Any) -> dict[str, Any]:
+        """Chat messages -> the prompt: rendered by the model's chat template and tokenised (off the
+        loop) when the ingress has the model's tokenizer, else the plain-text fallback below."""
+        if self.tok_pool is None or self.tokenizer.files.chat_template is None:
+            return await self._prompt(self._chat_prompt(msgs), None)
+        if type(msgs) is not list or not msgs:
+            raise _BadRequest("messages must be a non-empty list")
+        if len(msgs) > _MAX_MESSAGES:
+            raise _TooLarge(f"messages holds {len(msgs)} entries; the limit is {_MAX_MESSAGES}")
+        return {"input_ids": await self._tokenize(self.tok_pool.render_chat, msgs)}
 
     def _chat_prompt(self, msgs: Any) -> str:
         if type(msgs) is not list or not msgs:
@@ -603,7 +652,7 @@ class HttpIngress:
             return data["text"]
         ids = data.get("token_ids") or []
         if self.tokenizer is not None:
-            return self.tokenizer.decode(ids)
+            return self.tokenizer.decode(ids)  # only for workers that send no text (simulated ones)
         return "".join(f" <{t}>" for t in ids)
 
     def _submit(self, prompt: dict[str, Any], *, stream: bool, slo, deadline_ms: int,
@@ -700,14 +749,14 @@ class HttpIngress:
             deadline_ms = self._deadline_ms(request)
             body = await self._json(request)
             if chat:
-                prompt = self._prompt(self._chat_prompt(body.get("messages")), None)
+                prompt = await self._chat_input(body.get("messages"))
             else:
                 p = body.get("prompt")
                 if type(p) is list and p and isinstance(p[0], str):
                     if len(p) != 1:
                         raise _BadRequest("prompt: batched prompts are not supported; send one request per prompt")
                     p = p[0]
-                prompt = self._prompt(None, p) if type(p) is list else self._prompt(p, None)
+                prompt = await (self._prompt(None, p) if type(p) is list else self._prompt(p, None))
             stream = _opt_bool(body, "stream")
             so = body.get("stream_options")
             if so is not None and not isinstance(so, dict):
@@ -719,6 +768,9 @@ class HttpIngress:
             return self._bad(exc)
         except _TooLarge as exc:
             return self._too_large(str(exc))
+        except _Overloaded as exc:
+            self.broker.stats.requests[ErrorCode.OVERLOADED.value] += 1
+            return _mesh_err(ErrorCode.OVERLOADED.value, str(exc))
         try:
             return await self._openai_reply(request, call, chat=chat, stream=stream, include_usage=include_usage)
         finally:
@@ -790,7 +842,7 @@ class HttpIngress:
             text, ids = body.get("text"), body.get("input_ids")
             if text is not None and ids is not None:
                 raise _BadRequest("give either text or input_ids, not both")
-            prompt = self._prompt(text, ids)
+            prompt = await self._prompt(text, ids)
             params = self._params(body, chat=None)
             stream = _opt_bool(body, "stream")
             user_rid = body.get("rid")
@@ -801,6 +853,9 @@ class HttpIngress:
             return self._bad(exc)
         except _TooLarge as exc:
             return self._too_large(str(exc))
+        except _Overloaded as exc:
+            self.broker.stats.requests[ErrorCode.OVERLOADED.value] += 1
+            return _mesh_err(ErrorCode.OVERLOADED.value, str(exc))
         try:
             return await self._generate_reply(request, call, user_rid or call.rid, stream)
         finally:

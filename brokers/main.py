@@ -164,7 +164,8 @@ async def serve_broker(settings: BrokerSettings) -> None:
 
         host, _, port = settings.http.rpartition(":")
         ingress = HttpIngress(broker, model=settings.model_name, api_key=_api_key(settings, log),
-                              tokenizer_path=settings.tokenizer or None, metrics_registry=reg,
+                              tokenizer_path=settings.tokenizer or None, chat_template_path=settings.chat_template or None,
+                              metrics_registry=reg,
                               max_connections=settings.http_max_connections, header_timeout_s=settings.http_header_timeout_s,
                               idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s,
                               request_timeout_s=settings.http_request_timeout_s,

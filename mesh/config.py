@@ -77,7 +77,8 @@ class BrokerSettings:
     # outputs (and the first output), like SGLang's router (request_timeout_secs 1800).
     http_request_timeout_s: float = 1800.0
     http_stream_idle_timeout_s: float = 300.0
-    tokenizer: str = ""  # tokenizer.json for the HTTP ingress (optional)
+    tokenizer: str = ""  # the model folder (or its tokenizer.json) for the HTTP ingress (optional)
+    chat_template: str = ""  # a chat template file overriding the model folder's (optional)
     model_name: str = "mesh"  # the model id the HTTP ingress reports
     telemetry: str = ""  # ZMQ PUB endpoint for the telemetry stream; empty = off
     curve_secret: str = ""  # broker certificate (.key_secret): enables CURVE on both ROUTERs
@@ -137,6 +138,11 @@ class BrokerSettings:
                 raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from None
             _require(key_ok, "api_key_file", f"{self.api_key_file} is empty")
         _require(self.http_max_connections >= 1, "http_max_connections", "must be >= 1")
+        if self.tokenizer:
+            _require(Path(self.tokenizer).exists(), "tokenizer", f"{self.tokenizer} does not exist")
+        if self.chat_template:
+            _require(bool(self.tokenizer), "chat_template", "needs --tokenizer (the model folder)")
+            _require(Path(self.chat_template).is_file(), "chat_template", f"{self.chat_template} does not exist")
         for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "http_request_timeout_s",
                      "http_stream_idle_timeout_s"):
             v = getattr(self, name)

@@ -100,6 +100,7 @@ class StubSettings:
     load_tick_s: float = 0.05
     engine: EngineConfig = field(default_factory=EngineConfig)
     log_level: str = "info"
+    tokenizer: str = ""  # a model folder: text prompts and chat are tokenised as the real engine would
 
     def validate(self) -> None:
         if not 1 <= self.dp_size <= 64:
@@ -260,6 +261,11 @@ class SglangStub:
         self.http_port: int | None = None
         self.startup_time = time.time()
         self._keys = itertools.count(1)
+        self.tokenizer = None
+        if s.tokenizer:  # as SGLang: the engine tokenises text itself, so its KV events hold real ids
+            from mesh.tokenization import ModelTokenizer
+
+            self.tokenizer = ModelTokenizer.from_dir(s.tokenizer)
         self._rr = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
@@ -426,6 +432,16 @@ class SglangStub:
             job.finished = fin
         return toks, fin
 
+    def _encode(self, text: str) -> list[int]:
+        """A text prompt's token ids: the model's tokenizer when given (``--tokenizer``), else the
+        stand-in byte tokenizer."""
+        if self.tokenizer is None:
+            return text_to_tokens(text)
+        try:
+            return self.tokenizer.encode(text)
+        except (ValueError, TypeError) as exc:
+            raise HttpError(400, f"text could not be tokenised: {exc}") from None
+
     def _abandon(self, job: _Job) -> None:
         if job.finished is None:
             self.ranks[job.rank].cancel(job)
@@ -463,16 +479,15 @@ class SglangStub:
         self._record(request.path, body)
         return body
 
-    @staticmethod
-    def _prompts(body: dict) -> tuple[list[list[int]], bool]:
+    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise HttpError(400, "Either text or input_ids should be provided (exactly one).")
         if text is not None:
             if type(text) is str:
-                return [text_to_tokens(text)], False
+                return [self._encode(text)], False
             if type(text) is list and text and all(type(t) is str for t in text):
-                return [text_to_tokens(t) for t in text], True
+                return [self._encode(t) for t in text], True
             raise HttpError(400, "text must be a string or a list of strings")
         if type(ids) is list and ids and all(type(t) is int for t in ids):
             return [ids], False
@@ -583,7 +598,7 @@ class SglangStub:
             if type(p) is list and len(p) == 1 and type(p[0]) in (str, list):
                 p = p[0]
             if type(p) is str and p:
-                prompt = text_to_tokens(p)
+                prompt = self._encode(p)
             elif type(p) is list and p and all(type(t) is int for t in p):
                 prompt = p
             else:
@@ -631,8 +646,7 @@ class SglangStub:
             self._abandon(job)
         return resp
 
-    @staticmethod
-    def _chat_prompt(body: dict) -> list[int]:
+    def _chat_prompt(self, body: dict) -> list[int]:
         if body.get("input_ids") is not None:
             ids = body["input_ids"]
             if type(ids) is list and ids and all(type(t) is int for t in ids):
@@ -641,6 +655,11 @@ class SglangStub:
         msgs = body.get("messages")
         if type(msgs) is not list or not msgs:
             raise HttpError(400, "messages must be a non-empty list")
+        if self.tokenizer is not None and self.tokenizer.files.chat_template is not None:
+            try:
+                return self.tokenizer.render_chat(msgs)[1]
+            except (ValueError, TypeError) as exc:
+                raise HttpError(400, f"messages: {exc}") from None
         parts = []
         for m in msgs:
             if type(m) is not dict or type(m.get("role")) is not str:

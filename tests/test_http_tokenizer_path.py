@@ -1,0 +1,120 @@
+"""Text meets the engine's cache: chat requests over HTTP, tokenised with a real model's tokenizer and
+chat template (the Tekken tokenizer that ``mistral-common`` ships, under Qwen2's ChatML template: one
+that keeps the system prompt first, so a conversation's turns share a prefix -- Mistral's own template
+moves the system prompt to the last user turn, and no cache can reuse turn 1 for turn 2) land as
+cache hits on the worker whose KV events hold that tokenised prompt.
+
+The engines are ``mesh stub-sglang --tokenizer DIR``: like SGLang they tokenise text themselves and
+publish KV events with the model's token ids; with ``--tokenizer`` the broker keys requests by the same
+ids and routes every follow-up turn to the engine holding the conversation, where it is a cache hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+pytest.importorskip("mistral_common")
+pytest.importorskip("transformers")
+
+from mesh.procs import wait_for_log_event  # noqa: E402
+from mesh.tokenization.builtin import build_model_dir  # noqa: E402
+from mesh.up import wait_for_workers  # noqa: E402
+from tests.conftest import run  # noqa: E402
+
+TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen2_chatml.jinja"
+SYSTEM = ("You are the support assistant of a company that sells garden tools. Answer politely, cite the order "
+          "number when you have one, never promise a delivery date, and keep answers under five sentences. ") * 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("chatml"), chat_template=TEMPLATE.read_text(),
+                           extra_special_tokens=["<|im_start|>", "<|im_end|>"], tokenizer="tekken")
+
+
+def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool):
+    extra = ("--tokenizer", str(model_dir)) if broker_tokenizer else ()
+    # greedy: always the longest match, so the test sees the index, not cache_aware's load balancing
+    # (which may, rightly, send a request away from a busy holder: a load_override)
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "cache_aware_greedy", *extra)
+    url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
+    engines = []
+    for i in range(2):
+        p = procs._spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--tokenizer", str(model_dir)])
+        engines.append(wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"])
+        procs._spawn(f"a{i}", ["attach", "sglang", "--url", engines[-1], "--broker", b.backend, "--worker-id", f"a{i}"])
+    run(wait_for_workers(b.frontend, 2), 40)
+    return url, b.frontend, engines
+
+
+async def _cache_hits(s: aiohttp.ClientSession, url: str) -> float:
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    m = re.search(r'^mesh_decisions_total\{reason="cache_hit"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def _conversations(url: str, frontend: str, engines: list[str], n: int = 4) -> tuple[list[tuple[str, str, int]], float]:
+    """n two-turn conversations. Turn 1 goes straight to engine k % 2 (the broker never sees it:
+    only that engine's KV events can tell the broker where the conversation is); turn 2 goes
+    through the broker. Returns (holder, worker of turn 2, cached tokens of turn 2) each, and the
+    broker's cache-hit decisions for the second turns."""
+    from mesh.client import Client
+
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, Client(frontend) as c:
+        async def published() -> int:  # KV batches the engines have published so far
+            total = 0
+            for e in engines:
+                async with s.get(e + "/debug/stats") as r:
+                    total += sum(rk["next_seq"] or 0 for rk in (await r.json())["ranks"])
+            return total
+
+        batches0, published0 = (await c.status()).counters.get("kv.batches", 0), await published()
+        firsts = []
+        for k in range(n):
+            msgs = [{"role": "system", "content": f"{k}) " + SYSTEM},
+                    {"role": "user", "content": [{"type": "text", "text": f"Where is order {1000 + k}?"}]}]
+            async with s.post(engines[k % 2] + "/v1/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": 4}) as r:
+                body = await r.json()
+                assert r.status == 200, body
+                firsts.append((msgs, body["choices"][0]["message"]["content"], f"a{k % 2}"))
+        t_end = time.monotonic() + 10  # readiness: every batch the engines published reached the broker
+        want = batches0 + await published() - published0
+        while (await c.status()).counters.get("kv.batches", 0) < want:
+            assert time.monotonic() < t_end, "the engines' KV events never reached the broker"
+            await asyncio.sleep(0.02)
+        before = await _cache_hits(s, url)
+        for msgs, answer, holder in firsts:
+            follow = [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the invoice?"}]
+            async with s.post(url + "/v1/chat/completions", json={"model": "m", "messages": follow, "max_tokens": 4}) as r:
+                body = await r.json()
+                assert r.status == 200, body
+                out.append((holder, r.headers["x-mesh-worker"], body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        return out, await _cache_hits(s, url) - before
+
+
+def test_chat_over_http_lands_on_the_cache_holder_with_the_models_tokenizer(procs, model_dir):
+    url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=True)
+    turns, hits = run(_conversations(url, frontend, engines), 90)
+    print(f"turns {turns} cache-hit decisions {hits}")
+    assert all(holder == w for holder, w, _ in turns), turns  # every follow-up went to the holder
+    assert all(cached > 150 for _, _, cached in turns), turns  # and the engine had the prefix cached
+    assert hits == len(turns)
+
+
+def test_control_without_the_tokenizer_text_never_meets_the_engines_cache(procs, model_dir):
+    """What issue 14 found: keyed by bytes, the broker cannot match the engines' token-id events."""
+    url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=False)
+    turns, hits = run(_conversations(url, frontend, engines), 90)
+    assert hits == 0, turns
