@@ -367,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     from workers_stub.instant_http import add_instant_engine_parser
 
     add_instant_engine_parser(sub)
+    from brokers.gateway import add_gateway_parser
+
+    add_gateway_parser(sub)
     from mesh.fuzz.cli import add_fuzz_parser
 
     add_fuzz_parser(sub)

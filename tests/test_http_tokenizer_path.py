@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
 from pathlib import Path
 
@@ -42,12 +41,17 @@ def model_dir(tmp_path_factory) -> Path:
                            extra_special_tokens=["<|im_start|>", "<|im_end|>"], tokenizer="tekken")
 
 
-def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool):
+def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool = False):
     extra = ("--tokenizer", str(model_dir)) if broker_tokenizer else ()
     # greedy: always the longest match, so the test sees the index, not cache_aware's load balancing
     # (which may, rightly, send a request away from a busy holder: a load_override)
-    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "cache_aware_greedy", *extra)
-    url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
+    if via_gateway:  # the HTTP API and the tokenizer in `mesh gateway`, the broker without HTTP
+        b = procs.broker("b", "--policy", "cache_aware_greedy")
+        g = procs._spawn("gw", ["gateway", "--broker", b.frontend, "--http", "127.0.0.1:0", *extra])
+        url = wait_for_log_event(g.log_path, "gateway_listening", 30, g.popen, start=g.log_start)["url"]
+    else:
+        b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "cache_aware_greedy", *extra)
+        url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
     engines = []
     for i in range(2):
         p = procs._spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--tokenizer", str(model_dir)])
@@ -57,11 +61,8 @@ def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool):
     return url, b.frontend, engines
 
 
-async def _cache_hits(s: aiohttp.ClientSession, url: str) -> float:
-    async with s.get(url + "/metrics") as r:
-        text = await r.text()
-    m = re.search(r'^mesh_decisions_total\{reason="cache_hit"\} (\S+)$', text, re.M)
-    return float(m.group(1)) if m else 0.0
+async def _cache_hits(c) -> float:
+    return float((await c.status()).counters.get("decisions.cache_hit", 0))
 
 
 async def _conversations(url: str, frontend: str, engines: list[str], n: int = 4) -> tuple[list[tuple[str, str, int]], float]:
@@ -94,18 +95,19 @@ async def _conversations(url: str, frontend: str, engines: list[str], n: int = 4
         while (await c.status()).counters.get("kv.batches", 0) < want:
             assert time.monotonic() < t_end, "the engines' KV events never reached the broker"
             await asyncio.sleep(0.02)
-        before = await _cache_hits(s, url)
+        before = await _cache_hits(c)
         for msgs, answer, holder in firsts:
             follow = [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the invoice?"}]
             async with s.post(url + "/v1/chat/completions", json={"model": "m", "messages": follow, "max_tokens": 4}) as r:
                 body = await r.json()
                 assert r.status == 200, body
                 out.append((holder, r.headers["x-mesh-worker"], body["usage"]["prompt_tokens_details"]["cached_tokens"]))
-        return out, await _cache_hits(s, url) - before
+        return out, await _cache_hits(c) - before
 
 
-def test_chat_over_http_lands_on_the_cache_holder_with_the_models_tokenizer(procs, model_dir):
-    url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=True)
+@pytest.mark.parametrize("via_gateway", [False, True], ids=["broker_http", "gateway"])
+def test_chat_over_http_lands_on_the_cache_holder_with_the_models_tokenizer(procs, model_dir, via_gateway):
+    url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=True, via_gateway=via_gateway)
     turns, hits = run(_conversations(url, frontend, engines), 90)
     print(f"turns {turns} cache-hit decisions {hits}")
     assert all(holder == w for holder, w, _ in turns), turns  # every follow-up went to the holder

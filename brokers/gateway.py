@@ -1,0 +1,280 @@
+"""``mesh gateway``: the HTTP API in its own process, in front of one or more brokers.
+
+The same ingress as ``mesh broker --http`` (:class:`brokers.http_ingress.HttpIngress`: OpenAI and
+SGLang endpoints, tokenizer and chat template off the loop, connection limits, timeouts), but it
+submits over the client protocol (one DEALER per broker) instead of a broker's mailbox. HTTP front
+ends then scale on their own, tokenisation runs beside no broker, and an HTTP flood exhausts the
+gateway's descriptors and CPU, never a broker's sockets.
+
+:class:`BrokerPool` is what the ingress needs from "a broker": ``submit_local`` / ``cancel_local`` /
+``forget_local`` (replies land in the request's queue as the frames a broker sends a client),
+``stats`` (counters), ``registry.pool()`` (the routable workers, from the brokers' STATUS, for
+``/health``) and ``_state`` (``/readyz``). Requests go round robin over the brokers whose
+connection is up; a request whose broker connection drops gets ``unavailable`` at once (the client
+may resubmit), as :class:`mesh.client.Client` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+from collections import Counter
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from mesh import protocol as P
+from mesh.errors import ErrorCode
+from mesh.logs import announce, get_logger
+from mesh.sockets import CLIENT_DEALER, make_socket
+
+__all__ = ["BrokerPool", "serve_gateway"]
+
+_STATUS_PERIOD_S = 1.0
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.requests: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+
+
+class _Link:
+    __slots__ = ("endpoint", "sock", "monitor", "up", "pending", "workers")
+
+    def __init__(self, endpoint: str, sock, monitor) -> None:
+        self.endpoint = endpoint
+        self.sock = sock
+        self.monitor = monitor
+        self.up = False
+        self.pending: set[str] = set()  # rids in flight on this link
+        self.workers: list[dict] = []  # the routable workers of the latest STATUS
+
+
+class BrokerPool:
+    """Remote brokers, seen through the interface the HTTP ingress uses (see the module docstring)."""
+
+    def __init__(self, endpoints: list[str], ctx: zmq.asyncio.Context | None = None) -> None:
+        if not endpoints:
+            raise ValueError("at least one broker endpoint is required")
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.endpoints = list(endpoints)
+        self.stats = _Stats()
+        self.registry = self
+        self._links: list[_Link] = []
+        self._rr = itertools.count()
+        self._queues: dict[str, asyncio.Queue] = {}  # rid -> the request's reply queue
+        self._by_ident: dict[bytes, tuple[str, _Link]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.log = get_logger(service="gateway")
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        for ep in self.endpoints:
+            sock = make_socket(self.ctx, CLIENT_DEALER)
+            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)  # before connect
+            sock.connect(ep)
+            link = _Link(ep, sock, mon)
+            self._links.append(link)
+            self._tasks += [asyncio.create_task(self._receive(link), name=f"gw-rx-{ep}"),
+                            asyncio.create_task(self._watch(link), name=f"gw-mon-{ep}"),
+                            asyncio.create_task(self._status_loop(link), name=f"gw-status-{ep}")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for link in self._links:
+            link.sock.disable_monitor()
+            link.monitor.close(linger=0)
+            link.sock.close(linger=0)
+
+    @property
+    def _state(self) -> str:
+        return "serving" if any(link.up for link in self._links) else "connecting"
+
+    def pool(self) -> list[dict]:
+        """Routable workers over every connected broker (by worker id)."""
+        seen: dict[str, dict] = {}
+        for link in self._links:
+            if link.up:
+                for w in link.workers:
+                    seen.setdefault(str(w.get("worker_id")), w)
+        return list(seen.values())
+
+    # ------------------------------------------------------------------ the ingress' interface
+    def submit_local(self, identity: bytes, frames: list[bytes], replies: asyncio.Queue, *, quota_key: bytes | None = None,
+                     decoded: P.Submit | None = None) -> None:
+        rid = decoded.rid if isinstance(decoded, P.Submit) else None
+        up = [link for link in self._links if link.up]
+        if rid is None or not up:
+            replies.put_nowait(P.encode_client_error(rid, ErrorCode.UNAVAILABLE, "no broker connection is up"))
+            self.stats.requests[ErrorCode.UNAVAILABLE.value] += 1
+            return
+        link = up[next(self._rr) % len(up)]
+        self._queues[rid] = replies
+        self._by_ident[identity] = (rid, link)
+        link.pending.add(rid)
+        try:
+            link.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # the pipe is full (HWM) or gone
+            self._drop(rid, link)
+            self.stats.dropped["gateway_send_failed"] += 1
+            replies.put_nowait(P.encode_client_error(rid, ErrorCode.OVERLOADED, "broker connection is saturated"))
+
+    def cancel_local(self, identity: bytes) -> None:
+        entry = self._by_ident.get(identity)
+        if entry is not None and entry[1].up:
+            try:
+                entry[1].sock.send_multipart(P.encode_cancel(entry[0]), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self.stats.dropped["gateway_cancel_failed"] += 1
+
+    def forget_local(self, identity: bytes) -> None:
+        entry = self._by_ident.pop(identity, None)
+        if entry is not None:
+            self._drop(*entry)
+
+    def _drop(self, rid: str, link: _Link) -> None:
+        self._queues.pop(rid, None)
+        link.pending.discard(rid)
+
+    # ------------------------------------------------------------------ links
+    async def _receive(self, link: _Link) -> None:
+        while True:
+            frames = await link.sock.recv_multipart()
+            m = P.decode_client_reply(frames)
+            if isinstance(m, P.StatusReply):
+                link.workers = [w for w in m.workers if isinstance(w, dict) and w.get("healthy")]
+                continue
+            rid = getattr(m, "rid", None)
+            q = self._queues.get(rid) if isinstance(rid, str) else None
+            if q is None:
+                self.stats.dropped["gateway_unknown_reply"] += 1
+                continue
+            q.put_nowait(frames)
+
+    async def _watch(self, link: _Link) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await link.monitor.recv_multipart()).get("event", 0)
+            if event & zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.up = True
+                announce("gateway_broker_up", broker=link.endpoint)
+                self._ask_status(link)
+            elif event & zmq.EVENT_DISCONNECTED:
+                link.up = False
+                link.workers = []
+                self.log.warning("gateway_broker_lost", broker=link.endpoint, inflight=len(link.pending))
+                for rid in list(link.pending):
+                    q = self._queues.get(rid)
+                    if q is not None:
+                        q.put_nowait(P.encode_client_error(rid, ErrorCode.UNAVAILABLE,
+                                                           f"broker connection lost ({link.endpoint}) before the reply"))
+                link.pending.clear()
+
+    def _ask_status(self, link: _Link) -> None:
+        try:
+            link.sock.send_multipart(P.encode_status_query(), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    async def _status_loop(self, link: _Link) -> None:
+        while True:
+            await asyncio.sleep(_STATUS_PERIOD_S)
+            if link.up:
+                self._ask_status(link)
+
+
+async def serve_gateway(brokers: list[str], http: str, **ingress_kw: Any) -> None:
+    """Run the gateway until SIGINT/SIGTERM: connect to ``brokers``, serve HTTP on ``http``."""
+    from brokers.http_ingress import HttpIngress
+
+    pool = BrokerPool(brokers)
+    pool.start()
+    ingress = HttpIngress(pool, **ingress_kw)
+    host, _, port = http.rpartition(":")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        url = await ingress.start(host.strip("[]") or "127.0.0.1", int(port))
+        announce("gateway_listening", url=url, brokers=brokers)
+        await stop.wait()
+    finally:
+        await ingress.stop()
+        await pool.close()
+        announce("gateway_stopped")
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def add_gateway_parser(subparsers):
+    p = subparsers.add_parser(
+        "gateway", help="the HTTP API (OpenAI, SGLang /generate) in its own process, in front of one or more brokers",
+        description="Serve the HTTP API of `mesh broker --http` from a separate process that submits to the brokers "
+                    "over the client protocol (round robin over the connected ones): HTTP front ends scale on their "
+                    "own, tokenisation and chat templates run beside no broker, and an HTTP flood cannot starve a "
+                    "broker's sockets.")
+    p.add_argument("--broker", action="append", required=True, metavar="ENDPOINT",
+                   help="a broker's client endpoint, tcp://HOST:PORT (repeatable)")
+    p.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
+    p.add_argument("--tokenizer", help="the model folder whose tokenizer and chat template are used (see mesh broker --help)")
+    p.add_argument("--chat-template", help="a chat template file instead of the model folder's")
+    p.add_argument("--model-name", default="mesh", help="model id reported by /v1/models (default mesh)")
+    p.add_argument("--api-key-file", help="file holding the key clients must send as Authorization: Bearer KEY")
+    p.add_argument("--http-max-connections", type=int, default=512, help="open HTTP connections at most (default 512)")
+    p.add_argument("--http-header-timeout-s", type=float, default=10.0, help="time to receive a request head (default 10)")
+    p.add_argument("--http-idle-timeout-s", type=float, default=60.0, help="keep-alive idle timeout (default 60)")
+    p.add_argument("--http-body-timeout-s", type=float, default=30.0, help="time to receive a body or drain a write (default 30)")
+    p.add_argument("--http-request-timeout-s", type=float, default=1800.0, help="lifetime of an unstreamed request (default 1800)")
+    p.add_argument("--http-stream-idle-timeout-s", type=float, default=300.0, help="a stream ends after this long without output (default 300)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.set_defaults(func=_cmd_gateway)
+    return p
+
+
+def _cmd_gateway(args) -> int:
+    import math
+    from pathlib import Path
+
+    from mesh import aio
+    from mesh.errors import ConfigError
+    from mesh.logs import configure
+
+    for b in args.broker:
+        if not b.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"broker: {b!r} must be a tcp://, ipc:// or inproc:// endpoint")
+    host, sep, port = args.http.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"http: expected HOST:PORT, got {args.http!r}")
+    if args.http_max_connections < 1:
+        raise ConfigError("http_max_connections: must be >= 1")
+    for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "http_request_timeout_s",
+                 "http_stream_idle_timeout_s"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and 0 < v <= 86_400):
+            raise ConfigError(f"{name}: must be a positive number of seconds, at most 86400")
+    key = None
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"api_key_file: cannot read {args.api_key_file}: {exc}") from None
+        if not key:
+            raise ConfigError(f"api_key_file: {args.api_key_file} is empty")
+    if args.chat_template and not args.tokenizer:
+        raise ConfigError("chat_template: needs --tokenizer (the model folder)")
+    configure(args.log_level)
+    aio.run(serve_gateway(
+        args.broker, args.http, model=args.model_name, api_key=key, tokenizer_path=args.tokenizer,
+        chat_template_path=args.chat_template, max_connections=args.http_max_connections,
+        header_timeout_s=args.http_header_timeout_s, idle_timeout_s=args.http_idle_timeout_s,
+        body_timeout_s=args.http_body_timeout_s, request_timeout_s=args.http_request_timeout_s,
+        stream_idle_timeout_s=args.http_stream_idle_timeout_s))
+    return 0
