@@ -59,7 +59,9 @@ from mesh.up import wait_for_workers
 
 __all__ = ["ALL_ARMS", "run_http_bench", "evaluate_targets", "print_results", "sglang_router_available"]
 
-ALL_ARMS = ("direct", "broker_zmq", "broker_adapters", "sglang_router")
+ALL_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "sglang_router")
+# broker_zmq_tokenized: broker_zmq with --tokenizer (only with run_http_bench(tokenizer=...)): the
+# same requests, tokenised off the loop with the model's tokenizer before routing
 FULL_PATH = "broker_adapters"
 ROLES = ("loadgen", "router", "adapters", "engines")
 MODEL = "instant"
@@ -100,10 +102,10 @@ def _spawn_engines(g: ProcGroup, n: int, prefix: str = "engine") -> tuple[list[P
     return procs, urls
 
 
-def _broker(g: ProcGroup, policy: str | None) -> tuple[Proc, str]:
+def _broker(g: ProcGroup, policy: str | None, tokenizer: str | None = None) -> tuple[Proc, str]:
     # a short drain: the load is over when the arm is stopped; the default 10 s would only slow the teardown
     extra = ["--http", "127.0.0.1:0", "--log-level", "warning", "--drain-timeout-s", str(_DRAIN_S)] + (
-        ["--policy", policy] if policy else [])
+        ["--policy", policy] if policy else []) + (["--tokenizer", tokenizer] if tokenizer else [])
     b = g.broker("broker", *extra, timeout_s=_STARTUP_S)
     url = wait_for_log_event(b.log_path, "http_listening", _STARTUP_S, b.popen, start=b.log_start)["url"]
     return b, url
@@ -132,14 +134,17 @@ def _probe(arm: _Arm, path: str, body: bytes) -> None:
         raise RuntimeError(f"probe {path} answered HTTP {status}: {data[:300].decode(errors='replace')}")
 
 
-def _start_arm(g: ProcGroup, name: str, *, engines: int, policy: str | None, log_dir: Path, path: str, body: bytes) -> _Arm:
+def _start_arm(g: ProcGroup, name: str, *, engines: int, policy: str | None, log_dir: Path, path: str, body: bytes,
+               tokenizer: str | None = None) -> _Arm:
     arm = _Arm(name)
     if name == "direct":
         procs, urls = _spawn_engines(g, 1)
         arm.url, arm.roles = urls[0], {"engines": [procs[0].pid]}
         arm.engine_logs = [p.log_path for p in procs]
-    elif name == "broker_zmq":
-        b, arm.url = _broker(g, policy)
+    elif name in ("broker_zmq", "broker_zmq_tokenized"):
+        if name == "broker_zmq_tokenized" and not tokenizer:
+            raise ArmSkipped("needs --tokenizer (a model folder, or builtin)")
+        b, arm.url = _broker(g, policy, tokenizer if name == "broker_zmq_tokenized" else None)
         w = g.workers("workers", [b.backend], "--instant", "--log-level", "warning", count=engines, timeout_s=_STARTUP_S)
         asyncio.run(wait_for_workers(b.frontend, engines, timeout_s=_STARTUP_S))
         arm.roles = {"router": [b.pid], "engines": [w.pid]}
@@ -344,13 +349,16 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                    warmup_s: float = 1.0, path: str = "/generate", stream: bool = False, max_new_tokens: int = 8,
                    loadgen: str = "auto", engines: int = 4, broker_policy: str | None = None,
                    progress: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None,
-                   log_dir: str | Path | None = None) -> dict:
+                   log_dir: str | Path | None = None, tokenizer: str | None = None, prompt_tokens: int | None = None) -> dict:
     """Run every (arm, concurrency) cell and return the results (see the module docstring).
 
     ``arms``: default all (sglang_router only when importable; asked for explicitly and missing,
     it is skipped with the reason). ``loadgen``: ``auto`` (wrk when on PATH), ``wrk`` or
     ``python``. ``progress(label)`` is called after each cell (skipped ones included), ``say(msg)``
-    for notices (skips, arm failures)."""
+    for notices (skips, arm failures). ``tokenizer``: a model folder, or ``"builtin"`` (the
+    Tekken tokenizer mistral-common ships, converted into a folder under the logs), for the
+    ``broker_zmq_tokenized`` arm; ``prompt_tokens``: the prompt's length in that tokenizer's tokens
+    (words otherwise)."""
     say = say or (lambda m: print(m, file=sys.stderr))
     concurrency = [int(c) for c in concurrency]
     if not concurrency or any(c < 1 for c in concurrency):
@@ -370,12 +378,27 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
         raise ValueError("loadgen wrk: wrk is not on PATH")
     if loadgen not in ("wrk", "python"):
         raise ValueError(f"loadgen: expected auto, wrk or python, got {loadgen!r}")
-    body = request_body(path, stream=stream, max_new_tokens=max_new_tokens, model=MODEL)
     root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mesh-bench-http-"))
+    if tokenizer == "builtin":
+        from mesh.tokenization.builtin import build_model_dir
+
+        tokenizer = str(build_model_dir(root / "model", tokenizer="tekken"))
+    if tokenizer is None:
+        arm_list = [a for a in arm_list if a != "broker_zmq_tokenized"] if arms is None else arm_list
+    prompt = PROMPT
+    if prompt_tokens:
+        if tokenizer:
+            from mesh.tokenization import ModelTokenizer
+            from mesh.tokenization.bench import make_prompt
+
+            prompt = make_prompt(ModelTokenizer.from_dir(tokenizer).files.tokenizer, prompt_tokens)
+        else:
+            prompt = " ".join(f"w{i % 97}" for i in range(prompt_tokens))
+    body = request_body(path, stream=stream, max_new_tokens=max_new_tokens, model=MODEL, prompt=prompt)
     res: dict = {
         "bench": "http",
         "config": {"arms": arm_list, "concurrency": concurrency, "seconds": seconds, "warmup_s": warmup_s, "path": path,
-                   "stream": stream, "max_new_tokens": max_new_tokens, "prompt_bytes": len(PROMPT.encode()),
+                   "stream": stream, "max_new_tokens": max_new_tokens, "prompt_bytes": len(prompt.encode()), "prompt_tokens": prompt_tokens, "tokenizer": tokenizer,
                    "loadgen": loadgen, "engines": engines, "broker_policy": broker_policy or "default",
                    "sglang_router_policy": "round_robin", "log_dir": str(root)},
         "machine": _machine(),
@@ -397,7 +420,8 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
             done_cells = 0
             with ProcGroup(arm_dir) as g:
                 try:
-                    arm = _start_arm(g, name, engines=engines, policy=broker_policy, log_dir=arm_dir, path=path, body=body)
+                    arm = _start_arm(g, name, engines=engines, policy=broker_policy, log_dir=arm_dir, path=path, body=body,
+                                     tokenizer=tokenizer)
                     info["processes"] = {role: len(p) for role, p in arm.roles.items()}
                     for c in concurrency:
                         out = run_load(arm.url + path, body, c, seconds, warmup_s=warmup_s, loadgen=loadgen,

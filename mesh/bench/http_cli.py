@@ -9,7 +9,7 @@ from pathlib import Path
 
 __all__ = ["add_bench_http_parser"]
 
-_ARMS = ("direct", "broker_zmq", "broker_adapters", "sglang_router")
+_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "sglang_router")
 
 
 def _ints(s: str) -> list[int]:
@@ -49,6 +49,10 @@ def add_bench_http_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto",
                    help="load generator: wrk (when on PATH, the default) or the built-in Python one")
     p.add_argument("--broker-policy", help="the broker's --policy in the broker arms (default: the broker's default)")
+    p.add_argument("--tokenizer", help="a model folder, or 'builtin' (the Tekken tokenizer mistral-common ships): adds the "
+                                      "arm broker_zmq_tokenized, broker_zmq with the broker tokenising every prompt")
+    p.add_argument("--prompt-tokens", type=int, help="prompt length in tokens (of --tokenizer; words without one); "
+                                                     "default a 43-byte sentence")
     p.add_argument("--log-dir", help="keep the processes' logs here (default: a temporary directory)")
     p.add_argument("--json", help="write every figure to this JSON file")
     p.set_defaults(func=_cmd_bench_http)
@@ -61,7 +65,8 @@ def _cmd_bench_http(args) -> int:
 
     from mesh.bench.http_bench import ALL_ARMS, print_results, run_http_bench, sglang_router_available
 
-    arms = args.arms or [a for a in ALL_ARMS if a != "sglang_router" or sglang_router_available()]
+    arms = args.arms or [a for a in ALL_ARMS if (a != "sglang_router" or sglang_router_available())
+                         and (a != "broker_zmq_tokenized" or args.tokenizer)]
     if args.arms is None and "sglang_router" not in arms:
         Console(stderr=True).print("[bench http] sglang_router: skipped: the sglang_router package is not importable "
                                    "(pip install '.[bench]')")
@@ -80,7 +85,8 @@ def _cmd_bench_http(args) -> int:
             res = run_http_bench(arms=arms, concurrency=args.concurrency, seconds=args.seconds, warmup_s=args.warmup,
                                  path=args.path, stream=args.stream, max_new_tokens=args.max_new_tokens,
                                  loadgen=args.loadgen, broker_policy=args.broker_policy, progress=progress,
-                                 say=lambda m: bar.console.print(m), log_dir=args.log_dir)
+                                 say=lambda m: bar.console.print(m), log_dir=args.log_dir, tokenizer=args.tokenizer,
+                                 prompt_tokens=args.prompt_tokens)
         except ValueError as exc:
             con.print(f"mesh bench http: {exc}")
             return 2
