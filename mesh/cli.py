@@ -159,6 +159,8 @@ def _add_worker(sub) -> None:
                    help="PD decode workers: fail every Nth modelled KV transfer (fault injection; 0 = never)")
     p.add_argument("--curve-secret", help="this worker's certificate (.key_secret)")
     p.add_argument("--curve-server-key", help="the brokers' public key (.key)")
+    p.add_argument("--tokenizer", help="a model folder: text prompts are tokenised with the model's tokenizer, as a real "
+                                      "engine does, so KV events carry its token ids (default: UTF-8 bytes as ids)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     g = p.add_argument_group("engine model (defaults: 8B model on one H100)")
     for name in _ENGINE_FLAGS:
@@ -185,7 +187,7 @@ def _cmd_worker(args) -> int:
     if labels:
         extra["labels"] = labels
     names = ["brokers", "count", "worker_id", "model", "role", "heartbeat_ms", "liveness", "time_scale", "instant",
-             "curve_secret", "curve_server_key", "log_level"]
+             "curve_secret", "curve_server_key", "log_level", "tokenizer"]
     settings = _settings(WorkerSettings, args, "worker", names, extra)
     curve = None
     if settings.curve_secret:

@@ -188,9 +188,12 @@ class WorkerSettings:
     curve_secret: str = ""  # this worker's certificate (.key_secret)
     curve_server_key: str = ""  # the brokers' public key (.key)
     log_level: str = "info"
+    tokenizer: str = ""  # a model folder: text prompts are tokenised as a real engine would (default: bytes)
 
     def validate(self) -> None:
         _require(len(self.brokers) >= 1, "brokers", "at least one broker endpoint is required")
+        if self.tokenizer:
+            _require(Path(self.tokenizer).is_dir(), "tokenizer", f"{self.tokenizer} is not a model folder")
         _require(1 <= self.count <= 4096, "count", "must be in [1, 4096]")
         _require(self.role in ("prefill", "decode", "mixed"), "role", "must be prefill|decode|mixed")
         _require(self.heartbeat_ms > 0, "heartbeat_ms", "must be > 0")

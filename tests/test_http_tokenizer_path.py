@@ -120,3 +120,32 @@ def test_control_without_the_tokenizer_text_never_meets_the_engines_cache(procs,
     url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=False)
     turns, hits = run(_conversations(url, frontend, engines), 90)
     assert hits == 0, turns
+
+
+def test_simulated_workers_with_the_tokenizer_publish_the_models_token_ids(procs, model_dir):
+    """``mesh worker-stub --tokenizer``: a text prompt is tokenised as a real engine would, so a later
+    request carrying the model's token ids for it (tokenised by a client) is a cache hit on that
+    worker, found through its KV events alone (the text request's own speculative entries are
+    byte keys and cannot match)."""
+    from mesh.client import Client
+    from mesh.tokenization import ModelTokenizer
+
+    b = procs.broker("b", "--policy", "cache_aware_greedy")
+    procs.workers("w", [b.backend], "--tokenizer", str(model_dir), "--time-scale", "0.001", count=2)
+    run(wait_for_workers(b.frontend, 2), 40)
+    tok = ModelTokenizer.from_dir(model_dir)
+    text = SYSTEM + " Where is order 77?"
+
+    async def body():
+        async with Client(b.frontend) as c:
+            batches0 = (await c.status()).counters.get("kv.batches", 0)
+            first = await c.generate(text=text, max_new_tokens=2, deadline_ms=10_000)
+            t_end = time.monotonic() + 10
+            while (await c.status()).counters.get("kv.batches", 0) <= batches0:  # readiness: its KV events arrived
+                assert time.monotonic() < t_end, "the worker's KV events never reached the broker"
+                await asyncio.sleep(0.02)
+            second = await c.generate(input_ids=tok.encode(text), max_new_tokens=2, deadline_ms=10_000)
+            return first, second
+
+    first, second = run(body(), 60)
+    assert second.worker == first.worker and second.usage["cached_tokens"] > 100, (first, second)

@@ -56,6 +56,9 @@ class _Job:
     mode: str = "mixed"  # mixed | prefill (PD first leg: stop after the prompt) | decode
 
 
+_TOKENIZERS: dict[str, object] = {}  # model folder -> mesh.tokenization.ModelTokenizer
+
+
 class SimWorker:
     """A simulated GPU worker process component. ``await run()``; ``stop()`` drains and exits."""
 
@@ -93,6 +96,8 @@ class SimWorker:
         self._idle = asyncio.Event()  # set whenever no request is in flight (drain waits on it)
         self._stopping = False
         self._kv_seq = 0
+        if settings.tokenizer:
+            self._encode("")  # load it now: a bad folder is a startup error, not a slow first request
         self._pending_kv: list[KV.KvEvent] = []
         self.time_scale = settings.time_scale
         reconnect = RetryPolicy(max_attempts=1_000_000, base_ms=settings.reconnect_base_ms, cap_ms=settings.reconnect_cap_ms)
@@ -165,12 +170,26 @@ class SimWorker:
         elif isinstance(msg, Exception):
             self.log.warning("frame_rejected", reason=getattr(msg, "reason", "?"))
 
+    def _encode(self, text: str) -> list[int]:
+        """A text prompt's ids: the model's tokenizer (``--tokenizer``), else UTF-8 bytes."""
+        if not self.s.tokenizer:
+            return text_to_tokens(text)
+        tok = _TOKENIZERS.get(self.s.tokenizer)
+        if tok is None:  # one per process, shared by its workers
+            from mesh.tokenization import ModelTokenizer
+
+            tok = _TOKENIZERS[self.s.tokenizer] = ModelTokenizer.from_dir(self.s.tokenizer)
+        try:
+            return tok.encode(text)
+        except (ValueError, TypeError):
+            return text_to_tokens(text)
+
     def _on_request(self, link: BrokerLink, r: P.Request) -> None:
         sub = r.submit
         if self._stopping:
             link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.UNAVAILABLE, "worker draining"))
             return
-        prompt = sub.input_ids if sub.input_ids is not None else text_to_tokens(sub.text or "")
+        prompt = sub.input_ids if sub.input_ids is not None else self._encode(sub.text or "")
         if self.fail_requests_every:
             self._requests_seen += 1
             if self._requests_seen % self.fail_requests_every == 0:
