@@ -1215,8 +1215,10 @@ class Adapter:
                         return ErrorCode.WORKER_ERROR, "engine answer holds no finish reason"
                     self._send_final(link, r, st, st.new_ids, st.new_text)
                     return None, ""
-                collected: list[int] = []
-                texts: list[str] = []
+                # What the FINAL carries: everything for an unstreamed client; for a streaming one
+                # the deltas from the event with the finish reason on (usage may follow it).
+                held_ids: list[int] = []
+                held_text: list[str] = []
                 seq = 0
                 async with self.engine.stream("POST", path, payload) as (status, chunks):
                     if status != 200:
@@ -1226,14 +1228,13 @@ class Adapter:
                             if len(head) >= 512:
                                 break
                         return error_code_for_status(status), f"HTTP {status} from {path}: {head[:512].decode('utf-8', 'replace')}"
-                    tail_ids: list[int] = []  # deltas from the event that carried the finish reason on
-                    tail_text: list[str] = []
                     async for data in sse_events(chunks):
                         if final_sent:
                             continue  # read to the end: the connection is then reused
                         if data == b"[DONE]":
                             if st.finish is not None:
-                                final_sent = self._finish(link, r, st, collected, texts, tail_ids, tail_text)
+                                self._send_final(link, r, st, held_ids, "".join(held_text))
+                                final_sent = True
                             continue
                         try:
                             obj = orjson.loads(data)
@@ -1244,23 +1245,20 @@ class Adapter:
                         self.backend.parse(obj, st, self.info)
                         if st.error is not None:
                             return st.error
-                        if st.finish is not None:  # hold the last delta for the FINAL (usage may follow)
-                            tail_ids.extend(st.new_ids)
-                            tail_text.append(st.new_text)
-                        elif st.new_ids or st.new_text:
-                            if sub.stream:
-                                chunk: dict[str, Any] = {"token_ids": st.new_ids}
-                                if st.new_text:
-                                    chunk["text"] = st.new_text
-                                if st.meta is not None:
-                                    chunk["meta_info"] = _scalar_meta(st.meta)
-                                link.send(P.encode_worker_chunk(r.rid, r.attempt, seq, chunk))
-                                seq += 1
-                            else:
-                                collected.extend(st.new_ids)
-                                texts.append(st.new_text)
+                        if sub.stream and st.finish is None and (st.new_ids or st.new_text):
+                            chunk: dict[str, Any] = {"token_ids": st.new_ids}
+                            if st.new_text:
+                                chunk["text"] = st.new_text
+                            if st.meta is not None:
+                                chunk["meta_info"] = _scalar_meta(st.meta)
+                            link.send(P.encode_worker_chunk(r.rid, r.attempt, seq, chunk))
+                            seq += 1
+                        else:
+                            held_ids.extend(st.new_ids)
+                            held_text.append(st.new_text)
                     if not final_sent and st.finish is not None:  # a stream without [DONE]
-                        final_sent = self._finish(link, r, st, collected, texts, tail_ids, tail_text)
+                        self._send_final(link, r, st, held_ids, "".join(held_text))
+                        final_sent = True
         except TimeoutError:
             if final_sent:
                 return None, ""
@@ -1273,16 +1271,6 @@ class Adapter:
         if not final_sent:
             return ErrorCode.WORKER_ERROR, "engine stream ended without a finish reason"
         return None, ""
-
-    def _finish(self, link: BrokerLink, r: P.Request, st: StreamState, collected: list[int], texts: list[str],
-                tail_ids: list[int], tail_text: list[str]) -> bool:
-        """FINAL of a stream from the engine: a streaming client gets the last delta in it, an
-        unstreamed one everything."""
-        if r.submit.stream:
-            self._send_final(link, r, st, tail_ids, "".join(tail_text))
-        else:
-            self._send_final(link, r, st, collected + tail_ids, "".join(texts) + "".join(tail_text))
-        return True
 
     def _send_final(self, link: BrokerLink, r: P.Request, st: StreamState, ids: list[int], text: str) -> None:
         usage = {"prompt_tokens": st.usage.get("prompt_tokens", st.prompt_len),
