@@ -60,7 +60,14 @@ class ModelTokenizer:
         if not isinstance(text, str):
             raise ValueError(f"prompt must be a string, got {type(text).__name__}")
         # encode_batch, not encode: only the batch call releases the GIL
-        return self.files.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        try:
+            return self.files.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:  # what tokenizers says of a lone surrogate ("TextEncodeInput must be ...")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"prompt holds text that is not valid Unicode ({exc.reason} at {exc.start})") from None
+            raise
 
     def render(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
