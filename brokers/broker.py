@@ -811,22 +811,25 @@ class Broker:
             return
         pool = self.registry.pool()
         cap = self.s.max_inflight_per_worker
-        if cap and pool and all(w.inflight >= cap for w in pool):
-            # Every worker is at its in-flight cap: wait in the bounded queue for a free slot.
-            if self._park(inf, now, saturated=True):
-                return
-            self._finish_error(inf, ErrorCode.OVERLOADED, "every worker is at capacity and the wait queue is full or timed out")
+        # Workers at their in-flight cap are not candidates (the policy would happily pick a
+        # cache holder that is full); when every worker is, wait in the bounded queue.
+        full = {w.worker_id for w in pool if w.inflight >= cap} if cap else set()
+        if full and len(full) == len(pool):
+            self._park_or_overload(inf, now)
             return
         if inf.route_req is None and not self._prepare_route(inf):
             return
         req = inf.route_req
         while True:
             t0 = time.perf_counter()
-            decision = self.router.route(req, pool, now, exclude=inf.tried)
+            decision = self.router.route(req, pool, now, exclude=inf.tried | full if full else inf.tried)
             self.stats.decision_latency.observe(time.perf_counter() - t0)
             if decision.worker_id is None:
                 if decision.reason == "bad_slo":
                     self._finish_error(inf, ErrorCode.BAD_REQUEST, "invalid SLO")
+                    return
+                if full - inf.tried:
+                    self._park_or_overload(inf, now)  # an untried worker is only full: wait for its slot
                     return
                 if not pool and self._park(inf, now):
                     return  # no worker yet (startup, restart, fleet loss): wait briefly for one
@@ -994,6 +997,11 @@ class Broker:
             self._watch_progress(inf, now)
             return
         self._retry_or_fail(inf, ErrorCode.UNAVAILABLE, f"could not reach decode worker {dsess.worker_id}", now)
+
+    def _park_or_overload(self, inf: Inflight, now: float) -> None:
+        """Every worker this request may use is at its in-flight cap: queue it, or refuse 429."""
+        if not self._park(inf, now, saturated=True):
+            self._finish_error(inf, ErrorCode.OVERLOADED, "every worker is at capacity and the wait queue is full or timed out")
 
     def _park(self, inf: Inflight, now: float, *, saturated: bool = False) -> bool:
         """Hold a request while no worker is routable (``park_timeout_s``) or every worker is at
