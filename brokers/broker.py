@@ -48,8 +48,9 @@ from mesh.config import BrokerSettings
 from mesh.errors import ErrorCode, ProtocolError
 from mesh.logs import RateLimiter, announce, get_logger
 from mesh.retry import RetryBudget, RetryPolicy
-from mesh.routing.router import Router
 from mesh.hashing import text_to_tokens
+from mesh.namespaces import request_namespace
+from mesh.routing.router import Router
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 from mesh.security import key_may_claim
 from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, recv_frames_user, send_frames, socket_readable
@@ -796,6 +797,7 @@ class Broker:
             packed=packed,
             ttft_slo_ms=sub.ttft_slo_ms,
             tps_slo=sub.tps_slo,
+            namespace=request_namespace(sub.params),
         )
 
     def _dispatch(self, inf: Inflight, now: float) -> None:

@@ -190,6 +190,7 @@ class RouteRequest:
     tokens: Sequence[int] | None = None
     packed: Any = None  # tokens as array('I') or little-endian uint32 bytes, when the caller has them
     extra: dict[str, Any] = field(default_factory=dict)
+    namespace: str | None = None  # cache namespace (mesh.namespaces): blocks of other namespaces never match
 
 
 @dataclass(slots=True)
