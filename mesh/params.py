@@ -45,6 +45,8 @@ _OPENAI_OWN = frozenset({"model", "prompt", "messages", "stream", "stream_option
 
 _MAX_STOP = 16
 _OPENAI_MAX_STOP = 4  # the OpenAI API's own limit
+_OPENAI_MAX_LOGPROBS = 5  # completions ``logprobs`` (the OpenAI API's own limit)
+_OPENAI_MAX_TOP_LOGPROBS = 20  # chat ``top_logprobs``
 _MAX_STOP_CHARS = 1024
 
 
@@ -165,8 +167,13 @@ def _response_format(v: Any) -> dict[str, Any]:
 
 def from_openai(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
     """OpenAI completions / chat body -> params. Unknown fields, and known ones mesh cannot honour
-    (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``, tools), are a :class:`ParamError`."""
+    (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``, tools), are a :class:`ParamError`.
+
+    Logprobs: completions ``logprobs`` N (0..5) and chat ``logprobs: true`` with ``top_logprobs``
+    N (0..20) become SGLang's ``return_logprob``, ``top_logprobs_num`` N and
+    ``return_text_in_logprobs`` (the ingress shows each token's text, as SGLang's OpenAI server)."""
     params: dict[str, Any] = {}
+    wants_top = False
     for k, v in body.items():
         if k in _OPENAI_OWN or k in OPENAI_NO_OPS or v is None:
             continue
@@ -199,12 +206,15 @@ def from_openai(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
         elif k == "logprobs":
             if chat:
                 if _bool("logprobs", v):
-                    raise ParamError("logprobs", "is not supported yet (the engine's logprobs are not converted)")
-            elif type(v) is not int or v != 0:
-                raise ParamError("logprobs", "is not supported yet (the engine's logprobs are not converted)")
+                    params.update(return_logprob=True, return_text_in_logprobs=True)
+            else:  # completions: the number of alternatives per position (0: the chosen token only)
+                params.update(return_logprob=True, return_text_in_logprobs=True,
+                              top_logprobs_num=_int("logprobs", v, 0, _OPENAI_MAX_LOGPROBS))
         elif k == "top_logprobs" and chat:
-            if type(v) is not int or v != 0:
-                raise ParamError("top_logprobs", "is not supported yet")
+            top = _int("top_logprobs", v, 0, _OPENAI_MAX_TOP_LOGPROBS)
+            if top:
+                params["top_logprobs_num"] = top
+                wants_top = True
         elif k in ("tools", "functions"):
             if v:
                 raise ParamError(k, "tool calling is not supported")
@@ -215,4 +225,6 @@ def from_openai(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
             _bool(k, v)
         else:
             raise ParamError(k, f"is not a {'chat' if chat else 'completions'} field mesh knows")
+    if wants_top and body.get("logprobs") is not True:
+        raise ParamError("top_logprobs", "needs logprobs: true (as the OpenAI API)")
     return params

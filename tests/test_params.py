@@ -28,10 +28,23 @@ def test_openai_fields_map_onto_sglang_parameters():
     assert "max_new_tokens" not in from_openai({"prompt": "x"}, chat=False)  # no limit given: the engine's default
 
 
+def test_openai_logprobs_map_onto_sglang_return_logprob():
+    lp = {"return_logprob": True, "return_text_in_logprobs": True}
+    assert from_openai({"prompt": "x", "logprobs": 3}, chat=False) == {**lp, "top_logprobs_num": 3}
+    assert from_openai({"prompt": "x", "logprobs": 0}, chat=False) == {**lp, "top_logprobs_num": 0}
+    assert from_openai({"messages": [], "logprobs": True}, chat=True) == lp
+    assert from_openai({"messages": [], "top_logprobs": 5, "logprobs": True}, chat=True) == {**lp, "top_logprobs_num": 5}
+    assert from_openai({"messages": [], "logprobs": True, "top_logprobs": 20}, chat=True) == {**lp, "top_logprobs_num": 20}
+    assert from_openai({"messages": [], "logprobs": False, "top_logprobs": 0}, chat=True) == {}
+
+
 @pytest.mark.parametrize("body, chat, field", [
     ({"n": 2}, False, "n"), ({"n": True}, True, "n"), ({"best_of": 3}, False, "best_of"), ({"echo": True}, False, "echo"),
     ({"suffix": "x"}, False, "suffix"), ({"tools": [{"type": "function"}]}, True, "tools"),
-    ({"tool_choice": "required"}, True, "tool_choice"), ({"logprobs": 2}, False, "logprobs"), ({"logprobs": True}, True, "logprobs"),
+    ({"tool_choice": "required"}, True, "tool_choice"), ({"logprobs": 6}, False, "logprobs"), ({"logprobs": True}, False, "logprobs"),
+    ({"logprobs": 1}, True, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+    ({"top_logprobs": 3}, True, "top_logprobs"), ({"logprobs": False, "top_logprobs": 2}, True, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 1.5}, True, "top_logprobs"),
     ({"temperature": 3}, True, "temperature"), ({"top_p": "0.5"}, True, "top_p"), ({"stop": ["a"] * 5}, True, "stop"),
     ({"max_tokens": -1}, False, "max_tokens"), ({"seed": 1.5}, False, "seed"), ({"frobnicate": 1}, True, "frobnicate"),
     ({"response_format": {"type": "yaml"}}, True, "response_format.type"), ({"stop_token_ids": ["x"]}, True, "stop_token_ids"),
