@@ -118,6 +118,7 @@ class Inflight:
     replied: bool = False  # the current attempt's worker sent something for it (progress)
     sent_s: float = 0.0  # when the current attempt was sent (first-reply latency per worker)
     quota: bytes = b""  # whose in-flight quota it counts against (the client; an HTTP request's peer)
+    model: str | None = None  # the served model it is routed to (None: any worker; see Broker._model_for)
 
     @property
     def committed(self) -> bool:
@@ -203,7 +204,8 @@ class Broker:
         self._fleet_errors = 0  # sums of every session's outcome window (peer error rate)
         self._fleet_outcomes = 0
         self._cap_version = -1  # registry version the fleet capacity was computed at
-        self._cap_tokens = 0
+        self._cap_tokens: dict[str | None, int] = {}  # model (None: all) -> largest KV capacity
+        self._aliases = settings.aliases()  # --model-alias: name -> served model
         self._status_cache: tuple[float, list[dict]] | None = None
         self._front_first = False  # which socket the next pump reads first (alternates)
         self._kv_backlog: deque[tuple[str, bytes, int, Any]] = deque()  # (worker_id, identity, events, slice generator)
@@ -725,7 +727,7 @@ class Broker:
     def _prepare_route(self, inf: Inflight) -> bool:
         """Build the request's routing view once, after checking it can run at all (workers
         may have registered since the submit); False: it was refused and is finished."""
-        refusal = self._context_refusal(inf.submit)
+        refusal = self._context_refusal(inf.submit, inf.model)
         if refusal is not None:
             self._finish_error(inf, *refusal)
             return False
@@ -744,18 +746,45 @@ class Broker:
             return ErrorCode.OVERLOADED, f"broker overloaded (event loop lag {self._lag_s * 1000:.0f} ms)"
         return None  # the prompt's length is checked where it is routed (_prepare_route)
 
-    def _fleet_capacity(self) -> int:
-        """The most KV tokens any registered worker can hold (0 while none is registered)."""
+    def _fleet_capacity(self, model: str | None = None) -> int:
+        """The most KV tokens any registered worker (of ``model``) can hold (0 while none is registered)."""
         if self._cap_version != self.registry.version:
             self._cap_version = self.registry.version
-            self._cap_tokens = max((s.ready.max_total_num_tokens for s in self.registry.by_id.values()), default=0)
-        return self._cap_tokens
+            self._cap_tokens.clear()
+        cap = self._cap_tokens.get(model)
+        if cap is None:
+            cap = self._cap_tokens[model] = max((s.ready.max_total_num_tokens for s in self.registry.by_id.values()
+                                                 if model is None or s.ready.model == model), default=0)
+        return cap
 
-    def _context_refusal(self, sub: P.Submit) -> tuple[ErrorCode, str] | None:
+    def _model_for(self, sub: P.Submit) -> tuple[str | None, tuple[ErrorCode, str] | None]:
+        """The model a request is routed to (None: any worker) and why it is refused, if it is.
+
+        A name is a model some registered worker serves (READY ``model``; adapters read it from
+        the engine) or an alias of one (``--model-alias``). No name, or ``--model-name`` (the id
+        the HTTP ingress reports, default ``mesh``), means the fleet's only model: with several
+        it is a 400. An unknown name is a 404 ``model_not_found``, except while no worker is
+        registered at all (startup): then it waits, parked, for workers to say what they serve."""
+        name = sub.model
+        served = self.registry.models()
+        if name is not None:
+            name = self._aliases.get(name, name)
+            if name in served:
+                return name, None
+        if name is None or name == self.s.model_name:
+            if len(served) > 1:
+                return None, (ErrorCode.BAD_REQUEST, f"model is required: this fleet serves {', '.join(sorted(served))}")
+            return None, None
+        if not served:
+            return name, None
+        known = sorted(set(served) | set(self._aliases))
+        return None, (ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; models: {', '.join(known)}")
+
+    def _context_refusal(self, sub: P.Submit, model: str | None = None) -> tuple[ErrorCode, str] | None:
         """A prompt longer than every worker's KV capacity can never run: refuse it before it is
         hashed. Text is counted conservatively (no real tokenizer packs 32 characters per
         token on average), so a text prompt that could fit is never refused."""
-        cap = self._fleet_capacity()
+        cap = self._fleet_capacity(model)
         if not cap:
             return None  # no worker yet: checked again at dispatch
         n = len(sub.input_ids) if sub.input_ids is not None else len(sub.text or "") // 32
@@ -780,7 +809,7 @@ class Broker:
         packed = sub.packed
         # Only a prefix that some worker could hold can match: keys beyond the fleet's capacity
         # are never hashed (a 4M-token prompt once blocked the loop for 0.9 s hashing in full).
-        cap = self._fleet_capacity() or _MAX_KEY_TOKENS
+        cap = self._fleet_capacity(inf.model) or _MAX_KEY_TOKENS
         if tokens is None and self.router.policy.needs_match:
             tokens = text_to_tokens((sub.text or "")[:cap])[:cap]  # text prompts route by a byte-level key
             n_prompt = sub.prompt_len
@@ -811,7 +840,12 @@ class Broker:
         if inf.phase == "decode":
             self._send_decode(inf, now)
             return
-        pool = self.registry.pool()
+        model, refusal = self._model_for(inf.submit)
+        if refusal is not None:
+            self._finish_error(inf, *refusal)
+            return
+        inf.model = model
+        pool = self.registry.pool(model)
         cap = self.s.max_inflight_per_worker
         # Workers at their in-flight cap are not candidates (the policy would happily pick a
         # cache holder that is full); when every worker is, wait in the bounded queue.
@@ -966,7 +1000,7 @@ class Broker:
             if d is not None and dsess is not None:
                 self.router.release(dsess.state, d)
             inf.decision = None
-            pool = self.registry.pool()
+            pool = self.registry.pool(inf.model)
             # prefer a decode worker not tried yet; a transient failure may retry the same one
             tried_decode = {w for w in inf.tried if (s := self.registry.by_id.get(w)) is not None and s.ready.role == "decode"}
             nd = self.router.route(inf.route_req, pool, now, exclude=tried_decode)
@@ -1134,7 +1168,7 @@ class Broker:
             inf = self._inflight.get(rid)
             if inf is not None:
                 if rid in self._parked:  # it never reached a worker: say why
-                    if self.registry.pool():
+                    if self.registry.pool(inf.model):
                         self._finish_error(inf, ErrorCode.OVERLOADED, "every worker stayed at capacity until the deadline")
                     else:
                         self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker before the deadline")
@@ -1584,7 +1618,12 @@ class Broker:
         return {"id": self.broker_id, "state": self._state, "inflight": len(self._inflight),
                 "uptime_s": round(time.monotonic() - self._started_s, 3), "policy": self.router.policy.name,
                 "loop_lag_ms": round(self._lag_s * 1000, 2), "workers_total": len(self.registry),
-                "provider": getattr(self.router.provider, "name", "none")}
+                "provider": getattr(self.router.provider, "name", "none"), "models": self.served_models(),
+                "model_name": self.s.model_name, "aliases": self._aliases}
+
+    def served_models(self) -> dict[str, int]:
+        """Model name -> routable workers serving it (models whose workers are all down are absent)."""
+        return {m: n for m in self.registry.models() if (n := len(self.registry.pool(m)))}
 
     def _status_workers(self) -> list[dict]:
         now = time.monotonic()
@@ -1593,7 +1632,7 @@ class Broker:
             st = sess.state
             agg = st.fresh_load(now, self.s.load_freshness_s)
             out.append({
-                "worker_id": st.worker_id, "role": st.role, "labels": st.labels, "healthy": st.healthy and not sess.draining and sess.confirmed,
+                "worker_id": st.worker_id, "model": sess.ready.model, "role": st.role, "labels": st.labels, "healthy": st.healthy and not sess.draining and sess.confirmed,
                 "inflight": st.inflight, "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
                 "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4)},
             })

@@ -52,6 +52,8 @@ class Registry:
         self.by_identity: dict[bytes, WorkerSession] = {}
         self.by_id: dict[str, WorkerSession] = {}
         self._pool: list[WorkerState] | None = None
+        self._model_pools: dict[str, list[WorkerState]] = {}
+        self._models: dict[str, int] | None = None
         self.version = 0  # bumps on every membership or health change
 
     def __len__(self) -> int:
@@ -90,23 +92,45 @@ class Registry:
 
     def _changed(self) -> None:
         self._pool = None
+        self._model_pools.clear()
+        self._models = None
         self.version += 1
 
     def states(self) -> dict[str, WorkerState]:
         return {wid: s.state for wid, s in self.by_id.items()}
 
-    def pool(self) -> list[WorkerState]:
-        """Healthy, non-draining, confirmed worker states (all roles), cached until membership
-        changes. A session is confirmed by its first message after READY: a peer that
-        registers and then stays silent (or a thousand of them) never receives a request."""
-        if self._pool is None:
-            pool = [s.state for s in self.by_id.values() if s.state.healthy and not s.draining and s.confirmed]
-            if not pool:
-                # Panic mode (as Envoy's): when every remaining worker is ejected, route to them
-                # anyway; an ejected worker is better than none (its peers may have left since).
-                pool = [s.state for s in self.by_id.values() if s.ejected_until_s and not s.draining and s.confirmed]
-            self._pool = pool
-        return self._pool
+    def pool(self, model: str | None = None) -> list[WorkerState]:
+        """Healthy, non-draining, confirmed worker states (all roles) -- of every model, or of the
+        workers that serve ``model`` -- cached until membership changes. A session is confirmed
+        by its first message after READY: a peer that registers and then stays silent (or a
+        thousand of them) never receives a request."""
+        if model is None:
+            if self._pool is None:
+                self._pool = _routable(self.by_id.values())
+            return self._pool
+        pool = self._model_pools.get(model)
+        if pool is None:
+            pool = self._model_pools[model] = _routable(s for s in self.by_id.values() if s.ready.model == model)
+        return pool
+
+    def models(self) -> dict[str, int]:
+        """Model name -> registered workers serving it (routable or not)."""
+        if self._models is None:
+            models: dict[str, int] = {}
+            for s in self.by_id.values():
+                models[s.ready.model] = models.get(s.ready.model, 0) + 1
+            self._models = models
+        return self._models
 
     def expired(self, now_s: float) -> list[WorkerSession]:
         return [s for s in self.by_identity.values() if s.expiry_s < now_s]
+
+
+def _routable(sessions) -> list[WorkerState]:
+    sessions = list(sessions)
+    pool = [s.state for s in sessions if s.state.healthy and not s.draining and s.confirmed]
+    if not pool:
+        # Panic mode (as Envoy's): when every remaining worker is ejected, route to them
+        # anyway; an ejected worker is better than none (its peers may have left since).
+        pool = [s.state for s in sessions if s.ejected_until_s and not s.draining and s.confirmed]
+    return pool

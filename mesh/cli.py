@@ -40,7 +40,7 @@ def _settings(cls, args: argparse.Namespace, section: str, names: list[str], ext
 
 _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_indexer_query_timeout_ms", "kv_indexer_query_max_inflight", "heartbeat_ms", "liveness", "default_deadline_ms", "max_attempts",
                  "retry_base_ms", "retry_cap_ms", "retry_budget_ratio", "retry_budget_min", "max_inflight", "park_timeout_s", "max_parked", "max_inflight_per_worker", "queue_timeout_s", "eject_after_failures", "eject_base_s", "eject_max_s", "max_ejected_ratio", "drain_timeout_s", "policy", "cache_prefix_provider",
-                 "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "api_key_file", "http_max_connections", "http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "http_request_timeout_s", "http_stream_idle_timeout_s", "tokenizer", "chat_template", "model_name", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
+                 "load_freshness_s", "bucket_config", "pd", "global_cache_winner", "decode_policy", "metrics", "http", "api_key", "api_key_file", "http_max_connections", "http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "http_request_timeout_s", "http_stream_idle_timeout_s", "tokenizer", "chat_template", "model_name", "model_alias", "telemetry", "curve_secret", "curve_allow_workers", "curve_allow_clients", "seed", "log_level"]
 
 # containment limits (issue 12): what one worker or client may ask of a broker
 _BROKER_FLAGS += ["max_worker_heartbeat_ms", "max_workers", "max_inflight_per_client", "progress_timeout_ms", "overload_lag_ms",
@@ -108,7 +108,10 @@ def _add_broker(sub) -> None:
     p.add_argument("--tokenizer", help="the model folder (tokenizer.json, tokenizer_config.json) whose tokenizer and chat "
                                       "template the HTTP ingress uses: prompts are routed and sent as the model's token ids")
     p.add_argument("--chat-template", help="a chat template file (.jinja, or .json with chat_template) instead of the model folder's")
-    p.add_argument("--model-name", help="model id reported by /v1/models (default mesh)")
+    p.add_argument("--model-name", help="a name for the fleet's only model: requests may use it or the served "
+                                        "model's own name (default mesh)")
+    p.add_argument("--model-alias", action="append", metavar="ALIAS=MODEL",
+                   help="requests for ALIAS go to the workers that serve MODEL (repeatable)")
     p.add_argument("--telemetry", help="ZeroMQ PUB endpoint for the live telemetry stream (mesh top)")
     p.add_argument("--curve-secret", help="broker certificate (.key_secret from mesh keygen): CURVE on both sockets")
     p.add_argument("--curve-allow-workers", help="directory of worker public keys allowed to register")

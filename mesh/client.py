@@ -305,6 +305,7 @@ class Client:
         idempotent: bool = True,
         slo: dict[str, Any] | None = None,
         rid: str | None = None,
+        model: str | None = None,
         _avoid: _Link | None = None,
     ) -> Stream:
         """Send one request; returns its :class:`Stream` at once (before any reply).
@@ -315,7 +316,7 @@ class Client:
         p = dict(params or {})
         p["max_new_tokens"] = max_new_tokens
         frames = P.encode_submit(rid, input_ids=input_ids, text=text, params=p, deadline_ms=budget_ms,
-                                 stream=stream, idempotent=idempotent, slo=slo)
+                                 stream=stream, idempotent=idempotent, slo=slo, model=model)
         link = self._pick(_avoid)
         st._link = link
         self._streams[rid] = st

@@ -79,7 +79,8 @@ class BrokerSettings:
     http_stream_idle_timeout_s: float = 300.0
     tokenizer: str = ""  # the model folder (or its tokenizer.json) for the HTTP ingress (optional)
     chat_template: str = ""  # a chat template file overriding the model folder's (optional)
-    model_name: str = "mesh"  # the model id the HTTP ingress reports
+    model_name: str = "mesh"  # a name for the fleet's only model (requests may use it or the served name)
+    model_alias: tuple[str, ...] = ()  # ALIAS=MODEL: requests naming ALIAS go to workers serving MODEL
     telemetry: str = ""  # ZMQ PUB endpoint for the telemetry stream; empty = off
     curve_secret: str = ""  # broker certificate (.key_secret): enables CURVE on both ROUTERs
     curve_allow_workers: str = ""  # directory of worker public keys allowed on the backend
@@ -143,6 +144,12 @@ class BrokerSettings:
         if self.chat_template:
             _require(bool(self.tokenizer), "chat_template", "needs --tokenizer (the model folder)")
             _require(Path(self.chat_template).is_file(), "chat_template", f"{self.chat_template} does not exist")
+        _require(0 < len(self.model_name) <= 256, "model_name", "must be 1..256 characters")
+        for a in self.model_alias:
+            alias, sep, target = a.partition("=")
+            _require(bool(sep and alias and target) and len(alias) <= 256 and len(target) <= 256, "model_alias",
+                     f"expected ALIAS=MODEL, got {a!r}")
+            _require(alias != target, "model_alias", f"{a!r} maps a name to itself")
         for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "http_request_timeout_s",
                      "http_stream_idle_timeout_s"):
             v = getattr(self, name)
@@ -162,6 +169,10 @@ class BrokerSettings:
             _require(self.telemetry.startswith(("tcp://", "ipc://", "inproc://")), "telemetry", "must be a ZeroMQ endpoint")
         for name in ("frontend", "backend"):
             _require(getattr(self, name).startswith(("tcp://", "ipc://", "inproc://")), name, "must be a tcp://, ipc:// or inproc:// endpoint")
+
+    def aliases(self) -> dict[str, str]:
+        """``model_alias`` as a map (validated: each entry is ALIAS=MODEL)."""
+        return dict(a.split("=", 1) for a in self.model_alias)
 
     @property
     def worker_expiry_s(self) -> float:

@@ -8,7 +8,7 @@
     └── RequestError           a request ended in an error reply; carries an ErrorCode
         ├── RetryableError     worker_lost, unavailable, overloaded, worker_error: another try may succeed
         └── FatalRequestError  bad_request, deadline_exceeded, duplicate, cancelled, no_worker, internal,
-                               context_length_exceeded, too_large, rate_limited
+                               context_length_exceeded, too_large, rate_limited, model_not_found
 
 Callers decide retry versus fail from the type alone (``RetryableError``), or from
 ``ErrorCode.retryable`` when they hold a code from the wire.
@@ -47,6 +47,7 @@ class ErrorCode(StrEnum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt exceeds every worker's capacity
     TOO_LARGE = "too_large"  # a body or frame above the mesh's size limits
     RATE_LIMITED = "rate_limited"  # a per-client quota (in-flight requests) was reached
+    MODEL_NOT_FOUND = "model_not_found"  # no worker serves the model asked for (and no alias names one)
 
     @property
     def retryable(self) -> bool:
@@ -66,6 +67,7 @@ _HTTP_STATUS = {
     ErrorCode.BAD_REQUEST: 400,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
     ErrorCode.TOO_LARGE: 413,
+    ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.DUPLICATE: 409,

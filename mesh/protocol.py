@@ -34,7 +34,9 @@ SUBMIT     0x11  c->b    ``rid`` str (1..256 bytes, unique among the client's in
                          true: CHUNKs are sent; false: only FINAL with all tokens);
                          ``idempotent`` bool (default true; false forbids re-dispatch once sent
                          to a worker); ``slo`` map (``ttft_ms`` int > 0, ``tps`` float > 0),
-                         optional. The broker forwards this body verbatim as REQUEST frame 3.
+                         optional; ``model`` str (1..256 bytes, optional: the served model or an
+                         alias; routed only to workers that serve it). The broker forwards this
+                         body verbatim as REQUEST frame 3.
 CANCEL     0x12  c->b    ``rid``.
 ACCEPTED   0x13  b->c    ``rid``, ``worker`` str, ``reason`` str (routing decision reason),
                          ``attempt`` int. Sent for *streaming* requests when dispatched (again
@@ -334,6 +336,7 @@ class Submit:
     tps_slo: float | None
     raw: bytes  # the body as received: forwarded verbatim to the worker
     packed: Any = None  # input_ids as array('I') (validated once; used for content keys)
+    model: str | None = None  # the model asked for (None: the fleet's only model)
 
     @property
     def prompt_len(self) -> int:
@@ -402,8 +405,11 @@ def encode_submit(
     stream: bool = True,
     idempotent: bool = True,
     slo: dict[str, Any] | None = None,
+    model: str | None = None,
 ) -> list[bytes]:
     body: dict[str, Any] = {"rid": rid, "params": params or {}, "stream": stream, "idempotent": idempotent}
+    if model is not None:
+        body["model"] = model
     if input_ids is not None:
         body["input_ids"] = input_ids
     if text is not None:
@@ -504,6 +510,7 @@ def _parse_submit(raw: bytes) -> Submit:
         tps_slo=tps,
         raw=raw,
         packed=packed,
+        model=_str(d, "model", required=False, max_bytes=256) or None,
     )
 
 

@@ -227,11 +227,12 @@ def test_membership_is_computed_once_per_pool_version():
     pool = fleet()
     r = router(bcfg())
     r.route(req(), pool, 0.0)
-    m = r._m
+    m = r._members(pool)
     r.route(req(5000), pool, 0.0)
-    assert r._m is m
-    r.route(req(), list(pool), 0.0)
-    assert r._m is not m
+    assert r._members(pool) is m
+    other = list(pool)  # a new list (the registry's next version, or another model's pool)
+    r.route(req(), other, 0.0)
+    assert r._members(other) is not m and r._members(pool) is m
 
 
 # ------------------------------------------------------------------ label membership

@@ -173,9 +173,9 @@ class BucketRouter:
         self.cache_candidate_ratio = cache_candidate_ratio
         self.cache_candidate_max_workers = cache_candidate_max_workers
         self.cache_switch_margin_tokens = cache_switch_margin_tokens
-        self._pool_ref: Sequence[WorkerState] | None = None
-        self._pool_len = -1
-        self._m: _Membership | None = None
+        # Memberships of the pools routed over (the broker keeps one cached pool per model),
+        # keyed by the pool object: rebuilt when a pool changes, dropped wholesale past a bound.
+        self._memberships: dict[int, tuple[Sequence[WorkerState], int, _Membership]] = {}
 
     # ------------------------------------------------------------------ pool and membership
 
@@ -185,11 +185,14 @@ class BucketRouter:
         return [w for w in workers if w.healthy]
 
     def _members(self, pool: Sequence[WorkerState]) -> _Membership:
-        if pool is not self._pool_ref or len(pool) != self._pool_len or self._m is None:
-            self._m = _Membership(pool, self.cfg, self.pd)
-            self._pool_ref = pool
-            self._pool_len = len(pool)
-        return self._m
+        hit = self._memberships.get(id(pool))
+        if hit is not None and hit[0] is pool and hit[1] == len(pool):
+            return hit[2]
+        if len(self._memberships) >= 64:
+            self._memberships.clear()
+        m = _Membership(pool, self.cfg, self.pd)
+        self._memberships[id(pool)] = (pool, len(pool), m)
+        return m
 
     def members(self, pool: Sequence[WorkerState]) -> dict[str, list[str]]:
         """Bucket id -> worker ids for ``pool`` (``global`` entries list the whole role pools)."""

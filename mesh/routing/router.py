@@ -55,8 +55,8 @@ class Router:
     def __init__(self, policy: Policy, provider: PrefixProvider | None = None) -> None:
         self.policy = policy
         self.provider = provider
-        self._pool_ref: Sequence[WorkerState] | None = None
-        self._pool_by_id: dict[str, WorkerState] = {}
+        # worker id -> state for each pool routed over (one per model), keyed by the pool object
+        self._by_pool: dict[int, tuple[Sequence[WorkerState], dict[str, WorkerState]]] = {}
 
     @staticmethod
     def pool(workers: Iterable[WorkerState], roles: Collection[str] = ("mixed",)) -> list[WorkerState]:
@@ -64,10 +64,14 @@ class Router:
         return [w for w in workers if w.healthy and w.role in roles]
 
     def _by_id(self, pool: Sequence[WorkerState]) -> dict[str, WorkerState]:
-        if pool is not self._pool_ref:
-            self._pool_ref = pool
-            self._pool_by_id = {w.worker_id: w for w in pool}
-        return self._pool_by_id
+        hit = self._by_pool.get(id(pool))
+        if hit is not None and hit[0] is pool:
+            return hit[1]
+        if len(self._by_pool) >= 64:
+            self._by_pool.clear()
+        by_id = {w.worker_id: w for w in pool}
+        self._by_pool[id(pool)] = (pool, by_id)
+        return by_id
 
     def route(self, req: RouteRequest, pool: Sequence[WorkerState], now_s: float, exclude: Collection[str] = ()) -> Decision:
         """Choose a worker from ``pool`` (see :meth:`pool`), skipping ids in ``exclude``."""
