@@ -1621,6 +1621,11 @@ class Broker:
                 "provider": getattr(self.router.provider, "name", "none"), "models": self.served_models(),
                 "model_name": self.s.model_name, "aliases": self._aliases}
 
+    def model_catalog(self) -> tuple[dict[str, int], dict[str, str], str]:
+        """What the HTTP ingress lists and resolves: served models (routable workers each), the
+        aliases and the fleet's name (``--model-name``)."""
+        return self.served_models(), self._aliases, self.s.model_name
+
     def served_models(self) -> dict[str, int]:
         """Model name -> routable workers serving it (models whose workers are all down are absent)."""
         return {m: n for m in self.registry.models() if (n := len(self.registry.pool(m)))}

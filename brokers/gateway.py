@@ -42,7 +42,7 @@ class _Stats:
 
 
 class _Link:
-    __slots__ = ("endpoint", "sock", "monitor", "up", "pending", "workers")
+    __slots__ = ("endpoint", "sock", "monitor", "up", "pending", "workers", "catalog")
 
     def __init__(self, endpoint: str, sock, monitor) -> None:
         self.endpoint = endpoint
@@ -51,6 +51,7 @@ class _Link:
         self.up = False
         self.pending: set[str] = set()  # rids in flight on this link
         self.workers: list[dict] = []  # the routable workers of the latest STATUS
+        self.catalog: dict = {}  # its models, aliases and model_name (STATUS ``broker``)
 
 
 class BrokerPool:
@@ -104,6 +105,24 @@ class BrokerPool:
                     seen.setdefault(str(w.get("worker_id")), w)
         return list(seen.values())
 
+    def model_catalog(self) -> tuple[dict[str, int], dict[str, str], str]:
+        """Served models (routable workers each, over the connected brokers), aliases and the
+        fleet's name, as the brokers report them (see ``Broker.model_catalog``)."""
+        served: dict[str, int] = {}
+        aliases: dict[str, str] = {}
+        name = "mesh"
+        for w in self.pool():
+            if isinstance(w.get("model"), str):
+                served[w["model"]] = served.get(w["model"], 0) + 1
+        for link in self._links:
+            if link.up and link.catalog:
+                a = link.catalog.get("aliases")
+                if isinstance(a, dict):
+                    aliases.update({k: v for k, v in a.items() if isinstance(k, str) and isinstance(v, str)})
+                if isinstance(link.catalog.get("model_name"), str):
+                    name = link.catalog["model_name"]
+        return served, aliases, name
+
     # ------------------------------------------------------------------ the ingress' interface
     def submit_local(self, identity: bytes, frames: list[bytes], replies: asyncio.Queue, *, quota_key: bytes | None = None,
                      decoded: P.Submit | None = None) -> None:
@@ -148,6 +167,7 @@ class BrokerPool:
             m = P.decode_client_reply(frames)
             if isinstance(m, P.StatusReply):
                 link.workers = [w for w in m.workers if isinstance(w, dict) and w.get("healthy")]
+                link.catalog = {k: m.broker.get(k) for k in ("aliases", "model_name")} if isinstance(m.broker, dict) else {}
                 continue
             rid = getattr(m, "rid", None)
             q = self._queues.get(rid) if isinstance(rid, str) else None
@@ -168,6 +188,7 @@ class BrokerPool:
             elif event & zmq.EVENT_DISCONNECTED:
                 link.up = False
                 link.workers = []
+                link.catalog = {}
                 self.log.warning("gateway_broker_lost", broker=link.endpoint, inflight=len(link.pending))
                 for rid in list(link.pending):
                     q = self._queues.get(rid)
