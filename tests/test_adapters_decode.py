@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -26,7 +27,7 @@ from mesh.adapters.base import (
     split_events,
 )
 from mesh.adapters.sglang import generate_body, info_from_server_info, loadstat_from_v1, loadstats_from_metrics
-from mesh.adapters.vllm import completions_body
+from mesh.adapters.vllm import UnsupportedParam, completions_body
 from mesh.errors import ErrorCode
 from mesh.hashing import U64_MASK
 from mesh.sockets import SocketSpec, make_socket
@@ -274,8 +275,13 @@ def test_request_bodies_and_load_parsing():
     assert b["input_ids"] == [1, 2, 3] and b["stream"] is True and b["cache_salt"] == "s" and "weird" not in b
     assert b["sampling_params"] == {"max_new_tokens": 5, "temperature": 0.5, "sampling_seed": 3}
     assert (b["bootstrap_host"], b["bootstrap_port"], b["bootstrap_room"]) == ("10.0.0.9", 8998, 42)
-    vb = completions_body(req, info_from_server_info({"page_size": 16, "served_model_name": "m"}, _settings()))
+    vinfo = info_from_server_info({"page_size": 16, "served_model_name": "m"}, _settings())
+    with pytest.raises(UnsupportedParam, match="weird"):  # vLLM is never sent a request with a parameter missing
+        completions_body(req, vinfo)
+    sub.params.pop("weird")
+    vb = completions_body(req, vinfo)
     assert vb["prompt"] == [1, 2, 3] and vb["max_tokens"] == 5 and vb["seed"] == 3 and vb["model"] == "m"
+    assert vb["cache_salt"] == "s"
     ls = loadstat_from_v1({"dp_rank": 1, "num_running_reqs": 3, "num_waiting_reqs": 2, "num_used_tokens": 100,
                            "max_total_num_tokens": 1000, "max_running_requests": 8, "num_total_tokens": 150})
     assert (ls.attn_dp_rank, ls.num_running_reqs, ls.num_tokens, ls.extended) == (1, 3, 100, True)
@@ -338,3 +344,23 @@ def test_mesh_cli_wiring():
     assert args.engine == "sglang" and callable(args.func)
     args = build_parser().parse_args(["stub-sglang", "--port", "0"])
     assert args.port == 0 and callable(args.func)
+
+
+def test_vllm_body_translates_sglang_params_or_refuses_them():
+    info = info_from_server_info({"page_size": 16, "served_model_name": "base"}, _settings())
+
+    def body(**params):
+        sub = P.decode_client(P.encode_submit("c", input_ids=[1, 2], params=params))
+        return completions_body(P.Request(1, 1, 1000, "c", None, sub), info)
+
+    b = body(json_schema='{"type": "object"}', regex=None or "a+", no_stop_trim=True, return_logprob=True, top_logprobs_num=3,
+             lora_path="my-adapter", min_new_tokens=2, spaces_between_special_tokens=False)
+    assert b["structured_outputs"] == {"json": {"type": "object"}, "regex": "a+"}
+    assert b["include_stop_str_in_output"] is True and b["logprobs"] == 3 and b["min_tokens"] == 2
+    assert b["model"] == "my-adapter"  # vLLM serves a LoRA adapter under its own name
+    assert "max_tokens" not in body()  # no limit given: vLLM's default (the rest of the context)
+    for k, v in {"extra_key": "x", "return_hidden_states": True, "custom_params": {}, "stop_regex": "x"}.items():
+        with pytest.raises(UnsupportedParam, match=k):
+            body(**{k: v})
+    with pytest.raises(UnsupportedParam, match="json_schema"):
+        body(json_schema="{not json")

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiohttp
@@ -39,25 +40,55 @@ from mesh.load import LoadStat
 
 __all__ = ["VllmBackend", "completions_body", "loadstats_from_vllm_metrics"]
 
-# mesh params -> vLLM OpenAI completion fields (vLLM accepts these sampling extensions).
+# mesh params (SGLang's vocabulary, mesh/params.py) -> vLLM OpenAI completions fields.
 _PARAMS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "min_new_tokens": "min_tokens",
     "min_tokens": "min_tokens", "seed": "seed", "sampling_seed": "seed", "logit_bias": "logit_bias",
-    "skip_special_tokens": "skip_special_tokens", "cache_salt": "cache_salt", "priority": "priority",
+    "skip_special_tokens": "skip_special_tokens", "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "no_stop_trim": "include_stop_str_in_output", "cache_salt": "cache_salt", "priority": "priority", "n": "n",
 }
+# Constrained decoding: SGLang's flat keys -> vLLM's structured_outputs fields.
+_STRUCTURED = {"json_schema": "json", "regex": "regex", "ebnf": "grammar", "structural_tag": "structural_tag"}
+# Read elsewhere (max_new_tokens), or with no effect on vLLM's answer: it always returns token
+# text and ids (return_token_ids), and streams every token.
+_HANDLED = frozenset({"max_new_tokens", "return_text_in_logprobs", "return_prompt_token_ids", "stream_interval",
+                      "return_logprob", "top_logprobs_num", "lora_path"})
+
+
+class UnsupportedParam(ValueError):
+    """A request parameter vLLM has no equivalent for: the request is refused (bad_request)
+    naming it, rather than run without it."""
 
 
 def completions_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
+    """The vLLM ``/v1/completions`` body for one request. Raises :class:`UnsupportedParam`."""
     sub = r.submit
+    params = sub.params or {}
     body: dict[str, Any] = {"model": info.model}
-    for k, v in (sub.params or {}).items():
+    structured: dict[str, Any] = {}
+    for k, v in params.items():
         dst = _PARAMS.get(k)
         if dst is not None:
             body[dst] = v
+        elif k in _STRUCTURED:
+            if k == "json_schema" and isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except ValueError:
+                    raise UnsupportedParam("json_schema: not valid JSON for vLLM's structured outputs") from None
+            structured[_STRUCTURED[k]] = v
+        elif k not in _HANDLED:
+            raise UnsupportedParam(f"{k}: vLLM has no equivalent of this SGLang parameter")
+    if structured:
+        body["structured_outputs"] = structured
+    if isinstance(params.get("lora_path"), str):
+        body["model"] = params["lora_path"]  # vLLM serves each LoRA adapter under its own model name
+    if params.get("return_logprob"):
+        body["logprobs"] = int(params.get("top_logprobs_num") or 0)
     body["prompt"] = list(sub.input_ids) if sub.input_ids is not None else sub.text
-    if "max_new_tokens" in (sub.params or {}):  # else vLLM's default: the rest of the context
+    if "max_new_tokens" in params:  # else vLLM's default: the rest of the context
         body["max_tokens"] = sub.max_new_tokens
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
