@@ -36,9 +36,11 @@ import itertools
 import json
 import math
 import os
+import random
 import signal
 import time
 import uuid
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +50,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from mesh import kv_events as KV
+from mesh import openai_logprobs as OL
 from mesh.engine_model import EngineConfig, EngineModel
 from mesh.hashing import text_to_tokens
 from mesh.logs import announce, configure, get_logger
@@ -73,9 +76,185 @@ _WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing",
           "quis", "nostrud", "exercitation", "ullamco", "laboris", "nisi", "aliquip", "ex", "ea")
 
 
+# Constrained output (``json_schema``) is spelled in its own token ids, far above any vocabulary
+# the engine model draws from: multi-character JSON pieces from PIECE_BASE, then one id per ASCII
+# character from CHAR_BASE (``json.dumps`` output is ASCII), so ``detokenize`` gives the JSON back.
+PIECE_BASE = 1 << 24
+_PIECES = ('{"', '"}', '": ', '": "', '", "', ', "', '", ', '"]', '["', 'true', 'false', 'null', '[]', '{}',
+           *_WORDS, *(" " + w for w in _WORDS))
+CHAR_BASE = PIECE_BASE + 4096
+_PIECE_IDS = {piece: PIECE_BASE + i for i, piece in enumerate(_PIECES)}
+_MAX_PIECE = max(len(x) for x in _PIECES)
+EOS_TOKEN_ID = 2  # what a constrained answer "matched" when it ends (SGLang: {"type": "stop", "matched": id})
+
+
+def _token_text(t: int) -> str:
+    if t >= CHAR_BASE:
+        if t < CHAR_BASE + 128:
+            return chr(t - CHAR_BASE)
+    elif t >= PIECE_BASE and t - PIECE_BASE < len(_PIECES):
+        return _PIECES[t - PIECE_BASE]
+    return " " + _WORDS[t % len(_WORDS)]
+
+
 def detokenize(tokens: list[int]) -> str:
-    """The stub's stand-in detokenizer: one word per token (deterministic)."""
-    return "".join(" " + _WORDS[t % len(_WORDS)] for t in tokens)
+    """The stub's stand-in detokenizer: one word per token (deterministic); the ids of constrained
+    (JSON) output are their JSON pieces."""
+    return "".join(_token_text(t) for t in tokens)
+
+
+def tokenize_constrained(text: str) -> list[int]:
+    """ASCII text (JSON) -> the stub's constrained-output ids: longest piece first, else one id per
+    character (``detokenize`` inverts it)."""
+    out: list[int] = []
+    i, n = 0, len(text)
+    while i < n:
+        for size in range(min(_MAX_PIECE, n - i), 1, -1):
+            tid = _PIECE_IDS.get(text[i:i + size])
+            if tid is not None:
+                out.append(tid)
+                i += size
+                break
+        else:
+            c = ord(text[i])
+            if c >= 128:
+                raise ValueError("constrained output must be ASCII")
+            out.append(CHAR_BASE + c)
+            i += 1
+    return out
+
+
+class _SchemaTooLarge(ValueError):
+    pass
+
+
+def json_for_schema(schema: Any, seed: int) -> Any:
+    """A deterministic value conforming to a JSON schema: the stub's "enforcing engine". Knows
+    type (also a list of types), properties/required, items/minItems/maxItems, enum, const,
+    minimum/maximum (and exclusive ones), minLength/maxLength, anyOf/oneOf (the first),
+    allOf (merged), $ref to #/$defs or #/definitions, and a few string formats. Raises ValueError
+    for what it cannot satisfy (the server answers 400, as SGLang does for a bad grammar)."""
+    rnd = random.Random(seed)
+    root = schema if isinstance(schema, dict) else {}
+    defs = {**(root.get("definitions") or {}), **(root.get("$defs") or {})}
+    budget = [4000]
+
+    def word() -> str:
+        return _WORDS[rnd.randrange(len(_WORDS))]
+
+    def gen(s: Any, depth: int) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 32:
+            raise _SchemaTooLarge("json_schema: the schema is too large or too deeply nested for the stub")
+        if s is True or s == {}:
+            return word() if depth else {word(): word()}
+        if not isinstance(s, dict):
+            raise ValueError("json_schema: a schema must be an object or true")
+        if "$ref" in s:
+            ref = s["$ref"]
+            target = defs.get(ref.rsplit("/", 1)[-1]) if isinstance(ref, str) else None
+            if ref == "#":
+                target = root
+            if target is None:
+                raise ValueError(f"json_schema: cannot resolve $ref {ref!r}")
+            return gen(target, depth + 1)
+        if "const" in s:
+            return s["const"]
+        if isinstance(s.get("enum"), list) and s["enum"]:
+            return s["enum"][rnd.randrange(len(s["enum"]))]
+        for key in ("anyOf", "oneOf"):
+            if isinstance(s.get(key), list) and s[key]:
+                return gen(s[key][0], depth + 1)
+        if isinstance(s.get("allOf"), list) and s["allOf"]:
+            merged = {k: v for k, v in s.items() if k != "allOf"}
+            for sub in s["allOf"]:
+                if isinstance(sub, dict):
+                    merged = {**merged, **sub, "properties": {**(merged.get("properties") or {}), **(sub.get("properties") or {})},
+                              "required": [*(merged.get("required") or []), *(sub.get("required") or [])]}
+            return gen(merged, depth + 1)
+        t = s.get("type")
+        if isinstance(t, list):
+            t = next((x for x in t if x != "null"), "null")
+        if t is None:
+            t = "object" if "properties" in s else "array" if "items" in s else "string"
+        if t == "object":
+            props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+            out = {name: gen(sub, depth + 1) for name, sub in props.items()}
+            for name in s.get("required") or []:
+                if isinstance(name, str) and name not in out:
+                    out[name] = word()
+            if not out and depth == 0 and s.get("additionalProperties") is not False:
+                out = {word(): word(), "n": rnd.randrange(100)}  # json_object mode: some object
+            return out
+        if t == "array":
+            lo = s.get("minItems") if type(s.get("minItems")) is int else 0
+            hi = s.get("maxItems") if type(s.get("maxItems")) is int else max(lo, 3)
+            n = max(lo, min(hi, 2))
+            items = s.get("items", True)
+            if isinstance(s.get("prefixItems"), list):
+                return [gen(x, depth + 1) for x in s["prefixItems"]]
+            return [gen(items, depth + 1) for _ in range(n)]
+        if t == "string":
+            fmt = s.get("format")
+            if fmt in _FORMATS:
+                return _FORMATS[fmt]
+            lo = s.get("minLength") if type(s.get("minLength")) is int else 1
+            hi = s.get("maxLength") if type(s.get("maxLength")) is int else 1 << 16
+            text = word()
+            while len(text) < lo:
+                text += " " + word()
+            return text[:hi]
+        if t in ("integer", "number"):
+            step = 1 if t == "integer" else 0.5
+            ex_lo, ex_hi = s.get("exclusiveMinimum"), s.get("exclusiveMaximum")
+            lo = ex_lo + step if type(ex_lo) in (int, float) else s.get("minimum")
+            hi = ex_hi - step if type(ex_hi) in (int, float) else s.get("maximum")
+            lo = lo if type(lo) in (int, float) else (hi - 100 if type(hi) in (int, float) else 0)
+            hi = hi if type(hi) in (int, float) else lo + 100
+            if t == "integer":
+                lo_i, hi_i = math.ceil(lo), math.floor(hi)
+                return rnd.randint(lo_i, hi_i) if lo_i <= hi_i else lo_i
+            v = round(lo + (hi - lo) * rnd.random(), 2)
+            return v if lo <= v <= hi else lo
+        if t == "boolean":
+            return rnd.random() < 0.5
+        if t == "null":
+            return None
+        raise ValueError(f"json_schema: unsupported type {t!r}")
+
+    return gen(schema, 0)
+
+
+_FORMATS = {"date-time": "2024-01-02T03:04:05Z", "date": "2024-01-02", "time": "03:04:05", "email": "lorem@example.com",
+            "uri": "https://example.com/lorem", "uuid": "123e4567-e89b-12d3-a456-426614174000", "ipv4": "192.0.2.1"}
+
+
+def constrained_tokens(json_schema: Any, seed: int) -> list[int]:
+    """SGLang's ``json_schema`` sampling parameter (a JSON string) -> the ids of a conforming
+    answer; ValueError for a schema that is not JSON or that the generator cannot satisfy."""
+    try:
+        schema = json.loads(json_schema) if isinstance(json_schema, str) else json_schema
+    except ValueError:
+        raise ValueError("json_schema: not valid JSON") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("json_schema: must be a JSON object")
+    return tokenize_constrained(json.dumps(json_for_schema(schema, seed)))
+
+
+def token_logprob(tid: int, pos: int) -> float:
+    """The chosen token's (deterministic) logprob: it is always the most likely (greedy)."""
+    return -round(0.3 + ((tid * 2654435761 + pos * 97) % 1000) / 2000, 6)
+
+
+def top_logprobs(tid: int, pos: int, n: int, vocab: int) -> list[tuple[float, int]]:
+    """The ``n`` most likely tokens at a position, best first: the chosen token, then alternatives
+    with distinct texts whose probabilities leave room (they sum to < 1)."""
+    lp = token_logprob(tid, pos)
+    base = tid % vocab
+    out = [(lp, tid)]
+    for k in range(1, n):
+        out.append((round(lp - 2.0 - (k - 1) - ((tid + k) % 7) / 100, 6), (base + k) % vocab))
+    return out[:n]
 
 
 @dataclass
@@ -134,7 +313,8 @@ def _json_error(status: int, message: str) -> web.Response:
 
 
 class _Job:
-    __slots__ = ("key", "rid", "rank", "prompt_len", "max_new", "queue", "cached", "tokens", "finished", "t0")
+    __slots__ = ("key", "rid", "rank", "prompt_len", "max_new", "queue", "cached", "tokens", "finished", "t0", "forced", "lp",
+                 "prompt")
 
     def __init__(self, key: int, rid: str, rank: int, prompt_len: int, max_new: int) -> None:
         self.key = key
@@ -147,6 +327,9 @@ class _Job:
         self.tokens: list[int] = []
         self.finished: tuple[str, dict] | None = None
         self.t0 = time.monotonic()
+        self.forced: list[int] | None = None  # constrained (json_schema) output: the answer's ids
+        self.lp: tuple[int, bool, int] | None = None  # return_logprob: (top_logprobs_num, text in logprobs, logprob_start_len)
+        self.prompt: list[int] | None = None  # kept for input logprobs only
 
 
 class _Rank:
@@ -186,6 +369,12 @@ class _Rank:
         if self.jobs.pop(job.key, None) is not None:
             self.engine.cancel(job.key)
             self.aborted_total += 1
+
+    def stop_early(self, job: _Job) -> None:
+        """A constrained answer is complete (EOS): the request ends, not counted as aborted."""
+        if self.jobs.pop(job.key, None) is not None:
+            self.engine.cancel(job.key)
+            self.cached_tokens_total += job.cached
 
     async def run(self) -> None:
         eng = self.engine
@@ -427,10 +616,106 @@ class SglangStub:
                 item = job.queue.get_nowait()
             except asyncio.QueueEmpty:
                 break
+        if job.forced is not None:  # the engine model times the tokens; the constrained answer spells them
+            base = len(job.tokens)
+            toks = [job.forced[base + i] for i in range(min(len(toks), len(job.forced) - base))]
+            if base + len(toks) == len(job.forced) and (fin is None or fin[0] == "length"):
+                self.ranks[job.rank].stop_early(job)  # the JSON is complete: the engine stops at EOS
+                fin = ("stop", {"cached_tokens": job.cached})
         job.tokens.extend(toks)
         if fin is not None:
             job.finished = fin
         return toks, fin
+
+    @staticmethod
+    def _constraint(json_schema: Any, lp: tuple[int, bool, int] | None, prompt: list[int]) -> tuple:
+        """What shapes a request's answer, checked before it starts: the constrained ids for a
+        ``json_schema`` (an enforcing engine: the answer is JSON conforming to it, ending with
+        ``stop`` when complete, ``length`` when cut short; deterministic per schema and prompt) and
+        the logprobs asked for (:meth:`_logprob_req`)."""
+        forced = None
+        if json_schema is not None:
+            seed = zlib.crc32(repr((json_schema, prompt[:256], len(prompt))).encode())
+            try:
+                forced = constrained_tokens(json_schema, seed)
+            except ValueError as exc:
+                raise HttpError(400, str(exc)) from None
+        return forced, lp, prompt
+
+    @staticmethod
+    def _apply(job: _Job, c: tuple) -> None:
+        job.forced, job.lp, prompt = c
+        if job.lp is not None and job.lp[2] >= 0:
+            job.prompt = list(prompt)
+
+    @staticmethod
+    def _logprob_req(body: dict) -> tuple[int, bool, int] | None:
+        """SGLang's request-level logprob fields -> (top_logprobs_num, return_text_in_logprobs,
+        logprob_start_len), or None without ``return_logprob``."""
+        if not body.get("return_logprob"):
+            return None
+        top = body.get("top_logprobs_num") or 0
+        start = body.get("logprob_start_len")
+        start = -1 if start is None else start
+        if type(top) is not int or not 0 <= top <= 64:
+            raise HttpError(400, "top_logprobs_num must be an integer in [0, 64]")
+        if type(start) is not int or start < -1:
+            raise HttpError(400, "logprob_start_len must be an integer >= -1")
+        return top, bool(body.get("return_text_in_logprobs")), start
+
+    @staticmethod
+    def _openai_logprob_req(body: dict, chat: bool) -> tuple[int, bool, int] | None:
+        v = body.get("logprobs")
+        if chat:
+            if v is not True:
+                return None
+            top = body.get("top_logprobs") or 0
+            if type(top) is not int or not 0 <= top <= 20:
+                raise HttpError(400, "top_logprobs must be an integer in [0, 20]")
+            return top, True, -1
+        if v is None:
+            return None
+        if type(v) is not int or not 0 <= v <= 5:
+            raise HttpError(400, "logprobs must be an integer in [0, 5]")
+        return v, True, -1
+
+    @staticmethod
+    def _openai_schema(body: dict) -> Any:
+        rf = body.get("response_format")
+        if not isinstance(rf, dict):
+            return body.get("json_schema")
+        if rf.get("type") == "json_object":
+            return '{"type": "object"}'
+        if rf.get("type") == "json_schema":
+            js = rf.get("json_schema")
+            return (js.get("schema") if isinstance(js, dict) else None) or {"type": "object"}
+        return None
+
+    def _logprob_meta(self, job: _Job, start: int, inputs: bool) -> dict[str, Any]:
+        """SGLang's meta_info logprob lists for output tokens ``start:`` (and the prompt's from
+        ``logprob_start_len`` when ``inputs``): ``[logprob, token_id, text or null]`` triples."""
+        if job.lp is None:
+            return {}
+        top_n, with_text, start_len = job.lp
+        vocab = self.s.engine.vocab_size
+
+        def triple(lp: float | None, t: int) -> list:
+            return [lp, t, _token_text(t) if with_text else None]
+
+        toks = job.tokens[start:]
+        out: dict[str, Any] = {"output_token_logprobs": [triple(token_logprob(t, start + i), t) for i, t in enumerate(toks)]}
+        if top_n:
+            out["output_top_logprobs"] = [[triple(lp, a) for lp, a in top_logprobs(t, start + i, top_n, vocab)]
+                                          for i, t in enumerate(toks)]
+        if inputs and job.prompt is not None:
+            prompt = job.prompt
+            ps = range(min(start_len, len(prompt)), len(prompt))
+            # position 0 has no logprob (nothing precedes it), as in SGLang
+            out["input_token_logprobs"] = [triple(None if i == 0 else token_logprob(prompt[i], -1 - i), prompt[i]) for i in ps]
+            if top_n:
+                out["input_top_logprobs"] = [None if i == 0 else [triple(lp, a) for lp, a in top_logprobs(prompt[i], -1 - i, top_n, vocab)]
+                                             for i in ps]
+        return out
 
     def _encode(self, text: str) -> list[int]:
         """A text prompt's token ids: the model's tokenizer when given (``--tokenizer``), else the
@@ -449,7 +734,8 @@ class SglangStub:
     def _meta(self, job: _Job, fin: tuple[str, dict] | None) -> dict[str, Any]:
         finish = None
         if fin is not None:
-            finish = {"type": "length", "length": job.max_new} if fin[0] == "length" else {"type": fin[0]}
+            finish = ({"type": "length", "length": job.max_new} if fin[0] == "length" else
+                      {"type": "stop", "matched": EOS_TOKEN_ID} if fin[0] == "stop" else {"type": fin[0]})
         return {
             "id": job.rid,
             "finish_reason": finish,
@@ -517,6 +803,8 @@ class SglangStub:
             sp_list = [self._sampling(x) for x in sp_list]
             stream = bool(body.get("stream", False))
             rank_hint = body.get("routed_dp_rank", body.get("data_parallel_rank"))
+            lp = self._logprob_req(body)
+            cons = [self._constraint(sp.get("json_schema"), lp, p) for sp, p in zip(sp_list, prompts)]
             rids = body.get("rid")
             if batch:
                 if stream:
@@ -524,11 +812,14 @@ class SglangStub:
                 rid_list = rids if type(rids) is list else [None] * len(prompts)
                 jobs = [self._start_job(p, sp.get("max_new_tokens", 128), r, rank_hint)
                         for p, sp, r in zip(prompts, sp_list, rid_list)]
+                for job, c in zip(jobs, cons):
+                    self._apply(job, c)
                 outs = []
                 for job in jobs:
                     outs.append(await self._collect_generate(job, body))
                 return web.json_response(outs)
             job = self._start_job(prompts[0], sp_list[0].get("max_new_tokens", 128), rids if type(rids) is str else None, rank_hint)
+            self._apply(job, cons[0])
         except HttpError as exc:
             return _json_error(exc.status, exc.message)
         if not stream:
@@ -538,8 +829,12 @@ class SglangStub:
                 self._abandon(job)
         return await self._stream_generate(request, job, body, prompts[0])
 
-    def _gen_obj(self, job: _Job, fin, text: str, ids: list[int], body: dict, prompt: list[int] | None = None) -> dict:
-        out = {"text": text, "output_ids": ids, "meta_info": self._meta(job, fin)}
+    def _gen_obj(self, job: _Job, fin, text: str, ids: list[int], body: dict, prompt: list[int] | None = None, *,
+                 lp_from: int = 0, lp_inputs: bool = True) -> dict:
+        meta = self._meta(job, fin)
+        if job.lp is not None:
+            meta.update(self._logprob_meta(job, lp_from, lp_inputs))
+        out = {"text": text, "output_ids": ids, "meta_info": meta}
         if body.get("return_prompt_token_ids") and prompt is not None:
             out["prompt_token_ids"] = prompt
         return out
@@ -557,14 +852,16 @@ class SglangStub:
     async def _stream_generate(self, request: web.Request, job: _Job, body: dict, prompt: list[int]) -> web.StreamResponse:
         incremental = self.s.incremental_streaming_output
         resp = await self._sse_start(request)
+        first = True
         try:
             while True:
                 toks, fin = await self._next(job)
                 if not toks and fin is None:
                     continue
-                if incremental:
-                    obj = self._gen_obj(job, fin, detokenize(toks), toks, body)
-                else:
+                if incremental:  # logprob lists are incremental too (the input ones in the first event only)
+                    obj = self._gen_obj(job, fin, detokenize(toks), toks, body, lp_from=len(job.tokens) - len(toks), lp_inputs=first)
+                    first = False
+                else:  # cumulative, logprob lists included, as SGLang
                     obj = self._gen_obj(job, fin, detokenize(job.tokens), list(job.tokens), body, prompt)
                 await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
                 if fin is not None:
@@ -605,7 +902,9 @@ class SglangStub:
                 raise HttpError(400, "prompt must be a non-empty string or list of token ids (n=1)")
             if body.get("n", 1) != 1:
                 raise HttpError(400, "the stub supports n=1 only")
+            cons = self._constraint(self._openai_schema(body), self._openai_logprob_req(body, False), prompt)
             job = self._start_job(prompt, self._max_tokens(body, 16), None, body.get("routed_dp_rank", body.get("data_parallel_rank")))
+            self._apply(job, cons)
         except HttpError as exc:
             return _json_error(exc.status, exc.message)
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -618,7 +917,8 @@ class SglangStub:
                     await self._next(job)
             finally:
                 self._abandon(job)
-            choice = {"index": 0, "text": detokenize(job.tokens), "logprobs": None, "finish_reason": job.finished[0], "matched_stop": None}
+            choice = {"index": 0, "text": detokenize(job.tokens), "logprobs": OL.completion_logprobs(self._logprob_meta(job, 0, False)),
+                      "finish_reason": job.finished[0], "matched_stop": None}
             if want_ids:
                 choice["token_ids"] = list(job.tokens)
                 choice["prompt_token_ids"] = prompt
@@ -626,10 +926,12 @@ class SglangStub:
                                       "choices": [choice], "usage": self._usage(job)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         resp = await self._sse_start(request)
+        offset = OL.TextOffset()
         try:
             while True:
                 toks, fin = await self._next(job)
-                choice = {"index": 0, "text": detokenize(toks), "logprobs": None,
+                lps = OL.completion_logprobs(self._logprob_meta(job, len(job.tokens) - len(toks), False), offset=offset)
+                choice = {"index": 0, "text": detokenize(toks), "logprobs": lps,
                           "finish_reason": fin[0] if fin else None, "matched_stop": None}
                 if want_ids:
                     choice["token_ids"] = toks
@@ -675,8 +977,10 @@ class SglangStub:
         try:
             body = await self._body(request)
             prompt = self._chat_prompt(body)
+            cons = self._constraint(self._openai_schema(body), self._openai_logprob_req(body, True), prompt)
             job = self._start_job(prompt, self._max_tokens(body, 128), body.get("rid") if type(body.get("rid")) is str else None,
                                   body.get("routed_dp_rank", body.get("data_parallel_rank")))
+            self._apply(job, cons)
         except HttpError as exc:
             return _json_error(exc.status, exc.message)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -690,14 +994,15 @@ class SglangStub:
                 self._abandon(job)
             msg = {"role": "assistant", "content": detokenize(job.tokens), "reasoning_content": None, "tool_calls": None}
             return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                                      "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": job.finished[0],
+                                      "choices": [{"index": 0, "message": msg, "logprobs": OL.chat_logprobs(self._logprob_meta(job, 0, False)),
+                                                   "finish_reason": job.finished[0],
                                                    "matched_stop": None}], "usage": self._usage(job)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         resp = await self._sse_start(request)
 
-        def chunk(delta: dict, finish: str | None) -> bytes:
+        def chunk(delta: dict, finish: str | None, lps: dict | None = None) -> bytes:
             obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}], "usage": None}
+                   "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish, "matched_stop": None}], "usage": None}
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
         try:
@@ -705,7 +1010,8 @@ class SglangStub:
             while True:
                 toks, fin = await self._next(job)
                 if toks:
-                    await resp.write(chunk({"content": detokenize(toks)}, None))
+                    lps = OL.chat_logprobs(self._logprob_meta(job, len(job.tokens) - len(toks), False))
+                    await resp.write(chunk({"content": detokenize(toks)}, None, lps))
                 if fin is not None:
                     await resp.write(chunk({}, fin[0]))
                     break
