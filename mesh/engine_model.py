@@ -44,6 +44,13 @@ them immediately.
 
 Page identity inside the cache is the router's content key (:func:`mesh.hashing.content_keys`), so
 prefix matching is one dict probe per prompt page; SHA-256 is computed only for new pages.
+
+Cache namespaces (``submit(lora_name=, extra_key=, cache_salt=)``, ``mesh.namespaces``): a
+request's pages chain from its namespace's root key, so it reuses only pages of its own namespace,
+as SGLang keeps LoRA adapters, extra keys and salts apart. Its page hashes are seeded differently
+(a salt as SGLang seeds it, ``SHA-256(b"sglang-cache-salt-v1\0" + salt)``; adapter and extra key
+folded into that seed, a simplification of SGLang's hash namespacing) and its BlockStored events
+carry ``lora_name`` / ``cache_salt`` as SGLang's do (no ``extra_key``: SGLang publishes none).
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ import xxhash
 
 from mesh.errors import ConfigError
 from mesh.hashing import ROOT_KEY, content_keys
+from mesh.namespaces import make_namespace, namespace_root_key
 from mesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from mesh.load import LoadStat
 
@@ -137,6 +145,20 @@ class StepResult:
     kv_events: list[KvEvent] = field(default_factory=list)
 
 
+def _namespace_seed(lora_name: str | None, extra_key: str | None, cache_salt: str | None) -> bytes:
+    """SHA-256 chain seed of a namespaced request's first page (see the module docstring)."""
+    if cache_salt and not lora_name and not extra_key:
+        return _sha256(b"sglang-cache-salt-v1\0" + cache_salt.encode()).digest()  # SGLang's own salt seed
+
+    def part(v: str | None) -> bytes:
+        if not v:
+            return b"\x00"
+        b = v.encode()
+        return b"\x01" + len(b).to_bytes(8, "little") + b
+
+    return _sha256(b"sglang-kv-event-namespace-v1" + part(lora_name) + part(extra_key) + part(cache_salt)).digest()
+
+
 def _rid_seed(rid: object) -> int:
     return xxhash.xxh3_64_intdigest(repr(rid).encode())
 
@@ -149,9 +171,10 @@ def output_token_id(rid: object, position: int, vocab_size: int) -> int:
 class _Page:
     """One cached page: a radix node keyed by its content key."""
 
-    __slots__ = ("key", "parent", "hash", "digest", "tokens", "ref", "children", "stamp", "alive")
+    __slots__ = ("key", "parent", "hash", "digest", "tokens", "ref", "children", "stamp", "alive", "ns")
 
-    def __init__(self, key: int, parent: _Page | None, digest: bytes, tokens: tuple[int, ...], stamp: int) -> None:
+    def __init__(self, key: int, parent: _Page | None, digest: bytes, tokens: tuple[int, ...], stamp: int,
+                 ns: tuple[str | None, str | None] | None = None) -> None:
         self.key = key
         self.parent = parent
         self.digest = digest  # SGLang chain digest: the next page's hash needs all 32 bytes
@@ -161,15 +184,17 @@ class _Page:
         self.children = 0
         self.stamp = stamp  # LRU clock: larger = used more recently
         self.alive = True
+        self.ns = ns  # (lora_name, cache_salt) its events carry; None = plain
 
 
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_new", "arrival_s", "output", "seq", "keys", "path", "computed",
-        "kv_tokens", "cached_tokens", "seed", "first_done", "admitted", "transferred",
+        "kv_tokens", "cached_tokens", "seed", "first_done", "admitted", "transferred", "root", "prior", "ns",
     )
 
-    def __init__(self, rid: object, prompt: list[int], max_new: int, arrival_s: float, keys: list[int]) -> None:
+    def __init__(self, rid: object, prompt: list[int], max_new: int, arrival_s: float, keys: list[int],
+                 root: int = ROOT_KEY, prior: bytes = b"", ns: tuple[str | None, str | None] | None = None) -> None:
         self.rid = rid
         self.prompt = prompt
         self.max_new = max_new
@@ -185,6 +210,9 @@ class _Req:
         self.first_done = False
         self.admitted = False
         self.transferred = False  # PD decode leg: the prompt's KV arrives over the network
+        self.root = root  # content key its chain starts from (its cache namespace)
+        self.prior = prior  # SHA-256 chain seed of its first page (b"" = plain)
+        self.ns = ns  # (lora_name, cache_salt) for its events, None = plain
 
 
 class EngineModel:
@@ -209,17 +237,20 @@ class EngineModel:
         self._decode_steps = 0
         self._prefill_tokens_total = 0
         self._prefill_busy_us = 0.0
-        # Pending events, merged in place: ["S", hashes, parent, tokens] | ["R", hashes] | ["C"].
+        # Pending events, merged in place: ["S", hashes, parent, tokens, ns] | ["R", hashes] | ["C"].
         self._pending: list[list] = [["C"]]  # SGLang resets (and announces) its cache at start
 
     # ------------------------------------------------------------------ public API
 
-    def submit(self, rid: object, prompt: Sequence[int], max_new_tokens: int, now_s: float, *, transferred: bool = False) -> None:
+    def submit(self, rid: object, prompt: Sequence[int], max_new_tokens: int, now_s: float, *, transferred: bool = False,
+               lora_name: str | None = None, extra_key: str | None = None, cache_salt: str | None = None) -> None:
         """Queue a request. ``max_new_tokens`` is clipped so prompt + output fit the KV capacity.
 
         ``transferred`` (the decode leg of prefill/decode disaggregation): the prompt's KV is
         received from the prefill worker instead of computed, costing ``kv_transfer`` time
         (``kv_bytes_per_token / kv_transfer_bytes_per_s`` per uncached token) instead of prefill.
+        ``lora_name`` / ``extra_key`` / ``cache_salt``: the request's cache namespace (see the
+        module docstring); pages of other namespaces are never reused.
 
         Raises ValueError on a duplicate rid, an empty prompt, bad token ids, a negative
         ``max_new_tokens`` or a prompt that cannot fit (prompt + admission reserve > capacity).
@@ -235,10 +266,17 @@ class EngineModel:
         if type(max_new_tokens) is not int or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         toks = list(prompt)
-        keys = content_keys(toks, self._ps)  # also validates the ids (ValueError)
+        nsname = make_namespace(lora_name, extra_key, cache_salt)
+        root, prior, ns = ROOT_KEY, b"", None
+        if nsname is not None:
+            root = namespace_root_key(nsname)
+            prior = _namespace_seed(lora_name, extra_key, cache_salt)
+            if lora_name or cache_salt:
+                ns = (lora_name or None, cache_salt or None)
+        keys = content_keys(toks, self._ps, root)  # also validates the ids (ValueError)
         # A lone request must always fit, so a retraction can never starve it.
         max_new = min(max_new_tokens, cfg.max_total_num_tokens - cfg.admission_reserve_tokens - n)
-        req = _Req(rid, toks, max_new, now_s, keys)
+        req = _Req(rid, toks, max_new, now_s, keys, root, prior, ns)
         req.transferred = transferred
         self._reqs[rid] = req
         self._waiting.append(req)
@@ -355,7 +393,11 @@ class EngineModel:
         for e in self._pending:
             k = e[0]
             if k == "S":
-                out.append(BlockStored(tuple(e[1]), e[2], tuple(e[3]), ps, _MEDIUM))
+                ns = e[4]
+                if ns is None:
+                    out.append(BlockStored(tuple(e[1]), e[2], tuple(e[3]), ps, _MEDIUM))
+                else:
+                    out.append(BlockStored(tuple(e[1]), e[2], tuple(e[3]), ps, _MEDIUM, ns[0], cache_salt=ns[1]))
             elif k == "R":
                 out.append(BlockRemoved(tuple(e[1]), _MEDIUM))
             else:
@@ -389,11 +431,12 @@ class EngineModel:
         self._pending = [["C"]]  # earlier buffered events are moot after a clear
         return True
 
-    def peek_cached_tokens(self, prompt: Sequence[int]) -> int:
-        """Tokens of ``prompt`` admission would find cached right now (no side effects)."""
+    def peek_cached_tokens(self, prompt: Sequence[int], namespace: str | None = None) -> int:
+        """Tokens of ``prompt`` admission would find cached right now (no side effects);
+        ``namespace``: ``mesh.namespaces.make_namespace`` of the request's adapter/key/salt."""
         if not prompt:
             return 0
-        return self._match_len(content_keys(prompt, self._ps), len(prompt)) * self._ps
+        return self._match_len(content_keys(prompt, self._ps, namespace_root_key(namespace)), len(prompt)) * self._ps
 
     def load_stat(self, dp_rank: int = 0) -> LoadStat:
         """SGLang's LoadStat with this rank's true numbers.
@@ -465,7 +508,7 @@ class EngineModel:
         have = len(keys)
         if have < n_pages:
             ps = self._ps
-            parent = keys[-1] if keys else ROOT_KEY
+            parent = keys[-1] if keys else r.root
             keys.extend(content_keys(tokens[have * ps : n_pages * ps], ps, parent))
         return keys
 
@@ -522,9 +565,9 @@ class EngineModel:
         if p is None:
             parent = r.path[-1] if r.path else None
             page = tokens[i * ps : (i + 1) * ps]
-            prior = parent.digest if parent is not None else b""
+            prior = parent.digest if parent is not None else r.prior
             digest = _sha256(prior + self._pack_page(*page)).digest()
-            p = _Page(key, parent, digest, tuple(page), self._tick())
+            p = _Page(key, parent, digest, tuple(page), self._tick(), r.ns)
             self._cache[key] = p
             if parent is not None:
                 parent.children += 1
@@ -672,11 +715,11 @@ class EngineModel:
         pend = self._pending
         if pend:
             last = pend[-1]
-            if last[0] == "S" and last[1][-1] == parent:
+            if last[0] == "S" and last[1][-1] == parent and last[4] == p.ns:
                 last[1].append(p.hash)
                 last[3].extend(p.tokens)
                 return
-        pend.append(["S", [p.hash], parent, list(p.tokens)])
+        pend.append(["S", [p.hash], parent, list(p.tokens), p.ns])
 
     def _note_removed(self, h: int) -> None:
         pend = self._pending

@@ -4,9 +4,15 @@ Accepted shapes (``worker-telemetry.md`` §2, §12, §16):
 
 * SGLang >= 0.5.20 / vLLM tagged **maps** (``{"type": "BlockStored", ...}``); unknown keys ignored;
 * SGLang 0.5.4-0.5.19 tagged **arrays** (``["BlockStored", hashes, parent, tokens, block_size,
-  lora_id, medium, metadata_or_lora_name, ...]``); missing trailing positions read as nil, extra
-  ones ignored, position 7 is ``lora_name`` only when it is a string (0.5.18 puts a metadata map
-  there);
+  lora_id, medium, metadata_or_lora_name, extra_keys, ...]``); missing trailing positions read as
+  nil, extra ones ignored, position 7 is ``lora_name`` when it is a string and 0.5.18's metadata
+  map (its ``cache_salt``) when it is a map; position 8 is llm-d's padded ``extra_keys``;
+
+Cache namespace fields (``mesh.namespaces``): ``lora_name``, ``cache_salt`` (SGLang 0.5.20+ map
+key, 0.5.18 array metadata map) and vLLM's per-block ``extra_keys`` (LoRA name on every block, the
+cache salt on a prompt's first block; blocks whose extra keys name anything else -- multimodal
+inputs, prompt embeddings -- cannot match a text request and are cut off the event, counted in
+``unmatched_blocks``; an event with no matchable block is rejected as ``unmatchable_blocks``).
 * batches ``[ts, events]`` or ``[ts, events, rank]``.
 
 Normalisation: every hash becomes an unsigned 64-bit int (:func:`mesh.hashing.norm_hash`: ints by
@@ -25,6 +31,7 @@ rejected with reason ``unsupported_tokens``.
 Rejection reasons (the ``ProtocolError.reason`` / skip-count label): ``bad_event`` (shape, type or
 range), ``unknown_event_type``, ``skipped_group`` (vLLM hybrid-model event for a KV group other
 than 0 / a non-main-attention kind: not an error, but not ours), ``unsupported_tokens``,
+``unmatchable_blocks`` (vLLM blocks of multimodal / prompt-embeds content, see above),
 ``bad_batch`` (batch envelope), ``bad_msgpack`` (from :func:`mesh.protocol.unpack`).
 
 Pure code: no I/O, no clock.
@@ -75,6 +82,11 @@ class BlockStored:
     Hashes are unsigned 64-bit. ``parent_block_hash`` is the block before ``block_hashes[0]``
     (None under the radix root); each later block's parent is the previous block of this event.
     ``lookahead_token_id`` is set only for EAGLE bigram events (see the module docstring).
+
+    Cache namespace (``mesh.namespaces``): ``lora_name`` and ``cache_salt`` as published (SGLang
+    fields, or read from vLLM's per-block ``extra_keys``). ``unmatched_blocks``: blocks the decoder
+    cut off the event's tail because their vLLM ``extra_keys`` name content no text request can
+    match (multimodal ``(identifier, offset)``, prompt-embeds digests; see :func:`_vllm_extra_keys`).
     """
 
     block_hashes: tuple[int, ...]
@@ -84,6 +96,8 @@ class BlockStored:
     medium: str | None = None
     lora_name: str | None = None
     lookahead_token_id: int | None = None
+    cache_salt: str | None = None
+    unmatched_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +204,8 @@ def _check_group(group_idx: Any, kind: Any) -> None:
         raise ProtocolError("skipped_group", f"group_idx={group_idx!r}")
 
 
-def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, medium: Any, lora_name: Any) -> BlockStored:
+def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, medium: Any, lora_name: Any,
+            cache_salt: Any = None, extra_keys: Any = None) -> BlockStored:
     hs = _hashes(hashes, allow_empty=False)
     ph = None if parent is None else _hash(parent, "parent_block_hash")
     if type(block_size) is not int or not 0 < block_size <= _MAX_BLOCK_SIZE:
@@ -198,9 +213,57 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, medium: Any,
     toks, lookahead = _tokens(tokens)
     if len(toks) != len(hs) * block_size:
         raise _bad(f"{len(toks)} tokens for {len(hs)} blocks of {block_size}")
-    return BlockStored(
-        hs, ph, toks, block_size, _opt_str(medium, "medium"), lora_name if type(lora_name) is str else None, lookahead
-    )
+    lora = lora_name if type(lora_name) is str else None
+    salt = cache_salt if type(cache_salt) is str else None
+    cut = 0
+    if extra_keys is not None:
+        keep, xsalt = _vllm_extra_keys(extra_keys, len(hs), lora, ph is None)
+        if salt is None:
+            salt = xsalt
+        if keep < len(hs):
+            if keep == 0:
+                raise ProtocolError("unmatchable_blocks", "extra_keys name content no text request can match")
+            cut = len(hs) - keep
+            hs, toks, lookahead = hs[:keep], toks[:keep * block_size], None
+    return BlockStored(hs, ph, toks, block_size, _opt_str(medium, "medium"), lora, lookahead, salt, cut)
+
+
+def _vllm_extra_keys(xk: Any, n: int, lora: str | None, root: bool) -> tuple[int, str | None]:
+    """Read vLLM's per-block ``extra_keys``: (blocks a text request can match, cache salt).
+
+    vLLM's order per block is LoRA name, multimodal ``(identifier, offset)`` pairs, the cache salt
+    (first block of a prompt only), prompt-embeds digests (``worker-telemetry.md`` §12). A block
+    whose keys are the event's ``lora_name`` and, on a root event's first block, one more string
+    (the salt) is explained; the first block with anything else ends the matchable prefix (every
+    later block chains from it).
+    """
+    if type(xk) is not list and type(xk) is not tuple:
+        raise _bad(f"extra_keys must be a list, got {type(xk).__name__}")
+    salt = None
+    for i in range(min(n, len(xk))):
+        keys = xk[i]
+        if keys is None:
+            continue
+        if type(keys) is not list and type(keys) is not tuple:
+            return i, salt
+        rest = list(keys)
+        if rest and lora is not None and rest[0] == lora:
+            rest.pop(0)
+        if not rest:
+            continue
+        if i == 0 and root and len(rest) == 1 and type(rest[0]) is str and rest[0]:
+            salt = rest[0]
+            continue
+        return i, salt
+    return n, salt
+
+
+def _metadata_salt(v: Any) -> tuple[Any, Any]:
+    """Position 7 of an array BlockStored: (lora_name, cache_salt). A string is the lora name; a
+    map is SGLang 0.5.18's metadata (``cache_salt``; a ``lora_name`` there is read too)."""
+    if type(v) is dict:
+        return v.get("lora_name"), v.get("cache_salt")
+    return v, None
 
 
 # --------------------------------------------------------------------------- decoding
@@ -212,7 +275,7 @@ def _from_map(d: dict) -> KvEvent:
         _check_group(d.get("group_idx"), d.get("kv_cache_spec_kind"))
         return _stored(
             d.get("block_hashes"), d.get("parent_block_hash"), d.get("token_ids"), d.get("block_size"),
-            d.get("medium"), d.get("lora_name"),
+            d.get("medium"), d.get("lora_name"), d.get("cache_salt"), d.get("extra_keys"),
         )
     if tag == "BlockRemoved":
         _check_group(d.get("group_idx"), d.get("kv_cache_spec_kind"))
@@ -245,7 +308,8 @@ def _from_array(a: list | tuple) -> KvEvent:
             raise _bad(f"BlockStored array of {len(a)} positions")
         p = list(a[:8]) + [None] * (8 - min(len(a), 8))
         _trailing_group(a[9:12])
-        return _stored(p[1], p[2], p[3], p[4], p[6], p[7])
+        lora, salt = _metadata_salt(p[7])
+        return _stored(p[1], p[2], p[3], p[4], p[6], lora, salt, a[8] if len(a) > 8 else None)
     if tag == "BlockRemoved":
         if len(a) < 2:
             raise _bad("BlockRemoved array without hashes")
@@ -331,6 +395,8 @@ def encode_event_map(ev: KvEvent) -> dict[str, Any]:
         }
         if ev.medium is not None:
             d["medium"] = ev.medium
+        if ev.cache_salt is not None:
+            d["cache_salt"] = ev.cache_salt
         if ev.lora_name is not None:
             d["lora_name"] = ev.lora_name
         return d
@@ -347,10 +413,16 @@ def encode_event_map(ev: KvEvent) -> dict[str, Any]:
 def encode_event_array(ev: KvEvent) -> list[Any]:
     """SGLang 0.5.18-style tagged array with trailing nils present.
 
-    BlockStored position 7 carries ``lora_name`` when set (the slot 0.5.18 used for its metadata
-    map; decoders read it as ``lora_name`` only when it is a string).
+    BlockStored position 7: with a cache salt, 0.5.18's metadata map ``{"cache_salt": salt}``
+    (plus ``lora_name`` when set, a mesh addition); else ``lora_name`` (a string) or nil.
     """
     if type(ev) is BlockStored:
+        if ev.cache_salt is not None:
+            meta: Any = {"cache_salt": ev.cache_salt}
+            if ev.lora_name is not None:
+                meta["lora_name"] = ev.lora_name
+        else:
+            meta = ev.lora_name
         return [
             "BlockStored",
             [to_signed64(h) for h in ev.block_hashes],
@@ -359,7 +431,7 @@ def encode_event_array(ev: KvEvent) -> list[Any]:
             ev.block_size,
             None,
             ev.medium,
-            ev.lora_name,
+            meta,
         ]
     if type(ev) is BlockRemoved:
         return ["BlockRemoved", [to_signed64(h) for h in ev.block_hashes], ev.medium]

@@ -67,7 +67,8 @@ def _expected_sglang(doc: dict, lora_name: str | None) -> list[list[KV.KvEvent]]
         [KV.BlockStored(h01, None, tuple(range(1, 9)), 4, "GPU")],
         [KV.BlockStored((h2,), h01[1], (9, 10, 11, 12), 4, "GPU")],
         [KV.BlockRemoved((h2,), "GPU")],
-        [KV.BlockStored(((-42) & _U,), None, (7, 7, 7, 7), 4, "CPU_PINNED", lora_name)],
+        # recorded with cache_salt "salt-a": the event's cache namespace, relayed as a map key
+        [KV.BlockStored(((-42) & _U,), None, (7, 7, 7, 7), 4, "CPU_PINNED", lora_name, cache_salt="salt-a")],
         [KV.BlockRemoved(h01, "GPU"), KV.AllBlocksCleared()],
     ]
 

@@ -54,6 +54,7 @@ from mesh import openai_logprobs as OL
 from mesh.engine_model import EngineConfig, EngineModel
 from mesh.hashing import text_to_tokens
 from mesh.logs import announce, configure, get_logger
+from mesh.namespaces import request_event_fields
 from mesh.protocol import pack
 from workers_stub.sglang_wire import (
     EVENT_FORMATS,
@@ -358,8 +359,10 @@ class _Rank:
         if events and self.kv is not None:
             self.kv.publish(events)
 
-    def submit(self, job: _Job, prompt: list[int]) -> None:
-        self.engine.submit(job.key, prompt, job.max_new, self.now())  # ValueError -> 400
+    def submit(self, job: _Job, prompt: list[int], body: dict | None = None) -> None:
+        lora, xkey, salt = request_event_fields(body)  # lora_path / extra_key / cache_salt: the cache namespace
+        self.engine.submit(job.key, prompt, job.max_new, self.now(), lora_name=lora, extra_key=xkey,
+                           cache_salt=salt)  # ValueError -> 400
         self.jobs[job.key] = job
         self.requests_total += 1
         self.prompt_tokens_total += len(prompt)
@@ -589,7 +592,7 @@ class SglangStub:
         cands = [self.ranks[i] for n, i in loads if n == least]
         return cands[next(self._rr) % len(cands)]
 
-    def _start_job(self, prompt: list[int], max_new: int, rid: str | None, rank_hint: Any) -> _Job:
+    def _start_job(self, prompt: list[int], max_new: int, rid: str | None, rank_hint: Any, body: dict | None = None) -> _Job:
         if not prompt:
             raise HttpError(400, "The input_ids / prompt is empty")
         if type(max_new) is not int or max_new < 0:
@@ -597,7 +600,7 @@ class SglangStub:
         rk = self._pick_rank(rank_hint)
         job = _Job(next(self._keys), rid or uuid.uuid4().hex, rk.rank, len(prompt), max_new)
         try:
-            rk.submit(job, prompt)
+            rk.submit(job, prompt, body)
         except ValueError as exc:
             raise HttpError(400, str(exc)) from None
         return job
@@ -810,7 +813,7 @@ class SglangStub:
                 if stream:
                     raise HttpError(400, "the stub does not stream batch requests")
                 rid_list = rids if type(rids) is list else [None] * len(prompts)
-                jobs = [self._start_job(p, sp.get("max_new_tokens", 128), r, rank_hint)
+                jobs = [self._start_job(p, sp.get("max_new_tokens", 128), r, rank_hint, body)
                         for p, sp, r in zip(prompts, sp_list, rid_list)]
                 for job, c in zip(jobs, cons):
                     self._apply(job, c)
@@ -818,7 +821,8 @@ class SglangStub:
                 for job in jobs:
                     outs.append(await self._collect_generate(job, body))
                 return web.json_response(outs)
-            job = self._start_job(prompts[0], sp_list[0].get("max_new_tokens", 128), rids if type(rids) is str else None, rank_hint)
+            job = self._start_job(prompts[0], sp_list[0].get("max_new_tokens", 128), rids if type(rids) is str else None, rank_hint,
+                                  body)
             self._apply(job, cons[0])
         except HttpError as exc:
             return _json_error(exc.status, exc.message)
@@ -903,7 +907,8 @@ class SglangStub:
             if body.get("n", 1) != 1:
                 raise HttpError(400, "the stub supports n=1 only")
             cons = self._constraint(self._openai_schema(body), self._openai_logprob_req(body, False), prompt)
-            job = self._start_job(prompt, self._max_tokens(body, 16), None, body.get("routed_dp_rank", body.get("data_parallel_rank")))
+            job = self._start_job(prompt, self._max_tokens(body, 16), None, body.get("routed_dp_rank", body.get("data_parallel_rank")),
+                                  body)
             self._apply(job, cons)
         except HttpError as exc:
             return _json_error(exc.status, exc.message)
@@ -979,7 +984,7 @@ class SglangStub:
             prompt = self._chat_prompt(body)
             cons = self._constraint(self._openai_schema(body), self._openai_logprob_req(body, True), prompt)
             job = self._start_job(prompt, self._max_tokens(body, 128), body.get("rid") if type(body.get("rid")) is str else None,
-                                  body.get("routed_dp_rank", body.get("data_parallel_rank")))
+                                  body.get("routed_dp_rank", body.get("data_parallel_rank")), body)
             self._apply(job, cons)
         except HttpError as exc:
             return _json_error(exc.status, exc.message)

@@ -58,6 +58,21 @@ END_SEQ = b"\xff" * 8
 EVENT_FORMATS = ("map", "array", "vllm")
 
 
+def _vllm_extra_keys(ev: KV.BlockStored) -> list | None:
+    """vLLM's per-block ``extra_keys`` for a text prompt: the LoRA name on every block, the cache
+    salt on the prompt's first block (a root event's block 0); None when no block has any."""
+    lora, salt = ev.lora_name, ev.cache_salt
+    if lora is None and (salt is None or ev.parent_block_hash is not None):
+        return None
+    out: list = []
+    for i in range(len(ev.block_hashes)):
+        keys = [lora] if lora is not None else []
+        if i == 0 and salt is not None and ev.parent_block_hash is None:
+            keys.append(salt)
+        out.append(keys or None)
+    return out
+
+
 def _vllm_event(ev: KV.KvEvent) -> dict[str, Any]:
     if type(ev) is KV.BlockStored:
         return {
@@ -69,7 +84,7 @@ def _vllm_event(ev: KV.KvEvent) -> dict[str, Any]:
             "lora_id": None,
             "medium": ev.medium or "GPU",
             "lora_name": ev.lora_name,
-            "extra_keys": None,
+            "extra_keys": _vllm_extra_keys(ev),
             "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",
         }

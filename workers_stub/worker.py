@@ -28,6 +28,7 @@ from mesh.engine_model import EngineConfig, EngineModel
 from mesh.errors import ErrorCode
 from mesh.hashing import text_to_tokens
 from mesh.logs import get_logger
+from mesh.namespaces import request_event_fields
 from mesh.retry import RetryPolicy
 from mesh.sockets import CurveKeys
 from workers_stub.links import BrokerLink
@@ -206,8 +207,9 @@ class SimWorker:
         key = next(self._keys)
         now = self._now()
         try:
+            lora, xkey, salt = request_event_fields(sub.params)  # the engine's cache namespace
             self.engine.submit(key, prompt, 1 if mode == "prefill" else max(1, sub.max_new_tokens), now,
-                               transferred=mode == "decode")
+                               transferred=mode == "decode", lora_name=lora, extra_key=xkey, cache_salt=salt)
         except ValueError as exc:
             link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.BAD_REQUEST, str(exc)))
             return

@@ -258,7 +258,7 @@ def split_events(events: list[KV.KvEvent], max_tokens: int, max_hashes: int = 16
                 n = min(room, per, len(hashes) - i)
                 last_piece = i + n >= len(hashes)
                 piece = KV.BlockStored(hashes[i:i + n], parent, toks[i * bs:(i + n) * bs], bs, ev.medium, ev.lora_name,
-                                       ev.lookahead_token_id if last_piece else None)
+                                       ev.lookahead_token_id if last_piece else None, ev.cache_salt)
                 if n == len(hashes):
                     piece = ev
                 cur.append(piece)
@@ -279,11 +279,12 @@ def split_events(events: list[KV.KvEvent], max_tokens: int, max_hashes: int = 16
 class BlockMirror:
     """The engine's cached blocks of one rank, as learned from its events (for resync snapshots).
 
-    Keyed by (medium, engine hash); values are (parent hash, tokens, block size, lora name).
+    Keyed by (medium, engine hash); values are (parent hash, tokens, block size, namespace) with
+    namespace = (lora name, cache salt) or None (plain).
     """
 
     def __init__(self) -> None:
-        self.blocks: dict[tuple[str | None, int], tuple[int | None, tuple[int, ...], int, str | None]] = {}
+        self.blocks: dict[tuple[str | None, int], tuple[int | None, tuple[int, ...], int, tuple | None]] = {}
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -296,7 +297,8 @@ class BlockMirror:
         for ev in events:
             t = type(ev)
             if t is KV.BlockStored:
-                bs, toks, parent, m, lora = ev.block_size, ev.token_ids, ev.parent_block_hash, ev.medium, ev.lora_name
+                bs, toks, parent, m = ev.block_size, ev.token_ids, ev.parent_block_hash, ev.medium
+                lora = None if ev.lora_name is None and ev.cache_salt is None else (ev.lora_name, ev.cache_salt)
                 for i, h in enumerate(ev.block_hashes):
                     blocks[(m, h)] = (parent, toks[i * bs:(i + 1) * bs], bs, lora)
                     parent = h
@@ -317,7 +319,8 @@ class BlockMirror:
 
         def flush() -> None:
             if cur is not None:
-                out.append(KV.BlockStored(tuple(cur[1]), cur[2], tuple(cur[3]), cur[4], cur[0], cur[5]))
+                ns = cur[5] or (None, None)
+                out.append(KV.BlockStored(tuple(cur[1]), cur[2], tuple(cur[3]), cur[4], cur[0], ns[0], cache_salt=ns[1]))
 
         for key in list(blocks):
             if key in emitted:

@@ -3,8 +3,10 @@
 The index never decodes engine events and never hashes tokens itself (that is ``mesh.kv_events``
 and ``mesh.hashing``); it takes these three operations per *stream* ``(worker_id, dp_rank)``:
 
-* :class:`Store` -- a chain of blocks stored under ``parent_engine_hash`` (None = radix root).
-  Two modes:
+* :class:`Store` -- a chain of blocks stored under ``parent_engine_hash`` (None = radix root;
+  a root store's keys chain from its ``root_key``: ROOT_KEY for the plain cache namespace, the
+  namespace's root for a LoRA adapter or a cache salt, see ``mesh.namespaces``; a store below a
+  parent inherits the parent's chain and so its namespace). Two modes:
 
   (a) ``content_keys`` given: the caller already computed the router's content keys, chained from
       the parent's key that it obtained with ``PrefixIndex.resolve_parent_key``;
@@ -43,6 +45,8 @@ class Store:
 
     Exactly one of ``content_keys`` (one key per block) or ``token_ids`` (``block_size`` tokens per
     block) describes the content. Lengths are checked by the index (ValueError on mismatch).
+    ``root_key``: the content key a root store (parent None) chains from, i.e. its cache
+    namespace (``mesh.namespaces.namespace_root_key``); ignored below a parent.
     """
 
     engine_hashes: Sequence[int]
@@ -50,6 +54,7 @@ class Store:
     content_keys: Sequence[int] | None = None
     token_ids: Sequence[int] | None = None
     block_size: int = 0
+    root_key: int = ROOT_KEY
 
 
 @dataclass(slots=True, frozen=True)

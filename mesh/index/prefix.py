@@ -18,7 +18,9 @@ Semantics (what ``match`` is exact against; ``tests/test_index_model.py`` holds 
 
 ``keys`` must be a chain of content keys (key ``i`` chained from key ``i-1``, as
 ``mesh.hashing.content_keys`` makes them); stores must be chained the same way (resolve the parent
-key with :meth:`PrefixIndex.resolve_parent_key`). Under those rules every worker's holdings are
+key with :meth:`PrefixIndex.resolve_parent_key`). Cache namespaces (LoRA adapters, cache salts)
+are chains with another root key (``mesh.namespaces``): the index needs nothing else to keep them
+apart, since no key of one namespace's chain appears in another's. Under those rules every worker's holdings are
 prefix-closed, so holder sets along a query are nested and the match walk is O(prompt blocks)
 whatever the number of workers (:mod:`mesh.index.walk`).
 
@@ -33,8 +35,8 @@ Representation (memory matters: one entry per (block, stream)):
 * Per stream, ``ehmap``: engine hash -> run (position found by ``list.index`` in C; stores and
   removals mostly touch a run's end). Removal truncates a run and drops the branch runs below
   the cut, which is the cascade.
-* Aliases (two engine blocks of one stream with the same content key, e.g. different LoRA
-  namespaces) are rare; they are tracked per stream so the key stays held until the last goes.
+* Aliases (two engine blocks of one stream with the same content key: a cache namespace the
+  events do not name, e.g. SGLang's ``extra_key`` or LoRA before SGLang 0.5.22) are rare; they are tracked per stream so the key stays held until the last goes.
 
 Budget: ``max_entries`` bounds (block, stream) entries. Runs sit in an LRU order refreshed by
 stores, by ``match`` (the deepest holders, at most ``match_touch_limit`` of them) and by
@@ -236,13 +238,14 @@ class PrefixIndex:
         return sorted((k for k, s in self._streams.items() if not s.seq.trusted))
 
     # ------------------------------------------------------------------ mutation
-    def resolve_parent_key(self, stream: Stream, parent_engine_hash: int | None) -> int | None:
-        """Content key to chain a Store's keys from: ROOT_KEY for a root store, None for an orphan.
+    def resolve_parent_key(self, stream: Stream, parent_engine_hash: int | None, root_key: int = ROOT_KEY) -> int | None:
+        """Content key to chain a Store's keys from: ``root_key`` (its namespace's root, ROOT_KEY
+        for plain) for a root store, the parent's key below a parent, None for an orphan.
 
         O(1) when the parent is the end of a run (the usual case), else one C-level list scan.
         """
         if parent_engine_hash is None:
-            return ROOT_KEY
+            return root_key
         s = self._streams.get(stream)
         if s is None:
             return None
@@ -579,7 +582,7 @@ class PrefixIndex:
                 if keys is None:
                     if self.key_fn is None or op.token_ids is None or op.block_size <= 0:
                         raise ValueError("Store without content_keys needs token_ids, block_size and key_fn")
-                    pk = self.resolve_parent_key(stream, op.parent_engine_hash)
+                    pk = self.resolve_parent_key(stream, op.parent_engine_hash, op.root_key)
                     if pk is None:
                         self.c.orphans += 1
                         self.c.orphan_blocks += len(op.engine_hashes)

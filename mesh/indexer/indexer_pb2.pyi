@@ -74,16 +74,18 @@ class ApplyKvBatchesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ApplyKvBatchResult, _Mapping]]] = ..., server_instance: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("keys", "block_size", "max_results", "token_ids")
+    __slots__ = ("keys", "block_size", "max_results", "token_ids", "namespace")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_RESULTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     max_results: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, keys: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_results: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    namespace: str
+    def __init__(self, keys: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_results: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class MatchLevel(_message.Message):
     __slots__ = ("matched_blocks", "worker_ids", "dp_ranks")

@@ -81,6 +81,7 @@ from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer import indexer_pb2_grpc as pb_grpc
 from mesh.indexer.client import OWNER_METADATA, read_token_file
 from mesh.logs import RateLimiter, announce, configure, get_logger
+from mesh.namespaces import namespace_root_key
 from mesh.protocol import unpack
 from mesh.routing.providers import LocalIndexProvider, _BlockSizeVote
 
@@ -328,7 +329,8 @@ def _split_store(ev: KV.BlockStored, n: int) -> list[KV.BlockStored]:
         last = i + n >= len(hs)
         out.append(dataclasses.replace(ev, block_hashes=piece, parent_block_hash=parent,
                                        token_ids=toks[i * bs:(i + len(piece)) * bs],
-                                       lookahead_token_id=ev.lookahead_token_id if last else None))
+                                       lookahead_token_id=ev.lookahead_token_id if last else None,
+                                       unmatched_blocks=ev.unmatched_blocks if last else 0))
         parent = piece[-1]
     return out
 
@@ -926,7 +928,8 @@ class IndexerService(pb_grpc.IndexerServicer):
             keys = list(request.keys)
             if not keys and len(request.token_ids):
                 try:
-                    keys = content_keys(list(request.token_ids), request.block_size)
+                    keys = content_keys(list(request.token_ids), request.block_size,
+                                        namespace_root_key(request.namespace or None))
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids/block_size: {exc}")
             resp = self.core.match(keys, request.max_results)

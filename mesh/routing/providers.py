@@ -11,7 +11,11 @@
 
 All providers key the index by the router's own content keys (:func:`mesh.hashing.content_keys`)
 recomputed from the token ids carried in ``BlockStored``; engine hashes are only ids for parent
-links and removals, so SGLang signed, vLLM unsigned and salted hashes all work. Pure code: no I/O,
+links and removals, so SGLang signed, vLLM unsigned and salted hashes all work. Cache namespaces
+(LoRA adapter, cache salt, extra key: ``mesh.namespaces``) are chains with their own root key, on
+the request side (:func:`request_keys`) and on the event side (a root ``BlockStored`` naming a
+``lora_name`` / ``cache_salt``); speculation and ``approx`` store request keys, so they keep
+namespaces apart too. Pure code: no I/O,
 no clock (``now_s`` is passed in).
 """
 
@@ -21,22 +25,25 @@ from collections import Counter
 from typing import Any, Sequence
 
 from mesh import kv_events as KV
-from mesh.hashing import content_keys, content_keys_from_packed, packed_bytes
+from mesh.hashing import ROOT_KEY, content_keys, content_keys_from_packed, packed_bytes
 from mesh.index import ApproxIndex, Clear, PrefixIndex, Remove, Store, Verdict
+from mesh.namespaces import event_root_key, namespace_root_key
 from mesh.routing.view import RouteRequest
 
 __all__ = ["LocalIndexProvider", "ApproxProvider", "make_provider", "PROVIDERS", "request_keys"]
 
 
 def request_keys(req: RouteRequest, block_size: int) -> Sequence[int] | None:
-    """The request's content keys at ``block_size`` (computed once and cached on the request)."""
+    """The request's content keys at ``block_size`` (computed once and cached on the request),
+    chained from its cache namespace's root (``mesh.namespaces``; ROOT_KEY for plain requests)."""
     if req.keys is not None and req.block_size == block_size:
         return req.keys
+    root = ROOT_KEY if req.namespace is None else namespace_root_key(req.namespace)
     if req.packed is not None:
         p = req.packed
-        req.keys = content_keys_from_packed(p if isinstance(p, bytes) else packed_bytes(p), block_size)
+        req.keys = content_keys_from_packed(p if isinstance(p, bytes) else packed_bytes(p), block_size, root)
     elif req.tokens is not None:
-        req.keys = content_keys(req.tokens, block_size)
+        req.keys = content_keys(req.tokens, block_size, root)
     else:
         return None
     req.block_size = block_size
@@ -193,7 +200,12 @@ class LocalIndexProvider:
                 if ev.block_size != bs:
                     self.counters["wrong_block_size"] += 1
                     continue
-                ops.append(Store(ev.block_hashes, ev.parent_block_hash, token_ids=ev.token_ids, block_size=bs))
+                if ev.unmatched_blocks:
+                    self.counters["unmatched_blocks"] += ev.unmatched_blocks
+                root = ROOT_KEY
+                if ev.parent_block_hash is None and (ev.lora_name is not None or ev.cache_salt is not None):
+                    root = event_root_key(ev.lora_name, ev.cache_salt)  # a namespaced root store
+                ops.append(Store(ev.block_hashes, ev.parent_block_hash, token_ids=ev.token_ids, block_size=bs, root_key=root))
             elif t is KV.BlockRemoved:
                 ops.append(Remove(ev.block_hashes))
             elif t is KV.AllBlocksCleared:
