@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -253,3 +254,75 @@ def test_snapshot_matches_the_engine_cache_and_rebuilds_an_index():
             await rig.close()
 
     run(go(), 30)
+
+
+# ---------------------------------------------------------------- logprob lists through the request proxy
+
+
+@pytest.mark.filterwarnings("ignore:Bare functions are deprecated")  # the in-process stub's lambda routes
+def test_logprob_lists_travel_as_their_new_part_per_chunk_and_whole_when_unstreamed():
+    """Cumulative (SGLang's default) and incremental engine streams give the same frames: each
+    CHUNK's ``meta_info`` lists hold the entries of its own tokens (the input ones with the first
+    chunk), the FINAL those of its delta; an unstreamed FINAL has the whole answer's."""
+    from mesh.adapters.base import Adapter, AttachSettings
+    from mesh.adapters.sglang import SglangBackend
+    from tests.test_adapters_support import FakeBroker
+    from workers_stub.sglang_server import SglangStub, StubSettings
+
+    params = {"max_new_tokens": 6, "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+              "logprob_start_len": 0}
+
+    async def go():
+        for incremental in (False, True):
+            stub = SglangStub(StubSettings(port=0, kv_port=None, load_port=None, time_scale=0.001,
+                                           incremental_streaming_output=incremental))
+            url = (await stub.start())["url"]
+            fb = FakeBroker().start()
+            s = AttachSettings(url=url, brokers=(fb.endpoint,), worker_id="w", heartbeat_ms=100, load_poll_ms=100)
+            ad = Adapter(s, SglangBackend(s))
+            await ad.start()
+            try:
+                await until(lambda: fb.readies and fb.sessions, 10, "registration")
+                assert ad.info.incremental_streaming is incremental
+                fb.request(1, P.encode_submit("s", input_ids=[3, 4, 5], params=params, stream=True)[2])
+                fb.request(2, P.encode_submit("n", input_ids=[3, 4, 5], params=params, stream=False)[2])
+                await until(lambda: {1, 2} <= set(fb.finals), 10, "replies")
+                last = P.unpack(fb.finals[1].data)
+                parts = [*fb.chunks[1], last]
+                assert len(parts) >= 3
+                for i, part in enumerate(parts):
+                    m = part["meta_info"]
+                    assert [e[1] for e in m["output_token_logprobs"]] == part["token_ids"]  # exactly its own tokens
+                    assert [t[0] for t in m["output_top_logprobs"]] == m["output_token_logprobs"]
+                    assert ("input_token_logprobs" in m) == (i == 0)
+                assert [e[1] for e in parts[0]["meta_info"]["input_token_logprobs"]] == [3, 4, 5]
+                whole = P.unpack(fb.finals[2].data)
+                assert [e[1] for e in whole["meta_info"]["output_token_logprobs"]] == whole["token_ids"]
+                assert len(whole["token_ids"]) == 6 and len(whole["meta_info"]["input_top_logprobs"]) == 3
+                assert ad.counters["meta_info_truncated"] == 0
+            finally:
+                await ad.close()
+                await fb.close()
+                await stub.stop()
+
+    run(go(), 60)
+
+
+def test_oversized_logprob_lists_lose_inputs_then_alternatives_counted():
+    from mesh.adapters import base as B
+
+    class Probe:
+        counters = __import__("collections").Counter()
+        _bounded_lists = B.Adapter._bounded_lists
+
+    probe = Probe()
+    triple = [-0.5, 123456, " consectetur"]
+    out_lp = [triple] * 20_000
+    small = {"output_token_logprobs": [triple] * 3, "output_top_logprobs": [[triple] * 2] * 3}
+    assert probe._bounded_lists(small) is small and not probe.counters["meta_info_truncated"]  # a chunk: not measured
+    big_inputs = {"output_token_logprobs": out_lp[:100], "input_token_logprobs": out_lp * 3}
+    assert list(probe._bounded_lists(big_inputs)) == ["output_token_logprobs"]
+    big_tops = {"output_token_logprobs": out_lp, "output_top_logprobs": [[triple] * 5] * 20_000}
+    assert list(probe._bounded_lists(big_tops)) == ["output_token_logprobs"]
+    assert probe._bounded_lists({"output_token_logprobs": out_lp * 3}) == {}
+    assert probe.counters["meta_info_truncated"] == 3

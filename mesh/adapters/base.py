@@ -69,6 +69,7 @@ from mesh import protocol as P
 from mesh.errors import ConfigError, ErrorCode, ProtocolError
 from mesh.load import LoadStat
 from mesh.logs import RateLimiter, announce, get_logger
+from mesh.openai_logprobs import LOGPROB_KEYS
 from mesh.retry import RetryPolicy
 from mesh.sockets import SocketSpec, make_socket, recv_frames, socket_readable
 from workers_stub.links import BrokerLink
@@ -736,6 +737,10 @@ class StreamState:
     error: tuple[ErrorCode, str] | None = None
     prompt_len: int = 0
     meta: dict[str, Any] | None = None  # the engine's own metadata of the latest event (SGLang meta_info)
+    # positional meta lists (logprobs): the entries new in this event, and how many a cumulative
+    # stream has shown so far, per key
+    new_lists: dict[str, list] = field(default_factory=dict)
+    lists_seen: dict[str, int] = field(default_factory=dict)
 
 
 class Backend:
@@ -1189,7 +1194,10 @@ class Adapter:
         JSON body, no SSE). A streamed one becomes CHUNKs for every engine event but the one that
         carries the finish reason, whose delta rides in the FINAL, so a stream ends as the
         engine's does. The engine's own per-event metadata (SGLang's ``meta_info``) is passed
-        through: scalars on every CHUNK, all of it (bounded) on the FINAL."""
+        through: scalars on every CHUNK, all of it (bounded) on an unstreamed FINAL. Positional
+        lists (logprobs, :data:`~mesh.openai_logprobs.LOGPROB_KEYS`) travel as their new part: a
+        CHUNK carries the entries of its own tokens (the input ones with the first), a streamed
+        FINAL those of its delta, whether the engine streams them cumulatively or not."""
         assert self.engine is not None and self.info is not None
         sub = r.submit
         path, body = self.backend.request(r, self.info)
@@ -1222,6 +1230,7 @@ class Adapter:
                 # the deltas from the event with the finish reason on (usage may follow it).
                 held_ids: list[int] = []
                 held_text: list[str] = []
+                held_lists: dict[str, list] = {}
                 seq = 0
                 async with self.engine.stream("POST", path, payload) as (status, chunks):
                     if status != 200:
@@ -1236,7 +1245,7 @@ class Adapter:
                             continue  # read to the end: the connection is then reused
                         if data == b"[DONE]":
                             if st.finish is not None:
-                                self._send_final(link, r, st, held_ids, "".join(held_text))
+                                self._send_final(link, r, st, held_ids, "".join(held_text), held_lists)
                                 final_sent = True
                             continue
                         try:
@@ -1245,6 +1254,8 @@ class Adapter:
                             self.counters["bad_stream_chunks"] += 1
                             continue
                         st.new_ids, st.new_text = [], ""
+                        if st.new_lists:
+                            st.new_lists = {}
                         self.backend.parse(obj, st, self.info)
                         if st.error is not None:
                             return st.error
@@ -1254,13 +1265,18 @@ class Adapter:
                                 chunk["text"] = st.new_text
                             if st.meta is not None:
                                 chunk["meta_info"] = _scalar_meta(st.meta)
+                            if st.new_lists or held_lists:
+                                _extend_lists(held_lists, st.new_lists)
+                                chunk["meta_info"] = {**chunk.get("meta_info", {}), **self._bounded_lists(held_lists)}
+                                held_lists = {}
                             link.send(P.encode_worker_chunk(r.rid, r.attempt, seq, chunk))
                             seq += 1
                         else:
                             held_ids.extend(st.new_ids)
                             held_text.append(st.new_text)
+                            _extend_lists(held_lists, st.new_lists)
                     if not final_sent and st.finish is not None:  # a stream without [DONE]
-                        self._send_final(link, r, st, held_ids, "".join(held_text))
+                        self._send_final(link, r, st, held_ids, "".join(held_text), held_lists)
                         final_sent = True
         except TimeoutError:
             if final_sent:
@@ -1275,14 +1291,23 @@ class Adapter:
             return ErrorCode.WORKER_ERROR, "engine stream ended without a finish reason"
         return None, ""
 
-    def _send_final(self, link: BrokerLink, r: P.Request, st: StreamState, ids: list[int], text: str) -> None:
+    def _send_final(self, link: BrokerLink, r: P.Request, st: StreamState, ids: list[int], text: str,
+                    lists: dict[str, list] | None = None) -> None:
+        """``lists``: for a streamed answer, the positional lists of the delta sent here (the
+        engine's last meta then contributes its scalars only); None: the meta is the whole answer's."""
         usage = {"prompt_tokens": st.usage.get("prompt_tokens", st.prompt_len),
                  "completion_tokens": st.usage.get("completion_tokens", 0),
                  "cached_tokens": st.usage.get("cached_tokens", 0)}
         data: dict[str, Any] = {"token_ids": ids}
         if text:
             data["text"] = text
-        if st.meta is not None:
+        if lists is not None:
+            meta = _scalar_meta(st.meta) if st.meta is not None else {}
+            if lists:
+                meta.update(self._bounded_lists(lists))
+            if st.meta is not None or lists:
+                data["meta_info"] = meta
+        elif st.meta is not None:
             data["meta_info"] = self._final_meta(st.meta)
         link.send(P.encode_worker_final(r.rid, r.attempt, st.finish or "stop", usage, data))
         self.counters["requests_ok"] += 1
@@ -1297,12 +1322,38 @@ class Adapter:
                 return meta
         except (TypeError, ValueError, OverflowError):
             pass
+        lists = {k: v for k, v in meta.items() if k in LOGPROB_KEYS and type(v) is list}
+        kept = self._bounded_lists(lists, measure=True) if lists else {}
+        if len(kept) == len(lists):  # what was dropped is not a list
+            self.counters["meta_info_truncated"] += 1
+        return {**_scalar_meta(meta), **kept}
+
+    def _bounded_lists(self, lists: dict[str, list], measure: bool = False) -> dict[str, list]:
+        """Positional meta lists within the frame budget: whole when they fit, else without the
+        input lists, then without the alternatives (top logprobs), then none (counted as
+        ``meta_info_truncated`` when anything is dropped)."""
+        if not measure and sum(len(v) for v in lists.values()) <= 256:
+            return lists  # a chunk's worth: nothing to measure
+        for keep in (lambda k: True, lambda k: not k.startswith("input_"), lambda k: k == "output_token_logprobs"):
+            cand = {k: v for k, v in lists.items() if keep(k)}
+            try:
+                if len(P.pack(cand)) <= _MAX_META_BYTES:
+                    if len(cand) < len(lists):
+                        self.counters["meta_info_truncated"] += 1
+                    return cand
+            except (TypeError, ValueError, OverflowError):
+                pass
         self.counters["meta_info_truncated"] += 1
-        return _scalar_meta(meta)
+        return {}
 
 
 _META_SCALARS = (int, float, str, bool, type(None))
 _MAX_META_BYTES = 1 << 20  # FINAL frames stay far below the 4 MiB frame cap
+
+
+def _extend_lists(into: dict[str, list], new: dict[str, list]) -> None:
+    for k, v in new.items():
+        into.setdefault(k, []).extend(v)
 
 
 def _scalar_meta(meta: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,8 @@
   ``incremental_streaming_output``, ``startup_time`` (a change across a health outage = restart).
 * Requests: ``POST /generate``, with ``stream: true`` when the client streams (else one JSON
   answer); streamed ``output_ids``/``text`` are cumulative unless
-  the server runs with ``--incremental-streaming-output``; the adapter sends deltas as mesh CHUNKs.
+  the server runs with ``--incremental-streaming-output``; the adapter sends deltas as mesh CHUNKs,
+  logprob lists in ``meta_info`` likewise (each CHUNK carries the entries of its own tokens).
   ``params`` keys SGLang knows as sampling params go to ``sampling_params`` (unknown keys there
   would be a 400), a few request-level keys pass through, the rest is dropped. PD bootstrap:
   ``REQUEST.bootstrap`` keys ``bootstrap_host|port|room|pair_key`` (or ``host``/``port``/``room``)
@@ -41,6 +42,7 @@ from mesh.adapters.base import (
 )
 from mesh.errors import ConfigError, ErrorCode
 from mesh.load import LoadStat
+from mesh.openai_logprobs import LOGPROB_KEYS
 from mesh.params import REQUEST_KEYS, SAMPLING_KEYS
 
 __all__ = ["SglangBackend", "info_from_server_info", "generate_body", "SAMPLING_KEYS", "loadstat_from_v1", "loadstats_from_metrics"]
@@ -168,6 +170,23 @@ def _error_from(obj: Any) -> tuple[ErrorCode, str]:
     return ErrorCode.WORKER_ERROR, str(obj)[:512]
 
 
+def _new_lists(meta: dict[str, Any], st: StreamState, incremental: bool) -> None:
+    """The logprob lists' entries new in this event: all of them with
+    ``--incremental-streaming-output``, else past what earlier (cumulative) events showed, as
+    SGLang's own OpenAI server slices them."""
+    for k in LOGPROB_KEYS:
+        v = meta.get(k)
+        if type(v) is not list or not v:
+            continue
+        if incremental:
+            st.new_lists[k] = v
+            continue
+        n = st.lists_seen.get(k, 0)
+        if len(v) > n:
+            st.new_lists[k] = v[n:]
+            st.lists_seen[k] = len(v)
+
+
 def _nn(v: Any) -> int:
     """Non-negative int from a JSON number (LoadStat fields)."""
     try:
@@ -293,6 +312,7 @@ class SglangBackend(Backend):
             meta = {}
         else:
             st.meta = meta
+            _new_lists(meta, st, info.incremental_streaming)
         fr = meta.get("finish_reason")
         if fr is None:
             return
