@@ -164,6 +164,7 @@ def stored(draw):
         draw(medium),
         draw(st.none() | st.text(max_size=8)),
         draw(st.none() | tok),
+        draw(st.none() | st.text(max_size=8)),  # cache_salt
     )
 
 
