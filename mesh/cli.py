@@ -309,6 +309,7 @@ def _add_bench(sub) -> None:
     from mesh.tokenization.bench import add_bench_tokenizer_parser
 
     add_bench_tokenizer_parser(bsub)
+    __import__("mesh.bench.tokenize_load", fromlist=["_"]).add_bench_tokenize_load_parser(bsub)
 
 
 def _cmd_bench_broker(args) -> int:
