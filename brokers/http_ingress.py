@@ -17,7 +17,9 @@ broker's logs carry; the identity is never shown.
 
 Bodies: ``/generate`` answers have SGLang's fields; behind ``mesh attach`` they are the engine's
 own (``meta_info`` passed through, ``id`` set as above), and a stream has exactly the engine's
-events. mesh's own metadata is in headers: ``x-mesh-request-id``, ``x-mesh-worker``.
+events. mesh's own metadata is in headers: ``x-mesh-request-id``, ``x-mesh-worker``. Logprobs:
+the engine's SGLang-style ``meta_info`` lists become OpenAI's ``choices[].logprobs``
+(:mod:`mesh.openai_logprobs`), per chunk in streams; a ``/generate`` stream shows them cumulative.
 
 Prompts: with ``--tokenizer FILE`` (a Hugging Face ``tokenizer.json``, needs the ``tokenizers``
 package) prompts are tokenised here and routed by token ids; otherwise the prompt text is sent
@@ -67,6 +69,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from mesh import openai_logprobs as OL
 from mesh import protocol as P
 from mesh.errors import ErrorCode
 from mesh.logs import get_logger
@@ -789,8 +792,10 @@ class HttpIngress:
                     return _mesh_err(m.code, m.message)
                 if isinstance(m, P.ClientFinal):
                     text = self._detok(m.data)
-                    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": _finish(m.finish_reason)}
-                              if chat else {"index": 0, "text": text, "finish_reason": _finish(m.finish_reason), "logprobs": None})
+                    lps = self._logprobs(m.data, chat)
+                    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                               "finish_reason": _finish(m.finish_reason)}
+                              if chat else {"index": 0, "text": text, "finish_reason": _finish(m.finish_reason), "logprobs": lps})
                     return _json_response({"id": rid, "object": obj, "created": created, "model": self.model,
                                            "choices": [choice], "usage": _usage(m.usage)}, headers=_mesh_headers(call, m.worker))
         early, resp, m = await self._open_stream(request, call)
@@ -798,12 +803,16 @@ class HttpIngress:
             return early
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         first = True
+        offset = OL.TextOffset()  # completions text_offset across chunks
 
-        async def content(text: str) -> None:
+        async def content(text: str, data: dict) -> None:
             nonlocal first
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if chat else None
             first = False
             choice = {"index": 0, "delta": delta, "finish_reason": None} if chat else {"index": 0, "text": text, "finish_reason": None}
+            lps = self._logprobs(data, chat, offset)  # the chunk's own tokens (the adapter sends each its slice)
+            if lps is not None:
+                choice["logprobs"] = lps
             await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
 
         while True:
@@ -814,10 +823,10 @@ class HttpIngress:
                                                      "code": ErrorCode.DEADLINE_EXCEEDED.value}})
                     break
             if isinstance(m, P.ClientChunk):
-                await content(self._detok(m.data))
+                await content(self._detok(m.data), m.data)
             elif isinstance(m, P.ClientFinal):
                 if m.data.get("token_ids") or m.data.get("text"):  # the engine's last delta
-                    await content(self._detok(m.data))
+                    await content(self._detok(m.data), m.data)
                 choice = ({"index": 0, "delta": {}, "finish_reason": _finish(m.finish_reason)} if chat
                           else {"index": 0, "text": "", "finish_reason": _finish(m.finish_reason)})
                 await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
@@ -832,6 +841,14 @@ class HttpIngress:
             m = None
         await self._write(resp, b"data: [DONE]\n\n")
         return resp
+
+    def _logprobs(self, data: dict, chat: bool, offset: OL.TextOffset | None = None) -> dict | None:
+        """OpenAI logprobs from the engine's ``meta_info`` in a CHUNK or FINAL (None without any)."""
+        meta = data.get("meta_info")
+        if not OL.has_logprobs(meta):
+            return None
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return OL.chat_logprobs(meta, decode=decode) if chat else OL.completion_logprobs(meta, decode=decode, offset=offset)
 
     # ------------------------------------------------------------------ SGLang /generate
     async def generate(self, request: web.Request):
@@ -881,6 +898,7 @@ class HttpIngress:
         ids: list[int] = []
         text = ""
         n_chunks = 0
+        lists: dict[str, list] = {}  # logprob lists, cumulative like SGLang's (the adapter sends each event's new part)
         while True:
             if m is None:
                 m = await self._next_output(call)
@@ -894,12 +912,12 @@ class HttpIngress:
                 n_chunks += 1
                 meta = m.data.get("meta_info")
                 meta = {**meta, "id": rid} if type(meta) is dict else {"id": rid, "finish_reason": None, "completion_tokens": len(ids)}
-                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": meta})
+                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": _cumulative(meta, lists)})
             elif isinstance(m, P.ClientFinal):
                 if m.data.get("token_ids") or m.data.get("text"):  # the engine's last event
                     ids.extend(m.data.get("token_ids") or [])
                     text += self._detok(m.data)
-                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": _sgl_meta(m, rid)})
+                await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": _cumulative(_sgl_meta(m, rid), lists)})
                 break
             elif isinstance(m, P.ClientError):
                 await self._sse(resp, {"error": {"message": m.message, "type": "invalid_request_error" if _status(m.code) < 500
@@ -943,6 +961,17 @@ def _sgl_meta(m: P.ClientFinal, rid: str) -> dict:
         fr["length"] = u.get("completion_tokens")
     return {"id": rid, "finish_reason": fr, "prompt_tokens": u.get("prompt_tokens"),
             "completion_tokens": u.get("completion_tokens"), "cached_tokens": u.get("cached_tokens")}
+
+
+def _cumulative(meta: dict, lists: dict[str, list]) -> dict:
+    """A /generate stream event's meta_info with its logprob lists made cumulative (``lists``
+    holds what earlier events carried), as SGLang streams them."""
+    new = [k for k in OL.LOGPROB_KEYS if type(meta.get(k)) is list]
+    if not new and not lists:
+        return meta
+    for k in new:
+        lists.setdefault(k, []).extend(meta[k])
+    return {**meta, **lists}  # serialised at once, before the next event extends them
 
 
 def _mesh_headers(call: _Call, worker: str | None) -> dict[str, str]:
