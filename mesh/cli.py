@@ -309,7 +309,9 @@ def _add_bench(sub) -> None:
     from mesh.tokenization.bench import add_bench_tokenizer_parser
 
     add_bench_tokenizer_parser(bsub)
-    __import__("mesh.bench.tokenize_load", fromlist=["_"]).add_bench_tokenize_load_parser(bsub)
+    from mesh.bench.tokenize_load import add_bench_tokenize_load_parser
+
+    add_bench_tokenize_load_parser(bsub)
 
 
 def _cmd_bench_broker(args) -> int:
