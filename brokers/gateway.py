@@ -245,9 +245,11 @@ def add_gateway_parser(subparsers):
     p.add_argument("--broker", action="append", required=True, metavar="ENDPOINT",
                    help="a broker's client endpoint, tcp://HOST:PORT (repeatable)")
     p.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
-    p.add_argument("--tokenizer", help="the model folder whose tokenizer and chat template are used (see mesh broker --help)")
-    p.add_argument("--chat-template", help="a chat template file instead of the model folder's")
-    p.add_argument("--model-name", default="mesh", help="model id reported by /v1/models (default mesh)")
+    p.add_argument("--tokenizer", action="append", default=[], metavar="[MODEL=]DIR",
+                   help="the model folder whose tokenizer and chat template are used; MODEL=DIR for one model "
+                        "(repeatable; see mesh broker --help)")
+    p.add_argument("--chat-template", action="append", default=[], metavar="[MODEL=]FILE",
+                   help="a chat template file instead of the model folder's (MODEL=FILE for one model's)")
     p.add_argument("--api-key-file", help="file holding the key clients must send as Authorization: Bearer KEY")
     p.add_argument("--http-max-connections", type=int, default=512, help="open HTTP connections at most (default 512)")
     p.add_argument("--http-header-timeout-s", type=float, default=10.0, help="time to receive a request head (default 10)")
@@ -265,6 +267,7 @@ def _cmd_gateway(args) -> int:
     from pathlib import Path
 
     from mesh import aio
+    from mesh.config import check_tokenizers, model_paths
     from mesh.errors import ConfigError
     from mesh.logs import configure
 
@@ -289,12 +292,11 @@ def _cmd_gateway(args) -> int:
             raise ConfigError(f"api_key_file: cannot read {args.api_key_file}: {exc}") from None
         if not key:
             raise ConfigError(f"api_key_file: {args.api_key_file} is empty")
-    if args.chat_template and not args.tokenizer:
-        raise ConfigError("chat_template: needs --tokenizer (the model folder)")
+    check_tokenizers(args.tokenizer, args.chat_template)
     configure(args.log_level)
     aio.run(serve_gateway(
-        args.broker, args.http, model=args.model_name, api_key=key, tokenizer_path=args.tokenizer,
-        chat_template_path=args.chat_template, max_connections=args.http_max_connections,
+        args.broker, args.http, api_key=key, tokenizers=model_paths(args.tokenizer, "tokenizer"),
+        chat_templates=model_paths(args.chat_template, "chat_template"), max_connections=args.http_max_connections,
         header_timeout_s=args.http_header_timeout_s, idle_timeout_s=args.http_idle_timeout_s,
         body_timeout_s=args.http_body_timeout_s, request_timeout_s=args.http_request_timeout_s,
         stream_idle_timeout_s=args.http_stream_idle_timeout_s))

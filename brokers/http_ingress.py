@@ -298,7 +298,7 @@ _EXPIRED = object()  # queued by a request's deadline timer
 class _Call:
     """One submitted request: its replies, filtered to its own rid, until the terminal one."""
 
-    __slots__ = ("broker", "ident", "rid", "q", "t_end", "done", "worker", "expired", "idle", "_timer")
+    __slots__ = ("broker", "ident", "rid", "q", "t_end", "done", "worker", "expired", "idle", "_timer", "model", "tok")
 
     def __init__(self, broker, ident: bytes, rid: str, q: asyncio.Queue, timeout_s: float) -> None:
         self.broker = broker
@@ -310,6 +310,8 @@ class _Call:
         self.worker = ""  # the worker of the latest ACCEPTED (streams)
         self.expired = False
         self.idle = False  # a stream ended for want of output (stream_idle_timeout_s)
+        self.model = "mesh"  # the model id the answer reports
+        self.tok = None  # the request's model's tokenizer (ModelTokenizer), if the ingress has one
         # One timer per request puts a marker in the queue at the deadline: waits then need no
         # timeout context each (a stream waits once per token).
         self._timer = asyncio.get_running_loop().call_later(timeout_s, q.put_nowait, _EXPIRED)
@@ -378,8 +380,8 @@ class HttpIngress:
     """Serves HTTP on the broker's event loop; talks to the broker only through its mailbox."""
 
     def __init__(self, broker, *, model: str = "mesh", api_key: str | None = None, tokenizer_path: str | None = None,
-                 chat_template_path: str | None = None,
-                 metrics_registry=None, max_connections: int = 512, header_timeout_s: float = 10.0,
+                 chat_template_path: str | None = None, tokenizers: dict[str | None, str] | None = None,
+                 chat_templates: dict[str | None, str] | None = None, metrics_registry=None, max_connections: int = 512, header_timeout_s: float = 10.0,
                  idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128,
                  request_timeout_s: float = 1800.0, stream_idle_timeout_s: float = 300.0) -> None:
         self.broker = broker
@@ -397,10 +399,16 @@ class HttpIngress:
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
         self.endpoint = ""
-        self.tokenizer = None  # mesh.tokenization.ModelTokenizer: the model's tokenizer and chat template
-        self.tok_pool = None  # ... run off the event loop (a thread pool; HF tokenizers release the GIL)
+        # Per model (None: every model without its own): its tokenizer and chat template
+        # (mesh.tokenization.ModelTokenizer) and the thread pool that runs them off the event
+        # loop (HF tokenizers release the GIL).
+        paths = dict(tokenizers or {})
+        templates = dict(chat_templates or {})
         if tokenizer_path:
-            self.tokenizer, self.tok_pool = _load_tokenizer(tokenizer_path, chat_template_path)
+            paths[None] = tokenizer_path
+        if chat_template_path:
+            templates[None] = chat_template_path
+        self._texts = {name: _load_tokenizer(path, templates.get(name)) for name, path in paths.items()}
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard_mw])
         app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -444,8 +452,8 @@ class HttpIngress:
             await self._runner.cleanup()
             self._runner = None
         self.guard.close_all()
-        if self.tok_pool is not None:
-            self.tok_pool.close()
+        for _, pool in self._texts.values():
+            pool.close()
 
     # ------------------------------------------------------------------ middleware
     @web.middleware
@@ -484,7 +492,46 @@ class HttpIngress:
 
     # ------------------------------------------------------------------ simple endpoints
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "mesh"}]})
+        """The models that have routable workers, their aliases, and the fleet's name while it
+        serves one model (each is a name requests may use)."""
+        served, aliases, fleet_name = self.broker.model_catalog()
+        ids = sorted(served)
+        ids += sorted(a for a, target in aliases.items() if target in served and a not in served)
+        if len(served) == 1 and fleet_name not in ids:
+            ids.append(fleet_name)
+        return _json_response({"object": "list", "data": [
+            {"id": i, "object": "model", "created": 0, "owned_by": "mesh", "root": aliases.get(i, ids[0] if i == fleet_name else i)}
+            for i in ids]})
+
+    def _model_of(self, body: dict) -> str | None:
+        model = body.get("model")
+        if model is None:
+            return None
+        if not isinstance(model, str) or not 0 < len(model) <= 256:
+            raise _BadRequest("model must be a string of 1..256 characters")
+        return model
+
+    def _text_for(self, model: str | None):
+        """The (tokenizer, pool) for a request's model: its own (by name or through an alias, or
+        the fleet's only model under no name), else the default one; None without any."""
+        if not self._texts:
+            return None
+        if len(self._texts) > 1 or None not in self._texts:
+            served, aliases, fleet_name = self.broker.model_catalog()
+            name = aliases.get(model, model) if model is not None else None
+            if (name is None or name == fleet_name) and len(served) == 1:
+                name = next(iter(served))
+            hit = self._texts.get(name) if name is not None else None
+            if hit is not None:
+                return hit
+        return self._texts.get(None)
+
+    def _answer_model(self, model: str | None) -> str:
+        """The ``model`` an answer reports: the name asked for, else the fleet's only model."""
+        if model is not None:
+            return model
+        served = self.broker.model_catalog()[0]
+        return next(iter(served)) if len(served) == 1 else self.model
 
     async def health(self, request: web.Request) -> web.Response:
         n = len(self.broker.registry.pool())
@@ -574,21 +621,18 @@ class HttpIngress:
             raise _BadRequest("request body must be a JSON object")
         return body
 
-    async def _prompt(self, text: Any, ids: Any) -> dict[str, Any]:
+    async def _prompt(self, text: Any, ids: Any, tx=None) -> dict[str, Any]:
         if ids is not None:
             return {"input_ids": _token_ids(ids, "input_ids")}
         if not isinstance(text, str) or not text:
             raise _BadRequest("prompt must be a non-empty string or a list of token ids")
-        if self.tok_pool is not None:
-            return {"input_ids": await self._tokenize(self.tok_pool.encode, text)}
+        if tx is not None:
+            return {"input_ids": await self._tokenize(tx[1].encode, text)}
         return {"text": text}
 
     def _params(self, body: dict, *, chat: bool | None) -> dict[str, Any]:
         """Generation parameters (:mod:`mesh.params`): every field reaches the engine or is a 400
         that names it. ``chat`` None: SGLang's ``/generate``."""
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _BadRequest("model must be a string")
         try:
             return from_generate(body) if chat is None else from_openai(body, chat=chat)
         except ParamError as exc:
@@ -612,16 +656,16 @@ class HttpIngress:
             raise
         return out[1] if isinstance(out, tuple) else out
 
-    async def _chat_input(self, msgs: Any) -> dict[str, Any]:
+    async def _chat_input(self, msgs: Any, tx=None) -> dict[str, Any]:
         """Chat messages -> the prompt: rendered by the model's chat template and tokenised (off the
         loop) when the ingress has the model's tokenizer, else the plain-text fallback below."""
-        if self.tok_pool is None or self.tokenizer.files.chat_template is None:
-            return await self._prompt(self._chat_prompt(msgs), None)
+        if tx is None or tx[0].files.chat_template is None:
+            return await self._prompt(self._chat_prompt(msgs), None, tx)
         if type(msgs) is not list or not msgs:
             raise _BadRequest("messages must be a non-empty list")
         if len(msgs) > _MAX_MESSAGES:
             raise _TooLarge(f"messages holds {len(msgs)} entries; the limit is {_MAX_MESSAGES}")
-        return {"input_ids": await self._tokenize(self.tok_pool.render_chat, msgs)}
+        return {"input_ids": await self._tokenize(tx[1].render_chat, msgs)}
 
     def _chat_prompt(self, msgs: Any) -> str:
         if type(msgs) is not list or not msgs:
@@ -650,16 +694,17 @@ class HttpIngress:
             parts.append(f"{role}: {content}\n")
         return "".join(parts) + "assistant:"
 
-    def _detok(self, data: dict) -> str:
+    @staticmethod
+    def _detok(data: dict, tok=None) -> str:
         if "text" in data and isinstance(data["text"], str):
             return data["text"]
         ids = data.get("token_ids") or []
-        if self.tokenizer is not None:
-            return self.tokenizer.decode(ids)  # only for workers that send no text (simulated ones)
+        if tok is not None:
+            return tok.decode(ids)  # only for workers that send no text (simulated ones)
         return "".join(f" <{t}>" for t in ids)
 
     def _submit(self, prompt: dict[str, Any], *, stream: bool, slo, deadline_ms: int,
-                params: dict[str, Any]) -> _Call:
+                params: dict[str, Any], model: str | None = None, tx=None) -> _Call:
         """Encode, check (size, and the broker's own decoder, so the broker never answers an
         unreadable rid) and submit; raises _BadRequest or _TooLarge."""
         raw = self._ids.next()
@@ -667,7 +712,7 @@ class HttpIngress:
         rid = raw[16:].hex()
         try:
             frames = P.encode_submit(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"),
-                                     params=params, deadline_ms=deadline_ms, stream=stream, slo=slo)
+                                     params=params, deadline_ms=deadline_ms, stream=stream, slo=slo, model=model)
         except (UnicodeEncodeError, ValueError, OverflowError, TypeError):  # lone surrogates in a string, ...
             raise _BadRequest("request holds text that is not valid Unicode") from None
         if len(frames[2]) > MAX_SUBMIT_BYTES:
@@ -679,7 +724,10 @@ class HttpIngress:
         # The broker takes the decoded SUBMIT as it is: decoding it twice (a 4 MiB prompt is a
         # full msgpack pass plus token validation) would cost the shared loop for nothing.
         self.broker.submit_local(ident, frames, q, quota_key=_QUOTA_KEY.get(), decoded=check)
-        return _Call(self.broker, ident, rid, q, deadline_ms / 1000.0 + 5.0)
+        call = _Call(self.broker, ident, rid, q, deadline_ms / 1000.0 + 5.0)
+        call.model = self._answer_model(model)
+        call.tok = tx[0] if tx is not None else None
+        return call
 
     async def _open_stream(self, request: web.Request, call: _Call):
         """Wait for the first output before sending headers: an error (or the deadline) that
@@ -751,22 +799,25 @@ class HttpIngress:
             slo = self._slo(request)
             deadline_ms = self._deadline_ms(request)
             body = await self._json(request)
+            model = self._model_of(body)
+            tx = self._text_for(model)
             if chat:
-                prompt = await self._chat_input(body.get("messages"))
+                prompt = await self._chat_input(body.get("messages"), tx)
             else:
                 p = body.get("prompt")
                 if type(p) is list and p and isinstance(p[0], str):
                     if len(p) != 1:
                         raise _BadRequest("prompt: batched prompts are not supported; send one request per prompt")
                     p = p[0]
-                prompt = await (self._prompt(None, p) if type(p) is list else self._prompt(p, None))
+                prompt = await (self._prompt(None, p, tx) if type(p) is list else self._prompt(p, None, tx))
             stream = _opt_bool(body, "stream")
             so = body.get("stream_options")
             if so is not None and not isinstance(so, dict):
                 raise _BadRequest("stream_options must be an object")
             include_usage = _opt_bool(so or {}, "include_usage")
             params = self._params(body, chat=chat)
-            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=self._lifetime_ms(deadline_ms, stream), params=params)
+            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=self._lifetime_ms(deadline_ms, stream), params=params,
+                                model=model, tx=tx)
         except _BadRequest as exc:
             return self._bad(exc)
         except _TooLarge as exc:
@@ -791,12 +842,12 @@ class HttpIngress:
                 if isinstance(m, P.ClientError):
                     return _mesh_err(m.code, m.message)
                 if isinstance(m, P.ClientFinal):
-                    text = self._detok(m.data)
-                    lps = self._logprobs(m.data, chat)
+                    text = self._detok(m.data, call.tok)
+                    lps = self._logprobs(m.data, chat, None, call.tok)
                     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
                                "finish_reason": _finish(m.finish_reason)}
                               if chat else {"index": 0, "text": text, "finish_reason": _finish(m.finish_reason), "logprobs": lps})
-                    return _json_response({"id": rid, "object": obj, "created": created, "model": self.model,
+                    return _json_response({"id": rid, "object": obj, "created": created, "model": call.model,
                                            "choices": [choice], "usage": _usage(m.usage)}, headers=_mesh_headers(call, m.worker))
         early, resp, m = await self._open_stream(request, call)
         if early is not None:
@@ -810,10 +861,10 @@ class HttpIngress:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if chat else None
             first = False
             choice = {"index": 0, "delta": delta, "finish_reason": None} if chat else {"index": 0, "text": text, "finish_reason": None}
-            lps = self._logprobs(data, chat, offset)  # the chunk's own tokens (the adapter sends each its slice)
+            lps = self._logprobs(data, chat, offset, call.tok)  # the chunk's own tokens (the adapter sends each its slice)
             if lps is not None:
                 choice["logprobs"] = lps
-            await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
+            await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": call.model, "choices": [choice]})
 
         while True:
             if m is None:
@@ -823,15 +874,15 @@ class HttpIngress:
                                                      "code": ErrorCode.DEADLINE_EXCEEDED.value}})
                     break
             if isinstance(m, P.ClientChunk):
-                await content(self._detok(m.data), m.data)
+                await content(self._detok(m.data, call.tok), m.data)
             elif isinstance(m, P.ClientFinal):
                 if m.data.get("token_ids") or m.data.get("text"):  # the engine's last delta
-                    await content(self._detok(m.data), m.data)
+                    await content(self._detok(m.data, call.tok), m.data)
                 choice = ({"index": 0, "delta": {}, "finish_reason": _finish(m.finish_reason)} if chat
                           else {"index": 0, "text": "", "finish_reason": _finish(m.finish_reason)})
-                await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [choice]})
+                await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": call.model, "choices": [choice]})
                 if include_usage:
-                    await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model, "choices": [],
+                    await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": call.model, "choices": [],
                                            "usage": _usage(m.usage)})
                 break
             elif isinstance(m, P.ClientError):
@@ -842,12 +893,13 @@ class HttpIngress:
         await self._write(resp, b"data: [DONE]\n\n")
         return resp
 
-    def _logprobs(self, data: dict, chat: bool, offset: OL.TextOffset | None = None) -> dict | None:
+    @staticmethod
+    def _logprobs(data: dict, chat: bool, offset: OL.TextOffset | None = None, tok=None) -> dict | None:
         """OpenAI logprobs from the engine's ``meta_info`` in a CHUNK or FINAL (None without any)."""
         meta = data.get("meta_info")
         if not OL.has_logprobs(meta):
             return None
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        decode = tok.decode if tok is not None else None
         return OL.chat_logprobs(meta, decode=decode) if chat else OL.completion_logprobs(meta, decode=decode, offset=offset)
 
     # ------------------------------------------------------------------ SGLang /generate
@@ -859,13 +911,16 @@ class HttpIngress:
             text, ids = body.get("text"), body.get("input_ids")
             if text is not None and ids is not None:
                 raise _BadRequest("give either text or input_ids, not both")
-            prompt = await self._prompt(text, ids)
+            model = self._model_of(body)  # a mesh extension: SGLang's /generate serves one model
+            tx = self._text_for(model)
+            prompt = await self._prompt(text, ids, tx)
             params = self._params(body, chat=None)
             stream = _opt_bool(body, "stream")
             user_rid = body.get("rid")
             if user_rid is not None and (not isinstance(user_rid, str) or not 0 < len(user_rid) <= P.MAX_RID_BYTES):
                 raise _BadRequest(f"rid must be a string of 1..{P.MAX_RID_BYTES} characters")
-            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=self._lifetime_ms(deadline_ms, stream), params=params)
+            call = self._submit(prompt, stream=stream, slo=slo, deadline_ms=self._lifetime_ms(deadline_ms, stream), params=params,
+                                model=model, tx=tx)
         except _BadRequest as exc:
             return self._bad(exc)
         except _TooLarge as exc:
@@ -890,7 +945,7 @@ class HttpIngress:
                 if isinstance(m, P.ClientError):
                     return _mesh_err(m.code, m.message)
                 if isinstance(m, P.ClientFinal):
-                    return _json_response({"text": self._detok(m.data), "output_ids": m.data.get("token_ids", []),
+                    return _json_response({"text": self._detok(m.data, call.tok), "output_ids": m.data.get("token_ids", []),
                                            "meta_info": _sgl_meta(m, rid)}, headers=_mesh_headers(call, m.worker))
         early, resp, m = await self._open_stream(request, call)
         if early is not None:
@@ -908,7 +963,7 @@ class HttpIngress:
                     break
             if isinstance(m, P.ClientChunk):  # SGLang streams cumulative text and ids
                 ids.extend(m.data.get("token_ids") or [])
-                text += self._detok(m.data)
+                text += self._detok(m.data, call.tok)
                 n_chunks += 1
                 meta = m.data.get("meta_info")
                 meta = {**meta, "id": rid} if type(meta) is dict else {"id": rid, "finish_reason": None, "completion_tokens": len(ids)}
@@ -916,7 +971,7 @@ class HttpIngress:
             elif isinstance(m, P.ClientFinal):
                 if m.data.get("token_ids") or m.data.get("text"):  # the engine's last event
                     ids.extend(m.data.get("token_ids") or [])
-                    text += self._detok(m.data)
+                    text += self._detok(m.data, call.tok)
                 await self._sse(resp, {"text": text, "output_ids": ids, "meta_info": _cumulative(_sgl_meta(m, rid), lists)})
                 break
             elif isinstance(m, P.ClientError):

@@ -10,7 +10,7 @@ from pathlib import Path
 from brokers.broker import Broker
 from brokers.stats import StatsCollector
 from mesh import aio
-from mesh.config import BrokerSettings
+from mesh.config import BrokerSettings, model_paths
 from mesh.errors import ConfigError
 from mesh.gc_tuning import bound_malloc_retention, freeze_startup_heap
 from mesh.routing.providers import make_provider
@@ -163,7 +163,8 @@ async def serve_broker(settings: BrokerSettings) -> None:
 
         host, _, port = settings.http.rpartition(":")
         ingress = HttpIngress(broker, model=settings.model_name, api_key=_api_key(settings, log),
-                              tokenizer_path=settings.tokenizer or None, chat_template_path=settings.chat_template or None,
+                              tokenizers=model_paths(settings.tokenizer, "tokenizer"),
+                              chat_templates=model_paths(settings.chat_template, "chat_template"),
                               metrics_registry=reg,
                               max_connections=settings.http_max_connections, header_timeout_s=settings.http_header_timeout_s,
                               idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s,

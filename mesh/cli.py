@@ -105,9 +105,13 @@ def _add_broker(sub) -> None:
     p.add_argument("--http-stream-idle-timeout-s", type=float,
                    help="a stream ends when no output came for this long (default 300); streams have no total bound "
                         "unless x-mesh-deadline-ms gives one")
-    p.add_argument("--tokenizer", help="the model folder (tokenizer.json, tokenizer_config.json) whose tokenizer and chat "
-                                      "template the HTTP ingress uses: prompts are routed and sent as the model's token ids")
-    p.add_argument("--chat-template", help="a chat template file (.jinja, or .json with chat_template) instead of the model folder's")
+    p.add_argument("--tokenizer", action="append", metavar="[MODEL=]DIR",
+                   help="the model folder (tokenizer.json, tokenizer_config.json) whose tokenizer and chat template the "
+                        "HTTP ingress uses: prompts are routed and sent as the model's token ids. MODEL=DIR for one "
+                        "model (repeatable); a plain DIR for every model without its own")
+    p.add_argument("--chat-template", action="append", metavar="[MODEL=]FILE",
+                   help="a chat template file (.jinja, or .json with chat_template) instead of the model folder's "
+                        "(MODEL=FILE for one model's)")
     p.add_argument("--model-name", help="a name for the fleet's only model: requests may use it or the served "
                                         "model's own name (default mesh)")
     p.add_argument("--model-alias", action="append", metavar="ALIAS=MODEL",

@@ -19,7 +19,7 @@ from typing import Any
 
 from mesh.errors import ConfigError
 
-__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "apply_toml_to_args"]
+__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "apply_toml_to_args", "model_paths", "check_tokenizers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +77,10 @@ class BrokerSettings:
     # outputs (and the first output), like SGLang's router (request_timeout_secs 1800).
     http_request_timeout_s: float = 1800.0
     http_stream_idle_timeout_s: float = 300.0
-    tokenizer: str = ""  # the model folder (or its tokenizer.json) for the HTTP ingress (optional)
-    chat_template: str = ""  # a chat template file overriding the model folder's (optional)
+    # HTTP ingress, per model: DIR (every model) or MODEL=DIR, the model folder or its tokenizer.json;
+    # chat templates overriding a folder's the same way (see model_paths)
+    tokenizer: tuple[str, ...] = ()
+    chat_template: tuple[str, ...] = ()
     model_name: str = "mesh"  # a name for the fleet's only model (requests may use it or the served name)
     model_alias: tuple[str, ...] = ()  # ALIAS=MODEL: requests naming ALIAS go to workers serving MODEL
     telemetry: str = ""  # ZMQ PUB endpoint for the telemetry stream; empty = off
@@ -139,11 +141,7 @@ class BrokerSettings:
                 raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from None
             _require(key_ok, "api_key_file", f"{self.api_key_file} is empty")
         _require(self.http_max_connections >= 1, "http_max_connections", "must be >= 1")
-        if self.tokenizer:
-            _require(Path(self.tokenizer).exists(), "tokenizer", f"{self.tokenizer} does not exist")
-        if self.chat_template:
-            _require(bool(self.tokenizer), "chat_template", "needs --tokenizer (the model folder)")
-            _require(Path(self.chat_template).is_file(), "chat_template", f"{self.chat_template} does not exist")
+        check_tokenizers(self.tokenizer, self.chat_template)
         _require(0 < len(self.model_name) <= 256, "model_name", "must be 1..256 characters")
         for a in self.model_alias:
             alias, sep, target = a.partition("=")
@@ -233,6 +231,34 @@ def load_toml(path: str | Path, section: str) -> dict[str, Any]:
     if not isinstance(sect, dict):
         raise ConfigError(f"config file {p}: [{section}] must be a table")
     return {k.replace("-", "_"): v for k, v in sect.items()}
+
+
+def model_paths(entries: tuple[str, ...] | list[str], name: str) -> dict[str | None, str]:
+    """Per-model paths from ``DIR`` (key None: every model without its own) or ``MODEL=DIR``
+    entries (an entry that is itself an existing path is never split at '='). Raises ConfigError
+    naming ``name`` for a repeated model."""
+    out: dict[str | None, str] = {}
+    for e in entries:
+        model, sep, path = e.partition("=")
+        key: str | None = model
+        if not sep or not model or Path(e).exists():
+            key, path = None, e
+        if key in out:
+            raise ConfigError(f"{name}: given twice for {'every model' if key is None else repr(key)}")
+        out[key] = path
+    return out
+
+
+def check_tokenizers(tokenizer: tuple[str, ...] | list[str], chat_template: tuple[str, ...] | list[str]) -> None:
+    """The ingress' --tokenizer / --chat-template entries (broker and gateway): paths exist, and
+    every chat template belongs to a model that has a tokenizer."""
+    toks = model_paths(tokenizer, "tokenizer")
+    for model, path in toks.items():
+        _require(Path(path).exists(), "tokenizer", f"{path} does not exist")
+    for model, path in model_paths(chat_template, "chat_template").items():
+        _require(model in toks, "chat_template",
+                 f"{path} needs a --tokenizer (the model folder) for {'every model' if model is None else repr(model)}")
+        _require(Path(path).is_file(), "chat_template", f"{path} does not exist")
 
 
 def _coerce(name: str, value: Any, tp: Any) -> Any:

@@ -40,7 +40,7 @@ REQUEST_KEYS = frozenset({
 })
 OPENAI_NO_OPS = frozenset({"user", "metadata", "store", "service_tier"})
 # /generate fields the ingress itself reads
-_GENERATE_OWN = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"})
+_GENERATE_OWN = frozenset({"text", "input_ids", "sampling_params", "stream", "rid", "model"})  # model: a mesh extension
 _OPENAI_OWN = frozenset({"model", "prompt", "messages", "stream", "stream_options"})
 
 _MAX_STOP = 16

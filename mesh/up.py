@@ -63,6 +63,10 @@ async def _broker_counters(frontend: str) -> dict:
         return (await c.status()).counters
 
 
+#: The one model the demo fleet serves: the engines and the simulated workers say the same name,
+#: so requests without a model (or under ``mesh``) may go to either.
+DEMO_MODEL = "stub-sglang-8b"
+
 def _retries(before: dict, after: dict) -> int:
     return sum(int(v) - int(before.get(k, 0)) for k, v in after.items() if k.startswith("retries."))
 
@@ -180,7 +184,8 @@ def start_http_path(group: ProcGroup, n: int, *, policy: str = "cache_aware", se
     sglang --worker-id stub-<i>`` adapter per engine in ``group``. The engines start while the
     broker does; each adapter starts once its engine's ``sglang_stub_listening`` line names its
     URL. With ``wait``, returns once the broker has exactly these ``n`` workers healthy."""
-    engines = [group._spawn(f"engine-{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale]) for i in range(n)]
+    engines = [group._spawn(f"engine-{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale, "--model", DEMO_MODEL])
+               for i in range(n)]
     broker = group.broker("broker", "--policy", policy, "--seed", str(seed), "--http", http, "--telemetry", telemetry,
                           timeout_s=timeout_s)
     url = wait_for_log_event(broker.log_path, "http_listening", timeout_s, broker.popen, start=broker.log_start)["url"]
@@ -252,7 +257,7 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     engines, adapters = path.engines, path.adapters
     sim_ids = [f"worker-{i}" for i in range(n)] if n > 1 else ["worker"]
     if serve:  # the simulated workers join the same broker (one process, cheap)
-        group.workers("worker", [broker.backend], "--time-scale", ts, count=n, timeout_s=_START_TIMEOUT_S)
+        group.workers("worker", [broker.backend], "--time-scale", ts, "--model", DEMO_MODEL, count=n, timeout_s=_START_TIMEOUT_S)
     asyncio.run(wait_for_workers(broker.frontend, n, _START_TIMEOUT_S, ids=set(stub_ids) | (set(sim_ids) if serve else set())))
 
     console.print(f"  OpenAI HTTP      {url}/v1   (/v1/completions, /v1/chat/completions, /generate)")
@@ -296,7 +301,7 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     # ---- part 2: ZeroMQ clients -> the same broker -> simulated workers
     console.rule("[bold]part 2: the ZeroMQ client path[/]")
     console.print("mesh.client.Client -> the same broker -> mesh worker-stub (simulated workers)")
-    group.workers("worker", [broker.backend], "--time-scale", ts, count=n, timeout_s=_START_TIMEOUT_S)
+    group.workers("worker", [broker.backend], "--time-scale", ts, "--model", DEMO_MODEL, count=n, timeout_s=_START_TIMEOUT_S)
     asyncio.run(wait_for_workers(broker.frontend, n, _START_TIMEOUT_S, ids=set(sim_ids)))
     console.print(f"{n} simulated workers; ZeroMQ SUBMITs (token ids) at {spec_zmq.rate_rps:g} req/s for {spec_zmq.duration_s:g} s")
     with _progress(console) as prog:

@@ -15,8 +15,10 @@ import random
 import time
 
 import aiohttp
+import pytest
 
 from mesh.client import Client
+from mesh.errors import ErrorCode, RequestError
 from mesh.engine_model import output_token_id
 from mesh.up import wait_for_workers
 from tests.conftest import run
@@ -105,6 +107,12 @@ def test_attach_sglang_and_vllm_end_to_end(procs):
                     r = await c.generate(input_ids=p + [rng.randrange(1, 30_000) for _ in range(20)], max_new_tokens=4)
                     assert r.worker == wid, (wid, r.worker, r.reason)
                     assert r.usage["cached_tokens"] >= 2032, r.usage
+            # a parameter vLLM has no equivalent for is refused by name there, never run without it
+            with pytest.raises(RequestError) as ei:
+                await c.generate(input_ids=prefixes["v"] + [7] * 20, max_new_tokens=2, params={"stop_regex": "x+"})
+            assert ei.value.code is ErrorCode.BAD_REQUEST and "stop_regex" in ei.value.message, ei.value
+            r = await c.generate(input_ids=prefixes["a"] + [7] * 20, max_new_tokens=2, params={"stop_regex": "x+"})
+            assert r.worker == "a"  # SGLang takes it
 
             # -- health gating: a turns unhealthy -> leaves; requests go elsewhere; back -> snapshot
             async with http.post(sa["url"] + "/debug/health", json={"ok": False}) as r:

@@ -48,19 +48,19 @@ def test_the_openai_client_through_the_gateway_and_a_broker_dying_under_it(procs
                     return r.status == 200 and (await r.json())["workers"] == 2
             await until(healthy, 20, "the gateway sees the workers")
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=20)
-        r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+        r = await client.chat.completions.create(model="mesh", messages=[{"role": "user", "content": "hello"}], max_tokens=5)
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
-        stream = await client.completions.create(model="m", prompt="once upon a time", max_tokens=6, stream=True)
+        stream = await client.completions.create(model="mesh", prompt="once upon a time", max_tokens=6, stream=True)
         text = "".join([c.choices[0].text async for c in stream if c.choices])
         assert text.strip()
         with pytest.raises(openai.BadRequestError):
-            await client.completions.create(model="m", prompt="x", max_tokens=2, n=3)
+            await client.completions.create(model="mesh", prompt="x", max_tokens=2, n=3)
 
         brokers[0].signal(signal.SIGKILL)  # one broker dies: the gateway keeps serving through the other
         ok = 0
         for i in range(20):
             try:
-                await client.completions.create(model="m", prompt=f"request {i}", max_tokens=3)
+                await client.completions.create(model="mesh", prompt=f"request {i}", max_tokens=3)
                 ok += 1
             except openai.APIStatusError as exc:  # only what was in flight on the dead broker may fail
                 assert exc.status_code == 503, exc
@@ -79,7 +79,7 @@ def test_a_gateway_with_no_reachable_broker_answers_503_not_a_hang(procs):
                 assert r.status == 503
             async with s.get(url + "/readyz") as r:
                 assert r.status == 503
-            async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}) as r:
+            async with s.post(url + "/v1/completions", json={"model": "mesh", "prompt": "x", "max_tokens": 2}) as r:
                 body = await r.json()
                 assert r.status == 503 and body["error"]["code"] == "unavailable", body
 

@@ -204,7 +204,7 @@ def test_when_every_engine_answers_500_the_client_gets_an_http_error(procs, fail
     async def body() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
             for path, req in (("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}}),
-                              ("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 4})):
+                              ("/v1/completions", {"model": "mesh", "prompt": "hello", "max_tokens": 4})):
                 for stream in (False, True):
                     async with s.post(url + path, json={**req, "stream": stream}) as r:
                         body = await r.read()

@@ -126,6 +126,9 @@ class _FakeBroker:
     def cancel_local(self, ident) -> None:
         self.cancelled.append(ident)
 
+    def model_catalog(self):
+        return {"m": 1}, {}, "mesh"
+
     def forget_local(self, ident) -> None:
         pass
 

@@ -48,7 +48,7 @@ def test_openai_client_streams_and_not(mesh_http):
     _, url = mesh_http
     client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=20)
     models = client.models.list()
-    assert models.data[0].id == "mesh"
+    assert [m.id for m in models.data] == ["sim-llama-8b", "mesh"]  # the served model, then the fleet's name for it
     r = client.completions.create(model="mesh", prompt="The quick brown fox", max_tokens=5)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5 and r.choices[0].text
     chunks = list(client.completions.create(model="mesh", prompt="The quick brown fox", max_tokens=6, stream=True,

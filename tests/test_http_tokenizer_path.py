@@ -86,7 +86,7 @@ async def _conversations(url: str, frontend: str, engines: list[str], n: int = 4
         for k in range(n):
             msgs = [{"role": "system", "content": f"{k}) " + SYSTEM},
                     {"role": "user", "content": [{"type": "text", "text": f"Where is order {1000 + k}?"}]}]
-            async with s.post(engines[k % 2] + "/v1/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": 4}) as r:
+            async with s.post(engines[k % 2] + "/v1/chat/completions", json={"model": "mesh", "messages": msgs, "max_tokens": 4}) as r:
                 body = await r.json()
                 assert r.status == 200, body
                 firsts.append((msgs, body["choices"][0]["message"]["content"], f"a{k % 2}"))
@@ -98,7 +98,7 @@ async def _conversations(url: str, frontend: str, engines: list[str], n: int = 4
         before = await _cache_hits(c)
         for msgs, answer, holder in firsts:
             follow = [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the invoice?"}]
-            async with s.post(url + "/v1/chat/completions", json={"model": "m", "messages": follow, "max_tokens": 4}) as r:
+            async with s.post(url + "/v1/chat/completions", json={"model": "mesh", "messages": follow, "max_tokens": 4}) as r:
                 body = await r.json()
                 assert r.status == 200, body
                 out.append((holder, r.headers["x-mesh-worker"], body["usage"]["prompt_tokens_details"]["cached_tokens"]))

@@ -166,7 +166,7 @@ def test_completions_minimal():
     async def body():
         async with engine("m") as (url, _), aiohttp.ClientSession() as s:
             t = aiohttp.ClientTimeout(total=T)
-            async with s.post(url + "/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 4}, timeout=t) as r:
+            async with s.post(url + "/v1/completions", json={"model": "mesh", "prompt": PROMPT, "max_tokens": 4}, timeout=t) as r:
                 d = await r.json()
             assert d["choices"][0]["text"] == "The " and d["choices"][0]["finish_reason"] == "length"
             assert d["usage"] == {"prompt_tokens": 43, "completion_tokens": 4, "total_tokens": 47}

@@ -14,7 +14,7 @@ from tests.conftest import run
 
 
 def test_openai_fields_map_onto_sglang_parameters():
-    p = from_openai({"model": "m", "prompt": "x", "max_tokens": 7, "temperature": 0.2, "top_p": 0.9, "seed": 11,
+    p = from_openai({"model": "mesh", "prompt": "x", "max_tokens": 7, "temperature": 0.2, "top_p": 0.9, "seed": 11,
                      "frequency_penalty": 0.5, "presence_penalty": -0.5, "stop": "END", "n": 1, "user": "u1",
                      "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
                      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
@@ -83,19 +83,19 @@ def test_parameters_reach_the_engine_through_the_openai_client(procs):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=20)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
             r = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.3, top_p=0.8, seed=5,
+                model="mesh", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.3, top_p=0.8, seed=5,
                 frequency_penalty=0.1, stop=["zz"], response_format={"type": "json_object"}, extra_body={"top_k": 7})
             assert r.choices[0].finish_reason == "length"
             sp = (await seen(s))["sampling_params"]
             assert sp == {"max_new_tokens": 4, "temperature": 0.3, "top_p": 0.8, "sampling_seed": 5, "frequency_penalty": 0.1,
                           "stop": ["zz"], "json_schema": '{"type": "object"}', "top_k": 7}, sp
 
-            await client.completions.create(model="m", prompt="hello there")  # no max_tokens
+            await client.completions.create(model="mesh", prompt="hello there")  # no max_tokens
             assert "max_new_tokens" not in (await seen(s))["sampling_params"]  # the engine's own default applies
 
             for kw, field in (({"n": 2}, "n"), ({"extra_body": {"frobnicate": 1}}, "frobnicate")):
                 with pytest.raises(openai.BadRequestError) as e:
-                    await client.completions.create(model="m", prompt="x", max_tokens=2, **kw)
+                    await client.completions.create(model="mesh", prompt="x", max_tokens=2, **kw)
                 assert e.value.status_code == 400 and field in str(e.value), str(e.value)
 
             async with s.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2, "regex": "[a-z]+",

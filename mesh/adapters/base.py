@@ -1200,7 +1200,11 @@ class Adapter:
         FINAL those of its delta, whether the engine streams them cumulatively or not."""
         assert self.engine is not None and self.info is not None
         sub = r.submit
-        path, body = self.backend.request(r, self.info)
+        try:
+            path, body = self.backend.request(r, self.info)
+        except ValueError as exc:  # a parameter this engine has no equivalent for (vLLM): refused by name
+            self.counters["params_refused"] += 1
+            return ErrorCode.BAD_REQUEST, f"{self.backend.kind} adapter: {exc}"[:512]
         engine_streams = bool(body.get("stream"))
         try:
             payload = orjson.dumps(body)
