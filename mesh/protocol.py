@@ -44,8 +44,9 @@ ACCEPTED   0x13  b->c    ``rid``, ``worker`` str, ``reason`` str (routing decisi
 CHUNK      0x14  b->c    ``rid``, ``seq`` int (0, 1, 2, ... contiguous per request).
                          Frame 3: the worker's chunk data, a msgpack map
                          (``token_ids`` list[int], optional ``text`` str, optional
-                         ``meta_info`` map: the engine's own per-event metadata, scalars only,
-                         passed through by adapters).
+                         ``meta_info`` map: the engine's own per-event metadata, passed
+                         through by adapters: its scalars, plus the logprob lists in SGLang's
+                         form (``output_token_logprobs`` ...) for this chunk's tokens only).
 FINAL      0x15  b->c    ``rid``, ``finish_reason`` str, ``usage`` map (``prompt_tokens``,
                          ``completion_tokens``, ``cached_tokens``), ``worker`` str, ``attempt``,
                          ``reason`` str (routing decision reason of the final attempt).

@@ -365,3 +365,25 @@ def test_vllm_body_translates_sglang_params_or_refuses_them():
             body(**{k: v})
     with pytest.raises(UnsupportedParam, match="json_schema"):
         body(json_schema="{not json")
+
+
+def test_vllm_logprobs_become_sglang_meta_lists_for_the_ingress():
+    from mesh.adapters.base import StreamState
+    from mesh.adapters.vllm import VllmBackend
+    from mesh.openai_logprobs import completion_logprobs
+
+    info = info_from_server_info({"page_size": 16, "served_model_name": "base"}, _settings())
+    st = StreamState()
+    chunk = {"choices": [{"index": 0, "text": " Hello world", "token_ids": [9906, 1917], "finish_reason": None,
+                          "logprobs": {"text_offset": [0, 6], "token_logprobs": [-0.25, -1.5], "tokens": [" Hello", " world"],
+                                       "top_logprobs": [{" Hello": -0.25, " Hi": -1.75}, {" there": -0.5, " world": -1.5}]}}]}
+    VllmBackend.parse(None, chunk, st, info)
+    assert st.new_ids == [9906, 1917]
+    assert st.new_lists["output_token_logprobs"] == [[-0.25, 9906, " Hello"], [-1.5, 1917, " world"]]
+    assert st.new_lists["output_top_logprobs"][1] == [[-0.5, None, " there"], [-1.5, None, " world"]]
+    out = completion_logprobs(st.new_lists)  # what the ingress turns them into
+    assert out["tokens"] == [" Hello", " world"] and out["token_logprobs"] == [-0.25, -1.5]
+    assert out["top_logprobs"][0] == {" Hello": -0.25, " Hi": -1.75}
+    st2 = StreamState()
+    VllmBackend.parse(None, {"choices": [{"text": "x", "logprobs": {"tokens": ["x"], "token_logprobs": "bad"}}]}, st2, info)
+    assert st2.new_lists == {} and st2.new_text == "x"  # malformed logprobs are skipped, the text is kept

@@ -98,6 +98,23 @@ def completions_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
     return body
 
 
+def _logprob_lists(lp: dict[str, Any], ids: list | None, st: StreamState) -> None:
+    """vLLM's OpenAI completions ``logprobs`` of one chunk (``tokens``, ``token_logprobs``,
+    ``top_logprobs`` as {text: logprob}) -> SGLang's ``meta_info`` lists, the one form the
+    ingress converts: ``output_token_logprobs`` [logprob, id, text] and ``output_top_logprobs``
+    (alternatives carry no id in vLLM's answer: None). Anything malformed is skipped."""
+    toks, lps = lp.get("tokens"), lp.get("token_logprobs")
+    if not isinstance(toks, list) or not isinstance(lps, list) or len(toks) != len(lps):
+        return
+    same = ids is not None and len(ids) == len(toks)
+    st.new_lists["output_token_logprobs"] = [[v, ids[i] if same else None, t] for i, (v, t) in enumerate(zip(lps, toks))]
+    tops = lp.get("top_logprobs")
+    if isinstance(tops, list) and len(tops) == len(toks):
+        st.new_lists["output_top_logprobs"] = [
+            [[v, None, t] for t, v in sorted(d.items(), key=lambda kv: -kv[1] if isinstance(kv[1], (int, float)) else 0)]
+            if isinstance(d, dict) else [] for d in tops]
+
+
 def loadstats_from_vllm_metrics(text: str, info: EngineInfo) -> list[LoadStat] | None:
     per: dict[int, dict[str, float]] = {}
     cap = info.max_total_num_tokens
@@ -194,6 +211,9 @@ class VllmBackend(Backend):
             text = c.get("text")
             if isinstance(text, str):
                 st.new_text = text
+            lp = c.get("logprobs")
+            if isinstance(lp, dict):
+                _logprob_lists(lp, ids if isinstance(ids, list) else None, st)
             fr = c.get("finish_reason")
             if fr == "abort":
                 st.error = (ErrorCode.WORKER_ERROR, "engine aborted the request")
