@@ -766,19 +766,22 @@ class Broker:
         it is a 400. An unknown name is a 404 ``model_not_found``, except while no worker is
         registered at all (startup): then it waits, parked, for workers to say what they serve."""
         name = sub.model
-        served = self.registry.models()
+        known = self.registry.models()
         if name is not None:
             name = self._aliases.get(name, name)
-            if name in served:
+            if name in known:
                 return name, None
         if name is None or name == self.s.model_name:
+            # The models with routable workers decide: a registered peer that serves nothing (or
+            # a model whose workers are all down) does not make unnamed requests ambiguous.
+            served = [m for m in known if self.registry.pool(m)]
             if len(served) > 1:
                 return None, (ErrorCode.BAD_REQUEST, f"model is required: this fleet serves {', '.join(sorted(served))}")
-            return None, None
-        if not served:
+            return (served[0] if served else None), None
+        if not known:
             return name, None
-        known = sorted(set(served) | set(self._aliases))
-        return None, (ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; models: {', '.join(known)}")
+        listed = sorted(set(known) | set(self._aliases))
+        return None, (ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; models: {', '.join(listed)}")
 
     def _context_refusal(self, sub: P.Submit, model: str | None = None) -> tuple[ErrorCode, str] | None:
         """A prompt longer than every worker's KV capacity can never run: refuse it before it is

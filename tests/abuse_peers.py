@@ -81,7 +81,7 @@ class FakeWorker:
         self.behaviour = behaviour
         self.load = load
         self.token = token
-        self.ready = P.Ready(worker_id, "m", "mixed", labels or {}, 16, 256, max_total_num_tokens, 1, next(_ids), heartbeat_ms)
+        self.ready = P.Ready(worker_id, "sim-llama-8b", "mixed", labels or {}, 16, 256, max_total_num_tokens, 1, next(_ids), heartbeat_ms)
         self.sock = raw_dealer(backend, identity=identity or f"fake-{worker_id}-{next(_ids)}".encode(), **sockopts)
         self.requests = 0
         self.disconnects: list[str] = []

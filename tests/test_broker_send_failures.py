@@ -70,7 +70,7 @@ def test_request_for_a_worker_whose_connection_is_gone_goes_to_another_worker(pr
         b = bt.broker
         procs.workers("live", [b.backend_endpoint], "--heartbeat-ms", "1000", count=1)
         run(wait_for_workers(b.frontend_endpoint, 1))
-        ghost = P.Ready("ghost", "m", "mixed", {}, 16, 256, 400_000, 1, 1, 1000)
+        ghost = P.Ready("ghost", "sim-llama-8b", "mixed", {}, 16, 256, 400_000, 1, 1, 1000)
         bt.call(b._on_ready, b"ghost-identity-never-connected", ghost)
         # it had been serving (a confirmed session) when its connection went away
         bt.call(lambda: b._confirm(b.registry.by_id["ghost"], time.monotonic()))

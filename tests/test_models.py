@@ -15,7 +15,7 @@ import pytest
 from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
 from mesh.up import wait_for_workers
-from tests.conftest import run
+from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200"]
 
@@ -71,3 +71,36 @@ def test_single_model_fleet_takes_no_name_and_the_fleet_name(procs):
     ok, err = run(body(), timeout_s=60)
     assert len(ok) == 3 and len({r.worker for r in ok}) == 1
     assert err.code is ErrorCode.MODEL_NOT_FOUND
+
+
+def test_a_silent_peer_claiming_another_model_does_not_make_unnamed_requests_ambiguous(procs):
+    import zmq
+    import zmq.asyncio
+
+    from mesh import protocol as P
+
+    b = procs.broker("b", *FAST)
+    procs.workers("w", [b.backend], "--model", "llama", count=1)
+    run(wait_for_workers(b.frontend, 1))
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        peer = ctx.socket(zmq.DEALER)
+        peer.connect(b.backend)
+        try:  # registers, then stays silent: never confirmed, never routable
+            await peer.send_multipart(P.encode_ready(P.Ready("squatter", "other-model", "mixed", {}, 16, 8, 1000, 1, 1, 200)))
+            async with Client(b.frontend) as c:
+                async def registered() -> bool:
+                    return (await c.status()).broker["workers_total"] == 2
+                await until(registered, 10, "the squatter registers")
+                r = await c.generate(input_ids=[3] * 16, max_new_tokens=1, deadline_ms=10_000)
+                with pytest.raises(RequestError) as ei:  # its model is known, but nothing serves it
+                    await c.generate(input_ids=[3] * 16, max_new_tokens=1, deadline_ms=1_500, model="other-model")
+            return r, ei.value
+        finally:
+            peer.close(linger=0)
+            ctx.term()
+
+    r, err = run(body(), timeout_s=60)
+    assert r.worker.startswith("w")
+    assert err.code in (ErrorCode.NO_WORKER, ErrorCode.DEADLINE_EXCEEDED)
