@@ -41,21 +41,24 @@ time, closed loop) and records each round trip. Per phase, over the same measure
   window: broker CPU per probe request (the figure asked for; it includes the HTTP work in the
   loaded phases) and per routed request (probe + HTTP), and the broker's share of a core.
 
-**Targets** (PASS/MISS, judged for ``embedded`` and ``gateway`` against ``idle``):
+**Targets** (PASS/MISS, judged for ``embedded`` and ``gateway`` against ``control``, the same 8k-token
+prompts routed without any tokenizer, so that the ratio is the tokenizer's own effect; against ``idle``
+with ``--no-control``; the other comparison is printed as ``info``). Against idle the loaded phases
+also route 8k-token prompts, whose decisions (a match over 512 pages) are slower than the probe's
+16-id ones: measured, control's decision p99 is already about 2.4x idle's with no tokenizer anywhere.
 
-- *decision p99 <= 2x idle.* The decision is CPU work on the loop's thread, microseconds long. If
+- *decision p99 <= 1.5x control.* The decision is CPU work on the loop's thread, microseconds long. If
   tokenising really runs off the loop it stays the same; if a tokenizer thread takes the GIL in the
   middle of a decision, that decision waits a GIL switch interval (5 ms, ``sys.getswitchinterval``)
   or a tokenizer call's length: 20-100x a decision, visible at p99 as soon as 1 % of decisions are
-  hit. The histogram's buckets are 2-2.5x apart (10, 25, 50, 100, 250 us, ...), so 2x is also about
-  the smallest change the interpolated p99 resolves; below it the figure is inside bucket noise.
-- *probe p99 <= 3x idle.* The round trip adds four ZeroMQ hops and the harness's own scheduling; on a
+  hit. The histogram's buckets are about 1.6x apart (10, 15, 25, 40, 60, 100 us, ...), so 1.5x is
+  about the smallest change the interpolated p99 resolves.
+- *probe p99 <= 3x control.* The round trip adds four ZeroMQ hops and the harness's own scheduling; on a
   2-core machine the harness shares its core with the load generator, the workers and (``gateway``)
   the gateway's tokenizing, so some of its growth is the harness's, not the broker's. 3x leaves that
-  room and still fails a broker whose loop is held for milliseconds at a time.
-- The decision and probe p99 ratios against ``control`` are printed beside them (``info``): a phase
-  that misses against idle but not against control pays for the prompts' routing, not for the
-  tokenizer.
+  room and still fails a broker whose loop or core is held for milliseconds at a time: tokenising in
+  the broker's own process (``embedded``) takes its core (about 3 ms of CPU per 8k-token prompt), and
+  the other clients' round trips pay for it; that is what ``mesh gateway`` is for.
 
 A MISS does not fail the command; a broken phase (no probe answers, no 2xx HTTP answers) does.
 
@@ -82,7 +85,7 @@ from typing import Any
 __all__ = ["run_tokenize_load", "print_results", "evaluate_targets", "hist_quantile", "parse_metrics",
            "add_bench_tokenize_load_parser", "DECISION_P99_MAX_RATIO", "PROBE_P99_MAX_RATIO"]
 
-DECISION_P99_MAX_RATIO = 2.0
+DECISION_P99_MAX_RATIO = 1.5
 PROBE_P99_MAX_RATIO = 3.0
 PHASES = ("idle", "embedded", "gateway", "control")
 _PROBE_IDS = 16
@@ -545,21 +548,25 @@ def _phases_ok(phases: dict) -> bool:
 
 
 def evaluate_targets(phases: dict) -> list[dict]:
-    """PASS/MISS rows for the loaded phases against idle, and info rows against control."""
+    """PASS/MISS rows for the loaded phases against control (the same prompts without a
+    tokenizer: the tokenizer's own effect), or against idle when there is no control phase; the
+    other comparison as info rows."""
     rows: list[dict] = []
     idle, ctl = phases.get("idle"), phases.get("control")
+    base, other = ("control", "idle") if ctl else ("idle", None)
     for name in ("embedded", "gateway"):
         ph = phases.get(name)
         if ph is None:
             continue
         for what, key, sub, limit in (("decision p99", "decision", "p99_us", DECISION_P99_MAX_RATIO),
                                       ("probe p99", "probe", "p99_ms", PROBE_P99_MAX_RATIO)):
-            v = _ratio(ph[key][sub], idle[key][sub]) if idle else None
-            rows.append({"phase": name, "name": f"{what} / idle", "limit": limit, "value": v,
+            ref = phases.get(base)
+            v = _ratio(ph[key][sub], ref[key][sub]) if ref else None
+            rows.append({"phase": name, "name": f"{what} / {base}", "limit": limit, "value": v,
                          "result": "n/a" if v is None else ("PASS" if v <= limit else "MISS")})
-            if ctl:
-                rows.append({"phase": name, "name": f"{what} / control", "limit": None,
-                             "value": _ratio(ph[key][sub], ctl[key][sub]), "result": "info"})
+            if other and phases.get(other):
+                rows.append({"phase": name, "name": f"{what} / {other}", "limit": None,
+                             "value": _ratio(ph[key][sub], phases[other][key][sub]), "result": "info"})
     return rows
 
 
@@ -631,7 +638,7 @@ def add_bench_tokenize_load_parser(bsub) -> argparse.ArgumentParser:
                     "/v1/completions prompts to the broker's own ingress, which tokenises them); gateway (the same load "
                     "through mesh gateway --tokenizer in its own process); control (the same prompts as token ids over "
                     "ZeroMQ at the embedded phase's rate: the prompts' routing without a tokenizer). Prints a table and "
-                    "PASS/MISS for decision p99 <= 2x idle and probe p99 <= 3x idle (the module docstring says why); a "
+                    "PASS/MISS for decision p99 <= 1.5x and probe p99 <= 3x the control phase's (the module docstring says why); a "
                     "MISS does not fail the command, a broken phase does. Needs the dev extra's tokenizers and "
                     "mistral-common for --tokenizer builtin.")
     p.add_argument("--duration-s", type=float, default=8.0, help="measured seconds per phase (default 8; a default run "
