@@ -9,7 +9,6 @@ Fleet: workers of ``model-a`` (tokenised with Mistral's SentencePiece vocabulary
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import aiohttp
 import pytest

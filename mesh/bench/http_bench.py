@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mesh.bench.http_load import PROMPT, request_body, run_load, wrk_path, wrk_version
+from mesh.bench.report import fmt as _f
 from mesh.procs import Proc, ProcGroup, wait_for_log_event
 from mesh.up import wait_for_workers
 
@@ -507,12 +508,6 @@ def evaluate_targets(cells: list[dict], concurrency: Iterable[int]) -> list[dict
 
 
 # ----------------------------------------------------------------------------- output
-
-
-def _f(v, fmt: str = "{:.0f}") -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return "-"
-    return fmt.format(v)
 
 
 def print_results(res: dict, console=None) -> None:

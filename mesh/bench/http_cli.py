@@ -4,8 +4,6 @@ every ``mesh`` invocation). The benchmark itself is :mod:`mesh.bench.http_bench`
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 __all__ = ["add_bench_http_parser"]
 
@@ -64,6 +62,7 @@ def _cmd_bench_http(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mesh.bench.http_bench import ALL_ARMS, print_results, run_http_bench, sglang_router_available
+    from mesh.bench.report import write_json
 
     arms = args.arms or [a for a in ALL_ARMS if (a != "sglang_router" or sglang_router_available())
                          and (a != "broker_zmq_tokenized" or args.tokenizer)]
@@ -97,8 +96,5 @@ def _cmd_bench_http(args) -> int:
         res["arms"]["sglang_router"] = {"status": "skipped", "reason": "the sglang_router package is not importable"}
     print_results(res, con)
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2))
-        con.print(f"wrote {out}")
+        write_json(args.json, res, con)
     return 0 if res["ok"] else 1

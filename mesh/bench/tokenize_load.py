@@ -82,6 +82,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mesh.bench.report import fmt as _f, write_json
+
 __all__ = ["run_tokenize_load", "print_results", "evaluate_targets", "hist_quantile", "parse_metrics",
            "add_bench_tokenize_load_parser", "DECISION_P99_MAX_RATIO", "PROBE_P99_MAX_RATIO"]
 
@@ -552,7 +554,7 @@ def evaluate_targets(phases: dict) -> list[dict]:
     tokenizer: the tokenizer's own effect), or against idle when there is no control phase; the
     other comparison as info rows."""
     rows: list[dict] = []
-    idle, ctl = phases.get("idle"), phases.get("control")
+    ctl = phases.get("control")
     base, other = ("control", "idle") if ctl else ("idle", None)
     for name in ("embedded", "gateway"):
         ph = phases.get(name)
@@ -571,12 +573,6 @@ def evaluate_targets(phases: dict) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- output
-
-
-def _f(v, fmt: str = "{:.0f}") -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return "-"
-    return fmt.format(v)
 
 
 def print_results(res: dict, console=None) -> None:
@@ -685,8 +681,5 @@ def _cmd(args) -> int:
         return 130
     print_results(res, con)
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2))
-        con.print(f"wrote {out}")
+        write_json(args.json, res, con)
     return 0 if res["ok"] else 1
