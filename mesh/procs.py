@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,23 @@ def _tail(path: Path, n: int = 20) -> str:
         return "(no log)"
 
 
+_PR_SET_PDEATHSIG = 1
+_prctl = None
+if sys.platform.startswith("linux"):  # resolved here, in the parent: the child may not import
+    try:
+        import ctypes
+
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+        _prctl = None
+
+
+def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """SIGTERM this (child) process when its parent dies (Linux; elsewhere nothing)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
 @dataclass
 class Proc:
     name: str
@@ -111,9 +129,14 @@ class ProcGroup:
         log_path = self.log_dir / f"{name}.log"
         start = log_path.stat().st_size if log_path.exists() else 0
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        # A child outlives a parent that is SIGKILLed (a test's teardown, an OOM kill of `mesh up`),
+        # and its own session keeps it from the terminal's signals: ask the kernel to SIGTERM it
+        # when the parent goes. Only from the main thread: the signal follows the spawning
+        # *thread*, so a child spawned from a short-lived thread would be killed with it.
+        pdeath = _set_parent_death_signal if _prctl is not None and threading.current_thread() is threading.main_thread() else None
         with log_path.open("ab") as log:
             p = subprocess.Popen([sys.executable, "-m", "mesh.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=pdeath)
         proc = Proc(name, p, log_path, start)
         self.procs.append(proc)
         return proc
