@@ -109,6 +109,32 @@ in-flight, running, waiting, KV usage, requests and hit rate; cumulative request
 counters) or ``mesh.event`` (``event`` = worker_registered / worker_expired / worker_draining /
 worker_disconnected, with ``worker_id``). See :mod:`brokers.telemetry`; ``mesh top`` reads it.
 
+Peer exchange (broker to broker)
+--------------------------------
+With ``--exchange ENDPOINT`` a broker binds a PUB socket and its SUB connects to every ``--peer``
+(subscribed to the header, so nothing else reaches the decoder). Three frames, like the other
+paths: frame 0 ``b"MESHX1"``, frame 1 the command byte, frame 2 a msgpack map.
+
+==========  ====  ===================================================================
+command     byte  body (frame 2)
+==========  ====  ===================================================================
+PEER_LOAD   0x21  ``broker`` str (1..256 bytes, the sender's broker id), ``epoch`` int
+                  (0..2**63-1, the sender's boot epoch: larger after a restart), ``seq``
+                  int >= 0 (+1 per message within an epoch), ``full`` bool (true: the list
+                  holds *every* worker the sender has work on, so a worker it omits has
+                  none), ``workers`` list of at most ``MAX_EXCHANGE_WORKERS`` arrays
+                  ``[worker_id str (1..256 bytes), inflight int (0..2**20), prefill_tokens
+                  int (0..2**40), sent_tokens int (0..2**62)]``, worker ids unique;
+                  ``full_ms`` int (1..600000, optional, default 1000): the sender's
+                  full-snapshot period (receivers never call it stale sooner than 3 x that).
+==========  ====  ===================================================================
+
+Figures are the sender's own *absolute* values per worker: requests it has in flight there,
+their uncached prefill tokens, and the uncached tokens it ever dispatched there (a counter that
+only grows within an epoch). A lost, duplicated or reordered message is therefore harmless: the
+next one carries the current values (see :mod:`mesh.routing.peers`). A message is at most
+``MAX_EXCHANGE_BYTES``; :func:`decode_exchange` is its decode boundary.
+
 Attempt fencing: a CHUNK/FINAL/ERROR whose ``(rid, attempt)`` is not the broker's current
 attempt is dropped and counted (``stale_reply_dropped``).
 
@@ -164,12 +190,19 @@ __all__ = [
     "decode_client_reply",
     "decode_worker",
     "decode_broker_to_worker",
+    "EXCHANGE_HEADER",
+    "MAX_EXCHANGE_WORKERS",
+    "MAX_EXCHANGE_BYTES",
+    "PeerLoad",
+    "encode_peer_load",
+    "decode_exchange",
     "pack",
     "unpack",
 ]
 
 CLIENT_HEADER = b"MESHC1"
 WORKER_HEADER = b"MESHW1"
+EXCHANGE_HEADER = b"MESHX1"
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 MAX_RID_BYTES = 256
 # READY labels are echoed in every STATUS reply and telemetry snapshot: bounded so that a fleet
@@ -183,6 +216,14 @@ MAX_TOKEN_ID = 2**32
 # 2**18 tokens at up to 5 msgpack bytes each plus their text stays under MAX_FRAME_BYTES, so a
 # long answer can never exceed the worker path's frame limit (and drop the worker's connection).
 MAX_NEW_TOKENS = 1 << 18
+# Peer exchange: one message lists at most this many workers (the default --max-workers, so a
+# broker's whole fleet fits one full snapshot); worker ids are at most 256 bytes, so a message
+# stays below MAX_EXCHANGE_BYTES, the SUB socket's MAXMSGSIZE.
+MAX_EXCHANGE_WORKERS = 4096
+MAX_EXCHANGE_BYTES = 2 * 1024 * 1024
+MAX_PEER_INFLIGHT = 1 << 20
+MAX_PEER_PREFILL_TOKENS = 1 << 40
+MAX_PEER_SENT_TOKENS = 1 << 62
 
 ROLES = ("prefill", "decode", "mixed")
 DRAINING = "draining"  # DISCONNECT reason: graceful worker drain
@@ -209,6 +250,12 @@ class Cmd(IntEnum):
     C_ERROR = 0x16
     C_STATUS = 0x17
     C_STATUS_REPLY = 0x18
+
+
+# The peer exchange's command byte lives outside Cmd on purpose: the client and worker decoders
+# keep answering it as ``unknown_command`` on their paths.
+X_PEER_LOAD = 0x21
+_X_PEER_LOAD_B = bytes([X_PEER_LOAD])
 
 
 _B = {c: bytes([c]) for c in Cmd}
@@ -813,6 +860,81 @@ def decode_broker_to_worker(frames: list[bytes]):
         if cmd is Cmd.RESYNC:
             return Resync(_int(d, "dp_rank"), _str(d, "reason", required=False))
         raise ProtocolError("unexpected_command", f"{cmd.name} is not a broker-to-worker command")
+    except ProtocolError as exc:
+        return exc
+    except Exception as exc:
+        return ProtocolError("internal_decode_error", repr(exc))
+
+
+# --------------------------------------------------------------------------- peer exchange
+
+
+@dataclass(slots=True)
+class PeerLoad:
+    """One PEER_LOAD message: a broker's own absolute figures per worker (see the module docstring).
+
+    ``workers`` holds ``(worker_id, inflight, prefill_tokens, sent_tokens)`` tuples."""
+
+    broker: str
+    epoch: int
+    seq: int
+    full: bool
+    workers: list[tuple[str, int, int, int]]
+    full_ms: int = 1000
+
+
+def encode_peer_load(m: PeerLoad) -> list[bytes]:
+    return [EXCHANGE_HEADER, _X_PEER_LOAD_B,
+            pack({"broker": m.broker, "epoch": m.epoch, "seq": m.seq, "full": m.full, "full_ms": m.full_ms,
+                  "workers": [list(w) for w in m.workers]})]
+
+
+def decode_exchange(frames: list[bytes]) -> PeerLoad | ProtocolError:
+    """Decode a peer exchange message. Never raises: returns a PeerLoad or a ProtocolError whose
+    ``reason`` is the metric label (``bad_frame_count``, ``bad_header``, ``unknown_command``,
+    ``too_large``, ``bad_msgpack``, ``bad_body``, ``bad_field``, ``too_many_workers``,
+    ``duplicate_worker``)."""
+    try:
+        if len(frames) != 3:
+            raise ProtocolError("bad_frame_count", f"{len(frames)} frames")
+        if frames[0] != EXCHANGE_HEADER:
+            raise ProtocolError("bad_header", repr(bytes(frames[0][:16])))
+        c = frames[1]
+        if len(c) != 1:
+            raise ProtocolError("bad_command", f"command frame of {len(c)} bytes")
+        if c[0] != X_PEER_LOAD:
+            raise ProtocolError("unknown_command", f"0x{c[0]:02x}")
+        if len(frames[2]) > MAX_EXCHANGE_BYTES:
+            raise ProtocolError("too_large", f"{len(frames[2])} bytes")
+        d = _map(unpack(frames[2]))
+        broker = _str(d, "broker", max_bytes=256)
+        if not broker:
+            raise ProtocolError("bad_field", "broker must be non-empty")
+        epoch = _int(d, "epoch")
+        seq = _int(d, "seq")
+        full = _bool(d, "full", False)
+        full_ms = _int(d, "full_ms", required=False, default=1000, lo=1, hi=600_000)
+        ws = d.get("workers")
+        if type(ws) is not list:
+            raise ProtocolError("bad_field", "workers must be a list")
+        if len(ws) > MAX_EXCHANGE_WORKERS:
+            raise ProtocolError("too_many_workers", f"{len(ws)} workers (max {MAX_EXCHANGE_WORKERS})")
+        out: list[tuple[str, int, int, int]] = []
+        seen: set[str] = set()
+        for w in ws:
+            if type(w) is not list or len(w) != 4:
+                raise ProtocolError("bad_field", "a worker entry is [worker_id, inflight, prefill_tokens, sent_tokens]")
+            wid, n, pre, sent = w
+            if type(wid) is not str or not wid or len(wid) > 256 or len(wid.encode()) > 256:
+                raise ProtocolError("bad_field", "worker_id must be a string of 1..256 bytes")
+            if (type(n) is not int or not 0 <= n <= MAX_PEER_INFLIGHT or type(pre) is not int
+                    or not 0 <= pre <= MAX_PEER_PREFILL_TOKENS or type(sent) is not int or not 0 <= sent <= MAX_PEER_SENT_TOKENS):
+                raise ProtocolError("bad_field", f"figures of {wid[:64]!r} out of range")
+            if wid in seen:
+                raise ProtocolError("duplicate_worker", wid[:64])
+            seen.add(wid)
+            out.append((wid, n, pre, sent))
+        return PeerLoad(broker, epoch, seq, full, out, full_ms)
     except ProtocolError as exc:
         return exc
     except Exception as exc:

@@ -16,8 +16,9 @@ first token**::
 
 * ``E_w``: this request's uncached tokens on w (prompt minus its matched prefix);
 * ``Q_w``: uncached prefill tokens already queued on w: ``num_waiting_uncached_tokens`` from fresh
-  LoadStat plus what this router sent since that snapshot; without fresh telemetry, this
-  router's own outstanding prefill tokens on w (fail-open, like SGLang's router-local load);
+  LoadStat plus what this router (and, with the broker exchange, its peers) sent since that
+  snapshot; without fresh telemetry, the outstanding prefill tokens this router (and its peers)
+  has on w (fail-open, like SGLang's router-local load);
 * ``rate_w``: w's measured prefill throughput (from the LoadStat counters) or the configured default;
 * ``step_ms(w)``: the decode work that shares each prefill chunk's GPU step (base + per running
   request + KV read), i.e. the decode-pressure term; ``chunks`` = ceil(tokens / chunk size);
@@ -180,8 +181,8 @@ class CacheAware:
             used = agg.total_tokens
             capacity = agg.max_tokens
         else:
-            queued = w.outstanding_prefill_tokens
-            running = w.inflight
+            queued = w.outstanding_prefill_tokens + w.peer_prefill_tokens  # with peers' (exchange)
+            running = w.inflight + w.peer_inflight
             used = 0
             capacity = w.max_total_num_tokens
         rate = w.prefill_tokens_per_s or c.prefill_tokens_per_s

@@ -41,8 +41,19 @@ class WorkerState:
 
     ``inflight`` is this router's own count of dispatched, unfinished requests (always live).
     ``load`` holds the latest LoadStat per DP rank and ``load_at_s`` when it arrived;
-    ``inflight_at_load`` is ``inflight`` at that moment, so the requests dispatched or finished
-    since the snapshot can be added to it (see :meth:`pressure`).
+    ``inflight - inflight_at_load`` is the change in requests on the worker since that snapshot
+    and ``pending_since_load_tokens`` the uncached tokens sent there since, so the snapshot can
+    be corrected (see :meth:`pressure`).
+
+    **Peers** (the broker exchange, :mod:`mesh.routing.peers`): other routers' figures arrive
+    through :meth:`apply_peer_change`. ``peer_inflight`` / ``peer_prefill_tokens`` are the sums
+    over fresh peers; their *changes* are folded into the two correction terms above
+    (``inflight_at_load`` moves down by what peers added, ``pending_since_load_tokens`` grows by
+    what they sent), so the correction reads "LoadStat + everyone's changes since" and a
+    LoadStat (which already counts every router's work) resets it without double counting.
+    Every reader of the correction terms (pressure, cache_aware's queue, admission) thus sees
+    the fleet's work with no change of its own. Without fresh telemetry the fallback is the sum
+    of this router's and its peers' live figures.
     """
 
     worker_id: str
@@ -60,6 +71,12 @@ class WorkerState:
     outstanding_prefill_tokens: int = 0  # uncached tokens of this router's unfinished requests
     pending_since_load_tokens: int = 0  # uncached tokens this router sent since the last LoadStat
     prefill_tokens_per_s: float | None = None
+    peer_inflight: int = 0  # requests fresh peer routers have in flight here (exchange)
+    peer_prefill_tokens: int = 0  # ... and their uncached prefill tokens
+    sent_tokens: int = 0  # uncached tokens this router ever dispatched here (grows only; published to peers)
+    # The exchange's dirty set (worker ids whose own figures changed since the last publish):
+    # record_dispatch/record_release add this worker's id when it is set.
+    exchange_dirty: set | None = None
     _prev_load: list[LoadStat | None] = field(default_factory=list)
     # fresh_load() is read for every candidate of every decision: the sum over ranks is cached
     # until the next LoadStat, with the time of its oldest rank for the freshness check.
@@ -123,11 +140,42 @@ class WorkerState:
         self.inflight += 1
         self.outstanding_prefill_tokens += uncached_tokens
         self.pending_since_load_tokens += uncached_tokens
+        self.sent_tokens += uncached_tokens
+        if self.exchange_dirty is not None:
+            self.exchange_dirty.add(self.worker_id)
 
     def record_release(self, uncached_tokens: int) -> None:
         """A request dispatched here finished, failed or moved elsewhere."""
         self.inflight = max(0, self.inflight - 1)
         self.outstanding_prefill_tokens = max(0, self.outstanding_prefill_tokens - uncached_tokens)
+        if self.exchange_dirty is not None:
+            self.exchange_dirty.add(self.worker_id)
+
+    def apply_peer_change(self, d_inflight: int, d_prefill_tokens: int, sent_tokens: int, live: bool = True) -> None:
+        """Peers' figures here changed by ``d_inflight`` requests and ``d_prefill_tokens``
+        uncached tokens, and they sent ``sent_tokens`` more uncached tokens.
+
+        ``live`` False: a peer's figures were *dropped* (it went stale or restarted). They leave
+        the live sums, but what it changed since the last LoadStat stays in the correction until
+        the next LoadStat replaces it: the work is still on the worker, only no longer tracked.
+        """
+        pi = self.peer_inflight + d_inflight
+        self.peer_inflight = pi if pi > 0 else 0
+        pp = self.peer_prefill_tokens + d_prefill_tokens
+        self.peer_prefill_tokens = pp if pp > 0 else 0
+        if live:
+            self.inflight_at_load -= d_inflight
+            self.pending_since_load_tokens += sent_tokens
+
+    @property
+    def fleet_inflight(self) -> int:
+        """This router's and its fresh peers' requests in flight here."""
+        return self.inflight + self.peer_inflight
+
+    @property
+    def fleet_prefill_tokens(self) -> int:
+        """Uncached prefill tokens of this router's and its fresh peers' unfinished requests here."""
+        return self.outstanding_prefill_tokens + self.peer_prefill_tokens
 
     def fresh_load(self, now_s: float, freshness_s: float) -> AggregatedLoad | None:
         """Summed load if *every* rank reported a complete, capacity-valid LoadStat recently.
@@ -161,13 +209,13 @@ class WorkerState:
     def pressure(self, now_s: float, freshness_s: float) -> float:
         """Load score used by load-based policies: requests on the worker right now (estimate).
 
-        Fresh telemetry: running + waiting from the snapshot, corrected by what this router
-        dispatched or finished since (``inflight - inflight_at_load``). Otherwise this router's
-        own in-flight count.
+        Fresh telemetry: running + waiting from the snapshot, corrected by what this router and
+        its peers dispatched or finished since (``inflight - inflight_at_load``). Otherwise the
+        in-flight count of this router and its fresh peers.
         """
         agg = self.fresh_load(now_s, freshness_s)
         if agg is None:
-            return float(self.inflight)
+            return float(self.inflight + self.peer_inflight)
         return max(0.0, float(agg.running + agg.waiting + self.inflight - self.inflight_at_load))
 
 

@@ -21,6 +21,11 @@ Each arm replays the same :class:`~mesh.sim.workloads.Workload` through fresh ob
   never for ``approx`` (it learns only from its own router's decisions).
 * **Network**: ``net_ms`` one way: router -> worker on dispatch, worker -> router for the first
   token and the completion (so TTFT and E2E include it twice).
+* **Exchange** (``exchange``, several routers): each router publishes its own per-worker figures
+  with :class:`~mesh.routing.peers.PeerPublisher` (a change message at most every
+  ``exchange_interval_ms`` while something changed, a full snapshot every second) and every
+  other router merges them with :class:`~mesh.routing.peers.PeerMerge` ``exchange_delay_ms``
+  later: the broker's exchange, with the same core objects and a delay instead of sockets.
 * **Arrivals**: request ``i`` reaches router ``i % R`` (``router_pick="round_robin"``) or a
   seeded random router (``"random"``) at its arrival time.
 
@@ -72,6 +77,7 @@ from mesh.engine_model import EngineConfig, EngineModel
 from mesh.errors import ConfigError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex
+from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes
 from mesh.routing.router import POLICIES, Router, make_policy
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 from mesh.sim.events import EventQueue
@@ -87,7 +93,7 @@ PROVIDER_FEEDS = {"radix_tree": "local", "indexer": "shared", "approx": "none", 
 ROUTER_PICKS = ("round_robin", "random")
 
 # event kinds
-_ARRIVAL, _SUBMIT, _STEP_END, _DONE, _HEARTBEAT, _KV, _SUBMIT_DECODE = range(7)
+_ARRIVAL, _SUBMIT, _STEP_END, _DONE, _HEARTBEAT, _KV, _SUBMIT_DECODE, _X_PUB, _X_RECV = range(9)
 
 
 @dataclass
@@ -119,6 +125,10 @@ class SimConfig:
     buckets: str | None = None  # bucket config (TOML/JSON): arms route through BucketRouter
     pd: tuple[int, int] | None = None  # (prefill workers, decode workers): disaggregated arms
     long_pool_share: float = 0.25  # with buckets: share of (prefill/mixed) workers labelled pool=long
+    exchange: bool = False  # routers exchange their in-flight figures (mesh.routing.peers)
+    exchange_delay_ms: float = 2.0  # publish -> peers' merge (the broker's few-ms socket hop)
+    exchange_interval_ms: float = 5.0  # at most one change message per router per interval
+    exchange_full_ms: float = 1000.0  # full snapshot period
 
     def validate(self, *, source: bool = True) -> None:
         """Raise ConfigError on a bad setting (``source``: also check trace/workload)."""
@@ -127,9 +137,11 @@ class SimConfig:
         for name in ("heartbeat_ms", "time_scale", "load_freshness_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
-        for name in ("event_delay_ms", "net_ms", "ttft_slo_ms"):
+        for name in ("event_delay_ms", "net_ms", "ttft_slo_ms", "exchange_delay_ms", "exchange_interval_ms"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0")
+        if not self.exchange_full_ms > 0:
+            raise ConfigError("exchange_full_ms must be > 0")
         if self.router_pick not in ROUTER_PICKS:
             raise ConfigError(f"router_pick must be one of {', '.join(ROUTER_PICKS)}")
         if not self.policies or not self.providers or not self.routers or not self.workers:
@@ -207,7 +219,7 @@ class SimRouter:
     dispatch to ``Decision.decode_worker_id`` and release that state too).
     """
 
-    __slots__ = ("index", "router", "states", "pool", "by_id")
+    __slots__ = ("index", "router", "states", "pool", "by_id", "publisher", "merge", "pub_at")
 
     def __init__(self, index: int, router: Router, states: list[WorkerState]) -> None:
         self.index = index
@@ -215,6 +227,19 @@ class SimRouter:
         self.states = states  # by worker index
         self.pool = router.pool(states)
         self.by_id = {s.worker_id: s for s in states}
+        self.publisher: PeerPublisher | None = None  # the exchange (SimConfig.exchange)
+        self.merge: PeerMerge | None = None
+        self.pub_at = float("inf")  # when its next publish event is scheduled
+
+    def enable_exchange(self, interval_s: float, full_s: float) -> None:
+        """Publish and merge peer figures as a broker with ``--exchange`` does."""
+        name = f"router-{self.index}"
+        self.publisher = PeerPublisher(name, 1, interval_s, full_s)
+        # no message is ever lost here, so no peer goes stale (the bound only has to exceed
+        # the full-snapshot period)
+        self.merge = PeerMerge(name, stale_s=max(3.0, 3 * full_s))
+        for st in self.states:
+            st.exchange_dirty = self.publisher.dirty
 
     def route(self, req: RouteRequest, now_s: float) -> Decision:
         return self.router.route(req, self.pool, now_s)
@@ -329,6 +354,10 @@ class Arm:
                                   max_running_requests=ecfg.max_running_requests, max_total_num_tokens=ecfg.max_total_num_tokens)
                       for i, wid in enumerate(ids)]
             self.routers.append(SimRouter(r, _make_router(cfg, pol, prov, r), states))
+        self.exchange = bool(cfg.exchange) and len(self.routers) > 1
+        if self.exchange:
+            for sr in self.routers:
+                sr.enable_exchange(cfg.exchange_interval_ms / 1e3, cfg.exchange_full_ms / 1e3)
         # KV event targets: providers that get each batch.
         if feed == "local":
             self.kv_targets = [sr.router.provider for sr in self.routers]
@@ -370,6 +399,22 @@ class Arm:
         last_done = t0
         progress = self.progress
         prog_every = max(1, n // 200)
+        exchange = self.exchange
+        x_delay = cfg.exchange_delay_ms / 1e3
+        x_msgs = x_entries = x_applied = 0
+
+        def x_schedule(sr: SimRouter, t: float) -> None:
+            """Make sure sr's next publish event is queued at its publisher's due time."""
+            due = sr.publisher.next_due()  # type: ignore[union-attr]
+            if due < t:
+                due = t
+            if due < sr.pub_at:
+                sr.pub_at = due
+                push(due, _X_PUB, sr.index, None)
+
+        if exchange:
+            for sr in routers:
+                x_schedule(sr, t0)
 
         # heartbeats: per (router, worker) phase offsets from a seeded RNG
         hb_rng = random.Random(_key(0x4B, cfg.seed))
@@ -404,6 +449,8 @@ class Arm:
                         tr.prompt = usage["prompt_tokens"]
                         tr.leg = 2
                         routers[tr.router].release(tr.worker, tr.decision)
+                        if exchange:
+                            x_schedule(routers[tr.router], t)
                         push(t + net, _SUBMIT_DECODE, rid, tr.decode)
                         continue
                     if tr.leg == 0:
@@ -455,6 +502,8 @@ class Arm:
                 dr = d.detail.get("decode_reason")
                 if dr:
                     decisions[f"decode_{dr}"] += 1
+                if exchange:
+                    x_schedule(sr, t)
                 wi = self.wix[d.worker_id]
                 workers[wi].served += 1
                 tr = tracks[i] = _Track(t, ri, wi, d)
@@ -484,6 +533,8 @@ class Arm:
                 tr = tracks[a]
                 tr.done = t
                 routers[tr.router].release(tr.decode if tr.leg == 2 else tr.worker, tr.decision)
+                if exchange:
+                    x_schedule(routers[tr.router], t)
                 finished += 1
                 if t > last_done:
                     last_done = t
@@ -491,6 +542,22 @@ class Arm:
                     progress(finished, n)
                 if finished >= n:
                     break
+            elif kind == _X_PUB:
+                sr = routers[a]
+                if t != sr.pub_at:
+                    continue  # superseded by an earlier publish event
+                sr.pub_at = float("inf")
+                msg = sr.publisher.build(t, sr.by_id.get, lambda sr=sr: sr.states)  # type: ignore[union-attr]
+                if msg is not None:
+                    x_msgs += 1
+                    x_entries += len(msg.workers)
+                    push(t + x_delay, _X_RECV, a, msg)
+                x_schedule(sr, t + 1e-9)
+            elif kind == _X_RECV:
+                for sr in routers:
+                    if sr.index != a:
+                        _outcome, changes = sr.merge.apply(b, t)  # type: ignore[union-attr]
+                        x_applied += apply_changes(changes, sr.by_id.get)
             elif kind == _KV:
                 w = a
                 seq, events = b
@@ -558,6 +625,10 @@ class Arm:
             "kv_event_batches": kv_batches,
             "kv_events_applied": applied,
             "kv_resyncs": kv_resyncs,
+            "exchange": exchange,
+            "exchange_messages": x_msgs,
+            "exchange_entries": x_entries,
+            "exchange_applied": x_applied,
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "sim_span_s": _r(span),
