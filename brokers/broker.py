@@ -50,6 +50,7 @@ from mesh.logs import RateLimiter, announce, get_logger
 from mesh.retry import RetryBudget, RetryPolicy
 from mesh.hashing import text_to_tokens
 from mesh.namespaces import request_namespace
+from mesh.routing.peers import apply_changes
 from mesh.routing.router import Router
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 from mesh.security import key_may_claim
@@ -191,6 +192,9 @@ class Broker:
         self.async_provider = bool(getattr(router.provider, "is_async", False))
         self.telemetry = None
         self.telemetry_endpoint = ""
+        self.exchange = None  # brokers.peer_exchange.PeerExchange with --exchange
+        self.exchange_endpoint = ""
+        self._xs: zmq.Socket | None = None  # its SUB (read by the pump)
         self._monitors: list[tuple[str, Any]] = []
         self._worker_tokens: dict[str, list[int]] = {}  # worker_id -> [requests, prompt tokens, cached tokens]
         self.ready = asyncio.Event()
@@ -239,6 +243,17 @@ class Broker:
 
             self.telemetry = TelemetryPublisher(self.ctx, self.s.telemetry, self.broker_id)
             self.telemetry_endpoint = self.telemetry.endpoint
+        if self.s.exchange:
+            from brokers.peer_exchange import PeerExchange
+
+            self.exchange = PeerExchange(sctx, self.broker_id, self.s.exchange, self.s.peer, interval_ms=self.s.exchange_interval_ms,
+                                         stale_ms=self.s.exchange_stale_ms, stats=self.stats.exchange, log=self.log,
+                                         on_reject=lambda err: self._reject("exchange", err, b""))
+            self.exchange_endpoint = self.exchange.endpoint
+            self._xs = self.exchange.sub
+            if self.curve is not None:
+                self.log.warning("exchange_plaintext", endpoint=self.exchange_endpoint,
+                                 note="the peer exchange has no CURVE: keep it on the brokers' private network")
 
     async def run(self) -> None:
         """Serve until :meth:`request_stop`; then drain in-flight work and close the sockets."""
@@ -246,7 +261,7 @@ class Broker:
             self.bind()
         self._state = "serving"
         announce("broker_listening", broker_id=self.broker_id, frontend=self.frontend_endpoint, backend=self.backend_endpoint,
-                 telemetry=self.telemetry_endpoint, policy=self.router.policy.name,
+                 telemetry=self.telemetry_endpoint, exchange=self.exchange_endpoint, policy=self.router.policy.name,
                  provider=getattr(self.router.provider, "name", "none"))
         self.ready.set()
         try:
@@ -276,6 +291,8 @@ class Broker:
             mon.close(linger=0)
         if self.telemetry is not None:
             self.telemetry.close()
+        if self.exchange is not None:
+            self.exchange.close()
         for sock in (self._front, self._back):
             if sock is not None:
                 if self._monitors:
@@ -305,6 +322,8 @@ class Broker:
         self._aloop = loop
         self._done = loop.create_future()
         self._watch = [self._bs, self._fs, *(mon for _, mon in self._monitors)]
+        if self._xs is not None:
+            self._watch.append(self._xs)
         now = time.monotonic()
         hb_s = self.s.heartbeat_ms / 1000.0
         self._next_hb = now + hb_s / _HB_SLICES
@@ -389,6 +408,8 @@ class Broker:
             else:
                 busy = (self._drain(back, self._on_worker_frames, budget_end, with_user=with_user)
                         | self._drain(front, self._on_client_socket_frames, budget_end))
+            if self._xs is not None:
+                busy |= self._drain(self._xs, self._on_exchange_frames, budget_end)
             if busy and time.monotonic() >= budget_end:
                 break  # more is queued: run the timers, let other tasks in, come straight back
         if self._mail:
@@ -462,6 +483,11 @@ class Broker:
         if now >= self._next_tel and self.telemetry is not None:
             self._publish_snapshot(now)
             self._next_tel = now + self.telemetry.interval_s
+        x = self.exchange
+        if x is not None and now >= x.next_due():
+            changes = x.tick(now, self._worker_state, self._worker_states)
+            if changes:
+                apply_changes(changes, self._worker_state)
         if self._deadlines and self._deadlines[0][0] <= now:
             self._expire_deadlines(now)
         if self._retries and self._retries[0][0] <= now:
@@ -474,6 +500,8 @@ class Broker:
     def _arm_timer(self, now: float) -> None:
         """Make sure the timer fires by the earliest due time (the loop clock is monotonic)."""
         wake = min(self._next_hb, self._next_sweep, self._next_tel)
+        if self.exchange is not None:
+            wake = min(wake, self.exchange.next_due())
         # Finished requests leave their deadline in the heap (lazy deletion); drop those from
         # the top first, or under sustained load the timer would fire once per finished request.
         dl, inflight = self._deadlines, self._inflight
@@ -880,6 +908,8 @@ class Broker:
                     self._finish_error(inf, ErrorCode.NO_WORKER, "no routable worker" if not pool else decision.reason)
                 return
             self.stats.decisions[decision.reason] += 1
+            if self.exchange is not None and self.exchange.degraded:
+                self.stats.exchange["decisions_peer_stale"] += 1  # routed on this broker's own view
             dr = decision.detail.get("decode_reason")
             if dr:
                 self.stats.decisions[f"decode_{dr}"] += 1
@@ -1284,6 +1314,9 @@ class Broker:
             worker_id=r.worker_id, role=r.role, labels=dict(r.labels), block_size=r.block_size,
             max_running_requests=r.max_running_requests, max_total_num_tokens=r.max_total_num_tokens, dp_size=r.dp_size,
         )
+        if self.exchange is not None:
+            state.exchange_dirty = self.exchange.publisher.dirty
+            state.peer_inflight, state.peer_prefill_tokens = self.exchange.merge.totals(r.worker_id)
         sess = WorkerSession(ident, r, state, expiry_s=0.0, hb_slot=next(self._hb_slots) % _HB_SLICES, last_seen_s=now,
                              key_name=key_name or "")
         sess.expiry_s = now + self._expiry_s(sess)
@@ -1585,6 +1618,21 @@ class Broker:
             self._forget(other)
             self.stats.requests[outcome] += 1
 
+    # ------------------------------------------------------------------ peer exchange
+
+    def _on_exchange_frames(self, frames: list[bytes]) -> None:
+        """A peer broker's figures (see brokers/peer_exchange.py): merged into the worker states."""
+        changes = self.exchange.receive(frames, time.monotonic())  # type: ignore[union-attr]
+        if changes:
+            apply_changes(changes, self._worker_state)
+
+    def _worker_state(self, worker_id: str) -> WorkerState | None:
+        sess = self.registry.by_id.get(worker_id)
+        return sess.state if sess is not None else None
+
+    def _worker_states(self):
+        return (sess.state for sess in self.registry.by_id.values())
+
     # ------------------------------------------------------------------ telemetry
 
     def _event(self, event: str, **fields: Any) -> None:
@@ -1622,7 +1670,8 @@ class Broker:
                 "uptime_s": round(time.monotonic() - self._started_s, 3), "policy": self.router.policy.name,
                 "loop_lag_ms": round(self._lag_s * 1000, 2), "workers_total": len(self.registry),
                 "provider": getattr(self.router.provider, "name", "none"), "models": self.served_models(),
-                "model_name": self.s.model_name, "aliases": self._aliases}
+                "model_name": self.s.model_name, "aliases": self._aliases,
+                **({"exchange": self.exchange.status(time.monotonic())} if self.exchange is not None else {})}
 
     def model_catalog(self) -> tuple[dict[str, int], dict[str, str], str]:
         """What the HTTP ingress lists and resolves: served models (routable workers each), the
@@ -1641,7 +1690,8 @@ class Broker:
             agg = st.fresh_load(now, self.s.load_freshness_s)
             out.append({
                 "worker_id": st.worker_id, "model": sess.ready.model, "role": st.role, "labels": st.labels, "healthy": st.healthy and not sess.draining and sess.confirmed,
-                "inflight": st.inflight, "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
+                "inflight": st.inflight, "peer_inflight": st.peer_inflight, "peer_prefill_tokens": st.peer_prefill_tokens,
+                "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
                 "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4)},
             })
         return out

@@ -93,6 +93,12 @@ def _gauges(broker: Broker):
         out["mesh_broker_inflight"].append(({"broker_id": broker.broker_id}, float(len(broker._inflight))))
         out["mesh_broker_retries_in_flight"].append(({"broker_id": broker.broker_id}, float(broker.budget.active)))
         out.setdefault("mesh_broker_parked", []).append(({"broker_id": broker.broker_id}, float(len(broker._parked))))
+        if broker.exchange is not None:
+            out["mesh_exchange_peers"] = [({"state": k}, float(v)) for k, v in broker.exchange.peer_counts().items()]
+            out["mesh_exchange_degraded"] = [({"broker_id": broker.broker_id}, 1.0 if broker.exchange.degraded else 0.0)]
+            for sess in broker.registry.by_id.values():
+                if sess.state.peer_inflight:
+                    out.setdefault("mesh_worker_peer_inflight", []).append(({"worker_id": sess.worker_id}, float(sess.state.peer_inflight)))
         prov = broker.router.provider
         if prov is not None and hasattr(prov, "stats"):
             for k, v in _flatten(prov.stats()).items():

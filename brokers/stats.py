@@ -60,6 +60,10 @@ class BrokerStats:
         self.workers: Counter[str] = Counter()  # registered, expired, disconnected, replaced
         self.kv: Counter[str] = Counter()  # batches, events, duplicates, gaps, ...
         self.loop: Counter[str] = Counter()  # stalls, stalled_ms, shed: the broker's own event loop
+        # peer exchange (brokers/peer_exchange.py): sent, sent_full, sent_changes, received, applied,
+        # duplicate, old_epoch, restarted, gap_messages (lost), expired, rejected_<reason>,
+        # decisions_peer_stale (routed on this broker's own view while a peer was stale), ...
+        self.exchange: Counter[str] = Counter()
         self.degraded_decisions = 0
         self.requests_parked = 0
         self.cached_tokens = 0
@@ -78,6 +82,7 @@ class BrokerStats:
             ("workers", self.workers),
             ("kv", self.kv),
             ("loop", self.loop),
+            ("exchange", self.exchange),
         ):
             for k, v in ctr.items():
                 out[f"{prefix}.{k}"] = v
@@ -107,6 +112,7 @@ class StatsCollector(Collector):
             ("mesh_worker_events", "Worker lifecycle events", "event", s.workers),
             ("mesh_kv_events", "KV event stream handling", "what", s.kv),
             ("mesh_loop", "Broker event loop stalls and load shedding", "what", s.loop),
+            ("mesh_exchange", "Peer exchange messages and decisions made while a peer was stale", "what", s.exchange),
         ):
             fam = CounterMetricFamily(name, doc, labels=[label])
             for k, v in sorted(ctr.items()):

@@ -45,6 +45,8 @@ _BROKER_FLAGS = ["frontend", "backend", "broker_id", "kv_indexer_endpoint", "kv_
 # containment limits (issue 12): what one worker or client may ask of a broker
 _BROKER_FLAGS += ["max_worker_heartbeat_ms", "max_workers", "max_inflight_per_client", "progress_timeout_ms", "overload_lag_ms",
                   "kv_indexer_token_file"]
+# the peer exchange (issue 15): brokers tell each other what they have in flight on each worker
+_BROKER_FLAGS += ["exchange", "peer", "exchange_interval_ms", "exchange_stale_ms"]
 
 
 def _add_broker(sub) -> None:
@@ -117,6 +119,15 @@ def _add_broker(sub) -> None:
     p.add_argument("--model-alias", action="append", metavar="ALIAS=MODEL",
                    help="requests for ALIAS go to the workers that serve MODEL (repeatable)")
     p.add_argument("--telemetry", help="ZeroMQ PUB endpoint for the live telemetry stream (mesh top)")
+    p.add_argument("--exchange", metavar="ENDPOINT",
+                   help="bind this broker's peer exchange PUB here (tcp://HOST:PORT, port * = any): brokers tell each "
+                        "other what they have in flight on each worker, so every broker routes with the fleet's load")
+    p.add_argument("--peer", action="append", metavar="ENDPOINT",
+                   help="another broker's --exchange endpoint to subscribe to (repeatable; this broker's own is skipped)")
+    p.add_argument("--exchange-interval-ms", type=float,
+                   help="at most one change message per interval while something changed (default 5)")
+    p.add_argument("--exchange-stale-ms", type=float,
+                   help="a peer silent this long is dropped: this broker falls back to its own view for it (default 3000)")
     p.add_argument("--curve-secret", help="broker certificate (.key_secret from mesh keygen): CURVE on both sockets")
     p.add_argument("--curve-allow-workers", help="directory of worker public keys allowed to register")
     p.add_argument("--curve-allow-clients", help="directory of client public keys allowed to submit")

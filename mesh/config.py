@@ -84,6 +84,14 @@ class BrokerSettings:
     model_name: str = "mesh"  # a name for the fleet's only model (requests may use it or the served name)
     model_alias: tuple[str, ...] = ()  # ALIAS=MODEL: requests naming ALIAS go to workers serving MODEL
     telemetry: str = ""  # ZMQ PUB endpoint for the telemetry stream; empty = off
+    # Peer exchange (brokers/peer_exchange.py): this broker's PUB endpoint (port * = any) and
+    # the other brokers' exchange endpoints; figures go out at most every exchange_interval_ms
+    # while something changed (full snapshot every min(1 s, stale / 3)); a peer silent for
+    # exchange_stale_ms is dropped and this broker falls back to its own view for it.
+    exchange: str = ""
+    peer: tuple[str, ...] = ()
+    exchange_interval_ms: float = 5.0
+    exchange_stale_ms: float = 3000.0
     curve_secret: str = ""  # broker certificate (.key_secret): enables CURVE on both ROUTERs
     curve_allow_workers: str = ""  # directory of worker public keys allowed on the backend
     curve_allow_clients: str = ""  # directory of client public keys allowed on the frontend
@@ -167,6 +175,18 @@ class BrokerSettings:
             _require(self.telemetry.startswith(("tcp://", "ipc://", "inproc://")), "telemetry", "must be a ZeroMQ endpoint")
         for name in ("frontend", "backend"):
             _require(getattr(self, name).startswith(("tcp://", "ipc://", "inproc://")), name, "must be a tcp://, ipc:// or inproc:// endpoint")
+        if self.exchange:
+            _require(self.exchange.startswith(("tcp://", "ipc://", "inproc://")), "exchange",
+                     "must be a tcp://, ipc:// or inproc:// endpoint")
+        _require(not self.peer or bool(self.exchange), "peer", "--peer needs --exchange (this broker's own exchange endpoint)")
+        _require(len(self.peer) <= 63, "peer", "at most 63 peers")
+        for ep in self.peer:
+            _require(ep.startswith(("tcp://", "ipc://", "inproc://")) and "*" not in ep, "peer",
+                     f"{ep!r} must be a tcp://, ipc:// or inproc:// endpoint to connect to (no *)")
+        _require(math.isfinite(self.exchange_interval_ms) and 0 <= self.exchange_interval_ms <= 1000,
+                 "exchange_interval_ms", "must be in [0, 1000]")
+        _require(math.isfinite(self.exchange_stale_ms) and 3 * self.exchange_interval_ms < self.exchange_stale_ms <= 600_000,
+                 "exchange_stale_ms", "must be more than 3 x exchange_interval_ms and at most 600000")
 
     def aliases(self) -> dict[str, str]:
         """``model_alias`` as a map (validated: each entry is ALIAS=MODEL)."""

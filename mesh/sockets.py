@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 import zmq
 import zmq.asyncio
 
-from mesh.protocol import MAX_FRAME_BYTES
+from mesh.protocol import MAX_EXCHANGE_BYTES, MAX_FRAME_BYTES
 
-__all__ = ["send_frames", "recv_frames", "recv_frames_user", "socket_readable", "ReadyPoller", "SocketSpec", "CurveKeys", "make_socket", "BROKER_FRONTEND", "BROKER_BACKEND", "WORKER_DEALER", "CLIENT_DEALER", "TELEMETRY_PUB"]
+__all__ = ["send_frames", "recv_frames", "recv_frames_user", "socket_readable", "ReadyPoller", "SocketSpec", "CurveKeys", "make_socket", "BROKER_FRONTEND", "BROKER_BACKEND", "WORKER_DEALER", "CLIENT_DEALER", "TELEMETRY_PUB", "EXCHANGE_PUB", "EXCHANGE_SUB"]
 
 
 # Hot-path helpers. pyzmq's sugar layer (enum flag arithmetic, per-part type checks) costs more
@@ -196,6 +196,16 @@ WORKER_DEALER = SocketSpec(zmq.DEALER, sndhwm=10_000, rcvhwm=10_000, linger_ms=0
 CLIENT_DEALER = SocketSpec(zmq.DEALER, sndhwm=10_000, rcvhwm=10_000, linger_ms=0, immediate=False)
 # Telemetry: a slow subscriber must never slow the broker; PUB drops for it at this HWM.
 TELEMETRY_PUB = SocketSpec(zmq.PUB, sndhwm=1000, rcvhwm=1000, linger_ms=0)
+# Peer exchange (brokers/peer_exchange.py). Its messages are state, not events: a newer one
+# replaces an older, so queues are short (a backlog is only stale figures) and a slow peer loses
+# messages at the PUB's HWM (the receiver counts them from sequence gaps). No ZMTP heartbeats,
+# for the libzmq 4.3.5 abort described at BROKER_FRONTEND (a SUB whose input stops at RCVHWM is
+# exactly that engine); a silent peer is found by the exchange's own staleness bound. The PUB
+# only ever reads subscriptions: 64 KiB caps what a stranger can make it buffer per frame.
+EXCHANGE_PUB = SocketSpec(zmq.PUB, sndhwm=100, rcvhwm=100, linger_ms=0, maxmsgsize=64 * 1024,
+                          heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
+EXCHANGE_SUB = SocketSpec(zmq.SUB, sndhwm=100, rcvhwm=100, linger_ms=0, maxmsgsize=MAX_EXCHANGE_BYTES + 64 * 1024,
+                          heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
 
 
 def make_socket(

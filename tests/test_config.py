@@ -25,10 +25,22 @@ REPO = Path(__file__).resolve().parents[1]
     ({"heartbeat_ms": "fast"}, "heartbeat_ms"),
     ({"log_level": "loud"}, "log_level"),
     ({"no_such_thing": 1}, "no_such_thing"),
+    ({"exchange": "http://x"}, "exchange"),
+    ({"peer": ["tcp://127.0.0.1:1"]}, "peer"),  # --peer without --exchange
+    ({"exchange": "tcp://127.0.0.1:*", "peer": ["tcp://127.0.0.1:*"]}, "peer"),
+    ({"exchange": "tcp://127.0.0.1:*", "exchange_interval_ms": -1}, "exchange_interval_ms"),
+    ({"exchange": "tcp://127.0.0.1:*", "exchange_stale_ms": 10, "exchange_interval_ms": 5}, "exchange_stale_ms"),
 ])
 def test_broker_settings_errors_name_the_field(values, field):
     with pytest.raises(ConfigError, match=field):
         build(BrokerSettings, values)
+
+
+def test_exchange_settings_from_flags_and_toml():
+    s = build(BrokerSettings, {"exchange": "tcp://127.0.0.1:*", "peer": ["tcp://10.0.0.2:5600", "tcp://10.0.0.3:5600"],
+                               "exchange_interval_ms": 2, "exchange_stale_ms": 1500})
+    assert s.peer == ("tcp://10.0.0.2:5600", "tcp://10.0.0.3:5600") and s.exchange_interval_ms == 2.0
+    assert build(BrokerSettings, {}).exchange == "" and build(BrokerSettings, {}).peer == ()
 
 
 def test_worker_settings_errors():
