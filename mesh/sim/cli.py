@@ -16,6 +16,8 @@ __all__ = ["add_sim_parser", "config_from_args", "cmd_sim"]
 _WORKLOAD_PARAMS = {
     "groups": int, "prompts_per_group": int, "system_tokens": int, "question_tokens": int, "output_tokens": int,
     "users": int, "rounds": int, "context_tokens": int, "zipf_alpha": float,
+    # conversation
+    "turns_mean": float, "think_s": float, "first_tokens": int, "message_tokens": int, "max_context_tokens": int,
 }
 
 
@@ -44,6 +46,9 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="generated workload")
+    src.add_argument("--matrix", metavar="FILE",
+                     help="run a quality matrix (e.g. configs/quality-matrix.toml): cells of workload, load, workers "
+                          "and routers, every policy per cell on one stream, per-cell verdicts (see mesh/sim/matrix.py)")
     a = p.add_argument_group("arms")
     a.add_argument("--policy", type=_csv(str), default=["power_of_two"], help="comma-separated policies (default power_of_two)")
     a.add_argument("--provider", type=_csv(str), default=["radix_tree"],
@@ -76,12 +81,42 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
         typ = int if fl.type in ("int", int) else float
         e.add_argument("--" + fl.name.replace("_", "-"), type=typ, default=None, dest="engine_" + fl.name,
                        help=f"default {getattr(EngineConfig(), fl.name)}")
+    m = p.add_argument_group("matrix (with --matrix; --max-requests then caps every cell's stream)")
+    m.add_argument("--seeds", type=_csv(int), help="replace the matrix's seeds, e.g. 2 (the held-out seed)")
+    m.add_argument("--jobs", type=int, default=0,
+                   help="processes running calibrations and cells in parallel (default 0: every usable core; "
+                        "results are identical for any value)")
+    m.add_argument("--reuse-calibration", metavar="JSON",
+                   help="reuse the power-of-two calibrations of an earlier matrix report when they still apply")
     o = p.add_argument_group("output")
     o.add_argument("--json", help="write the report (config, workload, arms) to this JSON file")
-    o.add_argument("--plot", help="write a PNG: hit rate, worker CV and TTFT p95 per arm")
+    o.add_argument("--plot", help="write a PNG: hit rate, worker CV and TTFT p95 per arm (matrix: the heatmap of "
+                                  "TTFT p95 ratios to the best other policy)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_sim)
+    p.set_defaults(func=cmd_sim, sim_parser=p)
     return p
+
+
+#: options that only make sense for a single run (with --matrix the TOML says all of this)
+_SINGLE_RUN_ONLY = ("policy", "provider", "routers", "workers", "router_pick", "no_dedupe", "time_scale", "rate",
+                    "duration_s", "seed", "heartbeat_ms", "event_delay_ms", "net_ms", "load_freshness_s", "ttft_slo_ms",
+                    "buckets", "pd")
+
+
+def _check_matrix_args(args: argparse.Namespace) -> None:
+    """With --matrix, refuse single-run options (they would be silently ignored otherwise)."""
+    parser = getattr(args, "sim_parser", None)
+    given = []
+    names = list(_SINGLE_RUN_ONLY) + list(_WORKLOAD_PARAMS) + [k for k in vars(args) if k.startswith("engine_")]
+    for name in names:
+        default = parser.get_default(name) if parser is not None else None
+        if getattr(args, name, None) != default:
+            given.append("--" + name.removeprefix("engine_").replace("_", "-"))
+    if given:
+        raise ConfigError(f"{', '.join(given)}: not used with --matrix (set them in the matrix TOML: [matrix], [sim], "
+                          f"[engine], [workloads.NAME] params)")
+    if args.jobs < 0:
+        raise ConfigError("jobs: must be >= 0 (0 = every usable core)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -133,6 +168,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from mesh.sim.report import arm_label, render_table, write_plot
     from mesh.sim.runner import arm_specs, build_workload, run_sim
 
+    if getattr(args, "matrix", None):
+        from mesh.sim.matrix import cmd_matrix
+
+        _check_matrix_args(args)
+        return cmd_matrix(args)
+    if getattr(args, "seeds", None) or getattr(args, "reuse_calibration", None):
+        raise ConfigError("--seeds and --reuse-calibration need --matrix")
     cfg = config_from_args(args)
     console = Console(stderr=True)
     wl = build_workload(cfg)

@@ -40,6 +40,19 @@ Workloads (all seeded and deterministic; generated ones use open-loop Poisson ar
   for ``output_tokens`` (256).
 * ``low_reuse`` -- control: every request picks one of ``groups`` (100,000) distinct prompts of
   ``question_tokens`` (1,024) uniformly at random; reuse is only chance repeats.
+* ``conversation`` -- long-context multi-turn chat (see :func:`_conversation`): sessions start as
+  a Poisson process, each has a log-normal number of turns (mean ``turns_mean``, 2; a long tail of
+  long sessions) separated by
+  exponential think times (mean ``think_s``, 10 s); a turn's prompt is the session's whole
+  conversation so far (every earlier user message and answer) plus a new user message, so the
+  reuse comes from each session's own history. The first message is log-normal with median
+  ``first_tokens`` (3,000; documents, system prompt), later ones with median ``message_tokens``
+  (1,500; pasted text and tool output make the tail heavy); answers are log-normal with mean
+  ``output_tokens`` (350). A session ends before a prompt would exceed ``max_context_tokens``
+  (131,072: a 128k-context model). ``rate`` is the *request* rate; the stream starts in steady
+  state (sessions already under way at t=0, their earlier turns not in the stream). Defaults give
+  a prompt mean of about 12k tokens (median ~6.5k), ~0.6 % of prompts past 100k, answers ~350
+  tokens and an oracle hit rate of about 60 % (3,000 requests).
 """
 
 from __future__ import annotations
@@ -78,6 +91,8 @@ _NS_SYSTEM = 2
 _NS_QUESTION = 3
 _NS_CONTEXT = 4
 _NS_UNIQUE = 5
+_NS_CONV_MSG = 6
+_NS_CONV_OUT = 7
 
 
 def _key(ns: int, *parts: int) -> int:
@@ -296,6 +311,123 @@ def _low_reuse(rng, times, seed, p):
     return out
 
 
+# Shape constants of the conversation workload (log-normal sigmas; means/medians are parameters).
+_CONV_TURNS_SIGMA = 0.9
+_CONV_FIRST_SIGMA = 1.1
+_CONV_MSG_SIGMA = 1.5
+_CONV_OUT_SIGMA = 0.7
+_CONV_MAX_TURNS = 64
+_CONV_MAX_OUTPUT = 4096
+_CONV_POOL = 512  # sessions drawn up front to measure the mean turns (and so the session rate)
+
+
+def _conv_session(rng: random.Random, p: dict[str, Any]) -> list[tuple[int, int, float]]:
+    """One session's turns: (user message tokens, answer tokens, think seconds before the turn)."""
+    tm, cap = p["turns_mean"], p["max_context_tokens"]
+    n_turns = max(1, min(_CONV_MAX_TURNS, round(rng.lognormvariate(math.log(tm) - _CONV_TURNS_SIGMA ** 2 / 2,
+                                                                     _CONV_TURNS_SIGMA))))
+    out_mu = math.log(p["output_tokens"]) - _CONV_OUT_SIGMA ** 2 / 2 if p["output_tokens"] else None
+    turns = []
+    ctx = 0
+    for k in range(n_turns):
+        if k == 0:
+            msg = int(rng.lognormvariate(math.log(p["first_tokens"]), _CONV_FIRST_SIGMA))
+        else:
+            msg = int(rng.lognormvariate(math.log(p["message_tokens"]), _CONV_MSG_SIGMA))
+        msg = max(4, msg)
+        out = 0 if out_mu is None else max(1, min(_CONV_MAX_OUTPUT, int(rng.lognormvariate(out_mu, _CONV_OUT_SIGMA))))
+        think = 0.0 if k == 0 else rng.expovariate(1.0 / p["think_s"])
+        if ctx + msg > cap:
+            if k == 0:
+                msg = cap  # a first message longer than the context window is cut to it
+            else:
+                break
+        turns.append((msg, out, think))
+        ctx += msg + out
+    return turns
+
+
+def _conversation(seed: int, rate: float, duration_s: float | None, limit: int | None, p: dict[str, Any]):
+    """Turns of sessions interleaved in time (see the module docstring), sorted by arrival.
+
+    Deterministic in ``seed`` and the parameters: session shapes come from one RNG in session
+    order, session start gaps from another (unit exponentials scaled by the session rate, so a
+    different ``rate`` replays the same sessions, closer together). The session rate is ``rate``
+    / the mean turns of the first 512 sessions. Sessions start from ``-warm`` (four times the
+    longest of those sessions' spans, at least 60 s) so the window [0, horizon) holds turns of
+    sessions already under way; turns before 0 are not in the stream and their answers enter
+    later prompts as plain tokens (cold), as in a trace cut from a running service.
+    """
+    if not rate > 0:
+        raise ConfigError(f"rate must be > 0, got {rate!r}")
+    if duration_s is None and limit is None:
+        raise ConfigError("generated workloads need duration_s or max_requests")
+    for name in ("turns_mean", "think_s"):
+        v = p[name]
+        if type(v) not in (int, float) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"{name} must be a finite number > 0, got {v!r}")
+    if p["turns_mean"] < 1:
+        raise ConfigError(f"turns_mean must be >= 1, got {p['turns_mean']!r}")
+    _pos("first_tokens", p["first_tokens"])
+    _pos("message_tokens", p["message_tokens"])
+    _pos("output_tokens", p["output_tokens"], zero=True)
+    _pos("max_context_tokens", p["max_context_tokens"])
+    shape_rng = random.Random(_key(0xC0, seed, 1))
+    pool = [_conv_session(shape_rng, p) for _ in range(_CONV_POOL)]
+    mean_turns = sum(len(s) for s in pool) / len(pool)
+    span = max(sum(t[2] for t in s) for s in pool)
+    warm = max(60.0, 4.0 * span)
+    session_rate = rate / mean_turns
+    horizon = duration_s if duration_s is not None else limit / rate * 1.25 + 1.0
+    while True:
+        gap_rng = random.Random(_key(0xC0, seed, 2))
+        shape_rng = random.Random(_key(0xC0, seed, 1))
+        turns: list[tuple[float, int, int]] = []  # (arrival, session, turn)
+        shapes: list[list[tuple[int, int, float]]] = []
+        t = -warm
+        while True:
+            t += gap_rng.expovariate(session_rate)
+            if t >= horizon:
+                break
+            sess = _conv_session(shape_rng, p)
+            sid = len(shapes)
+            shapes.append(sess)
+            at = t
+            for k, (_msg, _out, think) in enumerate(sess):
+                at += think
+                if at >= horizon:
+                    break
+                if at >= 0.0:
+                    turns.append((at, sid, k))
+        turns.sort()
+        if limit is None or len(turns) >= limit or duration_s is not None:
+            break
+        horizon *= 1.5  # not enough turns yet: the same sessions, a longer window
+    if limit is not None:
+        turns = turns[:limit]
+    out: list[SimRequest | None] = [None] * len(turns)
+    history: dict[int, tuple[Segment, ...]] = {}
+    for i, (at, sid, k) in enumerate(turns):
+        sess = shapes[sid]
+        h = history.get(sid)
+        if h is None:  # first turn of this session in the stream: earlier turns were before the window
+            h = ()
+            for j in range(k):
+                msg, o, _ = sess[j]
+                h += ((0, _key(_NS_CONV_MSG, seed, sid, j), msg, msg),)
+                if o:
+                    h += ((0, _key(_NS_CONV_OUT, seed, sid, j), o, o),)
+        msg, o, _ = sess[k]
+        segs = h + ((0, _key(_NS_CONV_MSG, seed, sid, k), msg, msg),)
+        n = sum(sg[3] for sg in segs)
+        out[i] = SimRequest(i, at, n, o, segs)
+        history[sid] = segs + (((1, i, o, o),) if o else ())
+    return out
+
+
+_conversation.own_arrivals = True  # type: ignore[attr-defined]
+
+
 #: name -> (generator, default parameters)
 WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
     "shared_prefix": (_shared_prefix, {"groups": 150, "prompts_per_group": 5, "system_tokens": 6000,
@@ -305,6 +437,8 @@ WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
     "zipf": (_zipf, {"groups": 64, "zipf_alpha": 0.9, "system_tokens": 2048, "question_tokens": 128,
                      "output_tokens": 256}),
     "low_reuse": (_low_reuse, {"groups": 100_000, "question_tokens": 1024, "output_tokens": 128}),
+    "conversation": (_conversation, {"turns_mean": 2.0, "think_s": 10.0, "first_tokens": 3000, "message_tokens": 1500,
+                                     "output_tokens": 350, "max_context_tokens": 131_072}),
 }
 
 
@@ -331,9 +465,12 @@ def make_workload(
         if k not in p:
             raise ConfigError(f"workload {name} has no parameter {k!r} (has {', '.join(sorted(p))})")
         p[k] = v
-    rng = random.Random(_key(0xA11, seed, 1))
-    times = _arrivals(rng, rate, duration_s, max_requests)
-    reqs = gen(random.Random(_key(0xA11, seed, 2)), times, seed, p)
+    if getattr(gen, "own_arrivals", False):  # sessions: the generator places its own turns in time
+        reqs = gen(seed, rate, duration_s, max_requests, p)
+    else:
+        rng = random.Random(_key(0xA11, seed, 1))
+        times = _arrivals(rng, rate, duration_s, max_requests)
+        reqs = gen(random.Random(_key(0xA11, seed, 2)), times, seed, p)
     params_out = {"seed": seed, "rate": rate, "duration_s": duration_s, **p}
     return Workload(name, reqs, params_out, vocab_size)
 

@@ -1,0 +1,857 @@
+"""The routing quality matrix: ``mesh sim --matrix configs/quality-matrix.toml``.
+
+A matrix is a set of **cells** -- (workload or trace, load, workers, routers) -- each run for
+every seed with every policy on the identical request stream through the ordinary simulator
+(:func:`mesh.sim.runner.run_sim`: one stream, one arm per policy). The TOML file
+(``configs/quality-matrix.toml`` is the default matrix and documents every key) has:
+
+* ``[matrix]``: ``seeds``, ``policies``, ``provider`` (for policies that read matches),
+  ``subject`` and ``baselines`` (whose targets are judged), ``hit_reference``, the
+  calibration's ``calibration_goodput`` and ``calibration_tolerance``;
+* ``[sim]``: simulator settings shared by every cell (``heartbeat_ms``, ``event_delay_ms``,
+  ``net_ms``, ``load_freshness_s``, ``ttft_slo_ms``, ``router_pick``, ``policy_options``,
+  ``provider_options``); ``[engine]``: :class:`~mesh.engine_model.EngineConfig` fields;
+* ``[workloads.NAME]``: either ``trace = "path"`` (Mooncake JSONL, relative to the TOML file)
+  or ``workload = "shared_prefix"`` etc. with an optional ``params`` table;
+* ``[[cells]]``: groups of cells; ``workload``, ``load``, ``workers`` and ``routers`` may each be
+  a value or a list, and a group expands to the cross product of its lists (in that nesting
+  order); ``max_requests`` truncates the stream of every cell of the group.
+
+Errors name the field (``cells[2].load: ...``), like :mod:`mesh.config`.
+
+**Load.** A cell's load is its offered request rate divided by ``rate_p2c`` -- the rate
+power-of-two sustains on that workload and fleet: *the highest offered rate at which
+power_of_two (one router, the cell's worker count) keeps goodput (share of requests with TTFT
+<= ``ttft_slo_ms``) >= ``calibration_goodput`` (0.9) on the same stream* -- the same workload,
+seed and ``max_requests``, only the arrivals closer together or further apart. It is measured,
+not derived: an analytical capacity from the engine model's prefill and decode rates would have to
+model chunked-prefill/decode interference, KV-limited batch sizes, chance cache hits and the
+queueing of a heavy-tailed prompt mix (12k-token mean, 100k tail), all of which the simulation
+already does; and a latency criterion (the SLO) rather than saturation throughput is what "sustains"
+means to a user (at saturation throughput queues grow without bound). The search
+(:func:`calibrate`): start from a rough analytical guess (0.6 x workers x prefill rate / (mean
+prompt + 3.5 x mean output tokens)), step by x1.5 until the criterion flips, then bisect geometrically
+until the bracket is within ``calibration_tolerance`` (6 %); ``rate_p2c`` is the highest rate that
+passed. Typically five or six power-of-two runs per (workload, workers, seed, max_requests); the
+JSON keeps every probe under ``calibrations`` and ``--reuse-calibration`` reads them back from an
+earlier report (a calibration is reused only when everything it depends on is equal). A cell with
+4 or 8 routers uses the 1-router rate of its fleet: load is a property of the offered traffic, so
+cells that differ only in routers see the same stream. Generated workloads get ``rate = load x
+rate_p2c`` (Poisson arrivals; the conversation workload keeps its think times and scales its
+session rate); a trace is time-scaled (``time_scale = native rate / target rate``).
+
+**Traces and seeds.** A trace cell with ``max_requests = N`` replays the window of N requests
+that starts at request ``(seed - 1) x N mod (len - N + 1)``, so two seeds are two different
+windows (the routers' RNGs and heartbeat phases differ too); generated workloads use the seed
+for their content and arrivals.
+
+**Judging a cell** (per seed): for each policy, ``p95_ratio`` = its TTFT p95 / the lowest TTFT
+p95 among the *other* policies (``best_other``), ``goodput_diff`` = its goodput - the best other
+goodput. Status: ``win`` when p95_ratio <= 1 and goodput_diff >= -0.01, ``lose`` when p95_ratio >
+1.05 or goodput_diff < -0.01, otherwise ``within`` (within 5 %). A cell's status for a policy is
+its worst over the seeds. The one-line verdict speaks for ``subject`` (cache_aware). Targets of
+issue 15, judged per cell and seed for ``subject`` against ``baselines`` (power_of_two,
+cache_aware_greedy): TTFT p95 <= 1.05 x the best baseline's; goodput >= the best baseline's minus
+1 point; hit rate >= 0.9 x ``hit_reference``'s (greedy's) minus 0.005 (the absolute half point
+keeps a no-reuse workload, where both hit rates are ~0.3 % chance repeats, from failing on noise).
+
+**Parallelism.** ``--jobs N`` runs calibrations and (cell, seed) runs in N processes (default:
+every usable core; ``--jobs 1`` runs in this process). Every task is deterministic, so the report
+is identical for any N; cells wait only for their own calibration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from mesh.engine_model import EngineConfig
+from mesh.errors import ConfigError
+from mesh.routing.router import POLICIES
+from mesh.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, ArmSpec, SimConfig, build_workload, run_arm, run_sim
+from mesh.sim.workloads import WORKLOADS, SimRequest, Workload, load_mooncake
+
+__all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix",
+           "analyse_cell", "render_report", "write_heatmap", "dumps_matrix", "SHORT"]
+
+VERSION = 1
+#: short policy names for verdicts and the heatmap
+SHORT = {"power_of_two": "p2c", "cache_aware_greedy": "greedy", "cache_aware": "cache_aware",
+         "round_robin": "rr", "random": "random"}
+_SIM_KEYS = {"heartbeat_ms": float, "event_delay_ms": float, "net_ms": float, "load_freshness_s": float,
+             "ttft_slo_ms": float, "router_pick": str, "policy_options": dict, "provider_options": dict}
+_MATRIX_KEYS = {"seeds", "policies", "provider", "subject", "baselines", "hit_reference", "calibration_goodput",
+                "calibration_tolerance"}
+_CELL_KEYS = {"workload", "load", "workers", "routers", "max_requests"}
+_STEP = 1.5  # calibration bracketing factor
+_MAX_PROBES = 24
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class WorkloadDef:
+    """A named stream source: a trace file or a generated workload with parameters."""
+
+    name: str
+    trace: str | None = None
+    workload: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "trace": self.trace, "workload": self.workload, "params": dict(self.params)}
+
+
+@dataclass(frozen=True)
+class Cell:
+    id: int
+    workload: str  # a key of MatrixConfig.workloads
+    load: float
+    workers: int
+    routers: int
+    max_requests: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload} L{self.load:g} W{self.workers} R{self.routers}"
+
+
+@dataclass
+class MatrixConfig:
+    path: str
+    seeds: list[int]
+    policies: list[str]
+    provider: str
+    subject: str
+    baselines: list[str]
+    hit_reference: str
+    calibration_goodput: float
+    calibration_tolerance: float
+    sim: dict[str, Any]
+    engine: EngineConfig
+    workloads: dict[str, WorkloadDef]
+    cells: list[Cell]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "seeds": list(self.seeds), "policies": list(self.policies), "provider": self.provider,
+            "subject": self.subject, "baselines": list(self.baselines), "hit_reference": self.hit_reference,
+            "calibration_goodput": self.calibration_goodput, "calibration_tolerance": self.calibration_tolerance,
+            "sim": dict(self.sim), "engine": asdict(self.engine),
+            "workloads": {k: v.to_dict() for k, v in self.workloads.items()},
+            "cells": [asdict(c) for c in self.cells],
+        }
+
+
+def _fail(name: str, msg: str) -> None:
+    raise ConfigError(f"{name}: {msg}")
+
+
+def _table(v: Any, name: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        _fail(name, f"must be a table, got {v!r}")
+    return v
+
+
+def _unknown(d: dict[str, Any], allowed: set[str] | dict, name: str) -> None:
+    extra = sorted(set(d) - set(allowed))
+    if extra:
+        _fail(f"{name}.{extra[0]}" if name else extra[0], f"unknown key (known: {', '.join(sorted(allowed))})")
+
+
+def _int(v: Any, name: str, lo: int = 1) -> int:
+    if type(v) is not int or v < lo:
+        _fail(name, f"must be an int >= {lo}, got {v!r}")
+    return v
+
+
+def _num(v: Any, name: str, *, lo: float = 0.0, lo_open: bool = True, hi: float | None = None) -> float:
+    if type(v) not in (int, float) or not math.isfinite(v) or (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
+        rng = f"> {lo:g}" if lo_open else f">= {lo:g}"
+        if hi is not None:
+            rng += f" and <= {hi:g}"
+        _fail(name, f"must be a number {rng}, got {v!r}")
+    return float(v)
+
+
+def _list(v: Any, name: str, item: Callable[[Any, str], Any]) -> list[Any]:
+    items = v if isinstance(v, list) else [v]
+    if not items:
+        _fail(name, "must not be an empty list")
+    return [item(x, f"{name}[{i}]" if isinstance(v, list) else name) for i, x in enumerate(items)]
+
+
+def _policy(v: Any, name: str) -> str:
+    if v not in POLICIES:
+        _fail(name, f"unknown policy {v!r}; choose from {', '.join(sorted(POLICIES))}")
+    return v
+
+
+def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_requests: int | None = None) -> MatrixConfig:
+    """Read and validate a matrix TOML (see the module docstring). ``seeds`` replaces
+    ``matrix.seeds``; ``max_requests`` caps every cell's ``max_requests``."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"matrix file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"matrix file {p}: {exc}") from None
+    _unknown(data, {"matrix", "sim", "engine", "workloads", "cells"}, "")
+    m = _table(data.get("matrix", {}), "matrix")
+    _unknown(m, _MATRIX_KEYS, "matrix")
+    seed_list = _list(m.get("seeds", [1, 3]), "matrix.seeds", lambda v, n: _int(v, n, 0))
+    if seeds is not None:
+        seed_list = [_int(s, "seeds", 0) for s in seeds]
+        if not seed_list:
+            _fail("seeds", "must not be empty")
+    if len(set(seed_list)) != len(seed_list):
+        _fail("matrix.seeds" if seeds is None else "seeds", f"repeats a seed: {seed_list}")
+    policies = _list(m.get("policies", ["power_of_two", "cache_aware_greedy", "cache_aware"]), "matrix.policies", _policy)
+    if len(set(policies)) != len(policies):
+        _fail("matrix.policies", f"repeats a policy: {policies}")
+    if len(policies) < 2:
+        _fail("matrix.policies", "needs at least two policies (each is judged against the others)")
+    provider = m.get("provider", "radix_tree")
+    if provider not in PROVIDER_FEEDS or provider == "none":
+        _fail("matrix.provider", f"unknown provider {provider!r}; choose from radix_tree, indexer, approx")
+    subject = _policy(m.get("subject", "cache_aware"), "matrix.subject")
+    if subject not in policies:
+        _fail("matrix.subject", f"{subject!r} is not in matrix.policies")
+    baselines = _list(m.get("baselines", [x for x in ("power_of_two", "cache_aware_greedy") if x in policies]),
+                      "matrix.baselines", _policy)
+    for i, b in enumerate(baselines):
+        if b not in policies or b == subject:
+            _fail(f"matrix.baselines[{i}]", f"{b!r} must be in matrix.policies and differ from matrix.subject")
+    hit_ref = _policy(m.get("hit_reference", "cache_aware_greedy" if "cache_aware_greedy" in policies else baselines[0]),
+                      "matrix.hit_reference")
+    if hit_ref not in policies:
+        _fail("matrix.hit_reference", f"{hit_ref!r} is not in matrix.policies")
+    if "power_of_two" not in POLICIES:  # pragma: no cover - the calibration needs it
+        _fail("matrix", "power_of_two is not a known policy")
+    cal_good = _num(m.get("calibration_goodput", 0.9), "matrix.calibration_goodput", hi=1.0)
+    cal_tol = _num(m.get("calibration_tolerance", 0.06), "matrix.calibration_tolerance", hi=1.0)
+
+    sim = _table(data.get("sim", {}), "sim")
+    _unknown(sim, _SIM_KEYS, "sim")
+    sim_out: dict[str, Any] = {}
+    for k, v in sim.items():
+        if _SIM_KEYS[k] is float:
+            v = _num(v, f"sim.{k}", lo_open=k in ("heartbeat_ms", "load_freshness_s"))
+        elif _SIM_KEYS[k] is dict:
+            v = dict(_table(v, f"sim.{k}"))
+        elif k == "router_pick" and v not in ROUTER_PICKS:
+            _fail("sim.router_pick", f"must be one of {', '.join(ROUTER_PICKS)}, got {v!r}")
+        sim_out[k] = v
+    eng = _table(data.get("engine", {}), "engine")
+    _unknown(eng, {f.name for f in fields(EngineConfig)}, "engine")
+    try:
+        engine = EngineConfig(**eng)
+    except ConfigError as exc:
+        first, _, rest = str(exc).partition(" ")
+        if first in {f.name for f in fields(EngineConfig)}:
+            raise ConfigError(f"engine.{first}: {rest}") from None
+        raise ConfigError(f"engine: {exc}") from None
+
+    wls = _table(data.get("workloads", {}), "workloads")
+    if not wls:
+        _fail("workloads", "define at least one [workloads.NAME] table")
+    workloads: dict[str, WorkloadDef] = {}
+    for wname, wd in wls.items():
+        name = f"workloads.{wname}"
+        wd = _table(wd, name)
+        _unknown(wd, {"trace", "workload", "params"}, name)
+        if ("trace" in wd) == ("workload" in wd):
+            _fail(name, "give exactly one of trace or workload")
+        params = dict(_table(wd.get("params", {}), f"{name}.params"))
+        if "trace" in wd:
+            tr = wd["trace"]
+            if not isinstance(tr, str) or not tr:
+                _fail(f"{name}.trace", f"must be a file path, got {tr!r}")
+            tp = Path(tr) if Path(tr).is_absolute() else (p.parent / tr)
+            if not tp.is_file():
+                _fail(f"{name}.trace", f"{tp} does not exist")
+            if params:
+                _fail(f"{name}.params", "a trace takes no parameters")
+            workloads[wname] = WorkloadDef(wname, trace=str(tp.resolve()))
+        else:
+            kind = wd["workload"]
+            if kind not in WORKLOADS:
+                _fail(f"{name}.workload", f"unknown workload {kind!r}; choose from {', '.join(sorted(WORKLOADS))}")
+            known = WORKLOADS[kind][1]
+            for k in params:
+                if k not in known:
+                    _fail(f"{name}.params.{k}", f"workload {kind} has no such parameter (has {', '.join(sorted(known))})")
+            workloads[wname] = WorkloadDef(wname, workload=kind, params=params)
+
+    groups = data.get("cells")
+    if not isinstance(groups, list) or not groups:
+        _fail("cells", "define at least one [[cells]] group")
+    cells: list[Cell] = []
+    seen: dict[tuple, str] = {}
+    for gi, g in enumerate(groups):
+        name = f"cells[{gi}]"
+        g = _table(g, name)
+        _unknown(g, _CELL_KEYS, name)
+        for k in ("workload", "load", "workers", "routers", "max_requests"):
+            if k not in g:
+                _fail(f"{name}.{k}", "missing")
+
+        def _wl(v, n):
+            if v not in workloads:
+                _fail(n, f"unknown workload {v!r}; define [workloads.{v}] (have {', '.join(workloads)})")
+            return v
+
+        wl_list = _list(g["workload"], f"{name}.workload", _wl)
+        loads = _list(g["load"], f"{name}.load", lambda v, n: _num(v, n, hi=100.0))
+        workers = _list(g["workers"], f"{name}.workers", _int)
+        routers = _list(g["routers"], f"{name}.routers", _int)
+        mr = _int(g["max_requests"], f"{name}.max_requests")
+        if max_requests is not None:
+            mr = min(mr, _int(max_requests, "max_requests"))
+        for w in wl_list:
+            for ld in loads:
+                for nw in workers:
+                    for nr in routers:
+                        key = (w, ld, nw, nr)
+                        if key in seen:
+                            _fail(name, f"cell {w} L{ld:g} W{nw} R{nr} is already defined by {seen[key]}")
+                        seen[key] = name
+                        cells.append(Cell(len(cells), w, ld, nw, nr, mr))
+    return MatrixConfig(str(p), seed_list, policies, provider, subject, baselines, hit_ref, cal_good, cal_tol,
+                        sim_out, engine, workloads, cells)
+
+
+# --------------------------------------------------------------------------- streams
+
+_TRACE_CACHE: dict[str, list[SimRequest]] = {}
+
+
+def _trace_requests(path: str) -> list[SimRequest]:
+    reqs = _TRACE_CACHE.get(path)
+    if reqs is None:
+        reqs = _TRACE_CACHE[path] = load_mooncake(path).requests
+    return reqs
+
+
+def _trace_window(path: str, seed: int, n: int) -> tuple[int, int, float]:
+    """(offset, count, native rate req/s) of the trace window a seed replays."""
+    reqs = _trace_requests(path)
+    total = len(reqs)
+    n = min(n, total)
+    offset = ((seed - 1) * n) % (total - n + 1) if total > n else 0
+    span = reqs[offset + n - 1].arrival_s - reqs[offset].arrival_s
+    return offset, n, (n - 1) / span if span > 0 else 1.0
+
+
+def _sim_config(mc: MatrixConfig, wdef: WorkloadDef, rate: float, workers: int, routers: int, seed: int,
+                max_requests: int, policies: list[str]) -> SimConfig:
+    kw = dict(mc.sim)
+    cfg = SimConfig(seed=seed, policies=list(policies), providers=[mc.provider], routers=[routers], workers=[workers],
+                    engine=mc.engine, max_requests=max_requests, **kw)
+    if wdef.trace is not None:
+        _, _, native = _trace_window(wdef.trace, seed, max_requests)
+        cfg.trace = wdef.trace
+        cfg.time_scale = native / rate
+    else:
+        cfg.workload = wdef.workload
+        cfg.workload_params = dict(wdef.params)
+        cfg.rate = rate
+        cfg.duration_s = None
+    return cfg
+
+
+def build_stream(mc: MatrixConfig, wdef: WorkloadDef, cfg: SimConfig) -> Workload:
+    """The request stream of ``cfg`` (a cell's or a calibration probe's)."""
+    if wdef.trace is None:
+        return build_workload(cfg)
+    offset, n, _ = _trace_window(wdef.trace, cfg.seed, cfg.max_requests)
+    src = _trace_requests(wdef.trace)[offset: offset + n]
+    t0 = src[0].arrival_s
+    s = cfg.time_scale
+    reqs = [SimRequest(i, (r.arrival_s - t0) * s, r.prompt_len, r.output_len, r.segments) for i, r in enumerate(src)]
+    wl = Workload("mooncake", reqs, {"trace": wdef.trace, "time_scale": s, "offset": offset}, cfg.engine.vocab_size)
+    wl.drop_oversized(cfg.engine.max_total_num_tokens - cfg.engine.admission_reserve_tokens)
+    if not wl.requests:
+        raise ConfigError(f"workloads.{wdef.name}: the trace window has no requests")
+    return wl
+
+
+def stream_fingerprint(wl: Workload) -> str:
+    """SHA-256 (first 16 hex digits) of the stream: arrivals, lengths and prompt recipes."""
+    h = hashlib.sha256()
+    for r in wl.requests:
+        h.update(repr((r.idx, round(r.arrival_s, 9), r.prompt_len, r.output_len, r.segments)).encode())
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def calibration_key(wname: str, workers: int, seed: int, max_requests: int) -> str:
+    return f"{wname}/W{workers}/seed{seed}/n{max_requests}"
+
+
+def _calibration_basis(mc: MatrixConfig, wname: str) -> dict[str, Any]:
+    """Everything a calibration's result depends on besides its key (for --reuse-calibration)."""
+    return {"workload": mc.workloads[wname].to_dict(), "engine": asdict(mc.engine), "sim": dict(mc.sim),
+            "criterion": {"policy": "power_of_two", "routers": 1, "goodput": mc.calibration_goodput,
+                          "tolerance": mc.calibration_tolerance}}
+
+
+def calibrate(mc: MatrixConfig, wname: str, workers: int, seed: int, max_requests: int) -> dict[str, Any]:
+    """``rate_p2c`` of (workload, workers, seed, max_requests): see the module docstring."""
+    wdef = mc.workloads[wname]
+    target = mc.calibration_goodput
+    probes: list[dict[str, Any]] = []
+    results: dict[float, bool] = {}
+
+    def probe(rate: float) -> bool:
+        if rate in results:
+            return results[rate]
+        if len(probes) >= _MAX_PROBES:
+            raise ConfigError(f"workloads.{wname}: calibration did not converge in {_MAX_PROBES} runs (W{workers} seed {seed})")
+        cfg = _sim_config(mc, wdef, rate, workers, 1, seed, max_requests, ["power_of_two"])
+        wl = build_stream(mc, wdef, cfg)
+        res = run_arm(cfg, ArmSpec("power_of_two", "none", 1, workers), wl)
+        ok = res["goodput"] >= target
+        probes.append({"rate_rps": _r(rate), "goodput": res["goodput"], "ttft_p95_ms": res["ttft_p95_ms"],
+                       "utilisation": res["utilisation"], "requests": res["requests"], "ok": ok})
+        results[rate] = ok
+        return ok
+
+    # rough analytical guess from the stream's token mix (the search corrects it)
+    cfg0 = _sim_config(mc, wdef, 1.0, workers, 1, seed, max_requests, ["power_of_two"])
+    wl0 = build_stream(mc, wdef, cfg0)
+    st = wl0.stats()
+    per_req = st["mean_prompt_tokens"] + 3.5 * st["mean_output_tokens"]
+    guess = 0.6 * workers * mc.engine.prefill_tokens_per_s / max(per_req, 1.0)
+    lo = hi = None
+    rate = guess
+    if probe(rate):
+        lo = rate
+        while hi is None:
+            rate *= _STEP
+            if rate > 100 * guess:
+                raise ConfigError(f"workloads.{wname}: power_of_two keeps goodput {target:g} on W{workers} even at "
+                                  f"{rate:.3g} req/s: {max_requests} requests are too few to load the fleet "
+                                  f"(raise the cells' max_requests)")
+            if probe(rate):
+                lo = rate
+            else:
+                hi = rate
+    else:
+        hi = rate
+        for _ in range(8):
+            rate /= _STEP
+            if probe(rate):
+                lo = rate
+                break
+            hi = rate
+        if lo is None:
+            raise ConfigError(f"workloads.{wname}: power_of_two does not reach goodput {target:g} on W{workers} even at "
+                              f"{rate:.3g} req/s (seed {seed}, {max_requests} requests): the SLO is out of reach")
+    while hi / lo > 1.0 + mc.calibration_tolerance:
+        mid = math.sqrt(lo * hi)
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"key": calibration_key(wname, workers, seed, max_requests), "workload": wname, "workers": workers,
+            "seed": seed, "max_requests": max_requests, "rate_p2c_rps": _r(lo), "first_fail_rps": _r(hi),
+            "guess_rps": _r(guess), "probes": sorted(probes, key=lambda x: x["rate_rps"]),
+            "basis": _calibration_basis(mc, wname)}
+
+
+# --------------------------------------------------------------------------- cells
+
+
+def run_cell(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any]) -> dict[str, Any]:
+    """Every policy of ``mc`` on the cell's stream for ``seed`` (one :func:`run_sim`)."""
+    wdef = mc.workloads[cell.workload]
+    rate = cell.load * calib["rate_p2c_rps"]
+    cfg = _sim_config(mc, wdef, rate, cell.workers, cell.routers, seed, cell.max_requests, mc.policies)
+    wl = build_stream(mc, wdef, cfg)
+    rep = run_sim(cfg, workload=wl)
+    return {
+        "cell": cell.id, "seed": seed, "rate_rps": _r(rate), "rate_p2c_rps": calib["rate_p2c_rps"],
+        "time_scale": _r(cfg.time_scale) if wdef.trace else None,
+        "stream": {**rep["workload"], "fingerprint": stream_fingerprint(wl), "oracle_hit_rate": rep["oracle_hit_rate"]},
+        "arms": rep["arms"],
+    }
+
+
+def _status(p95_ratio: float, goodput_diff: float) -> str:
+    if p95_ratio > 1.05 or goodput_diff < -0.01:
+        return "lose"
+    if p95_ratio <= 1.0:
+        return "win"
+    return "within"
+
+
+def analyse_cell(mc: MatrixConfig, run: dict[str, Any]) -> dict[str, Any]:
+    """Ratios to the best other policy, status per policy and the targets, for one (cell, seed)."""
+    arms = {a["policy"]: a for a in run["arms"]}
+    out: dict[str, Any] = {}
+    for pol in mc.policies:
+        a = arms[pol]
+        others = [arms[o] for o in mc.policies if o != pol]
+        best = min(others, key=lambda x: (x["ttft_p95_ms"], mc.policies.index(x["policy"])))
+        best_g = max(o["goodput"] for o in others)
+        ratio = a["ttft_p95_ms"] / best["ttft_p95_ms"] if best["ttft_p95_ms"] > 0 else math.inf
+        gd = a["goodput"] - best_g
+        out[pol] = {"p95_ratio": _r(ratio, 4), "best_other": best["policy"], "goodput_diff": _r(gd, 4),
+                    "status": _status(ratio, gd)}
+    s = arms[mc.subject]
+    base = [arms[b] for b in mc.baselines]
+    best_base = min(base, key=lambda x: x["ttft_p95_ms"])
+    ref = arms[mc.hit_reference]
+    targets = {
+        "ttft_p95": {"value": _r(s["ttft_p95_ms"] / best_base["ttft_p95_ms"], 4) if best_base["ttft_p95_ms"] else None,
+                     "limit": 1.05, "against": best_base["policy"],
+                     "pass": s["ttft_p95_ms"] <= 1.05 * best_base["ttft_p95_ms"]},
+        "goodput": {"value": _r(s["goodput"] - max(b["goodput"] for b in base), 4), "limit": -0.01,
+                    "pass": s["goodput"] >= max(b["goodput"] for b in base) - 0.01},
+        "hit_rate": {"value": _r(s["hit_rate"] / ref["hit_rate"], 4) if ref["hit_rate"] else None, "limit": 0.9,
+                     "against": mc.hit_reference, "pass": s["hit_rate"] >= 0.9 * ref["hit_rate"] - 0.005},
+    }
+    return {"policies": out, "targets": targets}
+
+
+_ORDER = {"win": 0, "within": 1, "lose": 2}
+
+
+def _cell_summary(mc: MatrixConfig, cell: Cell, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    per_seed = {str(r["seed"]): r for r in runs}
+    status = {}
+    for pol in mc.policies:
+        status[pol] = max((r["analysis"]["policies"][pol]["status"] for r in runs), key=_ORDER.__getitem__)
+    targets = {k: all(r["analysis"]["targets"][k]["pass"] for r in runs) for k in ("ttft_p95", "goodput", "hit_rate")}
+    subj = [r["analysis"]["policies"][mc.subject] for r in runs]
+    ratios = "/".join(f"{x['p95_ratio']:.2f}x" for x in subj)
+    bests = "/".join(dict.fromkeys(SHORT.get(x["best_other"], x["best_other"]) for x in subj))
+    gds = "/".join(f"{x['goodput_diff'] * 100:+.1f}" for x in subj)
+    word = {"win": "WINS", "within": "WITHIN 5%", "lose": "LOSES"}[status[mc.subject]]
+    tmark = " ".join(f"{k} {'PASS' if v else 'MISS'}" for k, v in targets.items())
+    verdict = (f"{cell.label}: {SHORT.get(mc.subject, mc.subject)} p95 {ratios} best other ({bests}), "
+               f"goodput {gds} pts — {word}; targets: {tmark}")
+    return {**asdict(cell), "label": cell.label, "seeds": per_seed, "status": status, "targets": targets,
+            "verdict": verdict}
+
+
+def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
+    pol = {p: {"win": 0, "within": 0, "lose": 0} for p in mc.policies}
+    for c in cells:
+        for p, s in c["status"].items():
+            pol[p][s] += 1
+    tg = {k: sum(1 for c in cells if c["targets"][k]) for k in ("ttft_p95", "goodput", "hit_rate")}
+    all_pass = sum(1 for c in cells if all(c["targets"].values()))
+    return {"cells": len(cells), "policies": pol, "targets_passed": tg, "cells_all_targets": all_pass,
+            "losing_cells": [c["label"] for c in cells if c["status"][mc.subject] == "lose"]}
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def _calib_task(mc: MatrixConfig, key: tuple[str, int, int, int]) -> tuple[dict[str, Any], float]:
+    t = time.perf_counter()
+    res = calibrate(mc, *key)
+    return res, time.perf_counter() - t
+
+
+def _cell_task(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    t = time.perf_counter()
+    res = run_cell(mc, cell, seed, calib)
+    return res, time.perf_counter() - t
+
+
+_COST = {"shared_prefix": 3.0, "conversation": 3.0, "multi_turn": 1.0, "zipf": 1.0, "low_reuse": 1.0}
+
+
+def _cost(mc: MatrixConfig, cell: Cell) -> float:
+    w = mc.workloads[cell.workload]
+    return cell.max_requests * (3.0 if w.trace else _COST.get(w.workload, 1.0)) * len(mc.policies)
+
+
+def default_jobs() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def reusable_calibrations(mc: MatrixConfig, path: str | Path) -> dict[str, dict[str, Any]]:
+    """Calibrations of an earlier report that still apply to ``mc`` (same key and basis)."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"reuse_calibration: cannot read {path}: {exc}") from None
+    out = {}
+    for key, c in (old.get("calibrations") or {}).items():
+        w = c.get("workload")
+        if w in mc.workloads and c.get("basis") == json.loads(json.dumps(_calibration_basis(mc, w))):
+            out[key] = c
+    return out
+
+
+def run_matrix(mc: MatrixConfig, *, jobs: int = 1, reuse: dict[str, dict[str, Any]] | None = None,
+               on_calibration: Callable[[dict[str, Any], float], None] | None = None,
+               on_cell: Callable[[Cell, dict[str, Any], float], None] | None = None) -> dict[str, Any]:
+    """Calibrate, run every (cell, seed) and judge; returns the report (JSON-ready, no wall times)."""
+    need: dict[str, tuple[str, int, int, int]] = {}
+    for c in mc.cells:
+        for s in mc.seeds:
+            need.setdefault(calibration_key(c.workload, c.workers, s, c.max_requests), (c.workload, c.workers, s, c.max_requests))
+    calibs: dict[str, dict[str, Any]] = {}
+    reused = []
+    for k in need:
+        if reuse and k in reuse:
+            calibs[k] = reuse[k]
+            reused.append(k)
+    todo_cal = [k for k in need if k not in calibs]
+    tasks = [(c, s) for c in mc.cells for s in mc.seeds]
+    tasks.sort(key=lambda t: -_cost(mc, t[0]))  # longest first: better packing over the processes
+    runs: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def ckey(c: Cell, s: int) -> str:
+        return calibration_key(c.workload, c.workers, s, c.max_requests)
+
+    if jobs <= 1:
+        for k in todo_cal:
+            res, wall = _calib_task(mc, need[k])
+            calibs[k] = res
+            if on_calibration:
+                on_calibration(res, wall)
+        for c, s in tasks:
+            res, wall = _cell_task(mc, c, s, calibs[ckey(c, s)])
+            runs[(c.id, s)] = res
+            if on_cell:
+                on_cell(c, res, wall)
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        pending_cells = list(tasks)
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+            futs: dict[Any, tuple[str, Any]] = {}
+            # calibrations first (most expensive first), then cells as their calibration is known
+            for k in sorted(todo_cal, key=lambda k: -need[k][3] * (3 if mc.workloads[need[k][0]].trace else
+                                                               _COST.get(mc.workloads[need[k][0]].workload, 1))):
+                futs[ex.submit(_calib_task, mc, need[k])] = ("cal", k)
+
+            def submit_ready() -> None:
+                keep = []
+                for c, s in pending_cells:
+                    k = ckey(c, s)
+                    if k in calibs:
+                        futs[ex.submit(_cell_task, mc, c, s, calibs[k])] = ("cell", (c, s))
+                    else:
+                        keep.append((c, s))
+                pending_cells[:] = keep
+
+            submit_ready()
+            while futs:
+                done, _ = wait(list(futs), return_when=FIRST_COMPLETED)
+                for f in done:
+                    kind, what = futs.pop(f)
+                    res, wall = f.result()
+                    if kind == "cal":
+                        calibs[what] = res
+                        if on_calibration:
+                            on_calibration(res, wall)
+                    else:
+                        c, s = what
+                        runs[(c.id, s)] = res
+                        if on_cell:
+                            on_cell(c, res, wall)
+                submit_ready()
+    cells_out = []
+    for c in mc.cells:
+        rs = []
+        for s in mc.seeds:
+            r = runs[(c.id, s)]
+            r["analysis"] = analyse_cell(mc, r)
+            rs.append(r)
+        cells_out.append(_cell_summary(mc, c, rs))
+    return {
+        "version": VERSION,
+        "matrix": mc.to_dict(),
+        "calibrations": {k: calibs[k] for k in sorted(need)},
+        "reused_calibrations": sorted(reused),
+        "cells": cells_out,
+        "summary": _summary(mc, cells_out),
+    }
+
+
+def dumps_matrix(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, sort_keys=True) + "\n"
+
+
+def _r(x: float, nd: int = 6) -> float:
+    return round(x, nd)
+
+
+# --------------------------------------------------------------------------- presentation
+
+
+def render_report(report: dict[str, Any]) -> list[Any]:
+    """rich renderables: one table per cell (with its verdict), then the summary and targets."""
+    from rich.table import Table
+    from rich.text import Text
+
+    mc = report["matrix"]
+    subject = mc["subject"]
+    out: list[Any] = []
+    style = {"win": "green", "within": "yellow", "lose": "red"}
+    for c in report["cells"]:
+        s0 = next(iter(c["seeds"].values()))
+        rates = ", ".join(f"seed {s}: {r['rate_rps']:.3g} req/s" for s, r in c["seeds"].items())
+        t = Table(title=f"cell {c['id']}: {c['label']} ({s0['stream']['requests']} requests; {rates}; "
+                        f"p2c sustains {s0['rate_p2c_rps']:.3g} req/s)", title_justify="left")
+        for col in ("policy", "seed", "ttft50 ms", "ttft95 ms", "good%", "hit%", "oracle%", "wCV", "p95/best other",
+                    "best other", "Δgood pts", "status"):
+            t.add_column(col, justify="left" if col in ("policy", "best other", "status") else "right", no_wrap=True)
+        for pol in mc["policies"]:
+            for s, r in c["seeds"].items():
+                a = next(x for x in r["arms"] if x["policy"] == pol)
+                an = r["analysis"]["policies"][pol]
+                t.add_row(pol, s, f"{a['ttft_p50_ms']:.0f}", f"{a['ttft_p95_ms']:.0f}", f"{a['goodput'] * 100:.1f}",
+                          f"{a['hit_rate'] * 100:.1f}", f"{(a['oracle_hit_rate'] or 0) * 100:.1f}", f"{a['worker_cv']:.2f}",
+                          f"{an['p95_ratio']:.2f}x", SHORT.get(an["best_other"], an["best_other"]),
+                          f"{an['goodput_diff'] * 100:+.1f}", Text(an["status"], style=style[an["status"]]))
+        out.append(t)
+        out.append(Text(c["verdict"]))
+    sm = report["summary"]
+    t = Table(title=f"summary over {sm['cells']} cells x {len(mc['seeds'])} seeds (a cell counts its worse seed)",
+              title_justify="left")
+    for col in ("policy", "won", "within 5%", "lost"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for pol, st in sm["policies"].items():
+        t.add_row(pol, str(st["win"]), str(st["within"]), str(st["lose"]))
+    out.append(t)
+    n = sm["cells"]
+    tg = sm["targets_passed"]
+    lines = [
+        f"targets for {subject} (every cell, both seeds):",
+        f"  TTFT p95 <= 1.05x best of {', '.join(mc['baselines'])}: {tg['ttft_p95']}/{n} cells -> "
+        f"{'PASS' if tg['ttft_p95'] == n else 'MISS'}",
+        f"  goodput >= best of them - 1 pt: {tg['goodput']}/{n} cells -> {'PASS' if tg['goodput'] == n else 'MISS'}",
+        f"  hit rate >= 0.9x {mc['hit_reference']}: {tg['hit_rate']}/{n} cells -> {'PASS' if tg['hit_rate'] == n else 'MISS'}",
+        f"  all three: {sm['cells_all_targets']}/{n} cells",
+    ]
+    if sm["losing_cells"]:
+        lines.append(f"{subject} loses in: " + "; ".join(sm["losing_cells"]))
+    out.append(Text("\n".join(lines)))
+    return out
+
+
+def write_heatmap(report: dict[str, Any], path: str) -> None:
+    """Cells x policies; colour = TTFT p95 / best other policy's (worse seed), annotated per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    mc = report["matrix"]
+    pols = mc["policies"]
+    cells = report["cells"]
+    grid = []
+    notes = []
+    for c in cells:
+        row, nrow = [], []
+        for p in pols:
+            rs = [r["analysis"]["policies"][p]["p95_ratio"] for r in c["seeds"].values()]
+            row.append(max(rs))
+            nrow.append(" | ".join(f"{x:.2f}" for x in rs))
+        grid.append(row)
+        notes.append(nrow)
+    h = max(3.0, 0.32 * len(cells) + 1.8)
+    fig, ax = plt.subplots(figsize=(2.1 * len(pols) + 3.8, h))
+    vals = [[min(max(v, 0.5), 2.0) for v in row] for row in grid]
+    im = ax.imshow(vals, cmap="RdYlGn_r", norm=TwoSlopeNorm(vmin=0.5, vcenter=1.0, vmax=2.0), aspect="auto")
+    ax.set_xticks(range(len(pols)))
+    ax.set_xticklabels(pols, fontsize=9)
+    ax.xaxis.tick_top()
+    ax.set_yticks(range(len(cells)))
+    ax.set_yticklabels([c["label"] for c in cells], fontsize=8)
+    for i, nrow in enumerate(notes):
+        for j, txt in enumerate(nrow):
+            v = vals[i][j]
+            ax.text(j, i, txt, ha="center", va="center", fontsize=7, color="white" if v >= 1.6 or v <= 0.62 else "black")
+    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
+    cb.set_label("p95 / best other (worse seed)", fontsize=8)
+    seeds = ", ".join(str(s) for s in mc["seeds"])
+    ax.set_title(f"mesh sim quality matrix: TTFT p95 / best other policy's, per seed ({seeds}); colour: worse seed, "
+                 f"clipped to 0.5-2", fontsize=9, pad=28)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command
+
+
+def cmd_matrix(args: Any) -> int:
+    """``mesh sim --matrix FILE`` (called from :func:`mesh.sim.cli.cmd_sim`)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    mc = load_matrix(args.matrix, seeds=args.seeds, max_requests=args.max_requests)
+    jobs = args.jobs if args.jobs else default_jobs()
+    reuse = reusable_calibrations(mc, args.reuse_calibration) if args.reuse_calibration else None
+    console = Console(stderr=True)
+    n_cal = len({calibration_key(c.workload, c.workers, s, c.max_requests) for c in mc.cells for s in mc.seeds})
+    n_reuse = len(reuse or {})
+    console.print(f"[bold]mesh sim --matrix[/] {args.matrix}: {len(mc.cells)} cells x {len(mc.seeds)} seeds "
+                  f"({', '.join(map(str, mc.seeds))}), policies {', '.join(mc.policies)}; {n_cal} calibrations"
+                  f"{f' ({n_reuse} reusable)' if n_reuse else ''}; {jobs} process(es)")
+    t0 = time.perf_counter()
+    show = not args.no_progress and console.is_terminal
+    log = not args.no_progress and not show
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=not show)
+    with prog:
+        t_cal = prog.add_task("calibrations (power_of_two sustainable rate)", total=n_cal)
+        t_cell = prog.add_task("cells x seeds", total=len(mc.cells) * len(mc.seeds))
+
+        def on_cal(res, wall):
+            prog.advance(t_cal)
+            if log:
+                console.print(f"calibrated {res['key']}: p2c sustains {res['rate_p2c_rps']:.3g} req/s "
+                              f"({len(res['probes'])} runs, {wall:.1f} s)")
+
+        def on_cell(cell, res, wall):
+            prog.advance(t_cell)
+            if log:
+                console.print(f"cell {cell.id} {cell.label} seed {res['seed']}: {wall:.1f} s")
+
+        if reuse:
+            prog.update(t_cal, completed=sum(1 for k in {calibration_key(c.workload, c.workers, s, c.max_requests)
+                                                         for c in mc.cells for s in mc.seeds} if k in reuse))
+        report = run_matrix(mc, jobs=jobs, reuse=reuse, on_calibration=on_cal, on_cell=on_cell)
+    wall = time.perf_counter() - t0
+    out = Console()
+    out = Console(width=max(out.width, 150))
+    for r in render_report(report):
+        out.print(r)
+        out.print()
+    for c in report["cells"]:
+        out.print(c["verdict"], highlight=False, soft_wrap=True)
+    console.print(f"matrix wall time {wall:.0f} s ({jobs} process(es))")
+    if args.json:
+        Path(args.json).write_text(dumps_matrix(report))
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        write_heatmap(report, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,265 @@
+"""The routing quality matrix (mesh/sim/matrix.py) and the conversation workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from mesh.errors import ConfigError
+from mesh.sim.cli import add_sim_parser
+from mesh.sim.matrix import dumps_matrix, load_matrix, run_matrix
+from mesh.sim.workloads import make_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY = """
+[matrix]
+seeds = [1, 3]
+policies = ["power_of_two", "cache_aware_greedy", "cache_aware"]
+
+[workloads.zipf]
+workload = "zipf"
+params = { groups = 64, system_tokens = 2048, question_tokens = 512, output_tokens = 32 }
+
+[[cells]]
+workload = "zipf"
+load = [0.5, 1.0]
+workers = 2
+routers = 2
+max_requests = 100
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "m.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mesh")
+    add_sim_parser(parser.add_subparsers(dest="cmd"))
+    return parser
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("edit, field", [
+    (("load = [0.5, 1.0]", "load = [0.5, -1.0]"), "cells[0].load[1]"),
+    (("workers = 2", "workers = 0"), "cells[0].workers"),
+    (("routers = 2", "routers = 'two'"), "cells[0].routers"),
+    (("max_requests = 100", "max_requests = 100\nlod = 1"), "cells[0].lod"),
+    (("max_requests = 100", ""), "cells[0].max_requests"),
+    (('workload = "zipf"\nload', 'workload = "zapf"\nload'), "cells[0].workload"),
+    (('"cache_aware"]', '"cache_awar"]'), "matrix.policies[2]"),
+    (("seeds = [1, 3]", "seeds = [1, 1]"), "matrix.seeds"),
+    (("seeds = [1, 3]", "seeds = [1, 3]\nsubject = 'round_robin'"), "matrix.subject"),
+    (('[workloads.zipf]\nworkload = "zipf"', '[workloads.zipf]\nworkload = "zipfian"'), "workloads.zipf.workload"),
+    (("groups = 64,", "grups = 64,"), "workloads.zipf.params.grups"),
+    (('[workloads.zipf]\nworkload = "zipf"', '[workloads.zipf]\ntrace = "nope.jsonl"'), "workloads.zipf.trace"),
+    (("[[cells]]", "[sim]\nrouter_pick = 'sideways'\n\n[[cells]]"), "sim.router_pick"),
+    (("[[cells]]", "[sim]\nheartbeat_ms = 0\n\n[[cells]]"), "sim.heartbeat_ms"),
+    (("[[cells]]", "[engine]\npage_size = 0\n\n[[cells]]"), "engine.page_size"),
+    (("[[cells]]", "[engine]\npage_sise = 16\n\n[[cells]]"), "engine.page_sise"),
+])
+def test_validation_errors_name_the_field(tmp_path, edit, field):
+    old, new = edit
+    assert old in TINY
+    p = _write(tmp_path, TINY.replace(old, new, 1))
+    with pytest.raises(ConfigError) as ei:
+        load_matrix(p)
+    assert str(ei.value).startswith(field + ":"), str(ei.value)
+
+
+def test_expansion_overrides_and_duplicates(tmp_path):
+    mc = load_matrix(_write(tmp_path, TINY))
+    assert [c.label for c in mc.cells] == ["zipf L0.5 W2 R2", "zipf L1 W2 R2"]
+    assert mc.seeds == [1, 3] and mc.subject == "cache_aware"
+    assert mc.baselines == ["power_of_two", "cache_aware_greedy"] and mc.hit_reference == "cache_aware_greedy"
+    mc = load_matrix(_write(tmp_path, TINY), seeds=[2], max_requests=10)
+    assert mc.seeds == [2] and {c.max_requests for c in mc.cells} == {10}
+    dup = TINY + '\n[[cells]]\nworkload = "zipf"\nload = 1.0\nworkers = 2\nrouters = [1, 2]\nmax_requests = 5\n'
+    with pytest.raises(ConfigError, match=r"^cells\[1\]: cell zipf L1 W2 R2 is already defined by cells\[0\]"):
+        load_matrix(_write(tmp_path, dup))
+
+
+def test_default_matrix_is_valid_and_covers_the_issue():
+    if not (ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl").is_file():
+        pytest.skip("the shared Mooncake trace is not next to this checkout")
+    mc = load_matrix(ROOT / "configs" / "quality-matrix.toml")
+    assert len(mc.cells) >= 24
+    assert mc.seeds == [1, 3]
+    kinds = {w.workload or "trace" for w in mc.workloads.values()}
+    assert kinds == {"trace", "shared_prefix", "zipf", "low_reuse", "conversation"}
+    assert {c.load for c in mc.cells} == {0.5, 0.8, 1.0, 1.2}
+    assert {c.workers for c in mc.cells} == {4, 16, 64}
+    assert {c.routers for c in mc.cells} == {1, 4, 8}
+    for w in mc.workloads:  # every workload is tried light, busy and overloaded
+        assert {c.load for c in mc.cells if c.workload == w} == {0.5, 0.8, 1.0, 1.2}
+    assert {"power_of_two", "cache_aware_greedy", "cache_aware"} <= set(mc.policies)
+
+
+def test_cli_refuses_single_run_options_with_matrix(tmp_path):
+    p = _write(tmp_path, TINY)
+    parser = _parser()
+    args = parser.parse_args(["sim", "--matrix", str(p), "--policy", "cache_aware", "--page-size", "32"])
+    with pytest.raises(ConfigError, match=r"^--policy, --page-size: not used with --matrix"):
+        args.func(args)
+    with pytest.raises(SystemExit):  # --matrix excludes --workload
+        parser.parse_args(["sim", "--matrix", str(p), "--workload", "zipf"])
+    args = parser.parse_args(["sim", "--workload", "zipf", "--seeds", "2"])
+    with pytest.raises(ConfigError, match="--seeds and --reuse-calibration need --matrix"):
+        args.func(args)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_tiny_matrix_end_to_end(tmp_path):
+    p = _write(tmp_path, TINY)
+    out_json, out_png = tmp_path / "m.json", tmp_path / "m.png"
+    args = _parser().parse_args(["sim", "--matrix", str(p), "--jobs", "1", "--no-progress", "--json", str(out_json),
+                                 "--plot", str(out_png)])
+    assert args.func(args) == 0
+    rep = json.loads(out_json.read_text())
+    assert out_png.stat().st_size > 5000 and out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(rep["cells"]) == 2
+    assert set(rep["calibrations"]) == {"zipf/W2/seed1/n100", "zipf/W2/seed3/n100"}
+    for cal in rep["calibrations"].values():
+        ok = [pr for pr in cal["probes"] if pr["ok"]]
+        assert ok and max(pr["rate_rps"] for pr in ok) == cal["rate_p2c_rps"] and cal["first_fail_rps"] > cal["rate_p2c_rps"]
+        assert all(pr["goodput"] >= 0.9 for pr in ok)
+    for c in rep["cells"]:
+        assert set(c["seeds"]) == {"1", "3"}
+        assert c["verdict"].startswith(c["label"] + ": cache_aware p95 ")
+        assert any(w in c["verdict"] for w in ("WINS", "WITHIN 5%", "LOSES"))
+        assert set(c["targets"]) == {"ttft_p95", "goodput", "hit_rate"}
+        for s, run in c["seeds"].items():
+            arms = run["arms"]
+            assert [a["policy"] for a in arms] == ["power_of_two", "cache_aware_greedy", "cache_aware"]
+            # the identical stream for every policy
+            assert {a["requests"] for a in arms} == {run["stream"]["requests"]} == {100}
+            assert {a["oracle_hit_rate"] for a in arms} == {run["stream"]["oracle_hit_rate"]}
+            assert run["rate_rps"] == pytest.approx(c["load"] * rep["calibrations"][f"zipf/W2/seed{s}/n100"]["rate_p2c_rps"],
+                                                    rel=1e-5)
+            an = run["analysis"]["policies"]
+            for a in arms:
+                others = [o for o in arms if o["policy"] != a["policy"]]
+                best = min(o["ttft_p95_ms"] for o in others)
+                assert an[a["policy"]]["p95_ratio"] == pytest.approx(a["ttft_p95_ms"] / best, abs=1e-4)
+                assert an[a["policy"]]["goodput_diff"] == pytest.approx(a["goodput"] - max(o["goodput"] for o in others),
+                                                                        abs=1e-4)
+                assert an[a["policy"]]["status"] in ("win", "within", "lose")
+    sm = rep["summary"]
+    assert sm["cells"] == 2
+    for pol, counts in sm["policies"].items():
+        assert sum(counts.values()) == 2
+    # the two seeds are different streams; the two cells at one seed share content (only arrivals differ)
+    fp = {(c["id"], s): r["stream"]["fingerprint"] for c in rep["cells"] for s, r in c["seeds"].items()}
+    assert fp[(0, "1")] != fp[(0, "3")] and fp[(0, "1")] != fp[(1, "1")]
+
+    # same config -> same report, from reused calibrations too (and across processes: --jobs 2)
+    mc = load_matrix(p)
+    from mesh.sim.matrix import reusable_calibrations
+
+    reuse = reusable_calibrations(mc, out_json)
+    assert set(reuse) == set(rep["calibrations"])
+    again = json.loads(dumps_matrix(run_matrix(mc, jobs=1, reuse=reuse)))
+    assert again["reused_calibrations"] == sorted(rep["calibrations"])
+    again["reused_calibrations"] = []
+    assert again == rep
+    par = json.loads(dumps_matrix(run_matrix(load_matrix(p, seeds=[1]), jobs=2)))
+    assert par["cells"][0]["seeds"]["1"] == rep["cells"][0]["seeds"]["1"]
+    # a changed basis (another SLO) makes the old calibrations stale
+    stale = load_matrix(_write(tmp_path, TINY.replace("[[cells]]", "[sim]\nttft_slo_ms = 500\n\n[[cells]]"), "s.toml"))
+    assert reusable_calibrations(stale, out_json) == {}
+
+
+def test_trace_windows_per_seed(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = []
+    for i in range(40):  # 4 req/s, 2-block prompts sharing block i % 3
+        lines.append(json.dumps({"timestamp": i * 250, "input_length": 800, "output_length": 4,
+                                 "hash_ids": [i % 3, 1000 + i]}))
+    trace.write_text("\n".join(lines) + "\n")
+    text = TINY.replace('[workloads.zipf]\nworkload = "zipf"\nparams = { groups = 64, system_tokens = 2048, '
+                        'question_tokens = 512, output_tokens = 32 }', '[workloads.zipf]\ntrace = "t.jsonl"')
+    mc = load_matrix(_write(tmp_path, text.replace("max_requests = 100", "max_requests = 15")))
+    from mesh.sim.matrix import _sim_config, build_stream
+
+    wdef = mc.workloads["zipf"]
+    for seed, first in ((1, 0), (2, 15), (3, 4)):  # offset (seed - 1) * 15 mod 26
+        cfg = _sim_config(mc, wdef, 8.0, 2, 1, seed, 15, mc.policies)
+        assert cfg.time_scale == pytest.approx(0.5)  # native 4 req/s -> 8 req/s
+        wl = build_stream(mc, wdef, cfg)
+        assert len(wl.requests) == 15 and wl.params["offset"] == first
+        assert wl.requests[0].arrival_s == 0.0 and wl.requests[-1].arrival_s == pytest.approx(14 * 0.125)
+
+
+# --------------------------------------------------------------------------- conversation workload
+
+
+def test_conversation_workload_statistics():
+    wl = make_workload("conversation", seed=1, rate=5.0, duration_s=None, max_requests=800)
+    reqs = wl.requests
+    assert len(reqs) == 800
+    prompts = [r.prompt_len for r in reqs]
+    mean_prompt = sum(prompts) / len(prompts)
+    assert 9_000 <= mean_prompt <= 16_000, mean_prompt
+    assert max(prompts) > 100_000
+    assert max(prompts) <= 131_072
+    mean_out = sum(r.output_len for r in reqs) / len(reqs)
+    assert 300 <= mean_out <= 400, mean_out
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:]))
+    assert reqs[0].arrival_s >= 0.0 and [r.idx for r in reqs] == list(range(800))
+    # each later turn extends its session's previous turn: same segments, its answer, a new message
+    continued = 0
+    for r in reqs:
+        outs = [s for s in r.segments if s[0] == 1]
+        if not outs:
+            continue
+        prev = reqs[outs[-1][1]]
+        assert prev.idx < r.idx and prev.arrival_s <= r.arrival_s
+        k = len(prev.segments)
+        assert r.segments[:k] == prev.segments
+        assert r.segments[k] == (1, prev.idx, prev.output_len, prev.output_len)
+        assert len(r.segments) == k + 2 and r.prompt_len == prev.prompt_len + prev.output_len + r.segments[-1][3]
+        continued += 1
+    assert continued > 300  # sessions interleave: a good share of turns continue an earlier one in the stream
+    # token level, on a few: the previous prompt, then the engine model's answer, is a prefix
+    done = 0
+    for r in reqs:
+        outs = [s for s in r.segments if s[0] == 1]
+        if outs and r.prompt_len < 20_000:
+            prev = reqs[outs[-1][1]]
+            toks, ptoks = wl.prompt(r), wl.prompt(prev)
+            assert list(toks[: len(ptoks)]) == list(ptoks)
+            assert list(toks[len(ptoks): len(ptoks) + prev.output_len]) == wl.output_tokens(prev)
+            done += 1
+            if done == 5:
+                break
+    assert done == 5
+    # deterministic, and a higher rate replays the same sessions closer together
+    again = make_workload("conversation", seed=1, rate=5.0, duration_s=None, max_requests=800)
+    assert [(r.arrival_s, r.segments) for r in again.requests] == [(r.arrival_s, r.segments) for r in reqs]
+    fast = make_workload("conversation", seed=1, rate=10.0, duration_s=None, max_requests=800)
+    assert fast.requests[-1].arrival_s < reqs[-1].arrival_s
+    other = make_workload("conversation", seed=2, rate=5.0, duration_s=None, max_requests=800)
+    assert [r.segments for r in other.requests[:50]] != [r.segments for r in reqs[:50]]
+
+
+def test_conversation_parameters_and_duration():
+    wl = make_workload("conversation", seed=3, rate=4.0, duration_s=30.0, max_context_tokens=20_000, think_s=2.0)
+    assert wl.requests and all(r.arrival_s < 30.0 for r in wl.requests)
+    assert max(r.prompt_len for r in wl.requests) <= 20_000
+    assert wl.params["max_context_tokens"] == 20_000
+    with pytest.raises(ConfigError, match="think_s"):
+        make_workload("conversation", seed=1, rate=4.0, duration_s=10.0, think_s=0)
+    with pytest.raises(ConfigError, match="turns_mean"):
+        make_workload("conversation", seed=1, rate=4.0, duration_s=10.0, turns_mean=0.5)
+    with pytest.raises(ConfigError, match="no parameter 'groups'"):
+        make_workload("conversation", seed=1, rate=4.0, duration_s=10.0, groups=3)
