@@ -82,6 +82,9 @@ def test_expansion_overrides_and_duplicates(tmp_path):
     assert mc.baselines == ["power_of_two", "cache_aware_greedy"] and mc.hit_reference == "cache_aware_greedy"
     mc = load_matrix(_write(tmp_path, TINY), seeds=[2], max_requests=10)
     assert mc.seeds == [2] and {c.max_requests for c in mc.cells} == {10}
+    assert [c.label for c in load_matrix(_write(tmp_path, TINY), only="L1 ").cells] == ["zipf L1 W2 R2"]
+    with pytest.raises(ConfigError, match="^cells: no cell label matches 'W64'"):
+        load_matrix(_write(tmp_path, TINY), only="W64")
     dup = TINY + '\n[[cells]]\nworkload = "zipf"\nload = 1.0\nworkers = 2\nrouters = [1, 2]\nmax_requests = 5\n'
     with pytest.raises(ConfigError, match=r"^cells\[1\]: cell zipf L1 W2 R2 is already defined by cells\[0\]"):
         load_matrix(_write(tmp_path, dup))
@@ -112,7 +115,7 @@ def test_cli_refuses_single_run_options_with_matrix(tmp_path):
     with pytest.raises(SystemExit):  # --matrix excludes --workload
         parser.parse_args(["sim", "--matrix", str(p), "--workload", "zipf"])
     args = parser.parse_args(["sim", "--workload", "zipf", "--seeds", "2"])
-    with pytest.raises(ConfigError, match="--seeds and --reuse-calibration need --matrix"):
+    with pytest.raises(ConfigError, match="--seeds, --cells and --reuse-calibration need --matrix"):
         args.func(args)
 
 
@@ -132,7 +135,8 @@ def test_tiny_matrix_end_to_end(tmp_path):
     for cal in rep["calibrations"].values():
         ok = [pr for pr in cal["probes"] if pr["ok"]]
         assert ok and max(pr["rate_rps"] for pr in ok) == cal["rate_p2c_rps"] and cal["first_fail_rps"] > cal["rate_p2c_rps"]
-        assert all(pr["goodput"] >= 0.9 for pr in ok)
+        assert all(pr["wait_within_slo"] >= 0.9 for pr in ok)
+        assert all(pr["wait_within_slo"] < 0.9 for pr in cal["probes"] if not pr["ok"])
     for c in rep["cells"]:
         assert set(c["seeds"]) == {"1", "3"}
         assert c["verdict"].startswith(c["label"] + ": cache_aware p95 ")

@@ -83,6 +83,8 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                        help=f"default {getattr(EngineConfig(), fl.name)}")
     m = p.add_argument_group("matrix (with --matrix; --max-requests then caps every cell's stream)")
     m.add_argument("--seeds", type=_csv(int), help="replace the matrix's seeds, e.g. 2 (the held-out seed)")
+    m.add_argument("--cells", metavar="REGEX",
+                   help="run only the cells whose label matches, e.g. 'conversation' or 'W64' (labels: 'zipf L1 W16 R4')")
     m.add_argument("--jobs", type=int, default=0,
                    help="processes running calibrations and cells in parallel (default 0: every usable core; "
                         "results are identical for any value)")
@@ -173,8 +175,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
         _check_matrix_args(args)
         return cmd_matrix(args)
-    if getattr(args, "seeds", None) or getattr(args, "reuse_calibration", None):
-        raise ConfigError("--seeds and --reuse-calibration need --matrix")
+    if getattr(args, "seeds", None) or getattr(args, "reuse_calibration", None) or getattr(args, "cells", None):
+        raise ConfigError("--seeds, --cells and --reuse-calibration need --matrix")
     cfg = config_from_args(args)
     console = Console(stderr=True)
     wl = build_workload(cfg)
