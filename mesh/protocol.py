@@ -58,9 +58,10 @@ FINAL      0x15  b->c    ``rid``, ``finish_reason`` str, ``usage`` map (``prompt
 ERROR      0x16  b->c    ``rid`` str or nil (nil when the request id was unreadable), ``code``
                          (an :class:`~mesh.errors.ErrorCode` value), ``message`` str.
 STATUS     0x17  c->b    empty map: ask for the broker's view of the fleet.
-STATUS_R   0x18  b->c    ``broker`` map (id, state, inflight, uptime_s), ``workers`` list of maps
-                         (worker_id, role, labels, healthy, inflight, load, epoch), ``counters``
-                         map of counter name -> value.
+STATUS_R   0x18  b->c    ``broker`` map (id, state, inflight, uptime_s; ``exchange`` with the peer
+                         exchange on), ``workers`` list of maps (worker_id, role, labels,
+                         healthy, inflight, peer_inflight, peer_prefill_tokens, load, epoch),
+                         ``counters`` map of counter name -> value.
 =========  ====  ======  ====================================================================
 
 Exactly one terminal frame (FINAL or ERROR) reaches the client for every accepted ``rid``.

@@ -404,3 +404,13 @@ def test_sim_exchange_with_one_router_is_a_no_op():
     x, y = run_sim(cfg)["arms"][0], run_sim(base)["arms"][0]
     assert x["exchange_messages"] == 0
     assert {k: v for k, v in x.items() if k != "exchange"} == {k: v for k, v in y.items() if k != "exchange"}
+
+
+def test_sim_exchange_delay_decides_when_peers_see_the_work():
+    """Figures that arrive only after the run change nothing (same routing as no exchange); a
+    few milliseconds' delay changes where load-based routing sends requests."""
+    off = run_sim(_sim_cfg())["arms"][0]
+    late = run_sim(_sim_cfg(exchange=True, exchange_delay_ms=1e7))["arms"][0]
+    soon = run_sim(_sim_cfg(exchange=True, exchange_delay_ms=2.0))["arms"][0]
+    assert late["served_per_worker"] == off["served_per_worker"] and late["exchange_applied"] == 0
+    assert soon["served_per_worker"] != off["served_per_worker"] and soon["exchange_applied"] > 0

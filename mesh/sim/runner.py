@@ -54,6 +54,9 @@ Metrics of an arm (all over the requests that completed; times in virtual ms):
 * ``decisions``: ``Decision.reason`` -> count; ``degraded_decisions``: decisions flagged
   degraded (provider had no answer).
 * ``queue_mean``: mean ``num_waiting_reqs`` per engine, sampled at every heartbeat interval.
+* ``exchange``: whether the routers exchanged figures (``SimConfig.exchange`` and R > 1);
+  ``exchange_messages`` / ``exchange_entries``: messages published and worker entries in them;
+  ``exchange_applied``: worker-state updates the receiving routers applied.
 * ``kv_event_batches``: batches delivered to providers (each router counted for radix_tree);
   ``kv_events_applied``: events the providers' indexes applied (methodology check: an
   event-fed arm with 0 here measured nothing); ``kv_resyncs``: batches a provider refused (a
