@@ -599,6 +599,7 @@ class Arm:
             if st is not None:
                 applied += int(st().get("events_applied", 0))
         return {
+            "prediction": _prediction_error(done, cfg.net_ms),
             "policy": spec.policy,
             "provider": spec.provider,
             "routers": spec.routers,
@@ -639,6 +640,26 @@ class Arm:
             "engine_steps": sum(w.steps for w in workers),
             "events": q.popped,
         }
+
+
+def _prediction_error(done: list[_Track], net_ms: float) -> dict[str, Any] | None:
+    """How well the policy predicted TTFT: for every decision that carried a prediction
+    (``detail["predicted_ttft_ms"]``, cache_aware's), the relative error against the engine-side
+    TTFT that happened (the router's TTFT minus the two network legs). None for policies that
+    predict nothing."""
+    pairs = []
+    for tr in done:
+        p = tr.decision.detail.get("predicted_ttft_ms") if tr.decision is not None else None
+        if isinstance(p, (int, float)):
+            pairs.append((float(p), max(0.0, (tr.first - tr.arrival) * 1e3 - 2 * net_ms)))
+    if not pairs:
+        return None
+    errs = sorted(abs(p - a) / max(a, 1.0) for p, a in pairs)
+    ratios = sorted(a / max(p, 1e-3) for p, a in pairs)
+    return {"decisions": len(pairs), "rel_err_p50": _r(percentile(errs, 50, presorted=True), 4),
+            "rel_err_p90": _r(percentile(errs, 90, presorted=True), 4),
+            "actual_over_predicted_p50": _r(percentile(ratios, 50, presorted=True), 4),
+            "actual_over_predicted_p90": _r(percentile(ratios, 90, presorted=True), 4)}
 
 
 def _r(x: float, nd: int = 6) -> float:
