@@ -190,3 +190,19 @@ def test_power_of_two_draws_exactly_like_random_sample():
             i, j = _two_distinct(b, n)
             assert (i, j) == tuple(a.sample(range(n), 2))
             assert i != j and 0 <= i < n and 0 <= j < n
+
+
+def test_cost_keeps_affinity_to_a_holder_until_it_is_clearly_overloaded():
+    # b holds 94 % of the prompt and has 10 requests waiting (60k uncached tokens, ~2.4 s): by
+    # predicted TTFT alone a is better, but recomputing the prefix there costs the fleet; within
+    # the imbalance bounds (32 requests and 1.1x) the holder keeps it, as SGLang's greedy rule does
+    pool = [ws("a"), ws("b", wu=60_000, waiting=10)]
+    m = FakeMatch({"b": 120}, 128)
+    argmin = dict(temperature=0.0, temperature_ms=0.0)
+    assert CacheAware(**argmin).choose(req(), pool, m, 0.1).worker_id == "b"
+    assert CacheAware(affinity_threshold=0.0, **argmin).choose(req(), pool, m, 0.1).worker_id == "a"  # pure cost
+    # below the affinity threshold (a 25 % match) the cost model decides
+    assert CacheAware(**argmin).choose(req(), pool, FakeMatch({"b": 32}, 128), 0.1).worker_id == "a"
+    # a holder whose KV cannot take the prompt is not a holder for this request
+    full = [ws("a"), ws("b", used=399_000)]
+    assert CacheAware(**argmin).choose(req(), full, m, 0.1).worker_id == "a"

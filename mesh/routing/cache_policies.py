@@ -30,6 +30,17 @@ for. The candidate set is bounded: every worker when the pool is small, otherwis
 deepest matches plus ``sample_others`` random workers, so decision cost stays flat as the fleet
 grows.
 
+**Affinity first** (``affinity_threshold``, default 0.5): when some candidates hold at least that
+share of the prompt and their KV can take it, the choice is made among those holders only, unless
+the least loaded of them is clearly overloaded against the least loaded worker overall (pressure
+more than ``balance_abs_threshold`` = 32 requests above it and ``balance_rel_threshold`` = 1.1x;
+SGLang's greedy bounds). The per-request TTFT prediction is myopic: it does not charge a
+recomputed prefix for the fleet capacity it burns, so under load it sent requests away from the
+holders, the fleet recomputed shared prefixes and saturated (the quality matrix's shared_prefix and
+zipf cells: p95 2.6-100x greedy's). Inside the holders, and when nobody holds enough, the cost
+model chooses, which is where it beats a request count (partial matches, queued prefill tokens,
+decode pressure). ``affinity_threshold=0`` gives the pure cost policy.
+
 Choice: the worker is drawn from a softmax over scores, ``p ~ exp(-(score - min) / T)`` with
 ``T = min(temperature_ms, temperature x min score)`` (defaults 100 ms and 0.5); with both 0 it is
 the argmin, near-ties spread by a per-request rendezvous hash. Sampling matters with several
@@ -124,7 +135,9 @@ class CacheAware:
 
     def __init__(self, rng: random.Random | None = None, freshness_s: float = 5.0, *, cost: CostModel | None = None,
                  full_scan_max: int = 32, top_k: int = 8, sample_others: int = 8, temperature: float = 0.5,
-                 decode_harm_weight: float = 1.0, tie_tolerance: float = 0.02, temperature_ms: float = 100.0) -> None:
+                 decode_harm_weight: float = 1.0, tie_tolerance: float = 0.02, temperature_ms: float = 100.0,
+                 affinity_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
+                 load_slack: float = 1.0) -> None:
         self.rng = rng or random.Random()
         self.freshness_s = freshness_s
         self.cost = cost or CostModel()
@@ -135,6 +148,10 @@ class CacheAware:
         self.decode_harm_weight = decode_harm_weight
         self.tie_tolerance = tie_tolerance
         self.temperature_ms = temperature_ms  # softmax scale in ms of score (wins over the relative one)
+        self.affinity_threshold = affinity_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.load_slack = load_slack
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
@@ -199,6 +216,11 @@ class CacheAware:
             ttft = max(ttft, w.first_reply_ms)
         return ttft, ttft + self.decode_harm_weight * running * own_ms
 
+    def _fits(self, w: WorkerState, prompt_tokens: int, now_s: float) -> bool:
+        """False when w's fresh telemetry says the prompt would not fit beside its active KV."""
+        agg = w.fresh_load(now_s, self.freshness_s)
+        return agg is None or not agg.max_tokens or agg.total_tokens + prompt_tokens <= agg.max_tokens
+
     def choose(self, req, candidates, match, now_s, by_id: dict[str, WorkerState] | None = None):
         if not candidates:
             return Decision(None, "no_candidates")
@@ -216,7 +238,9 @@ class CacheAware:
             best_hit = max(best_hit, hit)
             ttft, score = self._cost(w, L - hit, L, now_s)
             scored.append((score, ttft, w.worker_id, hit, w))
-        if (self.temperature > 0 or self.temperature_ms > 0) and len(scored) > 1:
+        if self.affinity_threshold > 0:
+            pick = self._choose_banded(scored, L, now_s, rid)
+        elif (self.temperature > 0 or self.temperature_ms > 0) and len(scored) > 1:
             pick = self._sample(scored)
         else:
             lo = min(t[0] for t in scored)
@@ -233,6 +257,24 @@ class CacheAware:
             reason = "load_override"
         return Decision(wid, reason, matched_blocks=hit // bs if bs else 0,
                         detail={"predicted_ttft_ms": round(cost_ms, 3), "uncached_tokens": L - hit})
+
+    def _choose_banded(self, scored, prompt_tokens: int, now_s: float, rid: str):
+        """Load first, then cache, then cost (see the module docstring): SGLang's imbalance bound,
+        then the holders of at least ``affinity_threshold`` of the prompt whose KV can take it,
+        then the least loaded of those (within ``load_slack`` requests), and among them the
+        lowest score (deterministic; ties by in-flight count and a per-request rendezvous hash)."""
+        fr = self.freshness_s
+        load = {t[2]: t[4].pressure(now_s, fr) for t in scored}
+        lo_p, hi_p = min(load.values()), max(load.values())
+        pool = scored
+        if not (hi_p - lo_p > self.balance_abs_threshold and hi_p > lo_p * self.balance_rel_threshold):
+            hot = [t for t in scored if t[3] and t[3] >= self.affinity_threshold * prompt_tokens
+                   and self._fits(t[4], prompt_tokens, now_s)]
+            if hot:
+                pool = hot
+        band = min(load[t[2]] for t in pool) + self.load_slack
+        return min((t for t in pool if load[t[2]] <= band),
+                   key=lambda t: (round(load[t[2]]), t[0], t[4].inflight, _rendezvous(rid, t[2])))
 
     def _sample(self, scored):
         lo = min(t[0] for t in scored)
