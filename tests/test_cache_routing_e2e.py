@@ -2,8 +2,8 @@
 
 Three arms on the identical seeded shared-prefix workload (skewed group popularity), one after
 the other in the same test: power_of_two, cache_aware_greedy (SGLang's threshold policy) and
-cache_aware (mesh's cost policy). cache_aware must find clearly more cached tokens than
-power_of_two and spread load more evenly than cache_aware_greedy.
+cache_aware (mesh's policy). cache_aware must find clearly more cached tokens than
+power_of_two and at least 0.9x cache_aware_greedy's.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _arm(procs, policy: str, prompts) -> tuple[float, float, int]:
     return res
 
 
-def test_cache_aware_beats_p2_on_hits_and_greedy_on_balance(procs):
+def test_cache_aware_beats_p2_on_hits_and_keeps_greedys(procs):
     prompts = _workload()
     p2_hit, p2_cv, e1 = _arm(procs, "power_of_two", prompts)
     gr_hit, gr_cv, e2 = _arm(procs, "cache_aware_greedy", prompts)
@@ -81,9 +81,9 @@ def test_cache_aware_beats_p2_on_hits_and_greedy_on_balance(procs):
     print(f"\npower_of_two hit={p2_hit:.3f} cv={p2_cv:.3f}; greedy hit={gr_hit:.3f} cv={gr_cv:.3f}; "
           f"cache_aware hit={ca_hit:.3f} cv={ca_cv:.3f}")
     assert e1 == e2 == e3 == 0
-    # clearly more cache hits than load-only routing (seen: +0.06..+0.10 on this workload) ...
+    # clearly more cache hits than load-only routing (seen: +0.06..+0.13 on this workload) ...
     assert ca_hit > p2_hit + 0.04, (ca_hit, p2_hit)
-    # ... and less pile-up than greedy affinity on the hot prompt. Over 11 runs: cache_aware CV
-    # 0.12..0.34, greedy 0.40..0.51, per-run gap 0.11..0.36 (mean 0.20). A fixed 0.1 margin would
-    # fail a few runs in a hundred, so the test asserts the claim itself: strictly lower.
-    assert ca_cv < gr_cv, (ca_cv, gr_cv)
+    # ... and at least 0.9x greedy's (issue 15's hit-rate target, met in every matrix cell). A
+    # lower worker CV than greedy's is no longer claimed: sticking to cache holders within
+    # SGLang's imbalance bound is what won the quality matrix (README, simulator section).
+    assert ca_hit >= 0.9 * gr_hit, (ca_hit, gr_hit)

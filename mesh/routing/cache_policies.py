@@ -268,8 +268,10 @@ class CacheAware:
         lo_p, hi_p = min(load.values()), max(load.values())
         pool = scored
         if not (hi_p - lo_p > self.balance_abs_threshold and hi_p > lo_p * self.balance_rel_threshold):
+            # (a worker whose telemetry is distrusted, because it claimed less work than this
+            # router alone has there, is no holder to stick to: its queue is unknown)
             hot = [t for t in scored if t[3] and t[3] >= self.affinity_threshold * prompt_tokens
-                   and self._fits(t[4], prompt_tokens, now_s)]
+                   and self._fits(t[4], prompt_tokens, now_s) and not t[4].distrusted(now_s)]
             if hot:
                 pool = hot
         band = min(load[t[2]] for t in pool) + self.load_slack
