@@ -270,16 +270,9 @@ async def _scrape(url: str) -> dict:
 
 
 def _post(url: str, body: bytes, timeout_s: float = 30.0) -> tuple[int, bytes]:
-    import urllib.error
-    import urllib.request
+    from mesh.bench.http_bench import _post as post
 
-    req = urllib.request.Request(url, data=body, method="POST",
-                                 headers={"Content-Type": "application/json", "Accept": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+    return post(url, body, timeout_s)
 
 
 def _wait_http_ok(url: str, body: bytes, timeout_s: float = _STARTUP_S) -> dict:
