@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 
@@ -186,6 +187,18 @@ def _stub_in_process(**kw):
     return SglangStub(StubSettings(port=0, kv_port=None, load_port=None, time_scale=0.001, **kw))
 
 
+@contextlib.asynccontextmanager
+async def _stub_http(**kw):
+    """An in-process stub and an HTTP session to it: yields (url, session); stops the stub."""
+    stub = _stub_in_process(**kw)
+    url = (await stub.start())["url"]
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            yield url, http
+    finally:
+        await stub.stop()
+
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "minLength": 3}, "age": {"type": "integer", "minimum": 18, "maximum": 99},
     "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "ok": {"type": "boolean"},
@@ -216,41 +229,36 @@ def test_json_schema_output_conforms_and_logprobs_match_the_tokens():
     jsonschema = pytest.importorskip("jsonschema")
 
     async def go():
-        stub = _stub_in_process()
-        url = (await stub.start())["url"]
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-                async def gen(body: dict) -> tuple[int, dict]:
-                    async with http.post(url + "/generate", json=body) as r:
-                        return r.status, await r.json()
+        async with _stub_http() as (url, http):
+            async def gen(body: dict) -> tuple[int, dict]:
+                async with http.post(url + "/generate", json=body) as r:
+                    return r.status, await r.json()
 
-                for i in range(3):  # different prompts, different (conforming) answers
-                    st, out = await gen({"text": f"person {i}", "sampling_params": {"max_new_tokens": 400, "json_schema": json.dumps(SCHEMA)},
-                                         "return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True})
-                    assert st == 200, out
-                    jsonschema.validate(json.loads(out["text"]), SCHEMA)
-                    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}  # complete: EOS, not length
-                    assert out["meta_info"]["completion_tokens"] == len(out["output_ids"])
-                    _check_logprobs(out, 3)
-                st, out = await gen({"text": "x", "sampling_params": {"max_new_tokens": 3, "json_schema": '{"type": "object"}'}})
-                assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3} and len(out["output_ids"]) == 3
-                for bad in ("{nope", "[1]", json.dumps({"type": "frobnicate"}), json.dumps({"$ref": "#/$defs/Missing"})):
-                    st, out = await gen({"text": "x", "sampling_params": {"json_schema": bad}})
-                    assert st == 400 and out["error"]["message"].startswith("json_schema"), out
-                # plain logprobs: no text unless asked; input logprobs from logprob_start_len, the first without a value
-                st, out = await gen({"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True,
-                                     "logprob_start_len": 1, "top_logprobs_num": 2})
-                meta = out["meta_info"]
-                assert [e[2] for e in meta["output_token_logprobs"]] == [None] * 4
-                assert [e[1] for e in meta["input_token_logprobs"]] == [6, 7, 8] and len(meta["input_top_logprobs"]) == 3
-                st, out = await gen({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
-                                     "logprob_start_len": 0, "return_text_in_logprobs": True})
-                assert out["meta_info"]["input_token_logprobs"][0][0] is None and "input_top_logprobs" not in out["meta_info"]
-                _check_logprobs(out, 0)
-                st, out = await gen({"text": "x", "return_logprob": True, "top_logprobs_num": -1})
-                assert st == 400 and "top_logprobs_num" in out["error"]["message"]
-        finally:
-            await stub.stop()
+            for i in range(3):  # different prompts, different (conforming) answers
+                st, out = await gen({"text": f"person {i}", "sampling_params": {"max_new_tokens": 400, "json_schema": json.dumps(SCHEMA)},
+                                     "return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True})
+                assert st == 200, out
+                jsonschema.validate(json.loads(out["text"]), SCHEMA)
+                assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}  # complete: EOS, not length
+                assert out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+                _check_logprobs(out, 3)
+            st, out = await gen({"text": "x", "sampling_params": {"max_new_tokens": 3, "json_schema": '{"type": "object"}'}})
+            assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3} and len(out["output_ids"]) == 3
+            for bad in ("{nope", "[1]", json.dumps({"type": "frobnicate"}), json.dumps({"$ref": "#/$defs/Missing"})):
+                st, out = await gen({"text": "x", "sampling_params": {"json_schema": bad}})
+                assert st == 400 and out["error"]["message"].startswith("json_schema"), out
+            # plain logprobs: no text unless asked; input logprobs from logprob_start_len, the first without a value
+            st, out = await gen({"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True,
+                                 "logprob_start_len": 1, "top_logprobs_num": 2})
+            meta = out["meta_info"]
+            assert [e[2] for e in meta["output_token_logprobs"]] == [None] * 4
+            assert [e[1] for e in meta["input_token_logprobs"]] == [6, 7, 8] and len(meta["input_top_logprobs"]) == 3
+            st, out = await gen({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+                                 "logprob_start_len": 0, "return_text_in_logprobs": True})
+            assert out["meta_info"]["input_token_logprobs"][0][0] is None and "input_top_logprobs" not in out["meta_info"]
+            _check_logprobs(out, 0)
+            st, out = await gen({"text": "x", "return_logprob": True, "top_logprobs_num": -1})
+            assert st == 400 and "top_logprobs_num" in out["error"]["message"]
 
     run(go())
 
@@ -291,29 +299,24 @@ def test_the_stubs_openai_endpoints_honour_response_format_and_logprobs():
     jsonschema = pytest.importorskip("jsonschema")
 
     async def go():
-        stub = _stub_in_process()
-        url = (await stub.start())["url"]
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-                rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
-                async with http.post(url + "/v1/chat/completions", json={
-                        "messages": [{"role": "user", "content": [{"type": "text", "text": "who?"}]}], "max_tokens": 400,
-                        "response_format": rf, "logprobs": True, "top_logprobs": 2}) as r:
-                    out = await r.json()
-                ch = out["choices"][0]
-                jsonschema.validate(json.loads(ch["message"]["content"]), SCHEMA)
-                assert ch["finish_reason"] == "stop"
-                assert "".join(t["token"] for t in ch["logprobs"]["content"]) == ch["message"]["content"]
-                assert all(t["top_logprobs"][0]["token"] == t["token"] for t in ch["logprobs"]["content"])
-                async with http.post(url + "/v1/completions", json={"prompt": "p", "max_tokens": 50, "stream": True, "logprobs": 1,
-                                                                    "response_format": {"type": "json_object"}}) as r:
-                    chunks = [json.loads(e) for e in await _sse(r)]
-                text = "".join(c["choices"][0]["text"] for c in chunks)
-                assert isinstance(json.loads(text), dict)
-                toks = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
-                offs = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
-                assert "".join(toks) == text and offs == [len("".join(toks[:i])) for i in range(len(toks))]
-        finally:
-            await stub.stop()
+        async with _stub_http() as (url, http):
+            rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+            async with http.post(url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": "who?"}]}], "max_tokens": 400,
+                    "response_format": rf, "logprobs": True, "top_logprobs": 2}) as r:
+                out = await r.json()
+            ch = out["choices"][0]
+            jsonschema.validate(json.loads(ch["message"]["content"]), SCHEMA)
+            assert ch["finish_reason"] == "stop"
+            assert "".join(t["token"] for t in ch["logprobs"]["content"]) == ch["message"]["content"]
+            assert all(t["top_logprobs"][0]["token"] == t["token"] for t in ch["logprobs"]["content"])
+            async with http.post(url + "/v1/completions", json={"prompt": "p", "max_tokens": 50, "stream": True, "logprobs": 1,
+                                                                "response_format": {"type": "json_object"}}) as r:
+                chunks = [json.loads(e) for e in await _sse(r)]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            assert isinstance(json.loads(text), dict)
+            toks = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+            offs = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+            assert "".join(toks) == text and offs == [len("".join(toks[:i])) for i in range(len(toks))]
 
     run(go())
