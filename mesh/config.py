@@ -19,7 +19,7 @@ from typing import Any
 
 from mesh.errors import ConfigError
 
-__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "apply_toml_to_args", "model_paths", "check_tokenizers"]
+__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "apply_toml_to_args", "read_toml", "model_paths", "check_tokenizers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,15 +238,21 @@ def _require(ok: bool, name: str, msg: str) -> None:
         raise ConfigError(f"{name}: {msg}")
 
 
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A whole TOML file; a missing or unparsable file is a ConfigError naming it."""
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{what} {p}: {exc}") from None
+
+
 def load_toml(path: str | Path, section: str) -> dict[str, Any]:
     """Read one table of a TOML config file. A missing table is an empty mapping."""
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {p} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {p}: {exc}") from exc
+    data = read_toml(p)
     sect = data.get(section, {})
     if not isinstance(sect, dict):
         raise ConfigError(f"config file {p}: [{section}] must be a table")

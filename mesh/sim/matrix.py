@@ -82,12 +82,12 @@ import json
 import math
 import os
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mesh.config import read_toml
 from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES
@@ -221,12 +221,7 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
     ``matrix.seeds``; ``max_requests`` caps every cell's ``max_requests``; ``only`` (a regular
     expression) keeps the cells whose label (``conversation L1 W16 R4``) it matches."""
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"matrix file {p} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"matrix file {p}: {exc}") from None
+    data = read_toml(p, "matrix file")
     _unknown(data, {"matrix", "sim", "engine", "workloads", "cells"}, "")
     m = _table(data.get("matrix", {}), "matrix")
     _unknown(m, _MATRIX_KEYS, "matrix")
