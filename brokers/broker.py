@@ -1337,6 +1337,16 @@ class Broker:
         if self._parked:
             self._unpark(now)
 
+    def _first_reply(self, inf: Inflight, sess: WorkerSession, now: float) -> None:
+        """The current attempt's first reply: the worker's outcome figure, and the routing
+        policy learns from its prediction (cache_aware's calibration; prefill/mixed legs only,
+        the decode leg of a P/D request was not predicted)."""
+        inf.replied = True
+        ms = (now - inf.sent_s) * 1000.0
+        sess.state.record_first_reply(ms)
+        if inf.phase != "decode" and inf.decision is not None:
+            self.router.observe(inf.decision, ms)
+
     def _on_worker_chunk(self, sess: WorkerSession, m: P.WorkerChunk) -> None:
         inf = self._inflight.get(m.rid)
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
@@ -1344,8 +1354,7 @@ class Broker:
             return
         sess.last_reply_s = now = time.monotonic()
         if not inf.replied:
-            inf.replied = True
-            sess.state.record_first_reply((now - inf.sent_s) * 1000.0)
+            self._first_reply(inf, sess, now)
         if m.seq != inf.chunks_sent:
             self.stats.dropped["chunk_out_of_order"] += 1
             if self._limiter.allow(("chunk_seq", sess.worker_id)):
@@ -1365,8 +1374,7 @@ class Broker:
             return
         sess.last_reply_s = now = time.monotonic()
         if not inf.replied:
-            inf.replied = True
-            sess.state.record_first_reply((now - inf.sent_s) * 1000.0)
+            self._first_reply(inf, sess, now)
         if inf.phase == "prefill":
             if m.finish_reason == "prefill_done":
                 self._handoff(inf, sess, m, time.monotonic())

@@ -99,6 +99,12 @@ def _gauges(broker: Broker):
             for sess in broker.registry.by_id.values():
                 if sess.state.peer_inflight:
                     out.setdefault("mesh_worker_peer_inflight", []).append(({"worker_id": sess.worker_id}, float(sess.state.peer_inflight)))
+        cal = getattr(broker.router.policy, "calibrator", None)
+        if cal is not None:  # cache_aware's online TTFT calibration (mesh.routing.calibration)
+            snap = cal.snapshot()
+            out["mesh_cost_model"] = [({"what": k}, float(v)) for k, v in snap.items()
+                                      if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            out["mesh_cost_model"].append(({"what": "trusted"}, 1.0 if snap["trusted"] else 0.0))
         prov = broker.router.provider
         if prov is not None and hasattr(prov, "stats"):
             for k, v in _flatten(prov.stats()).items():

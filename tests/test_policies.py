@@ -89,7 +89,7 @@ def test_greedy_below_threshold_goes_min_load():
 def test_cost_prefers_cache_holder_when_loads_equal():
     pool = [ws("a"), ws("b"), ws("c")]
     m = FakeMatch({"b": 120}, 128)
-    d = CacheAware(temperature=0.0, temperature_ms=0.0).choose(req(), pool, m, 0.1)
+    d = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always").choose(req(), pool, m, 0.1)
     assert (d.worker_id, d.reason) == ("b", "cache_hit")
     assert d.matched_blocks == 120 and d.detail["uncached_tokens"] == 2048 - 1920
 
@@ -98,41 +98,41 @@ def test_cost_overrides_cache_when_holder_queue_is_long():
     # b holds the prefix but has 200k uncached tokens queued: 8 s of prefill; a is idle.
     pool = [ws("a"), ws("b", wu=200_000, waiting=40)]
     m = FakeMatch({"b": 120}, 128)
-    d = CacheAware(temperature=0.0, temperature_ms=0.0).choose(req(), pool, m, 0.1)
+    d = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always").choose(req(), pool, m, 0.1)
     assert (d.worker_id, d.reason) == ("a", "load_override")
 
 
 def test_cost_miss_goes_to_least_queued():
     pool = [ws("a", wu=5000), ws("b", wu=100), ws("c", wu=3000)]
-    d = CacheAware(temperature=0.0, temperature_ms=0.0).choose(req(), pool, FakeMatch({}, 128), 0.1)
+    d = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always").choose(req(), pool, FakeMatch({}, 128), 0.1)
     assert (d.worker_id, d.reason) == ("b", "cache_miss_min_load")
 
 
 def test_cost_decode_pressure_term():
     pool = [ws("a", running=200, used=300_000), ws("b", running=2)]
-    d = CacheAware(temperature=0.0, temperature_ms=0.0).choose(req(), pool, FakeMatch({}, 128), 0.1)
+    d = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always").choose(req(), pool, FakeMatch({}, 128), 0.1)
     assert d.worker_id == "b"
-    cm = CacheAware(temperature=0.0, temperature_ms=0.0)
+    cm = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always")
     assert cm.predicted_ttft_ms(pool[0], 2048, 2048, 0.1) > cm.predicted_ttft_ms(pool[1], 2048, 2048, 0.1)
 
 
 def test_cost_kv_full_penalty():
     full = ws("full", used=399_000)
     free = ws("free", wu=20_000)
-    d = CacheAware(temperature=0.0, temperature_ms=0.0).choose(req(), [full, free], FakeMatch({"full": 120}, 128), 0.1)
+    d = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always").choose(req(), [full, free], FakeMatch({"full": 120}, 128), 0.1)
     assert d.worker_id == "free"
 
 
 def test_cost_fail_open_uses_local_outstanding_tokens():
     a, b = WorkerState("a"), WorkerState("b")  # no telemetry at all
     a.record_dispatch(50_000)
-    d = CacheAware(temperature=0.0, temperature_ms=0.0).choose(req(), [a, b], FakeMatch({}, 128), 0.0)
+    d = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always").choose(req(), [a, b], FakeMatch({}, 128), 0.0)
     assert d.worker_id == "b"
 
 
 def test_cost_ties_spread_deterministically_and_temperature_samples():
     pool = [ws(f"w{i}") for i in range(8)]
-    p = CacheAware(temperature=0.0, temperature_ms=0.0)
+    p = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always")
     picks = [p.choose(RouteRequest(f"r{i}", 2048, block_size=16), pool, FakeMatch({}, 128), 0.1).worker_id for i in range(40)]
     assert len(set(picks)) >= 4  # idle ties are spread over the fleet, not all on the lowest id
     assert picks == [p.choose(RouteRequest(f"r{i}", 2048, block_size=16), pool, FakeMatch({}, 128), 0.1).worker_id for i in range(40)]

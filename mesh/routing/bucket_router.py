@@ -129,6 +129,7 @@ class _Pick:
     domain: str
     pass_: int
     policy_reason: str | None = None
+    policy_detail: dict | None = None  # the policy's own detail when its choice stood (prediction)
 
 
 class BucketRouter:
@@ -266,6 +267,10 @@ class BucketRouter:
         detail["pass"] = pick.pass_
         if pick.policy_reason is not None:
             detail["policy_reason"] = pick.policy_reason
+        pdt = pick.policy_detail
+        if pdt and "cost_x" in pdt:  # the prediction the policy acted on (calibration, observe)
+            detail["cost_x"] = pdt["cost_x"]
+            detail["predicted_ttft_ms"] = pdt.get("predicted_ttft_ms")
         detail["uncached_tokens"] = uncached
         d = Decision(w.worker_id, pick.reason, matched_blocks=blocks, degraded=degraded, uncached_tokens=uncached, detail=detail)
         w.record_dispatch(uncached)
@@ -281,6 +286,13 @@ class BucketRouter:
         if self.provider is not None:
             self.provider.on_routed(req, w.worker_id, now_s)
         return d
+
+    def observe(self, decision: Decision, ttft_ms: float) -> None:
+        """The prefill (or mixed) leg routed by ``decision`` got its first reply after
+        ``ttft_ms``: the policy learns from it (cache_aware's calibration)."""
+        obs = getattr(self.policy, "observe", None)
+        if obs is not None:
+            obs(decision, ttft_ms)
 
     @staticmethod
     def release(state: WorkerState, decision: Decision) -> None:
@@ -398,7 +410,7 @@ class BucketRouter:
             if p_ok:
                 if b_ok and self.guard.prefers(pv, snap.view(backup)) and self._near_tie(req, match, primary, backup):
                     return _Pick(backup, "backup_pressure_guard", d.id, 1, pd_.reason)
-                return _Pick(primary, "primary", d.id, 1, pd_.reason)
+                return _Pick(primary, "primary", d.id, 1, pd_.reason, pd_.detail)
             if b_ok:
                 return _Pick(backup, "backup_primary_admission", d.id, 1, pd_.reason)
         admitted = admitted_workers(cands, snap.now_s, snap.freshness_s, L, L, limit)
@@ -408,7 +420,7 @@ class BucketRouter:
         w = next((x for x in admitted if x.worker_id == rd.worker_id), None)
         if w is None:  # a policy that declines: least pressured admitted worker
             w = _of(admitted, least_prefill_pressure([snap.view(x) for x in admitted]))
-        return _Pick(w, "range_fallback", d.id, 1, rd.reason)
+        return _Pick(w, "range_fallback", d.id, 1, rd.reason, rd.detail if w.worker_id == rd.worker_id else None)
 
     def _near_tie(self, req, match, primary: WorkerState, backup: WorkerState) -> bool:
         """The guard may move a request only when that costs at most the switch margin in cache."""

@@ -61,6 +61,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
+from mesh.routing.calibration import CalibrationSettings, TtftCalibrator
 from mesh.routing.view import Decision, WorkerState
 
 try:  # xxhash is a dependency; zlib's crc32 is the fallback
@@ -137,7 +138,10 @@ class CacheAware:
                  full_scan_max: int = 32, top_k: int = 8, sample_others: int = 8, temperature: float = 0.5,
                  decode_harm_weight: float = 1.0, tie_tolerance: float = 0.02, temperature_ms: float = 100.0,
                  affinity_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
-                 load_slack: float = 1.0) -> None:
+                 load_slack: float = 1.0, calibrate: bool = True, calibration: CalibrationSettings | None = None,
+                 cost_ties: str = "auto") -> None:
+        if cost_ties not in ("auto", "always", "never"):
+            raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
         self.freshness_s = freshness_s
         self.cost = cost or CostModel()
@@ -152,6 +156,11 @@ class CacheAware:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.load_slack = load_slack
+        c = self.cost
+        # the fixed model is the calibration's prior: (overhead, prefill x1, step x1, kv-full penalty)
+        self.calibrator = TtftCalibrator((c.prefill_overhead_ms, 1.0, 1.0, c.kv_full_penalty_ms), calibration)
+        self.calibrate = calibrate
+        self.cost_ties = cost_ties  # auto: the cost model breaks ties while the calibration trusts it
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
@@ -185,13 +194,28 @@ class CacheAware:
     def predicted_ttft_ms(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float) -> float:
         return self._cost(w, uncached, prompt_tokens, now_s)[0]
 
-    def _cost(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float) -> tuple[float, float]:
-        """(predicted TTFT ms, score ms). The score adds the harm this prefill does to the
-        requests already decoding there: each of them stalls for the prefill's duration."""
+    def features(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float) -> tuple[float, float, float, float]:
+        """The terms of the TTFT prediction for w (:mod:`mesh.routing.calibration`)."""
+        return self._cost(w, uncached, prompt_tokens, now_s)[2]
+
+    def _cost(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float
+              ) -> tuple[float, float, tuple[float, float, float, float]]:
+        """(predicted TTFT ms, score ms, features). The prediction is the calibrated one
+        (``calibrate``; the fixed model until outcomes arrive). The score adds the harm this
+        prefill does to the requests already decoding there: each of them stalls for the
+        prefill's duration."""
         c = self.cost
         agg = w.fresh_load(now_s, self.freshness_s)
+        rate = w.prefill_tokens_per_s or c.prefill_tokens_per_s
         if agg is not None:
+            # the snapshot's queue plus what was sent since, drained at the worker's rate for
+            # the time since the snapshot (a fluid estimate; without the drain every token sent
+            # in the last heartbeat period counted as still queued, which overstated the queue
+            # of a busy worker several-fold: the calibration's fit put its weight at 0.02)
+            since_s = now_s - max(w.load_at_s) if w.load_at_s else 0.0
             queued = agg.waiting_uncached_tokens + w.pending_since_load_tokens
+            if since_s > 0.0:
+                queued = max(0.0, queued - rate * since_s)
             running = agg.running
             # num_total_tokens: KV held by running requests plus what waiting ones need (cached
             # but unreferenced pages are evictable, so num_tokens would overstate pressure)
@@ -202,19 +226,31 @@ class CacheAware:
             running = w.inflight + w.peer_inflight
             used = 0
             capacity = w.max_total_num_tokens
-        rate = w.prefill_tokens_per_s or c.prefill_tokens_per_s
         work = queued + uncached
         chunks = max(1, math.ceil(work / c.chunk_tokens))
         step = (c.decode_base_ms + c.decode_per_req_ms * running + c.kv_read_ms_per_token * used) if running else 0.0
         own_ms = 1000.0 * uncached / rate
-        ttft = 1000.0 * work / rate + c.prefill_overhead_ms + chunks * step
-        if capacity and used + prompt_tokens > capacity:
-            ttft += c.kv_full_penalty_ms  # must wait for running requests to free KV
+        # must wait for running requests to free KV
+        x = (1.0, 1000.0 * work / rate, chunks * step, 1.0 if capacity and used + prompt_tokens > capacity else 0.0)
+        cal = self.calibrator
+        if self.calibrate:
+            ttft = cal.best(x)
+            if cal.use_fit:
+                own_ms *= max(0.0, cal.theta[1])
+        else:
+            ttft = cal.predict_prior(x)
         if agg is None and w.distrusted(now_s):
             # Its LoadStat lied (it claimed fewer requests than this router has there): what it
             # has actually been delivering bounds the prediction from below.
             ttft = max(ttft, w.first_reply_ms)
-        return ttft, ttft + self.decode_harm_weight * running * own_ms
+        return ttft, ttft + self.decode_harm_weight * running * own_ms, x
+
+    def observe(self, decision: Decision, ttft_ms: float) -> None:
+        """The request routed by ``decision`` got its first reply ``ttft_ms`` after dispatch:
+        teach the calibration (decisions this policy did not predict are ignored)."""
+        x = decision.detail.get("cost_x")
+        if x is not None:
+            self.calibrator.observe(x, ttft_ms, decision.detail.get("predicted_ttft_ms"))
 
     def _fits(self, w: WorkerState, prompt_tokens: int, now_s: float) -> bool:
         """False when w's fresh telemetry says the prompt would not fit beside its active KV."""
@@ -236,8 +272,8 @@ class CacheAware:
                 blocks = 0 if complete or match is None else match.matched_blocks(w.worker_id)
             hit = min(blocks * bs, max(0, L - 1))
             best_hit = max(best_hit, hit)
-            ttft, score = self._cost(w, L - hit, L, now_s)
-            scored.append((score, ttft, w.worker_id, hit, w))
+            ttft, score, x = self._cost(w, L - hit, L, now_s)
+            scored.append((score, ttft, w.worker_id, hit, w, x))
         if self.affinity_threshold > 0:
             pick = self._choose_banded(scored, L, now_s, rid)
         elif (self.temperature > 0 or self.temperature_ms > 0) and len(scored) > 1:
@@ -248,7 +284,7 @@ class CacheAware:
             # deterministic, yet it does not send every tie to the lowest worker id
             ties = [t for t in scored if t[0] <= lo * (1 + self.tie_tolerance) + 0.5]
             pick = ties[0] if len(ties) == 1 else min(ties, key=lambda t: (t[4].inflight, _rendezvous(rid, t[2])))
-        score, cost_ms, wid, hit, w = pick
+        score, cost_ms, wid, hit, w, x = pick
         if best_hit == 0:
             reason = "cache_miss_min_load"
         elif hit >= best_hit:
@@ -256,13 +292,15 @@ class CacheAware:
         else:
             reason = "load_override"
         return Decision(wid, reason, matched_blocks=hit // bs if bs else 0,
-                        detail={"predicted_ttft_ms": round(cost_ms, 3), "uncached_tokens": L - hit})
+                        detail={"predicted_ttft_ms": round(cost_ms, 3), "uncached_tokens": L - hit, "cost_x": x})
 
     def _choose_banded(self, scored, prompt_tokens: int, now_s: float, rid: str):
         """Load first, then cache, then cost (see the module docstring): SGLang's imbalance bound,
         then the holders of at least ``affinity_threshold`` of the prompt whose KV can take it,
         then the least loaded of those (within ``load_slack`` requests), and among them the
-        lowest score (deterministic; ties by in-flight count and a per-request rendezvous hash)."""
+        lowest score while the calibrated cost model is trusted (ties by in-flight count and a
+        per-request rendezvous hash), otherwise the lowest worker id (greedy's rule, see the
+        module docstring)."""
         fr = self.freshness_s
         load = {t[2]: t[4].pressure(now_s, fr) for t in scored}
         lo_p, hi_p = min(load.values()), max(load.values())
@@ -274,6 +312,9 @@ class CacheAware:
                    and self._fits(t[4], prompt_tokens, now_s) and not t[4].distrusted(now_s)]
             if hot:
                 pool = hot
+        ct = self.cost_ties
+        if ct == "never" or (ct == "auto" and not self.calibrator.trusted):
+            return min(pool, key=lambda t: (round(load[t[2]]), t[2]))
         band = min(load[t[2]] for t in pool) + self.load_slack
         return min((t for t in pool if load[t[2]] <= band),
                    key=lambda t: (round(load[t[2]]), t[0], t[4].inflight, _rendezvous(rid, t[2])))

@@ -102,6 +102,13 @@ class Router:
             self.provider.on_routed(req, d.worker_id, now_s)
         return d
 
+    def observe(self, decision: Decision, ttft_ms: float) -> None:
+        """The request routed by ``decision`` got its first reply after ``ttft_ms``: the
+        policy learns from it (cache_aware's calibration; other policies ignore outcomes)."""
+        obs = getattr(self.policy, "observe", None)
+        if obs is not None:
+            obs(decision, ttft_ms)
+
     @staticmethod
     def release(state: WorkerState, decision: Decision) -> None:
         """Undo :meth:`route`'s bookkeeping for one request."""

@@ -443,11 +443,15 @@ class Arm:
                 w = a
                 res = b
                 for rid, cached, prompt in res.first_tokens:
-                    if tracks[rid].leg != 1:  # a prefill leg's token is not the client's first token
-                        tracks[rid].first = t + net
+                    tr = tracks[rid]
+                    if tr.leg != 1:  # a prefill leg's token is not the client's first token
+                        tr.first = t + net
+                        if tr.leg == 0:  # the router sees the first reply: its policy learns
+                            routers[tr.router].router.observe(tr.decision, (t + net - tr.arrival) * 1e3)
                 for rid, _reason, usage in res.finished:
                     tr = tracks[rid]
                     if tr.leg == 1:  # P/D: prompt computed, hand the request to its decode worker
+                        routers[tr.router].router.observe(tr.decision, (t + net - tr.arrival) * 1e3)
                         tr.cached = usage["cached_tokens"]
                         tr.prompt = usage["prompt_tokens"]
                         tr.leg = 2
@@ -599,7 +603,7 @@ class Arm:
             if st is not None:
                 applied += int(st().get("events_applied", 0))
         return {
-            "prediction": _prediction_error(done, cfg.net_ms),
+            "prediction": _prediction_error(done, cfg.net_ms, routers),
             "policy": spec.policy,
             "provider": spec.provider,
             "routers": spec.routers,
@@ -642,24 +646,44 @@ class Arm:
         }
 
 
-def _prediction_error(done: list[_Track], net_ms: float) -> dict[str, Any] | None:
+def _prediction_error(done: list[_Track], net_ms: float, routers: Sequence[SimRouter] = ()) -> dict[str, Any] | None:
     """How well the policy predicted TTFT: for every decision that carried a prediction
-    (``detail["predicted_ttft_ms"]``, cache_aware's), the relative error against the engine-side
-    TTFT that happened (the router's TTFT minus the two network legs). None for policies that
+    (``detail["predicted_ttft_ms"]``, cache_aware's, calibrated online), the relative error
+    against the engine-side TTFT that happened (the router's TTFT minus the two network legs);
+    ``raw_*`` the same for the fixed-constant model (the calibration's prior) on the same
+    decisions; ``calibration`` what router 0's calibration learnt. None for policies that
     predict nothing."""
     pairs = []
+    raw = []
+    cal = None
+    for sr in routers[:1]:
+        cal = getattr(sr.router.policy, "calibrator", None)
     for tr in done:
-        p = tr.decision.detail.get("predicted_ttft_ms") if tr.decision is not None else None
+        d = tr.decision
+        p = d.detail.get("predicted_ttft_ms") if d is not None else None
         if isinstance(p, (int, float)):
-            pairs.append((float(p), max(0.0, (tr.first - tr.arrival) * 1e3 - 2 * net_ms)))
+            a = max(0.0, (tr.first - tr.arrival) * 1e3 - 2 * net_ms)
+            pairs.append((float(p), a))
+            x = d.detail.get("cost_x")
+            if cal is not None and x is not None:
+                raw.append((cal.predict_prior(x), a))
     if not pairs:
         return None
-    errs = sorted(abs(p - a) / max(a, 1.0) for p, a in pairs)
-    ratios = sorted(a / max(p, 1e-3) for p, a in pairs)
-    return {"decisions": len(pairs), "rel_err_p50": _r(percentile(errs, 50, presorted=True), 4),
-            "rel_err_p90": _r(percentile(errs, 90, presorted=True), 4),
-            "actual_over_predicted_p50": _r(percentile(ratios, 50, presorted=True), 4),
-            "actual_over_predicted_p90": _r(percentile(ratios, 90, presorted=True), 4)}
+
+    def stats(prefix: str, ps: list[tuple[float, float]]) -> dict[str, float]:
+        errs = sorted(abs(p - a) / max(a, 1.0) for p, a in ps)
+        ratios = sorted(a / max(p, 1e-3) for p, a in ps)
+        return {f"{prefix}rel_err_p50": _r(percentile(errs, 50, presorted=True), 4),
+                f"{prefix}rel_err_p90": _r(percentile(errs, 90, presorted=True), 4),
+                f"{prefix}actual_over_predicted_p50": _r(percentile(ratios, 50, presorted=True), 4),
+                f"{prefix}actual_over_predicted_p90": _r(percentile(ratios, 90, presorted=True), 4)}
+
+    out: dict[str, Any] = {"decisions": len(pairs), **stats("", pairs)}
+    if raw:
+        out.update(stats("raw_", raw))
+    if cal is not None:
+        out["calibration"] = cal.snapshot()
+    return out
 
 
 def _r(x: float, nd: int = 6) -> float:

@@ -1,0 +1,175 @@
+"""Online calibration of cache_aware's TTFT prediction. Pure: no I/O, no clock.
+
+``cache_aware`` predicts a worker's time to first token from a handful of terms (see
+:mod:`mesh.routing.cache_policies`); their constants describe one model on one GPU. This module
+learns how the terms map to what actually happens on *this* fleet, from the outcomes the router
+sees anyway (dispatch -> first reply), and says how far the prediction can be trusted.
+
+Model: ``ttft_ms = theta . x`` with the features of one prediction
+
+    x = (1, prefill_ms, step_ms, kv_full)
+
+``prefill_ms`` is the queued plus own uncached prefill at the worker's measured (LoadStat) or
+configured rate, ``step_ms`` the decode work sharing those chunks, ``kv_full`` 1 when the prompt
+would not fit beside the worker's active KV. The prior ``theta`` is the fixed cost model
+(overhead, 1, 1, penalty): with no observations the calibrated prediction is the old one.
+
+Learning: recursive least squares with a forgetting factor (``forget``, memory about
+``1 / (1 - forget)`` outcomes), started at the prior with a per-term prior variance, so a few
+outcomes move the parameters only as far as they justify. Residuals are clipped (a request that
+queued behind a burst the router could not see must not teach the model that prefill is 10x
+slower) and every parameter stays inside a plausible range.
+
+Trust: an exponentially weighted mean of the relative error of the predictions the policy acted
+on (``|actual - predicted| / actual``). :attr:`trusted` is true once ``min_observations`` outcomes
+were seen and that error is at most ``trust_rel_err``. ``cache_aware`` only lets the cost model
+break ties while it is trusted and otherwise falls back to request counts (see its docstring):
+where predictions are poor the policy degrades to the load/affinity rule, not to a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["TtftCalibrator", "CalibrationSettings"]
+
+N_FEATURES = 4
+# plausible range of each fitted term: overhead ms, prefill multiplier, step multiplier, kv-full ms
+# (the overhead may go negative: with the step term it fits the intercept of a steady fleet)
+_BOUNDS = ((-1_000.0, 5_000.0), (0.0, 20.0), (0.0, 20.0), (0.0, 60_000.0))
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationSettings:
+    """Knobs of :class:`TtftCalibrator` (defaults chosen on the quality matrix, README)."""
+
+    forget: float = 0.998  # RLS forgetting factor: memory ~500 outcomes
+    err_alpha: float = 0.02  # EWMA weight of one outcome in the relative-error estimate (~50)
+    trust_rel_err: float = 0.25  # the cost model breaks ties only while its error is at most this
+    min_observations: int = 32  # ... and after this many outcomes
+    prior_sd: tuple[float, float, float, float] = (50.0, 0.5, 0.5, 1_000.0)  # prior std-dev per term
+
+
+class TtftCalibrator:
+    """Learns ``theta`` online and tracks the prediction error (module docstring)."""
+
+    __slots__ = ("settings", "prior", "theta", "_p", "observations", "rel_err", "raw_rel_err", "fit_rel_err", "resets")
+
+    def __init__(self, prior: Sequence[float], settings: CalibrationSettings | None = None) -> None:
+        if len(prior) != N_FEATURES:
+            raise ValueError(f"prior needs {N_FEATURES} terms, got {len(prior)}")
+        self.settings = s = settings or CalibrationSettings()
+        self.prior = tuple(float(v) for v in prior)
+        self.resets = 0
+        self._reset()
+        self.observations = 0
+        self.rel_err: float | None = None  # EWMA of the calibrated predictions' relative error
+        self.raw_rel_err: float | None = None  # ... of the prior (fixed-constant) model's
+        self.fit_rel_err: float | None = None  # ... and of the fitted model's (both on every outcome)
+
+    def _reset(self) -> None:
+        sd = self.settings.prior_sd
+        self.theta = list(self.prior)
+        self._p = [[(sd[i] ** 2 if i == j else 0.0) for j in range(N_FEATURES)] for i in range(N_FEATURES)]
+
+    # ------------------------------------------------------------------ predict
+    def predict(self, x: Sequence[float]) -> float:
+        """Calibrated TTFT in ms for features ``x`` (never negative)."""
+        t = self.theta
+        v = t[0] * x[0] + t[1] * x[1] + t[2] * x[2] + t[3] * x[3]
+        return v if v > 0.0 else 0.0
+
+    def predict_prior(self, x: Sequence[float]) -> float:
+        p = self.prior
+        return p[0] * x[0] + p[1] * x[1] + p[2] * x[2] + p[3] * x[3]
+
+    @property
+    def use_fit(self) -> bool:
+        """Whether the fitted parameters predict better than the prior so far (compared on the
+        same outcomes): the prior stays in use where fitting does not pay (a fleet whose
+        workload mixes regimes that one linear map cannot serve)."""
+        return (self.observations >= self.settings.min_observations and self.fit_rel_err is not None
+                and self.raw_rel_err is not None and self.fit_rel_err < self.raw_rel_err)
+
+    def best(self, x: Sequence[float]) -> float:
+        """The prediction the policy should act on: the fit's or the prior's (:attr:`use_fit`)."""
+        return self.predict(x) if self.use_fit else self.predict_prior(x)
+
+    @property
+    def trusted(self) -> bool:
+        s = self.settings
+        err = self.fit_rel_err if self.use_fit else self.raw_rel_err
+        return self.observations >= s.min_observations and err is not None and err <= s.trust_rel_err
+
+    # ------------------------------------------------------------------ learn
+    def observe(self, x: Sequence[float], actual_ms: float, predicted_ms: float | None = None) -> None:
+        """One outcome: the request predicted from features ``x`` (``predicted_ms`` when the
+        policy acted on it) got its first reply after ``actual_ms``. Bad values are ignored."""
+        if len(x) != N_FEATURES or not (actual_ms >= 0.0) or actual_ms == float("inf"):
+            return
+        s = self.settings
+        a = s.err_alpha
+        denom = actual_ms if actual_ms > 1.0 else 1.0
+        if predicted_ms is not None and predicted_ms >= 0.0:
+            e = abs(actual_ms - predicted_ms) / denom
+            self.rel_err = e if self.rel_err is None else (1 - a) * self.rel_err + a * e
+        raw = abs(actual_ms - self.predict_prior(x)) / denom
+        self.raw_rel_err = raw if self.raw_rel_err is None else (1 - a) * self.raw_rel_err + a * raw
+        fit = abs(actual_ms - self.predict(x)) / denom  # the fit before it learns from this outcome
+        self.fit_rel_err = fit if self.fit_rel_err is None else (1 - a) * self.fit_rel_err + a * fit
+        self.observations += 1
+        # RLS step
+        P = self._p
+        t = self.theta
+        Px = [P[i][0] * x[0] + P[i][1] * x[1] + P[i][2] * x[2] + P[i][3] * x[3] for i in range(N_FEATURES)]
+        lam = s.forget
+        den = lam + x[0] * Px[0] + x[1] * Px[1] + x[2] * Px[2] + x[3] * Px[3]
+        if not den > 0.0:
+            return
+        k = [v / den for v in Px]
+        pred = self.predict(x)
+        resid = actual_ms - pred
+        # clip (against the prior, not the moving prediction, so the bound cannot run away):
+        # one burst the router could not see is not a new slope
+        lim = max(50.0, self.predict_prior(x))
+        if resid > lim:
+            resid = lim
+        elif resid < -lim:
+            resid = -lim
+        # No per-parameter clamping: projecting one parameter back while RLS believes it moved
+        # makes the correlated ones (overhead vs step time: both near-constant on a steady fleet)
+        # run away to compensate. The parameters move freely; a fit that leaves the plausible
+        # range (_BOUNDS) is thrown away and learning restarts from the prior.
+        for i in range(N_FEATURES):
+            t[i] += k[i] * resid
+        if any(not (lo - 1.0 <= v <= hi) for v, (lo, hi) in zip(t, _BOUNDS)):
+            self.resets += 1
+            self._reset()
+            return
+        # P <- (P - k Px^T) / lam (P stays symmetric: Px is P x)
+        inv = 1.0 / lam
+        for i in range(N_FEATURES):
+            ki = k[i]
+            row = P[i]
+            for j in range(N_FEATURES):
+                row[j] = (row[j] - ki * Px[j]) * inv
+        # Forgetting inflates P along directions no outcome excites (a fleet that never fills its
+        # KV says nothing about kv_full): scale the whole matrix back (keeps it positive
+        # definite) once any variance exceeds 4x its prior.
+        worst = max(P[i][i] / (s.prior_sd[i] ** 2) for i in range(N_FEATURES))
+        if worst > 4.0:
+            f = 4.0 / worst
+            for row in P:
+                for j in range(N_FEATURES):
+                    row[j] *= f
+
+    def snapshot(self) -> dict[str, float | int | bool | None]:
+        """What the calibration learnt (metrics, the simulator's report)."""
+        return {"overhead_ms": round(self.theta[0], 3), "prefill_scale": round(self.theta[1], 4),
+                "step_scale": round(self.theta[2], 4), "kv_full_ms": round(self.theta[3], 1),
+                "observations": self.observations, "resets": self.resets, "trusted": self.trusted,
+                "use_fit": self.use_fit,
+                "fit_rel_err": None if self.fit_rel_err is None else round(self.fit_rel_err, 4),
+                "rel_err": None if self.rel_err is None else round(self.rel_err, 4),
+                "raw_rel_err": None if self.raw_rel_err is None else round(self.raw_rel_err, 4)}
