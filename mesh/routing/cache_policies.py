@@ -9,49 +9,60 @@ reference to beat:
    among those whose own match rate exceeds it;
 3. otherwise the least loaded worker. Defaults 0.5 / 32 / 1.1 (SGLang's Rust defaults).
 
-``cache_aware`` — mesh's own cost policy: choose the worker with the lowest **predicted time to
-first token**::
+``cache_aware`` — mesh's policy: **load first, then cache, then a calibrated cost model**, each
+step used only as far as the quality matrix (README) showed it pays:
 
-    ttft_ms(w) = 1000 * (Q_w + E_w) / rate_w + overhead_ms + chunks(Q_w + E_w) * step_ms(w) + kv_penalty_ms(w)
+1. SGLang's imbalance bound, as in greedy: when pressures differ by more than
+   ``balance_abs_threshold`` (32) requests and ``balance_rel_threshold`` (1.1x), every worker
+   is a candidate (the least loaded wins below);
+2. otherwise **affinity** (``affinity_threshold``, 0.5): the holders of at least that share of the
+   prompt whose KV can take it (fresh telemetry) and whose telemetry is not distrusted;
+3. among those (or everyone when nobody holds enough) the least loaded by request pressure,
+   rounded; ties are broken by the **cost model** while the online calibration trusts it
+   (``cost_ties="auto"``), otherwise by worker id as greedy does (a stable choice keeps one
+   replica of a prefix hot instead of spreading it).
+
+The predicted time to first token::
+
+    ttft_ms(w) = theta . (1, prefill_ms, step_ms, kv_full)
+    prefill_ms = 1000 * (Q_w + E_w) / rate_w        step_ms = chunks(Q_w + E_w) * step(w)
 
 * ``E_w``: this request's uncached tokens on w (prompt minus its matched prefix);
-* ``Q_w``: uncached prefill tokens already queued on w: ``num_waiting_uncached_tokens`` from fresh
-  LoadStat plus what this router (and, with the broker exchange, its peers) sent since that
-  snapshot; without fresh telemetry, the outstanding prefill tokens this router (and its peers)
-  has on w (fail-open, like SGLang's router-local load);
-* ``rate_w``: w's measured prefill throughput (from the LoadStat counters) or the configured default;
-* ``step_ms(w)``: the decode work that shares each prefill chunk's GPU step (base + per running
-  request + KV read), i.e. the decode-pressure term; ``chunks`` = ceil(tokens / chunk size);
-* ``kv_penalty_ms``: added when the request would not fit beside w's active KV (it would wait).
+* ``Q_w``: uncached prefill tokens queued on w: ``num_waiting_uncached_tokens`` of fresh LoadStat
+  plus what this router (and, with the broker exchange, its peers) sent since that snapshot,
+  drained at ``rate_w`` for the time since the snapshot (a fluid estimate); without fresh
+  telemetry, the outstanding prefill tokens of this router and its peers (fail-open);
+* ``rate_w``: w's measured prefill throughput (LoadStat counters) or the configured default;
+* ``step(w)``: the decode work sharing each prefill chunk's GPU step (base + per running request
+  + KV read); ``chunks`` = ceil(tokens / chunk size);
+* ``kv_full``: 1 when the request would not fit beside w's active KV (it would wait).
 
-The score adds ``decode_harm_weight x running_w x own_prefill_ms``: while this request's prefill
-runs, every request decoding on w stalls, so piling long prefills onto a busy cache holder is paid
-for. The candidate set is bounded: every worker when the pool is small, otherwise the ``top_k``
+``theta`` starts at the fixed model (:class:`CostModel`: overhead, 1, 1, KV-full penalty) and is
+learnt online from the first-reply times the router observes (:mod:`mesh.routing.calibration`:
+recursive least squares with forgetting; the fit is used only while it predicts better than the
+fixed model on the same outcomes). The score adds ``decode_harm_weight x running_w x
+own_prefill_ms`` (while this prefill runs every request decoding on w stalls).
+
+Why this shape (measured, README "Routing quality"): the per-request TTFT prediction is myopic.
+As the primary criterion it sent requests away from prefix holders under load (the fleet then
+recomputed shared prefixes and saturated: shared_prefix and zipf p95 2.6-100x greedy's); as a
+tie-break it lost wherever its error was large (zipf, shared_prefix, low_reuse: 0.2-0.5 median
+relative error) and won where it was small (the long-context conversation, ~0.1). So it decides
+only while the calibrated error is at most ``CalibrationSettings.trust_rel_err``. This is the
+exploit/explore split of Preble (Srivatsa et al., ICLR 2025: stick to a prefix holder when the
+match is long, balance load otherwise); step 1 does by a threshold what Dynamo's overlap-credit
+decay does continuously (a holder's overlap credit shrinks as its active prefill load exceeds the
+least loaded worker's). mesh's addition is the calibration gate on the cost model.
+
+``affinity_threshold=0`` gives the pure cost policy: the worker is drawn from a softmax over
+scores, ``p ~ exp(-(score - min) / T)`` with ``T = min(temperature_ms, temperature x min
+score)`` (defaults 100 ms and 0.5); with both 0 it is the argmin, near-ties spread by a
+per-request rendezvous hash (sampling against herding when routers share stale telemetry).
+The candidate set is bounded: every worker when the pool is small, otherwise the ``top_k``
 deepest matches plus ``sample_others`` random workers, so decision cost stays flat as the fleet
-grows.
-
-**Affinity first** (``affinity_threshold``, default 0.5): when some candidates hold at least that
-share of the prompt and their KV can take it, the choice is made among those holders only, unless
-the least loaded of them is clearly overloaded against the least loaded worker overall (pressure
-more than ``balance_abs_threshold`` = 32 requests above it and ``balance_rel_threshold`` = 1.1x;
-SGLang's greedy bounds). The per-request TTFT prediction is myopic: it does not charge a
-recomputed prefix for the fleet capacity it burns, so under load it sent requests away from the
-holders, the fleet recomputed shared prefixes and saturated (the quality matrix's shared_prefix and
-zipf cells: p95 2.6-100x greedy's). Inside the holders, and when nobody holds enough, the cost
-model chooses, which is where it beats a request count (partial matches, queued prefill tokens,
-decode pressure). ``affinity_threshold=0`` gives the pure cost policy.
-
-Choice: the worker is drawn from a softmax over scores, ``p ~ exp(-(score - min) / T)`` with
-``T = min(temperature_ms, temperature x min score)`` (defaults 100 ms and 0.5); with both 0 it is
-the argmin, near-ties spread by a per-request rendezvous hash. Sampling matters with several
-routers: they decide on the same stale telemetry and an argmin makes them all pick the same worker
-(herding). The scale is capped in absolute terms so a cache hit worth hundreds of milliseconds
-stays decisive on long prompts, and relative to the best score so a 50 ms hit on a short prompt
-is too; in ``mesh sim`` on the Mooncake trace (4 routers) this beat both the argmin and a purely
-relative temperature on hit rate and TTFT p95 (README). Randomness comes from the seeded ``rng``,
-so runs are reproducible.
+grows. Randomness comes from the seeded ``rng``, so runs are reproducible.
 Reasons: ``cache_hit`` (chose the deepest match), ``load_override`` (a deeper match existed but
-cost more), ``cache_miss_min_load`` (no candidate matched).
+lost), ``cache_miss_min_load`` (no candidate matched).
 """
 
 from __future__ import annotations
