@@ -237,6 +237,11 @@ class EngineModel:
         self._decode_steps = 0
         self._prefill_tokens_total = 0
         self._prefill_busy_us = 0.0
+        # The step in flight: its results (tokens, finished requests) reach the outside at
+        # ``now + duration``, but this model applies them when the step starts. Until then the
+        # requests it finishes are still running as far as anyone can see (load_stat(now_s=...)).
+        self._finishing_until_s = float("-inf")
+        self._finishing_n = 0
         # Pending events, merged in place: ["S", hashes, parent, tokens, ns] | ["R", hashes] | ["C"].
         self._pending: list[list] = [["C"]]  # SGLang resets (and announces) its cache at start
 
@@ -384,6 +389,8 @@ class EngineModel:
                 flush = self._decode_steps % cfg.decode_log_interval == 0
         if flush or not self._reqs:
             res.kv_events = self.drain_events()
+        self._finishing_until_s = now_s + res.duration_s
+        self._finishing_n = len(res.finished)
         return res
 
     def drain_events(self) -> list[KvEvent]:
@@ -438,8 +445,15 @@ class EngineModel:
             return 0
         return self._match_len(content_keys(prompt, self._ps, namespace_root_key(namespace)), len(prompt)) * self._ps
 
-    def load_stat(self, dp_rank: int = 0) -> LoadStat:
+    def load_stat(self, dp_rank: int = 0, now_s: float | None = None) -> LoadStat:
         """SGLang's LoadStat with this rank's true numbers.
+
+        ``now_s`` (drivers that publish while a step is in flight: the simulator, the stub
+        workers): requests the step in flight will finish are still counted as running until
+        its end, as SGLang's scheduler counts them until it has processed the batch's output.
+        Without it the snapshot showed them gone a step early while their replies were still to
+        come, and a router that corrects its snapshot with the replies it sees counted each such
+        request twice (its load estimate was one low on about 10 % of workers at any time).
 
         ``num_tokens``: KV tokens in use, cached pages included. ``num_total_tokens``: KV that
         cannot be reclaimed (pinned pages + private) plus the tokens of every waiting request, the
@@ -460,8 +474,11 @@ class EngineModel:
         if c is not None:
             waiting_uncached += len(c.seq) - c.computed
         held = self._pinned_pages * ps + self._private
+        running = self.num_running
+        if now_s is not None and now_s < self._finishing_until_s:
+            running += self._finishing_n
         return LoadStat(
-            num_running_reqs=self.num_running,
+            num_running_reqs=running,
             num_waiting_reqs=len(self._waiting),
             num_tokens=len(self._cache) * ps + self._private,
             max_total_num_tokens=cfg.max_total_num_tokens,

@@ -559,3 +559,18 @@ def test_decode_step_is_cheap():
             t += e.step(t).duration_s
         best = min(best, (time.perf_counter() - t0) / 200)
     assert best < 100e-6, best
+
+
+def test_load_stat_counts_requests_of_the_step_in_flight_until_it_ends():
+    # The model applies a step when it starts; its replies reach the router at the step's end.
+    # Until then a request that step finishes is still running as seen from outside (SGLang
+    # counts it until the batch's output is processed), or a router correcting its snapshot
+    # with the replies it sees would count the request twice.
+    eng = EngineModel(EngineConfig())
+    eng.submit("a", list(range(1, 65)), 1, 0.0)  # one output token: done by the first step
+    res = eng.step(0.0)
+    assert [f[0] for f in res.finished] == ["a"] and res.duration_s > 0
+    mid = res.duration_s / 2
+    assert eng.load_stat(now_s=mid).num_running_reqs == 1
+    assert eng.load_stat(now_s=res.duration_s).num_running_reqs == 0
+    assert eng.load_stat().num_running_reqs == 0  # no time given: the model's own state

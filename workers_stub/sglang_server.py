@@ -407,7 +407,7 @@ class _Rank:
             self.publish(res.kv_events)
 
     def load_snapshot(self) -> dict[str, Any]:
-        ls = self.engine.load_stat(self.rank)
+        ls = self.engine.load_stat(self.rank, now_s=self.now())
         now = time.monotonic()
         t0, n0 = self._tp_mark
         if now - t0 >= 1.0:
@@ -546,7 +546,7 @@ class SglangStub:
             now = time.monotonic()
             for rk in self.ranks:
                 if rk.load is not None:
-                    rk.load.maybe_publish(rk.engine.load_stat(rk.rank), now)
+                    rk.load.maybe_publish(rk.engine.load_stat(rk.rank, now_s=rk.now()), now)
 
     # ------------------------------------------------------------------ routes
 

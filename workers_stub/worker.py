@@ -306,7 +306,7 @@ class SimWorker:
         hb_s = self.s.heartbeat_ms / 1000.0
         while True:
             await asyncio.sleep(hb_s)
-            frames = P.encode_heartbeat([self.engine.load_stat()])
+            frames = P.encode_heartbeat([self.engine.load_stat(now_s=self._now())])
             for link in self.links:
                 if link.sock is not None:
                     link.send(frames)

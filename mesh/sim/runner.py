@@ -442,6 +442,7 @@ class Arm:
             if kind == _STEP_END:
                 w = a
                 res = b
+                w.ls = None  # the step's finished requests now leave the running count
                 for rid, cached, prompt in res.first_tokens:
                     tr = tracks[rid]
                     if tr.leg != 1:  # a prefill leg's token is not the client's first token
@@ -480,8 +481,8 @@ class Arm:
                 sr = routers[a]
                 w = workers[b]
                 ls = w.ls
-                if ls is None:
-                    ls = w.ls = w.engine.load_stat()
+                if ls is None:  # (cached until the engine's state or its step in flight changes)
+                    ls = w.ls = w.engine.load_stat(now_s=t)
                 sr.states[b].update_load((ls,), t)
                 if a == 0:
                     queue_samples += 1
