@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, Awaitable, Callable
 
 from mesh.client import Client
 from mesh.errors import RequestError
+from mesh.stats import percentile
 
 __all__ = ["LoadSpec", "Outcome", "Summary", "run_load", "open_loop", "planned_prompts", "summarize", "shared_prefix_prompts"]
 
@@ -108,14 +108,6 @@ async def run_load(endpoints: list[str], spec: LoadSpec, progress=None) -> tuple
     return out, wall
 
 
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, int(round(p / 100.0 * (len(xs) - 1)))))
-    return xs[k]
-
-
 @dataclass
 class Summary:
     requests: int
@@ -138,7 +130,9 @@ class Summary:
 
 def summarize(outcomes: list[Outcome], wall_s: float) -> Summary:
     ok = [o for o in outcomes if o.ok]
-    ttfts = [o.ttft_s * 1000 for o in ok if o.ttft_s is not None]
+    ttfts = sorted(o.ttft_s * 1000 for o in ok if o.ttft_s is not None)
+    e2es = sorted(o.e2e_s * 1000 for o in ok)
+    nan = float("nan")  # the summary's "no samples" value (mesh.stats.percentile gives 0.0)
     per: dict[str, dict] = defaultdict(lambda: {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
     for o in ok:
         w = per[o.worker]
@@ -151,8 +145,9 @@ def summarize(outcomes: list[Outcome], wall_s: float) -> Summary:
     return Summary(
         requests=len(outcomes), ok=len(ok), errors=Counter(o.code for o in outcomes if not o.ok), wall_s=wall_s,
         throughput_rps=len(ok) / wall_s if wall_s > 0 else 0.0,
-        ttft_p50_ms=_pct(ttfts, 50), ttft_p99_ms=_pct(ttfts, 99),
-        e2e_p50_ms=statistics.median([o.e2e_s * 1000 for o in ok]) if ok else float("nan"),
+        ttft_p50_ms=percentile(ttfts, 50, presorted=True) if ttfts else nan,
+        ttft_p99_ms=percentile(ttfts, 99, presorted=True) if ttfts else nan,
+        e2e_p50_ms=percentile(e2es, 50, presorted=True) if e2es else nan,
         hit_rate=sum(o.cached_tokens for o in ok) / pt if pt else 0.0,
         retried=sum(1 for o in ok if o.attempt > 1), per_worker=dict(sorted(per.items())),
     )

@@ -48,17 +48,13 @@ from mesh.bench.cpu_pinning import Placement, pin_process, pinned_self, plan
 from mesh.gc_tuning import freeze_startup_heap
 from mesh.procs import ProcGroup, wait_for_log_event
 from mesh.sockets import ReadyPoller, recv_frames, send_frames
+from mesh.stats import percentile
 from workers_stub.instant import InstantFleet, instant_answer
 
 __all__ = ["run_broker_bench"]
 
 _TERMINAL = {bytes([P.Cmd.C_FINAL]), bytes([P.Cmd.C_ERROR])}
 _ERROR = bytes([P.Cmd.C_ERROR])
-
-
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * (len(xs) - 1)))] if xs else float("nan")
 
 
 def _request_frames(i: int) -> list[bytes]:
@@ -314,7 +310,10 @@ def _measure(h: _Harness, concurrency: int, seconds: float, latency_rate: float 
     rate = latency_rate or rps / 2
     with _no_gc():
         rtts = h.open_loop(rate, seconds=min(seconds, 3.0))
-    return {"rps": rps, "errors": errors, "p50_ms": _pct(rtts, 50), "p99_ms": _pct(rtts, 99), "latency_samples": len(rtts),
+    rtts = sorted(rtts)
+    nan = float("nan")  # no round trips measured: NaN, not mesh.stats' 0.0
+    return {"rps": rps, "errors": errors, "p50_ms": percentile(rtts, 50, presorted=True) if rtts else nan,
+            "p99_ms": percentile(rtts, 99, presorted=True) if rtts else nan, "latency_samples": len(rtts),
             "latency_rate_rps": rate}
 
 

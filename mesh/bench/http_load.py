@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mesh.bench.proc_cpu import CpuSampler
+from mesh.stats import percentile
 
 __all__ = ["request_body", "parse_wrk", "run_load", "wrk_path", "wrk_version", "PROMPT"]
 
@@ -175,10 +176,6 @@ def _run_wrk(url: str, script: str, c: int, seconds: int, sampler: CpuSampler | 
 # ----------------------------------------------------------------------------- python generator
 
 
-def _pct(xs: list[float], p: float) -> float:
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
-
-
 def _cpu_self() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -238,8 +235,11 @@ async def _python_load(url: str, body: bytes, c: int, warmup_s: float, seconds: 
         for t in pending:
             t.cancel()
     lat_ms = sorted(x * 1000 for x in lat)
-    return {"requests": n, "seconds": elapsed, "rps": n / elapsed if elapsed > 0 else 0.0, "p50_ms": _pct(lat_ms, 50),
-            "p99_ms": _pct(lat_ms, 99), "max_ms": lat_ms[-1] if lat_ms else float("nan"), "errors": sum(detail.values()),
+    nan = float("nan")  # no completed requests: NaN, not mesh.stats' 0.0
+    return {"requests": n, "seconds": elapsed, "rps": n / elapsed if elapsed > 0 else 0.0,
+            "p50_ms": percentile(lat_ms, 50, presorted=True) if lat_ms else nan,
+            "p99_ms": percentile(lat_ms, 99, presorted=True) if lat_ms else nan,
+            "max_ms": lat_ms[-1] if lat_ms else nan, "errors": sum(detail.values()),
             "error_detail": detail, "loadgen": "python", "loadgen_cpu_s": cpu1 - cpu0, "cpu_s": roles_cpu}
 
 

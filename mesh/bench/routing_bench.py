@@ -25,17 +25,13 @@ from mesh.load import LoadStat
 from mesh.routing.providers import LocalIndexProvider
 from mesh.routing.router import Router, make_policy
 from mesh.routing.view import RouteRequest, WorkerState
+from mesh.stats import percentile
 
 __all__ = ["run_routing_bench"]
 
 BS = 16
 PROMPT_TOKENS = 8192
 _WARMUP = 50  # untimed decisions before timing starts (cold caches)
-
-
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * (len(xs) - 1)))]
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -162,7 +158,7 @@ def run_routing_bench(sizes=(8, 64, 512, 4096), decisions: int = 2000, quiet: bo
         fleet = _Fleet(n, bpw, seed=n)
         times = _decision_times(fleet, decisions)
         res["decision"][str(n)] = {
-            "p50_us": round(_pct(times, 50) * 1e6, 1), "p99_us": round(_pct(times, 99) * 1e6, 1),
+            "p50_us": round(percentile(times, 50) * 1e6, 1), "p99_us": round(percentile(times, 99) * 1e6, 1),
             "index_entries": fleet.prov.index.entries, "blocks_per_worker": bpw,
         }
         if progress:

@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.report import fmt as _f, write_json
+from mesh.stats import percentile
 
 __all__ = ["run_tokenize_load", "print_results", "evaluate_targets", "hist_quantile", "parse_metrics",
            "add_bench_tokenize_load_parser", "DECISION_P99_MAX_RATIO", "PROBE_P99_MAX_RATIO"]
@@ -164,13 +165,6 @@ def _hist_delta(a: dict, b: dict) -> dict:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def _r(v: float | None, nd: int = 3) -> float | None:
     return None if v is None else round(v, nd)
 
@@ -244,11 +238,12 @@ class _Sender:
             await asyncio.wait(pending, timeout=15)
 
     def summary(self, seconds: float) -> dict:
-        lat_ms = [x * 1e3 for x in self.lat]
+        lat_ms = sorted(x * 1e3 for x in self.lat)
         return {"sent": self.sent, "ok": len(self.lat), "errors": dict(self.errors), "skipped": self.skipped,
                 "rps": round(len(self.lat) / seconds, 1) if seconds > 0 else None,
-                "p50_ms": _r(_pct(lat_ms, 0.5)), "p99_ms": _r(_pct(lat_ms, 0.99)),
-                "max_ms": _r(max(lat_ms) if lat_ms else None)}
+                "p50_ms": _r(percentile(lat_ms, 50, presorted=True) if lat_ms else None),  # None: no probe answered
+                "p99_ms": _r(percentile(lat_ms, 99, presorted=True) if lat_ms else None),
+                "max_ms": _r(lat_ms[-1] if lat_ms else None)}
 
 
 def _self_cpu_s() -> float:

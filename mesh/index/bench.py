@@ -30,6 +30,7 @@ from typing import Any
 
 from mesh.index.prefix import PrefixIndex
 from mesh.index.speculative import ApproxIndex
+from mesh.stats import percentile
 
 __all__ = ["run_index_bench", "build_realistic_index"]
 
@@ -104,11 +105,6 @@ def build_realistic_index(
     return convs, sys_keys, stored, busy_ns / 1e9
 
 
-def _pct(sorted_ns: list[int], q: float) -> float:
-    i = min(len(sorted_ns) - 1, int(q * len(sorted_ns)))
-    return sorted_ns[i] / 1e6
-
-
 def _queries(rng: random.Random, convs, sys_keys, n: int, prompt_blocks: int) -> list[list[int]]:
     out = []
     for _ in range(n):
@@ -143,10 +139,10 @@ def _bench_match(ix: PrefixIndex, queries: list[list[int]]) -> dict[str, float]:
     lat.sort()
     lat_top.sort()
     return {
-        "p50_ms": round(_pct(lat, 0.50), 4),
-        "p99_ms": round(_pct(lat, 0.99), 4),
-        "top8_p50_ms": round(_pct(lat_top, 0.50), 4),
-        "top8_p99_ms": round(_pct(lat_top, 0.99), 4),
+        "p50_ms": round(percentile(lat, 50, presorted=True) / 1e6, 4),
+        "p99_ms": round(percentile(lat, 99, presorted=True) / 1e6, 4),
+        "top8_p50_ms": round(percentile(lat_top, 50, presorted=True) / 1e6, 4),
+        "top8_p99_ms": round(percentile(lat_top, 99, presorted=True) / 1e6, 4),
     }
 
 
@@ -194,8 +190,8 @@ def _bench_approx(seed: int, inserts: int, prompt_blocks: int) -> dict[str, floa
     return {
         "inserts_per_s": round(inserts / ins_s),
         "insert_blocks_per_s": round(inserts * prompt_blocks / ins_s),
-        "match_top8_p50_ms": round(_pct(lat, 0.5), 4),
-        "match_top8_p99_ms": round(_pct(lat, 0.99), 4),
+        "match_top8_p50_ms": round(percentile(lat, 50, presorted=True) / 1e6, 4),
+        "match_top8_p99_ms": round(percentile(lat, 99, presorted=True) / 1e6, 4),
         "entries": ax.entries,
     }
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from mesh.hashing import content_keys, to_signed64
 from mesh.protocol import pack
+from mesh.stats import percentile
 
 __all__ = ["run_indexer_bench", "TARGETS", "start_indexer_process"]
 
@@ -43,11 +44,6 @@ PROMPT_BLOCKS = 512
 SYSTEM_BLOCKS = 64
 N_SYSTEM = 50
 TARGETS = {"ingest_blocks_per_s_min": 200_000, "match_p99_ms_server_max": 1.0, "match_p99_ms_client_max": 3.0}
-
-
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else 0.0
 
 
 def start_indexer_process(log_path: Path, *extra: str, port: int = 0, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
@@ -239,10 +235,10 @@ def run_indexer_bench(workers: int = 1000, total_blocks: int = 1_050_000, querie
         "ingest_resyncs": ing["resyncs"],
         "match_queries": len(m["client_ms"]),
         "match_degraded": m["degraded"],
-        "match_p50_ms_client": round(_pct(m["client_ms"], 50), 3),
-        "match_p99_ms_client": round(_pct(m["client_ms"], 99), 3),
-        "match_p50_ms_server": round(_pct(m["server_ms"], 50), 3),
-        "match_p99_ms_server": round(_pct(m["server_ms"], 99), 3),
+        "match_p50_ms_client": round(percentile(m["client_ms"], 50), 3),
+        "match_p99_ms_client": round(percentile(m["client_ms"], 99), 3),
+        "match_p50_ms_server": round(percentile(m["server_ms"], 50), 3),
+        "match_p99_ms_server": round(percentile(m["server_ms"], 99), 3),
         "match_mean_matched_workers": round(sum(m["holders"]) / max(1, len(m["holders"])), 1),
         "bytes_per_block": round((rss1 - rss0) / max(1, entries), 1),
         "bytes_per_block_estimate": round(srv.bytes_estimate / max(1, entries), 1) if srv is not None else None,

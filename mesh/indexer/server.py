@@ -84,6 +84,7 @@ from mesh.logs import RateLimiter, announce, configure, get_logger
 from mesh.namespaces import namespace_root_key
 from mesh.protocol import unpack
 from mesh.routing.providers import LocalIndexProvider, _BlockSizeVote
+from mesh.stats import percentile
 
 __all__ = ["IndexerCore", "IndexerService", "ApplyOutcome", "Limits", "Refused", "serve", "run_server",
            "parse_listen", "read_token_file", "DEFAULT_MAX_ENTRIES", "DEFAULT_WORKER_TTL_S", "SERVICE_NAME",
@@ -781,10 +782,6 @@ class IndexerCore:
         s = self.provider.stats()
         c = self.c
         lat = sorted(self.latency_ns)
-
-        def pct(p: float) -> float:
-            return lat[min(len(lat) - 1, int(p / 100 * (len(lat) - 1)))] / 1000.0 if lat else 0.0
-
         lim = self.limits
         return {
             **s,
@@ -800,8 +797,8 @@ class IndexerCore:
             "limit_max_ranks_per_worker": lim.max_ranks_per_worker,
             "limit_max_batch_events": lim.max_batch_events,
             "limit_max_message_bytes": lim.max_message_bytes,
-            "match_p50_us": pct(50),
-            "match_p99_us": pct(99),
+            "match_p50_us": percentile(lat, 50, presorted=True) / 1000.0,  # ns -> us; 0.0 with no samples
+            "match_p99_us": percentile(lat, 99, presorted=True) / 1000.0,
         }
 
 

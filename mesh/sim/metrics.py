@@ -1,50 +1,13 @@
-"""Metric definitions of the simulator (pure functions, hand-checked in tests/test_sim.py).
+"""Metric definitions of the simulator: re-exported from :mod:`mesh.stats`.
 
-* :func:`percentile` -- linear interpolation between closest ranks (NumPy's default "linear",
-  Hyndman & Fan type 7): for sorted ``x`` of length n, ``p`` in [0, 100], position
-  ``h = (n - 1) * p / 100``, value ``x[floor h] + (h - floor h) * (x[floor h + 1] - x[floor h])``.
-* :func:`cv` -- coefficient of variation: population standard deviation / mean (0 when the mean
-  is 0 or there are no values).
-* :func:`ratio` -- a / b, 0 when b is 0.
+The definitions (type 7 percentile, population cv, safe ratio, mean) live in the neutral
+:mod:`mesh.stats` so the benches and the indexer share them; this module keeps the simulator's
+``from mesh.sim.metrics import percentile`` imports working (hand-checked in tests/test_sim.py
+and tests/test_stats.py).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from mesh.stats import cv, mean, percentile, ratio
 
 __all__ = ["percentile", "cv", "ratio", "mean"]
-
-
-def percentile(values: Sequence[float], p: float, *, presorted: bool = False) -> float:
-    """The ``p``-th percentile (type 7, see the module docstring); 0.0 for no values."""
-    if not 0 <= p <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {p!r}")
-    n = len(values)
-    if n == 0:
-        return 0.0
-    x = values if presorted else sorted(values)
-    h = (n - 1) * p / 100.0
-    lo = math.floor(h)
-    hi = min(lo + 1, n - 1)
-    return x[lo] + (h - lo) * (x[hi] - x[lo])
-
-
-def mean(values: Sequence[float]) -> float:
-    return math.fsum(values) / len(values) if values else 0.0
-
-
-def cv(values: Sequence[float]) -> float:
-    """Population std / mean; 0.0 when empty or the mean is 0."""
-    n = len(values)
-    if n == 0:
-        return 0.0
-    m = math.fsum(values) / n
-    if m == 0:
-        return 0.0
-    var = math.fsum((v - m) ** 2 for v in values) / n
-    return math.sqrt(var) / m
-
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mesh.stats import percentile
+
 __all__ = ["run_tokenizer_bench", "print_table", "make_prompt", "add_bench_tokenizer_parser"]
 
 _WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
@@ -53,11 +55,6 @@ def make_prompt(tokenizer: Any, n_tokens: int, seed: int = 0) -> str:
             break
     end = enc.offsets[n_tokens - 1][1]
     return text[:end]
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
 
 
 async def _arm(pool: Any, job: Any, direct: Any, iters: int, concurrency: int) -> dict[str, float]:
@@ -103,9 +100,9 @@ async def _arm(pool: Any, job: Any, direct: Any, iters: int, concurrency: int) -
     wall = time.perf_counter() - t0
     stop.set()
     await tick
-    return {"tokens": n_tok, "direct_p50_ms": _pct(lat_direct, 0.5) * 1e3, "p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
-            "mean_ms": statistics.fmean(lat) * 1e3, "tokens_per_s": total / wall,
-            "loop_lag_p99_ms": (_pct(lags, 0.99) if lags else 0.0) * 1e3,
+    return {"tokens": n_tok, "direct_p50_ms": percentile(lat_direct, 50) * 1e3, "p50_ms": percentile(lat, 50) * 1e3,
+            "p99_ms": percentile(lat, 99) * 1e3, "mean_ms": statistics.fmean(lat) * 1e3, "tokens_per_s": total / wall,
+            "loop_lag_p99_ms": percentile(lags, 99) * 1e3,  # 0.0 with no lag samples
             "loop_lag_max_ms": max(lags, default=0.0) * 1e3}
 
 
