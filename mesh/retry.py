@@ -1,4 +1,10 @@
-"""Retry policy, built in one place on tenacity. Every policy has a stop; none retries forever.
+"""Retry policy, built in one place on tenacity.
+
+Every policy has a stop (an attempt cap, and optionally a deadline) except the one explicit
+exception, :meth:`RetryPolicy.forever` (``max_attempts=None``): a worker reconnecting to its
+brokers keeps trying for as long as the process lives (a broker may be down for minutes), with
+the same jittered exponential back-off, capped at ``cap_ms``. Nothing else may use it: a request,
+an index forward or a client call always gives up eventually.
 
 Two uses:
 
@@ -25,17 +31,31 @@ __all__ = ["RetryPolicy", "RetryBudget"]
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """``max_attempts`` counts the first try. Waits are drawn from [0, min(base * 2**n, cap))."""
+    """``max_attempts`` counts the first try; ``None`` means no attempt cap (only through
+    :meth:`forever`). Waits are drawn from [0, min(base * 2**n, cap))."""
 
-    max_attempts: int = 3
+    max_attempts: int | None = 3
     base_ms: float = 25.0
     cap_ms: float = 250.0
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ConfigError("max_attempts: must be >= 1")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ConfigError("max_attempts: must be >= 1 (or None: forever)")
         if not (0 < self.base_ms <= self.cap_ms):
             raise ConfigError("retry_base_ms: must be > 0 and <= retry_cap_ms")
+
+    @classmethod
+    def forever(cls, base_ms: float, cap_ms: float) -> "RetryPolicy":
+        """Retry without an attempt cap (waits still capped at ``cap_ms``): for a worker's
+        reconnects to its brokers only. A deadline passed to :meth:`async_retrying` still stops it."""
+        return cls(max_attempts=None, base_ms=base_ms, cap_ms=cap_ms)
+
+    @property
+    def is_forever(self) -> bool:
+        return self.max_attempts is None
+
+    def _stop(self) -> tenacity.stop.stop_base:
+        return tenacity.stop_never if self.max_attempts is None else tenacity.stop_after_attempt(self.max_attempts)
 
     def _wait(self) -> tenacity.wait.wait_base:
         return tenacity.wait_random_exponential(multiplier=self.base_ms / 1000.0, max=self.cap_ms / 1000.0)
@@ -48,11 +68,12 @@ class RetryPolicy:
 
     def should_retry(self, attempt: int, remaining_s: float) -> bool:
         """True if another attempt is allowed after ``attempt`` tries with ``remaining_s`` left."""
-        return attempt < self.max_attempts and remaining_s > 0
+        return (self.max_attempts is None or attempt < self.max_attempts) and remaining_s > 0
 
     def async_retrying(self, retry_on: tuple[type[BaseException], ...], *, deadline_s: float | None = None, log=None) -> tenacity.AsyncRetrying:
-        """An AsyncRetrying bounded by attempts and (optionally) an absolute monotonic deadline."""
-        stop = tenacity.stop_after_attempt(self.max_attempts)
+        """An AsyncRetrying bounded by attempts (none for :meth:`forever`) and (optionally) an
+        absolute monotonic deadline."""
+        stop = self._stop()
         if deadline_s is not None:
             budget = max(0.0, deadline_s - time.monotonic())
             stop = stop | tenacity.stop_after_delay(budget)

@@ -1,4 +1,4 @@
-"""The worker's broker link (workers_stub/links.py), over real processes and sockets.
+"""The worker's broker link (mesh/worker/link.py), over real processes and sockets.
 
 * READY goes out once the IMMEDIATE DEALER's handshake has succeeded, so a worker registers
   within milliseconds of starting and no frame is rejected on the way (sent right after
@@ -173,7 +173,7 @@ def test_ready_falls_back_when_no_handshake_is_reported(monkeypatch):
     from mesh import protocol as P
     from mesh.retry import RetryPolicy
     from tests.test_adapters_support import FakeBroker
-    from workers_stub import links
+    from mesh.worker import link as links
 
     async def register(events: int) -> tuple[float, int, int]:
         monkeypatch.setattr(links, "_MONITOR_EVENTS", events)

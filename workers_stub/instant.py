@@ -1,11 +1,13 @@
 """Instant workers for benchmarks: N DEALERs served from one synchronous loop.
 
-They speak the full worker protocol (READY, heartbeats both ways, DISCONNECT -> READY again)
-but answer every REQUEST with a FINAL at once, echoing up to ``max_new_tokens`` prompt tokens.
+They speak the full worker protocol through the same per-broker session as every other worker
+(:class:`mesh.worker.session.LinkSession`: READY, heartbeats both ways, DISCONNECT -> READY
+again, broker liveness and reconnect with back-off, the shared epoch formula) but answer every
+REQUEST with a FINAL at once, echoing up to ``max_new_tokens`` prompt tokens.
 
-:class:`InstantFleet` holds the sockets and the protocol logic and is driven from outside
-through a :class:`~mesh.sockets.ReadyPoller` (cost per wake-up proportional to the sockets with
-input, not to all of them). ``mesh worker-stub --instant`` runs one in its own process
+:class:`InstantFleet` holds the sockets and is driven from outside through a
+:class:`~mesh.sockets.ReadyPoller` (cost per wake-up proportional to the sockets with input, not
+to all of them). ``mesh worker-stub --instant`` runs one in its own process
 (:func:`run_instant_fleet`); ``mesh bench broker`` runs one inside its load driver's loop, so
 that on a small machine the process under test keeps a core to itself.
 """
@@ -16,6 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import zmq
 
@@ -23,7 +26,9 @@ from mesh import protocol as P
 from mesh.config import WorkerSettings
 from mesh.gc_tuning import freeze_startup_heap
 from mesh.logs import announce
+from mesh.retry import RetryPolicy
 from mesh.sockets import WORKER_DEALER, ReadyPoller, SocketSpec, make_socket, recv_frames, send_frames
+from mesh.worker import Capabilities, LinkSession, Send, new_epoch, ready_frames
 
 __all__ = ["InstantFleet", "instant_answer", "run_instant_fleet"]
 
@@ -38,89 +43,159 @@ def instant_answer(sub: P.Submit) -> tuple[list[int], dict[str, int]]:
     return out, {"prompt_tokens": len(prompt), "completion_tokens": len(out), "cached_tokens": 0}
 
 
+@dataclass(slots=True, eq=False)
+class _Conn:
+    """One worker's connection to one broker: the socket (None while backing off) and its session."""
+
+    worker_id: str
+    epoch: int
+    endpoint: str
+    ready: list[bytes]
+    session: LinkSession
+    sock: zmq.Socket | None = None
+    reopen_at_s: float = 0.0
+
+
 class InstantFleet:
     """``count`` instant workers, each connected to every broker in ``brokers``.
 
     Contract: the owner registers nothing itself; call :meth:`serve` for every socket of this
-    fleet that the shared poller returns, and :meth:`tick` at least every ``heartbeat_ms``
-    (it returns the next time it is due). READY goes out on the first tick and again after a
-    broker's DISCONNECT, until that broker's first HEARTBEAT shows it registered the worker.
+    fleet that the shared poller returns, and :meth:`tick` at least every ``heartbeat_ms / 10``
+    (it returns the next time it is due). A socket has no monitor, so READY goes out at the
+    first tick that finds a live pipe (and again after a broker's DISCONNECT); a connection
+    whose broker stays silent for ``heartbeat_ms x liveness`` is closed and, after the back-off,
+    replaced by a new socket (registered with the poller) under a new identity.
     """
 
     def __init__(self, ctx: zmq.Context, poller: ReadyPoller, brokers: Iterable[str], *, count: int = 1,
                  worker_id: str = "", model: str = "", role: str = "mixed", labels: dict[str, str] | None = None,
-                 heartbeat_ms: int = 500, spec: SocketSpec = WORKER_DEALER) -> None:
+                 heartbeat_ms: int = 500, liveness: int = 3, reconnect_base_ms: float = 100.0,
+                 reconnect_cap_ms: float = 5000.0, spec: SocketSpec = WORKER_DEALER) -> None:
+        self.ctx = ctx
         self.poller = poller
+        self.spec = spec
         self.heartbeat_s = heartbeat_ms / 1000.0
+        reconnect = RetryPolicy.forever(reconnect_base_ms, reconnect_cap_ms)
+        caps = Capabilities(model=model, role=role, labels=dict(labels or {}))  # 16-token blocks, 256 running, 400k tokens
         base = worker_id or f"instant-{os.getpid()}"
-        epoch = int(time.time() * 1000)
-        self._ready: dict[zmq.Socket, list[bytes]] = {}  # socket -> its READY frames
-        self._unacked: set[zmq.Socket] = set()  # sockets whose broker has not answered READY yet
+        self._conns: list[_Conn] = []
+        self._by_sock: dict[zmq.Socket, _Conn] = {}
+        now = time.monotonic()
         for i in range(count):
             wid = base if count == 1 else f"{base}-{i}"
-            ready = P.encode_ready(P.Ready(wid, model, role, dict(labels or {}), 16, 256, 400_000, 1, epoch, heartbeat_ms))
-            for j, ep in enumerate(brokers):
-                sk = make_socket(ctx, spec.with_identity(f"{wid}/{epoch}/{j}".encode()), connect=ep)
-                poller.register(sk)
-                self._ready[sk] = ready
-                self._unacked.add(sk)
+            epoch = new_epoch()
+            ready = ready_frames(wid, epoch, heartbeat_ms, caps)
+            for ep in brokers:
+                # no monitor to report the handshake: READY is tried at once, then every interval
+                session = LinkSession(heartbeat_ms=heartbeat_ms, liveness=liveness, reconnect=reconnect, ready_timeout_s=0.0)
+                conn = _Conn(wid, epoch, ep, ready, session)
+                self._open(conn, now)
+                self._conns.append(conn)
         self._hb = P.encode_heartbeat()
         self._next_hb_s = 0.0
         self._hb_slot = 0
         self.requests = 0
 
+    # ------------------------------------------------------------------ sockets
+
+    def _open(self, conn: _Conn, now_s: float) -> None:
+        conn.session.open(now_s)
+        sk = make_socket(self.ctx, self.spec.with_identity(conn.session.identity(conn.worker_id, conn.epoch)), connect=conn.endpoint)
+        self.poller.register(sk)
+        conn.sock = sk
+        self._by_sock[sk] = conn
+
+    def _drop(self, conn: _Conn, linger_ms: int = 0) -> None:
+        sk = conn.sock
+        if sk is not None:
+            self.poller.unregister(sk)
+            self._by_sock.pop(sk, None)
+            sk.close(linger=linger_ms)
+        conn.sock = None
+        conn.session.closed()
+
     @property
     def sockets(self) -> list[zmq.Socket]:
-        return list(self._ready)
+        return list(self._by_sock)
 
     def owns(self, sock: zmq.Socket) -> bool:
-        return sock in self._ready
+        return sock in self._by_sock
+
+    @property
+    def reconnects(self) -> int:
+        return sum(c.session.reconnects for c in self._conns)
+
+    @property
+    def registered(self) -> int:
+        """Connections a broker has registered."""
+        return sum(1 for c in self._conns if c.session.registered)
+
+    # ------------------------------------------------------------------ protocol
+
+    def _send(self, conn: _Conn, what: Send | None) -> None:
+        if conn.sock is None or what is None:
+            return
+        if what is Send.READY:
+            conn.session.ready_result(_try_send(conn.sock, conn.ready))
+        elif conn.session.may_send():
+            _try_send(conn.sock, self._hb)
 
     def tick(self, now_s: float) -> float:
-        """Send heartbeats (or READY) when due; returns the monotonic time of the next tick.
+        """Send heartbeats (or READY) when due, recycle silent connections; returns the
+        monotonic time of the next tick.
 
-        Each tick serves one of ``_HB_SLICES`` slices of the sockets, so every socket still
+        Each tick serves one of ``_HB_SLICES`` slices of the connections, so every one still
         heartbeats once per interval but the fleet never sends them all at once (N real
         workers are N processes with unrelated phases)."""
         if now_s >= self._next_hb_s:
             slot = self._hb_slot
-            for k, (sk, ready) in enumerate(self._ready.items()):
-                if k % _HB_SLICES == slot:
-                    _try_send(sk, ready if sk in self._unacked else self._hb)
-                    self.poller.recheck(sk)
+            for k in range(slot, len(self._conns), _HB_SLICES):
+                conn = self._conns[k]
+                session = conn.session
+                if conn.sock is None:
+                    if now_s >= conn.reopen_at_s:
+                        self._open(conn, now_s)
+                    continue
+                if session.expired(now_s):
+                    self._drop(conn)
+                    conn.reopen_at_s = now_s + session.lost()
+                    continue
+                self._send(conn, Send.READY if session.ready_due else Send.HEARTBEAT)
+                self.poller.recheck(conn.sock)  # type: ignore[arg-type]
             self._hb_slot = (slot + 1) % _HB_SLICES
             self._next_hb_s = now_s + self.heartbeat_s / _HB_SLICES
         return self._next_hb_s
 
     def serve(self, sk: zmq.Socket, max_messages: int = 256) -> None:
         """Handle what ``sk`` has queued (up to ``max_messages``), then re-check it."""
+        conn = self._by_sock.get(sk)
+        if conn is None:
+            return  # closed by a reconnect since the poller reported it
+        session = conn.session
+        heard = False
         for _ in range(max_messages):
             try:
                 frames = recv_frames(sk)
             except zmq.Again:
                 break
+            heard = True
             msg = P.decode_broker_to_worker(frames)
-            t = type(msg)
-            if t is P.Request:
+            if type(msg) is P.Request:
                 out, usage = instant_answer(msg.submit)
                 _try_send(sk, P.encode_worker_final(msg.rid, msg.attempt, "length", usage, {"token_ids": out}))
                 self.requests += 1
-            elif t is P.Heartbeat:
-                if sk in self._unacked:  # registered: confirm at once (the broker routes only then)
-                    self._unacked.discard(sk)
-                    _try_send(sk, self._hb)
-            elif t is P.Disconnect:
-                self._unacked.add(sk)
-                _try_send(sk, self._ready[sk])
+            else:
+                self._send(conn, session.on_message(msg)[0])
+        if heard:
+            session.heard(time.monotonic())
         self.poller.recheck(sk)
 
     def close(self, *, say_goodbye: bool = True) -> None:
-        for sk in self._ready:
-            if say_goodbye:
-                _try_send(sk, P.encode_disconnect("worker_shutdown"))
-            self.poller.unregister(sk)
-            sk.close(linger=100 if say_goodbye else 0)
-        self._ready.clear()
+        for conn in self._conns:
+            if say_goodbye and conn.sock is not None:
+                _try_send(conn.sock, P.encode_disconnect("worker_shutdown"))
+            self._drop(conn, linger_ms=100 if say_goodbye else 0)
+        self._conns.clear()
 
 
 def run_instant_fleet(settings: WorkerSettings) -> None:
@@ -129,7 +204,8 @@ def run_instant_fleet(settings: WorkerSettings) -> None:
     poller = ReadyPoller()
     fleet = InstantFleet(ctx, poller, settings.brokers, count=settings.count, worker_id=settings.worker_id,
                          model=settings.model, role=settings.role, labels=dict(settings.labels),
-                         heartbeat_ms=settings.heartbeat_ms)
+                         heartbeat_ms=settings.heartbeat_ms, liveness=settings.liveness,
+                         reconnect_base_ms=settings.reconnect_base_ms, reconnect_cap_ms=settings.reconnect_cap_ms)
     stop = False
 
     def _stop(*_):

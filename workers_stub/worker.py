@@ -1,9 +1,10 @@
 """The simulated GPU worker: :class:`mesh.engine_model.EngineModel` stepped in real time.
 
-One :class:`SimWorker` is one GPU server. It keeps one :class:`BrokerLink` per broker, so a
-single worker serves every broker of a mesh; requests from any broker share its engine (its
-batch, its KV cache). It reports true load in every HEARTBEAT and publishes KV events with
-SGLang's page-hash values after each prefill and every ``decode_log_interval`` decode steps.
+One :class:`SimWorker` is one GPU server. Its :class:`mesh.worker.WorkerAPI` keeps one link per
+broker, so a single worker serves every broker of a mesh; requests from any broker share its
+engine (its batch, its KV cache). It reports true load in every HEARTBEAT (the API's load
+callback) and publishes KV events with SGLang's page-hash values after each prefill and every
+``decode_log_interval`` decode steps (the API fans them out).
 
 Request keys: the engine knows a request by an int ``key``; ``_jobs`` maps it back to the
 (link, broker rid, attempt) it answers to, so replies go to the broker that sent the request.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 import time
 from dataclasses import dataclass
 
@@ -29,9 +29,8 @@ from mesh.errors import ErrorCode
 from mesh.hashing import text_to_tokens
 from mesh.logs import get_logger
 from mesh.namespaces import request_event_fields
-from mesh.retry import RetryPolicy
 from mesh.sockets import CurveKeys
-from workers_stub.links import BrokerLink
+from mesh.worker import BrokerLink, Capabilities, WorkerAPI
 
 __all__ = ["SimWorker"]
 
@@ -80,14 +79,11 @@ class SimWorker:
         self.worker_id = worker_id
         self.cfg = engine_cfg or EngineConfig()
         self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.curve = curve
-        self.kv_events_to = kv_events_to
         self.stream_interval = max(1, stream_interval)
         self.fail_transfer_every = fail_transfer_every  # fault injection: every Nth KV transfer fails
         self._transfers = 0
         self.fail_requests_every = fail_requests_every  # fault injection: every Nth request errors
         self._requests_seen = 0
-        self.epoch = int(time.time() * 1000) * 1000 + random.randrange(1000)
         self.log = get_logger(service="worker", worker_id=worker_id)
         self.engine = EngineModel(self.cfg)
         self._jobs: dict[int, _Job] = {}
@@ -96,54 +92,50 @@ class SimWorker:
         self._work = asyncio.Event()
         self._idle = asyncio.Event()  # set whenever no request is in flight (drain waits on it)
         self._stopping = False
-        self._kv_seq = 0
         if settings.tokenizer:
             self._encode("")  # load it now: a bad folder is a startup error, not a slow first request
         self._pending_kv: list[KV.KvEvent] = []
         self.time_scale = settings.time_scale
-        reconnect = RetryPolicy(max_attempts=1_000_000, base_ms=settings.reconnect_base_ms, cap_ms=settings.reconnect_cap_ms)
-        self.links = [
-            BrokerLink(self.ctx, ep, worker_id, self.epoch, self._ready_frames, self._on_message, self._on_session_lost,
-                       heartbeat_ms=settings.heartbeat_ms, liveness=settings.liveness, reconnect=reconnect, curve=curve)
-            for ep in settings.brokers
-        ]
+        caps = Capabilities(model=settings.model, role=settings.role, labels=dict(settings.labels), block_size=self.cfg.page_size,
+                            max_running_requests=self.cfg.max_running_requests,
+                            max_total_num_tokens=self.cfg.max_total_num_tokens, dp_size=1)
+        self.api = WorkerAPI(self.ctx, settings.brokers, worker_id, lambda: caps, on_message=self._on_message,
+                             on_session_lost=self._on_session_lost, load=lambda: [self.engine.load_stat(now_s=self._now())],
+                             heartbeat_ms=settings.heartbeat_ms, liveness=settings.liveness,
+                             reconnect_base_ms=settings.reconnect_base_ms, reconnect_cap_ms=settings.reconnect_cap_ms,
+                             curve=curve, kv_events_to=kv_events_to)
         self.served = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.api.epoch
+
+    @property
+    def links(self) -> list[BrokerLink]:
+        return self.api.links
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _ready_frames(self) -> list[bytes]:
-        return P.encode_ready(P.Ready(
-            worker_id=self.worker_id, model=self.s.model, role=self.s.role, labels=dict(self.s.labels),
-            block_size=self.cfg.page_size, max_running_requests=self.cfg.max_running_requests,
-            max_total_num_tokens=self.cfg.max_total_num_tokens, dp_size=1, epoch=self.epoch, heartbeat_ms=self.s.heartbeat_ms,
-        ))
-
     async def run(self) -> None:
-        tasks = [asyncio.create_task(link.run(), name=f"link-{link.endpoint}") for link in self.links]
-        tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
-        tasks.append(asyncio.create_task(self._engine_loop(), name="engine"))
+        engine = asyncio.create_task(self._engine_loop(), name="engine")
         try:
-            await asyncio.gather(*tasks)
+            await asyncio.gather(self.api.run(), engine)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for link in self.links:
-                link.close()
+            engine.cancel()
+            await asyncio.gather(engine, return_exceptions=True)
+            await self.api.aclose()
 
     async def drain_and_stop(self, timeout_s: float = 10.0) -> None:
         """Graceful stop: tell brokers we are leaving, finish in-flight work, then close links."""
         self._stopping = True
-        for link in self.links:
-            link.send(P.encode_disconnect(P.DRAINING))
+        self.api.drain()
         if self._jobs:
             self._idle.clear()
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout_s)
             except asyncio.TimeoutError:
                 self.log.warning("drain_timeout", unfinished=len(self._jobs))
-        for link in self.links:
-            link.close(say_goodbye=True)  # a plain DISCONNECT: the broker forgets this worker
+        self.api.disconnect(say_goodbye=True)  # a plain DISCONNECT: the broker forgets this worker
 
     # ------------------------------------------------------------------ inbound
 
@@ -292,21 +284,5 @@ class SimWorker:
             self._send_kv(events)
 
     def _send_kv(self, events: list[KV.KvEvent]) -> None:
-        """Send one KV_EVENTS batch: to every registered broker, or to one (``kv_events_to=one``)."""
-        wire = [KV.encode_event_map(e) for e in events]
-        frames = P.encode_kv_events(0, self.epoch, self._kv_seq, time.time(), wire)
-        self._kv_seq += 1
-        for link in self.links:
-            if link.registered and link.send(frames) and self.kv_events_to == "one":
-                break
-
-    # ------------------------------------------------------------------ heartbeats
-
-    async def _heartbeat_loop(self) -> None:
-        hb_s = self.s.heartbeat_ms / 1000.0
-        while True:
-            await asyncio.sleep(hb_s)
-            frames = P.encode_heartbeat([self.engine.load_stat(now_s=self._now())])
-            for link in self.links:
-                if link.sock is not None:
-                    link.send(frames)
+        """Send one KV_EVENTS batch (the API fans it out to the brokers)."""
+        self.api.publish_kv([KV.encode_event_map(e) for e in events])

@@ -50,7 +50,6 @@ flight), and registers again (READY, then a KV snapshot) when the server answers
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 import time
 from collections import Counter, OrderedDict
@@ -70,9 +69,8 @@ from mesh.errors import ConfigError, ErrorCode, ProtocolError
 from mesh.load import LoadStat
 from mesh.logs import RateLimiter, announce, get_logger
 from mesh.openai_logprobs import LOGPROB_KEYS
-from mesh.retry import RetryPolicy
 from mesh.sockets import SocketSpec, make_socket, recv_frames, socket_readable
-from workers_stub.links import BrokerLink
+from mesh.worker import BrokerLink, Capabilities, WorkerAPI
 
 __all__ = [
     "ENGINE_SUB",
@@ -796,7 +794,11 @@ class Adapter:
         self.backend = backend
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.worker_id = s.worker_id or f"{backend.kind}-{s.url_host}-{urlsplit(s.url).port or 80}"
-        self.epoch = int(time.time() * 1000) * 1000 + random.randrange(1000)
+        self.api = WorkerAPI(self.ctx, s.brokers, self.worker_id, self._capabilities, on_message=self._on_message,
+                             on_session_lost=self._on_session_lost, load=lambda: self._fresh_loads(time.monotonic()),
+                             heartbeat_ms=s.heartbeat_ms, liveness=s.liveness, reconnect_base_ms=s.reconnect_base_ms,
+                             reconnect_cap_ms=s.reconnect_cap_ms, kv_events_to=s.kv_events_to)
+        self.epoch = self.api.epoch
         self.log = get_logger(service="adapter", worker_id=self.worker_id)
         self.counters: Counter[str] = Counter()
         self.info: EngineInfo | None = None
@@ -805,9 +807,6 @@ class Adapter:
         self.engine: EngineHttp | None = None  # the request path (see engine_http for why not aiohttp)
         self.healthy = False
         self._was_healthy = False
-        self.links: list[BrokerLink] = []
-        self._link_tasks: list[asyncio.Task] = []
-        self._conn_no: dict[str, int] = {}
         self._need_snapshot: set[int] = set()
         self._serving: dict[tuple[int, int, int], asyncio.Task] = {}
         self._loads: list[tuple[LoadStat, float, str] | None] = []  # per rank: (stat, received at, source)
@@ -817,7 +816,10 @@ class Adapter:
         self._force_stop = False
         self._health_kick = asyncio.Event()
         self._stopping = False
-        self._reconnect = RetryPolicy(max_attempts=1_000_000, base_ms=s.reconnect_base_ms, cap_ms=s.reconnect_cap_ms)
+
+    @property
+    def links(self) -> list[BrokerLink]:
+        return self.api.links
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -842,7 +844,7 @@ class Adapter:
             if ep is not None and r < info.dp_size:
                 self._tasks.append(asyncio.create_task(self._load_sub_loop(r, ep), name=f"load-{r}"))
         self._tasks.append(asyncio.create_task(self._load_poll_loop(), name="load-poll"))
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        self.api.start()  # heartbeats (sent only while registered links exist: the adapter is healthy)
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
         self._tasks.append(asyncio.create_task(self._stats_loop(), name="stats"))
         for t in self._tasks:
@@ -889,8 +891,7 @@ class Adapter:
     async def drain_and_stop(self) -> None:
         """Graceful stop: DISCONNECT(draining), finish in-flight requests (bounded), close everything."""
         self._stopping = True
-        for link in self.links:
-            link.send(P.encode_disconnect(P.DRAINING))
+        self.api.drain()
         t_end = time.monotonic() + self.s.drain_timeout_s
         if self._serving:
             self.log.info("adapter_draining", inflight=len(self._serving), timeout_s=self.s.drain_timeout_s)
@@ -916,9 +917,9 @@ class Adapter:
         if self.info is not None:
             announce("adapter_stopped", worker_id=self.worker_id, counters=dict(self.counters))
         self._close_links()
-        for t in [*self._tasks, *self._serving.values(), *self._link_tasks]:
+        for t in [*self._tasks, *self._serving.values()]:
             t.cancel()
-        await asyncio.gather(*self._tasks, *self._serving.values(), *self._link_tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._serving.values(), self.api.aclose(), return_exceptions=True)
         self._tasks.clear()
         if self.relay is not None:
             await self.relay.stop()
@@ -952,41 +953,24 @@ class Adapter:
 
     # ------------------------------------------------------------------ broker links
 
-    def _ready_frames(self) -> list[bytes]:
+    def _capabilities(self) -> Capabilities:
         info = self.info
         assert info is not None
-        s = self.s
-        return P.encode_ready(P.Ready(
-            worker_id=self.worker_id, model=info.model[:256], role=s.role, labels=dict(s.labels), block_size=info.block_size,
-            max_running_requests=max(1, info.max_running_requests), max_total_num_tokens=max(1, info.max_total_num_tokens),
-            dp_size=info.dp_size, epoch=self.epoch, heartbeat_ms=s.heartbeat_ms,
-        ))
+        return Capabilities(model=info.model[:256], role=self.s.role, labels=dict(self.s.labels), block_size=info.block_size,
+                            max_running_requests=max(1, info.max_running_requests),
+                            max_total_num_tokens=max(1, info.max_total_num_tokens), dp_size=info.dp_size)
 
     def _open_links(self) -> None:
-        s = self.s
-        for ep in s.brokers:
-            link = BrokerLink(self.ctx, ep, self.worker_id, self.epoch, self._ready_frames, self._on_message, self._on_session_lost,
-                              heartbeat_ms=s.heartbeat_ms, liveness=s.liveness, reconnect=self._reconnect)
-            # continue the connection numbering: a re-registration never reuses a routing id the
-            # broker may still hold for the previous connection
-            link.conn_no = self._conn_no.get(ep, 0)
-            self.links.append(link)
-            self._need_snapshot.add(id(link))
-            self._link_tasks.append(asyncio.create_task(link.run(), name=f"link-{ep}"))
+        """Register with every broker (the API continues the connection numbering)."""
+        self.api.connect()
+        self._need_snapshot.update(id(link) for link in self.api.links)
 
     def _close_links(self) -> None:
-        for link in self.links:
-            self._conn_no[link.endpoint] = link.conn_no
-            link.close()
-        self.links = []
+        self.api.disconnect()
         self._need_snapshot.clear()
-        self._link_tasks = [t for t in self._link_tasks if not t.done()]
 
     def _send_kv(self, rank: int, frames: list[bytes]) -> None:
-        one = self.s.kv_events_to == "one"
-        for link in self.links:
-            if link.registered and link.send(frames) and one:
-                break
+        self.api.send_kv(frames)
 
     def _on_session_lost(self, link: BrokerLink, why: str) -> None:
         self._need_snapshot.add(id(link))
@@ -1119,17 +1103,6 @@ class Adapter:
                                 self._loads[ls.attn_dp_rank] = (ls, t, "http")
                     self.counters["load_polls"] += 1
             await asyncio.sleep(period)
-
-    async def _heartbeat_loop(self) -> None:
-        hb_s = self.s.heartbeat_ms / 1000
-        while True:
-            await asyncio.sleep(hb_s)
-            if not self.healthy:
-                continue
-            frames = P.encode_heartbeat(self._fresh_loads(time.monotonic()))
-            for link in self.links:
-                if link.sock is not None:
-                    link.send(frames)
 
     # ------------------------------------------------------------------ requests
 

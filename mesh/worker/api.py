@@ -1,0 +1,189 @@
+"""The worker API on asyncio: one :class:`WorkerAPI` = one mesh worker connected to every broker.
+
+Like the ZeroMQ guide's mdwrkapi, the API owns everything a worker says to brokers that is not
+about a request: registration (READY with the worker id, role, epoch and capabilities), heartbeats
+(each carrying the LoadStats a callback supplies), broker liveness and reconnects (one
+:class:`~mesh.worker.link.BrokerLink` per broker, each driven by a pure
+:class:`~mesh.worker.session.LinkSession`), the KV event fan-out to the brokers that registered the
+worker, drain and goodbye. The engine side (the simulated worker, an adapter) gets the broker's
+messages through ``on_message(link, msg)`` and answers on the link the request came from
+(``link.send``); ``on_session_lost(link, why)`` tells it that a broker forgot the requests it
+sent over that link (they are re-dispatched or failed there).
+
+Used by :class:`workers_stub.worker.SimWorker` and :class:`mesh.adapters.base.Adapter`. The
+benchmarks' instant workers (:mod:`workers_stub.instant`) run the same sessions from a
+synchronous poller loop instead.
+
+Every method but :meth:`run` and :meth:`aclose` is synchronous and never blocks: sends are
+non-blocking, and the only waits are the links' receive loops and the heartbeat timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Callable, Iterable
+
+import zmq.asyncio
+
+from mesh import protocol as P
+from mesh.load import LoadStat
+from mesh.logs import get_logger
+from mesh.retry import RetryPolicy
+from mesh.sockets import CurveKeys
+from mesh.worker.link import BrokerLink
+from mesh.worker.session import Capabilities, make_epoch, ready_frames
+
+__all__ = ["Capabilities", "WorkerAPI", "new_epoch"]
+
+
+def new_epoch() -> int:
+    """A fresh worker epoch (:func:`mesh.worker.session.make_epoch` on the wall clock)."""
+    return make_epoch(time.time(), random.randrange(1000))
+
+
+class WorkerAPI:
+    """One worker's side of MESH/1 towards every broker in ``brokers``.
+
+    ``capabilities`` is read each time READY goes out (an adapter knows them only after engine
+    discovery); ``load`` each heartbeat (return ``[]`` for none). ``kv_events_to="one"`` sends
+    each KV batch to the first registered broker that takes it instead of to all of them.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        brokers: Iterable[str],
+        worker_id: str,
+        capabilities: Callable[[], Capabilities],
+        *,
+        on_message: Callable[[BrokerLink, object], None],
+        on_session_lost: Callable[[BrokerLink, str], None],
+        load: Callable[[], list[LoadStat]],
+        heartbeat_ms: int = 500,
+        liveness: int = 3,
+        reconnect_base_ms: float = 100.0,
+        reconnect_cap_ms: float = 5000.0,
+        curve: CurveKeys | None = None,
+        kv_events_to: str = "all",
+        epoch: int | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.brokers = tuple(brokers)
+        self.worker_id = worker_id
+        self.capabilities = capabilities
+        self.on_message = on_message
+        self.on_session_lost = on_session_lost
+        self.load = load
+        self.heartbeat_ms = heartbeat_ms
+        self.liveness = liveness
+        self.reconnect = RetryPolicy.forever(reconnect_base_ms, reconnect_cap_ms)
+        self.curve = curve
+        self.kv_events_to = kv_events_to
+        self.epoch = new_epoch() if epoch is None else epoch
+        self.log = get_logger(service="worker", worker_id=worker_id)
+        self.links: list[BrokerLink] = []
+        self._link_tasks: list[asyncio.Task] = []
+        self._conn_no: dict[str, int] = {}  # endpoint -> last connection number used
+        self._hb_task: asyncio.Task | None = None
+        self._kv_seq: dict[int, int] = {}  # dp rank -> next KV_EVENTS seq (publish_kv)
+
+    # ------------------------------------------------------------------ registration
+
+    def ready_frames(self) -> list[bytes]:
+        return ready_frames(self.worker_id, self.epoch, self.heartbeat_ms, self.capabilities())
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.links)
+
+    def connect(self) -> None:
+        """Open one link per broker and start registering (no-op while connected). Connection
+        numbers continue across :meth:`disconnect`: a re-registration never reuses a routing id
+        a broker may still hold for the previous connection."""
+        if self.links:
+            return
+        for ep in self.brokers:
+            link = BrokerLink(self.ctx, ep, self.worker_id, self.epoch, self.ready_frames, self.on_message, self.on_session_lost,
+                              heartbeat_ms=self.heartbeat_ms, liveness=self.liveness, reconnect=self.reconnect, curve=self.curve,
+                              conn_no=self._conn_no.get(ep, 0))
+            self.links.append(link)
+            self._link_tasks.append(asyncio.create_task(link.run(), name=f"link-{ep}"))
+        self.start()
+
+    def disconnect(self, *, say_goodbye: bool = True) -> None:
+        """Close every link (a DISCONNECT first, unless ``say_goodbye`` is False): brokers forget
+        this worker and retry what it held. :meth:`connect` registers again."""
+        for link in self.links:
+            self._conn_no[link.endpoint] = link.conn_no
+            link.close(say_goodbye=say_goodbye)
+        self.links = []
+        self._link_tasks = [t for t in self._link_tasks if not t.done()]
+
+    def drain(self) -> None:
+        """Tell every broker this worker is draining: no new requests, in-flight ones finish."""
+        self.broadcast(P.encode_disconnect(P.DRAINING))
+
+    def broadcast(self, frames: list[bytes]) -> int:
+        """Send ``frames`` on every link; returns how many took them."""
+        return sum(1 for link in self.links if link.send(frames))
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def start(self) -> None:
+        """Start the heartbeat timer (idempotent; :meth:`connect` calls it)."""
+        if self._hb_task is None or self._hb_task.done():
+            self._hb_task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.worker_id}")
+
+    async def _heartbeat_loop(self) -> None:
+        hb_s = self.heartbeat_ms / 1000.0
+        while True:
+            await asyncio.sleep(hb_s)
+            if not self.links:
+                continue
+            frames = P.encode_heartbeat(self.load())
+            for link in self.links:
+                if link.sock is not None:
+                    link.send(frames)
+
+    # ------------------------------------------------------------------ KV events
+
+    def send_kv(self, frames: list[bytes]) -> int:
+        """Fan one encoded KV_EVENTS batch out to every broker that registered this worker (or to
+        the first that takes it, ``kv_events_to="one"``); returns how many took it."""
+        one = self.kv_events_to == "one"
+        n = 0
+        for link in self.links:
+            if link.registered and link.send(frames):
+                n += 1
+                if one:
+                    break
+        return n
+
+    def publish_kv(self, events: list, *, dp_rank: int = 0, ts: float | None = None) -> int:
+        """Encode wire-form KV events as the next batch of ``dp_rank``'s stream (this worker's
+        epoch, one contiguous seq per rank whichever brokers take it) and :meth:`send_kv` it."""
+        seq = self._kv_seq.get(dp_rank, 0)
+        self._kv_seq[dp_rank] = seq + 1
+        return self.send_kv(P.encode_kv_events(dp_rank, self.epoch, seq, time.time() if ts is None else ts, events))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Connect and serve until cancelled; then close (with goodbyes)."""
+        self.connect()
+        try:
+            await asyncio.gather(*self._link_tasks, self._hb_task)  # type: ignore[arg-type]
+        finally:
+            await self.aclose()
+
+    async def aclose(self, *, say_goodbye: bool = True) -> None:
+        """Close the links and stop the tasks. Idempotent."""
+        self.disconnect(say_goodbye=say_goodbye)
+        tasks = [t for t in (*self._link_tasks, self._hb_task) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._link_tasks = []
+        self._hb_task = None

@@ -1,0 +1,301 @@
+"""One worker's connection to one broker on asyncio: a DEALER driven by a :class:`LinkSession`.
+
+The :class:`BrokerLink` owns its socket. Its receive loop is the only code that waits on it;
+other coroutines of the same event loop call :meth:`BrokerLink.send`, which never awaits (a
+non-blocking send; a full or unconnected pipe is counted and reported to the caller). The
+protocol decisions (when READY goes out, what "registered" means, liveness, back-off) are the
+session's (:mod:`mesh.worker.session`); this module only does the I/O.
+
+Registration: worker DEALERs are ``IMMEDIATE`` (nothing queues onto a connection that is not
+up), so a READY sent right after ``connect()`` would be refused (or lost) and the worker would
+only register after a heartbeat round trip (``unregistered_peer`` -> DISCONNECT -> READY). The
+link therefore watches its socket's monitor and sends READY when the ZMTP handshake (CURVE
+included) has succeeded, with the session's blind fallback when no handshake is reported in time.
+
+Wake-ups: the receive loop waits on the socket's file descriptor (and the monitor's) with the
+event loop's reader callbacks. ZeroMQ FDs are edge-triggered and *any* operation on the socket,
+a send included, may consume the signal of a message that just arrived; so after a send the link
+re-reads ``ZMQ_EVENTS`` (:func:`mesh.sockets.socket_readable`, once per event-loop turn however
+many sends there were) and wakes the receive loop if input is waiting. Without that, a reply
+arriving during a send would wait for the next unrelated wake-up (typically a broker heartbeat).
+
+Liveness: when the session says the broker has been silent too long, the link destroys its
+socket, waits the session's back-off (:meth:`mesh.retry.RetryPolicy.forever`: no attempt cap,
+capped waits) and reconnects with a fresh identity, then sends READY again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from mesh import protocol as P
+from mesh.logs import get_logger
+from mesh.retry import RetryPolicy
+from mesh.sockets import WORKER_DEALER, CurveKeys, make_socket, recv_frames, send_frames, socket_readable
+from mesh.worker.session import LinkSession, Send
+
+__all__ = ["BrokerLink"]
+
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+class BrokerLink:
+    """Connection state for one (worker, broker) pair."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        worker_id: str,
+        epoch: int,
+        make_ready: Callable[[], list[bytes]],
+        on_message: Callable[["BrokerLink", object], None],
+        on_session_lost: Callable[["BrokerLink", str], None],
+        *,
+        heartbeat_ms: int,
+        liveness: int,
+        reconnect: RetryPolicy,
+        curve: CurveKeys | None = None,
+        ready_timeout_s: float = 1.0,
+        conn_no: int = 0,
+    ) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.epoch = epoch
+        self.make_ready = make_ready
+        self.on_message = on_message
+        self.on_session_lost = on_session_lost
+        self.curve = curve
+        self.session = LinkSession(heartbeat_ms=heartbeat_ms, liveness=liveness, reconnect=reconnect,
+                                   ready_timeout_s=ready_timeout_s)
+        self.session.conn_no = conn_no  # continue a previous link's numbering (see WorkerAPI.disconnect)
+        self.log = get_logger(service="worker", worker_id=worker_id, broker=endpoint)
+        self.sock: zmq.asyncio.Socket | None = None
+        self._sync: zmq.Socket | None = None
+        self._mon: zmq.asyncio.Socket | None = None
+        self._mon_sync: zmq.Socket | None = None
+        self.send_failures = 0
+        self._closed = False
+        # receive-loop wake-up machinery (set while _serve runs)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._watched: list[int] = []
+        self._recheck_scheduled = False
+
+    # the session's state, under the names callers and tests use
+    @property
+    def registered(self) -> bool:
+        return self.session.registered
+
+    @property
+    def conn_no(self) -> int:
+        return self.session.conn_no
+
+    @property
+    def reconnects(self) -> int:
+        return self.session.reconnects
+
+    @property
+    def handshakes(self) -> int:
+        return self.session.handshakes
+
+    @property
+    def ready_sent(self) -> int:
+        return self.session.ready_sent
+
+    @property
+    def ready_fallbacks(self) -> int:
+        return self.session.ready_fallbacks
+
+    # ------------------------------------------------------------------ socket lifecycle
+
+    def _open(self) -> None:
+        self.session.open(time.monotonic())
+        spec = WORKER_DEALER.with_identity(self.session.identity(self.worker_id, self.epoch)).with_curve(self.curve)
+        sock = make_socket(self.ctx, spec)
+        try:
+            # the monitor is attached before connect() so the first handshake cannot be missed
+            self._mon = sock.get_monitor_socket(_MONITOR_EVENTS)
+            self._mon_sync = zmq.Socket.shadow(self._mon.underlying)
+            sock.connect(self.endpoint)
+        except BaseException:
+            if self._mon is not None:
+                sock.disable_monitor()
+                self._mon.close(linger=0)
+                self._mon = self._mon_sync = None
+            sock.close(linger=0)
+            self.session.closed()
+            raise
+        self.sock = sock
+        self._sync = zmq.Socket.shadow(sock.underlying)
+
+    def _unwatch(self) -> None:
+        """Stop the event loop watching our FDs (before they are closed: an FD number may be reused)."""
+        if self._watched and self._loop is not None:
+            for fd in self._watched:
+                self._loop.remove_reader(fd)
+        self._watched = []
+        if self._wake is not None:
+            self._wake.set()  # let the receive loop notice the socket is gone
+
+    def _close_socket(self, linger_ms: int = 0) -> None:
+        self._unwatch()
+        if self.sock is not None:
+            if self._mon is not None:
+                try:
+                    self.sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                self._mon.close(linger=0)
+            self.sock.close(linger=linger_ms)
+        self.sock = None
+        self._sync = None
+        self._mon = None
+        self._mon_sync = None
+        self.session.closed()
+
+    def close(self, *, say_goodbye: bool = True) -> None:
+        """Send DISCONNECT (best effort) and close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if say_goodbye and self._sync is not None:
+            self.send(P.encode_disconnect("worker_shutdown"))
+            self._close_socket(linger_ms=500)  # linger so the goodbye is actually delivered
+        else:
+            self._close_socket()
+
+    # ------------------------------------------------------------------ I/O
+
+    def send(self, frames: list[bytes]) -> bool:
+        """Non-blocking send; False (and counted) if the pipe is full or not connected, or if
+        READY has not gone out on this connection yet."""
+        if self._sync is None or not self.session.may_send():
+            self.send_failures += 1
+            return False
+        return self._send(frames)
+
+    def _send(self, frames: list[bytes]) -> bool:
+        sync = self._sync
+        if sync is None:
+            self.send_failures += 1
+            return False
+        try:
+            send_frames(sync, frames)
+            ok = True
+        except zmq.Again:
+            self.send_failures += 1
+            ok = False
+        # A send (even a refused one) processes the socket's pending commands and may consume the
+        # FD signal of a message that arrived meanwhile: re-check readiness before the loop sleeps.
+        if not self._recheck_scheduled and self._loop is not None and self._wake is not None:
+            self._recheck_scheduled = True
+            self._loop.call_soon(self._recheck)
+        return ok
+
+    def _recheck(self) -> None:
+        self._recheck_scheduled = False
+        sync, wake = self._sync, self._wake
+        if sync is not None and wake is not None and not sync.closed and socket_readable(sync):
+            wake.set()
+
+    def _do(self, what: Send | None) -> None:
+        if what is Send.READY:
+            self.session.ready_result(self._send(self.make_ready()))
+        elif what is Send.HEARTBEAT:
+            self._send(P.encode_heartbeat())
+
+    async def run(self) -> None:
+        """Connect, register and serve until closed; reconnects on broker silence, forever."""
+        while not self._closed:
+            self._open()
+            lost = await self._serve()
+            if self._closed:
+                break
+            self.on_session_lost(self, lost)
+            self._close_socket()
+            delay = self.session.lost()
+            self.log.warning("broker_lost", reason=lost, reconnect_in_ms=round(delay * 1000, 1))
+            await asyncio.sleep(delay)
+        self._close_socket()
+
+    async def _serve(self) -> str:
+        """Receive until the broker goes silent; returns why the connection was given up."""
+        assert self.sock is not None and self._sync is not None and self._mon_sync is not None
+        sock, sync, mon, session = self.sock, self._sync, self._mon_sync, self.session
+        loop = self._loop = asyncio.get_running_loop()
+        wake = self._wake = asyncio.Event()
+        self._watched = [sync.getsockopt(zmq.FD), mon.getsockopt(zmq.FD)]
+        for fd in self._watched:
+            loop.add_reader(fd, wake.set)
+        try:
+            while not self._closed and self.sock is sock:
+                wake.clear()
+                try:
+                    self._read_monitor(mon)
+                    # no handshake seen in time: READY anyway (refused while there is no pipe)
+                    self._do(session.timer(time.monotonic()))
+                    for _ in range(256):
+                        try:
+                            frames = recv_frames(sync)
+                        except zmq.Again:
+                            break
+                        session.heard(time.monotonic())
+                        self._handle(frames)
+                        if self._closed or self.sock is not sock:
+                            return "closed"
+                    else:
+                        await asyncio.sleep(0)  # a long burst: let the other tasks run, then drain on
+                        continue
+                    if socket_readable(sync) or socket_readable(mon):
+                        continue
+                except zmq.ZMQError as exc:
+                    return "closed" if self._closed or self.sock is not sock else f"socket_error:{exc.errno}"
+                timeout_s = session.next_timer_s() - time.monotonic()
+                try:
+                    async with asyncio.timeout(max(0.0, timeout_s) + 0.001):
+                        await wake.wait()
+                except TimeoutError:
+                    pass
+                if session.expired(time.monotonic()) and not self._closed and self.sock is sock:
+                    return "broker_silent"
+            return "closed"
+        finally:
+            if self.sock is sock or self.sock is None:
+                self._unwatch()
+            if self._wake is wake:
+                self._wake = None
+
+    def _read_monitor(self, mon: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = recv_frames(mon)
+            except zmq.Again:
+                return
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except (ValueError, KeyError, IndexError):
+                continue
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._do(self.session.on_handshake())
+
+    def _handle(self, frames: list[bytes]) -> None:
+        msg = P.decode_broker_to_worker(frames)
+        was_registered = self.session.registered
+        reply, lost = self.session.on_message(msg)
+        if lost is not None:
+            # The broker forgot us (restart, expiry, or protocol violation): start a new session.
+            self.on_session_lost(self, lost)
+            self._do(reply)  # if the pipe just went away, READY follows the next handshake
+            return
+        if self.session.registered and not was_registered:
+            self.log.info("worker_link_registered")
+        self._do(reply)
+        self.on_message(self, msg)
