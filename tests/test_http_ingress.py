@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -86,6 +87,10 @@ def test_errors_auth_health_metrics(mesh_http):
     code, text = _get(url + "/metrics", key="sekret")
     assert code == 200 and "mesh_requests_total" in text and 'outcome="ok"' in text and "mesh_worker_inflight" in text
     assert 'outcome="unauthorized"' in text and "mesh_decision_latency_seconds_bucket" in text
+    # cache_aware (the default) learnt from the /generate request's first reply
+    obs = re.search(r'^mesh_cost_model\{what="observations"\} (\S+)$', text, re.M)
+    assert obs and float(obs.group(1)) >= 1, text[-2000:]
+    assert re.search(r'^mesh_cost_model\{what="trusted"\} 0', text, re.M)  # one outcome is not enough
 
 
 def test_health_503_without_workers(procs):

@@ -46,7 +46,7 @@ class CalibrationSettings:
 
     forget: float = 0.998  # RLS forgetting factor: memory ~500 outcomes
     err_alpha: float = 0.02  # EWMA weight of one outcome in the relative-error estimate (~50)
-    trust_rel_err: float = 0.15  # the cost model breaks ties only while its error is at most this
+    trust_rel_err: float = 0.10  # the cost model breaks ties only while its error is at most this
     min_observations: int = 32  # ... and after this many outcomes
     prior_sd: tuple[float, float, float, float] = (50.0, 0.5, 0.5, 1_000.0)  # prior std-dev per term
 
