@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import tenacity
 import zmq.asyncio
 
 from mesh import kv_events as KV

@@ -844,7 +844,7 @@ class Adapter:
             if ep is not None and r < info.dp_size:
                 self._tasks.append(asyncio.create_task(self._load_sub_loop(r, ep), name=f"load-{r}"))
         self._tasks.append(asyncio.create_task(self._load_poll_loop(), name="load-poll"))
-        self.api.start()  # heartbeats (sent only while registered links exist: the adapter is healthy)
+        self.api.start()  # heartbeats (they go out only while links are open: while the server is healthy)
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
         self._tasks.append(asyncio.create_task(self._stats_loop(), name="stats"))
         for t in self._tasks:

@@ -109,7 +109,7 @@ class WorkerAPI:
                               heartbeat_ms=self.heartbeat_ms, liveness=self.liveness, reconnect=self.reconnect, curve=self.curve,
                               conn_no=self._conn_no.get(ep, 0))
             self.links.append(link)
-            self._link_tasks.append(asyncio.create_task(link.run(), name=f"link-{ep}"))
+            self._link_tasks.append(self._task(link.run(), f"link-{ep}"))
         self.start()
 
     def disconnect(self, *, say_goodbye: bool = True) -> None:
@@ -134,7 +134,17 @@ class WorkerAPI:
     def start(self) -> None:
         """Start the heartbeat timer (idempotent; :meth:`connect` calls it)."""
         if self._hb_task is None or self._hb_task.done():
-            self._hb_task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.worker_id}")
+            self._hb_task = self._task(self._heartbeat_loop(), f"heartbeat-{self.worker_id}")
+
+    def _task(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._log_crash)
+        return task
+
+    def _log_crash(self, task: asyncio.Task) -> None:
+        """A link or the heartbeat timer must never die silently (the brokers would expire us)."""
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("worker_task_crashed", task=task.get_name(), error=repr(task.exception())[:500])
 
     async def _heartbeat_loop(self) -> None:
         hb_s = self.heartbeat_ms / 1000.0
