@@ -9,7 +9,7 @@ reference to beat:
    among those whose own match rate exceeds it;
 3. otherwise the least loaded worker. Defaults 0.5 / 32 / 1.1 (SGLang's Rust defaults).
 
-``cache_aware`` — mesh's policy: **load first, then cache, then a calibrated cost model**, each
+``cache_aware`` — mesh's policy: **load first, then cache**, with a calibrated cost model beside it; each
 step used only as far as the quality matrix (README) showed it pays:
 
 1. SGLang's imbalance bound, as in greedy: when pressures differ by more than
@@ -18,9 +18,10 @@ step used only as far as the quality matrix (README) showed it pays:
 2. otherwise **affinity** (``affinity_threshold``, 0.5): the holders of at least that share of the
    prompt whose KV can take it (fresh telemetry) and whose telemetry is not distrusted;
 3. among those (or everyone when nobody holds enough) the least loaded by request pressure,
-   rounded; ties are broken by the **cost model** while the online calibration trusts it
-   (``cost_ties="auto"``), otherwise by worker id as greedy does (a stable choice keeps one
-   replica of a prefix hot instead of spreading it).
+   rounded, and among equally loaded ones the lowest worker id, as greedy does (a stable choice
+   keeps a burst of one new prefix on one worker until its KV events arrive). With
+   ``cost_ties="auto"`` the **cost model** breaks those ties instead while its online calibration
+   trusts it, with ``"always"`` unconditionally.
 
 The predicted time to first token::
 
@@ -43,16 +44,17 @@ recursive least squares with forgetting; the fit is used only while it predicts 
 fixed model on the same outcomes). The score adds ``decode_harm_weight x running_w x
 own_prefill_ms`` (while this prefill runs every request decoding on w stalls).
 
-Why this shape (measured, README "Routing quality"): the per-request TTFT prediction is myopic.
-As the primary criterion it sent requests away from prefix holders under load (the fleet then
-recomputed shared prefixes and saturated: shared_prefix and zipf p95 2.6-100x greedy's); as a
-tie-break it lost wherever its error was large (zipf, shared_prefix, low_reuse: 0.2-0.5 median
-relative error) and won where it was small (the long-context conversation, ~0.1). So it decides
-only while the calibrated error is at most ``CalibrationSettings.trust_rel_err``. This is the
-exploit/explore split of Preble (Srivatsa et al., ICLR 2025: stick to a prefix holder when the
-match is long, balance load otherwise); step 1 does by a threshold what Dynamo's overlap-credit
-decay does continuously (a holder's overlap credit shrinks as its active prefill load exceeds the
-least loaded worker's). mesh's addition is the calibration gate on the cost model.
+Why this shape (measured on the quality matrix, README): the per-request TTFT prediction is
+myopic. As the primary criterion it sent requests away from prefix holders under load (the fleet
+then recomputed shared prefixes and saturated: shared_prefix and zipf p95 2.6-100x greedy's). As a
+tie-break it lost wherever its error was large, and even gated on a small running error (<= 10 %
+or 15 %) its part-time decisions won and lost conversation cells by 5-19 %: noise, not a gain, on
+the held-out seed as on the others. So the default never lets it decide; it is learnt, reported
+(decision detail, ``mesh_cost_model`` metrics, the simulator's ``prediction``) and available
+(``cost_ties``, ``affinity_threshold=0``). The shape is Preble's exploit/explore split (Srivatsa et
+al., ICLR 2025: stick to a prefix holder when the match is long, balance load otherwise); step 1
+does by a threshold what Dynamo's overlap-credit decay does continuously (a holder's overlap
+credit shrinks as its active prefill load exceeds the least loaded worker's).
 
 ``affinity_threshold=0`` gives the pure cost policy: the worker is drawn from a softmax over
 scores, ``p ~ exp(-(score - min) / T)`` with ``T = min(temperature_ms, temperature x min
@@ -150,7 +152,7 @@ class CacheAware:
                  decode_harm_weight: float = 1.0, tie_tolerance: float = 0.02, temperature_ms: float = 100.0,
                  affinity_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
                  load_slack: float = 1.0, calibrate: bool = True, calibration: CalibrationSettings | None = None,
-                 cost_ties: str = "auto") -> None:
+                 cost_ties: str = "never") -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -171,7 +173,9 @@ class CacheAware:
         # the fixed model is the calibration's prior: (overhead, prefill x1, step x1, kv-full penalty)
         self.calibrator = TtftCalibrator((c.prefill_overhead_ms, 1.0, 1.0, c.kv_full_penalty_ms), calibration)
         self.calibrate = calibrate
-        self.cost_ties = cost_ties  # auto: the cost model breaks ties while the calibration trusts it
+        # never (default): greedy's order among equally loaded candidates; auto: the cost model
+        # breaks those ties while the calibration trusts it; always: it always does
+        self.cost_ties = cost_ties
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
