@@ -203,10 +203,18 @@ def test_validate_slo_rejects(ttft, tps):
     assert ei.value.code is ErrorCode.BAD_REQUEST
 
 
-def test_validate_slo_accepts():
-    validate_slo(None, None)
-    validate_slo(1, 0.5)
-    validate_slo(200, 30)
+@pytest.mark.parametrize("ttft, tps", [(None, None), (1, None), (None, 1e-9), (1, 0.5), (200, 30), (2**40, 1e12)])
+def test_validate_slo_accepts(ttft, tps):
+    # the smallest legal values pass; their neighbours one step outside are refused
+    assert validate_slo(ttft, tps) is None
+    if ttft is not None:
+        with pytest.raises(SloError):
+            validate_slo(ttft - ttft, tps)  # 0 ms
+        with pytest.raises(SloError):
+            validate_slo(float(ttft), tps)  # a float is not an integer of ms
+    if tps is not None:
+        with pytest.raises(SloError):
+            validate_slo(ttft, -tps)
 
 
 # ------------------------------------------------------------------ compatible buckets and ordering

@@ -140,8 +140,14 @@ def test_loadstat_wire_forms():
 @given(st.binary(max_size=200), st.binary(max_size=3))
 @settings(max_examples=300, deadline=None)
 def test_decoders_never_raise(body, cmd):
+    # every decoder answers with a message of the wire contract or a ProtocolError with a
+    # stable snake_case reason (the frame_rejected label): never None, a raw dict or an exception
     for frames in ([P.CLIENT_HEADER, cmd, body], [P.WORKER_HEADER, cmd, body], [P.WORKER_HEADER, cmd, body, body]):
-        P.decode_client(frames)
-        P.decode_worker(frames)
-        P.decode_broker_to_worker(frames)
-        P.decode_client_reply(frames)
+        for dec in (P.decode_client, P.decode_worker, P.decode_broker_to_worker, P.decode_client_reply):
+            r = dec(frames)
+            assert type(r).__module__ in (P.__name__, "mesh.errors", "mesh.load"), (dec.__name__, frames, r)
+            if isinstance(r, P.ProtocolError):
+                assert isinstance(r.reason, str) and r.reason.replace("_", "").isalnum(), (dec.__name__, frames, r)
+        # a header of the other direction is refused, not decoded
+        if frames[0] == P.WORKER_HEADER:
+            assert isinstance(P.decode_client(frames), P.ProtocolError)
