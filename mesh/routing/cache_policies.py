@@ -281,14 +281,22 @@ class CacheAware:
         scored = []
         best_hit = 0
         rid = req.request_id
+        ct = self.cost_ties
+        # without cost ties the banded choice reads loads and hits only: the prediction is made
+        # for the chosen worker alone (decision detail, calibration), not for every candidate
+        lazy = self.affinity_threshold > 0 and (ct == "never" or (ct == "auto" and not self.calibrator.trusted))
         for w in cands:
             blocks = known.get(w.worker_id)
             if blocks is None:
                 blocks = 0 if complete or match is None else match.matched_blocks(w.worker_id)
             hit = min(blocks * bs, max(0, L - 1))
-            best_hit = max(best_hit, hit)
-            ttft, score, x = self._cost(w, L - hit, L, now_s)
-            scored.append((score, ttft, w.worker_id, hit, w, x))
+            if hit > best_hit:
+                best_hit = hit
+            if lazy:
+                scored.append((0.0, 0.0, w.worker_id, hit, w, None))
+            else:
+                ttft, score, x = self._cost(w, L - hit, L, now_s)
+                scored.append((score, ttft, w.worker_id, hit, w, x))
         if self.affinity_threshold > 0:
             pick = self._choose_banded(scored, L, now_s, rid)
         elif (self.temperature > 0 or self.temperature_ms > 0) and len(scored) > 1:
@@ -300,6 +308,8 @@ class CacheAware:
             ties = [t for t in scored if t[0] <= lo * (1 + self.tie_tolerance) + 0.5]
             pick = ties[0] if len(ties) == 1 else min(ties, key=lambda t: (t[4].inflight, _rendezvous(rid, t[2])))
         score, cost_ms, wid, hit, w, x = pick
+        if x is None:
+            cost_ms, _, x = self._cost(w, L - hit, L, now_s)
         if best_hit == 0:
             reason = "cache_miss_min_load"
         elif hit >= best_hit:
@@ -327,8 +337,7 @@ class CacheAware:
                    and self._fits(t[4], prompt_tokens, now_s) and not t[4].distrusted(now_s)]
             if hot:
                 pool = hot
-        ct = self.cost_ties
-        if ct == "never" or (ct == "auto" and not self.calibrator.trusted):
+        if scored[0][5] is None:  # no cost ties (see choose): greedy's order
             return min(pool, key=lambda t: (round(load[t[2]]), t[2]))
         band = min(load[t[2]] for t in pool) + self.load_slack
         return min((t for t in pool if load[t[2]] <= band),
