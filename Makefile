@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test soak bench bench-http venv clean
+.PHONY: demo test test-unit test-e2e soak bench bench-http venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m 'unit and not soak'
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q -m 'e2e and not soak'
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -m soak

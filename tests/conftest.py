@@ -12,6 +12,27 @@ import pytest
 from mesh.procs import ProcGroup
 
 
+_E2E_SOURCE_MARKS = ("subprocess", "ProcGroup(", "Popen(", "create_subprocess")
+_module_is_e2e: dict[str, bool] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test ``e2e`` (it starts real processes: the ``procs`` fixture, or a module that
+    spawns them itself) or ``unit`` (in-process only), so ``pytest -m unit`` is the fast loop and
+    ``pytest -m e2e`` the real-process suite (``make test-unit`` / ``make test-e2e``)."""
+    for item in items:
+        path = str(item.fspath)
+        spawns = _module_is_e2e.get(path)
+        if spawns is None:
+            try:
+                src = Path(path).read_text()
+            except OSError:
+                src = ""
+            spawns = _module_is_e2e[path] = any(m in src for m in _E2E_SOURCE_MARKS)
+        e2e = "procs" in getattr(item, "fixturenames", ()) or spawns
+        item.add_marker(pytest.mark.e2e if e2e else pytest.mark.unit)
+
+
 @pytest.fixture
 def procs(tmp_path: Path):
     """A ProcGroup whose processes are stopped at teardown; a process that ignores SIGTERM for
