@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def _labels(items: list[str] | None) -> dict[str, str] | None:
 
 
 def _settings(cls, args: argparse.Namespace, section: str, names: list[str], extra: dict | None = None):
-    file_vals = load_toml(args.config, section) if getattr(args, "config", None) else {}
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    file_vals = load_toml(args.config, section, allowed) if getattr(args, "config", None) else {}
     flag_vals = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return build(cls, file_vals, flag_vals, extra or {})
 
@@ -189,7 +191,7 @@ def _add_worker(sub) -> None:
 def _engine_cfg(args):
     from mesh.engine_model import EngineConfig
 
-    vals = load_toml(args.config, "engine") if getattr(args, "config", None) else {}
+    vals = load_toml(args.config, "engine", [f.name for f in dataclasses.fields(EngineConfig)]) if getattr(args, "config", None) else {}
     vals.update({n: getattr(args, n) for n in _ENGINE_FLAGS if getattr(args, n, None) is not None})
     try:
         return EngineConfig(**vals)

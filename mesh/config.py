@@ -9,6 +9,7 @@ Time settings carry their unit in the name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 import types
@@ -19,7 +20,8 @@ from typing import Any
 
 from mesh.errors import ConfigError
 
-__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "apply_toml_to_args", "read_toml", "model_paths", "check_tokenizers"]
+__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "apply_toml_to_args", "read_toml", "model_paths",
+           "check_tokenizers", "suggest_name", "SETTINGS_TABLES"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,14 +251,39 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
         raise ConfigError(f"{what} {p}: {exc}") from None
 
 
-def load_toml(path: str | Path, section: str) -> dict[str, Any]:
-    """Read one table of a TOML config file. A missing table is an empty mapping."""
+# Every table a mesh settings file may hold (one file can configure several commands); any other
+# top-level name is a typo (``[brokr]``) and an error, never silently ignored.
+SETTINGS_TABLES = ("broker", "worker", "engine", "indexer", "attach", "stub_sglang")
+
+
+def suggest_name(name: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or an empty string."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_toml(path: str | Path, section: str, allowed=None) -> dict[str, Any]:
+    """Read one table of a TOML config file. A missing table is an empty mapping; a top-level
+    name that is no settings table (see ``SETTINGS_TABLES``) is a ConfigError naming the file,
+    the table and the closest known one; with ``allowed`` (the setting names), so is a key of
+    the table that is not one of them."""
     p = Path(path)
     data = read_toml(p)
+    for name, val in data.items():
+        if name not in SETTINGS_TABLES:
+            what = "table" if isinstance(val, dict) else "top-level key"
+            raise ConfigError(f"config file {p}: unknown {what} [{name}]{suggest_name(name, SETTINGS_TABLES)}; "
+                              f"known tables: {', '.join(SETTINGS_TABLES)}")
     sect = data.get(section, {})
     if not isinstance(sect, dict):
         raise ConfigError(f"config file {p}: [{section}] must be a table")
-    return {k.replace("-", "_"): v for k, v in sect.items()}
+    out = {k.replace("-", "_"): v for k, v in sect.items()}
+    if allowed is not None:
+        names = set(allowed)
+        for key in out:
+            if key not in names:
+                raise ConfigError(f"{key}: unknown setting in [{section}] of {p}{suggest_name(key, names)}")
+    return out
 
 
 def model_paths(entries: tuple[str, ...] | list[str], name: str) -> dict[str | None, str]:
@@ -336,7 +363,8 @@ def build(cls: type, *sources: dict[str, Any]):
         for k, v in src.items():
             key = k.replace("-", "_")
             if key not in names:
-                raise ConfigError(f"{key}: unknown setting for {cls.__name__} (known: {', '.join(sorted(names))})")
+                raise ConfigError(f"{key}: unknown setting for {cls.__name__}{suggest_name(key, names)} "
+                                  f"(known: {', '.join(sorted(names))})")
             if v is not None:
                 merged[key] = _coerce(key, v, hints[key])
     obj = cls(**merged)
@@ -349,6 +377,7 @@ def apply_toml_to_args(args: Any, parser: Any, path: str | Path, section: str) -
     default (flags given on the command line win). Unknown keys are rejected by name."""
     for key, value in load_toml(path, section).items():
         if not hasattr(args, key) or key in ("func", "config"):
-            raise ConfigError(f"{key}: unknown setting in [{section}] of {path}")
+            known = [k for k in vars(args) if k not in ("func", "config") and not k.startswith("_")]
+            raise ConfigError(f"{key}: unknown setting in [{section}] of {path}{suggest_name(key, known)}")
         if getattr(args, key) == parser.get_default(key):
             setattr(args, key, value)

@@ -53,7 +53,7 @@ def test_worker_settings_errors():
 
 def test_example_configs_load_and_flags_win(tmp_path):
     for f in (REPO / "configs").glob("*.toml"):
-        if f.name.startswith("buckets"):
+        if f.name.startswith(("buckets", "quality-matrix")):  # a bucket config and the sim matrix, not settings
             continue
         build(BrokerSettings, load_toml(f, "broker"))
         build(WorkerSettings, load_toml(f, "worker"))
@@ -111,3 +111,39 @@ def test_toml_for_argparse_commands(tmp_path):
     f.write_text("[stub_sglang]\nnope = 1\n")
     with pytest.raises(ConfigError, match="nope"):
         apply_toml_to_args(p.parse_args([]), p, f, "stub_sglang")
+
+
+def test_misspelled_table_or_key_is_an_error_naming_file_table_and_fix(tmp_path):
+    from mesh.config import SETTINGS_TABLES, load_toml
+
+    bad_table = tmp_path / "a.toml"
+    bad_table.write_text("[brokr]\nheartbeat_ms = 200\n")
+    with pytest.raises(ConfigError) as ei:
+        load_toml(bad_table, "broker")
+    msg = str(ei.value)
+    assert str(bad_table) in msg and "[brokr]" in msg and "did you mean 'broker'" in msg
+    bad_key = tmp_path / "b.toml"
+    bad_key.write_text("[broker]\nheartbeat_mss = 200\n[worker]\n")
+    assert load_toml(bad_key, "worker") == {}  # other tables' keys are theirs to check
+    with pytest.raises(ConfigError) as ei:
+        load_toml(bad_key, "broker", ["heartbeat_ms", "liveness"])
+    msg = str(ei.value)
+    assert msg.startswith("heartbeat_mss:") and "[broker]" in msg and str(bad_key) in msg and "'heartbeat_ms'" in msg
+    # every table the shipped configs use is known
+    for cfg in ("configs/single-host.toml", "configs/multi-host.toml"):
+        for t in ("broker", "worker", "engine"):
+            load_toml(cfg, t)
+    assert "broker" in SETTINGS_TABLES
+
+
+def test_broker_refuses_a_misspelled_table_at_startup(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[brokr]\nheartbeat_ms = 200\n")
+    r = subprocess.run([sys.executable, "-m", "mesh.cli", "broker", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "unknown table [brokr]" in r.stderr and "did you mean 'broker'" in r.stderr
+    assert "Traceback" not in r.stderr

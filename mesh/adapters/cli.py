@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 
@@ -86,7 +87,8 @@ def settings_from_args(args: argparse.Namespace):
     from mesh.adapters.base import AttachSettings
     from mesh.config import load_toml
 
-    vals = load_toml(args.config, "attach") if getattr(args, "config", None) else {}
+    allowed = [f.name for f in dataclasses.fields(AttachSettings)]
+    vals = load_toml(args.config, "attach", allowed) if getattr(args, "config", None) else {}
     for name in _FIELDS:
         v = getattr(args, name, None)
         if v is not None:

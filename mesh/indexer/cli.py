@@ -79,12 +79,12 @@ def indexer_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults < [indexer] table of --config < flags; validated (ConfigError names the field)."""
     vals = dict(_DEFAULTS)
     if getattr(args, "config", None):
-        from mesh.config import load_toml
+        from mesh.config import load_toml, suggest_name
 
         file_vals = load_toml(args.config, "indexer")
         unknown = sorted(set(file_vals) - set(_DEFAULTS))
         if unknown:
-            raise ConfigError(f"{unknown[0]}: unknown key in [indexer]")
+            raise ConfigError(f"{unknown[0]}: unknown key in [indexer] of {args.config}{suggest_name(unknown[0], _DEFAULTS)}")
         for k, v in file_vals.items():
             if not isinstance(v, _TYPES[k]) or isinstance(v, bool):
                 raise ConfigError(f"{k}: wrong type, got {v!r}")
