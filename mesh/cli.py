@@ -405,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # which flags were given (explicit beats file)
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:

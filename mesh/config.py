@@ -372,12 +372,38 @@ def build(cls: type, *sources: dict[str, Any]):
     return obj
 
 
-def apply_toml_to_args(args: Any, parser: Any, path: str | Path, section: str) -> None:
-    """For argparse-only commands: fill ``args`` from a TOML table where the flag was left at its
-    default (flags given on the command line win). Unknown keys are rejected by name."""
+def explicit_dests(parser: Any, argv: list[str]) -> set[str]:
+    """The ``dest`` of every option of ``parser`` that ``argv`` gives explicitly (``--x v``,
+    ``--x=v``, or a unique prefix as argparse allows), whatever its value."""
+    table = getattr(parser, "_option_string_actions", {})
+    out: set[str] = set()
+    for tok in argv:
+        if tok == "--":
+            break
+        if not tok.startswith("-") or tok == "-":
+            continue
+        opt = tok.split("=", 1)[0]
+        act = table.get(opt)
+        if act is None and opt.startswith("--"):
+            hits = {a.dest for o, a in table.items() if o.startswith(opt)}
+            if len(hits) == 1:
+                out |= hits
+            continue
+        if act is not None:
+            out.add(act.dest)
+    return out
+
+
+def apply_toml_to_args(args: Any, parser: Any, path: str | Path, section: str, argv: list[str] | None = None) -> None:
+    """For argparse-only commands: fill ``args`` from a TOML table except where the flag was
+    given on the command line (``argv``, default ``sys.argv[1:]``): an explicit flag always wins,
+    even when its value equals the default. Unknown keys are rejected by name."""
+    import sys
+
+    given = explicit_dests(parser, sys.argv[1:] if argv is None else argv)
+    known = [k for k in vars(args) if k not in ("func", "config") and not k.startswith("_")]
     for key, value in load_toml(path, section).items():
-        if not hasattr(args, key) or key in ("func", "config"):
-            known = [k for k in vars(args) if k not in ("func", "config") and not k.startswith("_")]
+        if not hasattr(args, key) or key in ("func", "config") or key.startswith("_"):
             raise ConfigError(f"{key}: unknown setting in [{section}] of {path}{suggest_name(key, known)}")
-        if getattr(args, key) == parser.get_default(key):
+        if key not in given:
             setattr(args, key, value)

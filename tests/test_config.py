@@ -106,11 +106,11 @@ def test_toml_for_argparse_commands(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[stub_sglang]\nport = 31000\nhost = "0.0.0.0"\n')
     args = p.parse_args(["--host", "10.1.1.1"])
-    apply_toml_to_args(args, p, f, "stub_sglang")
+    apply_toml_to_args(args, p, f, "stub_sglang", ["--host", "10.1.1.1"])
     assert args.port == 31000 and args.host == "10.1.1.1"  # file fills defaults, flags win
     f.write_text("[stub_sglang]\nnope = 1\n")
     with pytest.raises(ConfigError, match="nope"):
-        apply_toml_to_args(p.parse_args([]), p, f, "stub_sglang")
+        apply_toml_to_args(p.parse_args([]), p, f, "stub_sglang", [])
 
 
 def test_misspelled_table_or_key_is_an_error_naming_file_table_and_fix(tmp_path):
@@ -147,3 +147,26 @@ def test_broker_refuses_a_misspelled_table_at_startup(tmp_path):
     assert r.returncode != 0
     assert "unknown table [brokr]" in r.stderr and "did you mean 'broker'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_an_explicit_flag_wins_over_toml_even_at_its_default(tmp_path):
+    import argparse
+
+    from mesh.config import apply_toml_to_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--log-level", default="info")
+    cfg = tmp_path / "s.toml"
+    cfg.write_text("[stub_sglang]\nport = 31000\nlog_level = 'debug'\n")
+    argv = ["--port", "30000"]  # explicitly the default: the flag must still win
+    args = p.parse_args(argv)
+    apply_toml_to_args(args, p, cfg, "stub_sglang", argv)
+    assert args.port == 30000 and args.log_level == "debug"  # the file fills what was not given
+    argv = ["--log-lev=info"]  # a unique prefix, argparse style
+    args = p.parse_args(argv)
+    apply_toml_to_args(args, p, cfg, "stub_sglang", argv)
+    assert args.port == 31000 and args.log_level == "info"
+    cfg.write_text("[stub_sglang]\nprot = 1\n")
+    with pytest.raises(ConfigError, match="prot: unknown setting .*did you mean 'port'"):
+        apply_toml_to_args(p.parse_args([]), p, cfg, "stub_sglang", [])

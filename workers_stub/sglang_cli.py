@@ -121,7 +121,7 @@ def _cmd_stub_sglang(args) -> int:
     from workers_stub.sglang_server import serve_stub
 
     if args.config:
-        apply_toml_to_args(args, args._parser, args.config, "stub_sglang")
+        apply_toml_to_args(args, args._parser, args.config, "stub_sglang", getattr(args, "_argv", None))
 
     asyncio.run(serve_stub(settings_from_args(args)))
     return 0
