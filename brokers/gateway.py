@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from mesh import protocol as P
 from mesh.errors import ErrorCode
-from mesh.logs import announce, get_logger
+from mesh.logs import add_log_level_arg, announce, get_logger
 from mesh.sockets import CLIENT_DEALER, make_socket
 
 __all__ = ["BrokerPool", "serve_gateway"]
@@ -257,7 +257,7 @@ def add_gateway_parser(subparsers):
     p.add_argument("--http-body-timeout-s", type=float, default=30.0, help="time to receive a body or drain a write (default 30)")
     p.add_argument("--http-request-timeout-s", type=float, default=1800.0, help="lifetime of an unstreamed request (default 1800)")
     p.add_argument("--http-stream-idle-timeout-s", type=float, default=300.0, help="a stream ends after this long without output (default 300)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    add_log_level_arg(p, "info")
     p.set_defaults(func=_cmd_gateway)
     return p
 

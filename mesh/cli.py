@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mesh.config import BrokerSettings, WorkerSettings, build, load_toml
 from mesh.errors import ConfigError
+from mesh.logs import add_log_level_arg
 
 __all__ = ["main"]
 
@@ -134,7 +135,7 @@ def _add_broker(sub) -> None:
     p.add_argument("--curve-allow-workers", help="directory of worker public keys allowed to register")
     p.add_argument("--curve-allow-clients", help="directory of client public keys allowed to submit")
     p.add_argument("--seed", type=int, help="seed the routing RNG (deterministic decisions)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    add_log_level_arg(p)
     p.set_defaults(func=_cmd_broker)
 
 
@@ -181,7 +182,7 @@ def _add_worker(sub) -> None:
     p.add_argument("--curve-server-key", help="the brokers' public key (.key)")
     p.add_argument("--tokenizer", help="a model folder: text prompts are tokenised with the model's tokenizer, as a real "
                                       "engine does, so KV events carry its token ids (default: UTF-8 bytes as ids)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    add_log_level_arg(p)
     g = p.add_argument_group("engine model (defaults: 8B model on one H100)")
     for name in _ENGINE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=float if name.endswith(("_per_s", "_ms")) else int)

@@ -18,6 +18,12 @@ __all__ = ["configure", "get_logger", "announce", "RateLimiter"]
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+def add_log_level_arg(parser, default: str | None = None) -> None:
+    """The one ``--log-level`` flag every mesh command shares (choices are this module's levels)."""
+    parser.add_argument("--log-level", choices=list(_LEVELS), default=default,
+                        help=f"log threshold (default {default or 'info'})")
+
+
 def configure(level: str = "info", *, json: bool = True) -> None:
     """Configure structlog once per process. JSON to stderr unless ``json`` is False."""
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)

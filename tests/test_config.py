@@ -170,3 +170,14 @@ def test_an_explicit_flag_wins_over_toml_even_at_its_default(tmp_path):
     cfg.write_text("[stub_sglang]\nprot = 1\n")
     with pytest.raises(ConfigError, match="prot: unknown setting .*did you mean 'port'"):
         apply_toml_to_args(p.parse_args([]), p, cfg, "stub_sglang", [])
+
+
+def test_one_log_level_flag_definition():
+    # every command takes --log-level from mesh.logs.add_log_level_arg (one set of choices)
+    defs = []
+    for base in ("mesh", "brokers", "workers_stub"):
+        for f in (REPO / base).rglob("*.py"):
+            src = f.read_text()
+            if 'add_argument("--log-level"' in src:
+                defs.append(str(f.relative_to(REPO)))
+    assert defs == ["mesh/logs.py"], defs

@@ -11,6 +11,7 @@ import asyncio
 import json
 import sys
 
+from mesh.logs import add_log_level_arg
 from mesh.errors import ConfigError
 
 __all__ = ["add_stub_sglang_parser", "settings_from_args", "main"]
@@ -59,7 +60,7 @@ def add_stub_sglang_parser(subparsers) -> argparse.ArgumentParser:
                    help="HTTP load endpoints: v1_loads (0.5.21+), get_load (/get_load + /v1/loads, 0.5.12-0.5.20), metrics (only /metrics)")
     p.add_argument("--tokenizer", help="a model folder (tokenizer.json, tokenizer_config.json): text prompts and chat "
                                       "messages are tokenised as the real engine would (default: UTF-8 bytes as ids)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    add_log_level_arg(p, "info")
     g = p.add_argument_group("engine model (defaults: 8B model on one H100; --page-size is SGLang's flag too)")
     for name in _ENGINE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=float if name.endswith(("_per_s", "_ms")) else int)

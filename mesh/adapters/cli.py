@@ -15,6 +15,7 @@ import sys
 
 from mesh import aio
 from mesh.errors import ConfigError
+from mesh.logs import add_log_level_arg
 
 __all__ = ["add_attach_parser", "settings_from_args", "main"]
 
@@ -60,7 +61,7 @@ def _common(p: argparse.ArgumentParser, *, vllm: bool) -> None:
     h.add_argument("--liveness", type=int, help="broker heartbeats missed before reconnecting (default 3)")
     h.add_argument("--kv-events-to", choices=["all", "one"], help="send KV events to every broker (default) or one (shared indexer)")
     h.add_argument("--drain-timeout-s", type=float, help="SIGTERM: wait this long for in-flight requests (default 10)")
-    h.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    add_log_level_arg(h)
 
 
 def add_attach_parser(subparsers) -> argparse.ArgumentParser:

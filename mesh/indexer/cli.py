@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mesh.logs import add_log_level_arg
 from mesh.errors import ConfigError
 
 __all__ = ["add_indexer_parser", "add_bench_parser", "indexer_settings", "indexer_token"]
@@ -68,7 +69,7 @@ def add_indexer_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ghost-ttl-s", type=float,
                    help="drop workers/streams that got no block indexed this long after they appeared "
                         "(default 60; 0 = keep them until --worker-ttl-s)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    add_log_level_arg(p)
     # Test seam: every prefix query waits this long before running (overload/deadline tests).
     p.add_argument("--fault-query-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_indexer)
