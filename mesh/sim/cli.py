@@ -60,7 +60,10 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--no-dedupe", action="store_true",
                    help="run load-only policies once per provider instead of once with provider 'none'")
     w = p.add_argument_group("request stream")
-    w.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times (0.25 = 4x faster)")
+    # --arrival-scale, not --time-scale: on the workers --time-scale scales modelled GPU time, here
+    # only the trace's arrival times are scaled (the old spelling is kept as a hidden alias)
+    w.add_argument("--arrival-scale", "--time-scale", dest="time_scale", type=float, default=1.0, metavar="FACTOR",
+                   help="multiply trace arrival times (0.25 = 4x the offered rate); GPU time is not scaled")
     w.add_argument("--rate", type=float, default=20.0, help="generated workloads: Poisson requests/s (default 20)")
     w.add_argument("--duration-s", type=float, default=60.0, help="generated workloads: seconds of arrivals (default 60)")
     w.add_argument("--max-requests", type=int, help="truncate the stream to N requests")
