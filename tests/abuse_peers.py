@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from mesh import protocol as P
+from mesh.kv_events import BlockStored, encode_event_map
 from mesh.load import LoadStat
 
 __all__ = ["FakeWorker", "raw_dealer", "status"]
@@ -124,3 +125,25 @@ class FakeWorker:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.sock.close()
+
+
+def kv_batch(seq: int, events_n: int = 7900) -> list[bytes]:
+    """A KV_EVENTS batch just under the frame limit (~4.2 MB, 126k blocks): ~0.35 s of broker CPU."""
+    events = [encode_event_map(BlockStored(tuple(range(j * 16 + 1, j * 16 + 17)), None, tuple(range(256)), 16))
+              for j in range(events_n)]
+    return P.encode_kv_events(0, 1, seq, 0.0, events)
+
+
+async def impostor_answer(w: FakeWorker, r: P.Request) -> None:
+    await w.send(P.encode_worker_final(r.rid, r.attempt, "length", {}, {"token_ids": [666]}))
+
+
+async def long_stream(w: FakeWorker, r: P.Request) -> None:
+    """1,000 chunks of 64 tokens for the slow reader's requests (first token 77); an honest
+    answer to anything else (it may be routed other clients' requests)."""
+    if not r.submit.input_ids or r.submit.input_ids[0] != 77:
+        await answer_ok(w, r)
+        return
+    for seq in range(1000):
+        await w.send(P.encode_worker_chunk(r.rid, r.attempt, seq, {"token_ids": list(range(64))}))
+    await w.send(P.encode_worker_final(r.rid, r.attempt, "length", {"prompt_tokens": 2, "completion_tokens": 1000}))

@@ -22,10 +22,9 @@ import zmq
 from mesh import protocol as P
 from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
-from mesh.kv_events import BlockStored, encode_event_map
 from mesh.load import LoadStat
 from mesh.up import wait_for_workers
-from tests.abuse_peers import FakeWorker, answer_ok, never_answer, raw_dealer, status
+from tests.abuse_peers import FakeWorker, answer_ok, impostor_answer, kv_batch, long_stream, never_answer, raw_dealer, status
 from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200"]
@@ -35,13 +34,6 @@ async def _one(frontend: str, **kw):
     async with Client(frontend) as c:
         return await c.generate(input_ids=kw.pop("ids", [1, 2, 3]), max_new_tokens=kw.pop("n", 2),
                                 deadline_ms=kw.pop("deadline_ms", 10_000), **kw)
-
-
-def _kv_batch(seq: int, events_n: int = 7900) -> list[bytes]:
-    """A KV_EVENTS batch just under the frame limit (~4.2 MB, 126k blocks): ~0.35 s of broker CPU."""
-    events = [encode_event_map(BlockStored(tuple(range(j * 16 + 1, j * 16 + 17)), None, tuple(range(256)), 16))
-              for j in range(events_n)]
-    return P.encode_kv_events(0, 1, seq, 0.0, events)
 
 
 # --------------------------------------------------------------------------- 1. remote abort
@@ -98,7 +90,7 @@ def test_kv_flood_then_close_does_not_kill_the_broker_nor_expire_healthy_workers
     b = procs.broker("b", *FAST)
     procs.workers("w", [b.backend], "--heartbeat-ms", "200", count=1)
     run(wait_for_workers(b.frontend, 1))
-    batch = _kv_batch(0)
+    batch = kv_batch(0)
 
     async def body():
         atk = await FakeWorker(b.backend, "attacker").start()
@@ -342,10 +334,6 @@ def test_a_worker_that_lies_about_its_load_does_not_draw_the_traffic(procs):
 
 # --------------------------------------------------------------------------- 6. identity
 
-async def _impostor_answer(w: FakeWorker, r: P.Request) -> None:
-    await w.send(P.encode_worker_final(r.rid, r.attempt, "length", {}, {"token_ids": [666]}))
-
-
 def test_a_second_peer_cannot_take_over_a_live_worker_id(procs):
     """Before: a READY claiming a live worker's id replaced it (180 of 300 responses carried
     the impostor's tokens). Now the claim is refused while the owner is alive."""
@@ -355,7 +343,7 @@ def test_a_second_peer_cannot_take_over_a_live_worker_id(procs):
 
     async def body():
         wid = (await status(b.frontend)).workers[0]["worker_id"]
-        imp = FakeWorker(b.backend, wid, _impostor_answer)
+        imp = FakeWorker(b.backend, wid, impostor_answer)
         await imp.start(wait=False)
         await until(lambda: _counter(b.frontend, "workers.refused_duplicate_id"), what="impostor refused")
         assert "is registered on another live connection" in " ".join(await _disconnects(imp))
@@ -445,23 +433,12 @@ def test_one_client_cannot_take_the_whole_broker(procs):
     run(body())
 
 
-async def _long_stream(w: FakeWorker, r: P.Request) -> None:
-    """1,000 chunks of 64 tokens for the slow reader's requests (first token 77); an honest
-    answer to anything else (it may be routed other clients' requests)."""
-    if not r.submit.input_ids or r.submit.input_ids[0] != 77:
-        await answer_ok(w, r)
-        return
-    for seq in range(1000):
-        await w.send(P.encode_worker_chunk(r.rid, r.attempt, seq, {"token_ids": list(range(64))}))
-    await w.send(P.encode_worker_final(r.rid, r.attempt, "length", {"prompt_tokens": 2, "completion_tokens": 1000}))
-
-
 def test_a_client_that_stops_reading_is_counted_slow_never_ok(procs):
     """Before: a client that never read lost its replies while the broker counted them ok."""
     b = procs.broker("b", *FAST)
 
     async def body():
-        w = await FakeWorker(b.backend, "streamer", _long_stream).start()
+        w = await FakeWorker(b.backend, "streamer", long_stream).start()
         lazy = raw_dealer(b.frontend, RCVHWM=1, RCVBUF=4096)
         for i in range(100):  # 100k chunks: more than the broker's send HWM and every buffer
             await lazy.send_multipart(P.encode_submit(f"s{i}", input_ids=[77, i], params={"max_new_tokens": 1000}))

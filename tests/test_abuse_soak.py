@@ -24,7 +24,7 @@ from mesh.procs import wait_for_log_event
 from mesh.up import wait_for_workers
 from tests.abuse_peers import FakeWorker, never_answer, raw_dealer, status
 from tests.conftest import run
-from tests.test_abuse_broker import _impostor_answer, _kv_batch, _long_stream
+from tests.abuse_peers import impostor_answer, kv_batch, long_stream
 
 SECONDS = float(os.environ.get("MESH_ABUSE_SECONDS", "180"))
 MAX_RSS_MB = float(os.environ.get("MESH_ABUSE_MAX_RSS_MB", "300"))
@@ -46,7 +46,7 @@ def test_abuse_soak(procs):
     procs.workers("w", [b.backend], "--heartbeat-ms", "200", count=3)
     run(wait_for_workers(b.frontend, 3))
     rss0 = _rss_mb(b.pid)
-    batch = _kv_batch(0)
+    batch = kv_batch(0)
     events = P.unpack(batch[2])["events"]
     tally = {"ok": 0, "shed": 0, "lost": [], "foreign": 0, "attacks": 0, "http_ok": 0, "peak_rss": rss0}
 
@@ -126,10 +126,10 @@ def test_abuse_soak(procs):
             for g in ghosts:
                 g.silent = True
                 await g.start(wait=False)
-            imp = FakeWorker(b.backend, "w-0", _impostor_answer)
+            imp = FakeWorker(b.backend, "w-0", impostor_answer)
             await imp.start(wait=False)
             hole = await FakeWorker(b.backend, f"hole{k}", never_answer).start()
-            streamer = await FakeWorker(b.backend, f"streamer{k}", _long_stream).start()
+            streamer = await FakeWorker(b.backend, f"streamer{k}", long_stream).start()
             lazy = raw_dealer(b.frontend, RCVHWM=1, RCVBUF=4096)
             for i in range(20):
                 await lazy.send_multipart(P.encode_submit(f"lazy{k}-{i}", input_ids=[77, i], params={"max_new_tokens": 1000}))

@@ -32,7 +32,7 @@ from mesh.errors import ErrorCode
 from mesh.hashing import U64_MASK
 from mesh.sockets import SocketSpec, make_socket
 from tests.conftest import run
-from tests.test_adapters_support import load_frames
+from tests.adapters_support import load_frames
 
 _U = U64_MASK
 

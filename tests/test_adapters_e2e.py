@@ -22,7 +22,7 @@ from mesh.errors import ErrorCode, RequestError
 from mesh.engine_model import output_token_id
 from mesh.up import wait_for_workers
 from tests.conftest import run
-from tests.test_adapters_support import start_adapter, start_stub
+from tests.adapters_support import start_adapter, start_stub
 
 FAST_BROKER = ["--heartbeat-ms", "200"]
 FAST_ADAPTER = ["--heartbeat-ms", "200", "--health-interval-ms", "100", "--unhealthy-after", "1", "--load-poll-ms", "200"]

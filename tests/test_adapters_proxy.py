@@ -15,7 +15,7 @@ from mesh.adapters.base import Adapter, AttachSettings, parse_prometheus
 from mesh.adapters.sglang import SglangBackend
 from mesh.engine_model import output_token_id
 from tests.conftest import run
-from tests.test_adapters_support import FakeBroker, start_stub, until
+from tests.adapters_support import FakeBroker, start_stub, until
 
 
 def _submit(rid: str, ids: list[int], n: int, stream: bool = True) -> bytes:

@@ -19,7 +19,7 @@ from mesh.adapters.base import Adapter, AttachSettings
 from mesh.adapters.sglang import SglangBackend
 from mesh.hashing import content_keys
 from tests.conftest import run
-from tests.test_adapters_support import FakeBroker, start_stub, until
+from tests.adapters_support import FakeBroker, start_stub, until
 
 STUB = ["--time-scale", "0.05"]
 

@@ -19,7 +19,7 @@ from mesh.adapters.base import KvRelay, RankStream
 from mesh.engine_model import EngineConfig, EngineModel
 from mesh.routing.providers import LocalIndexProvider
 from tests.conftest import run
-from tests.test_adapters_support import until
+from tests.adapters_support import until
 from workers_stub.sglang_wire import SGLANG_PUB, SGLANG_REPLAY_ROUTER, KvPublisher, bind_port_range
 
 BS = 4
@@ -266,7 +266,7 @@ def test_logprob_lists_travel_as_their_new_part_per_chunk_and_whole_when_unstrea
     chunk), the FINAL those of its delta; an unstreamed FINAL has the whole answer's."""
     from mesh.adapters.base import Adapter, AttachSettings
     from mesh.adapters.sglang import SglangBackend
-    from tests.test_adapters_support import FakeBroker
+    from tests.adapters_support import FakeBroker
     from workers_stub.sglang_server import SglangStub, StubSettings
 
     params = {"max_new_tokens": 6, "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,

@@ -14,7 +14,7 @@ import pytest
 from mesh.procs import Proc, ProcGroup, wait_for_log_event
 from mesh.up import wait_for_workers
 from tests.conftest import run
-from tests.test_adapters_support import start_stub
+from tests.adapters_support import start_stub
 
 STOP_BOUND_S = 2.0
 FAST = ["--heartbeat-ms", "200", "--health-interval-ms", "100", "--unhealthy-after", "1"]

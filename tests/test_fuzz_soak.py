@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.test_fuzz import _e2e, check_broker_survived
+from tests.fuzz_support import check_broker_survived, run_fuzz_e2e
 
 SECONDS = float(os.environ.get("MESH_FUZZ_SECONDS", "180"))
 
@@ -19,5 +19,5 @@ def test_fuzz_broker_soak(procs):
     # 180 s (seed 424242): it levels off (libzmq's inbound queues and the allocator's retained
     # pages under a continuous flood; the Python heap itself stays ~10-30 MB above start-up).
     # Before the hardening a 40 s run reached 1.27 GB.
-    check_broker_survived(_e2e(procs, seconds=SECONDS, seed=int(os.environ.get("MESH_FUZZ_SEED", "424242")), peers=6),
+    check_broker_survived(run_fuzz_e2e(procs, seconds=SECONDS, seed=int(os.environ.get("MESH_FUZZ_SEED", "424242")), peers=6),
                           max_growth_mb=float(os.environ.get("MESH_FUZZ_MAX_RSS_MB", "400")))

@@ -21,27 +21,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from mesh.procs import ProcGroup, wait_for_log_event
-from mesh.up import wait_for_workers
+from tests.adapters_support import HB_MS, http_adapter_path
 from tests.conftest import run
-
-HB_MS = 1000  # a stall would last about one heartbeat (the worker link's poll timeout)
-
-
-def _path(procs: ProcGroup, n: int = 2, *, engine_urls: list[str] | None = None, time_scale: str = "0.001",
-          broker_args: tuple[str, ...] = ()):
-    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "round_robin", "--heartbeat-ms", str(HB_MS), *broker_args)
-    url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"]
-    engines = list(engine_urls or [])
-    for i in range(n - len(engines)):
-        p = procs._spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale])
-        engines.append(wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"])
-    for i, e in enumerate(engines):
-        procs._spawn(f"a{i}", ["attach", "sglang", "--url", e, "--broker", b.backend, "--worker-id", f"a{i}",
-                               "--heartbeat-ms", str(HB_MS)])
-    run(wait_for_workers(b.frontend, len(engines)), 40)
-    return url, engines
-
 
 async def _sse(resp: aiohttp.ClientResponse) -> list[bytes]:
     raw = await resp.read()
@@ -49,7 +30,7 @@ async def _sse(resp: aiohttp.ClientResponse) -> list[bytes]:
 
 
 def test_concurrent_requests_through_real_adapters_do_not_stall(procs):
-    url, _ = _path(procs)
+    url, _ = http_adapter_path(procs)
 
     async def body() -> list[float]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
@@ -75,7 +56,7 @@ def test_concurrent_requests_through_real_adapters_do_not_stall(procs):
 
 
 def test_generate_answers_keep_the_engines_fields_and_events(procs):
-    url, engines = _path(procs, 1)
+    url, engines = http_adapter_path(procs, 1)
     req = {"input_ids": list(range(100, 140)), "sampling_params": {"max_new_tokens": 6}}
 
     async def body() -> None:
@@ -199,7 +180,7 @@ def stalling_engine():
 
 def test_when_every_engine_answers_500_the_client_gets_an_http_error(procs, failing_engines):
     engines, hits = failing_engines
-    url, _ = _path(procs, 2, engine_urls=engines)
+    url, _ = http_adapter_path(procs, 2, engine_urls=engines)
 
     async def body() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -220,7 +201,7 @@ def test_when_every_engine_answers_500_the_client_gets_an_http_error(procs, fail
 def test_a_request_past_its_deadline_is_a_504_and_the_engine_is_freed(procs):
     """x-mesh-deadline-ms bounds the whole request: the broker answers 504 at the deadline and the
     adapter abandons the engine request (its connection closes, the engine aborts)."""
-    url, engines = _path(procs, 1, time_scale="1.0")  # modelled speed: 2,000 tokens take seconds
+    url, engines = http_adapter_path(procs, 1, time_scale="1.0")  # modelled speed: 2,000 tokens take seconds
 
     async def body() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
@@ -260,7 +241,7 @@ def test_lifetimes_streams_are_bounded_by_idle_time_unstreamed_by_the_request_ti
     """--http-request-timeout-s bounds an unstreamed request; a stream that keeps producing runs
     past it (only --http-stream-idle-timeout-s between outputs bounds it); a client that goes
     away cancels its request on the engine, streamed or not."""
-    url, engines = _path(procs, 1, time_scale="1.0",
+    url, engines = http_adapter_path(procs, 1, time_scale="1.0",
                          broker_args=("--http-request-timeout-s", "1.5", "--http-stream-idle-timeout-s", "1"))
 
     async def body() -> None:
@@ -293,7 +274,7 @@ def test_lifetimes_streams_are_bounded_by_idle_time_unstreamed_by_the_request_ti
 
 def test_a_stream_without_output_for_the_idle_timeout_ends_with_an_error_and_frees_the_engine(procs, stalling_engine):
     engines, seen = stalling_engine
-    url, _ = _path(procs, 1, engine_urls=engines, broker_args=("--http-stream-idle-timeout-s", "1"))
+    url, _ = http_adapter_path(procs, 1, engine_urls=engines, broker_args=("--http-stream-idle-timeout-s", "1"))
 
     async def body() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:

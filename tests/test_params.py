@@ -71,9 +71,9 @@ def test_generate_passes_sampling_params_and_request_fields():
 
 def test_parameters_reach_the_engine_through_the_openai_client(procs):
     openai = pytest.importorskip("openai")
-    from tests.test_http_adapter_path import _path
+    from tests.adapters_support import http_adapter_path
 
-    url, engines = _path(procs, 1)
+    url, engines = http_adapter_path(procs, 1)
 
     async def seen(s: aiohttp.ClientSession) -> dict:
         async with s.get(engines[0] + "/debug/requests") as r:

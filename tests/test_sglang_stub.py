@@ -17,7 +17,7 @@ from mesh import protocol as P
 from mesh.load import LoadStat
 from mesh.sockets import SocketSpec, make_socket
 from tests.conftest import run
-from tests.test_adapters_support import start_stub
+from tests.adapters_support import start_stub
 
 SUB = SocketSpec(zmq.SUB, sndhwm=1000, rcvhwm=10_000, linger_ms=0)
 DEALER = SocketSpec(zmq.DEALER, sndhwm=100, rcvhwm=10_000, linger_ms=0)

@@ -172,7 +172,7 @@ def test_ready_falls_back_when_no_handshake_is_reported(monkeypatch):
 
     from mesh import protocol as P
     from mesh.retry import RetryPolicy
-    from tests.test_adapters_support import FakeBroker
+    from tests.adapters_support import FakeBroker
     from mesh.worker import link as links
 
     async def register(events: int) -> tuple[float, int, int]:

@@ -27,7 +27,8 @@ from mesh import protocol as P
 from mesh.procs import Proc, ProcGroup, wait_for_log_event
 from mesh.routing.providers import LocalIndexProvider
 from mesh.sockets import BROKER_BACKEND, make_socket, recv_frames, send_frames
-from tests.conftest import until  # noqa: F401 - the adapter tests import it from here
+from mesh.up import wait_for_workers
+from tests.conftest import run, until  # noqa: F401 - the adapter tests import until from here
 
 DATA = Path(__file__).parent / "data"
 
@@ -166,3 +167,23 @@ class FakeBroker:
                 del self.sessions[ident]
                 if wid not in self.sessions.values():
                     self.provider.on_worker_removed(wid)
+
+
+HB_MS = 1000  # a stall would last about one heartbeat (the worker link's poll timeout)
+
+
+def http_adapter_path(procs: ProcGroup, n: int = 2, *, engine_urls: list[str] | None = None, time_scale: str = "0.001",
+          broker_args: tuple[str, ...] = ()):
+    """The HTTP path with real processes: ``mesh broker --http`` + ``n`` adapters, each attached to
+    a ``mesh stub-sglang`` it starts (or to ``engine_urls``); returns (HTTP url, engine urls)."""
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "round_robin", "--heartbeat-ms", str(HB_MS), *broker_args)
+    url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"]
+    engines = list(engine_urls or [])
+    for i in range(n - len(engines)):
+        p = procs._spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale])
+        engines.append(wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"])
+    for i, e in enumerate(engines):
+        procs._spawn(f"a{i}", ["attach", "sglang", "--url", e, "--broker", b.backend, "--worker-id", f"a{i}",
+                               "--heartbeat-ms", str(HB_MS)])
+    run(wait_for_workers(b.frontend, len(engines)), 40)
+    return url, engines
