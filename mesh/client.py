@@ -44,7 +44,7 @@ import zmq
 import zmq.asyncio
 
 from mesh import protocol as P
-from mesh.errors import ErrorCode, ProtocolError, RequestError, RetryableError, error_for
+from mesh.errors import ClientStateError, ErrorCode, ProtocolError, RequestError, RetryableError, error_for
 from mesh.retry import RetryPolicy
 from mesh.sockets import CLIENT_DEALER, CurveKeys, make_socket
 
@@ -218,7 +218,7 @@ class Client:
 
     def open(self) -> None:
         if self._state != "unopened":
-            raise RuntimeError(f"client is {self._state}; create a new one")
+            raise ClientStateError(f"client is {self._state}; create a new one")
         for ep in self.endpoints:
             # The monitor is attached before connect: a handshake that completes first (a busy
             # machine can deschedule this thread between the two calls) would otherwise never
@@ -282,10 +282,15 @@ class Client:
                 return
 
     async def _send(self, frames: list[bytes], link: _Link | None = None) -> _Link:
+        """The client's one send boundary: ZeroMQ and OS errors become the documented tree
+        (``unavailable``, retryable elsewhere), a closed client a :class:`ClientStateError`."""
         if self._state != "open":
-            raise RuntimeError("client is not open")
+            raise ClientStateError("client is not open")
         link = link or self._pick()
-        await link.sock.send_multipart(frames)
+        try:
+            await link.sock.send_multipart(frames)
+        except (zmq.ZMQError, OSError) as exc:
+            raise error_for(ErrorCode.UNAVAILABLE, f"cannot send to {link.endpoint}: {exc}") from exc
         return link
 
     def _forget(self, rid: str) -> None:
@@ -310,6 +315,8 @@ class Client:
     ) -> Stream:
         """Send one request; returns its :class:`Stream` at once (before any reply).
         ``_avoid`` is internal (:meth:`generate`): a broker not to use if another is up."""
+        if self._state != "open":  # before picking a link: an unopened client has none
+            raise ClientStateError(f"client is {self._state}; use it inside 'async with Client(...)'")
         rid = rid or f"{self._prefix}-{next(self._ids)}"
         budget_ms = deadline_ms or self.default_deadline_ms
         st = Stream(rid, time.monotonic() + budget_ms / 1000.0, self)

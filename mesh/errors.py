@@ -5,13 +5,15 @@
     MeshError
     ├── ProtocolError          a frame or body failed validation (fatal for that message)
     ├── ConfigError            a config file or flag is invalid (fatal at startup; names the field)
+    ├── ClientStateError       a client used before open or after close (also a RuntimeError)
     └── RequestError           a request ended in an error reply; carries an ErrorCode
         ├── RetryableError     worker_lost, unavailable, overloaded, worker_error: another try may succeed
         └── FatalRequestError  bad_request, deadline_exceeded, duplicate, cancelled, no_worker, internal,
                                context_length_exceeded, too_large, rate_limited, model_not_found
 
 Callers decide retry versus fail from the type alone (``RetryableError``), or from
-``ErrorCode.retryable`` when they hold a code from the wire.
+``ErrorCode.retryable`` when they hold a code from the wire. ``mesh.client`` maps ZeroMQ and OS
+send errors to ``unavailable`` at its one send boundary, so a caller never sees a ``zmq.ZMQError``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "MeshError",
     "ProtocolError",
     "ConfigError",
+    "ClientStateError",
     "RequestError",
     "RetryableError",
     "FatalRequestError",
@@ -96,6 +99,11 @@ class ProtocolError(MeshError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+
+
+class ClientStateError(MeshError, RuntimeError):
+    """A client used outside its life (not opened yet, or closed): a programming error, raised
+    at once. (Also a RuntimeError, which it was before the error tree covered it.)"""
 
 
 class ConfigError(MeshError):
