@@ -119,15 +119,20 @@ class TtftCalibrator:
         fit = abs(actual_ms - self.predict(x)) / denom  # the fit before it learns from this outcome
         self.fit_rel_err = fit if self.fit_rel_err is None else (1 - a) * self.fit_rel_err + a * fit
         self.observations += 1
-        # RLS step
+        # RLS step (unrolled over the 4 terms: this runs once per request on a broker's loop)
         P = self._p
         t = self.theta
-        Px = [P[i][0] * x[0] + P[i][1] * x[1] + P[i][2] * x[2] + P[i][3] * x[3] for i in range(N_FEATURES)]
+        x0, x1, x2, x3 = x
+        r0, r1, r2, r3 = P
+        px0 = r0[0] * x0 + r0[1] * x1 + r0[2] * x2 + r0[3] * x3
+        px1 = r1[0] * x0 + r1[1] * x1 + r1[2] * x2 + r1[3] * x3
+        px2 = r2[0] * x0 + r2[1] * x1 + r2[2] * x2 + r2[3] * x3
+        px3 = r3[0] * x0 + r3[1] * x1 + r3[2] * x2 + r3[3] * x3
         lam = s.forget
-        den = lam + x[0] * Px[0] + x[1] * Px[1] + x[2] * Px[2] + x[3] * Px[3]
+        den = lam + x0 * px0 + x1 * px1 + x2 * px2 + x3 * px3
         if not den > 0.0:
             return
-        k = [v / den for v in Px]
+        k0, k1, k2, k3 = px0 / den, px1 / den, px2 / den, px3 / den
         pred = self.predict(x)
         resid = actual_ms - pred
         # clip (against the prior, not the moving prediction, so the bound cannot run away):
@@ -141,28 +146,34 @@ class TtftCalibrator:
         # makes the correlated ones (overhead vs step time: both near-constant on a steady fleet)
         # run away to compensate. The parameters move freely; a fit that leaves the plausible
         # range (_BOUNDS) is thrown away and learning restarts from the prior.
-        for i in range(N_FEATURES):
-            t[i] += k[i] * resid
-        if any(not (lo - 1.0 <= v <= hi) for v, (lo, hi) in zip(t, _BOUNDS)):
-            self.resets += 1
-            self._reset()
-            return
+        t[0] += k0 * resid
+        t[1] += k1 * resid
+        t[2] += k2 * resid
+        t[3] += k3 * resid
+        for v, (lo, hi) in zip(t, _BOUNDS):
+            if not (lo - 1.0 <= v <= hi):
+                self.resets += 1
+                self._reset()
+                return
         # P <- (P - k Px^T) / lam (P stays symmetric: Px is P x)
         inv = 1.0 / lam
-        for i in range(N_FEATURES):
-            ki = k[i]
-            row = P[i]
-            for j in range(N_FEATURES):
-                row[j] = (row[j] - ki * Px[j]) * inv
+        for row, ki in ((r0, k0), (r1, k1), (r2, k2), (r3, k3)):
+            row[0] = (row[0] - ki * px0) * inv
+            row[1] = (row[1] - ki * px1) * inv
+            row[2] = (row[2] - ki * px2) * inv
+            row[3] = (row[3] - ki * px3) * inv
         # Forgetting inflates P along directions no outcome excites (a fleet that never fills its
         # KV says nothing about kv_full): scale the whole matrix back (keeps it positive
         # definite) once any variance exceeds 4x its prior.
-        worst = max(P[i][i] / (s.prior_sd[i] ** 2) for i in range(N_FEATURES))
+        sd = s.prior_sd
+        worst = max(r0[0] / (sd[0] * sd[0]), r1[1] / (sd[1] * sd[1]), r2[2] / (sd[2] * sd[2]), r3[3] / (sd[3] * sd[3]))
         if worst > 4.0:
             f = 4.0 / worst
             for row in P:
-                for j in range(N_FEATURES):
-                    row[j] *= f
+                row[0] *= f
+                row[1] *= f
+                row[2] *= f
+                row[3] *= f
 
     def snapshot(self) -> dict[str, float | int | bool | None]:
         """What the calibration learnt (metrics, the simulator's report)."""
