@@ -95,14 +95,21 @@ def test_retry_policy_and_budget():
     assert b.try_acquire(100)  # 20 allowed at 100 in flight
 
 
-def test_toml_for_argparse_commands(tmp_path):
+def _stub_parser():
+    """A small argparse-only command (as stub-sglang's) for apply_toml_to_args."""
     import argparse
-
-    from mesh.config import apply_toml_to_args
 
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def test_toml_for_argparse_commands(tmp_path):
+    from mesh.config import apply_toml_to_args
+
+    p = _stub_parser()
     f = tmp_path / "c.toml"
     f.write_text('[stub_sglang]\nport = 31000\nhost = "0.0.0.0"\n')
     args = p.parse_args(["--host", "10.1.1.1"])
@@ -150,13 +157,9 @@ def test_broker_refuses_a_misspelled_table_at_startup(tmp_path):
 
 
 def test_an_explicit_flag_wins_over_toml_even_at_its_default(tmp_path):
-    import argparse
-
     from mesh.config import apply_toml_to_args
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--log-level", default="info")
+    p = _stub_parser()
     cfg = tmp_path / "s.toml"
     cfg.write_text("[stub_sglang]\nport = 31000\nlog_level = 'debug'\n")
     argv = ["--port", "30000"]  # explicitly the default: the flag must still win

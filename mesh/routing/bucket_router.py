@@ -61,7 +61,7 @@ from mesh.routing.admission import (
 from mesh.routing.buckets import BucketConfig, BucketSpec, SloError, decode_buckets_for, prefill_buckets_for, validate_slo
 from mesh.routing.cache_policies import CacheAware
 from mesh.routing.policies import MatchView, Policy
-from mesh.routing.router import PrefixProvider
+from mesh.routing.router import PrefixProvider, Router
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 
 __all__ = ["BucketRouter", "Domain", "DECODE_POLICIES", "GLOBAL"]
@@ -287,12 +287,8 @@ class BucketRouter:
             self.provider.on_routed(req, w.worker_id, now_s)
         return d
 
-    def observe(self, decision: Decision, ttft_ms: float) -> None:
-        """The prefill (or mixed) leg routed by ``decision`` got its first reply after
-        ``ttft_ms``: the policy learns from it (cache_aware's calibration)."""
-        obs = getattr(self.policy, "observe", None)
-        if obs is not None:
-            obs(decision, ttft_ms)
+    # the prefill (or mixed) leg's first reply teaches the policy, exactly as for the plain router
+    observe = Router.observe
 
     @staticmethod
     def release(state: WorkerState, decision: Decision) -> None:
