@@ -1,9 +1,13 @@
 """Settings for every mesh process, validated at startup with messages that name the field.
 
-Each process has one frozen dataclass. Values come from (lowest to highest precedence) the
-dataclass defaults, a TOML file (``[broker]``, ``[worker]``, ... tables; keys are the flag names
-with ``-`` or ``_``), and command-line flags. :func:`build` does the merge and validation.
-Time settings carry their unit in the name.
+Each process has one frozen dataclass whose fields are declared with
+:func:`mesh.settings_fields.setting` (help text, unit, flag): the same declaration generates the
+command's argparse flags (:func:`mesh.settings_fields.add_flags`) and the keys its TOML table may
+hold. Values come from (lowest to highest precedence) the dataclass defaults, a TOML file
+(``[broker]``, ``[worker]``, ... tables; keys are the field or flag names with ``-`` or ``_``),
+and command-line flags; an explicitly given flag always wins, even when it equals the default.
+:func:`settings_from_args` does that for a parsed command line, :func:`build` merges and
+validates plain mappings. Time settings carry their unit in the name.
 """
 
 from __future__ import annotations
@@ -14,91 +18,125 @@ import math
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mesh.errors import ConfigError
+from mesh.logs import add_log_level_arg
+from mesh.settings_fields import flag_values, setting, toml_aliases
 
-__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "apply_toml_to_args", "read_toml", "model_paths",
-           "check_tokenizers", "suggest_name", "SETTINGS_TABLES"]
+__all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "settings_from_args", "apply_toml_to_args", "read_toml",
+           "model_paths", "check_tokenizers", "suggest_name", "SETTINGS_TABLES"]
 
 
 @dataclass(frozen=True, slots=True)
 class BrokerSettings:
-    """Broker process settings. See ``mesh broker --help`` for each field."""
+    """Broker process settings. Each field's help text is its ``mesh broker`` flag's ``--help``."""
 
-    frontend: str = "tcp://127.0.0.1:5555"
-    backend: str = "tcp://127.0.0.1:5556"
-    broker_id: str = ""
-    heartbeat_ms: int = 500
-    liveness: int = 3
-    default_deadline_ms: int = 30_000
-    max_attempts: int = 3
-    retry_base_ms: float = 25.0
-    retry_cap_ms: float = 250.0
-    retry_budget_ratio: float = 0.2
-    retry_budget_min: int = 3
-    max_inflight: int = 100_000
-    park_timeout_s: float = 2.0  # how long a request may wait for a routable worker (startup, restart)
-    max_parked: int = 10_000  # requests waiting for a worker at most; more get no_worker at once
-    max_inflight_per_worker: int = 0  # in-flight cap per worker from this broker (0 = none); at the cap, requests queue
-    queue_timeout_s: float = 5.0  # how long a request may wait for a free slot before 'overloaded' (429)
-    eject_after_failures: int = 5  # outlier ejection: consecutive worker errors before a worker is ejected
-    eject_base_s: float = 30.0  # ejection lasts eject_base_s x (number of ejections), capped at eject_max_s
-    eject_max_s: float = 300.0
-    max_ejected_ratio: float = 0.5  # never eject more than this share of workers (at least one may be)
-    drain_timeout_s: float = 10.0
+    frontend: str = setting("tcp://127.0.0.1:5555", help="client-facing endpoint (port * = any free port)")
+    backend: str = setting("tcp://127.0.0.1:5556", help="worker-facing endpoint")
+    broker_id: str = setting("", default_text="broker-PID", help="name used in logs and metrics")
+    heartbeat_ms: int = setting(500, unit="ms", help="application heartbeat interval")
+    liveness: int = setting(3, help="heartbeats missed before a worker is expired")
+    default_deadline_ms: int = setting(30_000, unit="ms", help="deadline for requests that carry none")
+    max_attempts: int = setting(3, help="dispatch attempts per request, first included")
+    retry_base_ms: float = setting(25.0, unit="ms", help="retry back-off base")
+    retry_cap_ms: float = setting(250.0, unit="ms", help="retry back-off cap")
+    retry_budget_ratio: float = setting(0.2, help="concurrent retries allowed per in-flight request")
+    retry_budget_min: int = setting(3, help="concurrent retries always allowed")
+    max_inflight: int = setting(100_000, help="requests in flight before new ones get 'overloaded'")
+    park_timeout_s: float = setting(2.0, unit="s", help="how long a request waits for a routable worker (startup, restart)")
+    max_parked: int = setting(10_000, help="requests that may wait for a worker at once; more get no_worker at once")
+    max_inflight_per_worker: int = setting(0, help="per-worker in-flight cap from this broker; at the cap requests queue "
+                                                   "(0 = none)")
+    queue_timeout_s: float = setting(5.0, unit="s", help="wait for a free slot before 'overloaded' 429")
+    eject_after_failures: int = setting(5, help="outlier ejection: consecutive worker errors before a worker is ejected")
+    eject_base_s: float = setting(30.0, unit="s", help="ejection time, times the number of ejections (capped at "
+                                                       "--eject-max-s)")
+    eject_max_s: float = setting(300.0, unit="s", help="longest ejection")
+    max_ejected_ratio: float = setting(0.5, help="share of workers that may be ejected at once (at least one may be)")
+    drain_timeout_s: float = setting(10.0, unit="s", help="how long SIGTERM waits for in-flight work")
     # Containment (see README "Threat model and limits"): what a worker or client may ask for.
-    max_worker_heartbeat_ms: int = 2000  # a worker's announced heartbeat interval is capped here
-    max_workers: int = 4096  # registered worker sessions at most; more READYs are refused
-    max_inflight_per_client: int = 4096  # one client identity's in-flight requests (rate_limited beyond)
-    progress_timeout_ms: int = 15_000  # an attempt with no reply at all for this long is a worker failure
-    overload_lag_ms: float = 250.0  # shed new requests (overloaded) while the loop lags more than this
-    policy: str = "cache_aware"
-    cache_prefix_provider: str = "radix_tree"
-    kv_indexer_endpoint: tuple[str, ...] = ()  # replicas of the shared KV indexer (http://HOST:PORT)
-    kv_indexer_query_timeout_ms: int = 100
-    kv_indexer_query_max_inflight: int = 32
-    kv_indexer_token_file: str = ""  # file holding the shared KV indexer's bearer token; empty = none
-    load_freshness_s: float = 5.0
-    bucket_config: str = ""  # TOML/JSON bucket domains (configs/buckets-example.toml); empty = one global domain
-    pd: bool = False  # prefill/decode disaggregation: route each request to a prefill and a decode worker
-    global_cache_winner: bool = True  # an admitted global cache winner may bypass its bucket (SGLang #38814)
-    decode_policy: str = "power_of_two"  # power_of_two | legacy_host_affinity
-    metrics: str = ""  # host:port for the Prometheus endpoint; empty = off
-    http: str = ""  # host:port of the OpenAI-compatible HTTP ingress; empty = off (port 0 = any)
-    api_key: str = ""  # required as "Authorization: Bearer <key>" on the HTTP ingress when set
-    api_key_file: str = ""  # file holding the API key (not visible in the process list); excludes api_key
-    http_max_connections: int = 512  # concurrent HTTP connections; beyond it head-waiting/idle ones are evicted, else 503
-    http_header_timeout_s: float = 10.0  # a complete request head must arrive within this
-    http_idle_timeout_s: float = 60.0  # an idle kept-alive HTTP connection is closed after this
-    http_body_timeout_s: float = 30.0  # a request body must arrive (and a streamed write drain) within this
+    max_worker_heartbeat_ms: int = setting(2000, unit="ms", help="cap on the heartbeat interval a worker may announce")
+    max_workers: int = setting(4096, help="registered worker sessions at most; more READYs are refused")
+    max_inflight_per_client: int = setting(4096, help="in-flight requests per client before 'rate_limited' 429")
+    progress_timeout_ms: int = setting(15_000, unit="ms", help="an attempt that gets no reply at all for this long fails "
+                                                               "over and counts against its worker (0 = off)")
+    overload_lag_ms: float = setting(250.0, unit="ms", help="shed new requests while the event loop lags more than this")
+    policy: str = setting("cache_aware", help="routing policy: cache_aware, cache_aware_greedy, power_of_two, "
+                                              "round_robin, random")
+    cache_prefix_provider: str = setting("radix_tree", help="prefix index source: radix_tree, approx, indexer")
+    kv_indexer_endpoint: tuple[str, ...] = setting((), help="shared KV indexer http://HOST:PORT (repeat for replicas)")
+    kv_indexer_query_timeout_ms: int = setting(100, unit="ms", help="deadline of one indexer query")
+    kv_indexer_query_max_inflight: int = setting(32, help="concurrent indexer queries")
+    kv_indexer_token_file: str = setting("", help="file holding the shared KV indexer's bearer token "
+                                                  "(mesh indexer --token-file)")
+    load_freshness_s: float = setting(5.0, unit="s", help="LoadStat older than this is ignored")
+    bucket_config: str = setting("", default_text="one global domain",
+                                 help="bucket domains file (TOML or JSON), e.g. configs/buckets-example.toml")
+    pd: bool = setting(False, help="prefill/decode disaggregation: route each request to a prefill and a decode worker")
+    global_cache_winner: bool = setting(True, flag="--no-global-cache-winner",
+                                        default_text="an admitted global winner may bypass it (SGLang #38814)",
+                                        help="keep cache winners inside their bucket")
+    decode_policy: str = setting("power_of_two", choices=("power_of_two", "legacy_host_affinity"),
+                                 help="how --pd picks the decode worker")
+    metrics: str = setting("", default_text="off", help="HOST:PORT for the Prometheus /metrics endpoint (no "
+                                                       "authentication: an empty HOST, as in :9100, binds 127.0.0.1 only)")
+    http: str = setting("", default_text="off", help="HOST:PORT of the OpenAI-compatible HTTP ingress (port 0 = any "
+                                                    "free port)")
+    api_key: str = setting("", help="require this bearer token on the HTTP ingress (visible in the process list: "
+                                    "prefer --api-key-file or MESH_API_KEY)")
+    api_key_file: str = setting("", help="file holding the HTTP ingress bearer token (not visible in the process list; "
+                                         "excludes --api-key)")
+    http_max_connections: int = setting(512, help="concurrent HTTP connections; beyond it head-waiting/idle ones are "
+                                                  "evicted, else 503")
+    http_header_timeout_s: float = setting(10.0, unit="s", help="time to receive a complete request head")
+    http_idle_timeout_s: float = setting(60.0, unit="s", help="idle keep-alive HTTP connections are closed after this")
+    http_body_timeout_s: float = setting(30.0, unit="s", help="time to receive a request body or drain a streamed write")
     # HTTP request lifetimes (x-mesh-deadline-ms overrides per request): an unstreamed request
     # ends at http_request_timeout_s; a stream has no total bound, only the idle one between
     # outputs (and the first output), like SGLang's router (request_timeout_secs 1800).
-    http_request_timeout_s: float = 1800.0
-    http_stream_idle_timeout_s: float = 300.0
+    http_request_timeout_s: float = setting(1800.0, unit="s", help="lifetime of an unstreamed HTTP request (header "
+                                                                   "x-mesh-deadline-ms overrides)")
+    http_stream_idle_timeout_s: float = setting(300.0, unit="s", help="a stream ends when no output came for this long; "
+                                                                      "streams have no total bound unless "
+                                                                      "x-mesh-deadline-ms gives one")
     # HTTP ingress, per model: DIR (every model) or MODEL=DIR, the model folder or its tokenizer.json;
     # chat templates overriding a folder's the same way (see model_paths)
-    tokenizer: tuple[str, ...] = ()
-    chat_template: tuple[str, ...] = ()
-    model_name: str = "mesh"  # a name for the fleet's only model (requests may use it or the served name)
-    model_alias: tuple[str, ...] = ()  # ALIAS=MODEL: requests naming ALIAS go to workers serving MODEL
-    telemetry: str = ""  # ZMQ PUB endpoint for the telemetry stream; empty = off
+    tokenizer: tuple[str, ...] = setting((), metavar="[MODEL=]DIR",
+                                         help="the model folder (tokenizer.json, tokenizer_config.json) whose tokenizer "
+                                              "and chat template the HTTP ingress uses: prompts are routed and sent as "
+                                              "the model's token ids. MODEL=DIR for one model (repeatable); a plain DIR "
+                                              "for every model without its own")
+    chat_template: tuple[str, ...] = setting((), metavar="[MODEL=]FILE",
+                                             help="a chat template file (.jinja, or .json with chat_template) instead of "
+                                                  "the model folder's (MODEL=FILE for one model's)")
+    model_name: str = setting("mesh", help="a name for the fleet's only model: requests may use it or the served "
+                                           "model's own name")
+    model_alias: tuple[str, ...] = setting((), metavar="ALIAS=MODEL",
+                                           help="requests for ALIAS go to the workers that serve MODEL (repeatable)")
+    telemetry: str = setting("", default_text="off", help="ZeroMQ PUB endpoint for the live telemetry stream (mesh top)")
     # Peer exchange (brokers/peer_exchange.py): this broker's PUB endpoint (port * = any) and
     # the other brokers' exchange endpoints; figures go out at most every exchange_interval_ms
     # while something changed (full snapshot every min(1 s, stale / 3)); a peer silent for
     # exchange_stale_ms is dropped and this broker falls back to its own view for it.
-    exchange: str = ""
-    peer: tuple[str, ...] = ()
-    exchange_interval_ms: float = 5.0
-    exchange_stale_ms: float = 3000.0
-    curve_secret: str = ""  # broker certificate (.key_secret): enables CURVE on both ROUTERs
-    curve_allow_workers: str = ""  # directory of worker public keys allowed on the backend
-    curve_allow_clients: str = ""  # directory of client public keys allowed on the frontend
-    seed: int | None = None
-    log_level: str = "info"
+    exchange: str = setting("", metavar="ENDPOINT", default_text="off",
+                            help="bind this broker's peer exchange PUB here (tcp://HOST:PORT, port * = any): brokers "
+                                 "tell each other what they have in flight on each worker, so every broker routes "
+                                 "with the fleet's load")
+    peer: tuple[str, ...] = setting((), metavar="ENDPOINT", help="another broker's --exchange endpoint to subscribe to "
+                                                                 "(repeatable; this broker's own is skipped)")
+    exchange_interval_ms: float = setting(5.0, unit="ms", help="at most one change message per interval while "
+                                                               "something changed")
+    exchange_stale_ms: float = setting(3000.0, unit="ms", help="a peer silent this long is dropped: this broker falls "
+                                                               "back to its own view for it")
+    curve_secret: str = setting("", default_text="off", help="broker certificate (.key_secret from mesh keygen): CURVE "
+                                                            "on both sockets")
+    curve_allow_workers: str = setting("", help="directory of worker public keys allowed to register")
+    curve_allow_clients: str = setting("", help="directory of client public keys allowed to submit")
+    seed: int | None = setting(None, default_text="random", help="seed the routing RNG (deterministic decisions)")
+    log_level: str = setting("info", add=add_log_level_arg)
 
     def validate(self) -> None:
         _require(self.heartbeat_ms > 0, "heartbeat_ms", "must be > 0")
@@ -202,24 +240,29 @@ class BrokerSettings:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    """Simulated worker process settings (engine timing lives in mesh.engine_model.EngineConfig)."""
+    """Simulated worker process settings (engine timing lives in mesh.engine_model.EngineConfig).
+    Each field's help text is its ``mesh worker-stub`` flag's ``--help``."""
 
-    brokers: tuple[str, ...] = ("tcp://127.0.0.1:5556",)
-    worker_id: str = ""
-    count: int = 1
-    model: str = "sim-llama-8b"
-    role: str = "mixed"
-    labels: dict[str, str] = field(default_factory=dict)
-    heartbeat_ms: int = 500
-    liveness: int = 3
-    reconnect_base_ms: float = 100.0
-    reconnect_cap_ms: float = 5000.0
-    time_scale: float = 1.0
-    instant: bool = False
-    curve_secret: str = ""  # this worker's certificate (.key_secret)
-    curve_server_key: str = ""  # the brokers' public key (.key)
-    log_level: str = "info"
-    tokenizer: str = ""  # a model folder: text prompts are tokenised as a real engine would (default: bytes)
+    brokers: tuple[str, ...] = setting(("tcp://127.0.0.1:5556",), flag="--broker",
+                                       help="broker backend endpoint (repeat for a mesh)")
+    worker_id: str = setting("", help="worker id (with --count N: prefix, ids become ID-0..ID-N-1)",
+                             default_text="generated")
+    count: int = setting(1, help="workers in this process")
+    model: str = setting("sim-llama-8b", help="model name reported in READY")
+    role: str = setting("mixed", choices=("mixed", "prefill", "decode"), help="worker role")
+    labels: dict[str, str] = setting(default_factory=dict, cli=False, help="labels sent in READY (flag: --label KEY=VALUE)")
+    heartbeat_ms: int = setting(500, unit="ms", help="heartbeat interval towards brokers")
+    liveness: int = setting(3, help="broker heartbeats missed before reconnecting")
+    reconnect_base_ms: float = setting(100.0, unit="ms", cli=False, help="reconnect back-off base")
+    reconnect_cap_ms: float = setting(5000.0, unit="ms", cli=False, help="reconnect back-off cap")
+    time_scale: float = setting(1.0, help="multiply every modelled duration (0.1 = ten times faster)")
+    instant: bool = setting(False, help="answer at once, no engine (benchmarks)")
+    curve_secret: str = setting("", help="this worker's certificate (.key_secret)")
+    curve_server_key: str = setting("", help="the brokers' public key (.key)")
+    log_level: str = setting("info", add=add_log_level_arg)
+    tokenizer: str = setting("", default_text="UTF-8 bytes as ids",
+                             help="a model folder: text prompts are tokenised with the model's tokenizer, as a real "
+                                  "engine does, so KV events carry its token ids")
 
     def validate(self) -> None:
         _require(len(self.brokers) >= 1, "brokers", "at least one broker endpoint is required")
@@ -352,9 +395,10 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
 
 
 def build(cls: type, *sources: dict[str, Any]):
-    """Merge ``sources`` (later wins; None values are skipped) into ``cls`` and validate.
+    """Merge ``sources`` (later wins; None values are skipped) into ``cls`` and validate
+    (``cls.validate()`` if it has one; EngineConfig checks itself on construction).
 
-    Unknown keys are rejected with a message naming them.
+    Unknown keys are rejected with a message naming them, and so is a missing required field.
     """
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -367,9 +411,36 @@ def build(cls: type, *sources: dict[str, Any]):
                                   f"(known: {', '.join(sorted(names))})")
             if v is not None:
                 merged[key] = _coerce(key, v, hints[key])
+    for f in dataclasses.fields(cls):
+        if f.name not in merged and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{f.name}: required")
     obj = cls(**merged)
-    obj.validate()
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate()
     return obj
+
+
+def settings_from_args(cls: type, args: Any, section: str, *, extra: dict[str, Any] | None = None,
+                       dest_prefix: str = "", only=None, specs=None, file_vals: dict[str, Any] | None = None):
+    """``cls`` from a parsed command line: dataclass defaults < the ``[section]`` table of
+    ``args.config`` (if any) < the flags given (see :mod:`mesh.settings_fields`) < ``extra``;
+    validated. The table may use field names and flag names (``broker`` for ``brokers``); any
+    other key is a ConfigError naming the file, the table, the key and the closest setting.
+    ``only`` limits which of the fields are read from flags (the command exposes those);
+    ``file_vals`` replaces reading the file (a caller that already read and adjusted it)."""
+    aliases = toml_aliases(cls, specs)
+    path = getattr(args, "config", None)
+    if file_vals is None:
+        file_vals = load_toml(path, section, [f.name for f in dataclasses.fields(cls)] + list(aliases)) if path else {}
+    file_vals = dict(file_vals)
+    for alias, name in aliases.items():
+        if alias in file_vals:
+            if name in file_vals:
+                raise ConfigError(f"{name}: given twice in [{section}] of {path} (as {alias!r} and {name!r})")
+            file_vals[name] = file_vals.pop(alias)
+    flags = flag_values(cls, args, dest_prefix=dest_prefix, only=only, specs=specs)
+    return build(cls, file_vals, flags, extra or {})
 
 
 def explicit_dests(parser: Any, argv: list[str]) -> set[str]:

@@ -66,6 +66,7 @@ from dataclasses import dataclass, field, fields
 import xxhash
 
 from mesh.errors import ConfigError
+from mesh.settings_fields import setting
 from mesh.hashing import ROOT_KEY, content_keys
 from mesh.namespaces import make_namespace, namespace_root_key
 from mesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -81,24 +82,27 @@ _GOLDEN = 0x9E3779B1  # odd multiplier spreading consecutive positions over the 
 class EngineConfig:
     """Timing and memory model of one DP rank. Every number is a parameter; defaults: 8B on H100."""
 
-    max_total_num_tokens: int = 400_000
-    page_size: int = 16
-    max_running_requests: int = 256
-    prefill_tokens_per_s: float = 25_000.0
-    prefill_overhead_ms: float = 5.0
-    attention_coef_ms: float = 4e-9  # extra prefill ms = chunk * (context_before + chunk) * coef
-    chunked_prefill_size: int = 8192
-    decode_base_ms: float = 7.0
-    decode_per_req_ms: float = 0.02
-    kv_bytes_per_token: int = 131_072
-    hbm_bytes_per_s: float = 2.3e12
-    decode_log_interval: int = 40  # KV event flush cadence in decode steps (SGLang's default)
-    kv_transfer_bytes_per_s: float = 25e9  # PD: KV transfer bandwidth prefill -> decode (RDMA class)
+    max_total_num_tokens: int = setting(400_000, unit="tokens", help="KV cache capacity")
+    page_size: int = setting(16, unit="tokens", help="tokens per KV page (block)")
+    max_running_requests: int = setting(256, help="requests in the running batch at most")
+    prefill_tokens_per_s: float = setting(25_000.0, unit="tokens/s", help="prefill throughput")
+    prefill_overhead_ms: float = setting(5.0, unit="ms", help="fixed cost of one prefill step")
+    attention_coef_ms: float = setting(4e-9, unit="ms/token^2",
+                                       help="extra prefill ms = chunk * (context_before + chunk) * this")
+    chunked_prefill_size: int = setting(8192, unit="tokens", help="prefill chunk size")
+    decode_base_ms: float = setting(7.0, unit="ms", help="fixed cost of one decode step")
+    decode_per_req_ms: float = setting(0.02, unit="ms", help="decode step cost per running request")
+    kv_bytes_per_token: int = setting(131_072, unit="bytes", help="KV cache bytes per token")
+    hbm_bytes_per_s: float = setting(2.3e12, unit="bytes/s", help="HBM bandwidth")
+    decode_log_interval: int = setting(40, unit="decode steps", help="KV event flush cadence (SGLang's default)")
+    kv_transfer_bytes_per_s: float = setting(25e9, unit="bytes/s",
+                                             help="PD: KV transfer bandwidth prefill -> decode (RDMA class)")
     # Free KV a new request must leave after its uncached prompt: headroom for the first decode
     # tokens of the running batch, so admission does not immediately force a retraction. Small on
     # purpose (SGLang over-commits decode and retracts); 128 tokens = 0.03 % of the default KV.
-    admission_reserve_tokens: int = 128
-    vocab_size: int = 32_000
+    admission_reserve_tokens: int = setting(128, unit="tokens",
+                                            help="free KV a new request must leave after its uncached prompt")
+    vocab_size: int = setting(32_000, unit="tokens", help="vocabulary of the modelled output tokens")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -184,3 +184,139 @@ def test_one_log_level_flag_definition():
             if 'add_argument("--log-level"' in src:
                 defs.append(str(f.relative_to(REPO)))
     assert defs == ["mesh/logs.py"], defs
+
+
+# ----------------------------------------------------------------------------- one settings mechanism
+# Settings dataclasses declare their flags (mesh.settings_fields.setting); the parser is generated.
+
+
+def _sub(name: str):
+    """The ``mesh NAME`` subparser (``attach sglang`` for nested ones)."""
+    import argparse
+
+    from mesh.cli import build_parser
+
+    p = build_parser()
+    for part in name.split():
+        act = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+        p = act.choices[part]
+    return p
+
+
+def _parse(cmd: str, argv: list[str]):
+    from mesh.cli import build_parser
+
+    args = build_parser().parse_args([*cmd.split(), *argv])
+    args._argv = [*cmd.split(), *argv]
+    return args
+
+
+def _dests(parser) -> dict[str, list[str]]:
+    return {a.dest: a.option_strings for a in parser._actions if a.option_strings}
+
+
+def test_every_broker_setting_is_a_generated_flag_or_marked_toml_only():
+    import dataclasses
+
+    from mesh.settings_fields import spec_of
+
+    dests = _dests(_sub("broker"))
+    for f in dataclasses.fields(BrokerSettings):
+        spec = spec_of(f)
+        assert spec is not None, f"{f.name}: declare it with setting() (help text, flag or cli=False)"
+        if spec.cli:
+            assert f.name in dests, f"{f.name} has no mesh broker flag"
+            want = spec.flag or ("--no-" if f.default is True else "--") + f.name.replace("_", "-")
+            assert dests[f.name] == [want]
+    # and nothing else: every broker flag but --help/--config is a field
+    assert set(dests) - {f.name for f in dataclasses.fields(BrokerSettings)} == {"help", "config"}
+
+
+def test_generated_flags_default_to_none_and_carry_types():
+    args = _parse("broker", [])
+    assert all(getattr(args, f) is None for f in ("heartbeat_ms", "pd", "global_cache_winner", "peer", "seed"))
+    args = _parse("broker", ["--heartbeat-ms", "200", "--retry-base-ms", "10", "--pd", "--no-global-cache-winner",
+                             "--peer", "tcp://a:1", "--peer", "tcp://b:1", "--seed", "7"])
+    assert (args.heartbeat_ms, args.retry_base_ms, args.pd, args.global_cache_winner) == (200, 10.0, True, False)
+    assert args.peer == ["tcp://a:1", "tcp://b:1"] and args.seed == 7
+
+
+def test_precedence_flag_beats_file_beats_default(tmp_path):
+    from mesh.config import settings_from_args
+
+    cfg = tmp_path / "m.toml"
+    cfg.write_text("[broker]\nheartbeat_ms = 200\nmax-attempts = 5\n")
+    s = settings_from_args(BrokerSettings, _parse("broker", ["--config", str(cfg)]), "broker")
+    assert (s.heartbeat_ms, s.max_attempts, s.liveness) == (200, 5, 3)  # file > default
+    # an explicit flag wins even when it equals the default
+    s = settings_from_args(BrokerSettings, _parse("broker", ["--config", str(cfg), "--heartbeat-ms", "500"]), "broker")
+    assert (s.heartbeat_ms, s.max_attempts) == (500, 5)
+    cfg.write_text("[broker]\npd = true\nglobal_cache_winner = false\n")
+    s = settings_from_args(BrokerSettings, _parse("broker", ["--config", str(cfg)]), "broker")
+    assert s.pd and not s.global_cache_winner
+
+
+def test_unknown_key_names_file_table_key_and_suggestion(tmp_path):
+    from mesh.config import settings_from_args
+
+    cfg = tmp_path / "m.toml"
+    cfg.write_text("[broker]\nheartbeat_mss = 200\n")
+    with pytest.raises(ConfigError) as ei:
+        settings_from_args(BrokerSettings, _parse("broker", ["--config", str(cfg)]), "broker")
+    msg = str(ei.value)
+    assert msg.startswith("heartbeat_mss:") and "[broker]" in msg and str(cfg) in msg and "'heartbeat_ms'" in msg
+
+
+def test_help_shows_each_default_with_its_unit():
+    import dataclasses
+
+    from mesh.settings_fields import help_text, spec_of
+
+    text = " ".join(_sub("broker").format_help().split())
+    assert "application heartbeat interval (default 500 ms)" in text
+    assert "how long SIGTERM waits for in-flight work (default 10 s)" in text
+    assert "--decode-policy {power_of_two,legacy_host_affinity}" in text
+    for f in dataclasses.fields(BrokerSettings):
+        spec = spec_of(f)
+        if f.name.endswith(("_ms", "_s")) and spec.cli:
+            assert spec.unit == f.name.rsplit("_", 1)[1], f"{f.name}: unit {spec.unit!r}"
+            assert help_text(f, spec).endswith(f" {spec.unit})"), help_text(f, spec)
+    eng = " ".join(_sub("worker-stub").format_help().split())
+    assert "--page-size PAGE_SIZE tokens per KV page (block) (default 16 tokens)" in eng
+
+
+def test_engine_and_worker_settings_through_the_same_builder(tmp_path):
+    from mesh.cli import _engine_cfg
+    from mesh.config import settings_from_args
+
+    cfg = tmp_path / "w.toml"
+    cfg.write_text('[worker]\nbroker = "tcp://10.0.0.1:5556"\ncount = 2\n[engine]\npage_size = 32\ndecode_base_ms = 9\n')
+    args = _parse("worker-stub", ["--config", str(cfg), "--page-size", "16", "--count", "1"])
+    eng = _engine_cfg(args)
+    assert (eng.page_size, eng.decode_base_ms) == (16, 9.0)  # flag (= default) > file
+    w = settings_from_args(WorkerSettings, args, "worker")
+    assert w.brokers == ("tcp://10.0.0.1:5556",) and w.count == 1  # a TOML key may use the flag's name
+    cfg.write_text("[engine]\npage_sise = 32\n")
+    with pytest.raises(ConfigError, match=r"page_sise: unknown setting in \[engine\] .*did you mean 'page_size'"):
+        _engine_cfg(_parse("worker-stub", ["--config", str(cfg)]))
+    cfg.write_text('[worker]\nbroker = "tcp://a:1"\nbrokers = ["tcp://b:1"]\n')
+    with pytest.raises(ConfigError, match="brokers: given twice"):
+        settings_from_args(WorkerSettings, _parse("worker-stub", ["--config", str(cfg)]), "worker")
+
+
+def test_a_setting_without_a_declaration_cannot_become_a_flag():
+    import argparse
+    from dataclasses import dataclass
+
+    from mesh.settings_fields import add_flags, setting
+
+    @dataclass
+    class S:
+        a: int = setting(1, help="an a", unit="ms")
+        b: int = 2
+
+    with pytest.raises(TypeError, match="S.b has no setting"):
+        add_flags(argparse.ArgumentParser(), S)
+    p = argparse.ArgumentParser()
+    assert add_flags(p, S, only=["a"]) == ["a"]
+    assert "an a (default 1 ms)" in " ".join(p.format_help().split())
