@@ -320,3 +320,37 @@ def test_a_setting_without_a_declaration_cannot_become_a_flag():
     p = argparse.ArgumentParser()
     assert add_flags(p, S, only=["a"]) == ["a"]
     assert "an a (default 1 ms)" in " ".join(p.format_help().split())
+
+
+def test_sim_engine_model_from_flags_and_its_engine_table(tmp_path):
+    from mesh.sim.cli import config_from_args
+
+    cfg = tmp_path / "e.toml"
+    cfg.write_text("[engine]\npage_size = 32\nmax_running_requests = 8\n")
+    args = _parse("sim", ["--workload", "zipf", "--config", str(cfg), "--page-size", "16"])
+    eng = config_from_args(args).engine
+    assert (eng.page_size, eng.max_running_requests) == (16, 8)  # flag (= default) > file > default
+    with pytest.raises(ConfigError, match="page_size"):
+        config_from_args(_parse("sim", ["--workload", "zipf", "--page-size", "0"]))
+    cfg.write_text("[engine]\nmax_runing_requests = 8\n")
+    with pytest.raises(ConfigError, match="max_runing_requests: unknown setting in .*did you mean 'max_running_requests'"):
+        config_from_args(_parse("sim", ["--workload", "zipf", "--config", str(cfg)]))
+
+
+def test_indexer_settings_are_a_dataclass_with_generated_flags(tmp_path):
+    import dataclasses
+
+    from mesh.indexer.cli import IndexerSettings, indexer_settings
+
+    dests = _dests(_sub("indexer"))
+    assert {f.name for f in dataclasses.fields(IndexerSettings)} <= set(dests)
+    cfg = tmp_path / "ix.toml"
+    cfg.write_text("[indexer]\nworker_ttl_s = 30\nmax_streams = 64\n")
+    v = indexer_settings(_parse("indexer", ["--config", str(cfg), "--worker-ttl-s", "900"]))
+    assert (v["worker_ttl_s"], v["max_streams"]) == (900.0, 64)
+    cfg.write_text("[indexer]\nmax_stream = 64\n")
+    with pytest.raises(ConfigError, match=r"max_stream: unknown setting in \[indexer\] of .*ix.toml.*'max_streams'"):
+        indexer_settings(_parse("indexer", ["--config", str(cfg)]))
+    cfg.write_text("[indexer]\nmax_streams = 'many'\n")
+    with pytest.raises(ConfigError, match="max_streams: expected an integer"):
+        indexer_settings(_parse("indexer", ["--config", str(cfg)]))

@@ -3,37 +3,69 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mesh.logs import add_log_level_arg
 from mesh.errors import ConfigError
+from mesh.logs import add_log_level_arg
+from mesh.settings_fields import add_flags, setting
 
-__all__ = ["add_indexer_parser", "add_bench_parser", "indexer_settings", "indexer_token"]
+__all__ = ["IndexerSettings", "add_indexer_parser", "add_bench_parser", "indexer_settings", "indexer_token"]
 
-_DEFAULTS: dict[str, Any] = {
-    "listen": "127.0.0.1:50051",
-    "max_entries": 10_000_000,
-    "max_inflight_queries": 32,
-    "block_size": 16,
-    "tls_cert": None,
-    "tls_key": None,
-    "worker_ttl_s": 900.0,
-    "log_level": "info",
-    "token_file": None,
-    "tls_client_ca": None,
-    "max_message_bytes": 8 * 1024 * 1024,
-    "max_batch_events": 262_144,
-    "max_workers": 16_384,
-    "max_ranks_per_worker": 1024,
-    "max_streams": 131_072,
-    "ghost_ttl_s": 60.0,
-}
-_TYPES = {"listen": str, "max_entries": int, "max_inflight_queries": int, "block_size": int, "tls_cert": str,
-          "tls_key": str, "worker_ttl_s": (int, float), "log_level": str, "token_file": str, "tls_client_ca": str,
-          "max_message_bytes": int, "max_batch_events": int, "max_workers": int, "max_ranks_per_worker": int,
-          "max_streams": int, "ghost_ttl_s": (int, float)}
+@dataclass(frozen=True, slots=True)
+class IndexerSettings:
+    """``mesh indexer`` settings: each field's help text is its flag's ``--help``; the ``[indexer]``
+    TOML table takes the same names (see :mod:`mesh.settings_fields`)."""
+
+    listen: str = setting("127.0.0.1:50051", help="HOST:PORT to serve on (port 0 = any free port)")
+    max_entries: int = setting(10_000_000, help="(block, worker) entries kept, LRU-evicted beyond (0 = unbounded)")
+    max_inflight_queries: int = setting(32, help="prefix queries in flight before RESOURCE_EXHAUSTED")
+    block_size: int = setting(16, unit="tokens", help="page size assumed for workers never registered nor seen")
+    tls_cert: str | None = setting(None, default_text="plaintext",
+                                   help="PEM certificate: serve TLS (https:// endpoint); needs --tls-key")
+    tls_key: str | None = setting(None, help="PEM private key for --tls-cert")
+    worker_ttl_s: float = setting(900.0, unit="s", help="forget workers silent this long (0 = never)")
+    log_level: str = setting("info", add=add_log_level_arg)
+    token_file: str | None = setting(None, default_text="MESH_INDEXER_TOKEN, else unauthenticated",
+                                     help="file holding the shared bearer token brokers must send (overrides "
+                                          "MESH_INDEXER_TOKEN)")
+    tls_client_ca: str | None = setting(None, help="PEM CA bundle: require client certificates signed by it "
+                                                   "(needs --tls-cert)")
+    max_message_bytes: int = setting(8 * 1024 * 1024, unit="bytes",
+                                     help="largest gRPC message accepted; bigger ones get RESOURCE_EXHAUSTED unread")
+    max_batch_events: int = setting(262_144, help="events in one batch before it is refused")
+    max_workers: int = setting(16_384, help="workers tracked before new ones are refused")
+    max_ranks_per_worker: int = setting(1024, help="(worker, dp_rank) streams per worker")
+    max_streams: int = setting(131_072, help="streams over all workers")
+    ghost_ttl_s: float = setting(60.0, unit="s", help="drop workers/streams that got no block indexed this long after "
+                                                      "they appeared (0 = keep them until --worker-ttl-s)")
+
+    def validate(self) -> None:
+        from mesh.indexer.server import Limits, parse_listen
+
+        parse_listen(self.listen)
+        if self.max_entries < 0:
+            raise ConfigError("max_entries: must be >= 0 (0 = unbounded)")
+        if self.max_inflight_queries < 1:
+            raise ConfigError("max_inflight_queries: must be >= 1")
+        if self.worker_ttl_s < 0:
+            raise ConfigError("worker_ttl_s: must be >= 0 (0 = never)")
+        if self.block_size < 1:
+            raise ConfigError("block_size: must be >= 1")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert: --tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca: client certificates need TLS (--tls-cert and --tls-key)")
+        for k in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
+            v = getattr(self, k)
+            if v is not None and not Path(v).is_file():
+                raise ConfigError(f"{k}: no such file {v!r}")
+        Limits(**{k: getattr(self, k) for k in _LIMITS}).validate()
+
+
 _LIMITS = ("max_message_bytes", "max_batch_events", "max_workers", "max_ranks_per_worker", "max_streams", "ghost_ttl_s")
 
 
@@ -50,26 +82,7 @@ def add_indexer_parser(subparsers) -> argparse.ArgumentParser:
                     "it first (metadata 'x-mesh-owner', the broker id): other callers may not forget it or "
                     "change its block size (PERMISSION_DENIED).")
     p.add_argument("--config", help="TOML file; its [indexer] table uses these flag names")
-    p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051; port 0 = any free port)")
-    p.add_argument("--max-entries", type=int, help="(block, worker) entries kept, LRU-evicted beyond (default 10000000; 0 = unbounded)")
-    p.add_argument("--max-inflight-queries", type=int, help="prefix queries in flight before RESOURCE_EXHAUSTED (default 32)")
-    p.add_argument("--block-size", type=int, help="page size assumed for workers never registered nor seen (default 16)")
-    p.add_argument("--tls-cert", help="PEM certificate: serve TLS (https:// endpoint); needs --tls-key")
-    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
-    p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (needs --tls-cert)")
-    p.add_argument("--token-file", help="file holding the shared bearer token brokers must send (overrides "
-                                        "MESH_INDEXER_TOKEN); without either the server is unauthenticated")
-    p.add_argument("--worker-ttl-s", type=float, help="forget workers silent this long (default 900; 0 = never)")
-    p.add_argument("--max-message-bytes", type=int,
-                   help="largest gRPC message accepted (default 8388608); bigger ones get RESOURCE_EXHAUSTED unread")
-    p.add_argument("--max-batch-events", type=int, help="events in one batch before it is refused (default 262144)")
-    p.add_argument("--max-workers", type=int, help="workers tracked before new ones are refused (default 16384)")
-    p.add_argument("--max-ranks-per-worker", type=int, help="(worker, dp_rank) streams per worker (default 1024)")
-    p.add_argument("--max-streams", type=int, help="streams over all workers (default 131072)")
-    p.add_argument("--ghost-ttl-s", type=float,
-                   help="drop workers/streams that got no block indexed this long after they appeared "
-                        "(default 60; 0 = keep them until --worker-ttl-s)")
-    add_log_level_arg(p)
+    add_flags(p, IndexerSettings)
     # Test seam: every prefix query waits this long before running (overload/deadline tests).
     p.add_argument("--fault-query-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_indexer)
@@ -77,42 +90,11 @@ def add_indexer_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def indexer_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Defaults < [indexer] table of --config < flags; validated (ConfigError names the field)."""
-    vals = dict(_DEFAULTS)
-    if getattr(args, "config", None):
-        from mesh.config import load_toml, suggest_name
+    """Defaults < [indexer] table of --config < flags; validated (ConfigError names the field).
+    The :class:`IndexerSettings` as a mapping."""
+    from mesh.config import settings_from_args
 
-        file_vals = load_toml(args.config, "indexer")
-        unknown = sorted(set(file_vals) - set(_DEFAULTS))
-        if unknown:
-            raise ConfigError(f"{unknown[0]}: unknown key in [indexer] of {args.config}{suggest_name(unknown[0], _DEFAULTS)}")
-        for k, v in file_vals.items():
-            if not isinstance(v, _TYPES[k]) or isinstance(v, bool):
-                raise ConfigError(f"{k}: wrong type, got {v!r}")
-        vals.update(file_vals)
-    vals.update({k: getattr(args, k) for k in _DEFAULTS if getattr(args, k, None) is not None})
-    from mesh.indexer.server import parse_listen
-
-    parse_listen(vals["listen"])
-    if vals["max_entries"] < 0:
-        raise ConfigError("max_entries: must be >= 0 (0 = unbounded)")
-    if vals["max_inflight_queries"] < 1:
-        raise ConfigError("max_inflight_queries: must be >= 1")
-    if vals["worker_ttl_s"] < 0:
-        raise ConfigError("worker_ttl_s: must be >= 0 (0 = never)")
-    if vals["block_size"] < 1:
-        raise ConfigError("block_size: must be >= 1")
-    if (vals["tls_cert"] is None) != (vals["tls_key"] is None):
-        raise ConfigError("tls_cert: --tls-cert and --tls-key go together")
-    if vals["tls_client_ca"] is not None and vals["tls_cert"] is None:
-        raise ConfigError("tls_client_ca: client certificates need TLS (--tls-cert and --tls-key)")
-    for k in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
-        if vals[k] is not None and not Path(vals[k]).is_file():
-            raise ConfigError(f"{k}: no such file {vals[k]!r}")
-    from mesh.indexer.server import Limits
-
-    Limits(**{k: vals[k] for k in _LIMITS}).validate()
-    return vals
+    return dataclasses.asdict(settings_from_args(IndexerSettings, args, "indexer"))
 
 
 def indexer_token(vals: dict[str, Any]) -> str | None:

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from mesh.errors import ConfigError
@@ -36,6 +35,7 @@ def _csv(kind):
 def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``sim`` subcommand to ``mesh``'s subparsers."""
     from mesh.engine_model import EngineConfig
+    from mesh.settings_fields import add_flags
     from mesh.sim.workloads import WORKLOADS
 
     p = subparsers.add_parser(
@@ -82,11 +82,9 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--buckets", help="bucket config (TOML/JSON, e.g. configs/buckets-example.toml): route through "
                                      "bucket domains, admission and the two-pass fallback, as the broker does")
     f.add_argument("--pd", help="P,D: prefill/decode disaggregation with P prefill and D decode workers (replaces --workers)")
-    e = p.add_argument_group("engine model (defaults: 8B model on one H100)")
-    for fl in fields(EngineConfig):
-        typ = int if fl.type in ("int", int) else float
-        e.add_argument("--" + fl.name.replace("_", "-"), type=typ, default=None, dest="engine_" + fl.name,
-                       help=f"default {getattr(EngineConfig(), fl.name)}")
+    e = p.add_argument_group("engine model (defaults: 8B model on one H100; --config FILE: its [engine] table)")
+    e.add_argument("--config", help="TOML file; its [engine] table sets the engine model (the flags below win)")
+    add_flags(e, EngineConfig, dest_prefix="engine_")
     m = p.add_argument_group("matrix (with --matrix; --max-requests then caps every cell's stream)")
     m.add_argument("--seeds", type=_csv(int), help="replace the matrix's seeds, e.g. 2 (the held-out seed)")
     m.add_argument("--cells", metavar="REGEX",
@@ -108,7 +106,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
 #: options that only make sense for a single run (with --matrix the TOML says all of this)
 _SINGLE_RUN_ONLY = ("policy", "provider", "routers", "workers", "router_pick", "no_dedupe", "time_scale", "rate",
                     "duration_s", "seed", "heartbeat_ms", "event_delay_ms", "net_ms", "load_freshness_s", "ttft_slo_ms",
-                    "buckets", "pd", "exchange", "exchange_delay_ms")
+                    "buckets", "pd", "exchange", "exchange_delay_ms", "config")
 
 
 def _check_matrix_args(args: argparse.Namespace) -> None:
@@ -128,15 +126,11 @@ def _check_matrix_args(args: argparse.Namespace) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    from mesh.config import settings_from_args
     from mesh.engine_model import EngineConfig
     from mesh.sim.runner import SimConfig
 
-    eng = {fl.name: getattr(args, "engine_" + fl.name) for fl in fields(EngineConfig)
-           if getattr(args, "engine_" + fl.name, None) is not None}
-    try:
-        engine = EngineConfig(**eng)
-    except TypeError as exc:
-        raise ConfigError(f"engine: {exc}") from None
+    engine = settings_from_args(EngineConfig, args, "engine", dest_prefix="engine_")
     params = {k: getattr(args, k) for k in _WORKLOAD_PARAMS if getattr(args, k, None) is not None}
     if args.trace and params:
         raise ConfigError(f"workload parameters ({', '.join(sorted(params))}) need --workload, not --trace")

@@ -87,7 +87,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mesh.config import read_toml
+from mesh.config import build, read_toml
 from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES
@@ -274,9 +274,10 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
     eng = _table(data.get("engine", {}), "engine")
     _unknown(eng, {f.name for f in fields(EngineConfig)}, "engine")
     try:
-        engine = EngineConfig(**eng)
+        engine = build(EngineConfig, eng)  # the shared builder: types checked, then EngineConfig's own checks
     except ConfigError as exc:
         first, _, rest = str(exc).partition(" ")
+        first = first.removesuffix(":")
         if first in {f.name for f in fields(EngineConfig)}:
             raise ConfigError(f"engine.{first}: {rest}") from None
         raise ConfigError(f"engine: {exc}") from None
