@@ -354,3 +354,29 @@ def test_indexer_settings_are_a_dataclass_with_generated_flags(tmp_path):
     cfg.write_text("[indexer]\nmax_streams = 'many'\n")
     with pytest.raises(ConfigError, match="max_streams: expected an integer"):
         indexer_settings(_parse("indexer", ["--config", str(cfg)]))
+
+
+def test_attach_flags_and_attach_table_through_the_same_mechanism(tmp_path):
+    import dataclasses
+
+    from mesh.adapters.base import AttachSettings
+    from mesh.adapters.cli import _SPECS, settings_from_args
+
+    assert set(_SPECS) == {f.name for f in dataclasses.fields(AttachSettings)}  # every field described
+    sg, vl = _dests(_sub("attach sglang")), _dests(_sub("attach vllm"))
+    flags = {n for n, s in _SPECS.items() if s.cli}
+    assert flags <= set(sg) and flags - {"incremental_streaming", "bootstrap_host", "bootstrap_port"} <= set(vl)
+    cfg = tmp_path / "a.toml"
+    cfg.write_text('[attach]\nurl = "http://h:30000"\nbroker = ["tcp://b:1"]\nheartbeat_ms = 200\n'
+                   'reconnect_cap_ms = 900\n[attach.labels]\nzone = "a"\n')
+    s = settings_from_args(_parse("attach sglang", ["--config", str(cfg), "--label", "rack=7"]))
+    assert s.brokers == ("tcp://b:1",) and s.heartbeat_ms == 200 and s.reconnect_cap_ms == 900.0
+    assert s.labels == {"zone": "a", "rack": "7"}
+    s = settings_from_args(_parse("attach sglang", ["--config", str(cfg), "--heartbeat-ms", "500"]))
+    assert s.heartbeat_ms == 500  # an explicit flag at its default beats the file
+    with pytest.raises(ConfigError, match="brokers: at least one"):
+        settings_from_args(_parse("attach sglang", ["--url", "http://h:1"]))
+    cfg.write_text('[attach]\nurl = "http://h:30000"\nhealth_paht = "/ready"\n')
+    with pytest.raises(ConfigError, match=r"health_paht: unknown setting in \[attach\] .*'health_path'"):
+        settings_from_args(_parse("attach sglang", ["--config", str(cfg)]))
+    assert "(default required)" in " ".join(_sub("attach vllm").format_help().split())

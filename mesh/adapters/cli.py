@@ -16,52 +16,83 @@ import sys
 from mesh import aio
 from mesh.errors import ConfigError
 from mesh.logs import add_log_level_arg
+from mesh.settings_fields import Spec, add_flags
 
 __all__ = ["add_attach_parser", "settings_from_args", "main"]
 
-_FIELDS = ["url", "brokers", "worker_id", "model", "role", "kv_endpoint", "replay_endpoint", "load_endpoint", "block_size",
-           "dp_size", "topic", "max_running_requests", "max_total_num_tokens", "heartbeat_ms", "liveness", "health_path",
-           "health_interval_ms", "health_timeout_ms", "unhealthy_after", "load_poll_ms", "load_stale_ms", "replay_timeout_ms",
-           "discovery_timeout_s", "kv_events_to", "drain_timeout_s", "log_level", "bootstrap_host", "bootstrap_port"]
+# How AttachSettings' fields (mesh/adapters/base.py) appear on the command line: the one
+# description from which the flags and the [attach] TOML keys (field or flag names) are made.
+_SPECS: dict[str, Spec] = {
+    "url": Spec(help="the server's HTTP address, e.g. http://10.0.0.5:30000"),
+    "brokers": Spec(flag="--broker", help="broker backend endpoint tcp://HOST:PORT (repeat for a mesh)"),
+    "worker_id": Spec(help="worker id in the mesh", default_text="<engine>-<host>-<port>"),
+    "model": Spec(help="model name in READY", default_text="discovered"),
+    "role": Spec(choices=("mixed", "prefill", "decode"), help="worker role"),
+    "labels": Spec(cli=False, help="labels sent in READY (flag: --label KEY=VALUE)"),
+    # engine telemetry (SGLang: overrides /server_info discovery)
+    "kv_endpoint": Spec(help="KV event PUB of rank 0, tcp://HOST:PORT (rank r = PORT + r; '*' host = the --url host)",
+                        default_text="discovered"),
+    "replay_endpoint": Spec(help="replay ROUTER of rank 0, tcp://HOST:PORT", default_text="discovered"),
+    "load_endpoint": Spec(help="LoadStat PUB of rank 0, tcp://HOST:PORT", default_text="discovered"),
+    "block_size": Spec(unit="tokens", help="tokens per KV block (the server's page size)", default_text="discovered"),
+    "dp_size": Spec(help="DP ranks (one event stream each)", default_text="discovered"),
+    "topic": Spec(help="ZMQ topic prefix to subscribe to", default_text="discovered, else empty = all"),
+    "max_running_requests": Spec(help="announce this capacity instead of the discovered one", default_text="discovered"),
+    "max_total_num_tokens": Spec(help="announce this KV capacity (tokens) instead of the discovered one",
+                                 default_text="discovered"),
+    "incremental_streaming": Spec(help="the server runs with --incremental-streaming-output", default_text="discovered"),
+    "bootstrap_host": Spec(help="PD prefill server: host of its KV bootstrap server", default_text="the --url host"),
+    "bootstrap_port": Spec(help="PD prefill server: its --disaggregation-bootstrap-port"),
+    # health, load, timing
+    "heartbeat_ms": Spec(unit="ms", help="heartbeat interval towards brokers"),
+    "liveness": Spec(help="broker heartbeats missed before reconnecting"),
+    "reconnect_base_ms": Spec(unit="ms", cli=False, help="reconnect back-off base"),
+    "reconnect_cap_ms": Spec(unit="ms", cli=False, help="reconnect back-off cap"),
+    "health_path": Spec(help="health endpoint (/ready is cheaper on SGLang)", default_text="/health"),
+    "health_interval_ms": Spec(unit="ms", help="health check period"),
+    "health_timeout_ms": Spec(unit="ms", help="one health check's timeout"),
+    "unhealthy_after": Spec(help="failed checks before the worker leaves the mesh"),
+    "load_poll_ms": Spec(unit="ms", help="HTTP load polling period when there is no LoadStat stream"),
+    "load_stale_ms": Spec(unit="ms", help="a load sample older than this is not reported"),
+    "replay_timeout_ms": Spec(unit="ms", help="wait for one replay reply"),
+    "discovery_timeout_s": Spec(unit="s", help="give up if the server never answers (0 = keep trying)"),
+    "max_batch_tokens": Spec(unit="tokens", cli=False, help="largest batch of tokens relayed at once"),
+    "kv_events_to": Spec(choices=("all", "one"), help="send KV events to every broker (local indexes) or one (shared "
+                                                      "indexer)"),
+    "drain_timeout_s": Spec(unit="s", help="SIGTERM: wait this long for in-flight requests"),
+    "log_level": Spec(add=add_log_level_arg),
+}
+_TOP = ["url", "brokers", "worker_id", "model", "role"]
+_TELEMETRY = ["kv_endpoint", "replay_endpoint", "load_endpoint", "block_size", "dp_size", "topic", "max_running_requests",
+              "max_total_num_tokens"]
+_SGLANG_ONLY = ["incremental_streaming", "bootstrap_host", "bootstrap_port"]
+_TIMING = ["health_path", "health_interval_ms", "health_timeout_ms", "unhealthy_after", "load_poll_ms", "load_stale_ms",
+           "replay_timeout_ms", "discovery_timeout_s", "heartbeat_ms", "liveness", "kv_events_to", "drain_timeout_s",
+           "log_level"]
+_VLLM_REQUIRED = ("kv_endpoint", "block_size")
+
+
+def _specs(vllm: bool) -> dict[str, Spec]:
+    """vLLM discovers nothing: its telemetry fields default to none (two of them are required)."""
+    if not vllm:
+        return _SPECS
+    out = dict(_SPECS)
+    shown = {"dp_size": "1", "topic": "empty = all", **{n: "required" for n in _VLLM_REQUIRED}}
+    for name in _TELEMETRY:
+        out[name] = dataclasses.replace(_SPECS[name], default_text=shown.get(name, "none"))
+    return out
 
 
 def _common(p: argparse.ArgumentParser, *, vllm: bool) -> None:
+    from mesh.adapters.base import AttachSettings
+
+    specs = _specs(vllm)
     p.add_argument("--config", help="TOML file; its [attach] table uses these flag names")
-    p.add_argument("--url", help="the server's HTTP address, e.g. http://10.0.0.5:30000 (required)")
-    p.add_argument("--broker", dest="brokers", action="append", help="broker backend endpoint tcp://HOST:PORT (repeat for a mesh)")
-    p.add_argument("--worker-id", help="worker id in the mesh (default <engine>-<host>-<port>)")
-    p.add_argument("--model", help="model name in READY (default: discovered)")
-    p.add_argument("--role", choices=["mixed", "prefill", "decode"], help="worker role (default mixed)")
+    add_flags(p, AttachSettings, only=_TOP, specs=specs)
     p.add_argument("--label", dest="labels_list", action="append", help="KEY=VALUE label sent in READY (repeatable)")
     g = p.add_argument_group("engine telemetry" + ("" if vllm else " (override /server_info discovery)"))
-    g.add_argument("--kv-endpoint", help="KV event PUB of rank 0, tcp://HOST:PORT (rank r = PORT + r; '*' host = the --url host)"
-                   + (" [required]" if vllm else ""))
-    g.add_argument("--replay-endpoint", help="replay ROUTER of rank 0, tcp://HOST:PORT")
-    g.add_argument("--load-endpoint", help="LoadStat PUB of rank 0, tcp://HOST:PORT")
-    g.add_argument("--block-size", type=int, help="tokens per KV block (the server's page size)" + (" [required]" if vllm else ""))
-    g.add_argument("--dp-size", type=int, help="DP ranks (one event stream each)")
-    g.add_argument("--topic", help="ZMQ topic prefix to subscribe to (default: discovered, else empty = all)")
-    g.add_argument("--max-running-requests", type=int, help="announce this capacity instead of the discovered one")
-    g.add_argument("--max-total-num-tokens", type=int, help="announce this KV capacity (tokens) instead of the discovered one")
-    if not vllm:
-        g.add_argument("--incremental-streaming", action="store_true", default=None,
-                       help="the server runs with --incremental-streaming-output (default: discovered)")
-        g.add_argument("--bootstrap-host", help="PD prefill server: host of its KV bootstrap server (default: the --url host)")
-        g.add_argument("--bootstrap-port", type=int, help="PD prefill server: its --disaggregation-bootstrap-port (default 8998)")
-    h = p.add_argument_group("health, load, timing")
-    h.add_argument("--health-path", help="health endpoint (default /health; /ready is cheaper on SGLang)")
-    h.add_argument("--health-interval-ms", type=int, help="health check period (default 1000)")
-    h.add_argument("--health-timeout-ms", type=int, help="one health check's timeout (default 5000)")
-    h.add_argument("--unhealthy-after", type=int, help="failed checks before the worker leaves the mesh (default 2)")
-    h.add_argument("--load-poll-ms", type=int, help="HTTP load polling period when there is no LoadStat stream (default 1000)")
-    h.add_argument("--load-stale-ms", type=int, help="a load sample older than this is not reported (default 3000)")
-    h.add_argument("--replay-timeout-ms", type=int, help="wait for one replay reply (default 2000)")
-    h.add_argument("--discovery-timeout-s", type=float, help="give up if the server never answers (default 0 = keep trying)")
-    h.add_argument("--heartbeat-ms", type=int, help="heartbeat interval towards brokers (default 500)")
-    h.add_argument("--liveness", type=int, help="broker heartbeats missed before reconnecting (default 3)")
-    h.add_argument("--kv-events-to", choices=["all", "one"], help="send KV events to every broker (default) or one (shared indexer)")
-    h.add_argument("--drain-timeout-s", type=float, help="SIGTERM: wait this long for in-flight requests (default 10)")
-    add_log_level_arg(h)
+    add_flags(g, AttachSettings, only=_TELEMETRY + ([] if vllm else _SGLANG_ONLY), specs=specs)
+    add_flags(p.add_argument_group("health, load, timing"), AttachSettings, only=_TIMING, specs=specs)
 
 
 def add_attach_parser(subparsers) -> argparse.ArgumentParser:
@@ -85,37 +116,28 @@ def add_attach_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace):
+    """AttachSettings: defaults < the [attach] table of --config < flags (labels: the file's, then
+    each --label); validated, errors naming the field."""
     from mesh.adapters.base import AttachSettings
-    from mesh.config import load_toml
+    from mesh.config import load_toml, settings_from_args as build_settings
+    from mesh.settings_fields import toml_aliases
 
-    allowed = [f.name for f in dataclasses.fields(AttachSettings)]
-    vals = load_toml(args.config, "attach", allowed) if getattr(args, "config", None) else {}
-    for name in _FIELDS:
-        v = getattr(args, name, None)
-        if v is not None:
-            vals[name] = v
-    if getattr(args, "incremental_streaming", None) is not None:
-        vals["incremental_streaming"] = args.incremental_streaming
-    labels = dict(vals.pop("labels", {}) or {})
+    vllm = getattr(args, "engine", None) == "vllm"
+    specs = _specs(vllm)
+    allowed = [f.name for f in dataclasses.fields(AttachSettings)] + list(toml_aliases(AttachSettings, specs))
+    file_vals = load_toml(args.config, "attach", allowed) if getattr(args, "config", None) else {}
+    labels = dict(file_vals.pop("labels", {}) or {})
     for it in getattr(args, "labels_list", None) or []:
         k, sep, v = it.partition("=")
         if not sep or not k:
             raise ConfigError(f"labels: expected KEY=VALUE, got {it!r}")
         labels[k] = v
-    if not vals.get("url"):
+    if not (getattr(args, "url", None) or file_vals.get("url")):
         raise ConfigError("url: --url http://HOST:PORT is required")
-    if "broker" in vals:  # TOML written with the flag name
-        b = vals.pop("broker")
-        vals.setdefault("brokers", [b] if isinstance(b, str) else list(b))
-    if isinstance(vals.get("brokers"), str):
-        vals["brokers"] = [vals["brokers"]]
-    vals["brokers"] = tuple(vals.get("brokers") or ())
-    try:
-        s = AttachSettings(labels=labels, **vals)
-    except TypeError as exc:
-        raise ConfigError(f"attach: {exc}") from None
-    s.validate()
-    return s
+    if "brokers" not in file_vals and "broker" not in file_vals:
+        file_vals["brokers"] = ()  # unless a --broker flag gives some, validate() names the missing endpoint
+    return build_settings(AttachSettings, args, "attach", specs=specs, file_vals=file_vals, extra={"labels": labels},
+                          only=_TOP + _TELEMETRY + ([] if vllm else _SGLANG_ONLY) + _TIMING)
 
 
 def make_backend(engine: str, s):
