@@ -235,7 +235,15 @@ async def serve_gateway(brokers: list[str], http: str, **ingress_kw: Any) -> Non
 # ---------------------------------------------------------------------------- command line
 
 
+#: BrokerSettings fields that configure the HTTP ingress, here as in ``mesh broker --http``
+_INGRESS_FIELDS = ("tokenizer", "chat_template", "http_max_connections", "http_header_timeout_s", "http_idle_timeout_s",
+                   "http_body_timeout_s", "http_request_timeout_s", "http_stream_idle_timeout_s")
+
+
 def add_gateway_parser(subparsers):
+    from mesh.config import BrokerSettings
+    from mesh.settings_fields import add_flags
+
     p = subparsers.add_parser(
         "gateway", help="the HTTP API (OpenAI, SGLang /generate) in its own process, in front of one or more brokers",
         description="Serve the HTTP API of `mesh broker --http` from a separate process that submits to the brokers "
@@ -245,31 +253,22 @@ def add_gateway_parser(subparsers):
     p.add_argument("--broker", action="append", required=True, metavar="ENDPOINT",
                    help="a broker's client endpoint, tcp://HOST:PORT (repeatable)")
     p.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
-    p.add_argument("--tokenizer", action="append", default=[], metavar="[MODEL=]DIR",
-                   help="the model folder whose tokenizer and chat template are used; MODEL=DIR for one model "
-                        "(repeatable; see mesh broker --help)")
-    p.add_argument("--chat-template", action="append", default=[], metavar="[MODEL=]FILE",
-                   help="a chat template file instead of the model folder's (MODEL=FILE for one model's)")
     p.add_argument("--api-key-file", help="file holding the key clients must send as Authorization: Bearer KEY")
-    p.add_argument("--http-max-connections", type=int, default=512, help="open HTTP connections at most (default 512)")
-    p.add_argument("--http-header-timeout-s", type=float, default=10.0, help="time to receive a request head (default 10)")
-    p.add_argument("--http-idle-timeout-s", type=float, default=60.0, help="keep-alive idle timeout (default 60)")
-    p.add_argument("--http-body-timeout-s", type=float, default=30.0, help="time to receive a body or drain a write (default 30)")
-    p.add_argument("--http-request-timeout-s", type=float, default=1800.0, help="lifetime of an unstreamed request (default 1800)")
-    p.add_argument("--http-stream-idle-timeout-s", type=float, default=300.0, help="a stream ends after this long without output (default 300)")
+    # the ingress settings the gateway shares with mesh broker --http: same fields, help and checks
+    add_flags(p, BrokerSettings, only=_INGRESS_FIELDS)
     add_log_level_arg(p, "info")
     p.set_defaults(func=_cmd_gateway)
     return p
 
 
 def _cmd_gateway(args) -> int:
-    import math
     from pathlib import Path
 
     from mesh import aio
-    from mesh.config import check_tokenizers, model_paths
+    from mesh.config import BrokerSettings, build, model_paths
     from mesh.errors import ConfigError
     from mesh.logs import configure
+    from mesh.settings_fields import flag_values
 
     for b in args.broker:
         if not b.startswith(("tcp://", "ipc://", "inproc://")):
@@ -277,13 +276,7 @@ def _cmd_gateway(args) -> int:
     host, sep, port = args.http.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"http: expected HOST:PORT, got {args.http!r}")
-    if args.http_max_connections < 1:
-        raise ConfigError("http_max_connections: must be >= 1")
-    for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "http_request_timeout_s",
-                 "http_stream_idle_timeout_s"):
-        v = getattr(args, name)
-        if not (math.isfinite(v) and 0 < v <= 86_400):
-            raise ConfigError(f"{name}: must be a positive number of seconds, at most 86400")
+    ingress = build(BrokerSettings, flag_values(BrokerSettings, args, only=_INGRESS_FIELDS))  # validated as the broker's
     key = None
     if args.api_key_file:
         try:
@@ -292,12 +285,11 @@ def _cmd_gateway(args) -> int:
             raise ConfigError(f"api_key_file: cannot read {args.api_key_file}: {exc}") from None
         if not key:
             raise ConfigError(f"api_key_file: {args.api_key_file} is empty")
-    check_tokenizers(args.tokenizer, args.chat_template)
     configure(args.log_level)
     aio.run(serve_gateway(
-        args.broker, args.http, api_key=key, tokenizers=model_paths(args.tokenizer, "tokenizer"),
-        chat_templates=model_paths(args.chat_template, "chat_template"), max_connections=args.http_max_connections,
-        header_timeout_s=args.http_header_timeout_s, idle_timeout_s=args.http_idle_timeout_s,
-        body_timeout_s=args.http_body_timeout_s, request_timeout_s=args.http_request_timeout_s,
-        stream_idle_timeout_s=args.http_stream_idle_timeout_s))
+        args.broker, args.http, api_key=key, tokenizers=model_paths(ingress.tokenizer, "tokenizer"),
+        chat_templates=model_paths(ingress.chat_template, "chat_template"), max_connections=ingress.http_max_connections,
+        header_timeout_s=ingress.http_header_timeout_s, idle_timeout_s=ingress.http_idle_timeout_s,
+        body_timeout_s=ingress.http_body_timeout_s, request_timeout_s=ingress.http_request_timeout_s,
+        stream_idle_timeout_s=ingress.http_stream_idle_timeout_s))
     return 0

@@ -380,3 +380,17 @@ def test_attach_flags_and_attach_table_through_the_same_mechanism(tmp_path):
     with pytest.raises(ConfigError, match=r"health_paht: unknown setting in \[attach\] .*'health_path'"):
         settings_from_args(_parse("attach sglang", ["--config", str(cfg)]))
     assert "(default required)" in " ".join(_sub("attach vllm").format_help().split())
+
+
+def test_gateway_ingress_flags_are_the_brokers_fields(tmp_path):
+    from brokers.gateway import _INGRESS_FIELDS
+
+    gw, br = _dests(_sub("gateway")), _dests(_sub("broker"))
+    for name in _INGRESS_FIELDS:
+        assert gw[name] == br[name], name  # same flag, generated from the same BrokerSettings field
+    gw_help, br_help = (" ".join(_sub(c).format_help().split()) for c in ("gateway", "broker"))
+    assert "time to receive a complete request head (default 10 s)" in gw_help and \
+        "time to receive a complete request head (default 10 s)" in br_help
+    p = subprocess.run([sys.executable, "-m", "mesh.cli", "gateway", "--broker", "tcp://127.0.0.1:1",
+                        "--http-idle-timeout-s", "0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "http_idle_timeout_s" in p.stderr, p.stderr[-400:]
