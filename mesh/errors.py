@@ -9,11 +9,18 @@
     └── RequestError           a request ended in an error reply; carries an ErrorCode
         ├── RetryableError     worker_lost, unavailable, overloaded, worker_error: another try may succeed
         └── FatalRequestError  bad_request, deadline_exceeded, duplicate, cancelled, no_worker, internal,
-                               context_length_exceeded, too_large, rate_limited, model_not_found
+            │                  context_length_exceeded, too_large, rate_limited, model_not_found
+            └── AuthError      unauthorized: credentials missing or wrong, or a call not allowed to them
 
 Callers decide retry versus fail from the type alone (``RetryableError``), or from
-``ErrorCode.retryable`` when they hold a code from the wire. ``mesh.client`` maps ZeroMQ and OS
-send errors to ``unavailable`` at its one send boundary, so a caller never sees a ``zmq.ZMQError``.
+``ErrorCode.retryable`` when they hold a code from the wire. Every client maps the errors of its
+transport into this tree at one boundary, so no ``zmq``, ``grpc`` or ``aiohttp`` error reaches its
+caller:
+
+* ``mesh.client`` (its send boundary): ZeroMQ and OS send errors -> ``unavailable``;
+* ``mesh.indexer.client.indexer_error``: gRPC statuses, OS errors and timeouts of the indexer RPCs;
+* ``mesh.adapters.base.engine_error``: HTTP client errors, timeouts, bad JSON and OS errors of the
+  engine an adapter fronts (the code the worker then reports in its ERROR frame).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ __all__ = [
     "RequestError",
     "RetryableError",
     "FatalRequestError",
+    "AuthError",
     "error_for",
 ]
 
@@ -128,11 +136,19 @@ class FatalRequestError(RequestError):
     """Retrying the same request will not help."""
 
 
+class AuthError(FatalRequestError):
+    """``unauthorized``: the caller's credentials are missing or wrong (a bearer token, a CURVE
+    key), or they do not allow this call (another owner's worker). A configuration problem:
+    never retried, and worth an operator's attention rather than a retry loop."""
+
+
 def error_for(code: ErrorCode | str, message: str = "", request_id: str | None = None) -> RequestError:
     """Build the right exception class for a wire error code (unknown codes become INTERNAL)."""
     try:
         ec = ErrorCode(code)
     except ValueError:
         ec, message = ErrorCode.INTERNAL, f"unknown error code {code!r}: {message}"
+    if ec is ErrorCode.UNAUTHORIZED:
+        return AuthError(ec, message, request_id)
     cls = RetryableError if ec.retryable else FatalRequestError
     return cls(ec, message, request_id)

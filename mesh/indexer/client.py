@@ -22,6 +22,26 @@ default ``<host>:<pid>``), which makes this client the owner of the workers it r
 another owner can neither forget them nor change their block size. UNAUTHENTICATED and
 PERMISSION_DENIED are never retried: counted (``auth_failures``, ``control_denied``) and logged.
 
+Errors: one boundary, :func:`indexer_error`, turns whatever an RPC raises into the mesh error tree
+(:mod:`mesh.errors`); its message names the endpoint and the RPC. No gRPC error leaves this
+module: :meth:`~IndexerClient.match` answers ``None`` (degraded) and keeps the mapped error in
+:attr:`~IndexerClient.last_error`, forwarding counts and resyncs, :meth:`~IndexerClient.fetch_stats`
+raises it, and using a closed client is a :class:`~mesh.errors.ClientStateError`.
+
+=============================================================  ==========================================
+raised by the RPC                                              becomes
+=============================================================  ==========================================
+UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, ABORTED             ``RetryableError(unavailable)``
+RESOURCE_EXHAUSTED "... larger than max" (gRPC's message cap)  ``FatalRequestError(too_large)``
+RESOURCE_EXHAUSTED of MatchPrefix (the indexer shed it)        ``RetryableError(overloaded)``
+RESOURCE_EXHAUSTED of the other RPCs (a bound: max workers)    ``FatalRequestError(rate_limited)``
+UNAUTHENTICATED, PERMISSION_DENIED                             ``AuthError(unauthorized)``
+INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION            ``FatalRequestError(bad_request)``
+any other status (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)       ``FatalRequestError(internal)``
+``asyncio.TimeoutError`` / ``TimeoutError``, ``OSError``       ``RetryableError(unavailable)``
+``ValueError`` / ``TypeError`` (the request cannot be encoded)  ``FatalRequestError(bad_request)``
+=============================================================  ==========================================
+
 Lifecycle: :meth:`start` (or the first ``match``/``forward``/``register_worker`` on a running
 loop) opens lazily connected channels and the forwarder tasks; :meth:`aclose` ends them.
 
@@ -62,7 +82,8 @@ from typing import Any
 
 import grpc
 
-from mesh.errors import ConfigError
+from mesh.errors import (AuthError, ClientStateError, ConfigError, ErrorCode, FatalRequestError, MeshError,
+                         RequestError, RetryableError)
 from mesh.index import WorkerMatch
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer import indexer_pb2_grpc as pb_grpc
@@ -70,7 +91,7 @@ from mesh.logs import RateLimiter, get_logger
 from mesh.retry import RetryPolicy
 
 __all__ = ["IndexerClient", "MatchView", "CircuitBreaker", "BreakerState", "parse_endpoint", "events_from_body",
-           "read_token_file", "MAX_MESSAGE_BYTES"]
+           "read_token_file", "indexer_error", "MAX_MESSAGE_BYTES"]
 
 #: Default message cap, the server's default (``mesh indexer --max-message-bytes``).
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -89,10 +110,60 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-#: Forward/control codes worth another try (the server never sheds applies, so
-#: RESOURCE_EXHAUSTED there means "message too large": not retryable).
-_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
+_S = grpc.StatusCode
+#: Statuses meaning "not processed, another try may succeed".
+_RETRYABLE = frozenset({_S.UNAVAILABLE, _S.DEADLINE_EXCEEDED, _S.ABORTED, _S.CANCELLED})
+_BAD_REQUEST = frozenset({_S.INVALID_ARGUMENT, _S.OUT_OF_RANGE, _S.FAILED_PRECONDITION})
+
+
+def indexer_error(exc: BaseException, endpoint: str, rpc: str) -> MeshError:
+    """The indexer client's one error boundary: what ``rpc`` against ``endpoint`` raised, as a
+    :mod:`mesh.errors` exception (table in the module docstring) whose message names both.
+    A :class:`~mesh.errors.MeshError` is returned as it is; the original is the ``__cause__``."""
+    if isinstance(exc, MeshError):
+        return exc
+    where = f"indexer {endpoint} {rpc}"
+    err: RequestError
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        details = (exc.details() if callable(getattr(exc, "details", None)) else "") or ""
+        msg = f"{where}: {code.name if code is not None else 'RPC failed'}: {details}"[:500]
+        if code in _RETRYABLE:
+            err = RetryableError(ErrorCode.UNAVAILABLE, msg)
+        elif code is _S.RESOURCE_EXHAUSTED:
+            if "larger than max" in details:  # gRPC's message size cap, on either side
+                err = FatalRequestError(ErrorCode.TOO_LARGE, msg)
+            elif rpc == "MatchPrefix":  # the indexer sheds queries beyond its in-flight bound
+                err = RetryableError(ErrorCode.OVERLOADED, msg)
+            else:  # a bound of the indexer's state (workers, streams): retrying will not free it
+                err = FatalRequestError(ErrorCode.RATE_LIMITED, msg)
+        elif code in (_S.UNAUTHENTICATED, _S.PERMISSION_DENIED):
+            err = AuthError(ErrorCode.UNAUTHORIZED, msg)
+        elif code in _BAD_REQUEST:
+            err = FatalRequestError(ErrorCode.BAD_REQUEST, msg)
+        else:
+            err = FatalRequestError(ErrorCode.INTERNAL, msg)
+    elif isinstance(exc, TimeoutError):  # asyncio.TimeoutError is TimeoutError (an OSError): first
+        err = RetryableError(ErrorCode.UNAVAILABLE, f"{where}: timed out")
+    elif isinstance(exc, OSError):
+        err = RetryableError(ErrorCode.UNAVAILABLE, f"{where}: {type(exc).__name__}: {exc}"[:500])
+    elif isinstance(exc, (ValueError, TypeError)):
+        err = FatalRequestError(ErrorCode.BAD_REQUEST, f"{where}: request cannot be encoded: {exc}"[:500])
+    else:
+        err = FatalRequestError(ErrorCode.INTERNAL, f"{where}: {exc!r}"[:500])
+    err.__cause__ = exc
+    return err
+
+
+def _status(exc: BaseException) -> grpc.StatusCode | None:
+    """The gRPC status behind an error (the breaker and the auth counters read it)."""
+    while exc is not None and not isinstance(exc, grpc.RpcError):
+        exc = exc.__cause__  # type: ignore[assignment]
+    if exc is None or not callable(getattr(exc, "code", None)):
+        return None
+    return exc.code()
+
+
 _DEGRADED_REASON = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
     grpc.StatusCode.CANCELLED: "timeout",
@@ -101,7 +172,6 @@ _DEGRADED_REASON = {
     grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
     grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
 }
-_AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 #: Refusals of a healthy replica (not breaker failures): ownership, a bound, a bad argument.
 _ANSWERED = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.INVALID_ARGUMENT})
@@ -308,10 +378,6 @@ class MatchView:
 # ---------------------------------------------------------------------- replicas
 
 
-class _Transient(Exception):
-    """A forward RPC failed with a retryable status (wraps the AioRpcError)."""
-
-
 # Queue items: ("b", worker_id, dp_rank, epoch, seq, payload, is_body) or ("r", worker_id, block_size)
 # / ("f", worker_id, 0) control items, which are never dropped.
 _Item = tuple
@@ -319,7 +385,7 @@ _Item = tuple
 
 class _Replica:
     __slots__ = ("endpoint", "target", "tls", "channel", "stub", "breaker", "queue", "wake", "dirty", "instance",
-                 "task", "last_error", "sent_batches", "sending")
+                 "task", "last_error", "error", "sent_batches", "sending")
 
     def __init__(self, endpoint: str, breaker: CircuitBreaker) -> None:
         self.endpoint = endpoint
@@ -332,7 +398,8 @@ class _Replica:
         self.dirty: dict[tuple[str, int], str] = {}
         self.instance: int | None = None
         self.task: asyncio.Task | None = None
-        self.last_error = ""
+        self.last_error = ""  # str(error), for stats()
+        self.error: MeshError | None = None  # the latest failure, mapped by indexer_error
         self.sent_batches = 0
         self.sending = 0  # items at the head of the queue currently in an RPC
 
@@ -417,6 +484,7 @@ class IndexerClient:
         self._streams: set[tuple[str, int]] = set()  # streams forwarded (resynced after a restart)
         self._resync_at: dict[tuple[str, int], float] = {}
         self._state = _State.UNOPENED
+        self._last_error: MeshError | None = None
         self.log = get_logger(service="indexer_client")
         self._rl = RateLimiter(1.0)
 
@@ -428,15 +496,20 @@ class IndexerClient:
         client too. Call :meth:`aclose` on shutdown either way.
         """
         if self._state is not _State.UNOPENED:
-            raise RuntimeError(f"IndexerClient cannot be started when {self._state.value}")
+            raise ClientStateError(f"IndexerClient cannot be started when {self._state.value}")
         self._open()
 
     def _open(self) -> None:
         creds = None
         if any(r.tls for r in self.replicas):
-            ca = Path(self.ca_file).read_bytes() if self.ca_file else None
-            key = Path(self.client_key).read_bytes() if self.client_key else None
-            chain = Path(self.client_cert).read_bytes() if self.client_cert else None
+            files = {}
+            for field, path in (("kv_indexer_ca", self.ca_file), ("kv_indexer_client_key", self.client_key),
+                                ("kv_indexer_client_cert", self.client_cert)):
+                try:
+                    files[field] = Path(path).read_bytes() if path else None
+                except OSError as exc:
+                    raise ConfigError(f"{field}: cannot read {path!r}: {exc.strerror or exc}") from None
+            ca, key, chain = files["kv_indexer_ca"], files["kv_indexer_client_key"], files["kv_indexer_client_cert"]
             creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain)
         options = _channel_options(self.max_message_bytes)
         try:
@@ -478,6 +551,47 @@ class IndexerClient:
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
+    # ------------------------------------------------------------------ errors
+    @property
+    def last_error(self) -> MeshError | None:
+        """The latest failure of any RPC (query, forward, control), as :func:`indexer_error`
+        mapped it (None: none yet). A degraded :meth:`match` leaves its cause here."""
+        return self._last_error
+
+    def _failed(self, rep: _Replica, exc: BaseException, rpc: str, what: str) -> MeshError:
+        """Account for a failed RPC (breaker, counters, ``last_error``) and return it mapped.
+
+        A replica that answered with a considered refusal (PERMISSION_DENIED, RESOURCE_EXHAUSTED,
+        INVALID_ARGUMENT) is alive: that is no breaker failure."""
+        err = indexer_error(exc, rep.endpoint, rpc)
+        code = _status(exc)
+        if code in _ANSWERED:
+            rep.breaker.success()
+        elif code is None and isinstance(err, RequestError) and err.code is ErrorCode.BAD_REQUEST:
+            rep.breaker.probe_inflight = False  # the request could not be encoded: nothing was sent
+        else:
+            rep.breaker.failure(time.monotonic())
+        rep.error, rep.last_error = err, str(err)[:200]
+        self._last_error = err
+        if code is grpc.StatusCode.UNAUTHENTICATED or (code is grpc.StatusCode.PERMISSION_DENIED and what != "control"):
+            self._auth_failed(rep, what, code)
+        elif code is grpc.StatusCode.PERMISSION_DENIED:
+            self.c["control_denied"] += 1  # ownership: another broker registered that worker
+        return err
+
+    async def fetch_stats(self, replica: int = 0, timeout_s: float = 2.0) -> pb.StatsResponse:
+        """The replica's Stats(); raises the :func:`indexer_error` of a failure (RetryableError
+        when the indexer is unreachable, AuthError for a missing or wrong token, ...)."""
+        if self._state is not _State.OPENED:
+            if self._state is _State.CLOSED:
+                raise ClientStateError("IndexerClient used after aclose()")
+            self._open()
+        rep = self.replicas[replica]
+        try:
+            return await rep.stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md)
+        except (grpc.RpcError, OSError, asyncio.TimeoutError) as exc:
+            raise self._failed(rep, exc, "Stats", "stats") from exc
+
     # ------------------------------------------------------------------ queries
     def _degrade(self, reason: str) -> None:
         self.degraded[reason] += 1
@@ -518,33 +632,26 @@ class IndexerClient:
                 if req is None:
                     req = pb.MatchPrefixRequest(keys=keys, block_size=block_size, max_results=self.max_results)
                 resp = await rep.stub.MatchPrefix(req, timeout=remaining, metadata=self._md)
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    # Shedding proves the replica alive and already protects it: no breaker
-                    # failure, but try the next replica.
-                    rep.breaker.probe_inflight = False
-                else:
-                    rep.breaker.failure(clock())
-                reason = _DEGRADED_REASON.get(code, "error")
-                rep.last_error = f"{code.name}: {exc.details()}"[:200]
-                if code in _AUTH_CODES:
-                    self._auth_failed(rep, "query", code)
-                continue
-            except (ValueError, TypeError) as exc:  # keys not u64, block_size out of range
-                rep.breaker.probe_inflight = False
-                self.c["query_bad_input"] += 1
-                if self._rl.allow("bad_input"):
-                    self.log.warning("indexer_query_bad_input", error=repr(exc)[:200])
-                reason = "error"
-                break
             except asyncio.CancelledError:
                 rep.breaker.probe_inflight = False
                 raise
-            except Exception as exc:  # never let the indexer fail a request
-                rep.breaker.failure(clock())
-                rep.last_error = repr(exc)[:200]
-                reason = "error"
+            except Exception as exc:  # never let the indexer fail a request: degrade, say why
+                # A shedding replica (RESOURCE_EXHAUSTED) is alive and already protected: no
+                # breaker failure, but the next replica is tried.
+                err = self._failed(rep, exc, "MatchPrefix", "query")
+                code = _status(exc)
+                if code is None and isinstance(err, RequestError) and err.code is ErrorCode.BAD_REQUEST:
+                    self.c["query_bad_input"] += 1  # keys not u64, block_size out of range: no RPC was sent
+                    if self._rl.allow("bad_input"):
+                        self.log.warning("indexer_query_bad_input", error=str(err)[:200])
+                    reason = "error"
+                    break
+                if isinstance(err, RequestError) and err.code is ErrorCode.TOO_LARGE:
+                    reason = "too_large"
+                elif code is not None:
+                    reason = _DEGRADED_REASON.get(code, "error")
+                else:
+                    reason = "timeout" if isinstance(exc, TimeoutError) else "unavailable" if isinstance(exc, OSError) else "error"
                 continue
             rep.breaker.success()
             self.c["queries_ok"] += 1
@@ -658,11 +765,13 @@ class IndexerClient:
             head = q[0]
             if head[0] != "b":
                 try:
-                    await self._send_control(rep, head)
+                    done = await self._send_control(rep, head)
                 except Exception as exc:
+                    done = True
                     self.c["control_errors"] += 1
                     self.log.exception("indexer_control_failed", endpoint=rep.endpoint, error=repr(exc)[:200])
-                q.popleft()
+                if done:
+                    q.popleft()
                 continue
             chunk: list[_Item] = []
             size = 0
@@ -673,14 +782,17 @@ class IndexerClient:
                 size += len(it[5])
             rep.sending = len(chunk)
             try:
-                await self._send_chunk(rep, chunk)
+                done = await self._send_chunk(rep, chunk)
             except Exception as exc:  # a bug here must not stop forwarding: drop, count, resync
+                done = True
                 self.c["forward_errors"] += len(chunk)
                 self.log.exception("indexer_forward_failed", endpoint=rep.endpoint, error=repr(exc)[:200])
                 for it in chunk:
                     rep.dirty.setdefault((it[1], it[2]), "forward_error")
             finally:
                 rep.sending = 0
+            if not done:
+                continue  # a retry cycle gave up: the chunk stays at the head (re-sent once the breaker admits)
             for _ in range(len(chunk)):
                 q.popleft()
             if rep.dirty and len(q) <= self.forward_buffer // 2:
@@ -701,39 +813,30 @@ class IndexerClient:
                 return
             await asyncio.sleep(min(1.0, max(0.02, rep.breaker.retry_in(now))))
 
-    async def _rpc_with_retries(self, rep: _Replica, call: Callable[[], Any], what: str) -> Any:
-        """Run ``call`` until it succeeds: tenacity retry cycles (bounded), and between cycles a
-        wait for the replica's breaker. Non-retryable statuses are raised."""
-        while True:
-            await self._wait_for_breaker(rep)
-            try:
-                retrying = self.retry.async_retrying((_Transient,), log=self.log)
-                async for attempt in retrying:
-                    with attempt:
-                        n = attempt.retry_state.attempt_number
-                        if n > 1:
-                            self.c[f"{what}_retried"] += 1
-                            await self._wait_for_breaker(rep)
-                        try:
-                            res = await call()
-                        except grpc.aio.AioRpcError as exc:
-                            if exc.code() in _ANSWERED:
-                                rep.breaker.success()  # a considered refusal: the replica is alive
-                            else:
-                                rep.breaker.failure(time.monotonic())
-                            rep.last_error = f"{exc.code().name}: {exc.details()}"[:200]
-                            if exc.code() in _RETRYABLE:
-                                raise _Transient(exc) from exc
-                            raise
-                rep.breaker.success()
-                return res
-            except _Transient:
-                self.c[f"{what}_give_ups"] += 1
-                if self._rl.allow(("give_up", rep.endpoint)):
-                    self.log.warning("indexer_forward_give_up", endpoint=rep.endpoint, error=rep.last_error,
-                                     queued=len(rep.queue))
+    async def _rpc(self, rep: _Replica, call: Callable[[], Any], rpc: str, what: str) -> Any:
+        """One retry cycle of ``call``, built by :class:`mesh.retry.RetryPolicy` (tenacity, always
+        bounded), each attempt once the replica's breaker admits it. Failures leave through
+        :meth:`_failed` (the :func:`indexer_error` boundary): a ``RetryableError`` is retried, and
+        raised when the cycle gives up; any other mapped error is raised at once."""
+        async for attempt in self.retry.async_retrying((RetryableError,), log=self.log):
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    self.c[f"{what}_retried"] += 1
+                await self._wait_for_breaker(rep)
+                try:
+                    res = await call()
+                except (grpc.RpcError, OSError, asyncio.TimeoutError) as exc:
+                    raise self._failed(rep, exc, rpc, what) from exc
+        rep.breaker.success()
+        return res
 
-    async def _send_chunk(self, rep: _Replica, chunk: list[_Item]) -> None:
+    def _gave_up(self, rep: _Replica, what: str) -> None:
+        self.c[f"{what}_give_ups"] += 1
+        if self._rl.allow(("give_up", rep.endpoint)):
+            self.log.warning("indexer_forward_give_up", endpoint=rep.endpoint, error=rep.last_error, queued=len(rep.queue))
+
+    async def _send_chunk(self, rep: _Replica, chunk: list[_Item]) -> bool:
+        """Send one chunk; False when the retry cycle gave up (the chunk stays queued)."""
         req = pb.ApplyKvBatchesRequest()
         add = req.batches.add
         for _, w, r, e, s, payload, is_body in chunk:
@@ -742,19 +845,20 @@ class IndexerClient:
             else:
                 add(worker_id=w, dp_rank=r, epoch=e, seq=s, events_msgpack=payload)
         try:
-            resp = await self._rpc_with_retries(
-                rep, lambda: rep.stub.ApplyKvBatches(req, timeout=self.apply_timeout_s, metadata=self._md), "forward")
-        except grpc.aio.AioRpcError as exc:  # not retryable (e.g. INVALID_ARGUMENT): resync those streams
+            resp = await self._rpc(rep, lambda: rep.stub.ApplyKvBatches(req, timeout=self.apply_timeout_s, metadata=self._md),
+                                   "ApplyKvBatches", "forward")
+        except RetryableError:
+            self._gave_up(rep, "forward")
+            return False
+        except MeshError as err:  # not retryable (e.g. INVALID_ARGUMENT, too large): resync those streams
             self.c["forward_rejected"] += len(chunk)
-            if exc.code() in _AUTH_CODES:
+            if isinstance(err, AuthError):
                 # A configuration error, not the streams' fault: a resync would be refused too.
-                self._auth_failed(rep, "forward", exc.code())
-                return
-            self.log.warning("indexer_forward_rejected", endpoint=rep.endpoint, code=exc.code().name,
-                             batches=len(chunk))
+                return True
+            self.log.warning("indexer_forward_rejected", endpoint=rep.endpoint, error=str(err)[:200], batches=len(chunk))
             for it in chunk:
                 rep.dirty.setdefault((it[1], it[2]), "rejected")
-            return
+            return True
         self.c["forward_rpcs"] += 1
         self.c["forward_applied"] += len(chunk)
         rep.sent_batches += len(chunk)
@@ -780,25 +884,29 @@ class IndexerClient:
                 self._request_resync(it[1], it[2], _RESYNC_REASON.get(v, "resync"))
             elif v == pb.RESYNCED or v == pb.NEW_EPOCH:
                 self._resync_at.pop((it[1], it[2]), None)
+        return True
 
-    async def _send_control(self, rep: _Replica, item: _Item) -> None:
+    async def _send_control(self, rep: _Replica, item: _Item) -> bool:
+        """Send one RegisterWorker / ForgetWorker; False when the retry cycle gave up (it stays queued)."""
         kind, wid, bs = item
         md = self._md
         if kind == "r":
+            rpc = "RegisterWorker"
             call = lambda: rep.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=wid, block_size=bs), timeout=5.0, metadata=md)  # noqa: E731
         else:
+            rpc = "ForgetWorker"
             call = lambda: rep.stub.ForgetWorker(pb.ForgetWorkerRequest(worker_id=wid), timeout=5.0, metadata=md)  # noqa: E731
         try:
-            await self._rpc_with_retries(rep, call, "control")
+            await self._rpc(rep, call, rpc, "control")
             self.c["register_ok" if kind == "r" else "forget_ok"] += 1
-        except grpc.aio.AioRpcError as exc:
+        except RetryableError:
+            self._gave_up(rep, "control")
+            return False
+        except MeshError as err:  # counted by _failed (control_denied, auth_failures)
             self.c["control_rejected"] += 1
-            if exc.code() is grpc.StatusCode.PERMISSION_DENIED:
-                self.c["control_denied"] += 1
-            elif exc.code() is grpc.StatusCode.UNAUTHENTICATED:
-                self._auth_failed(rep, "control", exc.code())
             self.log.warning("indexer_control_rejected", endpoint=rep.endpoint, kind=kind, worker_id=wid,
-                             code=exc.code().name, owner=self.owner, error=exc.details())
+                             owner=self.owner, error=str(err)[:300])
+        return True
 
     def _auth_failed(self, rep: _Replica, what: str, code: grpc.StatusCode) -> None:
         if code is grpc.StatusCode.UNAUTHENTICATED:
@@ -811,13 +919,13 @@ class IndexerClient:
 
     # ------------------------------------------------------------------ introspection
     async def server_stats(self, replica: int = 0, timeout_s: float = 2.0) -> pb.StatsResponse | None:
-        """The replica's Stats() (None when unreachable). For tests, benchmarks and `mesh status`."""
-        rep = self.replicas[replica]
-        if rep.stub is None:
+        """The replica's Stats() (None when unreachable or not open; :meth:`fetch_stats` says
+        why). For tests, benchmarks and `mesh status`."""
+        if self.replicas[replica].stub is None:
             return None
         try:
-            return await rep.stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md)
-        except grpc.aio.AioRpcError:
+            return await self.fetch_stats(replica, timeout_s)
+        except MeshError:
             return None
 
     def pending(self) -> int:
