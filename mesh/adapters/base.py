@@ -41,6 +41,24 @@ Load: the LoadStat PUB when the server has one (one SUB per rank, ``[b"load", se
 otherwise (or when it is stale) the backend polls HTTP. Every HEARTBEAT carries the fresh
 LoadStats.
 
+Errors: one boundary, :func:`engine_error`, turns what talking to the engine raised into the mesh
+error tree (:mod:`mesh.errors`), naming the engine URL: the worker reports its code in the ERROR
+frame of the request, discovery retries what is retryable, health and load polls count it.
+
+=========================================================  ===================================
+raised while talking to the engine                          becomes
+=========================================================  ===================================
+a non-200 answer (``aiohttp.ClientResponseError`` too)      :func:`error_code_for_status`
+``TimeoutError`` (a per-call timeout: connect, health)      ``RetryableError(unavailable)``
+``EngineConnectionError``, ``aiohttp.ClientError``,         ``RetryableError(unavailable)``
+``OSError`` (refused, reset, truncated body)
+a body that is not JSON, or JSON of the wrong shape         ``RetryableError(worker_error)``
+(``ValueError``, ``KeyError``, ``TypeError``)
+anything else (a bug)                                       ``FatalRequestError(internal)``
+=========================================================  ===================================
+
+The request's own deadline passing is ``deadline_exceeded`` (not retried: the time is gone).
+
 Health gating: ``GET <health_path>`` every ``health_interval_ms``. The adapter registers with the
 brokers only while the server is healthy; after ``unhealthy_after`` failed checks it sends
 DISCONNECT and closes its broker links (brokers stop offering work and retry what was in
@@ -65,9 +83,10 @@ import zmq.asyncio
 from mesh import kv_events as KV
 from mesh.adapters.engine_http import EngineConnectionError, EngineHttp
 from mesh import protocol as P
-from mesh.errors import ConfigError, ErrorCode, ProtocolError
+from mesh.errors import ConfigError, ErrorCode, FatalRequestError, MeshError, ProtocolError, RequestError, RetryableError, error_for
 from mesh.load import LoadStat
 from mesh.logs import RateLimiter, announce, get_logger
+from mesh.retry import RetryPolicy
 from mesh.openai_logprobs import LOGPROB_KEYS
 from mesh.sockets import SocketSpec, make_socket, recv_frames, socket_readable
 from mesh.worker import BrokerLink, Capabilities, WorkerAPI
@@ -89,6 +108,7 @@ __all__ = [
     "sse_events",
     "parse_prometheus",
     "error_code_for_status",
+    "engine_error",
     "END_SEQ",
 ]
 
@@ -719,6 +739,32 @@ def error_code_for_status(status: int) -> ErrorCode:
     return ErrorCode.WORKER_ERROR  # 401/403 (adapter misconfigured for this server), 500, 502, ...
 
 
+def engine_error(exc: BaseException, where: str) -> MeshError:
+    """The adapter's one error boundary: what talking to the engine at ``where`` (its URL and
+    path) raised, as a :mod:`mesh.errors` exception (table in the module docstring) whose message
+    names ``where``. A :class:`~mesh.errors.MeshError` is returned as it is; the original is the
+    ``__cause__``."""
+    if isinstance(exc, MeshError):
+        return exc
+    err: RequestError
+    if isinstance(exc, aiohttp.ContentTypeError):  # a ClientResponseError, but about the body
+        err = RetryableError(ErrorCode.WORKER_ERROR, f"{where}: the engine's answer is not JSON")
+    elif isinstance(exc, aiohttp.ClientResponseError):
+        err = error_for(error_code_for_status(exc.status), f"{where}: HTTP {exc.status} {exc.message}"[:512])
+    elif isinstance(exc, TimeoutError):  # asyncio's and aiohttp's timeouts (an OSError: first)
+        err = RetryableError(ErrorCode.UNAVAILABLE, f"{where}: the engine did not answer in time")
+    elif isinstance(exc, (EngineConnectionError, aiohttp.ClientError, OSError)):
+        err = RetryableError(ErrorCode.UNAVAILABLE, f"{where}: engine connection failed: {type(exc).__name__}: {exc}"[:512])
+    elif isinstance(exc, ValueError):  # json.JSONDecodeError, orjson.JSONDecodeError
+        err = RetryableError(ErrorCode.WORKER_ERROR, f"{where}: the engine's answer is not valid: {exc}"[:512])
+    elif isinstance(exc, (KeyError, TypeError)):
+        err = RetryableError(ErrorCode.WORKER_ERROR, f"{where}: the engine's answer has an unexpected shape: {exc!r}"[:512])
+    else:
+        err = FatalRequestError(ErrorCode.INTERNAL, f"{where}: {exc!r}"[:512])
+    err.__cause__ = exc
+    return err
+
+
 # --------------------------------------------------------------------------- backend interface
 
 
@@ -771,15 +817,40 @@ class Backend:
         """PD prefill leg (``bootstrap.mode == "prefill"``): (path, body, FINAL data) or None if unsupported."""
         return None
 
+    # The engine's side API (discovery, health, load): every failure leaves through engine_error.
     async def get_json(self, http: aiohttp.ClientSession, path: str, timeout_s: float = 5.0) -> tuple[int, Any]:
-        async with http.get(self.s.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status != 200:
-                return resp.status, None
-            return 200, await resp.json(content_type=None)
+        """(status, decoded JSON body or None when not 200); raises :func:`engine_error`'s errors."""
+        url = self.s.base_url + path
+        try:
+            async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    return resp.status, None
+                return 200, await resp.json(content_type=None)
+        except Exception as exc:
+            raise engine_error(exc, f"GET {url}") from exc
 
     async def get_text(self, http: aiohttp.ClientSession, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
-        async with http.get(self.s.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            return resp.status, (await resp.text() if resp.status == 200 else "")
+        """(status, body text or "" when not 200); raises :func:`engine_error`'s errors."""
+        url = self.s.base_url + path
+        try:
+            async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status, (await resp.text() if resp.status == 200 else "")
+        except Exception as exc:
+            raise engine_error(exc, f"GET {url}") from exc
+
+    async def get_status(self, http: aiohttp.ClientSession, path: str, timeout_s: float = 5.0) -> int:
+        """The status of ``GET path`` (body read and dropped); raises :func:`engine_error`'s errors."""
+        url = self.s.base_url + path
+        try:
+            async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                await resp.read()
+                return resp.status
+        except Exception as exc:
+            raise engine_error(exc, f"GET {url}") from exc
+
+    def not_ready(self, path: str, status: int) -> RetryableError:
+        """Discovery's answer to a non-200 side-API reply: the engine is not serving yet (retried)."""
+        return RetryableError(ErrorCode.UNAVAILABLE, f"GET {self.s.base_url}{path}: HTTP {status}")
 
 
 # --------------------------------------------------------------------------- the adapter
@@ -928,26 +999,33 @@ class Adapter:
         if self.engine is not None:
             await self.engine.close()
 
+    #: Discovery back-off: an engine loading its weights may take minutes, so by default (no
+    #: ``discovery_timeout_s``) the adapter waits for it as a worker waits for its brokers.
+    DISCOVERY_RETRY = RetryPolicy.forever(base_ms=100.0, cap_ms=2000.0)
+
     async def _discover(self) -> EngineInfo:
+        """Ask the engine what it is, retrying (:attr:`DISCOVERY_RETRY`) what :func:`engine_error`
+        calls retryable, until ``discovery_timeout_s`` (then a ConfigError naming the URL)."""
         assert self.http is not None
-        t0 = time.monotonic()
-        delay = 0.1
-        while True:
-            try:
-                info = await self.backend.discover(self.http)
-                break
-            except ConfigError:
-                raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
-                if self.s.discovery_timeout_s and time.monotonic() - t0 > self.s.discovery_timeout_s:
-                    raise ConfigError(f"url: no answer from {self.s.url} within {self.s.discovery_timeout_s}s ({exc!r})") from None
-                if self.counters["discovery_failures"] == 0:
-                    announce("adapter_waiting_for_engine", url=self.s.url, error=repr(exc)[:200])
-                if self.counters["discovery_failures"] % 20 == 0:
-                    self.log.warning("discovery_retry", url=self.s.url, error=repr(exc)[:200])
-                self.counters["discovery_failures"] += 1
-                await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
+        s = self.s
+        deadline = time.monotonic() + s.discovery_timeout_s if s.discovery_timeout_s else None
+        try:
+            async for attempt in self.DISCOVERY_RETRY.async_retrying((RetryableError,), deadline_s=deadline):
+                with attempt:
+                    try:
+                        info = await self.backend.discover(self.http)
+                    except ConfigError:
+                        raise
+                    except Exception as exc:
+                        err = engine_error(exc, f"discovery at {s.url}")
+                        if self.counters["discovery_failures"] == 0:
+                            announce("adapter_waiting_for_engine", url=s.url, error=str(err)[:200])
+                        if self.counters["discovery_failures"] % 20 == 0:
+                            self.log.warning("discovery_retry", url=s.url, error=str(err)[:200])
+                        self.counters["discovery_failures"] += 1
+                        raise err from exc
+        except RetryableError as err:
+            raise ConfigError(f"url: no answer from {s.url} within {s.discovery_timeout_s}s ({err})") from None
         self.log.info("engine_discovered", **info.describe())
         return info
 
@@ -1026,19 +1104,21 @@ class Adapter:
             self._health_kick.clear()
 
     async def _check_health(self, path: str) -> tuple[bool, str]:
+        """(healthy, why): ``http_<status>``, or the mapped error's code and cause (``unavailable:
+        ClientConnectorError``)."""
         assert self.http is not None
         try:
-            async with self.http.get(self.s.base_url + path, timeout=aiohttp.ClientTimeout(total=self.s.health_timeout_ms / 1000)) as resp:
-                await resp.read()
-                return resp.status == 200, f"http_{resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return False, type(exc).__name__
+            status = await self.backend.get_status(self.http, path, self.s.health_timeout_ms / 1000)
+        except RequestError as err:
+            return False, f"{err.code.value}: {type(err.__cause__).__name__}"
+        return status == 200, f"http_{status}"
 
     async def _become_healthy(self) -> None:
         if self._was_healthy and self.relay is not None and self.info is not None:
             try:
                 restarted = await self.backend.restarted(self.http, self.info)  # type: ignore[arg-type]
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            except Exception as exc:
+                self.log.info("restart_check_failed", error=str(engine_error(exc, f"restart check at {self.s.url}"))[:200])
                 restarted = False
             await self.relay.verify(restarted)
         self.healthy = True
@@ -1089,10 +1169,10 @@ class Adapter:
             if fresh_zmq < self.info.dp_size:
                 try:
                     stats = await self.backend.poll_load(self.http, self.info)
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
+                except Exception as exc:  # this loop must not die: count, say why, poll again
                     stats = None
                     self.counters["load_poll_errors"] += 1
-                    self.log.debug("load_poll_failed", error=repr(exc)[:200])
+                    self.log.debug("load_poll_failed", error=str(engine_error(exc, f"load poll at {self.s.url}"))[:200])
                 if stats:
                     t = time.monotonic()
                     for ls in stats:
@@ -1117,11 +1197,21 @@ class Adapter:
         self._serving[key] = asyncio.create_task(self._serve(link, r, key), name=f"req-{r.rid}")
 
     async def _serve(self, link: BrokerLink, r: P.Request, key: tuple[int, int, int]) -> None:
+        """Serve one REQUEST; every outcome but a cancel ends in a FINAL or an ERROR frame. An
+        exception of the engine path is mapped by :func:`engine_error` into the ERROR's code."""
         try:
-            if (r.bootstrap or {}).get("mode") == "prefill":
-                code, msg = self._prefill_leg(link, r)
-            else:
-                code, msg = await self._proxy(link, r)
+            try:
+                if (r.bootstrap or {}).get("mode") == "prefill":
+                    code, msg = self._prefill_leg(link, r)
+                else:
+                    code, msg = await self._proxy(link, r)
+            except Exception as exc:
+                err = engine_error(exc, f"{self.backend.kind} engine at {self.s.url}")
+                if err.code is ErrorCode.INTERNAL:
+                    self.log.error("request_failed", rid=r.rid, error=str(err)[:500], exc_info=exc)
+                elif err.code is ErrorCode.UNAVAILABLE:
+                    self._health_kick.set()  # is the engine still there? check now, not in a second
+                code, msg = (err.code, err.message) if isinstance(err, RequestError) else (ErrorCode.INTERNAL, str(err))
             if code is not None:
                 self.counters[f"errors_{code.value}"] += 1
                 link.send(P.encode_worker_error(r.rid, r.attempt, code, msg))
@@ -1156,9 +1246,9 @@ class Adapter:
                 if status != 200:
                     self.counters["prefill_leg_errors"] += 1
                     self.log.warning("prefill_leg_failed", status=status)
-        except (TimeoutError, EngineConnectionError, OSError) as exc:
+        except Exception as exc:
             self.counters["prefill_leg_errors"] += 1
-            self.log.warning("prefill_leg_failed", error=repr(exc)[:200])
+            self.log.warning("prefill_leg_failed", error=str(engine_error(exc, f"{self.s.base_url}{path}"))[:200])
 
     async def _proxy(self, link: BrokerLink, r: P.Request) -> tuple[ErrorCode | None, str]:
         """Run one request against the server; returns an error to send, or (None, "") when done.
@@ -1192,10 +1282,7 @@ class Adapter:
                     status, raw = await self.engine.request("POST", path, payload)
                     if status != 200:
                         return error_code_for_status(status), f"HTTP {status} from {path}: {raw[:512].decode('utf-8', 'replace')}"
-                    try:
-                        obj = orjson.loads(raw)
-                    except orjson.JSONDecodeError:
-                        return ErrorCode.WORKER_ERROR, f"engine answered {path} with a body that is not JSON"
+                    obj = orjson.loads(raw)  # not JSON: engine_error's worker_error
                     self.backend.parse(obj, st, self.info)
                     if st.error is not None:
                         return st.error
@@ -1259,11 +1346,10 @@ class Adapter:
             if final_sent:
                 return None, ""
             return ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the engine was generating"
-        except (EngineConnectionError, OSError) as exc:
+        except Exception:
             if final_sent:
                 return None, ""  # the answer is out; the engine only failed to end the stream cleanly
-            self._health_kick.set()
-            return ErrorCode.UNAVAILABLE, f"engine connection failed: {type(exc).__name__}: {exc}"[:512]
+            raise  # mapped by engine_error in _serve
         if not final_sent:
             return ErrorCode.WORKER_ERROR, "engine stream ended without a finish reason"
         return None, ""

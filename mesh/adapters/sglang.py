@@ -258,7 +258,7 @@ class SglangBackend(Backend):
         if status == 404:
             status, d = await self.get_json(http, "/get_server_info")
         if status != 200 or not isinstance(d, dict):
-            raise ValueError(f"/server_info answered HTTP {status}")
+            raise self.not_ready("/server_info", status)  # retried by discovery
         return d
 
     async def discover(self, http: aiohttp.ClientSession) -> EngineInfo:

@@ -35,7 +35,7 @@ from mesh.adapters.base import (
     rank_endpoint,
     replace_wildcard,
 )
-from mesh.errors import ConfigError, ErrorCode
+from mesh.errors import ConfigError, ErrorCode, RequestError
 from mesh.load import LoadStat
 
 __all__ = ["VllmBackend", "completions_body", "loadstats_from_vllm_metrics"]
@@ -155,13 +155,13 @@ class VllmBackend(Backend):
         if not model:
             status, d = await self.get_json(http, "/v1/models")
             if status != 200 or not isinstance(d, dict) or not d.get("data"):
-                raise ValueError(f"/v1/models answered HTTP {status}")
+                raise self.not_ready("/v1/models", status)  # retried by discovery
             model = str(d["data"][0].get("id") or "vllm")
         max_total = s.max_total_num_tokens
         if not max_total:
             try:
                 status, text = await self.get_text(http, "/metrics")
-            except (aiohttp.ClientError, OSError):
+            except RequestError:  # engine_error's mapping: /metrics is optional here
                 status, text = 0, ""
             for name, labels, _v in parse_prometheus(text) if status == 200 else []:
                 if name == "vllm:cache_config_info":
