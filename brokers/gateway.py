@@ -9,7 +9,7 @@ gateway's descriptors and CPU, never a broker's sockets.
 :class:`BrokerPool` is what the ingress needs from "a broker": ``submit_local`` / ``cancel_local`` /
 ``forget_local`` (replies land in the request's queue as the frames a broker sends a client),
 ``stats`` (counters), ``registry.pool()`` (the routable workers, from the brokers' STATUS, for
-``/health``) and ``_state`` (``/readyz``). Requests go round robin over the brokers whose
+``/health``) and ``state`` (``/readyz``). Requests go round robin over the brokers whose
 connection is up; a request whose broker connection drops gets ``unavailable`` at once (the client
 may resubmit), as :class:`mesh.client.Client` does.
 """
@@ -93,7 +93,7 @@ class BrokerPool:
             link.sock.close(linger=0)
 
     @property
-    def _state(self) -> str:
+    def state(self) -> str:
         return "serving" if any(link.up for link in self._links) else "connecting"
 
     def pool(self) -> list[dict]:

@@ -538,8 +538,8 @@ class HttpIngress:
         return web.json_response({"status": "ok" if n else "no_workers", "workers": n}, status=200 if n else 503)
 
     async def readyz(self, request: web.Request) -> web.Response:
-        ok = self.broker._state == "serving"
-        return web.json_response({"ready": ok, "state": self.broker._state}, status=200 if ok else 503)
+        ok = self.broker.state == "serving"
+        return web.json_response({"ready": ok, "state": self.broker.state}, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -90,9 +90,9 @@ def _gauges(broker: Broker):
                 out["mesh_worker_running"].append((lab, float(agg.running)))
                 out["mesh_worker_waiting"].append((lab, float(agg.waiting)))
                 out["mesh_worker_kv_usage"].append((lab, agg.kv_usage))
-        out["mesh_broker_inflight"].append(({"broker_id": broker.broker_id}, float(len(broker._inflight))))
+        out["mesh_broker_inflight"].append(({"broker_id": broker.broker_id}, float(broker.inflight_count)))
         out["mesh_broker_retries_in_flight"].append(({"broker_id": broker.broker_id}, float(broker.budget.active)))
-        out.setdefault("mesh_broker_parked", []).append(({"broker_id": broker.broker_id}, float(len(broker._parked))))
+        out.setdefault("mesh_broker_parked", []).append(({"broker_id": broker.broker_id}, float(broker.parked_count)))
         if broker.exchange is not None:
             out["mesh_exchange_peers"] = [({"state": k}, float(v)) for k, v in broker.exchange.peer_counts().items()]
             out["mesh_exchange_degraded"] = [({"broker_id": broker.broker_id}, 1.0 if broker.exchange.degraded else 0.0)]

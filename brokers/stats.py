@@ -1,4 +1,4 @@
-"""Broker counters: plain dict increments on the hot path, exported to Prometheus on scrape.
+"""Broker counters exported to Prometheus on scrape (the counters live in :mod:`mesh.broker_core.counters`).
 
 A ``prometheus_client`` Counter costs a lock and a label lookup per increment; the broker loop is
 single-threaded, so it counts into dicts and a custom collector turns them into metric families
@@ -7,92 +7,15 @@ when ``/metrics`` is scraped. Every drop the broker makes is counted here under 
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import Counter, defaultdict
-from typing import Callable, Iterable
+from collections import defaultdict
+from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from mesh.broker_core.counters import BrokerStats, LatencyHistogram
+
 __all__ = ["BrokerStats", "StatsCollector", "LatencyHistogram"]
-
-# Bucket bounds (seconds) for decision latency: 10 us .. 100 ms, about x1.6 apart so that a p99
-# estimated from them can tell a 1.5x change (coarser buckets made "2x idle" a single step).
-_DECISION_BUCKETS_S = (1e-5, 1.5e-5, 2.5e-5, 4e-5, 6e-5, 1e-4, 1.5e-4, 2.5e-4, 4e-4, 6e-4, 1e-3, 1.5e-3, 2.5e-3, 4e-3,
-                       6e-3, 1e-2, 2.5e-2, 0.1)
-# Loop lag: 100 us .. 5 s.
-_LAG_BUCKETS_S = (1e-4, 1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-class LatencyHistogram:
-    """A fixed-bucket histogram with O(log buckets) observe and no locks."""
-
-    def __init__(self, bounds_s: Iterable[float] = _DECISION_BUCKETS_S) -> None:
-        self.bounds_s = tuple(bounds_s)
-        self.counts = [0] * (len(self.bounds_s) + 1)
-        self.sum_s = 0.0
-        self.n = 0
-
-    def observe(self, v_s: float) -> None:
-        self.sum_s += v_s
-        self.n += 1
-        # first bucket whose upper bound is >= v (the last slot is +Inf)
-        self.counts[bisect_left(self.bounds_s, v_s)] += 1
-
-    def buckets(self) -> list[tuple[str, int]]:
-        out, acc = [], 0
-        for b, c in zip(self.bounds_s, self.counts):
-            acc += c
-            out.append((repr(b), acc))
-        out.append(("+Inf", acc + self.counts[-1]))
-        return out
-
-
-class BrokerStats:
-    """All broker counters. Labels are plain strings so the export is trivial."""
-
-    def __init__(self) -> None:
-        self.requests: Counter[str] = Counter()  # outcome: ok, bad_request, no_worker, ...
-        self.decisions: Counter[str] = Counter()  # reason
-        self.frames_rejected: Counter[tuple[str, str]] = Counter()  # (path, reason)
-        self.dropped: Counter[str] = Counter()  # what was dropped: stale_reply, send_hwm, ...
-        self.retries: Counter[str] = Counter()  # why: worker_lost, worker_error, send_failed
-        self.workers: Counter[str] = Counter()  # registered, expired, disconnected, replaced
-        self.kv: Counter[str] = Counter()  # batches, events, duplicates, gaps, ...
-        self.loop: Counter[str] = Counter()  # stalls, stalled_ms, shed: the broker's own event loop
-        # peer exchange (brokers/peer_exchange.py): sent, sent_full, sent_changes, received, applied,
-        # duplicate, old_epoch, restarted, gap_messages (lost), expired, rejected_<reason>,
-        # decisions_peer_stale (routed on this broker's own view while a peer was stale), ...
-        self.exchange: Counter[str] = Counter()
-        self.degraded_decisions = 0
-        self.requests_parked = 0
-        self.cached_tokens = 0
-        self.prompt_tokens = 0
-        self.decision_latency = LatencyHistogram()
-        self.loop_lag = LatencyHistogram(_LAG_BUCKETS_S)  # per pump: lateness + own duration
-
-    def flat(self) -> dict[str, int]:
-        """All counters as one flat name -> value map (for STATUS replies and tests)."""
-        out: dict[str, int] = {}
-        for prefix, ctr in (
-            ("requests", self.requests),
-            ("decisions", self.decisions),
-            ("dropped", self.dropped),
-            ("retries", self.retries),
-            ("workers", self.workers),
-            ("kv", self.kv),
-            ("loop", self.loop),
-            ("exchange", self.exchange),
-        ):
-            for k, v in ctr.items():
-                out[f"{prefix}.{k}"] = v
-        for (path, reason), v in self.frames_rejected.items():
-            out[f"frames_rejected.{path}.{reason}"] = v
-        out["degraded_decisions"] = self.degraded_decisions
-        out["requests_parked"] = self.requests_parked
-        out["cached_tokens"] = self.cached_tokens
-        out["prompt_tokens"] = self.prompt_tokens
-        return out
 
 
 class StatsCollector(Collector):

@@ -2,14 +2,14 @@
 
 Both go through real ROUTER_MANDATORY sockets. The vanished worker is a registration whose
 identity has no connection, which is the state a broker is in between a worker's crash and its
-liveness expiry; it is injected through the broker's READY handler, on the broker's own loop.
+liveness expiry; its READY and first heartbeat are fed to the broker as if read from its worker
+socket (``Broker.feed_worker_frames``), on the broker's own loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from brokers.main import build_broker
 from mesh import protocol as P
@@ -71,9 +71,10 @@ def test_request_for_a_worker_whose_connection_is_gone_goes_to_another_worker(pr
         procs.workers("live", [b.backend_endpoint], "--heartbeat-ms", "1000", count=1)
         run(wait_for_workers(b.frontend_endpoint, 1))
         ghost = P.Ready("ghost", "sim-llama-8b", "mixed", {}, 16, 256, 400_000, 1, 1, 1000)
-        bt.call(b._on_ready, b"ghost-identity-never-connected", ghost)
-        # it had been serving (a confirmed session) when its connection went away
-        bt.call(lambda: b._confirm(b.registry.by_id["ghost"], time.monotonic()))
+        ident = b"ghost-identity-never-connected"
+        bt.call(b.feed_worker_frames, [ident, *P.encode_ready(ghost)])
+        # it had been serving (a confirmed session: it spoke after READY) when its connection went away
+        bt.call(b.feed_worker_frames, [ident, *P.encode_heartbeat()])
         run(wait_for_workers(b.frontend_endpoint, 2))  # the ghost is listed (healthy until its liveness expires)
 
         async def body():

@@ -82,6 +82,15 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--buckets", help="bucket config (TOML/JSON, e.g. configs/buckets-example.toml): route through "
                                      "bucket domains, admission and the two-pass fallback, as the broker does")
     f.add_argument("--pd", help="P,D: prefill/decode disaggregation with P prefill and D decode workers (replaces --workers)")
+    lc = p.add_argument_group("broker lifecycle and faults (the broker's own BrokerCore in virtual time)")
+    lc.add_argument("--lifecycle", choices=["fast", "core"], default="fast",
+                    help="fast: routing only (Router.route/release); core: every router is the broker's BrokerCore "
+                         "(registration, liveness, retries, parking, deadlines, ejection, P/D handoff). --faults and "
+                         "--pd always run the core (default fast)")
+    lc.add_argument("--faults", metavar="SPEC",
+                    help="inject faults, e.g. kill=2/min,pause=4/min,pause_s=3,down_s=5,broker_restart=0.5/min,"
+                         "broker_down_s=2,kv_loss=0.01 (rates over the whole fleet, per s|min|h; durations in s); "
+                         "reports requests lost, duplicated and retried, and the TTFT of retried requests")
     e = p.add_argument_group("engine model (defaults: 8B model on one H100; --config FILE: its [engine] table)")
     e.add_argument("--config", help="TOML file; its [engine] table sets the engine model (the flags below win)")
     add_flags(e, EngineConfig, dest_prefix="engine_")
@@ -142,6 +151,7 @@ def config_from_args(args: argparse.Namespace):
         net_ms=args.net_ms, load_freshness_s=args.load_freshness_s, ttft_slo_ms=args.ttft_slo_ms, engine=engine,
         dedupe_load_only=not args.no_dedupe, buckets=args.buckets, pd=_pd(args.pd),
         exchange=args.exchange, exchange_delay_ms=args.exchange_delay_ms,
+        lifecycle=args.lifecycle, faults=args.faults,
     )
     cfg.validate()
     return cfg
@@ -168,7 +178,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from mesh.sim.report import arm_label, render_table, write_plot
+    from mesh.sim.report import arm_label, render_lifecycle_table, render_table, write_plot
     from mesh.sim.runner import arm_specs, build_workload, run_sim
 
     if getattr(args, "matrix", None):
@@ -215,6 +225,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     out = Console()
     out = Console(width=max(out.width, 175))  # never squeeze the table below its natural width
     out.print(render_table(report, wall))
+    lifecycle = render_lifecycle_table(report)
+    if lifecycle is not None:
+        out.print(lifecycle)
     if args.json:
         Path(args.json).write_text(dumps_report(report))
         console.print(f"wrote {args.json}")

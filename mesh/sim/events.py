@@ -16,10 +16,10 @@ __all__ = ["EventQueue"]
 class EventQueue:
     __slots__ = ("_heap", "_seq", "now", "popped")
 
-    def __init__(self) -> None:
+    def __init__(self, start_s: float = 0.0) -> None:
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
-        self.now = 0.0
+        self.now = start_s  # events before it are refused (a fleet may register before the stream's t=0)
         self.popped = 0
 
     def push(self, t: float, kind: int, a: Any = None, b: Any = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["arm_label", "render_table", "write_plot"]
+__all__ = ["arm_label", "render_table", "render_lifecycle_table", "write_plot"]
 
 
 def arm_label(arm: dict[str, Any]) -> str:
@@ -33,12 +33,44 @@ def render_table(report: dict[str, Any], wall_s: Sequence[float] | None = None):
             a["policy"], a["provider"], str(a["routers"]), str(a["workers"]),
             f"{a['hit_rate'] * 100:.1f}", f"{(a['oracle_hit_rate'] or 0) * 100:.1f}",
             f"{a['worker_cv']:.3f}", f"{a['busy_cv']:.3f}", f"{a['utilisation'] * 100:.0f}",
-            f"{a['ttft_p50_ms']:.0f}", f"{a['ttft_p95_ms']:.0f}", f"{a['ttft_p99_ms']:.0f}", f"{a['e2e_p95_ms']:.0f}",
+            _ms(a['ttft_p50_ms']), _ms(a['ttft_p95_ms']), _ms(a['ttft_p99_ms']), _ms(a['e2e_p95_ms']),
             f"{a['throughput_rps']:.2f}", f"{a['goodput'] * 100:.1f}", str(a["degraded_decisions"]),
         ]
         if wall_s is not None:
             row.append(f"{wall_s[i]:.1f}" if i < len(wall_s) else "")
         t.add_row(*row)
+    return t
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def render_lifecycle_table(report: dict[str, Any]):
+    """Arms that ran the broker's core (``lifecycle = core``): what happened to every request under
+    the faults injected. None when no arm ran the core."""
+    from rich.table import Table
+
+    arms = [a for a in report["arms"] if a.get("lifecycle") == "core"]
+    if not arms:
+        return None
+    t = Table(title="broker lifecycle (BrokerCore in virtual time)")
+    cols = ["policy", "R", "W", "faults", "ok", "failed", "lost", "dup", "retried", "ttft95 1st", "ttft95 retried",
+            "expired", "conn lost", "ejected", "registered"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("policy", "faults", "failed") else "right", no_wrap=c != "failed")
+    t.caption = ("faults: injected kills (k), pauses (p), broker restarts (b); failed: error codes clients got; "
+                 "lost: no reply at all (held by a restarted broker); dup: more than one terminal reply (must be 0); "
+                 "retried: finished on attempt > 1; ttft95: ms, first-attempt vs retried requests")
+    for a in arms:
+        fi = a.get("faults_injected", {})
+        we = a.get("worker_events", {})
+        faults = " ".join(f"{k[0]}{fi[k]}" for k in ("kill", "pause", "broker_restart") if fi.get(k)) or "-"
+        failed = " ".join(f"{k} {v}" for k, v in a["failed"].items()) or "-"
+        t.add_row(a["policy"], str(a["routers"]), str(a["workers"]), faults, str(a["requests_ok"]), failed, str(a["lost"]),
+                  str(a["duplicated"]), str(a["retried"]), _ms(a.get("ttft_first_attempt_p95_ms")),
+                  _ms(a.get("ttft_retried_p95_ms")), str(we.get("expired", 0)), str(we.get("connection_lost", 0)),
+                  str(we.get("ejected", 0)), str(we.get("registered", 0)))
     return t
 
 

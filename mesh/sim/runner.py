@@ -63,16 +63,19 @@ Metrics of an arm (all over the requests that completed; times in virtual ms):
   resync reason was returned; in-order delivery should give 0).
 
 The core of an arm is :class:`Arm`; simulated routers are :class:`SimRouter` objects whose
-``route(req, now_s)`` returns a Decision, so a bucket-aware or prefill/decode router can replace
-them without touching the event loop (``Decision.decode_worker_id`` is where a P/D split would
-attach). Nothing here reads the wall clock; the same config and seed give identical results.
+``route(req, now_s)`` returns a Decision, so a bucket-aware router can replace them without
+touching the event loop. These arms model routing only: no registration, liveness, retries,
+parking or deadlines. Arms with faults, prefill/decode arms, and any arm with ``lifecycle =
+"core"`` run the broker's own lifecycle core instead (:mod:`mesh.sim.core_arm`): there is one P/D
+and one retry path, the broker's. Nothing here reads the wall clock; the same config and seed
+give identical results.
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -96,7 +99,7 @@ PROVIDER_FEEDS = {"radix_tree": "local", "indexer": "shared", "approx": "none", 
 ROUTER_PICKS = ("round_robin", "random")
 
 # event kinds
-_ARRIVAL, _SUBMIT, _STEP_END, _DONE, _HEARTBEAT, _KV, _SUBMIT_DECODE, _X_PUB, _X_RECV = range(9)
+_ARRIVAL, _SUBMIT, _STEP_END, _DONE, _HEARTBEAT, _KV, _X_PUB, _X_RECV = range(8)
 
 
 @dataclass
@@ -132,6 +135,11 @@ class SimConfig:
     exchange_delay_ms: float = 2.0  # publish -> peers' merge (the broker's few-ms socket hop)
     exchange_interval_ms: float = 5.0  # at most one change message per router per interval
     exchange_full_ms: float = 1000.0  # full snapshot period
+    # "fast": routing-only arms (Router.route / release, no broker lifecycle); "core": every router
+    # is the broker's own BrokerCore (mesh.sim.core_arm). Faults and P/D arms always run the core.
+    lifecycle: str = "fast"
+    faults: str | None = None  # mesh.sim.core_arm.parse_faults: "kill=2/min,pause=4/min,..."
+    broker_options: dict[str, Any] = field(default_factory=dict)  # BrokerSettings fields for core arms
 
     def validate(self, *, source: bool = True) -> None:
         """Raise ConfigError on a bad setting (``source``: also check trace/workload)."""
@@ -163,10 +171,27 @@ class SimConfig:
             raise ConfigError("max_requests must be >= 1")
         if self.pd is not None and (len(self.pd) != 2 or min(self.pd) < 1):
             raise ConfigError("pd must be two positive worker counts: PREFILL,DECODE")
+        if self.lifecycle not in ("fast", "core"):
+            raise ConfigError(f"lifecycle must be fast or core, got {self.lifecycle!r}")
+        if self.faults is not None:
+            from mesh.sim.core_arm import parse_faults
+
+            parse_faults(self.faults)  # ConfigError naming the item
+        if self.uses_core and self.exchange and max(self.routers) > 1:
+            raise ConfigError("exchange: the peer exchange is modelled by lifecycle=fast arms only (no faults, no pd)")
+        if self.broker_options:
+            from mesh.config import BrokerSettings, build
+
+            build(BrokerSettings, dict(self.broker_options))  # ConfigError naming the field
         if self.buckets is not None:
             from mesh.routing.buckets import load_bucket_config
 
             load_bucket_config(self.buckets)  # ConfigError naming the bucket and field
+
+    @property
+    def uses_core(self) -> bool:
+        """Arms run the broker's BrokerCore (faults, P/D, or asked for)."""
+        return self.lifecycle == "core" or self.faults is not None or self.pd is not None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
@@ -218,8 +243,8 @@ class SimRouter:
 
     ``router`` is anything with the :class:`Router` contract -- ``pool(states)``,
     ``route(req, pool, now_s)`` and ``release(state, decision)`` -- so
-    :class:`mesh.routing.bucket_router.BucketRouter` slots in unchanged (a P/D arm would also
-    dispatch to ``Decision.decode_worker_id`` and release that state too).
+    :class:`mesh.routing.bucket_router.BucketRouter` slots in unchanged (P/D arms run the broker's
+    core, :mod:`mesh.sim.core_arm`).
     """
 
     __slots__ = ("index", "router", "states", "pool", "by_id", "publisher", "merge", "pub_at")
@@ -269,15 +294,13 @@ class _Worker:
 class _Track:
     """Per-request bookkeeping of one arm."""
 
-    __slots__ = ("arrival", "router", "worker", "decision", "first", "done", "cached", "prompt", "completion", "decode", "leg")
+    __slots__ = ("arrival", "router", "worker", "decision", "first", "done", "cached", "prompt", "completion")
 
     def __init__(self, arrival: float, router: int, worker: int, decision: Decision) -> None:
         self.arrival = arrival
         self.router = router
         self.worker = worker
         self.decision = decision
-        self.decode = -1  # P/D: decode worker index
-        self.leg = 0  # P/D: 1 while the prefill leg runs, 2 for the decode leg
         self.first = -1.0
         self.done = -1.0
         self.cached = 0
@@ -325,6 +348,8 @@ class Arm:
 
     def __init__(self, cfg: SimConfig, spec: ArmSpec, workload: Workload, oracle: tuple[int, int] | None = None,
                  progress: Callable[[int, int], None] | None = None) -> None:
+        if cfg.uses_core:
+            raise ConfigError("faults and P/D arms run the broker's core: use run_arm (mesh.sim.core_arm.CoreArm)")
         self.cfg = cfg
         self.spec = spec
         self.wl = workload
@@ -332,7 +357,7 @@ class Arm:
         self.progress = progress
         ecfg = cfg.engine
         self.block_size = ecfg.page_size
-        n_workers = spec.workers if cfg.pd is None else sum(cfg.pd)
+        n_workers = spec.workers
         ids = _worker_ids(n_workers)
         self.workers = [_Worker(i, wid, EngineModel(ecfg)) for i, wid in enumerate(ids)]
         roles, labels = _roles_and_labels(cfg, n_workers)
@@ -445,25 +470,13 @@ class Arm:
                 w.ls = None  # the step's finished requests now leave the running count
                 for rid, cached, prompt in res.first_tokens:
                     tr = tracks[rid]
-                    if tr.leg != 1:  # a prefill leg's token is not the client's first token
-                        tr.first = t + net
-                        if tr.leg == 0:  # the router sees the first reply: its policy learns
-                            routers[tr.router].router.observe(tr.decision, (t + net - tr.arrival) * 1e3)
+                    tr.first = t + net
+                    # the router sees the first reply: its policy learns
+                    routers[tr.router].router.observe(tr.decision, (t + net - tr.arrival) * 1e3)
                 for rid, _reason, usage in res.finished:
                     tr = tracks[rid]
-                    if tr.leg == 1:  # P/D: prompt computed, hand the request to its decode worker
-                        routers[tr.router].router.observe(tr.decision, (t + net - tr.arrival) * 1e3)
-                        tr.cached = usage["cached_tokens"]
-                        tr.prompt = usage["prompt_tokens"]
-                        tr.leg = 2
-                        routers[tr.router].release(tr.worker, tr.decision)
-                        if exchange:
-                            x_schedule(routers[tr.router], t)
-                        push(t + net, _SUBMIT_DECODE, rid, tr.decode)
-                        continue
-                    if tr.leg == 0:
-                        tr.cached = usage["cached_tokens"]
-                        tr.prompt = usage["prompt_tokens"]
+                    tr.cached = usage["cached_tokens"]
+                    tr.prompt = usage["prompt_tokens"]
                     tr.completion = usage["completion_tokens"]
                     if tr.first < 0:  # max_new_tokens == 0: no token, done after prefill
                         tr.first = t + net
@@ -507,40 +520,23 @@ class Arm:
                     if finished >= n:
                         break
                     continue
-                dr = d.detail.get("decode_reason")
-                if dr:
-                    decisions[f"decode_{dr}"] += 1
                 if exchange:
                     x_schedule(sr, t)
                 wi = self.wix[d.worker_id]
                 workers[wi].served += 1
                 tr = tracks[i] = _Track(t, ri, wi, d)
                 pending_prompts[i] = toks
-                if d.decode_worker_id is not None:
-                    tr.decode = self.wix[d.decode_worker_id]
-                    tr.leg = 1
                 push(t + net, _SUBMIT, i, wi)
             elif kind == _SUBMIT:
                 w = workers[b]
-                tr = tracks[a]
-                if tr.leg == 1:  # P/D prefill leg: compute the prompt only (keep it for the decode leg)
-                    w.engine.submit(a, pending_prompts[a], 1, t)
-                else:
-                    w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t)
-                w.ls = None
-                if not w.stepping:
-                    start_step(w, t)
-            elif kind == _SUBMIT_DECODE:
-                w = workers[b]
-                w.served += 1
-                w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t, transferred=True)
+                w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t)
                 w.ls = None
                 if not w.stepping:
                     start_step(w, t)
             elif kind == _DONE:
                 tr = tracks[a]
                 tr.done = t
-                routers[tr.router].release(tr.decode if tr.leg == 2 else tr.worker, tr.decision)
+                routers[tr.router].release(tr.worker, tr.decision)
                 if exchange:
                     x_schedule(routers[tr.router], t)
                 finished += 1
@@ -693,7 +689,13 @@ def _r(x: float, nd: int = 6) -> float:
 
 def run_arm(cfg: SimConfig, spec: ArmSpec, workload: Workload, oracle: tuple[int, int] | None = None,
             progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Run one arm on ``workload`` (see :class:`Arm`)."""
+    """Run one arm on ``workload``: :class:`Arm`, or the broker's core (:class:`mesh.sim.core_arm.CoreArm`)
+    when ``cfg.uses_core``."""
+    if cfg.uses_core:
+        from mesh.sim.core_arm import CoreArm, parse_faults
+
+        faults = parse_faults(cfg.faults) if cfg.faults else None
+        return CoreArm(cfg, spec, workload, oracle, progress, faults=faults).run()
     return Arm(cfg, spec, workload, oracle, progress).run()
 
 
