@@ -560,24 +560,26 @@ class Broker:
         """Send what the core asked for, in order; a failed send goes back to the core (which
         may ask for more sends: a re-dispatch), and sends conditional on it are skipped."""
         core = self.core
-        out = core.take()
+        out = core.out  # drained in place: send_failed appends to the same list, and the loop reaches it
+        back = self._back
         i = 0
-        while i < len(out):
-            s = out[i]
-            i += 1
-            if s.when is not None and s.when.failed:
-                continue
-            ok = self._send(self._back, "worker", s.identity, s.frames) if s.to == TO_WORKER else self._send_client(s.identity, s.frames)
-            if not ok:
-                s.failed = self._send_why or "unreachable"
-                if s.receipt:
-                    try:
-                        core.send_failed(s, time.monotonic())
-                    except Exception as exc:  # a core bug must not kill the loop
-                        self.stats.dropped["handler_exception"] += 1
-                        self.log.exception("send_failed_handler", error=repr(exc))
-                    if core.out:
-                        out.extend(core.take())
+        try:
+            while i < len(out):
+                s = out[i]
+                i += 1
+                if s.when is not None and s.when.failed:
+                    continue
+                ok = self._send(back, "worker", s.identity, s.frames) if s.to == TO_WORKER else self._send_client(s.identity, s.frames)
+                if not ok:
+                    s.failed = self._send_why or "unreachable"
+                    if s.receipt:
+                        try:
+                            core.send_failed(s, time.monotonic())
+                        except Exception as exc:  # a core bug must not kill the loop
+                            self.stats.dropped["handler_exception"] += 1
+                            self.log.exception("send_failed_handler", error=repr(exc))
+        finally:
+            del out[:i]
 
     def _send(self, sock: zmq.Socket | None, path: str, identity: bytes, frames: list[bytes]) -> bool:
         """Non-blocking send through a ROUTER_MANDATORY socket; a failure is counted, logged
