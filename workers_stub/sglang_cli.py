@@ -12,7 +12,10 @@ import json
 import sys
 
 from mesh.logs import add_log_level_arg
+from mesh.config import build
+from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
+from mesh.settings_fields import add_flags
 
 __all__ = ["add_stub_sglang_parser", "settings_from_args", "main"]
 
@@ -62,23 +65,18 @@ def add_stub_sglang_parser(subparsers) -> argparse.ArgumentParser:
                                       "messages are tokenised as the real engine would (default: UTF-8 bytes as ids)")
     add_log_level_arg(p, "info")
     g = p.add_argument_group("engine model (defaults: 8B model on one H100; --page-size is SGLang's flag too)")
-    for name in _ENGINE_FLAGS:
-        g.add_argument("--" + name.replace("_", "-"), type=float if name.endswith(("_per_s", "_ms")) else int)
+    add_flags(g, EngineConfig, only=_ENGINE_FLAGS)  # generated from the EngineConfig fields (help, units)
     p.set_defaults(func=_cmd_stub_sglang, _parser=p)
     return p
 
 
 def settings_from_args(args: argparse.Namespace):
-    from mesh.engine_model import EngineConfig
     from workers_stub.sglang_server import StubSettings
 
     eng = {n: getattr(args, n) for n in _ENGINE_FLAGS if getattr(args, n, None) is not None}
     if "page_size" not in eng:
         eng["page_size"] = 16
-    try:
-        engine = EngineConfig(**eng)
-    except TypeError as exc:
-        raise ConfigError(f"engine: {exc}") from None
+    engine = build(EngineConfig, eng)  # the shared validated builder: errors name the field
     kv_port: int | None = None if args.no_kv_events else args.kv_port
     replay_port: int | None = None if args.replay_port < 0 else args.replay_port
     load_port: int | None = None if args.load_port < 0 else args.load_port
