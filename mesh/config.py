@@ -232,10 +232,6 @@ class BrokerSettings:
         """``model_alias`` as a map (validated: each entry is ALIAS=MODEL)."""
         return dict(a.split("=", 1) for a in self.model_alias)
 
-    @property
-    def worker_expiry_s(self) -> float:
-        """A worker silent for this long is expired (HB x LIVENESS)."""
-        return self.heartbeat_ms * self.liveness / 1000.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -388,7 +388,7 @@ async def _phases(res: dict, g, b, http_url: str, metrics_url: str, body: bytes,
         warm = _Sender(client, _probe_ids, 0)
         await warm.run(time.perf_counter() + 0.3)
 
-        ph = await _window(client, metrics_url, roles, duration_s, probe_rate, _PROBE_IDS)
+        ph = await _window(client, metrics_url, roles, duration_s, probe_rate)
         res["phases"]["idle"] = ph
         say(_progress("idle", ph))
 
@@ -413,7 +413,7 @@ async def _phases(res: dict, g, b, http_url: str, metrics_url: str, body: bytes,
             rate = res["phases"]["embedded"]["http"]["rps"] or 0.0
             if rate > 0:
                 ctl = _Sender(client, lambda i: prompt_ids, rate, max_inflight=c)
-                ph = await _window(client, metrics_url, roles, duration_s, probe_rate, _PROBE_IDS, extra=ctl)
+                ph = await _window(client, metrics_url, roles, duration_s, probe_rate, extra=ctl)
                 ph["control_requests"] = ctl.summary(ph["seconds"])
                 res["phases"]["control"] = ph
                 say(_progress("control", ph))
@@ -442,7 +442,7 @@ async def _loaded(client, metrics_url: str, roles: dict, duration_s: float, warm
         load.result()  # raises the load generator's failure
         raise RuntimeError("the HTTP load ended before the window")
     await asyncio.sleep(warmup_s)
-    ph = await _window(client, metrics_url, roles, duration_s, probe_rate, _PROBE_IDS)
+    ph = await _window(client, metrics_url, roles, duration_s, probe_rate)
     lg = await load
     n, errors = int(lg["requests"]), int(lg["errors"])
     ph["loadgen"] = {"tool": lg["loadgen"], "requests": n, "errors": errors, "error_detail": lg.get("error_detail", {}),
@@ -453,7 +453,7 @@ async def _loaded(client, metrics_url: str, roles: dict, duration_s: float, warm
     return ph
 
 
-async def _window(client, metrics_url: str, roles: dict, duration_s: float, probe_rate: float, probe_tokens: int,
+async def _window(client, metrics_url: str, roles: dict, duration_s: float, probe_rate: float,
                   extra: _Sender | None = None) -> dict:
     import asyncio
 

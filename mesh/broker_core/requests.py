@@ -86,7 +86,3 @@ class Inflight:
     def committed(self) -> bool:
         """True once anything was streamed to the client: no re-dispatch after that."""
         return self.chunks_sent > 0
-
-    @property
-    def retry_pending(self) -> bool:
-        return self.state is RequestState.RETRY_WAIT

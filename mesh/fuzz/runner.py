@@ -22,11 +22,10 @@ Every wait is bounded. Pacing sleeps are the rate limiter itself, never readines
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -251,26 +250,25 @@ class _ClientPeer(_Peer):
             return
 
     def _on_reply(self, frames: list[bytes]) -> None:
-        if True:
-            self.received += 1
-            m = P.decode_client_reply(frames)
-            if isinstance(m, ProtocolError):
-                self.replies["undecodable"] += 1
-                if len(self.undecodable) < 5:
-                    self.undecodable.append(f"{m.reason}: {m.detail[:120]} frames={[f[:48].hex() for f in frames]}")
-                return
-            self.replies[type(m).__name__] += 1
-            rid = getattr(m, "rid", None)
-            if isinstance(m, P.ClientError) and m.code == "duplicate" and rid in self.tracked:
-                # the answer to our own second SUBMIT with an in-flight rid (semantic duplicate_rid),
-                # not a terminal of the first one: counted apart
-                self.replies["duplicate_rid_error"] += 1
-                return
-            if isinstance(m, (P.ClientFinal, P.ClientError)) and rid in self.tracked:
-                self.terminals[rid] += 1
-                self.terminal_kind.setdefault(rid, "FINAL" if isinstance(m, P.ClientFinal) else f"ERROR:{m.code}")
-                if rid in self.gen.inflight:
-                    self.gen.inflight.remove(rid)
+        self.received += 1
+        m = P.decode_client_reply(frames)
+        if isinstance(m, ProtocolError):
+            self.replies["undecodable"] += 1
+            if len(self.undecodable) < 5:
+                self.undecodable.append(f"{m.reason}: {m.detail[:120]} frames={[f[:48].hex() for f in frames]}")
+            return
+        self.replies[type(m).__name__] += 1
+        rid = getattr(m, "rid", None)
+        if isinstance(m, P.ClientError) and m.code == "duplicate" and rid in self.tracked:
+            # the answer to our own second SUBMIT with an in-flight rid (semantic duplicate_rid),
+            # not a terminal of the first one: counted apart
+            self.replies["duplicate_rid_error"] += 1
+            return
+        if isinstance(m, (P.ClientFinal, P.ClientError)) and rid in self.tracked:
+            self.terminals[rid] += 1
+            self.terminal_kind.setdefault(rid, "FINAL" if isinstance(m, P.ClientFinal) else f"ERROR:{m.code}")
+            if rid in self.gen.inflight:
+                self.gen.inflight.remove(rid)
 
     def pending(self) -> int:
         return sum(1 for rid in self.tracked if rid not in self.terminals)
@@ -334,40 +332,39 @@ class _WorkerPeer(_Peer):
             return
 
     async def _on_broker(self, frames: list[bytes]) -> None:
-        if True:
-            self.received += 1
-            m = P.decode_broker_to_worker(frames)
-            if isinstance(m, ProtocolError):
-                self.from_broker["undecodable"] += 1
-                if len(self.undecodable) < 5:
-                    self.undecodable.append(f"{m.reason}: {m.detail[:120]}")
-                return
-            t = type(m).__name__
-            self.from_broker[t] += 1
-            if isinstance(m, P.Heartbeat):
-                self.session.set()
-            elif isinstance(m, P.Disconnect):
-                self.session.clear()
-                if self.registered_peer and not self.run.stop.is_set() and time.monotonic() - self.last_ready > 0.05:
-                    self.last_ready = time.monotonic()
-                    await self.send(self.gen.ready())
-            elif isinstance(m, P.Request):
-                self.requests += 1
-                self.gen.requests.append((m.rid, m.attempt))
-                if len(self.gen.requests) > 64:
-                    self.gen.requests.pop(0)
-                self.gen.max_rid_seen = max(self.gen.max_rid_seen, m.rid)
-                kind, replies = answer_request(self.reply_rng, m)
-                self.answers[kind] += 1
-                self.run.answers[m.submit.rid] = f"{self.name}:{kind}"
-                for fr in replies:
-                    await self.send(fr)
-            elif isinstance(m, P.Resync):
-                rank = m.dp_rank
-                if rank < self.gen.dp_size:
-                    seq = self.gen.kv_seq[rank]
-                    self.gen.kv_seq[rank] += 1
-                    await self.send(P.encode_kv_events(rank, self.gen.epoch, seq, 0.0, [{"type": "AllBlocksCleared"}]))
+        self.received += 1
+        m = P.decode_broker_to_worker(frames)
+        if isinstance(m, ProtocolError):
+            self.from_broker["undecodable"] += 1
+            if len(self.undecodable) < 5:
+                self.undecodable.append(f"{m.reason}: {m.detail[:120]}")
+            return
+        t = type(m).__name__
+        self.from_broker[t] += 1
+        if isinstance(m, P.Heartbeat):
+            self.session.set()
+        elif isinstance(m, P.Disconnect):
+            self.session.clear()
+            if self.registered_peer and not self.run.stop.is_set() and time.monotonic() - self.last_ready > 0.05:
+                self.last_ready = time.monotonic()
+                await self.send(self.gen.ready())
+        elif isinstance(m, P.Request):
+            self.requests += 1
+            self.gen.requests.append((m.rid, m.attempt))
+            if len(self.gen.requests) > 64:
+                self.gen.requests.pop(0)
+            self.gen.max_rid_seen = max(self.gen.max_rid_seen, m.rid)
+            kind, replies = answer_request(self.reply_rng, m)
+            self.answers[kind] += 1
+            self.run.answers[m.submit.rid] = f"{self.name}:{kind}"
+            for fr in replies:
+                await self.send(fr)
+        elif isinstance(m, P.Resync):
+            rank = m.dp_rank
+            if rank < self.gen.dp_size:
+                seq = self.gen.kv_seq[rank]
+                self.gen.kv_seq[rank] += 1
+                await self.send(P.encode_kv_events(rank, self.gen.epoch, seq, 0.0, [{"type": "AllBlocksCleared"}]))
 
 
 # --------------------------------------------------------------------------- run

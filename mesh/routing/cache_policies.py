@@ -209,10 +209,6 @@ class CacheAware:
     def predicted_ttft_ms(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float) -> float:
         return self._cost(w, uncached, prompt_tokens, now_s)[0]
 
-    def features(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float) -> tuple[float, float, float, float]:
-        """The terms of the TTFT prediction for w (:mod:`mesh.routing.calibration`)."""
-        return self._cost(w, uncached, prompt_tokens, now_s)[2]
-
     def _cost(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float
               ) -> tuple[float, float, tuple[float, float, float, float]]:
         """(predicted TTFT ms, score ms, features). The prediction is the calibrated one

@@ -59,7 +59,7 @@ class TtftCalibrator:
     def __init__(self, prior: Sequence[float], settings: CalibrationSettings | None = None) -> None:
         if len(prior) != N_FEATURES:
             raise ValueError(f"prior needs {N_FEATURES} terms, got {len(prior)}")
-        self.settings = s = settings or CalibrationSettings()
+        self.settings = settings or CalibrationSettings()
         self.prior = tuple(float(v) for v in prior)
         self.resets = 0
         self._reset()

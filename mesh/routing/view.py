@@ -168,11 +168,6 @@ class WorkerState:
             self.pending_since_load_tokens += sent_tokens
 
     @property
-    def fleet_inflight(self) -> int:
-        """This router's and its fresh peers' requests in flight here."""
-        return self.inflight + self.peer_inflight
-
-    @property
     def fleet_prefill_tokens(self) -> int:
         """Uncached prefill tokens of this router's and its fresh peers' unfinished requests here."""
         return self.outstanding_prefill_tokens + self.peer_prefill_tokens

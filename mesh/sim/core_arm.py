@@ -224,7 +224,6 @@ class CoreArm:
         counted_terminal = 0
         kv_batches = kv_resyncs = kv_lost = 0
         erid_seq = 0
-        last_t = t0
         progress = self.progress
         prog_every = max(1, n // 200)
         by_ident: list[dict[bytes, int]] = [dict() for _ in range(n_routers)]
@@ -393,7 +392,6 @@ class CoreArm:
             t, _, kind, a, b = pop()
             if arrivals_done and counted_terminal + len(self.lost_ids) >= n:
                 break
-            last_t = t
             if kind == _TO_R:
                 r = a
                 core = cores[r]

@@ -94,10 +94,6 @@ class WorkerAPI:
     def ready_frames(self) -> list[bytes]:
         return ready_frames(self.worker_id, self.epoch, self.heartbeat_ms, self.capabilities())
 
-    @property
-    def connected(self) -> bool:
-        return bool(self.links)
-
     def connect(self) -> None:
         """Open one link per broker and start registering (no-op while connected). Connection
         numbers continue across :meth:`disconnect`: a re-registration never reuses a routing id
