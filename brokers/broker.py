@@ -461,6 +461,14 @@ class Broker:
                 elif kind == "worker_frames":  # injected through feed_worker_frames
                     frames, peer_key = item
                     core.worker_frames(frames, now, peer_key)
+                elif kind == "admin":
+                    action, worker_id, for_s, fut = item
+                    if not fut.done():
+                        try:
+                            fut.set_result(core.admin(action, worker_id, now, for_s=for_s) if action != "list"
+                                           else core.status_workers(now))
+                        except (KeyError, ValueError) as exc:
+                            fut.set_exception(exc)
             except Exception as exc:
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("mail_handler_failed", kind=kind, error=repr(exc))
@@ -489,6 +497,14 @@ class Broker:
     def forget_local(self, identity: bytes) -> None:
         self._local.pop(identity, None)
         self._local_quota.pop(identity, None)
+
+    def admin(self, action: str, worker_id: str = "", for_s: float | None = None) -> asyncio.Future:
+        """An operator's action, run by the pump (it owns the core): ``list`` (every worker's
+        status), or ``drain`` / ``eject`` / ``reinstate`` one worker (see BrokerCore.admin). The
+        future raises KeyError for an unknown worker, ValueError for an action its state refuses."""
+        fut = asyncio.get_running_loop().create_future()
+        self.post("admin", (action, worker_id, for_s, fut))
+        return fut
 
     def feed_worker_frames(self, frames: list[bytes], peer_key: bytes | None = None) -> None:
         """Handle ``[identity, *frames]`` as if read from the worker socket (on the broker's

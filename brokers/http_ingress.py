@@ -59,6 +59,7 @@ import asyncio
 import contextvars
 import hashlib
 import hmac
+import ipaddress
 import json
 import math
 import re
@@ -419,6 +420,8 @@ class HttpIngress:
             web.get("/healthz", self.health),
             web.get("/readyz", self.readyz),
             web.get("/metrics", self.metrics),
+            web.get("/workers", self.workers),
+            web.post("/workers/{worker_id}/{action}", self.worker_action),
         ])
         self.app = app
 
@@ -540,6 +543,45 @@ class HttpIngress:
     async def readyz(self, request: web.Request) -> web.Response:
         ok = self.broker.state == "serving"
         return web.json_response({"ready": ok, "state": self.broker.state}, status=200 if ok else 503)
+
+    # ------------------------------------------------------------------ admin API
+    async def workers(self, request: web.Request) -> web.Response:
+        """Every registered worker: its state (registered, routable, ejected, draining), load,
+        in-flight requests and KV capacity (behind the API key when one is set)."""
+        if not hasattr(self.broker, "admin"):
+            return _err(404, "no admin API on this front door (use the broker's --http)", "not_found")
+        workers = await asyncio.wait_for(self.broker.admin("list"), 10)
+        return _json_response({"object": "list", "data": workers})
+
+    async def worker_action(self, request: web.Request) -> web.Response:
+        """``POST /workers/{id}/drain|eject|reinstate`` (eject: optional JSON ``{"for_s": N}``).
+        Without an API key these change the fleet only for loopback clients."""
+        if not hasattr(self.broker, "admin"):
+            return _err(404, "no admin API on this front door (use the broker's --http)", "not_found")
+        if self._key is None and not _is_loopback(request.remote):
+            self.broker.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
+            return _err(403, "worker actions need --api-key (or a loopback client)", "unauthorized", "authentication_error")
+        action = request.match_info["action"]
+        if action not in ("drain", "eject", "reinstate"):
+            return _err(404, f"unknown action {action!r}: drain, eject or reinstate", "not_found")
+        for_s = None
+        if request.can_read_body:
+            try:
+                body = json.loads(await request.read() or b"{}")
+            except ValueError:
+                return _err(400, "body: not JSON", ErrorCode.BAD_REQUEST.value)
+            v = body.get("for_s") if isinstance(body, dict) else None
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    return _err(400, "for_s: must be a number of seconds", ErrorCode.BAD_REQUEST.value)
+                for_s = float(v)
+        try:
+            entry = await asyncio.wait_for(self.broker.admin(action, request.match_info["worker_id"], for_s), 10)
+        except KeyError:
+            return _err(404, f"no worker {request.match_info['worker_id']!r} is registered", "not_found")
+        except ValueError as exc:
+            return _err(409, str(exc), "conflict")
+        return _json_response(entry)
 
     async def metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -1058,3 +1100,13 @@ class _SecretIds:
     def next(self) -> bytes:
         self._n += 1
         return hashlib.blake2b(self._n.to_bytes(8, "little"), key=self._key, digest_size=32).digest()
+
+
+def _is_loopback(host: str | None) -> bool:
+    """True for a loopback peer address (None, a unix socket, counts as not loopback)."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -283,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mesh.fuzz.cli import add_fuzz_parser
 
     add_fuzz_parser(sub)
+    from mesh.ctl import add_ctl_parser
+
+    add_ctl_parser(sub)
     _add_bench(sub)
     return p
 

@@ -1045,7 +1045,9 @@ class BrokerCore:
     def _on_worker_disconnect(self, sess: WorkerSession, reason: str, now: float) -> None:
         if reason == P.DRAINING:
             # Graceful drain: no new work, but its in-flight requests finish where they are.
-            if not sess.draining:
+            if sess.draining:
+                sess.drained_by = "worker"  # drained by an operator before: now it is leaving, no reinstating it
+            else:
                 self.pool.drain(sess)
                 self.stats.workers["draining"] += 1
                 self.log.info("worker_draining", worker_id=sess.worker_id, inflight=len(sess.inflight))
@@ -1055,6 +1057,54 @@ class BrokerCore:
         self.log.info("worker_disconnected", worker_id=sess.worker_id, reason=reason)
         self._event("worker_disconnected", worker_id=sess.worker_id, reason=reason)
         self._remove_session(sess, now, "disconnected")
+
+    # -- operators (the admin API) -------------------------------------------------------
+    def admin(self, action: str, worker_id: str, now: float, *, for_s: float | None = None) -> dict:
+        """An operator's action on one worker: ``drain`` (no new requests; what it holds
+        finishes), ``eject`` (no new requests for ``for_s``, default ``eject_max_s``, then it is
+        reinstated; in-flight requests finish), ``reinstate`` (routable again: an ejected worker,
+        or one an operator drained). Returns the worker's status entry. Raises KeyError for an
+        unknown worker and ValueError when its state does not allow the action (a worker that
+        announced it is leaving cannot be reinstated; an unconfirmed one cannot be ejected)."""
+        self.now = now
+        sess = self.pool.by_id.get(worker_id)
+        if sess is None:
+            raise KeyError(worker_id)
+        st = sess.status
+        if action == "drain":
+            if st is not SessionState.DRAINING:
+                self.pool.drain(sess, "operator")
+                self.stats.workers["drained_by_operator"] += 1
+        elif action == "eject":
+            dur = self.s.eject_max_s if for_s is None else for_s
+            if not (dur > 0 and dur <= 7 * 86400):
+                raise ValueError("for_s must be in (0, 604800] seconds")
+            if st is SessionState.EJECTED:
+                sess.ejected_until_s = now + dur
+            elif st is SessionState.ROUTABLE:
+                self.pool.eject(sess, now + dur)
+            else:
+                raise ValueError(f"worker {worker_id} is {st.value}: only a routable or ejected worker can be ejected")
+            self.stats.workers["ejected_by_operator"] += 1
+        elif action == "reinstate":
+            if st is SessionState.EJECTED:
+                sess.failures = 0
+                self._forget_outcomes(sess)
+                self.pool.reinstate(sess)
+            elif st is SessionState.DRAINING:
+                if sess.drained_by != "operator":
+                    raise ValueError(f"worker {worker_id} announced it is leaving: it cannot be reinstated")
+                self.pool.undrain(sess)
+            elif st is not SessionState.ROUTABLE:
+                raise ValueError(f"worker {worker_id} is {st.value}: it becomes routable when it speaks")
+            self.stats.workers["reinstated_by_operator"] += 1
+            if self.parked:
+                self._unpark(now)
+        else:
+            raise ValueError(f"unknown action {action!r}: drain, eject or reinstate")
+        self.log.info("worker_admin", worker_id=worker_id, action=action, state=sess.status.value)
+        self._event("worker_admin", worker_id=worker_id, action=action, state=sess.status.value)
+        return self.worker_status(sess, now)
 
     # -- KV events ----------------------------------------------------------------------
     def _on_kv_events(self, sess: WorkerSession, m: P.KvEventsMsg, now: float) -> None:
@@ -1267,18 +1317,22 @@ class BrokerCore:
         return {m: n for m in self.pool.models() if (n := len(self.pool.pool(m)))}
 
     def status_workers(self, now: float) -> list[dict]:
-        out = []
-        for sess in self.pool.by_id.values():
-            st = sess.state
-            agg = st.fresh_load(now, self.s.load_freshness_s)
-            out.append({
-                "worker_id": st.worker_id, "model": sess.ready.model, "role": st.role, "labels": st.labels,
-                "healthy": st.healthy and sess.confirmed, "state": sess.status.value,
-                "inflight": st.inflight, "peer_inflight": st.peer_inflight, "peer_prefill_tokens": st.peer_prefill_tokens,
-                "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
-                "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4)},
-            })
-        return out
+        """One entry per registered worker (STATUS, telemetry, the admin API)."""
+        return [self.worker_status(sess, now) for sess in self.pool.by_id.values()]
+
+    def worker_status(self, sess: WorkerSession, now: float) -> dict:
+        st = sess.state
+        agg = st.fresh_load(now, self.s.load_freshness_s)
+        return {
+            "worker_id": st.worker_id, "model": sess.ready.model, "role": st.role, "labels": st.labels,
+            "healthy": st.healthy and sess.confirmed, "state": sess.status.value,
+            "inflight": st.inflight, "peer_inflight": st.peer_inflight, "peer_prefill_tokens": st.peer_prefill_tokens,
+            "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
+            "ejected_for_s": round(max(0.0, sess.ejected_until_s - now), 3) if sess.status is SessionState.EJECTED else 0.0,
+            "kv_capacity_tokens": sess.ready.max_total_num_tokens,
+            "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4),
+                                              "kv_used_tokens": agg.used_tokens},
+        }
 
     def worker_tokens(self, worker_id: str) -> tuple[int, int, int]:
         """(requests finished, prompt tokens, cached tokens) of one worker, for telemetry."""

@@ -9,7 +9,8 @@ Session states and the only transitions between them (:data:`SESSION_TRANSITIONS
 
     REGISTERED --first message after READY--> ROUTABLE
     ROUTABLE   --outlier ejection-->          EJECTED --reinstated--> ROUTABLE
-    REGISTERED | ROUTABLE | EJECTED --DISCONNECT draining--> DRAINING
+    REGISTERED | ROUTABLE | EJECTED --DISCONNECT draining, or an operator's drain--> DRAINING
+    DRAINING   --an operator reinstates a worker the operator drained--> ROUTABLE
     any live state --expired, disconnected, connection lost, replaced--> GONE
 
 Only ROUTABLE sessions get new requests, except in panic mode (every remaining confirmed worker
@@ -50,7 +51,7 @@ SESSION_TRANSITIONS: frozenset[tuple[SessionState, SessionState]] = frozenset({
     (_S.REGISTERED, _S.ROUTABLE), (_S.REGISTERED, _S.DRAINING), (_S.REGISTERED, _S.GONE),
     (_S.ROUTABLE, _S.EJECTED), (_S.ROUTABLE, _S.DRAINING), (_S.ROUTABLE, _S.GONE),
     (_S.EJECTED, _S.ROUTABLE), (_S.EJECTED, _S.DRAINING), (_S.EJECTED, _S.GONE),
-    (_S.DRAINING, _S.GONE),
+    (_S.DRAINING, _S.GONE), (_S.DRAINING, _S.ROUTABLE),
 })
 
 
@@ -73,6 +74,7 @@ class WorkerSession:
     # Outcome window for outlier ejection: 1 = the attempt failed on this worker, 0 = it finished.
     outcomes: deque = field(default_factory=lambda: deque(maxlen=OUTCOME_WINDOW))
     outcome_errors: int = 0  # sum of ``outcomes``
+    drained_by: str = ""  # "worker" (it announced it is leaving) or "operator" (the admin API), while DRAINING
 
     @property
     def worker_id(self) -> str:
@@ -142,8 +144,14 @@ class WorkerPool:
         sess.ejected_until_s = 0.0
         self._move(sess, SessionState.ROUTABLE)
 
-    def drain(self, sess: WorkerSession) -> None:
+    def drain(self, sess: WorkerSession, by: str = "worker") -> None:
+        sess.drained_by = by
         self._move(sess, SessionState.DRAINING)
+
+    def undrain(self, sess: WorkerSession) -> None:
+        """An operator puts back a worker the operator drained (a worker that is leaving stays drained)."""
+        sess.drained_by = ""
+        self._move(sess, SessionState.ROUTABLE)
 
     def _changed(self) -> None:
         self._pool = None
