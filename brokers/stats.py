@@ -13,7 +13,7 @@ from typing import Callable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from mesh.broker_core.counters import BrokerStats, LatencyHistogram
+from mesh.broker_core.counters import REQUEST_LATENCIES, BrokerStats, LatencyHistogram
 
 __all__ = ["BrokerStats", "StatsCollector", "LatencyHistogram"]
 
@@ -53,6 +53,11 @@ class StatsCollector(Collector):
         yield HistogramMetricFamily("mesh_decision_latency_seconds", "Routing decision latency", buckets=h.buckets(), sum_value=h.sum_s)
         h = s.loop_lag
         yield HistogramMetricFamily("mesh_loop_lag_seconds", "Broker pump lateness plus duration", buckets=h.buckets(), sum_value=h.sum_s)
+        fams = {name: HistogramMetricFamily(f"mesh_{name}_seconds", doc, labels=["model", "worker"])
+                for name, (doc, _) in REQUEST_LATENCIES.items()}
+        for (name, model, worker), h in sorted(s.latency.items()):
+            fams[name].add_metric([model, worker], buckets=h.buckets(), sum_value=h.sum_s)
+        yield from fams.values()
         by_name: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
         for name, samples in self.gauges().items():
             by_name[name].extend(samples)

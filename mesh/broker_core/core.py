@@ -287,6 +287,7 @@ class BrokerCore:
         budget_ms = sub.deadline_ms or self.s.default_deadline_ms
         rid = next(self._rid_seq)
         inf = Inflight(rid, ident, sub.rid, sub, now + budget_ms / 1000.0)
+        inf.accepted_s = now
         self.inflight[rid] = inf
         self._by_client[key] = rid
         inf.quota = quota
@@ -489,6 +490,8 @@ class BrokerCore:
         inf.reason = decision.reason
         sess.inflight.add(inf.rid)
         self._watch_progress(inf, now)
+        if inf.attempt == 1:
+            self.stats.observe_latency("queue", inf.model or "", sess.worker_id, now - inf.accepted_s)
         sent = self._to_worker(sess.identity, frames, Receipt.DISPATCH, inf, inf.attempt)
         if inf.submit.stream:
             self._to_client(inf.client, P.encode_accepted(inf.client_rid, sess.worker_id, decision.reason, inf.attempt), when=sent)
@@ -912,6 +915,13 @@ class BrokerCore:
             if self._limiter.allow(("chunk_seq", sess.worker_id), now):
                 self.log.warning("chunk_out_of_order", request_id=inf.client_rid, worker_id=sess.worker_id, expected=inf.chunks_sent, got=m.seq)
             return
+        model = inf.model or ""
+        if not inf.first_token_s:
+            inf.first_token_s = now
+            self.stats.observe_latency("ttft", model, sess.worker_id, now - inf.accepted_s)
+        elif inf.submit.stream:
+            self.stats.observe_latency("inter_token", model, sess.worker_id, now - inf.last_chunk_s)
+        inf.last_chunk_s = now
         if not inf.submit.stream:
             return  # non-streaming: the worker's FINAL carries everything
         inf.chunks_sent += 1
@@ -949,6 +959,10 @@ class BrokerCore:
             wt[2] += ct
         # counted ok now; a failed send (send_failed, Receipt.FINAL) moves it to client_slow/client_gone
         self.stats.requests["ok"] += 1
+        model = inf.model or ""
+        if not inf.first_token_s:  # no chunk came first (max_new_tokens 0, or a worker that only answers FINAL)
+            self.stats.observe_latency("ttft", model, sess.worker_id, now - inf.accepted_s)
+        self.stats.observe_latency("e2e", model, sess.worker_id, now - inf.accepted_s)
         self._to_client(inf.client, P.encode_client_final(inf.client_rid, m.finish_reason, u, sess.worker_id, m.attempt, m.data, inf.reason),
                         Receipt.FINAL, inf)
 
@@ -1168,6 +1182,8 @@ class BrokerCore:
     # -- sessions going away ------------------------------------------------------------
     def _remove_session(self, sess: WorkerSession, now: float, why: str) -> None:
         self.pool.remove(sess)
+        if sess.worker_id not in self.pool.by_id:
+            self.stats.forget_worker(sess.worker_id)
         self._forget_outcomes(sess)
         self._orphan_requests(sess, now, why)
         if self.kv_sink is not None and sess.worker_id not in self.pool.by_id:

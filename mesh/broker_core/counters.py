@@ -19,6 +19,18 @@ _DECISION_BUCKETS_S = (1e-5, 1.5e-5, 2.5e-5, 4e-5, 6e-5, 1e-4, 1.5e-4, 2.5e-4, 4
                        6e-3, 1e-2, 2.5e-2, 0.1)
 # Loop lag: 100 us .. 5 s.
 _LAG_BUCKETS_S = (1e-4, 1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Request latencies as the broker sees them (labelled by model and worker; see REQUEST_LATENCIES).
+_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+_ITL_BUCKETS_S = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 5.0)
+_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_QUEUE_BUCKETS_S = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+#: name -> (help, bucket bounds): the request latency histograms (``mesh_<name>_seconds``).
+REQUEST_LATENCIES: dict[str, tuple[str, tuple[float, ...]]] = {
+    "ttft": ("Time to first token: SUBMIT accepted -> the first output of the attempt that answered", _TTFT_BUCKETS_S),
+    "inter_token": ("Time between consecutive streamed chunks of one request (a chunk may carry several tokens)", _ITL_BUCKETS_S),
+    "e2e": ("SUBMIT accepted -> FINAL sent to the client", _E2E_BUCKETS_S),
+    "queue": ("SUBMIT accepted -> its first attempt sent to a worker (parked, index match, admission)", _QUEUE_BUCKETS_S),
+}
 
 
 class LatencyHistogram:
@@ -66,7 +78,21 @@ class BrokerStats:
         self.cached_tokens = 0
         self.prompt_tokens = 0
         self.decision_latency = LatencyHistogram()
+        # (name, model, worker) -> histogram, names from REQUEST_LATENCIES
+        self.latency: dict[tuple[str, str, str], LatencyHistogram] = {}
         self.loop_lag = LatencyHistogram(_LAG_BUCKETS_S)  # per pump: lateness + own duration
+
+    def observe_latency(self, name: str, model: str, worker: str, v_s: float) -> None:
+        key = (name, model, worker)
+        h = self.latency.get(key)
+        if h is None:
+            h = self.latency[key] = LatencyHistogram(REQUEST_LATENCIES[name][1])
+        h.observe(v_s)
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop a departed worker's latency series (bounded label sets as workers come and go)."""
+        for key in [k for k in self.latency if k[2] == worker]:
+            del self.latency[key]
 
     def flat(self) -> dict[str, int]:
         """All counters as one flat name -> value map (for STATUS replies and tests)."""

@@ -81,6 +81,9 @@ class Inflight:
     sent_s: float = 0.0  # when the current attempt was sent (first-reply latency per worker)
     quota: bytes = b""  # whose in-flight quota it counts against (the client; an HTTP request's peer)
     model: str | None = None  # the served model it is routed to (None: any worker)
+    accepted_s: float = 0.0  # when the SUBMIT was accepted (latency histograms)
+    first_token_s: float = 0.0  # when its first output arrived (0: not yet)
+    last_chunk_s: float = 0.0  # when its last streamed chunk arrived
 
     @property
     def committed(self) -> bool:
