@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
-from collections import Counter
+import time
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from mesh import protocol as P
+from mesh.broker_core.counters import BrokerStats
 from mesh.errors import ErrorCode
 from mesh.logs import add_log_level_arg, announce, get_logger
 from mesh.sockets import CLIENT_DEALER, make_socket
@@ -33,12 +34,6 @@ from mesh.sockets import CLIENT_DEALER, make_socket
 __all__ = ["BrokerPool", "serve_gateway"]
 
 _STATUS_PERIOD_S = 1.0
-
-
-class _Stats:
-    def __init__(self) -> None:
-        self.requests: Counter[str] = Counter()
-        self.dropped: Counter[str] = Counter()
 
 
 class _Link:
@@ -62,7 +57,10 @@ class BrokerPool:
             raise ValueError("at least one broker endpoint is required")
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.endpoints = list(endpoints)
-        self.stats = _Stats()
+        self.stats = BrokerStats()  # requests, dropped and the latency histograms (brokers.stats.GatewayCollector)
+        # rid -> [accepted at (monotonic s), model, worker, first output at, last chunk at]: the
+        # latencies the gateway observes on the replies it relays
+        self._timing: dict[str, list] = {}
         self.registry = self
         self._links: list[_Link] = []
         self._rr = itertools.count()
@@ -134,6 +132,7 @@ class BrokerPool:
             return
         link = up[next(self._rr) % len(up)]
         self._queues[rid] = replies
+        self._timing[rid] = [time.monotonic(), decoded.model or "", "", 0.0, 0.0]
         self._by_ident[identity] = (rid, link)
         link.pending.add(rid)
         try:
@@ -158,6 +157,7 @@ class BrokerPool:
 
     def _drop(self, rid: str, link: _Link) -> None:
         self._queues.pop(rid, None)
+        self._timing.pop(rid, None)
         link.pending.discard(rid)
 
     # ------------------------------------------------------------------ links
@@ -175,6 +175,29 @@ class BrokerPool:
                 self.stats.dropped["gateway_unknown_reply"] += 1
                 continue
             q.put_nowait(frames)
+            tm = self._timing.get(rid)
+            if tm is not None:
+                self._observe(tm, m)
+
+    def _observe(self, tm: list, m) -> None:
+        """TTFT, inter-token and end-to-end latency of one relayed reply (labels: the request's
+        model as asked, and the worker the broker names)."""
+        now = time.monotonic()
+        t = type(m)
+        if t is P.Accepted:
+            tm[2] = m.worker
+        elif t is P.ClientChunk:
+            if not tm[3]:
+                tm[3] = now
+                self.stats.observe_latency("ttft", tm[1], tm[2], now - tm[0])
+            else:
+                self.stats.observe_latency("inter_token", tm[1], tm[2], now - tm[4])
+            tm[4] = now
+        elif t is P.ClientFinal:
+            tm[2] = m.worker
+            if not tm[3]:
+                self.stats.observe_latency("ttft", tm[1], tm[2], now - tm[0])
+            self.stats.observe_latency("e2e", tm[1], tm[2], now - tm[0])
 
     async def _watch(self, link: _Link) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -214,9 +237,15 @@ async def serve_gateway(brokers: list[str], http: str, **ingress_kw: Any) -> Non
     """Run the gateway until SIGINT/SIGTERM: connect to ``brokers``, serve HTTP on ``http``."""
     from brokers.http_ingress import HttpIngress
 
+    from prometheus_client import CollectorRegistry
+
+    from brokers.stats import GatewayCollector
+
     pool = BrokerPool(brokers)
     pool.start()
-    ingress = HttpIngress(pool, **ingress_kw)
+    registry = CollectorRegistry()
+    registry.register(GatewayCollector(pool.stats))
+    ingress = HttpIngress(pool, metrics_registry=registry, **ingress_kw)
     host, _, port = http.rpartition(":")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -15,7 +15,33 @@ from prometheus_client.registry import Collector
 
 from mesh.broker_core.counters import REQUEST_LATENCIES, BrokerStats, LatencyHistogram
 
-__all__ = ["BrokerStats", "StatsCollector", "LatencyHistogram"]
+__all__ = ["BrokerStats", "StatsCollector", "LatencyHistogram", "GatewayCollector"]
+
+
+def _latency_families(s: BrokerStats):
+    fams = {name: HistogramMetricFamily(f"mesh_{name}_seconds", doc, labels=["model", "worker"])
+            for name, (doc, _) in REQUEST_LATENCIES.items()}
+    for (name, model, worker), h in sorted(s.latency.items()):
+        fams[name].add_metric([model, worker], buckets=h.buckets(), sum_value=h.sum_s)
+    return fams.values()
+
+
+class GatewayCollector(Collector):
+    """The gateway's /metrics: its request outcomes, drops, and the latency histograms it observes
+    on the replies it relays (TTFT, inter-token, end-to-end, by model and worker)."""
+
+    def __init__(self, stats: BrokerStats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        for name, doc, label, ctr in (("mesh_requests", "Requests by outcome", "outcome", s.requests),
+                                      ("mesh_dropped", "Messages dropped by the gateway, by what", "what", s.dropped)):
+            fam = CounterMetricFamily(name, doc, labels=[label])
+            for k, v in sorted(ctr.items()):
+                fam.add_metric([k], v)
+            yield fam
+        yield from _latency_families(s)
 
 
 class StatsCollector(Collector):
@@ -53,11 +79,7 @@ class StatsCollector(Collector):
         yield HistogramMetricFamily("mesh_decision_latency_seconds", "Routing decision latency", buckets=h.buckets(), sum_value=h.sum_s)
         h = s.loop_lag
         yield HistogramMetricFamily("mesh_loop_lag_seconds", "Broker pump lateness plus duration", buckets=h.buckets(), sum_value=h.sum_s)
-        fams = {name: HistogramMetricFamily(f"mesh_{name}_seconds", doc, labels=["model", "worker"])
-                for name, (doc, _) in REQUEST_LATENCIES.items()}
-        for (name, model, worker), h in sorted(s.latency.items()):
-            fams[name].add_metric([model, worker], buckets=h.buckets(), sum_value=h.sum_s)
-        yield from fams.values()
+        yield from _latency_families(s)
         by_name: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
         for name, samples in self.gauges().items():
             by_name[name].extend(samples)

@@ -55,6 +55,16 @@ def test_the_openai_client_through_the_gateway_and_a_broker_dying_under_it(procs
         assert text.strip()
         with pytest.raises(openai.BadRequestError):
             await client.completions.create(model="mesh", prompt="x", max_tokens=2, n=3)
+        # the gateway's own latency histograms, by model and worker, for what it relayed
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            async with s.get(url + "/metrics") as resp:
+                fams = {f.name: f.samples for f in text_string_to_metric_families(await resp.text())}
+        for name in ("mesh_ttft_seconds", "mesh_e2e_seconds"):
+            counts = {x.labels["worker"]: x.value for x in fams[name] if x.name == name + "_count"}
+            assert sum(counts.values()) == 2 and set(counts) <= {"a0", "a1"}, (name, counts)
+        assert sum(x.value for x in fams["mesh_inter_token_seconds"] if x.name.endswith("_count")) >= 1
 
         brokers[0].signal(signal.SIGKILL)  # one broker dies: the gateway keeps serving through the other
         ok = 0
