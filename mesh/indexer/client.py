@@ -28,19 +28,19 @@ module: :meth:`~IndexerClient.match` answers ``None`` (degraded) and keeps the m
 :attr:`~IndexerClient.last_error`, forwarding counts and resyncs, :meth:`~IndexerClient.fetch_stats`
 raises it, and using a closed client is a :class:`~mesh.errors.ClientStateError`.
 
-=============================================================  ==========================================
-raised by the RPC                                              becomes
-=============================================================  ==========================================
-UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, ABORTED             ``RetryableError(unavailable)``
-RESOURCE_EXHAUSTED "... larger than max" (gRPC's message cap)  ``FatalRequestError(too_large)``
-RESOURCE_EXHAUSTED of MatchPrefix (the indexer shed it)        ``RetryableError(overloaded)``
-RESOURCE_EXHAUSTED of the other RPCs (a bound: max workers)    ``FatalRequestError(rate_limited)``
-UNAUTHENTICATED, PERMISSION_DENIED                             ``AuthError(unauthorized)``
-INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION            ``FatalRequestError(bad_request)``
-any other status (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)       ``FatalRequestError(internal)``
-``asyncio.TimeoutError`` / ``TimeoutError``, ``OSError``       ``RetryableError(unavailable)``
-``ValueError`` / ``TypeError`` (the request cannot be encoded)  ``FatalRequestError(bad_request)``
-=============================================================  ==========================================
+========================================================  ================================
+raised by the RPC                                         becomes
+========================================================  ================================
+UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, ABORTED        RetryableError(unavailable)
+RESOURCE_EXHAUSTED "... larger than max" (message cap)    FatalRequestError(too_large)
+RESOURCE_EXHAUSTED of MatchPrefix (the indexer shed it)   RetryableError(overloaded)
+RESOURCE_EXHAUSTED of other RPCs (a bound: max workers)   FatalRequestError(rate_limited)
+UNAUTHENTICATED, PERMISSION_DENIED                        AuthError(unauthorized)
+INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION       FatalRequestError(bad_request)
+any other status (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)  FatalRequestError(internal)
+asyncio.TimeoutError / TimeoutError, OSError              RetryableError(unavailable)
+ValueError / TypeError (the request cannot be encoded)    FatalRequestError(bad_request)
+========================================================  ================================
 
 Lifecycle: :meth:`start` (or the first ``match``/``forward``/``register_worker`` on a running
 loop) opens lazily connected channels and the forwarder tasks; :meth:`aclose` ends them.
