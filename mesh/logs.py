@@ -1,4 +1,4 @@
-"""structlog setup: JSON lines on stderr, stable snake_case event names, bound ids.
+"""structlog setup: JSON lines (or ``--log-format console``) on stderr, stable snake_case event names, bound ids.
 
 Use ``log = get_logger(service="broker")`` then ``log.info("worker_registered", worker_id=...)``.
 :class:`RateLimiter` keeps floods (hostile input) to one line per key per interval; the matching
@@ -7,7 +7,9 @@ metric still counts every occurrence.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import sys
 import time
 
@@ -18,14 +20,34 @@ __all__ = ["configure", "get_logger", "announce", "RateLimiter"]
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+LOG_FORMATS = ("json", "console")
+_FORMAT_ENV = "MESH_LOG_FORMAT"
+
+
+class _LogFormat(argparse.Action):
+    """``--log-format``: recorded in the environment, so :func:`configure` (wherever a command
+    calls it) and the processes a command starts (``mesh up``) all follow it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        os.environ[_FORMAT_ENV] = values
+
+
 def add_log_level_arg(parser, default: str | None = None) -> None:
-    """The one ``--log-level`` flag every mesh command shares (choices are this module's levels)."""
+    """The one ``--log-level`` / ``--log-format`` pair every mesh command shares."""
     parser.add_argument("--log-level", choices=list(_LEVELS), default=default,
                         help=f"log threshold (default {default or 'info'})")
+    parser.add_argument("--log-format", choices=list(LOG_FORMATS), action=_LogFormat, default=None,
+                        help=f"json lines (default) or console: readable key=value lines (default ${_FORMAT_ENV} or json; "
+                             "readiness lines such as broker_listening stay JSON for supervisors)")
 
 
-def configure(level: str = "info", *, json: bool = True) -> None:
-    """Configure structlog once per process. JSON to stderr unless ``json`` is False."""
+def configure(level: str = "info", *, json: bool | None = None) -> None:
+    """Configure structlog once per process, to stderr: JSON lines, or readable console lines when
+    ``json`` is False (None: ``--log-format`` / ``$MESH_LOG_FORMAT``, default JSON)."""
+    if json is None:
+        fmt = os.environ.get(_FORMAT_ENV, "json")
+        json = fmt != "console"
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[

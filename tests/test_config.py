@@ -229,7 +229,8 @@ def test_every_broker_setting_is_a_generated_flag_or_marked_toml_only():
             want = spec.flag or ("--no-" if f.default is True else "--") + f.name.replace("_", "-")
             assert dests[f.name] == [want]
     # and nothing else: every broker flag but --help/--config is a field
-    assert set(dests) - {f.name for f in dataclasses.fields(BrokerSettings)} == {"help", "config"}
+    # (--log-format rides with --log-level: mesh.logs.add_log_level_arg, recorded in the environment)
+    assert set(dests) - {f.name for f in dataclasses.fields(BrokerSettings)} == {"help", "config", "log_format"}
 
 
 def test_generated_flags_default_to_none_and_carry_types():
@@ -394,3 +395,22 @@ def test_gateway_ingress_flags_are_the_brokers_fields(tmp_path):
     p = subprocess.run([sys.executable, "-m", "mesh.cli", "gateway", "--broker", "tcp://127.0.0.1:1",
                         "--http-idle-timeout-s", "0"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "http_idle_timeout_s" in p.stderr, p.stderr[-400:]
+
+
+def test_log_format_console_gives_readable_lines(tmp_path):
+    """--log-format console: key=value lines a person reads (readiness lines stay JSON)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MESH_LOG_FORMAT"}
+    code = ("import sys; from mesh.cli import build_parser; from mesh.logs import configure, get_logger; "
+            "a = build_parser().parse_args(sys.argv[1:]); configure('info'); get_logger(service='t').info('hello_event', n=1)")
+    out = {}
+    for fmt in ("json", "console"):
+        r = subprocess.run([sys.executable, "-c", code, "broker", "--log-format", fmt], capture_output=True, text=True,
+                           timeout=30, env=env)
+        assert r.returncode == 0, r.stderr
+        out[fmt] = r.stderr.strip().splitlines()[-1]
+    assert out["json"].startswith("{") and '"event": "hello_event"' in out["json"]
+    assert not out["console"].startswith("{") and "hello_event" in out["console"] and "n=1" in out["console"]
