@@ -79,6 +79,10 @@ from mesh.params import ParamError, from_generate, from_openai
 # The quota key of the HTTP request being handled (its peer address): every HTTP request has its
 # own random local identity, so the broker's per-client in-flight quota counts by this instead.
 _QUOTA_KEY: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("mesh_http_quota_key", default=None)
+# The caller's ``x-request-id`` (validated), or None: the request's id through broker, adapter and
+# engine (logs, the engine's rid) and in the reply's headers.
+_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("mesh_http_request_id", default=None)
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:@+=-]{1,128}")
 
 __all__ = ["HttpIngress", "MAX_BODY_BYTES", "MAX_SUBMIT_BYTES"]
 
@@ -464,12 +468,28 @@ class HttpIngress:
         """Marks the connection busy (no head timeout, not evictable) while a request runs, checks
         the API key (every path but the health probes); turns routing errors into OpenAI-style
         bodies and any unexpected exception into a logged 500 without details (no traceback
-        reaches a client). One middleware, not a chain: each layer costs every request."""
+        reaches a client), and carries the caller's ``x-request-id`` (validated) into the request and
+        back on every answer. One middleware, not a chain: each layer costs every request."""
+        xid = request.headers.get("x-request-id")
+        if xid is not None and not _REQUEST_ID_RE.fullmatch(xid):
+            self.broker.stats.requests[ErrorCode.BAD_REQUEST.value] += 1
+            return _err(400, "x-request-id: 1..128 characters of A-Z a-z 0-9 . _ : @ + = -", ErrorCode.BAD_REQUEST.value)
+        _REQUEST_ID.set(xid)
         tr = request.transport
         conn = tr.get_protocol() if tr is not None else None
         if isinstance(conn, _Conn):
             self.guard.busy(conn)
         _QUOTA_KEY.set(b"\x00httpq:" + (request.remote or "?").encode())
+        try:
+            resp = await self._handle(request, handler)
+        finally:
+            if isinstance(conn, _Conn):
+                self.guard.idle(conn)
+        if xid is not None and not resp.prepared and "x-request-id" not in resp.headers:
+            resp.headers["x-request-id"] = xid  # errors too: the caller's id comes back on every answer
+        return resp
+
+    async def _handle(self, request: web.Request, handler):
         try:
             if self._key and request.path not in ("/health", "/healthz", "/readyz"):
                 got = request.headers.get("Authorization", "").encode("utf-8", "replace")
@@ -489,9 +509,6 @@ class HttpIngress:
             self.broker.stats.dropped["http_handler_exception"] += 1
             self.log.exception("http_handler_failed", path=request.path, error=repr(exc))
             return _err(500, "internal error", ErrorCode.INTERNAL.value, "server_error")
-        finally:
-            if isinstance(conn, _Conn):
-                self.guard.idle(conn)
 
     # ------------------------------------------------------------------ simple endpoints
     async def models(self, request: web.Request) -> web.Response:
@@ -750,8 +767,8 @@ class HttpIngress:
         """Encode, check (size, and the broker's own decoder, so the broker never answers an
         unreadable rid) and submit; raises _BadRequest or _TooLarge."""
         raw = self._ids.next()
-        ident = _LOCAL_PREFIX + raw[:16]
-        rid = raw[16:].hex()
+        ident = _LOCAL_PREFIX + raw[:16]  # always fresh and secret: replies are matched by identity and rid
+        rid = _REQUEST_ID.get() or raw[16:].hex()
         try:
             frames = P.encode_submit(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"),
                                      params=params, deadline_ms=deadline_ms, stream=stream, slo=slo, model=model)
@@ -1073,7 +1090,7 @@ def _cumulative(meta: dict, lists: dict[str, list]) -> dict:
 
 def _mesh_headers(call: _Call, worker: str | None) -> dict[str, str]:
     """mesh's own metadata rides in headers, never in the engine's body fields."""
-    h = {"x-mesh-request-id": call.rid}
+    h = {"x-mesh-request-id": call.rid, "x-request-id": call.rid}
     if worker:
         h["x-mesh-worker"] = _header_safe(worker)
     return h
