@@ -40,6 +40,8 @@ class IndexerSettings:
     max_workers: int = setting(16_384, help="workers tracked before new ones are refused")
     max_ranks_per_worker: int = setting(1024, help="(worker, dp_rank) streams per worker")
     max_streams: int = setting(131_072, help="streams over all workers")
+    metrics: str | None = setting(None, metavar="HOST:PORT", default_text="off",
+                                  help="serve Prometheus /metrics here (no authentication: an empty host binds 127.0.0.1)")
     ghost_ttl_s: float = setting(60.0, unit="s", help="drop workers/streams that got no block indexed this long after "
                                                       "they appeared (0 = keep them until --worker-ttl-s)")
 
@@ -123,7 +125,7 @@ def _cmd_indexer(args) -> int:
                       max_inflight_queries=v["max_inflight_queries"], block_size=v["block_size"],
                       tls_cert=v["tls_cert"], tls_key=v["tls_key"], tls_client_ca=v["tls_client_ca"],
                       token=indexer_token(v), limits=limits, worker_ttl_s=float(v["worker_ttl_s"]),
-                      query_delay_ms=args.fault_query_delay_ms)
+                      query_delay_ms=args.fault_query_delay_ms, metrics=v["metrics"])
 
 
 def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:

@@ -74,6 +74,7 @@ import msgpack
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mesh import kv_events as KV
+from mesh.broker_core.counters import LatencyHistogram
 from mesh.errors import ConfigError, ProtocolError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex, Verdict
@@ -365,6 +366,7 @@ class IndexerCore:
         self.resync_retry_s = resync_retry_s
         self.c: Counter[str] = Counter()
         self.latency_ns: deque[int] = deque(maxlen=_LATENCY_WINDOW)
+        self.match_hist = LatencyHistogram()  # every match's server time (Prometheus mesh_indexer_match_seconds)
         self.log = get_logger(service="indexer")
         self._rl = RateLimiter(1.0)
 
@@ -933,6 +935,7 @@ class IndexerService(pb_grpc.IndexerServicer):
             dt = time.perf_counter_ns() - t0
             resp.server_time_ns = dt
             self.core.latency_ns.append(dt)
+            self.core.match_hist.observe(dt / 1e9)
             c["queries"] += 1
             return resp
         finally:
@@ -1038,12 +1041,13 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
                 block_size: int = 16, tls_cert: str | None = None, tls_key: str | None = None,
                 tls_client_ca: str | None = None, token: str | None = None, limits: Limits | None = None,
                 query_delay_ms: float = 0.0, worker_ttl_s: float = DEFAULT_WORKER_TTL_S,
-                stop: asyncio.Event | None = None, ready: Any = None) -> None:
+                stop: asyncio.Event | None = None, ready: Any = None, metrics: str | None = None) -> None:
     """Run the indexer until ``stop`` is set, then shut down gracefully (health NOT_SERVING first).
 
     ``token``: the bearer token every Indexer RPC must carry (None = unauthenticated, logged as
     ``indexer_unauthenticated``). ``tls_client_ca``: require client certificates signed by it.
-    Announces ``indexer_listening`` with the bound ``endpoint`` (``http://`` or ``https://``
+    ``metrics``: HOST:PORT of a Prometheus ``/metrics`` endpoint served on this event loop (no
+    authentication; an empty host binds 127.0.0.1), announced as ``metrics_listening``. Announces ``indexer_listening`` with the bound ``endpoint`` (``http://`` or ``https://``
     HOST:PORT) once the health service reports SERVING; ``ready(endpoint)`` is called then too.
     """
     host, _ = parse_listen(listen)
@@ -1090,6 +1094,7 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
              max_inflight_queries=max_inflight_queries, server_instance=core.instance, pid=os.getpid(),
              auth="token" if token else "none", client_certs=tls_client_ca is not None,
              **{f"limit_{k}": v for k, v in dataclasses.asdict(limits).items()})
+    metrics_runner = await _start_metrics(metrics, core, svc, log) if metrics else None
     if ready is not None:
         ready(endpoint)
     stop = stop or asyncio.Event()
@@ -1098,10 +1103,70 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
         await stop.wait()
     finally:
         expiry.cancel()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         await hs.enter_graceful_shutdown()  # NOT_SERVING before the port goes away
         await server.stop(grace=1.0)
         log.info("indexer_stopped", **{k: v for k, v in core.c.items() if not k.startswith("verdict_")})
         announce("indexer_stopped")
+
+
+class _IndexerCollector:
+    """The indexer's figures for Prometheus, read on the event loop that mutates them (the
+    /metrics handler runs there too): call counters by what, state gauges, match latency."""
+
+    def __init__(self, core: "IndexerCore", svc: "IndexerService") -> None:
+        self.core = core
+        self.svc = svc
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        st = self.core.stats()
+        fam = CounterMetricFamily("mesh_indexer_events", "Indexer calls and outcomes, by what", labels=["what"])
+        for k, v in sorted(self.core.c.items()):
+            fam.add_metric([k], v)
+        yield fam
+        g = GaugeMetricFamily("mesh_indexer_stat", "Indexer state (workers, streams, entries, limits)", labels=["stat"])
+        for k, v in sorted(st.items()):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                g.add_metric([k], float(v))
+        yield g
+        yield GaugeMetricFamily("mesh_indexer_queries_in_flight", "Prefix queries being answered", value=self.svc.inflight_queries)
+        h = self.core.match_hist
+        yield HistogramMetricFamily("mesh_indexer_match_seconds", "Server time of one prefix match", buckets=h.buckets(), sum_value=h.sum_s)
+
+
+async def _start_metrics(spec: str, core: "IndexerCore", svc: "IndexerService", log: Any):
+    """Serve /metrics on HOST:PORT from this event loop (aiohttp); returns the runner to clean up."""
+    from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"metrics: expected HOST:PORT, got {spec!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    reg = CollectorRegistry()
+    reg.register(_IndexerCollector(core, svc))
+
+    async def handle(_request):
+        return web.Response(body=generate_latest(reg), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, int(port))
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(f"metrics: cannot bind {spec}: {exc.strerror}") from None
+    bound = site._server.sockets[0].getsockname()[:2]  # aiohttp has no public accessor for the bound port
+    if host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("metrics_public", host=host, note="the --metrics port has no authentication")
+    announce("metrics_listening", endpoint=f"http://{bound[0]}:{bound[1]}/metrics")
+    return runner
 
 
 async def _expire_loop(svc: IndexerService, ttl_s: float, ghost_ttl_s: float, log: Any) -> None:
