@@ -240,7 +240,9 @@ class WorkerSettings:
     Each field's help text is its ``mesh worker-stub`` flag's ``--help``."""
 
     brokers: tuple[str, ...] = setting(("tcp://127.0.0.1:5556",), flag="--broker",
-                                       help="broker backend endpoint (repeat for a mesh)")
+                                       help="broker backend endpoint (repeat for a mesh; dns+tcp://NAME:PORT: every "
+                                            "address NAME resolves to, followed as brokers come and go)")
+    discovery_refresh_s: float = setting(5.0, unit="s", help="how often dns+tcp:// brokers are resolved again")
     worker_id: str = setting("", help="worker id (with --count N: prefix, ids become ID-0..ID-N-1)",
                              default_text="generated")
     count: int = setting(1, help="workers in this process")
@@ -262,6 +264,11 @@ class WorkerSettings:
 
     def validate(self) -> None:
         _require(len(self.brokers) >= 1, "brokers", "at least one broker endpoint is required")
+        from mesh.discovery import check_endpoint
+
+        for b in self.brokers:
+            check_endpoint(b, "brokers")
+        _require(0.05 <= self.discovery_refresh_s <= 3600, "discovery_refresh_s", "must be in [0.05, 3600] seconds")
         if self.tokenizer:
             _require(Path(self.tokenizer).is_dir(), "tokenizer", f"{self.tokenizer} is not a model folder")
         _require(1 <= self.count <= 4096, "count", "must be in [1, 4096]")

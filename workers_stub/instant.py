@@ -24,6 +24,8 @@ import zmq
 
 from mesh import protocol as P
 from mesh.config import WorkerSettings
+from mesh.discovery import is_dns
+from mesh.errors import ConfigError
 from mesh.gc_tuning import freeze_startup_heap
 from mesh.logs import announce
 from mesh.retry import RetryPolicy
@@ -86,6 +88,9 @@ class InstantFleet:
             epoch = new_epoch()
             ready = ready_frames(wid, epoch, heartbeat_ms, caps)
             for ep in brokers:
+                if is_dns(ep):
+                    raise ConfigError(f"brokers: {ep!r}: --instant workers connect to fixed endpoints; dns+tcp:// "
+                                      "discovery is for the simulated and attached workers")
                 # no monitor to report the handshake: READY is tried at once, then every interval
                 session = LinkSession(heartbeat_ms=heartbeat_ms, liveness=liveness, reconnect=reconnect, ready_timeout_s=0.0)
                 conn = _Conn(wid, epoch, ep, ready, session)

@@ -103,7 +103,7 @@ class SimWorker:
                              on_session_lost=self._on_session_lost, load=lambda: [self.engine.load_stat(now_s=self._now())],
                              heartbeat_ms=settings.heartbeat_ms, liveness=settings.liveness,
                              reconnect_base_ms=settings.reconnect_base_ms, reconnect_cap_ms=settings.reconnect_cap_ms,
-                             curve=curve, kv_events_to=kv_events_to)
+                             curve=curve, kv_events_to=kv_events_to, discovery_refresh_s=settings.discovery_refresh_s)
         self.served = 0
 
     @property

@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 import zmq.asyncio
 
 from mesh import protocol as P
+from mesh.discovery import Resolver, endpoints_for, is_dns, parse_dns
 from mesh.load import LoadStat
 from mesh.logs import get_logger
 from mesh.retry import RetryPolicy
@@ -49,6 +50,9 @@ class WorkerAPI:
     ``capabilities`` is read each time READY goes out (an adapter knows them only after engine
     discovery); ``load`` each heartbeat (return ``[]`` for none). ``kv_events_to="one"`` sends
     each KV batch to the first registered broker that takes it instead of to all of them.
+    A ``dns+tcp://NAME:PORT`` broker is every address NAME resolves to, re-resolved every
+    ``discovery_refresh_s`` (:mod:`mesh.discovery`): links open to brokers that appear and close
+    for brokers that went away, without restarting the worker.
     """
 
     def __init__(
@@ -68,9 +72,14 @@ class WorkerAPI:
         curve: CurveKeys | None = None,
         kv_events_to: str = "all",
         epoch: int | None = None,
+        discovery_refresh_s: float = 5.0,
+        resolver: Resolver | None = None,
     ) -> None:
         self.ctx = ctx
         self.brokers = tuple(brokers)
+        self.discovery_refresh_s = discovery_refresh_s
+        self.resolver = resolver or Resolver()
+        self.discovered: dict[str, list[str]] = {}  # dns+tcp spec -> the endpoints it resolved to last
         self.worker_id = worker_id
         self.capabilities = capabilities
         self.on_message = on_message
@@ -87,6 +96,8 @@ class WorkerAPI:
         self._link_tasks: list[asyncio.Task] = []
         self._conn_no: dict[str, int] = {}  # endpoint -> last connection number used
         self._hb_task: asyncio.Task | None = None
+        self._dns_task: asyncio.Task | None = None
+        self._connected = False  # between connect() and disconnect(): discovery may open links
         self._kv_seq: dict[int, int] = {}  # dp rank -> next KV_EVENTS seq (publish_kv)
 
     # ------------------------------------------------------------------ registration
@@ -100,17 +111,65 @@ class WorkerAPI:
         a broker may still hold for the previous connection."""
         if self.links:
             return
+        self._connected = True
         for ep in self.brokers:
-            link = BrokerLink(self.ctx, ep, self.worker_id, self.epoch, self.ready_frames, self.on_message, self.on_session_lost,
-                              heartbeat_ms=self.heartbeat_ms, liveness=self.liveness, reconnect=self.reconnect, curve=self.curve,
-                              conn_no=self._conn_no.get(ep, 0))
-            self.links.append(link)
-            self._link_tasks.append(self._task(link.run(), f"link-{ep}"))
+            if is_dns(ep):
+                for e in self.discovered.get(ep, ()):  # reconnecting: the last resolution, refreshed below
+                    self._open_link(e)
+            else:
+                self._open_link(ep)
         self.start()
+        if any(is_dns(ep) for ep in self.brokers) and (self._dns_task is None or self._dns_task.done()):
+            self._dns_task = self._task(self._discovery_loop(), f"discovery-{self.worker_id}")
+
+    def _open_link(self, ep: str) -> None:
+        if any(link.endpoint == ep for link in self.links):
+            return
+        link = BrokerLink(self.ctx, ep, self.worker_id, self.epoch, self.ready_frames, self.on_message, self.on_session_lost,
+                          heartbeat_ms=self.heartbeat_ms, liveness=self.liveness, reconnect=self.reconnect, curve=self.curve,
+                          conn_no=self._conn_no.get(ep, 0))
+        self.links.append(link)
+        self._link_tasks.append(self._task(link.run(), f"link-{ep}"))
+
+    def _close_link(self, ep: str) -> None:
+        for link in [lk for lk in self.links if lk.endpoint == ep]:
+            self._conn_no[ep] = link.conn_no
+            link.close(say_goodbye=True)  # a broker that is only gone from DNS drains us properly
+            self.links.remove(link)
+
+    async def refresh_discovery(self) -> None:
+        """Resolve every ``dns+tcp://`` broker now; open and close links to match (a failed
+        resolution keeps the last set: a DNS outage must not disconnect a fleet)."""
+        for spec in self.brokers:
+            if not is_dns(spec):
+                continue
+            name, port = parse_dns(spec)
+            addrs = await self.resolver.resolve(name)
+            if addrs is None:
+                self.log.warning("discovery_failed", broker=spec, kept=len(self.discovered.get(spec, ())))
+                continue
+            new = endpoints_for(port, addrs)
+            old = self.discovered.get(spec, [])
+            if new != old:
+                self.log.info("discovery_changed", broker=spec, added=sorted(set(new) - set(old)), removed=sorted(set(old) - set(new)))
+            self.discovered[spec] = new
+            if not self._connected:
+                continue  # disconnected on purpose: connect() opens them
+            keep = {e for s in self.brokers for e in (self.discovered.get(s, ()) if is_dns(s) else (s,))}
+            for e in new:
+                self._open_link(e)
+            for e in set(old) - keep:
+                self._close_link(e)
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            await self.refresh_discovery()
+            await asyncio.sleep(self.discovery_refresh_s)
 
     def disconnect(self, *, say_goodbye: bool = True) -> None:
         """Close every link (a DISCONNECT first, unless ``say_goodbye`` is False): brokers forget
         this worker and retry what it held. :meth:`connect` registers again."""
+        self._connected = False
         for link in self.links:
             self._conn_no[link.endpoint] = link.conn_no
             link.close(say_goodbye=say_goodbye)
@@ -187,9 +246,10 @@ class WorkerAPI:
     async def aclose(self, *, say_goodbye: bool = True) -> None:
         """Close the links and stop the tasks. Idempotent."""
         self.disconnect(say_goodbye=say_goodbye)
-        tasks = [t for t in (*self._link_tasks, self._hb_task) if t is not None]
+        tasks = [t for t in (*self._link_tasks, self._hb_task, self._dns_task) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._link_tasks = []
         self._hb_task = None
+        self._dns_task = None
