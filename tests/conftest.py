@@ -66,4 +66,17 @@ async def until(pred, timeout_s: float = 10.0, what: str = "condition", step_s: 
             return r
         if time.monotonic() > t_end:
             raise TimeoutError(f"{what} not reached within {timeout_s}s")
-        await asyncio.sleep(step_s)
+        await asyncio.sleep(step_s)  # the poll interval of this readiness wait
+
+
+def wait_until(pred, timeout_s: float = 10.0, what: str = "condition", step_s: float = 0.01):
+    """:func:`until` for code outside an event loop (a plain callable): the first truthy value of
+    ``pred()``, or TimeoutError (failing the test) after ``timeout_s``."""
+    t_end = time.monotonic() + timeout_s
+    while True:
+        r = pred()
+        if r:
+            return r
+        if time.monotonic() > t_end:
+            raise TimeoutError(f"{what} not reached within {timeout_s}s")
+        time.sleep(step_s)  # the poll interval of this readiness wait

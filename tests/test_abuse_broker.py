@@ -118,13 +118,15 @@ def test_kv_flood_then_close_does_not_kill_the_broker_nor_expire_healthy_workers
 
 async def _until_served(frontend: str, timeout_s: float = 20.0):
     t_end = time.monotonic() + timeout_s
-    while True:
+
+    async def served():
         try:
             return await _one(frontend, deadline_ms=max(100, int((t_end - time.monotonic()) * 1000)))
         except RequestError as exc:
             assert exc.code is ErrorCode.OVERLOADED, exc
-            assert time.monotonic() < t_end, "shed for the whole flood"
-            await asyncio.sleep(0.1)
+            return None
+
+    return await until(served, timeout_s, "served once the flood is shed", step_s=0.1)
 
 
 async def _kv_done(frontend: str):
@@ -305,7 +307,7 @@ def test_a_worker_that_refuses_everything_its_peers_serve_is_ejected(procs):
 
 
 async def _slow_ok(w: FakeWorker, r: P.Request) -> None:
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # the fault: a slow worker (that claims to be idle)
     await answer_ok(w, r)
 
 
@@ -322,7 +324,7 @@ def test_a_worker_that_lies_about_its_load_does_not_draw_the_traffic(procs):
         await wait_for_workers(b.frontend, 2)
         async with Client(b.frontend) as c:
             async def one(i):
-                await asyncio.sleep(i * 0.02)
+                await asyncio.sleep(i * 0.02)  # pacing: an arrival every 20 ms, not one burst
                 return await c.generate(input_ids=[6] * 32 + [i], max_new_tokens=4, deadline_ms=20_000)
             rs = await asyncio.gather(*(one(i) for i in range(100)))
         share = sum(r.worker == "liar" for r in rs) / len(rs)
@@ -390,13 +392,13 @@ def test_a_stalled_worker_of_three_fails_no_request(procs):
             tasks = []
             for i in range(40):  # a standing backlog on every worker
                 tasks.append(asyncio.create_task(one(i)))
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # load shape: the backlog builds for a while before the fault
             ws[1].signal(signal.SIGSTOP)
             try:
                 for i in range(40, 160):
                     tasks.append(asyncio.create_task(one(i)))
-                    await asyncio.sleep(0.02)
-                await asyncio.sleep(max(0.0, 3.0 - 0.02 * 120))
+                    await asyncio.sleep(0.02)  # pacing: an arrival every 20 ms during the stall
+                await asyncio.sleep(max(0.0, 3.0 - 0.02 * 120))  # the fault: the stall lasts 3 s in all
             finally:
                 ws[1].signal(signal.SIGCONT)
             await asyncio.gather(*tasks)
@@ -424,7 +426,7 @@ def test_one_client_cannot_take_the_whole_broker(procs):
         assert codes == [ErrorCode.RATE_LIMITED.value] * 3 and ErrorCode.RATE_LIMITED.http_status == 429
         other = raw_dealer(b.frontend)
         await other.send_multipart(P.encode_submit("o1", input_ids=[2], params={"max_new_tokens": 1}, deadline_ms=60_000))
-        await asyncio.sleep(0.3)
+        await until(lambda: hold.requests >= 6, 5, "the other client's request held")
         assert hold.requests == 6  # 5 greedy + the other client's one
         greedy.close()
         other.close()

@@ -10,9 +10,7 @@ stub turned unhealthy leaves, comes back and gets its cache state back through t
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 
 import aiohttp
 import pytest
@@ -21,7 +19,7 @@ from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
 from mesh.engine_model import output_token_id
 from mesh.up import wait_for_workers
-from tests.conftest import run
+from tests.conftest import run, until
 from tests.adapters_support import start_adapter, start_stub
 
 FAST_BROKER = ["--heartbeat-ms", "200"]
@@ -39,13 +37,20 @@ async def _workers(c: Client) -> dict[str, dict]:
 
 
 async def _until_workers(c: Client, pred, timeout_s: float = 15.0) -> dict[str, dict]:
-    t_end = time.monotonic() + timeout_s
-    while True:
-        ws = await _workers(c)
-        if pred(ws):
-            return ws
-        assert time.monotonic() < t_end, f"fleet never reached the expected state: {ws}"
-        await asyncio.sleep(0.05)
+    seen: list[dict[str, dict]] = [{}]
+
+    async def reached() -> list | None:
+        seen[0] = await _workers(c)
+        return seen if pred(seen[0]) else None
+
+    try:
+        return (await until(reached, timeout_s, "fleet state", step_s=0.05))[0]
+    except TimeoutError:
+        raise AssertionError(f"fleet never reached the expected state: {seen[0]}") from None
+
+
+async def _kv_batches_above(c: Client, n: int) -> bool:
+    return await _kv_batches(c) > n
 
 
 async def _kv_batches(c: Client) -> int:
@@ -93,10 +98,7 @@ def test_attach_sglang_and_vllm_end_to_end(procs):
                 p = [rng.randrange(1, 30_000) for _ in range(2048)]
                 before = await _kv_batches(c)
                 await _warm(http, stub["url"], p)
-                t_end = time.monotonic() + 10
-                while await _kv_batches(c) <= before:
-                    assert time.monotonic() < t_end, f"events of {wid} never reached the broker"
-                    await asyncio.sleep(0.02)
+                await until(lambda: _kv_batches_above(c, before), 10, f"events of {wid} at the broker", step_s=0.02)
                 prefixes[wid] = p
             # the KV events arrive before the load telemetry that shows the warm-up finished: wait
             # until the broker sees the SGLang workers idle again (v has no load stream: fail-open)
@@ -124,13 +126,12 @@ def test_attach_sglang_and_vllm_end_to_end(procs):
             async with http.post(sa["url"] + "/debug/health", json={"ok": True}) as r:
                 assert r.status == 200
             await _until_workers(c, lambda ws: "a" in ws)
-            t_end = time.monotonic() + 10
-            while True:  # the broker dropped a's index when it left; the snapshot sent on re-registration restores it
+            async def cache_hit_on_a():
                 r = await c.generate(input_ids=prefixes["a"] + [rng.randrange(1, 30_000)], max_new_tokens=2)
-                if r.worker == "a" and r.reason.startswith("cache"):
-                    break
-                assert time.monotonic() < t_end, "a's cache state never came back"
-                await asyncio.sleep(0.05)
+                return r if r.worker == "a" and r.reason.startswith("cache") else None
+
+            # the broker dropped a's index when it left; the snapshot sent on re-registration restores it
+            r = await until(cache_hit_on_a, 10, "a's cache state back", step_s=0.05)
             assert r.usage["cached_tokens"] >= 2032
             assert "c" not in await _workers(c)
 

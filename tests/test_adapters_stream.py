@@ -54,21 +54,14 @@ class Rig:
 
     async def reopen_publisher(self) -> None:
         """Bind the same ports again (libzmq closes listeners asynchronously: retry while in use)."""
-        t_end = time.monotonic() + 5
-        while True:
+        def bound(spec, port):
             try:
-                (pub,), _ = bind_port_range(self.ctx, SGLANG_PUB, "127.0.0.1", self.kv_port, 1)
-                break
+                return bind_port_range(self.ctx, spec, "127.0.0.1", port, 1)[0]
             except zmq.ZMQError:
-                assert time.monotonic() < t_end, "port never released"
-                await asyncio.sleep(0.02)
-        while True:
-            try:
-                (rep,), _ = bind_port_range(self.ctx, SGLANG_REPLAY_ROUTER, "127.0.0.1", self.replay_port, 1)
-                break
-            except zmq.ZMQError:
-                assert time.monotonic() < t_end, "port never released"
-                await asyncio.sleep(0.02)
+                return None  # still in use
+
+        (pub,) = await until(lambda: bound(SGLANG_PUB, self.kv_port), 5, "KV port released", step_s=0.02)
+        (rep,) = await until(lambda: bound(SGLANG_REPLAY_ROUTER, self.replay_port), 5, "replay port released", step_s=0.02)
         self._wrap(pub, rep)
 
     def _wrap(self, pub, rep) -> None:
@@ -102,6 +95,13 @@ class Rig:
             except TimeoutError:
                 if time.monotonic() > t_end:
                     raise
+
+    def probe_until_restart_seen(self) -> bool:
+        """One empty probe unless the relay already saw the publisher restart (the SUB reconnects
+        in its own time: probes until then)."""
+        if self.relay.counters["engine_restarts"] == 0:
+            self.pub.publish([])
+        return self.relay.counters["engine_restarts"] > 0
 
     async def close(self) -> None:
         await self.relay.stop()
@@ -174,11 +174,7 @@ def test_publisher_restart_sequence_back_to_zero_gives_a_new_epoch():
             await rig.reopen_publisher()  # ... and comes back on the same ports, counting from 0
             rig.pub.publish([KV.AllBlocksCleared()])  # seq 0 (SGLang's startup reset)
             rig.pub.publish([_stored(900, 2)])  # seq 1
-            t_end = time.monotonic() + 10
-            while rig.relay.counters["engine_restarts"] == 0:  # probes until the SUB has reconnected
-                assert time.monotonic() < t_end, "restart not detected"
-                rig.pub.publish([])
-                await asyncio.sleep(0.05)
+            await until(lambda: rig.probe_until_restart_seen(), 10, "restart detected", step_s=0.05)
             await until(lambda: 900 in {k[1] for k in rig.rs.mirror.blocks}, 5, "history of the new publisher relayed")
             new = [m for m in rig.msgs if m.epoch > old_epoch]
             assert new and new[0].seq == 0 and KV.decode_events(new[0].events)[0] == [KV.AllBlocksCleared()]
@@ -206,11 +202,7 @@ def test_restart_hidden_behind_a_gap_is_found_by_replay_timestamps():
             # the new server publishes past our last seq before the SUB reconnects: a "gap"
             for i in range(last_before + 3):
                 rig.pub.publish([_stored(1000 + i, 1)] if i else [KV.AllBlocksCleared()])
-            t_end = time.monotonic() + 10
-            while rig.relay.counters["engine_restarts"] == 0:
-                assert time.monotonic() < t_end, "restart not detected"
-                rig.pub.publish([])
-                await asyncio.sleep(0.05)
+            await until(lambda: rig.probe_until_restart_seen(), 10, "restart detected", step_s=0.05)
             await until(lambda: rig.entries() == last_before + 2, 5)
             assert {k[1] for k in rig.rs.mirror.blocks} == {1000 + i for i in range(1, last_before + 3)}
             assert rig.relay.counters["history_lost"] == 0
@@ -313,16 +305,16 @@ def test_oversized_logprob_lists_lose_inputs_then_alternatives_counted():
 
     class Probe:
         counters = __import__("collections").Counter()
-        _bounded_lists = B.Adapter._bounded_lists
+        bounded_lists = B.Adapter.bounded_lists
 
     probe = Probe()
     triple = [-0.5, 123456, " consectetur"]
     out_lp = [triple] * 20_000
     small = {"output_token_logprobs": [triple] * 3, "output_top_logprobs": [[triple] * 2] * 3}
-    assert probe._bounded_lists(small) is small and not probe.counters["meta_info_truncated"]  # a chunk: not measured
+    assert probe.bounded_lists(small) is small and not probe.counters["meta_info_truncated"]  # a chunk: not measured
     big_inputs = {"output_token_logprobs": out_lp[:100], "input_token_logprobs": out_lp * 3}
-    assert list(probe._bounded_lists(big_inputs)) == ["output_token_logprobs"]
+    assert list(probe.bounded_lists(big_inputs)) == ["output_token_logprobs"]
     big_tops = {"output_token_logprobs": out_lp, "output_top_logprobs": [[triple] * 5] * 20_000}
-    assert list(probe._bounded_lists(big_tops)) == ["output_token_logprobs"]
-    assert probe._bounded_lists({"output_token_logprobs": out_lp * 3}) == {}
+    assert list(probe.bounded_lists(big_tops)) == ["output_token_logprobs"]
+    assert probe.bounded_lists({"output_token_logprobs": out_lp * 3}) == {}
     assert probe.counters["meta_info_truncated"] == 3

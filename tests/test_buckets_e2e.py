@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import time
 from pathlib import Path
 
 from mesh.client import Client
 from mesh.errors import RequestError
 from mesh.up import wait_for_workers
-from tests.conftest import run
+from tests.conftest import run, until
 
 BUCKETS = str(Path(__file__).resolve().parents[1] / "configs" / "buckets-example.toml")
 FAST = ["--heartbeat-ms", "200"]
@@ -134,10 +133,7 @@ def test_pd_kill_prefill_mid_handoff_and_decode_mid_stream(procs):
                     return None
                 ws = {w["worker_id"]: w["inflight"] for w in (await c.status()).workers}
                 return next((d for d in ("dec-a", "dec-b") if ws.get(d, 0) > 0), None)
-            t_end = time.monotonic() + 30
-            while (victim := await streaming_decoder()) is None:
-                assert time.monotonic() < t_end, "no decode worker was streaming"
-                await asyncio.sleep(0.02)
+            victim = await until(streaming_decoder, 30, "a decode worker streaming", step_s=0.02)
             decoders[victim].signal(signal.SIGKILL)  # mid-stream: its streams end with worker_lost
             outcomes = []
             for st in streams:

@@ -55,7 +55,7 @@ async def _drive(frontend: str, prompts: list[list[int]]) -> tuple[float, float,
         tasks = []
         for p in prompts:
             tasks.append(asyncio.create_task(one(p)))
-            await asyncio.sleep(rng.expovariate(RATE))
+            await asyncio.sleep(rng.expovariate(RATE))  # pacing: Poisson arrivals at RATE
         await asyncio.gather(*tasks)
     counts = [per_worker.get(f"w-{i}", 0) for i in range(WORKERS)]
     cv = statistics.pstdev(counts) / statistics.mean(counts)

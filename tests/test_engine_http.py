@@ -10,7 +10,7 @@ import pytest
 
 from mesh.adapters.base import sse_events
 from mesh.adapters.engine_http import EngineConnectionError, EngineHttp
-from tests.conftest import run
+from tests.conftest import run, until
 
 
 class Scripted:
@@ -43,7 +43,7 @@ class Scripted:
                 self.n += 1
                 out = self.answer(self.n)
                 if out is None:  # hold the request: never answer
-                    await asyncio.sleep(3600)
+                    await asyncio.sleep(3600)  # the fault: a server that holds the request
                 for piece in out if isinstance(out, list) else [out]:
                     writer.write(piece)
                     await writer.drain()
@@ -111,7 +111,7 @@ def test_a_server_that_closes_idle_connections_costs_no_request():
         c = EngineHttp("127.0.0.1", port)
         for _ in range(5):
             assert await c.request("POST", "/generate", b"{}") == (200, b"ok")
-            await asyncio.sleep(0.02)  # let the close arrive, as an idle timeout would
+            await until(lambda: c.open_connections == 0, 5, "the server's close arrived")  # as after an idle timeout
         assert srv.n == 5 and c.connects == 5
         for _ in range(50):  # no pause: the next request races the server's close
             assert await c.request("POST", "/generate", b"{}") == (200, b"ok")
@@ -134,7 +134,7 @@ def test_hostile_answers_are_a_connection_error_not_a_crash(answer, what):
         c = EngineHttp("127.0.0.1", port, max_body_bytes=65_536)
         with pytest.raises(EngineConnectionError, match=what):
             await c.request("POST", "/generate", b"{}")
-        assert not c._idle  # a broken connection is never reused
+        assert c.idle_connections == 0  # a broken connection is never reused
         await c.close()
         await srv.stop()
 

@@ -65,7 +65,7 @@ def _post_served(url: str, obj, key: str | None = KEY, timeout_s: float = 15.0) 
         if code != 429 or time.monotonic() > t_end:
             return code, body, headers
         assert headers.get("Retry-After")
-        time.sleep(0.2)  # bounded by t_end; Retry-After says 1 s, a test need not wait that long
+        time.sleep(0.2)  # a client's back-off on 429, bounded by t_end (Retry-After says 1 s; a test need not wait that long)
 
 
 def _get(url: str, key: str | None = KEY) -> tuple[int, str]:

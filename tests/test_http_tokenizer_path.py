@@ -11,9 +11,7 @@ ids and routes every follow-up turn to the engine holding the conversation, wher
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 from pathlib import Path
 
 import aiohttp
@@ -28,7 +26,12 @@ pytest.importorskip("transformers")
 from mesh.procs import wait_for_log_event  # noqa: E402
 from mesh.tokenization.builtin import build_model_dir  # noqa: E402
 from mesh.up import wait_for_workers  # noqa: E402
-from tests.conftest import run  # noqa: E402
+from tests.conftest import run, until  # noqa: E402
+
+
+async def _kv_batches_at_least(c, n: int) -> bool:
+    return (await c.status()).counters.get("kv.batches", 0) >= n
+
 
 TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen2_chatml.jinja"
 SYSTEM = ("You are the support assistant of a company that sells garden tools. Answer politely, cite the order "
@@ -90,11 +93,9 @@ async def _conversations(url: str, frontend: str, engines: list[str], n: int = 4
                 body = await r.json()
                 assert r.status == 200, body
                 firsts.append((msgs, body["choices"][0]["message"]["content"], f"a{k % 2}"))
-        t_end = time.monotonic() + 10  # readiness: every batch the engines published reached the broker
         want = batches0 + await published() - published0
-        while (await c.status()).counters.get("kv.batches", 0) < want:
-            assert time.monotonic() < t_end, "the engines' KV events never reached the broker"
-            await asyncio.sleep(0.02)
+        await until(lambda: _kv_batches_at_least(c, want), 10, "every KV batch the engines published at the broker",
+                    step_s=0.02)
         before = await _cache_hits(c)
         for msgs, answer, holder in firsts:
             follow = [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the invoice?"}]
@@ -140,10 +141,8 @@ def test_simulated_workers_with_the_tokenizer_publish_the_models_token_ids(procs
         async with Client(b.frontend) as c:
             batches0 = (await c.status()).counters.get("kv.batches", 0)
             first = await c.generate(text=text, max_new_tokens=2, deadline_ms=10_000)
-            t_end = time.monotonic() + 10
-            while (await c.status()).counters.get("kv.batches", 0) <= batches0:  # readiness: its KV events arrived
-                assert time.monotonic() < t_end, "the worker's KV events never reached the broker"
-                await asyncio.sleep(0.02)
+            await until(lambda: _kv_batches_at_least(c, batches0 + 1), 10, "the worker's KV events at the broker",
+                        step_s=0.02)
             second = await c.generate(input_ids=tok.encode(text), max_new_tokens=2, deadline_ms=10_000)
             return first, second
 

@@ -15,7 +15,7 @@ import time
 from mesh.client import Client
 from mesh.procs import Proc, wait_for_log_event
 from mesh.up import wait_for_workers
-from tests.conftest import run
+from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200"]
 
@@ -49,12 +49,11 @@ def test_prefix_warmed_via_a_is_routed_by_b(procs):
             first = await ca.generate(input_ids=prompt, max_new_tokens=2, deadline_ms=20_000)
         # wait for the readiness signal: broker B sees the block through the indexer (bounded poll)
         async with Client(b.frontend) as cb:
-            t_end = time.monotonic() + 10
-            while True:
+            async def hit():
                 r = await cb.generate(input_ids=prompt + [7, 7, 7], max_new_tokens=2, deadline_ms=20_000)
-                if r.usage["cached_tokens"] >= 1024 or time.monotonic() > t_end:
-                    break
-                await asyncio.sleep(0.1)
+                return r if r.usage["cached_tokens"] >= 1024 else None
+
+            r = await until(hit, 10, "broker B routes by the indexer's view", step_s=0.1)
         assert r.worker == first.worker and r.usage["cached_tokens"] >= 1024, (first.worker, r.worker, r.usage)
 
     run(body(), timeout_s=60)
@@ -75,7 +74,7 @@ def test_indexer_killed_under_load_then_restarted(procs):
         for i in range(n):
             outs.append(asyncio.create_task(c.generate(input_ids=system + [rng.randrange(1, 30_000) for _ in range(64)],
                                                        max_new_tokens=4, deadline_ms=30_000)))
-            await asyncio.sleep(0.03)
+            await asyncio.sleep(0.03)  # pacing: an arrival every 30 ms
         return await asyncio.gather(*outs, return_exceptions=True)
 
     async def body():
@@ -84,7 +83,7 @@ def test_indexer_killed_under_load_then_restarted(procs):
             assert not [x for x in warm if isinstance(x, Exception)]
             before = (await c.status()).counters.get("degraded_decisions", 0)
             load_task = asyncio.create_task(load(c, 60, 2))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # load shape: the indexer dies in the middle of the load, not before it
             idx.signal(signal.SIGKILL)
             during = await load_task
             assert [x for x in during if isinstance(x, Exception)] == []  # zero failed requests

@@ -3,14 +3,13 @@ after a restart on the same port (with resyncs), replica failover, forward overf
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
 
 from mesh.indexer.client import IndexerClient
 from mesh.procs import ProcGroup
 
-from conftest import run
+from conftest import run, until
 from test_indexer import BS, FakeWorker, reference
 from test_indexer_procs import spawn_indexer
 
@@ -20,13 +19,11 @@ def _port(endpoint: str) -> int:
 
 
 async def _until(pred, timeout_s: float, step_s: float = 0.05):
-    t_end = time.monotonic() + timeout_s
-    while time.monotonic() < t_end:
-        r = await pred()
-        if r:
-            return r
-        await asyncio.sleep(step_s)
-    return None
+    """conftest's ``until``, None on timeout (the caller's assert then shows the client's stats)."""
+    try:
+        return await until(pred, timeout_s, step_s=step_s)
+    except TimeoutError:
+        return None
 
 
 def test_killed_indexer_costs_no_latency_and_is_used_again_after_restart(procs: ProcGroup) -> None:
@@ -127,8 +124,9 @@ def test_forward_overflow_is_counted_and_turns_into_a_resync(procs: ProcGroup) -
                 c.forward(w.worker_id, 0, w.epoch, seq, raw)  # indexer down: 4 queued, 6 dropped
             s = c.stats()
             assert s["forward_dropped"] == 6 and s["forward_queued"] == 4 and not asked
-            await asyncio.sleep(1.0)  # the forwarder retries, gives up, waits on the breaker
-            assert c.stats()["forward_give_ups"] >= 1 and c.stats()["forward_queued"] == 4
+            # the forwarder retries, gives up, waits on the breaker; nothing queued is lost meanwhile
+            await until(lambda: c.stats()["forward_give_ups"] >= 1, 10, "a forward give-up")
+            assert c.stats()["forward_queued"] == 4
             spawn_indexer(procs, "ovf-2", port=_port(ep))
 
             async def resynced():

@@ -24,7 +24,7 @@ from mesh.indexer.client import IndexerClient
 from mesh.procs import Proc, ProcGroup, wait_for_log_event
 from mesh.protocol import pack
 
-from conftest import run
+from conftest import run, until
 from test_indexer import BS, SYSTEM, FakeWorker, assert_same_matches, reference
 
 
@@ -204,7 +204,7 @@ def test_query_overload_is_shed_and_deadlines_hold(procs: ProcGroup) -> None:
             assert c.last_degraded_reason == "timeout" and dt < 0.14
         async with IndexerClient([ep], query_timeout_ms=3000, max_inflight=2) as c:
             busy = [asyncio.create_task(c.match(keys, BS)) for _ in range(2)]
-            await asyncio.sleep(0.02)
+            await until(lambda: c.inflight == 2, 5, "two queries in flight")
             t0 = time.monotonic()
             assert await c.match(keys, BS) is None
             assert c.last_degraded_reason == "overloaded" and time.monotonic() - t0 < 0.01

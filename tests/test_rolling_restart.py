@@ -40,7 +40,7 @@ async def _steady_load(frontends: list[str], stop: asyncio.Event, rate: float = 
         while not stop.is_set() or i < min_requests:
             tasks.append(asyncio.create_task(one(i)))
             i += 1
-            await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.sleep(rng.expovariate(rate))  # pacing: Poisson arrivals at `rate`
         await asyncio.gather(*tasks)
     return ok, errors
 
@@ -98,17 +98,17 @@ def test_broker_killed_holding_requests_client_resubmits_elsewhere(procs):
     async def body():
         async with Client([b1.frontend, b2.frontend]) as c:
             await c.status()  # both links up before the requests are spread over them
-            while not all(link.up for link in c._links):
-                await asyncio.sleep(0.01)
+            await until(lambda: all(link.up for link in c._links), 10, "both links up")
             t0 = time.monotonic()
             tasks = [asyncio.create_task(c.generate(input_ids=[i + 1] * 32, max_new_tokens=40, deadline_ms=30_000))
                      for i in range(8)]
-            while not c._links[0].pending:
-                await asyncio.sleep(0.01)
+            await until(lambda: c._links[0].pending, 10, "requests pending on b1")
             # readiness signal: b1 reports requests in flight (dispatched, being decoded)
             async with Client(b1.frontend) as probe:
-                while (await probe.status()).broker.get("inflight", 0) < 1:
-                    await asyncio.sleep(0.01)
+                async def b1_busy() -> bool:
+                    return (await probe.status()).broker.get("inflight", 0) >= 1
+
+                await until(b1_busy, 10, "b1 decoding")
             b1.signal(signal.SIGKILL)
             results = await asyncio.gather(*tasks)
             elapsed = time.monotonic() - t0

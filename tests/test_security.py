@@ -3,15 +3,13 @@ unlisted client cannot submit (their handshakes are rejected and counted)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 
 import pytest
 
 from mesh.client import Client
 from mesh.errors import RequestError
 from mesh.security import client_keys, keygen
-from tests.conftest import run
+from tests.conftest import run, until
 
 
 def test_curve_allow_lists(procs, tmp_path):
@@ -34,14 +32,12 @@ def test_curve_allow_lists(procs, tmp_path):
 
     async def body():
         async with Client(b.frontend, curve=good) as c:
-            t_end = time.monotonic() + 20
-            while True:  # wait for the readiness signals: good registered, evil's handshake rejected
+            async def settled():  # the readiness signals: good registered, evil's handshake rejected
                 st = await c.status()
                 ids = {w["worker_id"] for w in st.workers}
-                if "good" in ids and st.counters.get("frames_rejected.worker.auth_failed", 0) >= 1:
-                    break
-                assert time.monotonic() < t_end, (ids, st.counters)
-                await asyncio.sleep(0.05)
+                return ids if "good" in ids and st.counters.get("frames_rejected.worker.auth_failed", 0) >= 1 else None
+
+            ids = await until(settled, 20, "good registered and evil's handshake rejected", step_s=0.05)
             assert ids == {"good"}  # the unlisted worker never registered
             for _ in range(5):
                 assert (await c.generate(input_ids=[1, 2, 3], max_new_tokens=2, deadline_ms=5000)).worker == "good"

@@ -44,14 +44,14 @@ def test_chaos_kill_workers_under_load(procs):
                 while not stop.is_set():
                     tasks.append(asyncio.create_task(one(i)))
                     i += 1
-                    await asyncio.sleep(rng.expovariate(40))
+                    await asyncio.sleep(rng.expovariate(40))  # pacing: Poisson arrivals, 40/s
                 await asyncio.gather(*tasks)
                 return i
 
         load = asyncio.create_task(client_load())
         t_end = time.monotonic() + 60
         while time.monotonic() < t_end:
-            await asyncio.sleep(3)
+            await asyncio.sleep(3)  # the fault schedule: one worker SIGKILLed every 3 s
             k = rng.randrange(5)
             workers[k].signal(signal.SIGKILL)
             procs.procs.remove(workers[k])

@@ -25,6 +25,7 @@ pytest.importorskip("mistral_common")
 transformers = pytest.importorskip("transformers")
 
 from mesh.errors import ConfigError, RetryableError  # noqa: E402
+from tests.conftest import until  # noqa: E402
 from mesh.tokenization import (  # noqa: E402
     ContentFormat,
     ModelTokenizer,
@@ -388,7 +389,7 @@ def test_pool_keeps_the_loop_ticking_during_a_200k_token_encode(models):
             nonlocal ticks
             last = time.perf_counter()
             while not done.is_set():
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.002)  # the probe: a tick every 2 ms measures how long the loop is blocked
                 now = time.perf_counter()
                 gaps.append(now - last)
                 last = now
@@ -436,18 +437,15 @@ def test_pool_refuses_past_its_queue_bound(models):
         pool = TokenizerPool(ours, workers=1, max_queued=2)
         pool.tokenizer = type("T", (), {"encode": staticmethod(slow_encode)})()
         jobs = [asyncio.ensure_future(pool.encode(f"job {i}")) for i in range(3)]  # 1 running + 2 waiting
-        await asyncio.sleep(0.05)
-        assert pool.admitted == 3
+        await until(lambda: pool.admitted == 3, 5, "three jobs admitted")
         with pytest.raises(TokenizerBusy, match=r"2 jobs waiting \(limit 2\)") as info:
             await pool.encode("one too many")
         assert isinstance(info.value, RetryableError) and info.value.code.value == "overloaded"
         jobs[2].cancel()  # a cancelled waiting job frees its slot
-        await asyncio.sleep(0.05)
-        assert pool.admitted == 2
+        await until(lambda: pool.admitted == 2, 5, "the cancelled job's slot freed")
         gate.set()
         res = await asyncio.wait_for(asyncio.gather(*jobs[:2]), 10)
-        await asyncio.sleep(0.05)
-        assert pool.admitted == 0
+        await until(lambda: pool.admitted == 0, 5, "every slot freed")
         pool.close()
         pool.close()  # idempotent
         with pytest.raises(RuntimeError, match="closed"):

@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from mesh.loadgen import LoadSpec, summarize
 from mesh.loadgen_http import prompt_text, run_http_load
 from mesh.up import _adapter_ok, _stop_procs, start_http_path
 
-from conftest import run
+from conftest import run, wait_until
 
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
 
@@ -95,10 +94,10 @@ def test_up_ctrl_c_during_load_stops_every_process(tmp_path: Path):
         assert len(kids) == 5, (kids, lines)  # broker, 2 engines, 2 adapters
         p.send_signal(signal.SIGINT)
         assert p.wait(40) == 130
-        t_end = time.monotonic() + 5  # reparented children are reaped by init asynchronously
-        while not all(_gone(k) for k in kids) and time.monotonic() < t_end:
-            time.sleep(0.05)
-        assert all(_gone(k) for k in kids), [k for k in kids if not _gone(k)]
+        try:  # reparented children are reaped by init asynchronously
+            wait_until(lambda: all(_gone(k) for k in kids), 5, "every child reaped", step_s=0.05)
+        except TimeoutError:
+            raise AssertionError([k for k in kids if not _gone(k)]) from None
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)

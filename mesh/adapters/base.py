@@ -45,17 +45,17 @@ Errors: one boundary, :func:`engine_error`, turns what talking to the engine rai
 error tree (:mod:`mesh.errors`), naming the engine URL: the worker reports its code in the ERROR
 frame of the request, discovery retries what is retryable, health and load polls count it.
 
-=========================================================  ===================================
-raised while talking to the engine                          becomes
-=========================================================  ===================================
-a non-200 answer (``aiohttp.ClientResponseError`` too)      :func:`error_code_for_status`
-``TimeoutError`` (a per-call timeout: connect, health)      ``RetryableError(unavailable)``
-``EngineConnectionError``, ``aiohttp.ClientError``,         ``RetryableError(unavailable)``
-``OSError`` (refused, reset, truncated body)
-a body that is not JSON, or JSON of the wrong shape         ``RetryableError(worker_error)``
-(``ValueError``, ``KeyError``, ``TypeError``)
-anything else (a bug)                                       ``FatalRequestError(internal)``
-=========================================================  ===================================
+=====================================================  ==============================
+raised while talking to the engine                     becomes
+=====================================================  ==============================
+a non-200 answer (aiohttp.ClientResponseError too)     error_code_for_status(status)
+TimeoutError (a per-call timeout: connect, health)     RetryableError(unavailable)
+EngineConnectionError, aiohttp.ClientError, OSError    RetryableError(unavailable)
+(refused, reset, truncated body)
+a body that is not JSON, or JSON of the wrong shape    RetryableError(worker_error)
+(ValueError, KeyError, TypeError)
+anything else (a bug)                                  FatalRequestError(internal)
+=====================================================  ==============================
 
 The request's own deadline passing is ``deadline_exceeded`` (not retried: the time is gone).
 
@@ -1331,7 +1331,7 @@ class Adapter:
                                 chunk["meta_info"] = _scalar_meta(st.meta)
                             if st.new_lists or held_lists:
                                 _extend_lists(held_lists, st.new_lists)
-                                chunk["meta_info"] = {**chunk.get("meta_info", {}), **self._bounded_lists(held_lists)}
+                                chunk["meta_info"] = {**chunk.get("meta_info", {}), **self.bounded_lists(held_lists)}
                                 held_lists = {}
                             link.send(P.encode_worker_chunk(r.rid, r.attempt, seq, chunk))
                             seq += 1
@@ -1367,7 +1367,7 @@ class Adapter:
         if lists is not None:
             meta = _scalar_meta(st.meta) if st.meta is not None else {}
             if lists:
-                meta.update(self._bounded_lists(lists))
+                meta.update(self.bounded_lists(lists))
             if st.meta is not None or lists:
                 data["meta_info"] = meta
         elif st.meta is not None:
@@ -1386,12 +1386,12 @@ class Adapter:
         except (TypeError, ValueError, OverflowError):
             pass
         lists = {k: v for k, v in meta.items() if k in LOGPROB_KEYS and type(v) is list}
-        kept = self._bounded_lists(lists, measure=True) if lists else {}
+        kept = self.bounded_lists(lists, measure=True) if lists else {}
         if len(kept) == len(lists):  # what was dropped is not a list
             self.counters["meta_info_truncated"] += 1
         return {**_scalar_meta(meta), **kept}
 
-    def _bounded_lists(self, lists: dict[str, list], measure: bool = False) -> dict[str, list]:
+    def bounded_lists(self, lists: dict[str, list], measure: bool = False) -> dict[str, list]:
         """Positional meta lists within the frame budget: whole when they fit, else without the
         input lists, then without the alternatives (top logprobs), then none (counted as
         ``meta_info_truncated`` when anything is dropped)."""

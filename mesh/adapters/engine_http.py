@@ -210,6 +210,16 @@ class EngineHttp:
         self.reuses = 0
         self.closed = False
 
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept alive for reuse right now."""
+        return len(self._idle)
+
+    @property
+    def open_connections(self) -> int:
+        """Connections whose transport has not been lost yet (idle or in use)."""
+        return len(self._all)
+
     # ---------------------------------------------------------------- pool
     async def _take(self) -> _Conn:
         now = time.monotonic()

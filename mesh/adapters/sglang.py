@@ -253,6 +253,11 @@ class SglangBackend(Backend):
         super().__init__(s)
         self._unsupported: set[str] = set()
 
+    @property
+    def unsupported(self) -> frozenset[str]:
+        """Load endpoints the server answered 404/405 (``v1_loads``, ``get_load``, ``metrics``): not asked again."""
+        return frozenset(self._unsupported)
+
     async def _server_info(self, http: aiohttp.ClientSession) -> dict[str, Any]:
         status, d = await self.get_json(http, "/server_info")
         if status == 404:
