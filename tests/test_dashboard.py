@@ -1,0 +1,37 @@
+"""The Grafana dashboard (deploy/grafana/mesh-dashboard.json) asks only for metrics mesh exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from brokers.main import build_broker, metrics_registry
+from mesh import protocol as P
+from mesh.config import BrokerSettings, build
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _exported() -> set[str]:
+    b = build_broker(build(BrokerSettings, {"policy": "cache_aware"}))
+    core = b.core
+    core.start(0.0)
+    core.worker_frames([b"w", *P.encode_ready(P.Ready("w0", "m", "mixed", {}, 16, 256, 400_000, 1, 1, 500))], 0.0)
+    core.worker_frames([b"w", *P.encode_heartbeat()], 0.0)
+    names = {m.name for m in metrics_registry(b).collect()}
+    from mesh.indexer.server import IndexerCore, IndexerService, _IndexerCollector
+
+    icore = IndexerCore(max_entries=1000)
+    names |= {m.name for m in _IndexerCollector(icore, IndexerService(icore)).collect()}
+    return names
+
+
+def test_every_dashboard_metric_is_exported():
+    dash = json.loads((ROOT / "deploy" / "grafana" / "mesh-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(total|bucket|count|sum)$", "", m) for e in exprs for m in re.findall(r"\bmesh_[a-z0-9_]+", e)}
+    exported = _exported()
+    missing = sorted(u for u in used if u not in exported)
+    assert not missing, f"the dashboard asks for metrics nobody exports: {missing}"
+    assert len(used) >= 10
