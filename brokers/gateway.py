@@ -266,7 +266,8 @@ async def serve_gateway(brokers: list[str], http: str, **ingress_kw: Any) -> Non
 
 #: BrokerSettings fields that configure the HTTP ingress, here as in ``mesh broker --http``
 _INGRESS_FIELDS = ("tokenizer", "chat_template", "http_max_connections", "http_header_timeout_s", "http_idle_timeout_s",
-                   "http_body_timeout_s", "http_request_timeout_s", "http_stream_idle_timeout_s")
+                   "http_body_timeout_s", "http_request_timeout_s", "http_stream_idle_timeout_s", "trace_exporter",
+                   "trace_endpoint")
 
 
 def add_gateway_parser(subparsers):
@@ -315,6 +316,9 @@ def _cmd_gateway(args) -> int:
         if not key:
             raise ConfigError(f"api_key_file: {args.api_key_file} is empty")
     configure(args.log_level)
+    from mesh.tracing import configure_tracing
+
+    configure_tracing(ingress.trace_exporter, ingress.trace_endpoint, service="mesh-gateway")
     aio.run(serve_gateway(
         args.broker, args.http, api_key=key, tokenizers=model_paths(ingress.tokenizer, "tokenizer"),
         chat_templates=model_paths(ingress.chat_template, "chat_template"), max_connections=ingress.http_max_connections,

@@ -72,6 +72,7 @@ from aiohttp import web
 
 from mesh import openai_logprobs as OL
 from mesh import protocol as P
+from mesh import tracing
 from mesh.errors import ErrorCode
 from mesh.logs import get_logger
 from mesh.params import ParamError, from_generate, from_openai
@@ -353,6 +354,19 @@ class _Call:
                 continue
             if isinstance(m, (P.ClientFinal, P.ClientError)):
                 self.done = True
+                if tracing.enabled():
+                    if isinstance(m, P.ClientFinal):
+                        u = m.usage if isinstance(m.usage, dict) else {}
+                        tracing.annotate(worker=m.worker, attempt=m.attempt, route_reason=m.reason or None,
+                                         finish_reason=m.finish_reason, prompt_tokens=u.get("prompt_tokens"),
+                                         cached_tokens=u.get("cached_tokens"), completion_tokens=u.get("completion_tokens"))
+                    else:
+                        tracing.annotate(error_code=m.code)
+            elif tracing.enabled():
+                if isinstance(m, P.Accepted):
+                    tracing.annotate(worker=m.worker, attempt=m.attempt)
+                elif isinstance(m, P.ClientChunk) and m.seq == 0:
+                    tracing.add_event("first_token")
             return m
 
     def close(self) -> None:
@@ -481,7 +495,13 @@ class HttpIngress:
             self.guard.busy(conn)
         _QUOTA_KEY.set(b"\x00httpq:" + (request.remote or "?").encode())
         try:
-            resp = await self._handle(request, handler)
+            if tracing.enabled() and request.method == "POST":
+                with tracing.server_span(f"mesh {request.path}", request.headers,
+                                         {"http.request.method": "POST", "url.path": request.path, "mesh.request_id": xid}):
+                    resp = await self._handle(request, handler)
+                    tracing.set_attributes({"http.response.status_code": resp.status})
+            else:
+                resp = await self._handle(request, handler)
         finally:
             if isinstance(conn, _Conn):
                 self.guard.idle(conn)
@@ -769,6 +789,7 @@ class HttpIngress:
         raw = self._ids.next()
         ident = _LOCAL_PREFIX + raw[:16]  # always fresh and secret: replies are matched by identity and rid
         rid = _REQUEST_ID.get() or raw[16:].hex()
+        tracing.annotate(request_id=rid, model=model)
         try:
             frames = P.encode_submit(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"),
                                      params=params, deadline_ms=deadline_ms, stream=stream, slo=slo, model=model)

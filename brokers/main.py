@@ -135,6 +135,9 @@ def metrics_registry(broker: Broker):
 async def serve_broker(settings: BrokerSettings) -> None:
     """Run one broker until SIGTERM/SIGINT, then drain and exit."""
     configure(settings.log_level)
+    from mesh.tracing import configure_tracing
+
+    configure_tracing(settings.trace_exporter, settings.trace_endpoint, service="mesh-broker")
     log = get_logger(service="broker")
     bound_malloc_retention()  # before the ZeroMQ context starts its I/O threads
     broker = build_broker(settings)

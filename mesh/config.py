@@ -102,6 +102,10 @@ class BrokerSettings:
     http_stream_idle_timeout_s: float = setting(300.0, unit="s", help="a stream ends when no output came for this long; "
                                                                       "streams have no total bound unless "
                                                                       "x-mesh-deadline-ms gives one")
+    trace_exporter: str = setting("none", choices=("none", "console", "otlp"),
+                                  help="OpenTelemetry spans of HTTP requests (the 'tracing' extra): none, console "
+                                       "(stderr) or otlp (OTLP/HTTP to --trace-endpoint)")
+    trace_endpoint: str = setting("", metavar="URL", help="OTLP/HTTP traces endpoint, e.g. http://otel-collector:4318/v1/traces")
     # HTTP ingress, per model: DIR (every model) or MODEL=DIR, the model folder or its tokenizer.json;
     # chat templates overriding a folder's the same way (see model_paths)
     tokenizer: tuple[str, ...] = setting((), metavar="[MODEL=]DIR",
@@ -165,6 +169,7 @@ class BrokerSettings:
         _require(self.progress_timeout_ms >= 0, "progress_timeout_ms", "must be >= 0 (0 = off)")
         _require(self.overload_lag_ms > 0, "overload_lag_ms", "must be > 0")
         _require(self.log_level in ("debug", "info", "warning", "error"), "log_level", "must be debug|info|warning|error")
+        _require(self.trace_exporter in ("none", "console", "otlp"), "trace_exporter", "must be none|console|otlp")
         _require(self.cache_prefix_provider in ("radix_tree", "approx", "indexer"), "cache_prefix_provider",
                  "must be radix_tree, approx or indexer")
         if self.kv_indexer_endpoint and self.cache_prefix_provider != "indexer":

@@ -1,0 +1,82 @@
+"""OpenTelemetry spans of the HTTP front door (issue 17 part 4), with the SDK's in-memory exporter:
+a real broker and simulated workers in this process's event loop, real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from brokers.http_ingress import HttpIngress
+from brokers.main import build_broker
+from mesh import tracing
+from mesh.config import BrokerSettings, build
+from mesh.errors import ConfigError
+from mesh.up import wait_for_workers
+
+from conftest import run
+
+sdk = pytest.importorskip("opentelemetry.sdk.trace")
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+
+@pytest.fixture
+def spans():
+    exp = InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exp))
+    tracing.use_provider(provider)
+    yield exp
+    tracing.use_provider(None)
+
+
+def test_http_requests_become_spans_under_the_callers_trace(procs, spans):
+    async def body():
+        b = build_broker(build(BrokerSettings, {"frontend": "tcp://127.0.0.1:*", "backend": "tcp://127.0.0.1:*",
+                                                "policy": "round_robin", "heartbeat_ms": 200}))
+        task = asyncio.create_task(b.run())
+        await b.ready.wait()
+        ing = HttpIngress(b)
+        url = await ing.start("127.0.0.1", 0)
+        try:
+            procs.workers("w", [b.backend_endpoint], "--time-scale", "0.05", count=1)
+            await wait_for_workers(b.frontend_endpoint, 1)
+            trace_id = "0af7651916cd43dd8448eb211c80319c"
+            h = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01", "x-request-id": "order-991"}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True}, headers=h) as r:
+                    assert r.status == 200
+                    await r.read()
+                async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": -1}) as r:
+                    assert r.status == 400
+                async with s.get(url + "/health") as r:
+                    assert r.status == 200
+        finally:
+            await ing.stop()
+            b.request_stop()
+            await asyncio.wait_for(task, 15)
+        return trace_id
+
+    trace_id = run(body(), 60)
+    done = spans.get_finished_spans()
+    assert len(done) == 2, [s.name for s in done]  # the two POSTs; probes are not traced
+    ok, bad = done
+    assert ok.name == "mesh /v1/completions" and ok.kind.name == "SERVER"
+    assert format(ok.context.trace_id, "032x") == trace_id  # a child of the caller's trace
+    a = ok.attributes
+    assert a["mesh.request_id"] == "order-991" and a["mesh.worker"] == "w" and a["mesh.attempt"] == 1
+    assert a["http.response.status_code"] == 200 and a["mesh.finish_reason"] == "length"
+    assert a["mesh.completion_tokens"] == 3
+    assert [e.name for e in ok.events] == ["first_token"]
+    assert bad.attributes["http.response.status_code"] == 400 and format(bad.context.trace_id, "032x") != trace_id
+
+
+def test_tracing_settings_name_the_field():
+    tracing.configure_tracing("none")
+    assert not tracing.enabled()
+    with pytest.raises(ConfigError, match="trace_endpoint"):
+        tracing.configure_tracing("otlp", "")
+    with pytest.raises(ConfigError, match="trace_exporter"):
+        build(BrokerSettings, {"trace_exporter": "zipkin"})
