@@ -65,7 +65,7 @@ BASE_SETTINGS = {
 }
 
 
-LATE_S = 1e-6  # the harness's timer fires this late (as a real one does): ticks never land exactly on a due time
+LATE_S = 0.0  # the harness ticks exactly at each due time (the simulator does; a real timer fires a little late)
 
 
 class _HeapGuard:
@@ -437,15 +437,13 @@ class Shell:
 
 # ------------------------------------------------------------------ the state machine
 
-PER_WORKER_CAPS = [0]
+PER_WORKER_CAPS = [0, 0, 1, 2]
 CONFIGS = st.fixed_dictionaries({
     "max_attempts": st.integers(1, 4),
     "retry_budget_min": st.integers(0, 3),
     "retry_budget_ratio": st.sampled_from([0.0, 0.2, 0.5]),
     "max_inflight": st.sampled_from([3, 1000, 1000]),
     "max_inflight_per_client": st.sampled_from([2, 1000, 1000]),
-    # 0 only until the xfail test_tearing_down_a_clients_requests_... is fixed: with a per-worker cap,
-    # finishing one request of a loop over several unparks (and may finish) the next one: [0, 0, 1, 2]
     "max_inflight_per_worker": st.sampled_from(PER_WORKER_CAPS),
     "park_timeout_s": st.sampled_from([0.0, 0.3, 1.0, 1.0]),
     "queue_timeout_s": st.sampled_from([0.0, 0.3, 1.0]),
@@ -850,10 +848,7 @@ def test_prefill_decode_handoff_streams_from_the_decode_worker():
 
 # ------------------------------------------------------------------ bugs the machine found (mesh/broker_core/)
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "core bug: _check_progress livelocks when a re-armed check is due exactly now: it re-arms at "
-    "sess.last_reply_s + window, which float rounding can make <= now while now - last_reply_s < window "
-    "still holds, so the while loop pops and pushes the same entry forever (the broker loop hangs)"))
+# (found by the state machine as a core bug, fixed: kept as a regression test)
 def test_progress_check_rearmed_for_now_does_not_livelock():
     sh = Shell(progress_timeout_ms=300)
     w = sh.add_worker(0)
@@ -869,11 +864,7 @@ def test_progress_check_rearmed_for_now_does_not_livelock():
     sh.at(last + window, sh.core.tick, True)  # the re-armed check, at the time it asked for
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug (minor): a registered, unconfirmed session is confirmed by any first message, DISCONNECT "
-    "included, before the message is handled: parked requests are dispatched to a worker that is leaving "
-    "(or draining) in that very message; with max_attempts=1 the client gets worker_lost for a request "
-    "dispatched to a worker that had just said goodbye"))
+# (found by the state machine as a core bug, fixed: kept as a regression test)
 @pytest.mark.parametrize("reason", ["bye", P.DRAINING])
 def test_a_disconnect_as_first_message_gets_no_parked_request(reason):
     sh = Shell(max_attempts=1, park_timeout_s=1.0)
@@ -885,11 +876,7 @@ def test_a_disconnect_as_first_message_gets_no_parked_request(reason):
     assert not req.requests, f"REQUEST sent to a worker leaving with {reason!r}; client got {req.delivered}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug: cancel_client, _client_gone and fail_all loop over a list of requests made up front, but "
-    "_forget of one (with max_inflight_per_worker set) runs _unpark_one, which may dispatch or finish the next "
-    "request of that list: it is then finished again (IllegalTransition done -> done, the rest of the loop is "
-    "skipped) or gets a REQUEST just before it is cancelled"))
+# (found by the state machine as a core bug, fixed: kept as a regression test)
 @pytest.mark.parametrize("how", ["cancel_client", "client_gone", "drain"])
 def test_tearing_down_a_clients_requests_does_not_unpark_them_into_a_second_finish(how):
     sh = Shell(max_inflight_per_worker=1, queue_timeout_s=0.0, progress_timeout_ms=0, drain_timeout_s=0.5)

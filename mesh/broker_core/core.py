@@ -26,6 +26,7 @@ The only clocks it may be given are measurement seams: ``perf`` times routing de
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import time
@@ -140,6 +141,7 @@ class BrokerCore:
         self._cap_tokens: dict[str | None, int] = {}  # model (None: all) -> largest KV capacity
         self._aliases = settings.aliases()  # --model-alias: name -> served model
         self._status_cache: tuple[float, list[dict]] | None = None
+        self._bulk = False  # finishing several requests in one loop (see _bulk_teardown)
         self.kv_backlog: deque[tuple[str, bytes, int, Any]] = deque()  # (worker_id, identity, events, slice generator)
         self._kv_backlog_events: Counter[str] = Counter()  # queued events per worker
 
@@ -168,8 +170,23 @@ class BrokerCore:
 
     def fail_all(self, code: ErrorCode, message: str, now: float) -> None:
         self.now = now
-        for inf in list(self.inflight.values()):
-            self._finish_error(inf, code, message, cancel_worker=True)
+        with self._bulk_teardown():
+            for inf in list(self.inflight.values()):
+                if inf.state is not _R.DONE:
+                    self._finish_error(inf, code, message, cancel_worker=True)
+
+    @contextlib.contextmanager
+    def _bulk_teardown(self):
+        """While several requests are finished in one loop, a freed worker slot unparks nobody
+        (it could dispatch, or finish, a request later in that very loop); what is still parked
+        afterwards is dispatched once, at the end."""
+        self._bulk = True
+        try:
+            yield
+        finally:
+            self._bulk = False
+        if self.parked and self.s.max_inflight_per_worker:
+            self._unpark(self.now)
 
     def take(self) -> list[Send]:
         """The sends appended since the last take (the shell sends them in order)."""
@@ -310,8 +327,10 @@ class BrokerCore:
     def cancel_client(self, ident: bytes, now: float) -> None:
         """An in-process (HTTP) client went away: cancel every request it has in flight."""
         self.now = now
-        for inf in [i for i in self.inflight.values() if i.client == ident]:
-            self._finish_error(inf, ErrorCode.CANCELLED, "HTTP client went away", cancel_worker=True)
+        with self._bulk_teardown():
+            for inf in [i for i in self.inflight.values() if i.client == ident]:
+                if inf.state is not _R.DONE:
+                    self._finish_error(inf, ErrorCode.CANCELLED, "HTTP client went away", cancel_worker=True)
 
     def _prepare_route(self, inf: Inflight) -> bool:
         """Build the request's routing view once, after checking it can run at all (workers
@@ -516,6 +535,7 @@ class BrokerCore:
         engine). A busy worker that keeps answering other requests is only slow: the check is
         re-armed. A failed check counts against the worker, and the attempt is retried elsewhere
         while nothing was streamed."""
+        rearm = []  # pushed after the sweep: a re-arm that rounds to <= now must not be popped again (livelock)
         while self._progress and self._progress[0][0] <= now:
             _, rid, attempt = heapq.heappop(self._progress)
             inf = self.inflight.get(rid)
@@ -524,7 +544,7 @@ class BrokerCore:
             sess = inf.session
             window_s = self._progress_window_s(inf)
             if now - sess.last_reply_s < window_s:
-                heapq.heappush(self._progress, (sess.last_reply_s + window_s, rid, attempt))
+                rearm.append((max(sess.last_reply_s + window_s, now + 1e-6), rid, attempt))
                 continue
             self.stats.workers["no_progress"] += 1
             if self._limiter.allow(("no_progress", sess.worker_id), now):
@@ -535,6 +555,8 @@ class BrokerCore:
             self._note_failure(sess, now)
             self._retry_or_fail(inf, ErrorCode.WORKER_ERROR,
                                 f"worker {sess.worker_id} sent nothing for {self.s.progress_timeout_ms} ms", now)
+        for e in rearm:
+            heapq.heappush(self._progress, e)
 
     def _release(self, inf: Inflight, sess: WorkerSession | None) -> None:
         """Undo the routing bookkeeping of the current leg (both sides while the prefill leg runs)."""
@@ -723,7 +745,7 @@ class BrokerCore:
         freed = inf.session is not None
         self._detach(inf)
         move(inf, _R.DONE)
-        if freed and self.parked and self.s.max_inflight_per_worker:
+        if freed and self.parked and self.s.max_inflight_per_worker and not self._bulk:
             self._unpark_one(self.now)
         self.inflight.pop(inf.rid, None)
         if self._by_client.pop((inf.client, inf.client_rid), None) is not None:
@@ -793,9 +815,9 @@ class BrokerCore:
             return
         sess.expiry_s = now + self._expiry_s(sess)
         sess.last_seen_s = now
-        if sess.status is SessionState.REGISTERED:
-            self._confirm(sess, now)
         t = type(msg)
+        if sess.status is SessionState.REGISTERED and t is not P.Disconnect:
+            self._confirm(sess, now)  # (a first message that says goodbye confirms nothing)
         if t is P.WorkerFinal:
             self._on_worker_final(sess, msg, now)
         elif t is P.WorkerChunk:
@@ -1232,11 +1254,14 @@ class BrokerCore:
         client = inf.client
         outcome = "client_slow" if why == "send_hwm" else "client_gone"
         self.log.warning(outcome, client=client.hex()[:32], request_id=inf.client_rid)
-        for other in [i for i in self.inflight.values() if i.client == client]:
-            if other.session is not None:
-                self._to_worker(other.session.identity, P.encode_worker_cancel(other.rid, other.attempt))
-            self._forget(other)
-            self.stats.requests[outcome] += 1
+        with self._bulk_teardown():
+            for other in [i for i in self.inflight.values() if i.client == client]:
+                if other.state is _R.DONE:
+                    continue
+                if other.session is not None:
+                    self._to_worker(other.session.identity, P.encode_worker_cancel(other.rid, other.attempt))
+                self._forget(other)
+                self.stats.requests[outcome] += 1
 
     # ------------------------------------------------------------------ timers
     def credit_stall(self, stall_s: float) -> None:
