@@ -932,20 +932,23 @@ class BrokerCore:
         sess.last_reply_s = now
         if not inf.replied:
             self._first_reply(inf, sess, now)
+        model = inf.model or ""
+        if not inf.submit.stream:
+            if not inf.first_token_s:  # (its chunks are not forwarded: the worker's FINAL carries everything)
+                inf.first_token_s = now
+                self.stats.observe_latency("ttft", model, sess.worker_id, now - inf.accepted_s)
+            return
         if m.seq != inf.chunks_sent:
             self.stats.dropped["chunk_out_of_order"] += 1
             if self._limiter.allow(("chunk_seq", sess.worker_id), now):
                 self.log.warning("chunk_out_of_order", request_id=inf.client_rid, worker_id=sess.worker_id, expected=inf.chunks_sent, got=m.seq)
             return
-        model = inf.model or ""
         if not inf.first_token_s:
             inf.first_token_s = now
             self.stats.observe_latency("ttft", model, sess.worker_id, now - inf.accepted_s)
-        elif inf.submit.stream:
+        else:
             self.stats.observe_latency("inter_token", model, sess.worker_id, now - inf.last_chunk_s)
         inf.last_chunk_s = now
-        if not inf.submit.stream:
-            return  # non-streaming: the worker's FINAL carries everything
         inf.chunks_sent += 1
         self._to_client(inf.client, P.encode_client_chunk(inf.client_rid, m.seq, m.data), Receipt.CHUNK, inf)
 
