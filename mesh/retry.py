@@ -3,8 +3,10 @@
 Every policy has a stop (an attempt cap, and optionally a deadline) except the one explicit
 exception, :meth:`RetryPolicy.forever` (``max_attempts=None``): a worker reconnecting to its
 brokers keeps trying for as long as the process lives (a broker may be down for minutes), with
-the same jittered exponential back-off, capped at ``cap_ms``. Nothing else may use it: a request,
-an index forward or a client call always gives up eventually.
+the same jittered exponential back-off, capped at ``cap_ms``; and an adapter waiting for its
+engine to load (minutes of weights; bounded by ``--discovery-timeout-s`` when given). Nothing
+else may use it (``tests/test_worker_api.py`` holds the list): a request, an index forward or a
+client call always gives up eventually.
 
 Two uses:
 

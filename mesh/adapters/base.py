@@ -83,6 +83,7 @@ import zmq.asyncio
 from mesh import kv_events as KV
 from mesh.adapters.engine_http import EngineConnectionError, EngineHttp
 from mesh import protocol as P
+from mesh.discovery import check_endpoint
 from mesh.errors import ConfigError, ErrorCode, FatalRequestError, MeshError, ProtocolError, RequestError, RetryableError, error_for
 from mesh.load import LoadStat
 from mesh.logs import RateLimiter, announce, get_logger
@@ -177,8 +178,7 @@ class AttachSettings:
         if not self.brokers:
             raise ConfigError("brokers: at least one --broker endpoint is required")
         for b in self.brokers:
-            if not b.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ConfigError(f"brokers: {b!r} must be a tcp://, ipc:// or inproc:// endpoint")
+            check_endpoint(b, "brokers")  # a ZeroMQ endpoint, or dns+tcp://NAME:PORT (mesh.discovery)
         if self.role not in P.ROLES:
             raise ConfigError(f"role: must be one of {P.ROLES}")
         for name in ("kv_endpoint", "replay_endpoint", "load_endpoint"):

@@ -11,6 +11,7 @@ Session states and the only transitions between them (:data:`SESSION_TRANSITIONS
     ROUTABLE   --outlier ejection-->          EJECTED --reinstated--> ROUTABLE
     REGISTERED | ROUTABLE | EJECTED --DISCONNECT draining, or an operator's drain--> DRAINING
     DRAINING   --an operator reinstates a worker the operator drained--> ROUTABLE
+                                                        (REGISTERED if it never spoke)
     any live state --expired, disconnected, connection lost, replaced--> GONE
 
 Only ROUTABLE sessions get new requests, except in panic mode (every remaining confirmed worker
@@ -51,7 +52,7 @@ SESSION_TRANSITIONS: frozenset[tuple[SessionState, SessionState]] = frozenset({
     (_S.REGISTERED, _S.ROUTABLE), (_S.REGISTERED, _S.DRAINING), (_S.REGISTERED, _S.GONE),
     (_S.ROUTABLE, _S.EJECTED), (_S.ROUTABLE, _S.DRAINING), (_S.ROUTABLE, _S.GONE),
     (_S.EJECTED, _S.ROUTABLE), (_S.EJECTED, _S.DRAINING), (_S.EJECTED, _S.GONE),
-    (_S.DRAINING, _S.GONE), (_S.DRAINING, _S.ROUTABLE),
+    (_S.DRAINING, _S.GONE), (_S.DRAINING, _S.ROUTABLE), (_S.DRAINING, _S.REGISTERED),
 })
 
 
@@ -75,6 +76,7 @@ class WorkerSession:
     outcomes: deque = field(default_factory=lambda: deque(maxlen=OUTCOME_WINDOW))
     outcome_errors: int = 0  # sum of ``outcomes``
     drained_by: str = ""  # "worker" (it announced it is leaving) or "operator" (the admin API), while DRAINING
+    spoke: bool = False  # it sent something after READY (confirmed), whatever its state since
 
     @property
     def worker_id(self) -> str:
@@ -83,7 +85,7 @@ class WorkerSession:
     @property
     def confirmed(self) -> bool:
         """It sent something after READY (only then is it routable)."""
-        return self.status is not SessionState.REGISTERED
+        return self.spoke
 
     @property
     def draining(self) -> bool:
@@ -134,6 +136,7 @@ class WorkerPool:
             self._move(sess, SessionState.GONE)
 
     def confirm(self, sess: WorkerSession) -> None:
+        sess.spoke = True
         self._move(sess, SessionState.ROUTABLE)
 
     def eject(self, sess: WorkerSession, until_s: float) -> None:
@@ -151,7 +154,7 @@ class WorkerPool:
     def undrain(self, sess: WorkerSession) -> None:
         """An operator puts back a worker the operator drained (a worker that is leaving stays drained)."""
         sess.drained_by = ""
-        self._move(sess, SessionState.ROUTABLE)
+        self._move(sess, SessionState.ROUTABLE if sess.spoke else SessionState.REGISTERED)
 
     def _changed(self) -> None:
         self._pool = None
