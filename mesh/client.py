@@ -209,6 +209,17 @@ class Client:
         self._link_up = asyncio.Event()  # set whenever some link's connection comes up
         self._state = "unopened"
 
+    @property
+    def links(self) -> tuple["_Link", ...]:
+        """One per broker (read-only view): its endpoint, whether a connection is up, and the rids
+        of requests in flight on it (operators' tools and tests watch these)."""
+        return tuple(self._links)
+
+    @property
+    def open_streams(self) -> int:
+        """Requests this client still waits on."""
+        return len(self._streams)
+
     async def __aenter__(self) -> "Client":
         self.open()
         return self

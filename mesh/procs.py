@@ -124,6 +124,10 @@ class ProcGroup:
     procs: list[Proc] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
+    def spawn(self, name: str, args: list[str]) -> Proc:
+        """Start ``mesh ARGS...`` as a child process named ``name`` (its log in ``log_dir``)."""
+        return self._spawn(name, args)
+
     def _spawn(self, name: str, args: list[str]) -> Proc:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"

@@ -180,10 +180,10 @@ def http_adapter_path(procs: ProcGroup, n: int = 2, *, engine_urls: list[str] | 
     url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"]
     engines = list(engine_urls or [])
     for i in range(n - len(engines)):
-        p = procs._spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale])
+        p = procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale])
         engines.append(wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"])
     for i, e in enumerate(engines):
-        procs._spawn(f"a{i}", ["attach", "sglang", "--url", e, "--broker", b.backend, "--worker-id", f"a{i}",
+        procs.spawn(f"a{i}", ["attach", "sglang", "--url", e, "--broker", b.backend, "--worker-id", f"a{i}",
                                "--heartbeat-ms", str(HB_MS)])
     run(wait_for_workers(b.frontend, len(engines)), 40)
     return url, engines

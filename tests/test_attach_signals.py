@@ -27,7 +27,7 @@ def _closed_port() -> int:
 
 
 def _attach(procs: ProcGroup, name: str, url: str, backend: str, *extra: str) -> Proc:
-    return procs._spawn(name, ["attach", "sglang", "--url", url, "--broker", backend, "--worker-id", name, *FAST, *extra])
+    return procs.spawn(name, ["attach", "sglang", "--url", url, "--broker", backend, "--worker-id", name, *FAST, *extra])
 
 
 def _stop_within(p: Proc, sig: int, bound_s: float = STOP_BOUND_S) -> tuple[int, float]:

@@ -90,7 +90,7 @@ def test_wrk_parser_on_a_captured_report():
 
 @pytest.mark.skipif(wrk_path() is None, reason="wrk is not on PATH")
 def test_a_tiny_real_wrk_run_against_the_instant_engine(procs):
-    p = procs._spawn("engine", ["instant-engine", "--port", "0"])
+    p = procs.spawn("engine", ["instant-engine", "--port", "0"])
     url = wait_for_log_event(p.log_path, "instant_engine_listening", 30, p.popen)["url"]
     for stream in (False, True):
         r = run_load(url + "/generate", request_body("/generate", stream=stream), 2, 1, warmup_s=0, loadgen="wrk",

@@ -412,9 +412,9 @@ class Shell:
             booked = sum(1 for i in inflight.values() if i.decision is not None and i.decision.worker_id == sess.worker_id
                          and i.session is sess)
             assert sess.state.inflight == booked, f"{sess.worker_id}: WorkerState.inflight {sess.state.inflight}, {booked} booked"
-        assert sum(core._client_inflight.values()) == len(inflight)
+        assert sum(core.client_quotas.values()) == len(inflight)
         if not inflight:
-            assert not core.parked and b.active == 0 and not core._client_inflight
+            assert not core.parked and b.active == 0 and not core.client_quotas
             for sess in by_ident.values():
                 assert not sess.inflight and sess.state.inflight == 0
 
@@ -734,7 +734,8 @@ class BrokerCoreSoak(BrokerCoreMachine):
     pass
 
 
-TestBrokerCoreSoak = pytest.mark.soak(BrokerCoreSoak.TestCase)
+# make soak: 5,000 examples of 100 steps (about 3 minutes on 2 cores; the default 120 s test timeout is too short)
+TestBrokerCoreSoak = pytest.mark.timeout(1800)(pytest.mark.soak(BrokerCoreSoak.TestCase))
 TestBrokerCoreSoak.settings = settings(max_examples=5000, stateful_step_count=100, **_COMMON)
 
 

@@ -17,12 +17,12 @@ def test_a_send_failure_is_unavailable_not_a_zmq_error(procs, monkeypatch):
         async with Client(b.frontend) as c:
             async def broken(frames, *a, **k):  # the fault seam: the DEALER refuses the send
                 raise zmq.ZMQError(zmq.ETERM, "Context was terminated")
-            for link in c._links:
+            for link in c.links:
                 monkeypatch.setattr(link.sock, "send_multipart", broken)
             with pytest.raises(RetryableError) as ei:
                 await c.submit(input_ids=[1, 2, 3], max_new_tokens=1, deadline_ms=5_000)
             assert ei.value.code is ErrorCode.UNAVAILABLE and "Context was terminated" in ei.value.message
-            assert not c._streams  # nothing left behind for the failed request
+            assert not c.open_streams  # nothing left behind for the failed request
 
     run(body(), timeout_s=30)
 

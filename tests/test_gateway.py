@@ -18,19 +18,19 @@ def _gateway(procs: ProcGroup, brokers: list[str], *extra: str) -> str:
     args = ["gateway", "--http", "127.0.0.1:0", *extra]
     for b in brokers:
         args += ["--broker", b]
-    p = procs._spawn("gw", args)
+    p = procs.spawn("gw", args)
     return wait_for_log_event(p.log_path, "gateway_listening", 30, p.popen, start=p.log_start)["url"]
 
 
 def _fleet(procs: ProcGroup, n_brokers: int = 2):
     brokers = [procs.broker(f"b{i}", "--policy", "round_robin") for i in range(n_brokers)]
     for i in range(2):
-        p = procs._spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001"])
+        p = procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001"])
         e = wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"]
         args = ["attach", "sglang", "--url", e, "--worker-id", f"a{i}"]
         for b in brokers:
             args += ["--broker", b.backend]
-        procs._spawn(f"a{i}", args)
+        procs.spawn(f"a{i}", args)
     for b in brokers:
         run(wait_for_workers(b.frontend, 2), 40)
     return brokers

@@ -39,7 +39,7 @@ def fleet(tmp_path_factory):
         for m, d in dirs.items():  # the workers tokenise as their model's engine would
             group.workers(m[-1], [b.backend], "--model", m, "--tokenizer", str(d), "--time-scale", "0.01", count=2)
         run(wait_for_workers(b.frontend, 4), 40)
-        g = group._spawn("gw", ["gateway", "--http", "127.0.0.1:0", "--broker", b.frontend,
+        g = group.spawn("gw", ["gateway", "--http", "127.0.0.1:0", "--broker", b.frontend,
                                 *[x for m, d in dirs.items() for x in ("--tokenizer", f"{m}={d}")]])
         gw = wait_for_log_event(g.log_path, "gateway_listening", 30, g.popen, start=g.log_start)["url"]
         yield {"broker": url, "gateway": gw, "dirs": dirs}

@@ -50,16 +50,16 @@ def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool 
     # (which may, rightly, send a request away from a busy holder: a load_override)
     if via_gateway:  # the HTTP API and the tokenizer in `mesh gateway`, the broker without HTTP
         b = procs.broker("b", "--policy", "cache_aware_greedy")
-        g = procs._spawn("gw", ["gateway", "--broker", b.frontend, "--http", "127.0.0.1:0", *extra])
+        g = procs.spawn("gw", ["gateway", "--broker", b.frontend, "--http", "127.0.0.1:0", *extra])
         url = wait_for_log_event(g.log_path, "gateway_listening", 30, g.popen, start=g.log_start)["url"]
     else:
         b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "cache_aware_greedy", *extra)
         url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
     engines = []
     for i in range(2):
-        p = procs._spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--tokenizer", str(model_dir)])
+        p = procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--tokenizer", str(model_dir)])
         engines.append(wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"])
-        procs._spawn(f"a{i}", ["attach", "sglang", "--url", engines[-1], "--broker", b.backend, "--worker-id", f"a{i}"])
+        procs.spawn(f"a{i}", ["attach", "sglang", "--url", engines[-1], "--broker", b.backend, "--worker-id", f"a{i}"])
     run(wait_for_workers(b.frontend, 2), 40)
     return url, b.frontend, engines
 

@@ -21,7 +21,7 @@ FAST = ["--heartbeat-ms", "200"]
 
 
 def _indexer(procs, listen: str = "127.0.0.1:0") -> tuple[Proc, str]:
-    p = procs._spawn("indexer", ["indexer", "--listen", listen])
+    p = procs.spawn("indexer", ["indexer", "--listen", listen])
     ep = wait_for_log_event(p.log_path, "indexer_listening", 30, p.popen)["endpoint"]
     return p, ep if ep.startswith("http") else "http://" + ep
 

@@ -19,7 +19,7 @@ def _scrape(url: str) -> dict[str, list]:
 
 
 def test_indexer_metrics_count_matches_and_show_its_state(procs):
-    p = procs._spawn("idx", ["indexer", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
+    p = procs.spawn("idx", ["indexer", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
     ep = wait_for_log_event(p.log_path, "indexer_listening", 30, p.popen, start=p.log_start)["endpoint"]
     url = wait_for_log_event(p.log_path, "metrics_listening", 30, p.popen, start=p.log_start)["endpoint"]
     before = _scrape(url)

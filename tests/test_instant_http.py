@@ -280,7 +280,7 @@ def test_engine_process_announces_url_and_counts_paths(procs):
 
     from mesh.procs import wait_for_log_event
 
-    p = procs._spawn("engine", ["instant-engine", "--port", "0", "--model", "x"])
+    p = procs.spawn("engine", ["instant-engine", "--port", "0", "--model", "x"])
     rec = wait_for_log_event(p.log_path, "instant_engine_listening", 30, p.popen)
     with urllib.request.urlopen(rec["url"] + "/health", timeout=T) as r:
         assert r.status == 200

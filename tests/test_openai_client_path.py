@@ -39,10 +39,10 @@ def fronts(tmp_path_factory):
     try:
         b = group.broker("b", "--http", "127.0.0.1:0", "--policy", "round_robin")
         broker_url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"]
-        p = group._spawn("stub0", ["stub-sglang", "--port", "0", "--time-scale", "0.001"])
+        p = group.spawn("stub0", ["stub-sglang", "--port", "0", "--time-scale", "0.001"])
         engine = wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"]
-        group._spawn("a0", ["attach", "sglang", "--url", engine, "--broker", b.backend, "--worker-id", "a0"])
-        g = group._spawn("gw", ["gateway", "--http", "127.0.0.1:0", "--broker", b.frontend])
+        group.spawn("a0", ["attach", "sglang", "--url", engine, "--broker", b.backend, "--worker-id", "a0"])
+        g = group.spawn("gw", ["gateway", "--http", "127.0.0.1:0", "--broker", b.frontend])
         gateway_url = wait_for_log_event(g.log_path, "gateway_listening", 30, g.popen, start=g.log_start)["url"]
         run(wait_for_workers(b.frontend, 1), 40)
 

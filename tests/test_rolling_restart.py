@@ -98,11 +98,11 @@ def test_broker_killed_holding_requests_client_resubmits_elsewhere(procs):
     async def body():
         async with Client([b1.frontend, b2.frontend]) as c:
             await c.status()  # both links up before the requests are spread over them
-            await until(lambda: all(link.up for link in c._links), 10, "both links up")
+            await until(lambda: all(link.up for link in c.links), 10, "both links up")
             t0 = time.monotonic()
             tasks = [asyncio.create_task(c.generate(input_ids=[i + 1] * 32, max_new_tokens=40, deadline_ms=30_000))
                      for i in range(8)]
-            await until(lambda: c._links[0].pending, 10, "requests pending on b1")
+            await until(lambda: c.links[0].pending, 10, "requests pending on b1")
             # readiness signal: b1 reports requests in flight (dispatched, being decoded)
             async with Client(b1.frontend) as probe:
                 async def b1_busy() -> bool:
@@ -130,10 +130,10 @@ def test_resubmission_after_a_draining_refusal_waits_for_the_other_broker(procs)
 
     async def body():
         async with Client([b1.frontend, b2.frontend]) as c:
-            await until(lambda: all(link.up for link in c._links), what="both links up")
+            await until(lambda: all(link.up for link in c.links), what="both links up")
             await asyncio.to_thread(b1.stop, 20)
             procs.procs.remove(b1)
-            await until(lambda: not c._links[0].up, what="the client saw b1 go")
+            await until(lambda: not c.links[0].up, what="the client saw b1 go")
             # b2 holds a long stream (60 x 50 ms), so after SIGTERM it stays draining for seconds
             long = await c.submit(input_ids=[3] * 32, max_new_tokens=60, deadline_ms=30_000)
             await until(lambda: long.first_token_s, what="the long stream's first token")

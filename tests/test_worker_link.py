@@ -60,7 +60,7 @@ async def _start_and_time(procs, broker, worker_id: str, *extra: str) -> tuple[f
     worker_registered line, seconds from spawning the process to that line)."""
     n0 = _registered(broker.log_path, worker_id)
     t_spawn = time.monotonic()
-    p = procs._spawn(worker_id, ["worker-stub", "--broker", broker.backend, "--worker-id", worker_id,
+    p = procs.spawn(worker_id, ["worker-stub", "--broker", broker.backend, "--worker-id", worker_id,
                                  "--heartbeat-ms", str(HB_MS), *extra])
     await until(lambda: _events(p.log_path, "workers_started") or not p.alive(), 20, "workers_started", step_s=0.002)
     assert p.alive(), p.log_path.read_text()[-2000:]

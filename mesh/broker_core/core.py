@@ -1323,6 +1323,11 @@ class BrokerCore:
         return wake
 
     @property
+    def client_quotas(self) -> dict[bytes, int]:
+        """Quota key -> requests it has in flight (``max_inflight_per_client``); a copy."""
+        return dict(self._client_inflight)
+
+    @property
     def pending_deadlines(self) -> int:
         """Deadline entries in the timer heap (finished requests' entries are dropped lazily)."""
         return len(self._deadlines)
