@@ -385,7 +385,7 @@ _Item = tuple
 
 class _Replica:
     __slots__ = ("endpoint", "target", "tls", "channel", "stub", "breaker", "queue", "wake", "dirty", "instance",
-                 "task", "last_error", "error", "sent_batches", "sending")
+                 "task", "probe", "last_error", "error", "sent_batches", "sending")
 
     def __init__(self, endpoint: str, breaker: CircuitBreaker) -> None:
         self.endpoint = endpoint
@@ -398,6 +398,7 @@ class _Replica:
         self.dirty: dict[tuple[str, int], str] = {}
         self.instance: int | None = None
         self.task: asyncio.Task | None = None
+        self.probe: asyncio.Task | None = None  # the restart probe and registration keep-alive
         self.last_error = ""  # str(error), for stats()
         self.error: MeshError | None = None  # the latest failure, mapped by indexer_error
         self.sent_batches = 0
@@ -420,7 +421,8 @@ class IndexerClient:
                  forward_retry: RetryPolicy | None = None, apply_timeout_s: float = 10.0,
                  resync_holdoff_s: float = 1.0, token: str | None = None, token_file: str | None = None,
                  owner: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 client_cert: str | None = None, client_key: str | None = None) -> None:
+                 client_cert: str | None = None, client_key: str | None = None, probe_interval_s: float = 2.0,
+                 keepalive_s: float = 60.0) -> None:
         if isinstance(endpoints, str):
             endpoints = [endpoints]
         if not endpoints:
@@ -482,6 +484,11 @@ class IndexerClient:
         self.resyncs: Counter[str] = Counter()
         self.verdicts: Counter[str] = Counter()
         self._streams: set[tuple[str, int]] = set()  # streams forwarded (resynced after a restart)
+        # Live workers this client registered (worker id -> page size): re-registered after a replica
+        # restart and every ``keepalive_s``, so an idle live worker is never expired by the indexer.
+        self._workers: dict[str, int] = {}
+        self.probe_interval_s = probe_interval_s  # 0: notice restarts only on the next forwarded batch
+        self.keepalive_s = keepalive_s
         self._resync_at: dict[tuple[str, int], float] = {}
         self._state = _State.UNOPENED
         self._last_error: MeshError | None = None
@@ -520,11 +527,14 @@ class IndexerClient:
                     r.channel = grpc.aio.insecure_channel(r.target, options=options)
                 r.stub = pb_grpc.IndexerStub(r.channel)
                 r.task = asyncio.create_task(self._forward_loop(r), name=f"indexer-forward-{r.endpoint}")
+                if self.probe_interval_s > 0:
+                    r.probe = asyncio.create_task(self._probe_loop(r), name=f"indexer-probe-{r.endpoint}")
         except BaseException:
             for r in self.replicas:  # nothing was sent yet: drop what was built
-                if r.task is not None:
-                    r.task.cancel()
-                r.task = r.stub = r.channel = None
+                for t in (r.task, r.probe):
+                    if t is not None:
+                        t.cancel()
+                r.task = r.probe = r.stub = r.channel = None
             raise
         self._state = _State.OPENED
 
@@ -533,7 +543,7 @@ class IndexerClient:
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
-        tasks = [r.task for r in self.replicas if r.task is not None]
+        tasks = [t for r in self.replicas for t in (r.task, r.probe) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -703,11 +713,13 @@ class IndexerClient:
 
     async def register_worker(self, worker_id: str, block_size: int) -> None:
         """Declare the worker's page size on every replica (queued in order with its batches)."""
+        self._workers[worker_id] = block_size
         self._control(("r", worker_id, block_size))
 
     async def forget_worker(self, worker_id: str) -> None:
         """Drop the worker from every replica, after the batches already queued for it."""
         self._streams = {s for s in self._streams if s[0] != worker_id}
+        self._workers.pop(worker_id, None)
         for s in [s for s in self._resync_at if s[0] == worker_id]:
             del self._resync_at[s]
         self._control(("f", worker_id, 0))
@@ -863,10 +875,7 @@ class IndexerClient:
         self.c["forward_applied"] += len(chunk)
         rep.sent_batches += len(chunk)
         if rep.instance is not None and resp.server_instance != rep.instance:
-            self.c["indexer_restarts_seen"] += 1
-            self.log.warning("indexer_restarted", endpoint=rep.endpoint, streams=len(self._streams))
-            for s in self._streams:
-                rep.dirty[s] = "indexer_restarted"
+            self._replica_restarted(rep, resp.server_instance, "forward")
             for s in {(it[1], it[2]) for it in chunk}:  # just applied from scratch: don't hold them off
                 self._resync_at.pop(s, None)
         rep.instance = resp.server_instance
@@ -885,6 +894,48 @@ class IndexerClient:
             elif v == pb.RESYNCED or v == pb.NEW_EPOCH:
                 self._resync_at.pop((it[1], it[2]), None)
         return True
+
+    def _replica_restarted(self, rep: _Replica, instance: int, seen_by: str) -> None:
+        """A replica came back empty (its ``server_instance`` changed): register every live worker
+        again and resync every stream this client forwarded, now (``seen_by``: the forward path,
+        or the probe, which notices it without waiting for traffic)."""
+        self.c["indexer_restarts_seen"] += 1
+        self.log.warning("indexer_restarted", endpoint=rep.endpoint, streams=len(self._streams), workers=len(self._workers),
+                         seen_by=seen_by)
+        rep.instance = instance
+        for wid, bs in self._workers.items():
+            rep.queue.appendleft(("r", wid, bs))  # before any batch still queued for it
+        for s in self._streams:
+            rep.dirty[s] = "indexer_restarted"
+            self._resync_at.pop(s, None)
+        rep.wake.set()
+
+    async def _probe_loop(self, rep: _Replica) -> None:
+        """Every ``probe_interval_s``: has the replica restarted (Stats ``server_instance``)? And
+        every ``keepalive_s``: register the live workers again (the indexer expires workers it has
+        not heard from; an idle worker sends no batches). Failures are counted, never raised."""
+        loop = asyncio.get_running_loop()
+        next_keepalive = loop.time() + self.keepalive_s
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            if not self._workers and not self._streams:
+                continue
+            try:
+                resp = await self.fetch_stats(self.replicas.index(rep), timeout_s=max(0.5, min(2.0, self.probe_interval_s * 4)))
+            except MeshError:
+                self.c["probe_failed"] += 1
+                continue
+            self.c["probes"] += 1
+            if rep.instance is None:
+                rep.instance = resp.server_instance
+            elif resp.server_instance != rep.instance:
+                self._replica_restarted(rep, resp.server_instance, "probe")
+            if self.keepalive_s > 0 and loop.time() >= next_keepalive:
+                next_keepalive = loop.time() + self.keepalive_s
+                for wid, bs in self._workers.items():
+                    rep.queue.append(("r", wid, bs))
+                self.c["keepalives"] += len(self._workers)
+                rep.wake.set()
 
     async def _send_control(self, rep: _Replica, item: _Item) -> bool:
         """Send one RegisterWorker / ForgetWorker; False when the retry cycle gave up (it stays queued)."""

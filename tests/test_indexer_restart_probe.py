@@ -1,0 +1,88 @@
+"""Readiness (issue 17 part 2): a broker's indexer client notices a restarted indexer without
+waiting for traffic (re-registers its workers, resyncs every stream), and keeps idle live workers
+registered past the indexer's expiry. A real `mesh indexer` process, SIGKILLed and restarted."""
+
+from __future__ import annotations
+
+import signal
+import socket
+
+import msgpack
+
+from mesh import kv_events as KV
+from mesh.indexer.client import IndexerClient
+from mesh.procs import wait_for_log_event
+
+from conftest import run, until
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch(seq: int) -> bytes:
+    ev = KV.BlockStored((1000 + seq,), 999 + seq if seq else None, tuple(range(16)), 16, "GPU")
+    return msgpack.packb([KV.encode_event_map(ev)])
+
+
+def _indexer(procs, name: str, port: int, *extra: str):
+    p = procs.spawn(name, ["indexer", "--listen", f"127.0.0.1:{port}", *extra])
+    return p, wait_for_log_event(p.log_path, "indexer_listening", 30, p.popen, start=p.log_start)["endpoint"]
+
+
+def test_a_restarted_indexer_is_resynced_without_traffic(procs):
+    port = _free_port()
+    p, ep = _indexer(procs, "idx", port)
+    asked: list[tuple[str, int, str]] = []
+
+    async def body():
+        async with IndexerClient([ep], query_timeout_ms=2000, on_resync=lambda *a: asked.append(a), probe_interval_s=0.2) as c:
+            await c.register_worker("w", 16)
+            for seq in range(3):
+                c.forward("w", 0, 1, seq, _batch(seq))
+            assert await c.flush(10)
+            await until(lambda: c.stats()["counters"].get("probes", 0) >= 1, 10, "the probe saw the indexer")
+            assert (await c.fetch_stats()).counters["tracked_workers"] == 1
+            p.popen.send_signal(signal.SIGKILL)  # the replica dies with its state...
+            p.popen.wait(10)
+            _indexer(procs, "idx2", port)  # ...and comes back empty on the same address
+            # no batch is forwarded from here on: the probe alone must notice and act
+            await until(lambda: ("w", 0, "indexer_restarted") in asked, 15, "resync asked after the restart")
+            assert c.stats()["counters"]["indexer_restarts_seen"] == 1
+            await until(lambda: _workers(c), 10, "the live worker registered again on the new replica")
+
+    run(body(), 60)
+
+
+async def _workers(c: IndexerClient) -> bool:
+    return (await c.fetch_stats()).counters["tracked_workers"] >= 1
+
+
+def test_an_idle_live_worker_is_never_expired(procs):
+    _, ep = _indexer(procs, "idx", 0, "--worker-ttl-s", "1")
+
+    async def body():
+        async with IndexerClient([ep], query_timeout_ms=2000, probe_interval_s=0.1, keepalive_s=0.3) as c:
+            await c.register_worker("idle", 16)
+            await until(lambda: _workers(c), 10, "registered")
+            t_end = asyncio_time() + 3.0  # three expiry periods with no batch at all
+            while asyncio_time() < t_end:
+                assert await _workers(c), "the indexer forgot a live worker"
+                await until(lambda: True, 0.2)
+            assert c.stats()["counters"]["keepalives"] >= 3
+            await c.forget_worker("idle")  # a worker that is gone is forgotten at once
+            await until(lambda: _no_workers(c), 10, "forgotten")
+
+    run(body(), 60)
+
+
+def asyncio_time() -> float:
+    import time
+
+    return time.monotonic()
+
+
+async def _no_workers(c: IndexerClient) -> bool:
+    return (await c.fetch_stats()).counters["tracked_workers"] == 0
