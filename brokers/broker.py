@@ -333,13 +333,14 @@ class Broker:
         # budget), the other still gets whole pumps every other time, not one message per pump.
         self._front_first = first_front = not self._front_first
         with_user = self.worker_keys is not None
+        on_client, on_worker = self.core.client_frames, self.core.worker_frames
         while busy:
             if first_front:
-                busy = (self._drain(front, self._on_client_socket_frames, budget_end)
-                        | self._drain(back, self._on_worker_socket_frames, budget_end, with_user=with_user))
+                busy = (self._drain(front, on_client, budget_end)
+                        | self._drain(back, on_worker, budget_end, with_user=with_user))
             else:
-                busy = (self._drain(back, self._on_worker_socket_frames, budget_end, with_user=with_user)
-                        | self._drain(front, self._on_client_socket_frames, budget_end))
+                busy = (self._drain(back, on_worker, budget_end, with_user=with_user)
+                        | self._drain(front, on_client, budget_end))
             if self._xs is not None:
                 busy |= self._drain(self._xs, self._on_exchange_frames, budget_end)
             if busy and time.monotonic() >= budget_end:
@@ -452,7 +453,7 @@ class Broker:
                     ident, sub = item
                     core.submit(ident, sub, now, self._local_quota.get(ident))
                 elif kind == "client_frames":
-                    core.client_frames(item, now, self._local_quota.get(item[0]))
+                    core.client_frames(item, now, self._local_quota.get(item[0]), local=True)
                 elif kind == "cancel_local":
                     core.cancel_client(item, now)
                 elif kind == "resync":
@@ -545,8 +546,10 @@ class Broker:
         receive costs (pyzmq builds a zmq.Again exception), and most pumps find one socket idle.
         """
         mono = time.monotonic
+        core = self.core
         for i in range(_DRAIN_BATCH):
-            if i and mono() >= budget_end:  # one message can be expensive (a 4 MB batch)
+            now = mono()  # the message's time for the core, and the budget check
+            if i and now >= budget_end:  # one message can be expensive (a 4 MB batch)
                 return True
             if not socket_readable(sock):
                 self._dirty.discard(sock)  # just read EVENTS: its FD is armed again
@@ -560,13 +563,16 @@ class Broker:
             except zmq.Again:  # EVENTS promised a message; never expected, harmless
                 return False
             try:
-                handler(frames, peer_key)
+                if with_user:
+                    handler(frames, now, peer_key)
+                else:
+                    handler(frames, now)
             except Exception as exc:  # a handler bug must not kill the loop; it is logged and counted
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("handler_failed", error=repr(exc))
-            if self.core.out:
+            if core.out:
                 self._flush()
-            if self.core.prefetch:
+            if core.prefetch:
                 self._start_prefetches()
         return True
 
@@ -638,27 +644,11 @@ class Broker:
 
     # ------------------------------------------------------------------ socket input
 
-    def _on_client_socket_frames(self, frames: list[bytes], _peer_key: bytes | None = None) -> None:
-        """Frames read from the frontend socket. Identities that start with a zero byte and are
-        longer than 5 bytes are the in-process (HTTP) clients' namespace; a remote peer may set
-        such a ROUTING_ID (libzmq does not forbid it), and replies to it would be delivered to a
-        local client's queue: such frames are refused, counted, and never answered."""
-        ident = frames[0]
-        if ident[0] == 0 and len(ident) > 5:
-            self.stats.frames_rejected[("client", "reserved_identity")] += 1
-            if self._limiter.allow(("client", "reserved_identity")):
-                self.log.warning("frame_rejected", path="client", reason="reserved_identity", peer=ident.hex()[:32])
-            return
-        self.core.client_frames(frames, time.monotonic())
-
-    def _on_worker_socket_frames(self, frames: list[bytes], peer_key: bytes | None = None) -> None:
-        self.core.worker_frames(frames, time.monotonic(), peer_key)
-
     # ------------------------------------------------------------------ peer exchange
 
-    def _on_exchange_frames(self, frames: list[bytes], _peer_key: bytes | None = None) -> None:
+    def _on_exchange_frames(self, frames: list[bytes], now: float) -> None:
         """A peer broker's figures (see brokers/peer_exchange.py): merged into the worker states."""
-        changes = self.exchange.receive(frames, time.monotonic())  # type: ignore[union-attr]
+        changes = self.exchange.receive(frames, now)  # type: ignore[union-attr]
         if changes:
             apply_changes(changes, self._worker_state)
 

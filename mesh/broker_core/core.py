@@ -255,13 +255,23 @@ class BrokerCore:
             self.on_event(event, **fields)
 
     # ------------------------------------------------------------------ client path
-    def client_frames(self, frames: list[bytes], now: float, quota_key: bytes | None = None) -> None:
-        """``[identity, *message frames]`` from a client (decoded here; never raises on bad input)."""
+    def client_frames(self, frames: list[bytes], now: float, quota_key: bytes | None = None, *, local: bool = False) -> None:
+        """``[identity, *message frames]`` from a client (decoded here; never raises on bad input).
+
+        ``local``: an in-process (HTTP) client, whose identities start with a zero byte and are
+        longer than 5 bytes. From a socket such an identity is refused and counted, never
+        answered: a remote peer may set that ROUTING_ID (libzmq does not forbid it), and replies
+        to it would reach a local client."""
         self.now = now
         if len(frames) < 2:
             self.stats.frames_rejected[("client", "bad_frame_count")] += 1
             return
         ident = frames[0]
+        if not local and ident[:1] == b"\x00" and len(ident) > 5:
+            self.stats.frames_rejected[("client", "reserved_identity")] += 1
+            if self._limiter.allow(("client", "reserved_identity"), now):
+                self.log.warning("frame_rejected", path="client", reason="reserved_identity", peer=ident.hex()[:32])
+            return
         msg = P.decode_client(frames[1:])
         if isinstance(msg, P.Submit):
             self.submit(ident, msg, now, quota_key)
@@ -510,7 +520,7 @@ class BrokerCore:
         sess.inflight.add(inf.rid)
         self._watch_progress(inf, now)
         if inf.attempt == 1:
-            self.stats.observe_latency("queue", inf.model or "", sess.worker_id, now - inf.accepted_s)
+            (sess.lat.get("queue") or self._lat(sess, "queue")).observe(now - inf.accepted_s)
         sent = self._to_worker(sess.identity, frames, Receipt.DISPATCH, inf, inf.attempt)
         if inf.submit.stream:
             self._to_client(inf.client, P.encode_accepted(inf.client_rid, sess.worker_id, decision.reason, inf.attempt), when=sent)
@@ -914,6 +924,13 @@ class BrokerCore:
         if self.parked:
             self._unpark(now)
 
+    def _lat(self, sess: WorkerSession, name: str):
+        """``name``'s latency histogram of this worker (labels: its served model, its id)."""
+        h = sess.lat.get(name)
+        if h is None:
+            h = sess.lat[name] = self.stats.histogram(name, sess.ready.model, sess.worker_id)
+        return h
+
     def _first_reply(self, inf: Inflight, sess: WorkerSession, now: float) -> None:
         """The current attempt's first reply: the worker's outcome figure, and the routing
         policy learns from its prediction (cache_aware's calibration; prefill/mixed legs only,
@@ -932,11 +949,10 @@ class BrokerCore:
         sess.last_reply_s = now
         if not inf.replied:
             self._first_reply(inf, sess, now)
-        model = inf.model or ""
         if not inf.submit.stream:
             if not inf.first_token_s:  # (its chunks are not forwarded: the worker's FINAL carries everything)
                 inf.first_token_s = now
-                self.stats.observe_latency("ttft", model, sess.worker_id, now - inf.accepted_s)
+                (sess.lat.get("ttft") or self._lat(sess, "ttft")).observe(now - inf.accepted_s)
             return
         if m.seq != inf.chunks_sent:
             self.stats.dropped["chunk_out_of_order"] += 1
@@ -945,9 +961,9 @@ class BrokerCore:
             return
         if not inf.first_token_s:
             inf.first_token_s = now
-            self.stats.observe_latency("ttft", model, sess.worker_id, now - inf.accepted_s)
+            (sess.lat.get("ttft") or self._lat(sess, "ttft")).observe(now - inf.accepted_s)
         else:
-            self.stats.observe_latency("inter_token", model, sess.worker_id, now - inf.last_chunk_s)
+            (sess.lat.get("inter_token") or self._lat(sess, "inter_token")).observe(now - inf.last_chunk_s)
         inf.last_chunk_s = now
         inf.chunks_sent += 1
         self._to_client(inf.client, P.encode_client_chunk(inf.client_rid, m.seq, m.data), Receipt.CHUNK, inf)
@@ -984,10 +1000,9 @@ class BrokerCore:
             wt[2] += ct
         # counted ok now; a failed send (send_failed, Receipt.FINAL) moves it to client_slow/client_gone
         self.stats.requests["ok"] += 1
-        model = inf.model or ""
         if not inf.first_token_s:  # no chunk came first (max_new_tokens 0, or a worker that only answers FINAL)
-            self.stats.observe_latency("ttft", model, sess.worker_id, now - inf.accepted_s)
-        self.stats.observe_latency("e2e", model, sess.worker_id, now - inf.accepted_s)
+            (sess.lat.get("ttft") or self._lat(sess, "ttft")).observe(now - inf.accepted_s)
+        (sess.lat.get("e2e") or self._lat(sess, "e2e")).observe(now - inf.accepted_s)
         self._to_client(inf.client, P.encode_client_final(inf.client_rid, m.finish_reason, u, sess.worker_id, m.attempt, m.data, inf.reason),
                         Receipt.FINAL, inf)
 
