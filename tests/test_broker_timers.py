@@ -28,7 +28,7 @@ def test_finished_requests_do_not_keep_the_deadline_timer_busy():
     now = 100.0
     for i in range(200):
         core.client_frames([client, *P.encode_submit(f"r{i}", input_ids=[1, 2, 3], params={"max_new_tokens": 1},
-                                                     stream=False, deadline_ms=1_000)], now)
+                                                     stream=False, deadline_ms=1_000)], now, local=True)
         (req,) = [s for s in core.take() if s.frames[1:2] == [bytes([P.Cmd.REQUEST])]]
         inf = core.inflight[max(core.inflight)]
         fin = P.encode_worker_final(inf.rid, inf.attempt, "length", {"prompt_tokens": 3, "completion_tokens": 1,
@@ -37,7 +37,7 @@ def test_finished_requests_do_not_keep_the_deadline_timer_busy():
         assert [s.frames[1] for s in core.take()] == [bytes([P.Cmd.C_FINAL])]
     assert not core.inflight and core.pending_deadlines == 200  # all finished, all still in the heap
     core.client_frames([client, *P.encode_submit("live", input_ids=[1], params={"max_new_tokens": 1},
-                                                 stream=False, deadline_ms=50_000)], now)
+                                                 stream=False, deadline_ms=50_000)], now, local=True)
     wake = core.wakeup_s()
     assert core.pending_deadlines == 1  # the finished requests' entries were dropped from the top
     # the next wake-up is the next heartbeat slice / sweep, not a dead request's deadline

@@ -941,14 +941,23 @@ class BrokerCore:
         if inf.phase != "decode" and inf.decision is not None:
             self.router.observe(inf.decision, ms)
 
-    def _on_worker_chunk(self, sess: WorkerSession, m: P.WorkerChunk, now: float) -> None:
+    def _current(self, sess: WorkerSession, m, now: float) -> Inflight | None:
+        """The attempt fence: the request a worker's CHUNK/FINAL is for, if it is that request's
+        current attempt on this very session (else counted ``stale_reply``, None); records the
+        reply (progress, and the first reply's latency)."""
         inf = self.inflight.get(m.rid)
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
             self.stats.dropped["stale_reply"] += 1
-            return
+            return None
         sess.last_reply_s = now
         if not inf.replied:
             self._first_reply(inf, sess, now)
+        return inf
+
+    def _on_worker_chunk(self, sess: WorkerSession, m: P.WorkerChunk, now: float) -> None:
+        inf = self._current(sess, m, now)
+        if inf is None:
+            return
         if not inf.submit.stream:
             if not inf.first_token_s:  # (its chunks are not forwarded: the worker's FINAL carries everything)
                 inf.first_token_s = now
@@ -969,13 +978,9 @@ class BrokerCore:
         self._to_client(inf.client, P.encode_client_chunk(inf.client_rid, m.seq, m.data), Receipt.CHUNK, inf)
 
     def _on_worker_final(self, sess: WorkerSession, m: P.WorkerFinal, now: float) -> None:
-        inf = self.inflight.get(m.rid)
-        if inf is None or inf.session is not sess or inf.attempt != m.attempt:
-            self.stats.dropped["stale_reply"] += 1
+        inf = self._current(sess, m, now)
+        if inf is None:
             return
-        sess.last_reply_s = now
-        if not inf.replied:
-            self._first_reply(inf, sess, now)
         if inf.phase == "prefill":
             if m.finish_reason == "prefill_done":
                 self._handoff(inf, sess, m, now)

@@ -308,6 +308,15 @@ class _Track:
         self.completion = 0
 
 
+def engine_step(engine: EngineModel, wid: str, t: float):
+    """One scheduler step of ``engine`` at ``t`` (its StepResult); an engine that has work but
+    makes no progress is a model bug, raised rather than looped on forever."""
+    res = engine.step(t)
+    if res.duration_s <= 0.0 and not (res.first_tokens or res.finished or res.tokens):
+        raise RuntimeError(f"engine {wid} made no progress at t={t}")
+    return res
+
+
 def _roles_and_labels(cfg: SimConfig, n: int) -> tuple[list[str], list[dict[str, str]]]:
     """Roles and READY labels of the simulated fleet (bucket selectors match these labels).
 
@@ -452,10 +461,8 @@ class Arm:
         push(reqs[0].arrival_s, _ARRIVAL, 0)
 
         def start_step(w: _Worker, t: float) -> None:
-            res = w.engine.step(t)
+            res = engine_step(w.engine, w.wid, t)
             d = res.duration_s
-            if d <= 0.0 and not (res.first_tokens or res.finished or res.tokens):
-                raise RuntimeError(f"engine {w.wid} made no progress at t={t}")
             w.busy_s += d
             w.steps += 1
             w.ls = None
