@@ -86,3 +86,56 @@ def asyncio_time() -> float:
 
 async def _no_workers(c: IndexerClient) -> bool:
     return (await c.fetch_stats()).counters["tracked_workers"] == 0
+
+
+def test_queries_prefer_ready_replicas_and_flag_incomplete_coverage(procs):
+    pa, pb_ = _free_port(), _free_port()
+    a, ep_a = _indexer(procs, "a", pa)
+    b, ep_b = _indexer(procs, "b", pb_)
+    keys = [1000, 1001]
+
+    async def body():
+        async with IndexerClient([ep_a, ep_b], query_timeout_ms=2000, probe_interval_s=0.2, resync_holdoff_s=5.0) as c:
+            await c.register_worker("w", 16)
+            for seq in range(2):
+                c.forward("w", 0, 1, seq, _batch(seq))
+            assert await c.flush(10)
+            await until(lambda: c.stats()["counters"].get("probes", 0) >= 2, 10, "both replicas probed")
+            a.popen.send_signal(signal.SIGKILL)
+            a.popen.wait(10)
+            _indexer(procs, "a2", pa)  # replica a is back, empty
+            await until(lambda: c.stats()["counters"].get("indexer_restarts_seen", 0) >= 1, 15, "restart seen")
+            v = await c.match(keys, 16)
+            assert v is not None and v.replica == ep_b and not v.incomplete  # the ready replica answers
+            b.popen.send_signal(signal.SIGKILL)  # only the recovering one is left
+            b.popen.wait(10)
+            v = await c.match(keys, 16)
+            assert v is not None and v.replica == ep_a and v.incomplete
+            assert c.stats()["counters"]["queries_incomplete_coverage"] >= 1
+
+    run(body(), 60)
+
+
+def test_a_decision_on_incomplete_coverage_is_degraded():
+    from mesh.indexer import indexer_pb2 as pb
+    from mesh.indexer.client import MatchView
+    from mesh.routing.router import Router, make_policy
+    from mesh.routing.view import RouteRequest, WorkerState
+
+    class Provider:  # answers what a recovering replica would: a valid, possibly partial view
+        name = "indexer"
+
+        def __init__(self, incomplete: bool) -> None:
+            self.incomplete = incomplete
+
+        def match(self, req, now_s):
+            return MatchView(pb.MatchPrefixResponse(), "http://x", incomplete=self.incomplete)
+
+        def on_routed(self, req, worker_id, now_s):
+            pass
+
+    pool = [WorkerState("w0"), WorkerState("w1")]
+    for incomplete in (False, True):
+        r = Router(make_policy("cache_aware"), Provider(incomplete))
+        d = r.route(RouteRequest("r", 64, tokens=list(range(64))), pool, 0.0)
+        assert d.worker_id is not None and d.degraded is incomplete

@@ -309,9 +309,12 @@ class MatchView:
     """
 
     __slots__ = ("query_blocks", "best_blocks", "blocks_read", "matched_workers", "server_time_ns", "replica",
-                 "_levels", "_by_worker")
+                 "incomplete", "_levels", "_by_worker")
 
-    def __init__(self, resp: pb.MatchPrefixResponse, replica: str = "") -> None:
+    def __init__(self, resp: pb.MatchPrefixResponse, replica: str = "", incomplete: bool = False) -> None:
+        # incomplete: the replica restarted and its resyncs are not all in yet (routers count the
+        # decision degraded: it may under-report what workers hold)
+        self.incomplete = incomplete
         self.query_blocks = resp.query_blocks
         self.best_blocks = resp.best_prefix_blocks
         self.blocks_read = resp.blocks_read
@@ -385,7 +388,7 @@ _Item = tuple
 
 class _Replica:
     __slots__ = ("endpoint", "target", "tls", "channel", "stub", "breaker", "queue", "wake", "dirty", "instance",
-                 "task", "probe", "last_error", "error", "sent_batches", "sending")
+                 "task", "probe", "last_error", "error", "sent_batches", "sending", "latency_s", "recovering_until")
 
     def __init__(self, endpoint: str, breaker: CircuitBreaker) -> None:
         self.endpoint = endpoint
@@ -399,6 +402,8 @@ class _Replica:
         self.instance: int | None = None
         self.task: asyncio.Task | None = None
         self.probe: asyncio.Task | None = None  # the restart probe and registration keep-alive
+        self.latency_s = 0.0  # moving average of its match round trips (queries go to the fastest first)
+        self.recovering_until = 0.0  # after a restart: its coverage is incomplete until its resyncs are in
         self.last_error = ""  # str(error), for stats()
         self.error: MeshError | None = None  # the latest failure, mapped by indexer_error
         self.sent_batches = 0
@@ -626,10 +631,14 @@ class IndexerClient:
 
     async def _match(self, keys: Sequence[int], block_size: int) -> MatchView | None:
         clock = time.monotonic
-        deadline = clock() + self.query_timeout_s
+        t_start = clock()
+        deadline = t_start + self.query_timeout_s
         req = None
         reason = "breaker_open"
-        for rep in self.replicas:
+        reps = self.replicas
+        if len(reps) > 1:  # ready replicas first (not recovering from a restart), then the fastest, not list order
+            reps = sorted(reps, key=lambda r: (r.recovering_until > t_start, r.latency_s))
+        for rep in reps:
             now = clock()
             if not rep.breaker.allow(now):
                 continue
@@ -665,7 +674,12 @@ class IndexerClient:
                 continue
             rep.breaker.success()
             self.c["queries_ok"] += 1
-            return MatchView(resp, rep.endpoint)
+            t_end = clock()
+            rep.latency_s = (t_end - now) if not rep.latency_s else 0.9 * rep.latency_s + 0.1 * (t_end - now)
+            incomplete = rep.recovering_until > t_end
+            if incomplete:
+                self.c["queries_incomplete_coverage"] += 1
+            return MatchView(resp, rep.endpoint, incomplete)
         self._degrade(reason)
         if self._rl.allow(("degraded", reason)):
             self.log.warning("indexer_query_degraded", reason=reason)
@@ -903,6 +917,9 @@ class IndexerClient:
         self.log.warning("indexer_restarted", endpoint=rep.endpoint, streams=len(self._streams), workers=len(self._workers),
                          seen_by=seen_by)
         rep.instance = instance
+        # its coverage is incomplete until the resyncs below are answered: other replicas answer
+        # first meanwhile, and what it answers is counted degraded
+        rep.recovering_until = time.monotonic() + max(5.0, 4 * self.resync_holdoff_s)
         for wid, bs in self._workers.items():
             rep.queue.appendleft(("r", wid, bs))  # before any batch still queued for it
         for s in self._streams:

@@ -236,7 +236,7 @@ class BucketRouter:
         degraded = False
         if self.policy.needs_match and self.provider is not None and m.prefill.workers:
             match = self.provider.match(req, now_s)
-            degraded = match is None
+            degraded = match is None or getattr(match, "incomplete", False)
         detail: dict = {}
         pick = None
         if self.policy.needs_match and self.global_cache_winner:

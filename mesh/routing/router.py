@@ -82,7 +82,7 @@ class Router:
         degraded = False
         if self.policy.needs_match and self.provider is not None:
             match = self.provider.match(req, now_s)
-            degraded = match is None
+            degraded = match is None or getattr(match, "incomplete", False)
         if isinstance(self.policy, CacheAware):
             d = self.policy.choose(req, cands, match, now_s, by_id=None if exclude else self._by_id(pool))
         else:
