@@ -22,11 +22,25 @@ from conftest import run
 KEY = "admin-test-key-0123456789"
 
 
-def _ctl(url: str, key_file: str | None, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mesh.cli", "ctl", *args, "--url", url]
-    if key_file:
-        cmd += ["--api-key-file", key_file]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+def _ctl(url: str, key_file: str | None, *args: str, process: bool = False) -> subprocess.CompletedProcess:
+    """``mesh ctl ARGS`` against the real broker: as a child process (``process``), or in this
+    process through the same parser and command (each child costs half a second of imports)."""
+    argv = ["ctl", *args, "--url", url] + (["--api-key-file", key_file] if key_file else [])
+    if process:
+        return subprocess.run([sys.executable, "-m", "mesh.cli", *argv], capture_output=True, text=True, timeout=30,
+                              env={"PATH": "/usr/bin:/bin"})
+    import contextlib
+    import io
+
+    from mesh.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse's usage errors
+            rc = int(exc.code or 0)
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
 
 
 def _workers(url: str, key_file: str) -> dict[str, dict]:
@@ -59,7 +73,7 @@ def test_ctl_lists_drains_ejects_and_reinstates_workers(admin_mesh):
     assert all(w["kv_capacity_tokens"] > 0 for w in ws.values())
     a, other = sorted(ws)
 
-    r = _ctl(url, kf, "drain", a)
+    r = _ctl(url, kf, "drain", a, process=True)  # the installed command, as an operator runs it
     assert r.returncode == 0 and r.stdout.strip() == f"{a}: draining", (r.stdout, r.stderr)
     assert run(_served_by(b.frontend, 6), timeout_s=30) == {other}  # no new requests for the drained worker
     assert _ctl(url, kf, "reinstate", a).returncode == 0
@@ -79,7 +93,7 @@ def test_ctl_lists_drains_ejects_and_reinstates_workers(admin_mesh):
     assert table.returncode == 0 and a in table.stdout and "routable" in table.stdout
     r = _ctl(url, kf, "drain", "nobody")
     assert r.returncode == 1 and "404" in r.stderr and "nobody" in r.stderr
-    r = _ctl(url, None, "workers")
+    r = _ctl(url, None, "workers", process=True)
     assert r.returncode == 1 and "401" in r.stderr
     assert _ctl(url, kf, "drain").returncode == 2
     assert _ctl("http://127.0.0.1:9", kf, "workers").returncode == 2  # nothing listens: a clear error, no traceback
