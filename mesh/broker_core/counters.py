@@ -82,12 +82,16 @@ class BrokerStats:
         self.latency: dict[tuple[str, str, str], LatencyHistogram] = {}
         self.loop_lag = LatencyHistogram(_LAG_BUCKETS_S)  # per pump: lateness + own duration
 
-    def observe_latency(self, name: str, model: str, worker: str, v_s: float) -> None:
+    def histogram(self, name: str, model: str, worker: str) -> LatencyHistogram:
+        """The ``name`` histogram of (model, worker), created on first use."""
         key = (name, model, worker)
         h = self.latency.get(key)
         if h is None:
             h = self.latency[key] = LatencyHistogram(REQUEST_LATENCIES[name][1])
-        h.observe(v_s)
+        return h
+
+    def observe_latency(self, name: str, model: str, worker: str, v_s: float) -> None:
+        self.histogram(name, model, worker).observe(v_s)
 
     def forget_worker(self, worker: str) -> None:
         """Drop a departed worker's latency series (bounded label sets as workers come and go)."""

@@ -77,6 +77,7 @@ class WorkerSession:
     outcome_errors: int = 0  # sum of ``outcomes``
     drained_by: str = ""  # "worker" (it announced it is leaving) or "operator" (the admin API), while DRAINING
     spoke: bool = False  # it sent something after READY (confirmed), whatever its state since
+    lat: dict = field(default_factory=dict)  # latency name -> its histogram in BrokerStats (by the worker's model)
 
     @property
     def worker_id(self) -> str:
