@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-e2e soak bench bench-http venv clean
+.PHONY: demo test test-unit test-e2e test-bench soak bench bench-http venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,13 +21,17 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -m 'unit and not soak'
+	$(PY) -m pytest -q -m 'unit and not soak and not bench'
 
 test-e2e: $(STAMP)
-	$(PY) -m pytest -q -m 'e2e and not soak'
+	$(PY) -m pytest -q -m 'e2e and not soak and not bench'
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -m soak
+
+# whole small runs of the benchmark commands (HTTP path arms, tokenize-load): about 35 s
+test-bench: $(STAMP)
+	$(PY) -m pytest -q -m bench
 
 bench: $(STAMP)
 	$(VENV)/bin/mesh bench broker --json bench/broker.json

@@ -36,6 +36,7 @@ Transfer/sec:      5.75MB
 """
 
 
+@pytest.mark.bench
 def test_three_arms_small_run_with_the_python_load_generator(tmp_path):
     t0 = time.monotonic()
     res = run_http_bench(arms=["direct", "broker_zmq", "broker_adapters"], concurrency=[1, 4], seconds=1.0, warmup_s=0.3,

@@ -41,6 +41,7 @@ def test_parse_metrics_reads_the_broker_families():
     assert m["decision"]["count"] == 4.0 and m["decision"]["buckets"][-1] == (float("inf"), 4.0)
 
 
+@pytest.mark.bench
 def test_tokenize_load_tiny_run(tmp_path):
     out = tmp_path / "tl.json"
     cmd = [sys.executable, "-m", "mesh.cli", "bench", "tokenize-load", "--duration-s", "1", "--warmup-s", "0.3",

@@ -727,7 +727,7 @@ _COMMON = dict(database=None, print_blob=True, deadline=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 
 TestBrokerCore = BrokerCoreMachine.TestCase
-TestBrokerCore.settings = settings(max_examples=300, stateful_step_count=50, **_COMMON)
+TestBrokerCore.settings = settings(max_examples=200, stateful_step_count=50, **_COMMON)
 
 
 class BrokerCoreSoak(BrokerCoreMachine):

@@ -10,7 +10,7 @@ from mesh.sim.runner import SimConfig, run_sim
 
 
 def _run(faults=None, **kw):
-    base = dict(workload="shared_prefix", rate=12, duration_s=20, workers=[8], routers=[2], seed=3,
+    base = dict(workload="shared_prefix", rate=12, duration_s=12, workers=[8], routers=[2], seed=3,
                 policies=["cache_aware"], providers=["radix_tree"], lifecycle="core", faults=faults)
     base.update(kw)
     (arm,) = run_sim(SimConfig(**base))["arms"]
@@ -33,7 +33,7 @@ def test_core_arm_without_faults_serves_everything_once():
 
 
 def test_worker_kills_are_retried_elsewhere_and_nothing_is_lost_or_duplicated():
-    arm = _run("kill=12/min,down_s=3")
+    arm = _run("kill=20/min,down_s=3")
     _accounted(arm)
     assert arm["faults_injected"].get("kill", 0) >= 2
     assert arm["lost"] == 0  # only a broker restart can lose a request
@@ -46,7 +46,7 @@ def test_worker_kills_are_retried_elsewhere_and_nothing_is_lost_or_duplicated():
 
 
 def test_paused_worker_is_expired_and_its_late_replies_are_stale():
-    arm = _run("pause=10/min,pause_s=4", heartbeat_ms=200)
+    arm = _run("pause=16/min,pause_s=4", heartbeat_ms=200)
     _accounted(arm)
     assert arm["faults_injected"].get("pause", 0) >= 2
     assert arm["worker_events"].get("expired", 0) >= 1
@@ -54,7 +54,7 @@ def test_paused_worker_is_expired_and_its_late_replies_are_stale():
 
 
 def test_broker_restart_loses_only_what_it_held():
-    arm = _run("broker_restart=6/min,broker_down_s=1")
+    arm = _run("broker_restart=10/min,broker_down_s=1")
     _accounted(arm)
     assert arm["faults_injected"].get("broker_restart", 0) >= 1
     # workers re-registered with the restarted broker (their heartbeat was refused, they sent READY)
