@@ -113,4 +113,4 @@ def test_http_cases():
 
 def test_fuzz_broker_e2e(procs):
     """~9 s paced + unpaced fuzzing of a real broker with a real worker, then the survival checks."""
-    check_broker_survived(run_fuzz_e2e(procs, seconds=9.0, seed=20261201))
+    check_broker_survived(run_fuzz_e2e(procs, seconds=6.0, seed=20261201))
