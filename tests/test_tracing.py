@@ -41,7 +41,8 @@ def test_http_requests_become_spans_under_the_callers_trace(procs, spans):
         ing = HttpIngress(b)
         url = await ing.start("127.0.0.1", 0)
         try:
-            procs.workers("w", [b.backend_endpoint], "--time-scale", "0.05", count=1)
+            # (in a thread: starting a process blocks, and a blocked loop is lag the broker sheds load for)
+            await asyncio.to_thread(procs.workers, "w", [b.backend_endpoint], "--time-scale", "0.05", count=1)
             await wait_for_workers(b.frontend_endpoint, 1)
             trace_id = "0af7651916cd43dd8448eb211c80319c"
             h = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01", "x-request-id": "order-991"}
