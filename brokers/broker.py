@@ -94,7 +94,9 @@ class Broker:
         self.stats = BrokerStats()
         self.core = BrokerCore(settings, router, broker_id=self.broker_id, stats=self.stats, log=self.log, kv_sink=kv_sink,
                                worker_keys=worker_keys, on_event=self._event, on_new_worker=self._on_new_worker,
-                               view_degraded=self._view_degraded, status_extra=self._status_extra)
+                               # (no exchange configured: no per-decision call to ask whether peers are stale)
+                               view_degraded=self._view_degraded if settings.exchange else None,
+                               status_extra=self._status_extra)
         self._limiter = RateLimiter(1.0)
         self._closed = False
         self.frontend_endpoint = ""
