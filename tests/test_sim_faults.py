@@ -75,6 +75,7 @@ def test_prefill_decode_runs_the_brokers_handoff():
     # (the P/D pairing finds no decode worker for a couple of requests, as the routing-only arm does)
     assert arm["requests_ok"] >= 0.98 * arm["requests"] and set(arm["failed"]) <= {"no_worker"}
     assert arm["decisions"].get("pd_handoff") == arm["requests_ok"]  # every served request went through the handoff
+    assert arm["retried"] == 0  # the decode leg is the second attempt by design, not a retry
 
 
 def test_core_and_routing_only_arms_agree_without_faults():

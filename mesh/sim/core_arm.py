@@ -564,8 +564,10 @@ class CoreArm:
         ok = [i for i in range(n) if code_of[i] == "ok"]
         lost = [i for i in range(n) if terminals[i] == 0]
         ttft = sorted((first[i] - arrival[i]) * 1e3 for i in ok)
-        ttft_retried = sorted((first[i] - arrival[i]) * 1e3 for i in ok if attempt_of[i] > 1)
-        ttft_clean = sorted((first[i] - arrival[i]) * 1e3 for i in ok if attempt_of[i] <= 1)
+        # a P/D request's decode leg is its second attempt: only attempts beyond its legs are retries
+        legs = 2 if cfg.pd is not None else 1
+        ttft_retried = sorted((first[i] - arrival[i]) * 1e3 for i in ok if attempt_of[i] > legs)
+        ttft_clean = sorted((first[i] - arrival[i]) * 1e3 for i in ok if attempt_of[i] <= legs)
         e2e = sorted((done_at[i] - arrival[i]) * 1e3 for i in ok)
         failed = Counter(code_of[i] for i in range(n) if terminals[i] and code_of[i] != "ok")
         t0 = self.wl.requests[0].arrival_s
@@ -585,7 +587,7 @@ class CoreArm:
             "failed": dict(sorted(failed.items())),
             "lost": len(lost),
             "duplicated": sum(1 for x in terminals if x > 1),
-            "retried": sum(1 for i in ok if attempt_of[i] > 1),
+            "retried": sum(1 for i in ok if attempt_of[i] > legs),
             "retries": {k.removeprefix("retries."): v for k, v in sorted(stats.items()) if k.startswith("retries.")},
             "worker_events": {k.removeprefix("workers."): v for k, v in sorted(stats.items()) if k.startswith("workers.")},
             "dropped": {k.removeprefix("dropped."): v for k, v in sorted(stats.items()) if k.startswith("dropped.")},
