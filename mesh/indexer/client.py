@@ -637,7 +637,8 @@ class IndexerClient:
         reason = "breaker_open"
         reps = self.replicas
         if len(reps) > 1:  # ready replicas first (not recovering from a restart), then the fastest, not list order
-            reps = sorted(reps, key=lambda r: (r.recovering_until > t_start, r.latency_s))
+            # (a replica not measured yet sorts after the measured ones, in list order: the probe measures it)
+            reps = sorted(reps, key=lambda r: (r.recovering_until > t_start, r.latency_s or float("inf")))
         for rep in reps:
             now = clock()
             if not rep.breaker.allow(now):
@@ -937,12 +938,15 @@ class IndexerClient:
             await asyncio.sleep(self.probe_interval_s)
             if not self._workers and not self._streams:
                 continue
+            t0 = loop.time()
             try:
                 resp = await self.fetch_stats(self.replicas.index(rep), timeout_s=max(0.5, min(2.0, self.probe_interval_s * 4)))
             except MeshError:
                 self.c["probe_failed"] += 1
                 continue
             self.c["probes"] += 1
+            if not rep.latency_s:  # a replica no query has measured yet: its probe round trip stands in
+                rep.latency_s = loop.time() - t0
             if rep.instance is None:
                 rep.instance = resp.server_instance
             elif resp.server_instance != rep.instance:
