@@ -388,7 +388,7 @@ _Item = tuple
 
 class _Replica:
     __slots__ = ("endpoint", "target", "tls", "channel", "stub", "breaker", "queue", "wake", "dirty", "instance",
-                 "task", "probe", "last_error", "error", "sent_batches", "sending", "latency_s", "recovering_until")
+                 "task", "probe", "last_error", "error", "sent_batches", "sending", "recovering_until")
 
     def __init__(self, endpoint: str, breaker: CircuitBreaker) -> None:
         self.endpoint = endpoint
@@ -402,7 +402,6 @@ class _Replica:
         self.instance: int | None = None
         self.task: asyncio.Task | None = None
         self.probe: asyncio.Task | None = None  # the restart probe and registration keep-alive
-        self.latency_s = 0.0  # moving average of its match round trips (queries go to the fastest first)
         self.recovering_until = 0.0  # after a restart: its coverage is incomplete until its resyncs are in
         self.last_error = ""  # str(error), for stats()
         self.error: MeshError | None = None  # the latest failure, mapped by indexer_error
@@ -636,9 +635,8 @@ class IndexerClient:
         req = None
         reason = "breaker_open"
         reps = self.replicas
-        if len(reps) > 1:  # ready replicas first (not recovering from a restart), then the fastest, not list order
-            # (a replica not measured yet sorts after the measured ones, in list order: the probe measures it)
-            reps = sorted(reps, key=lambda r: (r.recovering_until > t_start, r.latency_s or float("inf")))
+        if len(reps) > 1:  # ready replicas first (not one recovering from a restart), then in list order
+            reps = sorted(reps, key=lambda r: r.recovering_until > t_start)
         for rep in reps:
             now = clock()
             if not rep.breaker.allow(now):
@@ -676,7 +674,6 @@ class IndexerClient:
             rep.breaker.success()
             self.c["queries_ok"] += 1
             t_end = clock()
-            rep.latency_s = (t_end - now) if not rep.latency_s else 0.9 * rep.latency_s + 0.1 * (t_end - now)
             incomplete = rep.recovering_until > t_end
             if incomplete:
                 self.c["queries_incomplete_coverage"] += 1
@@ -938,15 +935,13 @@ class IndexerClient:
             await asyncio.sleep(self.probe_interval_s)
             if not self._workers and not self._streams:
                 continue
-            t0 = loop.time()
             try:
                 resp = await self.fetch_stats(self.replicas.index(rep), timeout_s=max(0.5, min(2.0, self.probe_interval_s * 4)))
             except MeshError:
                 self.c["probe_failed"] += 1
                 continue
             self.c["probes"] += 1
-            if not rep.latency_s:  # a replica no query has measured yet: its probe round trip stands in
-                rep.latency_s = loop.time() - t0
+
             if rep.instance is None:
                 rep.instance = resp.server_instance
             elif resp.server_instance != rep.instance:
