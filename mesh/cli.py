@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -303,5 +304,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _exit(code: int) -> None:
+    """Exit with ``code``. A process that imported gRPC and exits right away (a configuration
+    error found while validating) can abort in gRPC's teardown: its poller thread, still starting,
+    meets the epoll fd that the exit's static destructors closed ('epoll_wait error: Bad file
+    descriptor', exit -6 instead of 2; seen once under load). Such an early exit skips them."""
+    if code == 2 and "grpc" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def run() -> None:
+    """The ``mesh`` console script."""
+    _exit(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -37,7 +37,7 @@ from mesh.hashing import content_keys, to_signed64
 from mesh.protocol import pack
 from mesh.stats import percentile
 
-__all__ = ["run_indexer_bench", "TARGETS", "start_indexer_process"]
+__all__ = ["run_indexer_bench", "TARGETS", "start_indexer_process", "start_valkey_process", "valkey_server_binary"]
 
 BS = 16
 PROMPT_BLOCKS = 512
@@ -62,6 +62,45 @@ def start_indexer_process(log_path: Path, *extra: str, port: int = 0, timeout_s:
         p.wait(5)
         raise
     return p, rec["endpoint"]
+
+
+def valkey_server_binary() -> str | None:
+    """``valkey-server`` or ``redis-server`` on PATH (None: neither; ``make test`` installs redis-server)."""
+    import shutil
+
+    return shutil.which("valkey-server") or shutil.which("redis-server")
+
+
+def start_valkey_process(workdir: Path, *, timeout_s: float = 15.0) -> tuple[subprocess.Popen, str]:
+    """Start a private Valkey/Redis server on a unix socket in ``workdir`` (no persistence, no TCP
+    port to collide with) and wait until it answers PING; returns (process, ``unix://`` URL)."""
+    import redis
+
+    binary = valkey_server_binary()
+    if binary is None:
+        raise FileNotFoundError("neither valkey-server nor redis-server is installed (make test installs redis-server)")
+    sock = workdir / "valkey.sock"
+    p = subprocess.Popen([binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
+                          "--appendonly", "no", "--dir", str(workdir), "--logfile", str(workdir / "valkey.log")],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    url = f"unix://{sock}"
+    t_end = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        if p.poll() is not None:
+            raise RuntimeError(f"{binary} exited with {p.returncode}: see {workdir / 'valkey.log'}")
+        try:
+            if sock.exists() and redis.Redis.from_url(url, socket_timeout=1.0).ping():
+                return p, url
+        except (redis.RedisError, OSError):
+            pass
+        if time.monotonic() >= t_end:
+            p.kill()
+            p.wait(5)
+            raise TimeoutError(f"{binary} did not answer PING within {timeout_s:g} s")
+        time.sleep(delay)  # readiness poll of a process we just started
+        delay = min(0.2, delay * 2)
 
 
 def _rss_bytes(pid: int) -> int:

@@ -44,6 +44,14 @@ class IndexerSettings:
                                   help="serve Prometheus /metrics here (no authentication: an empty host binds 127.0.0.1)")
     ghost_ttl_s: float = setting(60.0, unit="s", help="drop workers/streams that got no block indexed this long after "
                                                       "they appeared (0 = keep them until --worker-ttl-s)")
+    backend: str = setting("memory", choices=("memory", "valkey"),
+                           help="where the index state lives: this process (memory), or Valkey/Redis shared by "
+                                "every replica given the same --valkey-url and --valkey-prefix (survives restarts)")
+    valkey_url: str | None = setting(None, metavar="URL", default_text="none",
+                                     help="redis://HOST:PORT[/DB] of the Valkey (or Redis) server for --backend valkey")
+    valkey_prefix: str = setting("mesh:indexer", help="key prefix of the shared state in Valkey (one per index)")
+    checkpoint_every: int = setting(20_000, unit="log entries",
+                                    help="--backend valkey: write a checkpoint (and trim the log) after this many entries")
 
     def validate(self) -> None:
         from mesh.indexer.server import Limits, parse_listen
@@ -66,6 +74,20 @@ class IndexerSettings:
             if v is not None and not Path(v).is_file():
                 raise ConfigError(f"{k}: no such file {v!r}")
         Limits(**{k: getattr(self, k) for k in _LIMITS}).validate()
+        if self.backend == "valkey":
+            from mesh.indexer.shared import parse_valkey_url
+
+            if not self.valkey_url:
+                raise ConfigError("valkey_url: --backend valkey needs --valkey-url redis://HOST:PORT[/DB]")
+            parse_valkey_url(self.valkey_url)
+            try:
+                import redis  # noqa: F401
+            except ImportError:
+                raise ConfigError("backend: valkey needs the redis package (pip install 'mesh-router[valkey]')") from None
+        if self.checkpoint_every < 1:
+            raise ConfigError("checkpoint_every: must be >= 1")
+        if not self.valkey_prefix or any(ch.isspace() for ch in self.valkey_prefix):
+            raise ConfigError("valkey_prefix: must be one non-empty word")
 
 
 _LIMITS = ("max_message_bytes", "max_batch_events", "max_workers", "max_ranks_per_worker", "max_streams", "ghost_ttl_s")
@@ -125,7 +147,9 @@ def _cmd_indexer(args) -> int:
                       max_inflight_queries=v["max_inflight_queries"], block_size=v["block_size"],
                       tls_cert=v["tls_cert"], tls_key=v["tls_key"], tls_client_ca=v["tls_client_ca"],
                       token=indexer_token(v), limits=limits, worker_ttl_s=float(v["worker_ttl_s"]),
-                      query_delay_ms=args.fault_query_delay_ms, metrics=v["metrics"])
+                      query_delay_ms=args.fault_query_delay_ms, metrics=v["metrics"], backend=v["backend"],
+                      valkey_url=v["valkey_url"], valkey_prefix=v["valkey_prefix"],
+                      checkpoint_every=v["checkpoint_every"])
 
 
 def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:

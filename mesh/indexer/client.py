@@ -381,14 +381,16 @@ class MatchView:
 # ---------------------------------------------------------------------- replicas
 
 
-# Queue items: ("b", worker_id, dp_rank, epoch, seq, payload, is_body) or ("r", worker_id, block_size)
-# / ("f", worker_id, 0) control items, which are never dropped.
+# Queue items: ("b", worker_id, dp_rank, epoch, seq, payload, is_body) or ("r", worker_id, block_size,
+# dp_ranks) / ("f", worker_id, 0) control items, which are never dropped, and ("m", "", 0): the end
+# of the re-registrations after a restart (the replica's coverage can be judged from there on).
 _Item = tuple
 
 
 class _Replica:
     __slots__ = ("endpoint", "target", "tls", "channel", "stub", "breaker", "queue", "wake", "dirty", "instance",
-                 "task", "probe", "last_error", "error", "sent_batches", "sending", "recovering_until")
+                 "task", "probe", "last_error", "error", "sent_batches", "sending", "reregistering", "uncovered",
+                 "rtt_s")
 
     def __init__(self, endpoint: str, breaker: CircuitBreaker) -> None:
         self.endpoint = endpoint
@@ -402,7 +404,11 @@ class _Replica:
         self.instance: int | None = None
         self.task: asyncio.Task | None = None
         self.probe: asyncio.Task | None = None  # the restart probe and registration keep-alive
-        self.recovering_until = 0.0  # after a restart: its coverage is incomplete until its resyncs are in
+        # Readiness: after a restart, not ready until this client's re-registrations are in and
+        # the replica reports every stream it was told of covered (uncovered_streams == 0).
+        self.reregistering = False
+        self.uncovered = 0  # as the replica last reported it (MatchPrefix answers, Stats probes)
+        self.rtt_s: float | None = None  # moving average of its query round trips (None: none yet)
         self.last_error = ""  # str(error), for stats()
         self.error: MeshError | None = None  # the latest failure, mapped by indexer_error
         self.sent_batches = 0
@@ -607,6 +613,20 @@ class IndexerClient:
             raise self._failed(rep, exc, "Stats", "stats") from exc
 
     # ------------------------------------------------------------------ queries
+    @staticmethod
+    def _ready(rep: _Replica) -> bool:
+        """Complete as far as this client knows: re-registered after any restart, nothing uncovered."""
+        return not rep.reregistering and rep.uncovered == 0
+
+    def _ordered(self, reps: list[_Replica]) -> list[_Replica]:
+        """Query order: ready replicas first; among those, the markedly slower ones (round trips
+        above twice the fastest ready one plus 2 ms) after the others; otherwise list order. A
+        replica not measured yet counts as fast, so every replica gets tried (and a dead one's
+        breaker opens) instead of being skipped for want of a figure."""
+        rtts = [r.rtt_s for r in reps if r.rtt_s is not None and self._ready(r)]
+        slow_s = 2 * min(rtts) + 0.002 if rtts else float("inf")
+        return sorted(reps, key=lambda r: (not self._ready(r), r.rtt_s is not None and r.rtt_s > slow_s))
+
     def _degrade(self, reason: str) -> None:
         self.degraded[reason] += 1
         self.last_degraded_reason = reason
@@ -635,8 +655,8 @@ class IndexerClient:
         req = None
         reason = "breaker_open"
         reps = self.replicas
-        if len(reps) > 1:  # ready replicas first (not one recovering from a restart), then in list order
-            reps = sorted(reps, key=lambda r: r.recovering_until > t_start)
+        if len(reps) > 1:
+            reps = self._ordered(reps)
         for rep in reps:
             now = clock()
             if not rep.breaker.allow(now):
@@ -673,8 +693,12 @@ class IndexerClient:
                 continue
             rep.breaker.success()
             self.c["queries_ok"] += 1
-            t_end = clock()
-            incomplete = rep.recovering_until > t_end
+            rtt = clock() - now
+            rep.rtt_s = rtt if rep.rtt_s is None else rep.rtt_s + 0.2 * (rtt - rep.rtt_s)
+            if resp.server_instance and rep.instance is not None and resp.server_instance != rep.instance:
+                self._replica_restarted(rep, resp.server_instance, "query")
+            rep.uncovered = resp.uncovered_streams
+            incomplete = not self._ready(rep)
             if incomplete:
                 self.c["queries_incomplete_coverage"] += 1
             return MatchView(resp, rep.endpoint, incomplete)
@@ -915,11 +939,15 @@ class IndexerClient:
         self.log.warning("indexer_restarted", endpoint=rep.endpoint, streams=len(self._streams), workers=len(self._workers),
                          seen_by=seen_by)
         rep.instance = instance
-        # its coverage is incomplete until the resyncs below are answered: other replicas answer
-        # first meanwhile, and what it answers is counted degraded
-        rep.recovering_until = time.monotonic() + max(5.0, 4 * self.resync_holdoff_s)
-        for wid, bs in self._workers.items():
-            rep.queue.appendleft(("r", wid, bs))  # before any batch still queued for it
+        # Its coverage is incomplete until the registrations below are in (they name every stream
+        # this client forwards, so the replica knows what it must get back) and it reports every
+        # such stream resynced: other replicas answer first meanwhile, and what it answers is
+        # counted degraded.
+        rep.reregistering = True
+        ranks = self._ranks_by_worker()
+        rep.queue.appendleft(("m", "", 0))
+        for wid, bs in reversed(list(self._workers.items())):
+            rep.queue.appendleft(("r", wid, bs, ranks.get(wid, ())))  # before any batch still queued for it
         for s in self._streams:
             rep.dirty[s] = "indexer_restarted"
             self._resync_at.pop(s, None)
@@ -946,20 +974,36 @@ class IndexerClient:
                 rep.instance = resp.server_instance
             elif resp.server_instance != rep.instance:
                 self._replica_restarted(rep, resp.server_instance, "probe")
+            rep.uncovered = int(resp.uncovered_streams)
             if self.keepalive_s > 0 and loop.time() >= next_keepalive:
                 next_keepalive = loop.time() + self.keepalive_s
+                ranks = self._ranks_by_worker()
                 for wid, bs in self._workers.items():
-                    rep.queue.append(("r", wid, bs))
+                    rep.queue.append(("r", wid, bs, ranks.get(wid, ())))
                 self.c["keepalives"] += len(self._workers)
                 rep.wake.set()
 
+    def _ranks_by_worker(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for w, r in self._streams:
+            out.setdefault(w, []).append(r)
+        return out
+
     async def _send_control(self, rep: _Replica, item: _Item) -> bool:
         """Send one RegisterWorker / ForgetWorker; False when the retry cycle gave up (it stays queued)."""
-        kind, wid, bs = item
+        kind, wid, bs = item[:3]
+        if kind == "m":  # the re-registrations after a restart are all in
+            rep.reregistering = False
+            # until the replica says otherwise (its next answer or probe), count every stream we
+            # told it of as still missing: the Stats it sent before the registrations said 0
+            rep.uncovered = max(rep.uncovered, len(self._streams))
+            return True
         md = self._md
         if kind == "r":
             rpc = "RegisterWorker"
-            call = lambda: rep.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=wid, block_size=bs), timeout=5.0, metadata=md)  # noqa: E731
+            ranks = sorted(item[3]) if len(item) > 3 else []
+            call = lambda: rep.stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=wid, block_size=bs, dp_ranks=ranks),  # noqa: E731
+                                                   timeout=5.0, metadata=md)
         else:
             rpc = "ForgetWorker"
             call = lambda: rep.stub.ForgetWorker(pb.ForgetWorkerRequest(worker_id=wid), timeout=5.0, metadata=md)  # noqa: E731
@@ -1030,7 +1074,9 @@ class IndexerClient:
             "replicas": [
                 {"endpoint": r.endpoint, "breaker": r.breaker.state.value, "consecutive_failures": r.breaker.consecutive,
                  "breaker_opens": r.breaker.opens, "queued": len(r.queue), "dirty_streams": len(r.dirty),
-                 "sent_batches": r.sent_batches, "server_instance": r.instance, "last_error": r.last_error}
+                 "sent_batches": r.sent_batches, "server_instance": r.instance, "last_error": r.last_error,
+                 "ready": self._ready(r), "uncovered_streams": r.uncovered,
+                 "rtt_ms": None if r.rtt_s is None else round(r.rtt_s * 1000, 3)}
                 for r in self.replicas
             ],
         }

@@ -98,28 +98,34 @@ class MatchLevel(_message.Message):
     def __init__(self, matched_blocks: _Optional[int] = ..., worker_ids: _Optional[_Iterable[str]] = ..., dp_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("levels", "best_prefix_blocks", "blocks_read", "query_blocks", "matched_workers", "server_time_ns")
+    __slots__ = ("levels", "best_prefix_blocks", "blocks_read", "query_blocks", "matched_workers", "server_time_ns", "uncovered_streams", "server_instance")
     LEVELS_FIELD_NUMBER: _ClassVar[int]
     BEST_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
     QUERY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    UNCOVERED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     levels: _containers.RepeatedCompositeFieldContainer[MatchLevel]
     best_prefix_blocks: int
     blocks_read: int
     query_blocks: int
     matched_workers: int
     server_time_ns: int
-    def __init__(self, levels: _Optional[_Iterable[_Union[MatchLevel, _Mapping]]] = ..., best_prefix_blocks: _Optional[int] = ..., blocks_read: _Optional[int] = ..., query_blocks: _Optional[int] = ..., matched_workers: _Optional[int] = ..., server_time_ns: _Optional[int] = ...) -> None: ...
+    uncovered_streams: int
+    server_instance: int
+    def __init__(self, levels: _Optional[_Iterable[_Union[MatchLevel, _Mapping]]] = ..., best_prefix_blocks: _Optional[int] = ..., blocks_read: _Optional[int] = ..., query_blocks: _Optional[int] = ..., matched_workers: _Optional[int] = ..., server_time_ns: _Optional[int] = ..., uncovered_streams: _Optional[int] = ..., server_instance: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "block_size")
+    __slots__ = ("worker_id", "block_size", "dp_ranks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DP_RANKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    dp_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., dp_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ()
@@ -142,7 +148,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("workers", "streams", "untrusted_streams", "entries", "unique_blocks", "max_entries", "bytes_estimate", "batches_received", "batches_applied", "events_applied", "duplicates", "gaps", "resyncs", "new_epochs", "stale_epochs", "evictions", "queries", "queries_shed", "server_instance", "counters", "match_p50_us", "match_p99_us")
+    __slots__ = ("workers", "streams", "untrusted_streams", "entries", "unique_blocks", "max_entries", "bytes_estimate", "batches_received", "batches_applied", "events_applied", "duplicates", "gaps", "resyncs", "new_epochs", "stale_epochs", "evictions", "queries", "queries_shed", "server_instance", "counters", "match_p50_us", "match_p99_us", "uncovered_streams", "backend", "ready")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +178,9 @@ class StatsResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     MATCH_P50_US_FIELD_NUMBER: _ClassVar[int]
     MATCH_P99_US_FIELD_NUMBER: _ClassVar[int]
+    UNCOVERED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     workers: int
     streams: int
     untrusted_streams: int
@@ -194,4 +203,7 @@ class StatsResponse(_message.Message):
     counters: _containers.ScalarMap[str, int]
     match_p50_us: float
     match_p99_us: float
-    def __init__(self, workers: _Optional[int] = ..., streams: _Optional[int] = ..., untrusted_streams: _Optional[int] = ..., entries: _Optional[int] = ..., unique_blocks: _Optional[int] = ..., max_entries: _Optional[int] = ..., bytes_estimate: _Optional[int] = ..., batches_received: _Optional[int] = ..., batches_applied: _Optional[int] = ..., events_applied: _Optional[int] = ..., duplicates: _Optional[int] = ..., gaps: _Optional[int] = ..., resyncs: _Optional[int] = ..., new_epochs: _Optional[int] = ..., stale_epochs: _Optional[int] = ..., evictions: _Optional[int] = ..., queries: _Optional[int] = ..., queries_shed: _Optional[int] = ..., server_instance: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., match_p50_us: _Optional[float] = ..., match_p99_us: _Optional[float] = ...) -> None: ...
+    uncovered_streams: int
+    backend: str
+    ready: bool
+    def __init__(self, workers: _Optional[int] = ..., streams: _Optional[int] = ..., untrusted_streams: _Optional[int] = ..., entries: _Optional[int] = ..., unique_blocks: _Optional[int] = ..., max_entries: _Optional[int] = ..., bytes_estimate: _Optional[int] = ..., batches_received: _Optional[int] = ..., batches_applied: _Optional[int] = ..., events_applied: _Optional[int] = ..., duplicates: _Optional[int] = ..., gaps: _Optional[int] = ..., resyncs: _Optional[int] = ..., new_epochs: _Optional[int] = ..., stale_epochs: _Optional[int] = ..., evictions: _Optional[int] = ..., queries: _Optional[int] = ..., queries_shed: _Optional[int] = ..., server_instance: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., match_p50_us: _Optional[float] = ..., match_p99_us: _Optional[float] = ..., uncovered_streams: _Optional[int] = ..., backend: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...

@@ -61,6 +61,7 @@ import asyncio
 import dataclasses
 import hmac
 import os
+import pickle
 import signal
 import time
 from collections import Counter, deque
@@ -349,6 +350,7 @@ class IndexerCore:
                  resync_retry_s: float = 5.0, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
         self.limits.validate()
+        self.limits_max_entries = max_entries
         self.index = _VerdictIndex(max_entries, key_fn=content_keys)
         # speculative_ttl_s=0: a shared index never holds one router's guesses.
         self.provider = LocalIndexProvider(self.index, name="indexer", block_size=block_size, speculative_ttl_s=0)
@@ -364,6 +366,10 @@ class IndexerCore:
         # untrusted/unknown stream -> when a resync was last asked for (cleared once trusted)
         self._asked_at: dict[tuple[str, int], float] = {}
         self.resync_retry_s = resync_retry_s
+        # Coverage: the streams brokers told us (RegisterWorker dp_ranks) they forward, and those of
+        # them not held trusted here. Ready (health SERVING) only while the second set is empty.
+        self._expected: dict[str, set[int]] = {}
+        self._uncovered: set[tuple[str, int]] = set()
         self.c: Counter[str] = Counter()
         self.latency_ns: deque[int] = deque(maxlen=_LATENCY_WINDOW)
         self.match_hist = LatencyHistogram()  # every match's server time (Prometheus mesh_indexer_match_seconds)
@@ -552,8 +558,74 @@ class IndexerCore:
         if applied:
             self._known.add(stream)
             c["events_applied"] += n_applied
+        exp = self._expected.get(worker_id)
+        if exp is not None and dp_rank in exp:
+            self._cover(stream)
         c[f"verdict_{pb.Verdict.Name(verdict).lower()}"] += 1
         return out
+
+    # ------------------------------------------------------------------ state (shared backends)
+    #: What a checkpoint holds: everything the verdicts depend on (not counters, not latencies).
+    _STATE = ("index", "provider", "_known", "_w", "_n_streams", "_ranked_streams", "_ghosts", "_ghost_streams",
+              "_asked_at", "_expected", "_uncovered")
+
+    def dump_state(self) -> bytes:
+        """The whole index state as bytes (pickle: only ever loaded from a store this service
+        trusts, and signed by :mod:`mesh.indexer.shared` before it leaves the process)."""
+        return pickle.dumps({k: getattr(self, k) for k in self._STATE}, protocol=5)
+
+    def load_state(self, blob: bytes) -> None:
+        """Replace the state with one :meth:`dump_state` made (this server's limits stay)."""
+        st = pickle.loads(blob)  # noqa: S301 -- signed checkpoint of our own state (see dump_state)
+        for k in self._STATE:
+            setattr(self, k, st[k])
+        mx = self.limits_max_entries
+        self.index.max_entries = mx
+        self.index._evict_to = None if mx is None else mx - mx // 64
+
+    def reset_state(self) -> None:
+        """Forget everything (the shared state this server followed was replaced)."""
+        fresh = IndexerCore(max_entries=self.limits_max_entries, block_size=self.provider._bs.default,
+                            resync_retry_s=self.resync_retry_s, limits=self.limits)
+        for k in self._STATE:
+            setattr(self, k, getattr(fresh, k))
+
+    # ------------------------------------------------------------------ coverage
+    def covered(self, stream: tuple[str, int]) -> bool:
+        """Does this server hold ``stream`` trusted (a batch applied, no hole since)?"""
+        return stream in self._known and self.index.is_trusted(stream)
+
+    def _cover(self, stream: tuple[str, int]) -> None:
+        if self.covered(stream):
+            self._uncovered.discard(stream)
+        else:
+            self._uncovered.add(stream)
+
+    @property
+    def uncovered_streams(self) -> int:
+        """Expected streams (see :meth:`register_worker`) not held trusted: 0 = complete."""
+        return len(self._uncovered)
+
+    def uncovered(self, limit: int = 16) -> list[tuple[str, int]]:
+        """Some uncovered streams, sorted (for logs and tests)."""
+        return sorted(self._uncovered)[:limit]
+
+    def _expect(self, worker_id: str, dp_ranks: Sequence[int]) -> None:
+        exp = self._expected.setdefault(worker_id, set())
+        room = self.limits.max_ranks_per_worker - len(exp)
+        for r in dp_ranks:
+            if r in exp:
+                continue
+            if room <= 0:
+                self.c["expected_ranks_refused"] += 1
+                break
+            exp.add(r)
+            room -= 1
+            self._cover((worker_id, r))
+
+    def _unexpect(self, worker_id: str) -> None:
+        for r in self._expected.pop(worker_id, ()):
+            self._uncovered.discard((worker_id, r))
 
     def _slices(self, worker_id: str, rec: _WorkerRec, events: list[KV.KvEvent],
                 rejected: list[int]) -> Iterator[list[KV.KvEvent]]:
@@ -610,8 +682,13 @@ class IndexerCore:
         self.provider.add_worker(worker_id, block_size)
 
     # ------------------------------------------------------------------ register / forget
-    def register_worker(self, worker_id: str, block_size: int, *, owner: str = "", now_s: float | None = None) -> None:
+    def register_worker(self, worker_id: str, block_size: int, *, owner: str = "", now_s: float | None = None,
+                        dp_ranks: Sequence[int] = ()) -> None:
         """Declare a worker's page size; the first named caller becomes its owner.
+
+        ``dp_ranks``: the worker's streams the caller forwards. Until each is held trusted here
+        the server is not ready (:attr:`uncovered_streams`): after a restart the brokers'
+        re-registrations tell it what it must get back before its answers are complete.
 
         Raises ValueError (bad arguments) or :class:`Refused` (a bound; another owner changing
         the block size). The owner re-registering another block size resets the worker.
@@ -641,6 +718,8 @@ class IndexerCore:
         if rec.block_size != block_size:
             self._set_block_size(worker_id, rec, block_size)
         rec.last_seen = now
+        if dp_ranks:
+            self._expect(worker_id, dp_ranks)
         self.c["workers_registered"] += 1
 
     def _reset_worker(self, worker_id: str, rec: _WorkerRec, block_size: int) -> None:
@@ -654,9 +733,12 @@ class IndexerCore:
                          entries_dropped=dropped)
 
     def _drop_streams(self, worker_id: str, rec: _WorkerRec) -> None:
+        exp = self._expected.get(worker_id, ())
         for r in rec.ranks:
             s = (worker_id, r)
             self._known.discard(s)
+            if r in exp:
+                self._uncovered.add(s)  # expected and now gone: a resync must bring it back
             self._asked_at.pop(s, None)
             self._ghost_streams.pop(s, None)
             if r:
@@ -686,6 +768,7 @@ class IndexerCore:
             self._drop_streams(worker_id, rec)
             del self._w[worker_id]
             self._ghosts.pop(worker_id, None)
+        self._unexpect(worker_id)
         self.c["workers_forgotten"] += 1
         return n
 
@@ -746,6 +829,10 @@ class IndexerCore:
                 self._ranked_streams -= 1
             self._known.discard(s)
             self._asked_at.pop(s, None)
+            exp = self._expected.get(s[0])
+            if exp is not None:  # an empty rank nobody sends to any more: no longer expected
+                exp.discard(s[1])
+                self._uncovered.discard(s)
             self.c["ghost_streams_expired"] += 1
             n += 1
         return n
@@ -790,6 +877,8 @@ class IndexerCore:
             "service": dict(c),
             "server_instance": self.instance,
             "known_streams": len(self._known),
+            "expected_streams": sum(len(v) for v in self._expected.values()),
+            "uncovered_streams": len(self._uncovered),
             "tracked_workers": len(self._w),
             "tracked_streams": self._n_streams,
             "ghost_workers": len(self._ghosts),
@@ -855,6 +944,33 @@ class IndexerService(pb_grpc.IndexerServicer):
         self.mutex = asyncio.Lock()
         self._slice_t0 = 0
         self.log = get_logger(service="indexer")
+        # The Valkey backend (mesh.indexer.shared.SharedState): mutations go through its log and
+        # are applied by its tail; None = the in-memory backend, mutations applied here directly.
+        self.shared: Any = None
+        self.backend = "memory"
+        self.ready = True  # what the health service says (coverage, and the shared log's tail)
+        self.on_health: Any = None  # called with the new readiness when it changes
+
+    def update_health(self) -> None:
+        """Recompute readiness: every expected stream covered (and, shared, the tail caught up)."""
+        ready = self.core.uncovered_streams == 0 and (self.shared is None or self.shared.ready)
+        if ready != self.ready:
+            self.ready = ready
+            self.core.c["became_ready" if ready else "became_not_ready"] += 1
+            self.log.info("indexer_readiness", ready=ready, uncovered_streams=self.core.uncovered_streams,
+                          uncovered=[f"{w}/{r}" for w, r in self.core.uncovered(4)],
+                          tail="n/a" if self.shared is None else ("caught_up" if self.shared.ready else "lost"))
+            if self.on_health is not None:
+                self.on_health(ready)
+
+    async def _shared_submit(self, ops: list[tuple], context: Any) -> list[Any]:
+        from mesh.indexer.shared import StoreUnavailable
+
+        try:
+            return await self.shared.submit(ops)
+        except StoreUnavailable as exc:
+            self.core.c["store_unavailable"] += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc)[:500])
 
     async def _owner(self, context: Any) -> str:
         owner = _owner_of(context)
@@ -881,9 +997,34 @@ class IndexerService(pb_grpc.IndexerServicer):
             self.core.c["batches_rejected"] += 1
             return _REJECTED
         async with self.mutex:
-            return await self._run(self.core.apply_steps(
+            o = await self._run(self.core.apply_steps(
                 b.worker_id, b.dp_rank, b.epoch, b.seq,
                 b.kv_events_body if which == "kv_events_body" else b.events_msgpack, owner=owner))
+        self.update_health()
+        return o
+
+    async def _apply_shared(self, batches: Sequence[pb.ApplyKvBatchRequest], owner: str, context: Any) -> list[ApplyOutcome]:
+        """The Valkey backend: append the batches to the log, return their verdicts as applied."""
+        ops: list[tuple] = []
+        slots: list[int] = []
+        out: list[ApplyOutcome] = []
+        for b in batches:
+            which = b.WhichOneof("payload")
+            if which is None:
+                self.core.c["batches_rejected"] += 1
+                out.append(_REJECTED)
+                continue
+            slots.append(len(out))
+            out.append(_REJECTED)
+            ops.append(("apply", b.worker_id, b.dp_rank, b.epoch, b.seq,
+                        b.kv_events_body if which == "kv_events_body" else b.events_msgpack, owner))
+        if ops:
+            for i, res in zip(slots, await self._shared_submit(ops, context)):
+                if isinstance(res, BaseException):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(res)[:500])
+                out[i] = res
+        self.update_health()
+        return out
 
     @staticmethod
     def _result(o: ApplyOutcome) -> pb.ApplyKvBatchResult:
@@ -893,7 +1034,10 @@ class IndexerService(pb_grpc.IndexerServicer):
     async def ApplyKvBatch(self, request, context):
         owner = await self._owner(context)
         self._slice_t0 = time.perf_counter_ns()
-        o = await self._apply(request, owner)
+        if self.shared is not None:
+            o = (await self._apply_shared([request], owner, context))[0]
+        else:
+            o = await self._apply(request, owner)
         if o.refused and o.refused != "refused_worker_id":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"batch refused: {o.refused}")
         return self._result(o)
@@ -905,6 +1049,10 @@ class IndexerService(pb_grpc.IndexerServicer):
         resp = pb.ApplyKvBatchesResponse(server_instance=self.core.instance)
         out = resp.results
         self._slice_t0 = time.perf_counter_ns()
+        if self.shared is not None:
+            out.extend(self._result(o) for o in await self._apply_shared(request.batches, owner, context))
+            self.core.c["apply_rpcs"] += 1
+            return resp
         for b in request.batches:
             out.append(self._result(await self._apply(b, owner)))
             if time.perf_counter_ns() - self._slice_t0 > _APPLY_SLICE_NS:
@@ -934,6 +1082,8 @@ class IndexerService(pb_grpc.IndexerServicer):
             resp = self.core.match(keys, request.max_results)
             dt = time.perf_counter_ns() - t0
             resp.server_time_ns = dt
+            resp.server_instance = self.core.instance
+            resp.uncovered_streams = self.core.uncovered_streams
             self.core.latency_ns.append(dt)
             self.core.match_hist.observe(dt / 1e9)
             c["queries"] += 1
@@ -943,22 +1093,40 @@ class IndexerService(pb_grpc.IndexerServicer):
 
     async def RegisterWorker(self, request, context):
         owner = await self._owner(context)
+        wid, bs, ranks = request.worker_id, request.block_size, list(request.dp_ranks)
+        if len(ranks) > self.core.limits.max_ranks_per_worker:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"dp_ranks: at most {self.core.limits.max_ranks_per_worker} (max_ranks_per_worker)")
         try:
-            async with self.mutex:
-                self.core.register_worker(request.worker_id, request.block_size, owner=owner)
+            if self.shared is not None:
+                if not wid or len(wid) > _MAX_WORKER_ID_CHARS or bs <= 0:  # refused before it is logged
+                    raise ValueError(f"worker_id must be 1..{_MAX_WORKER_ID_CHARS} characters and block_size > 0")
+                res = (await self._shared_submit([("register", wid, bs, owner, ranks)], context))[0]
+                if isinstance(res, BaseException):
+                    raise res
+            else:
+                async with self.mutex:
+                    self.core.register_worker(wid, bs, owner=owner, dp_ranks=ranks)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Refused as exc:
             await context.abort(exc.code, str(exc))
+        self.update_health()
         return pb.RegisterWorkerResponse()
 
     async def ForgetWorker(self, request, context):
         owner = await self._owner(context)
         try:
-            async with self.mutex:
-                n = self.core.forget_worker(request.worker_id, owner=owner)
+            if self.shared is not None:
+                n = (await self._shared_submit([("forget", request.worker_id, owner)], context))[0]
+                if isinstance(n, BaseException):
+                    raise n
+            else:
+                async with self.mutex:
+                    n = self.core.forget_worker(request.worker_id, owner=owner)
         except Refused as exc:
             await context.abort(exc.code, str(exc))
+        self.update_health()
         return pb.ForgetWorkerResponse(entries_dropped=n)
 
     async def Stats(self, request, context):
@@ -979,6 +1147,7 @@ class IndexerService(pb_grpc.IndexerServicer):
             evictions=s["evictions"], queries=svc.get("queries", 0), queries_shed=svc.get("queries_shed", 0),
             server_instance=self.core.instance, counters=ints,
             match_p50_us=s["match_p50_us"], match_p99_us=s["match_p99_us"],
+            uncovered_streams=self.core.uncovered_streams, backend=self.backend, ready=self.ready,
         )
 
 
@@ -1041,7 +1210,9 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
                 block_size: int = 16, tls_cert: str | None = None, tls_key: str | None = None,
                 tls_client_ca: str | None = None, token: str | None = None, limits: Limits | None = None,
                 query_delay_ms: float = 0.0, worker_ttl_s: float = DEFAULT_WORKER_TTL_S,
-                stop: asyncio.Event | None = None, ready: Any = None, metrics: str | None = None) -> None:
+                stop: asyncio.Event | None = None, ready: Any = None, metrics: str | None = None,
+                backend: str = "memory", valkey_url: str | None = None, valkey_prefix: str | None = None,
+                checkpoint_every: int = 20_000) -> None:
     """Run the indexer until ``stop`` is set, then shut down gracefully (health NOT_SERVING first).
 
     ``token``: the bearer token every Indexer RPC must carry (None = unauthenticated, logged as
@@ -1049,6 +1220,11 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
     ``metrics``: HOST:PORT of a Prometheus ``/metrics`` endpoint served on this event loop (no
     authentication; an empty host binds 127.0.0.1), announced as ``metrics_listening``. Announces ``indexer_listening`` with the bound ``endpoint`` (``http://`` or ``https://``
     HOST:PORT) once the health service reports SERVING; ``ready(endpoint)`` is called then too.
+
+    ``backend="valkey"``: the state lives in Valkey at ``valkey_url`` under ``valkey_prefix``
+    (:mod:`mesh.indexer.shared`); the port opens once the checkpoint and the log are loaded.
+    Health is SERVING only while every stream brokers registered is covered (and, with Valkey,
+    the log tail is caught up).
     """
     host, _ = parse_listen(listen)
     if (tls_cert is None) != (tls_key is None):
@@ -1057,9 +1233,32 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
         raise ConfigError("tls_client_ca: needs tls_cert and tls_key")
     if token is not None and not token:
         raise ConfigError("token: must not be empty")
+    if backend not in ("memory", "valkey"):
+        raise ConfigError(f"backend: {backend!r} must be memory or valkey")
+    if backend == "valkey" and not valkey_url:
+        raise ConfigError("valkey_url: --backend valkey needs --valkey-url redis://HOST:PORT[/DB]")
+    if checkpoint_every < 1:
+        raise ConfigError("checkpoint_every: must be >= 1")
     limits = limits or Limits()
     core = IndexerCore(max_entries=max_entries, block_size=block_size, limits=limits)
     svc = IndexerService(core, max_inflight_queries=max_inflight_queries, query_delay_ms=query_delay_ms)
+    shared = None
+    if backend == "valkey":
+        from mesh.indexer.shared import DEFAULT_PREFIX, SharedState, StoreUnavailable, ValkeyLog, mac_key_from_token
+
+        vlog = ValkeyLog(valkey_url, valkey_prefix or DEFAULT_PREFIX, mac_key=mac_key_from_token(token))
+        shared = SharedState(svc, vlog, checkpoint_every=checkpoint_every, worker_ttl_s=worker_ttl_s,
+                             ghost_ttl_s=limits.ghost_ttl_s)
+        svc.shared, svc.backend, svc.ready = shared, "valkey", False
+        if token is None:
+            svc.log.warning("indexer_checkpoint_unsigned",
+                            note="no token: checkpoints in Valkey are unsigned pickles; whoever can write to that "
+                                 "Valkey can run code in this indexer (keep it private, or set --token-file)")
+        try:
+            await shared.start()
+        except StoreUnavailable as exc:
+            await vlog.aclose()
+            raise ConfigError(f"valkey_url: {exc}") from None
     interceptors = [_TokenAuth(token, core)] if token else []
     server = grpc.aio.server(options=_server_options(limits), interceptors=interceptors)
     pb_grpc.add_IndexerServicer_to_server(svc, server)
@@ -1087,10 +1286,24 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
     elif scheme == "http":
         log.warning("indexer_token_in_cleartext", note="the bearer token travels unencrypted; serve TLS (--tls-cert)")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_health(ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await hs.set(name, status)
+
+    health_tasks: set[asyncio.Task] = set()
+
+    def on_health(ready: bool) -> None:
+        t = asyncio.get_running_loop().create_task(set_health(ready))
+        health_tasks.add(t)
+        t.add_done_callback(health_tasks.discard)
+
+    svc.update_health()
+    await set_health(svc.ready)
+    svc.on_health = on_health
     endpoint = f"{scheme}://{host}:{port}"
-    announce("indexer_listening", endpoint=endpoint, max_entries=max_entries,
+    announce("indexer_listening", endpoint=endpoint, max_entries=max_entries, backend=backend, ready=svc.ready,
              max_inflight_queries=max_inflight_queries, server_instance=core.instance, pid=os.getpid(),
              auth="token" if token else "none", client_certs=tls_client_ca is not None,
              **{f"limit_{k}": v for k, v in dataclasses.asdict(limits).items()})
@@ -1098,11 +1311,17 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
     if ready is not None:
         ready(endpoint)
     stop = stop or asyncio.Event()
-    expiry = asyncio.create_task(_expire_loop(svc, worker_ttl_s, limits.ghost_ttl_s, log))
+    if shared is None:
+        expiry = asyncio.create_task(_expire_loop(svc, worker_ttl_s, limits.ghost_ttl_s, log))
+    else:  # replicas expire on log time, as they apply entries (mesh.indexer.shared)
+        expiry = asyncio.create_task(shared.run(), name="valkey-tail")
     try:
         await stop.wait()
     finally:
         expiry.cancel()
+        if shared is not None:
+            await asyncio.gather(expiry, return_exceptions=True)
+            await shared.vlog.aclose()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
         await hs.enter_graceful_shutdown()  # NOT_SERVING before the port goes away
@@ -1199,6 +1418,7 @@ async def _expire_once(svc: IndexerService, ttl_s: float, ghost_ttl_s: float, lo
         if len(g) < _EXPIRE_SLICE and n < _EXPIRE_SLICE:
             break
         await asyncio.sleep(0)
+    svc.update_health()
     if gone:
         log.info("workers_expired", count=len(gone), first=gone[0], ttl_s=ttl_s)
     if ghosts:
