@@ -232,23 +232,37 @@ async def _match(endpoint: str, queries: list[list[int]]) -> dict[str, Any]:
     return {"client_ms": lat_c, "server_ms": lat_s, "holders": holders, "degraded": misses}
 
 
-def run_indexer_bench(workers: int = 1000, total_blocks: int = 1_050_000, queries: int = 2000, brokers: int = 2,
-                      quiet: bool = False, seed: int = 0) -> dict[str, Any]:
-    """Run the benchmark (server subprocess, bench process as the brokers); returns the JSON dict."""
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    t_start = time.perf_counter()
-    say(f"generating {total_blocks:,} blocks for {workers:,} workers ...")
-    wl = _Workload(workers, total_blocks, seed)
-    qs = wl.queries(queries)
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, endpoint = start_indexer_process(Path(tmp) / "indexer.log", "--max-entries", "0", "--log-level", "warning")
+def _run_backend(backend: str, wl: "_Workload", qs: list[list[int]], brokers: int, tmp: Path, say: Any) -> dict[str, Any]:
+    """One backend's ingest and match figures (server subprocesses in ``tmp``)."""
+    extra = ["--max-entries", "0", "--log-level", "warning"]
+    vproc = None
+    if backend == "valkey":
+        vdir = tmp / "valkey"
+        vdir.mkdir()
+        vproc, url = start_valkey_process(vdir)
+        extra += ["--backend", "valkey", "--valkey-url", url]
+    out: dict[str, Any] = {"backend": backend}
+    try:
+        proc, endpoint = start_indexer_process(tmp / f"indexer-{backend}.log", *extra)
         try:
             rss0 = _rss_bytes(proc.pid)
-            say(f"ingesting {len(wl.batches):,} batches over gRPC into {endpoint} ...")
+            say(f"[{backend}] ingesting {len(wl.batches):,} batches over gRPC into {endpoint} ...")
             ing = asyncio.run(_ingest(endpoint, wl, brokers))
             rss1 = _rss_bytes(proc.pid)
-            say(f"timing {queries:,} prefix queries ...")
+            say(f"[{backend}] timing {len(qs):,} prefix queries ...")
             m = asyncio.run(_match(endpoint, qs))
+            if backend == "valkey":
+                # what a replica restart costs: SIGKILL, start again, listening with the whole state
+                port = int(endpoint.rsplit(":", 1)[1])
+                proc.kill()
+                proc.wait(10)
+                say(f"[{backend}] SIGKILL + restart of the replica ...")
+                t0 = time.perf_counter()
+                proc, endpoint = start_indexer_process(tmp / f"indexer-{backend}-2.log", *extra, port=port,
+                                                       timeout_s=120)
+                out["restart_seconds"] = round(time.perf_counter() - t0, 2)
+                st = asyncio.run(_server_stats(endpoint))
+                out["restart_entries"] = st.entries if st is not None else 0
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -256,20 +270,18 @@ def run_indexer_bench(workers: int = 1000, total_blocks: int = 1_050_000, querie
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+    finally:
+        if vproc is not None:
+            vproc.kill()
+            vproc.wait(5)
     srv = ing["server"]
     entries = srv.entries if srv is not None else 0
-    res: dict[str, Any] = {
-        "workers": workers,
+    out.update({
         "indexed_blocks": entries,
         "unique_blocks": srv.unique_blocks if srv is not None else 0,
-        "block_size": BS,
-        "prompt_blocks": PROMPT_BLOCKS,
-        "ingest_blocks": wl.blocks,
-        "ingest_batches": len(wl.batches),
         "ingest_seconds": round(ing["seconds"], 3),
         "ingest_blocks_per_s": round(wl.blocks / ing["seconds"]),
         "ingest_batches_per_s": round(len(wl.batches) / ing["seconds"]),
-        "ingest_brokers": brokers,
         "ingest_complete": bool(ing["flushed"]) and entries >= wl.blocks,
         "ingest_resyncs": ing["resyncs"],
         "match_queries": len(m["client_ms"]),
@@ -282,12 +294,54 @@ def run_indexer_bench(workers: int = 1000, total_blocks: int = 1_050_000, querie
         "bytes_per_block": round((rss1 - rss0) / max(1, entries), 1),
         "bytes_per_block_estimate": round(srv.bytes_estimate / max(1, entries), 1) if srv is not None else None,
         "server_rss_mb": round(rss1 / 2**20, 1),
+    })
+    return out
+
+
+async def _server_stats(endpoint: str):
+    from mesh.indexer.client import IndexerClient
+
+    async with IndexerClient([endpoint]) as c:
+        return await c.server_stats(timeout_s=10)
+
+
+def run_indexer_bench(workers: int = 1000, total_blocks: int = 1_050_000, queries: int = 2000, brokers: int = 2,
+                      quiet: bool = False, seed: int = 0, backends: tuple[str, ...] = ("memory",)) -> dict[str, Any]:
+    """Run the benchmark (server subprocess, bench process as the brokers) once per backend, on the
+    same workload; returns the JSON dict: the first backend's figures at the top level (as before),
+    every backend's under ``backends`` and the ratios to the first under ``vs_<first>``."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    t_start = time.perf_counter()
+    say(f"generating {total_blocks:,} blocks for {workers:,} workers ...")
+    wl = _Workload(workers, total_blocks, seed)
+    qs = wl.queries(queries)
+    per: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for b in backends:
+            per[b] = _run_backend(b, wl, qs, brokers, Path(tmp), say)
+    first = per[backends[0]]
+    res: dict[str, Any] = {
+        "workers": workers,
+        "block_size": BS,
+        "prompt_blocks": PROMPT_BLOCKS,
+        "ingest_blocks": wl.blocks,
+        "ingest_batches": len(wl.batches),
+        "ingest_brokers": brokers,
+        **{k: v for k, v in first.items() if k != "backend"},
+        "backend": backends[0],
+        "backends": per,
         "targets": TARGETS,
         "bench_seconds": None,
         # context: client p99 on a shared box is dominated by CPU contention from other processes
         "host_cpus": os.cpu_count(),
         "host_loadavg_1m_at_end": round(os.getloadavg()[0], 2),
     }
+    for b in backends[1:]:
+        o = per[b]
+        res[f"{b}_vs_{backends[0]}"] = {
+            k: round(o[k] / first[k], 3) if first[k] else None
+            for k in ("ingest_blocks_per_s", "match_p50_ms_client", "match_p99_ms_client", "match_p50_ms_server",
+                      "match_p99_ms_server")}
     res["targets_met"] = {
         "ingest": res["ingest_blocks_per_s"] >= TARGETS["ingest_blocks_per_s_min"],
         "match_server": res["match_p99_ms_server"] <= TARGETS["match_p99_ms_server_max"],
@@ -303,16 +357,26 @@ def _print(res: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    per = res["backends"]
+    names = list(per)
     t = Table(title=f"mesh bench indexer: {res['workers']:,} workers, {res['indexed_blocks']:,} indexed blocks "
                     f"({res['block_size']}-token pages), {res['prompt_blocks']}-block prompts")
     t.add_column("measure")
-    t.add_column("value", justify="right")
+    for n in names:
+        t.add_column(n, justify="right")
     t.add_column("target", justify="right")
-    t.add_row("ingest over gRPC", f"{res['ingest_blocks_per_s']:,} blocks/s", ">= 200,000")
-    t.add_row("match p50 / p99, client", f"{res['match_p50_ms_client']:.3f} / {res['match_p99_ms_client']:.3f} ms", "p99 <= 3 ms")
-    t.add_row("match p50 / p99, server", f"{res['match_p50_ms_server']:.3f} / {res['match_p99_ms_server']:.3f} ms", "p99 <= 1 ms")
-    t.add_row("matched workers per query (mean)", f"{res['match_mean_matched_workers']}", "")
-    t.add_row("bytes per indexed block (RSS / estimate)", f"{res['bytes_per_block']} / {res['bytes_per_block_estimate']}", "")
+
+    def row(label: str, fmt: Any, target: str = "") -> None:
+        t.add_row(label, *[fmt(per[n]) for n in names], target)
+
+    row("ingest over gRPC", lambda r: f"{r['ingest_blocks_per_s']:,} blocks/s", ">= 200,000")
+    row("match p50 / p99, client", lambda r: f"{r['match_p50_ms_client']:.3f} / {r['match_p99_ms_client']:.3f} ms", "p99 <= 3 ms")
+    row("match p50 / p99, server", lambda r: f"{r['match_p50_ms_server']:.3f} / {r['match_p99_ms_server']:.3f} ms", "p99 <= 1 ms")
+    row("matched workers per query (mean)", lambda r: f"{r['match_mean_matched_workers']}")
+    row("bytes per indexed block (RSS / estimate)", lambda r: f"{r['bytes_per_block']} / {r['bytes_per_block_estimate']}")
+    if any("restart_seconds" in r for r in per.values()):
+        row("replica SIGKILL -> listening with the state",
+            lambda r: f"{r['restart_seconds']} s, {r['restart_entries']:,} entries" if "restart_seconds" in r else "n/a")
     Console(stderr=True).print(t)
 
 
@@ -321,5 +385,6 @@ if __name__ == "__main__":  # python -m mesh.indexer.bench [--quick]
 
     quick = "--quick" in sys.argv
     out = run_indexer_bench(workers=200 if quick else 1000, total_blocks=100_000 if quick else 1_050_000,
-                            queries=300 if quick else 2000)
+                            queries=300 if quick else 2000,
+                            backends=("memory", "valkey") if valkey_server_binary() else ("memory",))
     print(json.dumps(out, indent=2))
