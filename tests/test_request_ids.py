@@ -46,3 +46,17 @@ def test_the_engine_is_given_the_request_id():
     sub = P.decode_client(P.encode_submit("trace-7f3a.checkout:42", input_ids=[1, 2, 3], params={"max_new_tokens": 2}))
     body = generate_body(P.Request(7, 2, 1000, sub.rid, None, sub), info_from_server_info({"page_size": 16}, AttachSettings(url="http://x", brokers=("tcp://127.0.0.1:1",))))
     assert body["rid"].startswith("trace-7f3a.checkout:42/7.2."), body["rid"]
+
+
+def test_vllm_is_given_the_request_id():
+    """vLLM's ``/v1/completions`` body carries ``request_id`` (its own request id field), built
+    like SGLang's rid: the caller's id first."""
+    from mesh import protocol as P
+    from mesh.adapters.base import EngineInfo
+    from mesh.adapters.vllm import completions_body
+
+    sub = P.decode_client(P.encode_submit("trace-9", input_ids=[1, 2, 3], params={"max_new_tokens": 2}))
+    body = completions_body(P.Request(11, 3, 1000, sub.rid, None, sub), EngineInfo(model="m", block_size=16, dp_size=1))
+    assert body["request_id"].startswith("trace-9/11.3."), body["request_id"]
+    other = completions_body(P.Request(11, 3, 1000, sub.rid, None, sub), EngineInfo(model="m", block_size=16, dp_size=1))
+    assert other["request_id"] != body["request_id"]  # unique per attempt sent

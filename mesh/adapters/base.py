@@ -68,7 +68,9 @@ flight), and registers again (READY, then a KV snapshot) when the server answers
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
+import secrets
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -122,6 +124,21 @@ LOAD_SUB = SocketSpec(zmq.SUB, sndhwm=100, rcvhwm=1000, linger_ms=0, maxmsgsize=
 
 END_SEQ = b"\xff" * 8
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+
+# Engine request ids must be unique per engine: the broker's rid and attempt are unique per broker,
+# and a salt drawn at start plus a counter keeps two brokers' (or two runs') ids apart without a
+# random draw per request.
+_RID_SALT = secrets.token_hex(3)
+_RID_SEQ = itertools.count(1)
+
+
+def engine_request_id(r: "P.Request") -> str:
+    """The id the engine is given for one attempt: the caller's id (the HTTP ``x-request-id``,
+    else the broker's), then the broker's request number and attempt, so the engine's logs name
+    the caller's request (SGLang ``rid``, vLLM ``request_id``)."""
+    return f"{r.submit.rid}/{r.rid}.{r.attempt}.{_RID_SALT}{next(_RID_SEQ):x}"[:256]
 
 
 def _log_crash(log, task: asyncio.Task) -> None:

@@ -22,15 +22,14 @@
 
 from __future__ import annotations
 
-import itertools
 import json
-import secrets
 from typing import Any
 
 import aiohttp
 
 from mesh import protocol as P
 from mesh.adapters.base import (
+    engine_request_id,
     AttachSettings,
     Backend,
     EngineInfo,
@@ -115,13 +114,6 @@ def info_from_server_info(d: dict[str, Any], s: AttachSettings) -> EngineInfo:
     )
 
 
-# Engine rids must be unique per engine: the broker's rid and attempt are unique per broker, and
-# a salt drawn at start plus a counter keeps two brokers' (or two runs') rids apart without a
-# random draw per request.
-_RID_SALT = secrets.token_hex(3)
-_RID_SEQ = itertools.count(1)
-
-
 def generate_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
     """The ``/generate`` body for a mesh REQUEST (streamed when the client streams).
 
@@ -147,7 +139,7 @@ def generate_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
         body["text"] = sub.text
     body["sampling_params"] = sp
     body["stream"] = bool(sub.stream)  # unstreamed: one JSON answer, no SSE to parse
-    body["rid"] = f"{sub.rid}/{r.rid}.{r.attempt}.{_RID_SALT}{next(_RID_SEQ):x}"[:256]
+    body["rid"] = engine_request_id(r)
     if r.bootstrap:
         for k, v in r.bootstrap.items():
             dst = _BOOTSTRAP.get(k)

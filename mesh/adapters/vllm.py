@@ -26,6 +26,7 @@ import aiohttp
 
 from mesh import protocol as P
 from mesh.adapters.base import (
+    engine_request_id,
     AttachSettings,
     Backend,
     EngineInfo,
@@ -92,6 +93,7 @@ def completions_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
         body["max_tokens"] = sub.max_new_tokens
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
+    body["request_id"] = engine_request_id(r)  # vLLM's own request id (its logs, its abort path)
     body["return_token_ids"] = True
     if r.bootstrap and r.bootstrap.get("kv_transfer_params") is not None:
         body["kv_transfer_params"] = r.bootstrap["kv_transfer_params"]
