@@ -11,7 +11,7 @@ COPY mesh ./mesh
 COPY brokers ./brokers
 COPY workers_stub ./workers_stub
 COPY configs ./configs
-RUN pip install . && useradd --system --uid 10001 --no-create-home mesh
+RUN pip install '.[valkey]' && useradd --system --uid 10001 --no-create-home mesh
 USER 10001
 # ZeroMQ client / worker ports, HTTP ingress, Prometheus, peer exchange; indexer gRPC and metrics
 EXPOSE 5555 5556 8000 9100 5570 50051 9101

@@ -37,6 +37,12 @@ def test_the_manifests_hold_every_role():
     for role in ("broker", "indexer", "adapter", "engine"):
         assert role in names, names
     assert len(COMMANDS) >= 10
+    # the indexer runs as two replicas of one Valkey state in both files, and brokers list both
+    for where in ("compose:", "k8s:"):
+        idx = [a for n, a in COMMANDS if n.startswith(where) and a[0] == "indexer"]
+        assert idx and all(a[a.index("--backend") + 1] == "valkey" for a in idx), (where, idx)
+        brokers = [a for n, a in COMMANDS if n.startswith(where) and a[0] == "broker"]
+        assert brokers and all(a.count("--kv-indexer-endpoint") == 2 for a in brokers), where
 
 
 @pytest.mark.parametrize("where,argv", COMMANDS, ids=[n for n, _ in COMMANDS])
@@ -48,11 +54,15 @@ def test_manifest_command_lines_parse_and_validate(where, argv, monkeypatch, tmp
         pytest.fail(f"{where}: mesh {' '.join(argv)} does not parse (exit {exc.code})")
     args._argv = list(argv)
     cmd = argv[0]
+    token = tmp_path / "token"  # the manifests mount secrets at these paths: stand in files for them
+    token.write_text("t" * 32)
     if cmd == "broker":
-        if args.api_key_file:  # the manifests mount a secret there: stand in a file for it
+        if args.api_key_file:
             key = tmp_path / "api-key"
             key.write_text("k" * 32)
             args.api_key_file = str(key)
+        if args.kv_indexer_token_file:
+            args.kv_indexer_token_file = str(token)
         settings_from_args(BrokerSettings, args, "broker")
     elif cmd == "attach":
         from mesh.adapters.cli import settings_from_args as attach_settings
@@ -61,6 +71,8 @@ def test_manifest_command_lines_parse_and_validate(where, argv, monkeypatch, tmp
     elif cmd == "indexer":
         from mesh.indexer.cli import indexer_settings
 
+        if args.token_file:
+            args.token_file = str(token)
         indexer_settings(args)
     elif cmd == "stub-sglang":
         from workers_stub.sglang_cli import settings_from_args as stub_settings
