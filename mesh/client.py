@@ -28,6 +28,14 @@ its deadline. It also resubmits an idempotent request that ended with ``worker_l
 any CHUNK reached the client: the broker ran out of attempts (``--max-attempts``) or retry
 budget when its worker died, but nothing was generated for the client, so the request can
 simply run again (on any broker).
+
+A broker endpoint may also be ``dns+tcp://NAME:PORT`` (:mod:`mesh.discovery`, as for workers):
+every address NAME resolves to is a broker, and the client follows the name, re-resolving every
+``discovery_refresh_s``: links open to brokers that appear and close for brokers that left it,
+without recreating the client. A closed link's requests end as a lost connection's do
+(``unavailable``, resubmitted by :meth:`Client.generate`; the broker is sent a CANCEL for each);
+a failed resolution keeps the last good set. Until some name has resolved to an address,
+requests wait for a broker (bounded by their deadline) as they do when no connection is up.
 """
 
 from __future__ import annotations
@@ -44,9 +52,11 @@ import zmq
 import zmq.asyncio
 
 from mesh import protocol as P
-from mesh.errors import ClientStateError, ErrorCode, ProtocolError, RequestError, RetryableError, error_for
+from mesh.discovery import Resolver, check_endpoint, endpoints_for, is_dns, parse_dns
+from mesh.errors import ClientStateError, ConfigError, ErrorCode, ProtocolError, RequestError, RetryableError, error_for
+from mesh.logs import get_logger
 from mesh.retry import RetryPolicy
-from mesh.sockets import CLIENT_DEALER, CurveKeys, make_socket
+from mesh.sockets import CLIENT_DEALER, CurveKeys, make_socket, send_frames
 
 __all__ = ["Client", "SyncClient", "Stream", "Result"]
 
@@ -172,6 +182,8 @@ _LOST_DRAIN_S = 0.2  # on a drop, replies already queued are read for at most th
 # this long for another broker's connection to be up, rather than going back to the same one.
 # It covers a restarted broker's reconnect (the DEALER retries at most every 2 s).
 _OTHER_LINK_WAIT_S = 2.5
+# A link closed because its broker left DNS: queued CANCELs for its requests get this long to go.
+_RETIRE_LINGER_MS = 200
 
 
 @dataclass(eq=False)
@@ -184,16 +196,36 @@ class _Link:
     monitor: zmq.asyncio.Socket
     up: bool = False
     pending: set[str] = field(default_factory=set)
+    _tasks: list[asyncio.Task] = field(default_factory=list, repr=False)  # its receive and monitor tasks
 
 
 class Client:
-    """Async mesh client: one DEALER per broker, one receive task and one monitor task each."""
+    """Async mesh client: one DEALER per broker, one receive task and one monitor task each.
+
+    ``endpoints`` are ZeroMQ endpoints and/or ``dns+tcp://NAME:PORT`` specs (re-resolved every
+    ``discovery_refresh_s`` through ``resolver``, default :class:`~mesh.discovery.Resolver`);
+    an invalid one is a :class:`~mesh.errors.ConfigError` naming ``endpoints``.
+    """
 
     def __init__(self, endpoints: str | list[str], *, ctx: zmq.asyncio.Context | None = None, curve: CurveKeys | None = None,
-                 default_deadline_ms: int = _DEFAULT_DEADLINE_MS) -> None:
+                 default_deadline_ms: int = _DEFAULT_DEADLINE_MS, discovery_refresh_s: float = 5.0,
+                 resolver: Resolver | None = None) -> None:
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
             raise ValueError("at least one broker endpoint is required")
+        for ep in self.endpoints:
+            check_endpoint(ep, "endpoints")
+        if not discovery_refresh_s > 0:
+            raise ConfigError(f"discovery_refresh_s: {discovery_refresh_s!r} must be > 0")
+        self._dns_specs = [ep for ep in dict.fromkeys(self.endpoints) if is_dns(ep)]
+        self.discovery_refresh_s = discovery_refresh_s
+        self.resolver = resolver or Resolver()
+        self._discovered: dict[str, list[str]] = {}  # dns+tcp spec -> the endpoints it resolved to last
+        self.discovery_failures = 0  # resolutions that failed (the last good set was kept)
+        self._resolved_once = asyncio.Event()  # set after the first discovery pass, whatever its outcome
+        self._links_changed = asyncio.Event()  # set when a link opens (and at close), for submits waiting for one
+        self._retiring: set[_Link] = set()  # links being closed because their broker left DNS
+        self.log = get_logger(service="client")
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.curve = curve
         self.default_deadline_ms = default_deadline_ms
@@ -205,7 +237,7 @@ class Client:
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid()}-{id(self) & 0xFFFFFF:x}"
         self.rejected_replies = 0
-        self.lost_requests = 0  # requests failed because their broker's connection dropped
+        self.lost_requests = 0  # requests failed because their broker's connection dropped (or it left DNS)
         self._link_up = asyncio.Event()  # set whenever some link's connection comes up
         self._state = "unopened"
 
@@ -216,13 +248,30 @@ class Client:
         return tuple(self._links)
 
     @property
+    def discovered(self) -> dict[str, list[str]]:
+        """``dns+tcp://`` spec -> the broker endpoints it resolved to last (a copy; a spec that
+        never resolved is absent)."""
+        return {spec: list(eps) for spec, eps in self._discovered.items()}
+
+    @property
     def open_streams(self) -> int:
         """Requests this client still waits on."""
         return len(self._streams)
 
     async def __aenter__(self) -> "Client":
         self.open()
+        await self._first_resolution()
         return self
+
+    async def _first_resolution(self) -> None:
+        """With ``dns+tcp://`` brokers, wait for the first resolution (at most
+        ``discovery_refresh_s``), so the links it finds exist when ``async with`` returns.
+        A name that resolves to nothing (or late) is no error: requests wait for a broker."""
+        if self._dns_specs and self._state == "open":
+            try:
+                await asyncio.wait_for(self._resolved_once.wait(), self.discovery_refresh_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
@@ -230,18 +279,98 @@ class Client:
     def open(self) -> None:
         if self._state != "unopened":
             raise ClientStateError(f"client is {self._state}; create a new one")
-        for ep in self.endpoints:
-            # The monitor is attached before connect: a handshake that completes first (a busy
-            # machine can deschedule this thread between the two calls) would otherwise never
-            # be reported and the link would stay "down" for good.
-            sock = make_socket(self.ctx, CLIENT_DEALER.with_curve(self.curve))
-            mon = sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS)
-            sock.connect(ep)
-            link = _Link(ep, sock, mon)
-            self._links.append(link)
-            self._tasks.append(asyncio.create_task(self._receive(link), name=f"mesh-client-rx-{ep}"))
-            self._tasks.append(asyncio.create_task(self._watch(link), name=f"mesh-client-monitor-{ep}"))
         self._state = "open"
+        for ep in self.endpoints:
+            if not is_dns(ep):
+                self._open_link(ep)
+        if self._dns_specs:  # its first pass runs at once; links open as names resolve
+            self._tasks.append(asyncio.create_task(self._discovery_loop(), name="mesh-client-discovery"))
+
+    def _open_link(self, ep: str) -> None:
+        if any(link.endpoint == ep for link in self._links):
+            return
+        # The monitor is attached before connect: a handshake that completes first (a busy
+        # machine can deschedule this thread between the two calls) would otherwise never
+        # be reported and the link would stay "down" for good.
+        sock = make_socket(self.ctx, CLIENT_DEALER.with_curve(self.curve))
+        mon = sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS)
+        sock.connect(ep)
+        link = _Link(ep, sock, mon)
+        link._tasks = [asyncio.create_task(self._receive(link), name=f"mesh-client-rx-{ep}"),
+                       asyncio.create_task(self._watch(link), name=f"mesh-client-monitor-{ep}")]
+        self._links.append(link)
+        self._tasks.extend(link._tasks)
+        self._links_changed.set()
+
+    async def refresh_discovery(self) -> None:
+        """Resolve every ``dns+tcp://`` broker now; open and close links to match. A failed
+        resolution keeps the last good set (a DNS outage must not disconnect the client) and
+        counts in ``discovery_failures``."""
+        gone: set[str] = set()
+        for spec in self._dns_specs:
+            name, port = parse_dns(spec, "endpoints")
+            error = None
+            try:
+                addrs = await self.resolver.resolve(name)
+                new = None if addrs is None else endpoints_for(port, addrs)
+            except Exception as exc:  # noqa: BLE001 - an odd answer (a bad address) must not stop the following
+                new, error = None, repr(exc)[:200]
+            old = self._discovered.get(spec, [])
+            if new is None:
+                self.discovery_failures += 1
+                self.log.warning("discovery_failed", broker=spec, kept=len(old), **({"error": error} if error else {}))
+                continue
+            if new != old:
+                self.log.info("discovery_changed", broker=spec, added=sorted(set(new) - set(old)),
+                              removed=sorted(set(old) - set(new)))
+            self._discovered[spec] = new
+            if self._state != "open":
+                continue
+            for e in new:
+                self._open_link(e)
+            gone |= set(old) - set(new)
+        keep = {e for s in self.endpoints for e in (self._discovered.get(s, ()) if is_dns(s) else (s,))}
+        retire = [link for link in self._links if link.endpoint in gone - keep]
+        if retire:
+            await asyncio.gather(*(self._retire(link) for link in retire))
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh_discovery()
+            except Exception as exc:  # noqa: BLE001 - following must not stop silently (say, EMFILE opening a link)
+                self.log.error("discovery_refresh_crashed", error=repr(exc)[:500])
+            self._resolved_once.set()
+            await asyncio.sleep(self.discovery_refresh_s)
+
+    async def _retire(self, link: _Link) -> None:
+        """Close a link whose broker left DNS. New requests stop going there at once; replies
+        already queued are delivered; every request it still holds ends as on a lost connection
+        (``unavailable``: :meth:`generate` resubmits it elsewhere) and the broker, which may well
+        be alive (scaled down, draining), is sent a CANCEL for it."""
+        if link not in self._links:
+            return
+        self._links.remove(link)
+        self._retiring.add(link)
+        await self._drain_replies(link)
+        rids = self._fail_pending(link, f"broker {link.endpoint} left DNS before the reply")
+        for rid in rids:
+            try:
+                send_frames(link.sock, P.encode_cancel(rid))
+            except zmq.ZMQError:
+                break  # best effort: the queue is full or the socket is gone
+        for t in link._tasks:
+            t.cancel()
+        await asyncio.gather(*link._tasks, return_exceptions=True)
+        self._tasks = [t for t in self._tasks if t not in link._tasks]
+        self._close_sockets(link, linger_ms=_RETIRE_LINGER_MS if rids else 0)
+        self._retiring.discard(link)
+
+    @staticmethod
+    def _close_sockets(link: _Link, linger_ms: int = 0) -> None:
+        link.sock.disable_monitor()
+        link.monitor.close(linger=0)
+        link.sock.close(linger=linger_ms)
 
     async def aclose(self) -> None:
         """Fail pending requests with ``cancelled``, stop the tasks, close the sockets. Idempotent."""
@@ -249,16 +378,18 @@ class Client:
             self._state = "closed"
             return
         self._state = "closed"
-        for t in self._tasks:
+        self._links_changed.set()  # submits waiting for a link give up
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for st in list(self._streams.values()):
             st._fail(error_for(ErrorCode.CANCELLED, "client closed", st.rid))
         self._streams.clear()
-        for link in self._links:
-            link.sock.disable_monitor()
-            link.monitor.close(linger=0)
-            link.sock.close(linger=0)
+        for link in [*self._links, *self._retiring]:
+            if not link.sock.closed:
+                self._close_sockets(link)
+        self._retiring.clear()
 
     def _next(self, pred) -> _Link | None:
         """The next link (round robin) that satisfies ``pred``, or None."""
@@ -292,12 +423,23 @@ class Client:
             except asyncio.TimeoutError:
                 return
 
+    async def _some_link(self) -> None:
+        """Return once the client has a link (with only ``dns+tcp://`` brokers it may have none
+        yet). Unbounded: callers bound it. A client closed meanwhile: ClientStateError."""
+        while not self._links:
+            if self._state != "open":
+                raise ClientStateError(f"client is {self._state}")
+            self._links_changed.clear()
+            await self._links_changed.wait()
+
     async def _send(self, frames: list[bytes], link: _Link | None = None) -> _Link:
         """The client's one send boundary: ZeroMQ and OS errors become the documented tree
         (``unavailable``, retryable elsewhere), a closed client a :class:`ClientStateError`."""
         if self._state != "open":
             raise ClientStateError("client is not open")
-        link = link or self._pick()
+        if link is None:
+            await self._some_link()
+            link = self._pick()
         try:
             await link.sock.send_multipart(frames)
         except (zmq.ZMQError, OSError) as exc:
@@ -335,6 +477,14 @@ class Client:
         p["max_new_tokens"] = max_new_tokens
         frames = P.encode_submit(rid, input_ids=input_ids, text=text, params=p, deadline_ms=budget_ms,
                                  stream=stream, idempotent=idempotent, slo=slo, model=model)
+        if not self._links:  # dns+tcp:// brokers only, none resolved yet: wait for one, as for a connection
+            try:
+                await asyncio.wait_for(self._some_link(), max(0.0, st.deadline_s - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise error_for(ErrorCode.DEADLINE_EXCEEDED, f"no broker address for {', '.join(self._dns_specs)} "
+                                "resolved before the deadline", rid) from None
+            except ClientStateError:
+                raise error_for(ErrorCode.CANCELLED, "client closed", rid) from None
         link = self._pick(_avoid)
         st._link = link
         self._streams[rid] = st
@@ -455,18 +605,29 @@ class Client:
                 await self._on_link_lost(link)
 
     async def _on_link_lost(self, link: _Link) -> None:
+        await self._drain_replies(link)
+        self._fail_pending(link, f"broker connection lost ({link.endpoint}) before the reply")
+
+    @staticmethod
+    async def _drain_replies(link: _Link) -> None:
         # Replies that arrived before the drop are queued on the socket: let the receive task
         # take them first (bounded), so a broker that drained cleanly loses nothing here.
         t_end = time.monotonic() + _LOST_DRAIN_S
         while link.pending and link.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < t_end:
             await asyncio.sleep(0.001)
+
+    def _fail_pending(self, link: _Link, why: str) -> list[str]:
+        """End every request ``link`` still holds with ``unavailable`` (resubmittable); their rids."""
+        failed = []
         for rid in list(link.pending):
             st = self._streams.get(rid)
             self._forget(rid)
             if st is not None and not st._done:
                 self.lost_requests += 1
-                st._fail(error_for(ErrorCode.UNAVAILABLE, f"broker connection lost ({link.endpoint}) before the reply", rid))
+                st._fail(error_for(ErrorCode.UNAVAILABLE, why, rid))
+                failed.append(rid)
         link.pending.clear()
+        return failed
 
 
 class SyncClient:
@@ -482,6 +643,7 @@ class SyncClient:
         async def _mk() -> Client:
             c = Client(endpoints, **kwargs)
             c.open()
+            await c._first_resolution()
             return c
 
         self._client = self._call(_mk())
