@@ -792,7 +792,8 @@ class HttpIngress:
         tracing.annotate(request_id=rid, model=model)
         try:
             frames = P.encode_submit(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"),
-                                     params=params, deadline_ms=deadline_ms, stream=stream, slo=slo, model=model)
+                                     params=params, deadline_ms=deadline_ms, stream=stream, slo=slo, model=model,
+                                     traceparent=tracing.current_traceparent())
         except (UnicodeEncodeError, ValueError, OverflowError, TypeError):  # lone surrogates in a string, ...
             raise _BadRequest("request holds text that is not valid Unicode") from None
         if len(frames[2]) > MAX_SUBMIT_BYTES:

@@ -151,6 +151,7 @@ frame list to send (without the ROUTER identity).
 from __future__ import annotations
 
 import math
+import re
 from array import array
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -386,6 +387,9 @@ class Submit:
     raw: bytes  # the body as received: forwarded verbatim to the worker
     packed: Any = None  # input_ids as array('I') (validated once; used for content keys)
     model: str | None = None  # the model asked for (None: the fleet's only model)
+    # W3C trace context of the caller's span (HTTP front door): adapters continue the trace to
+    # the engine. A malformed one is ignored, as W3C asks, never a reason to refuse a request.
+    traceparent: str | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -455,10 +459,13 @@ def encode_submit(
     idempotent: bool = True,
     slo: dict[str, Any] | None = None,
     model: str | None = None,
+    traceparent: str | None = None,
 ) -> list[bytes]:
     body: dict[str, Any] = {"rid": rid, "params": params or {}, "stream": stream, "idempotent": idempotent}
     if model is not None:
         body["model"] = model
+    if traceparent is not None:
+        body["traceparent"] = traceparent
     if input_ids is not None:
         body["input_ids"] = input_ids
     if text is not None:
@@ -560,7 +567,20 @@ def _parse_submit(raw: bytes) -> Submit:
         raw=raw,
         packed=packed,
         model=_str(d, "model", required=False, max_bytes=256) or None,
+        traceparent=_traceparent(d.get("traceparent")),
     )
+
+
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def _traceparent(v: Any) -> str | None:
+    """A valid W3C ``traceparent`` (version-traceid-parentid-flags, lower-case hex), else None."""
+    if type(v) is not str or len(v) != 55 or not _TRACEPARENT.fullmatch(v) or v.startswith("ff"):
+        return None
+    if v[3:35] == "0" * 32 or v[36:52] == "0" * 16:  # all-zero ids are invalid
+        return None
+    return v
 
 
 def decode_client(frames: list[bytes]) -> Submit | Cancel | StatusQuery | ProtocolError:

@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 from mesh.errors import ConfigError
 
-__all__ = ["EXPORTERS", "configure_tracing", "use_provider", "server_span", "annotate", "set_attributes", "add_event", "enabled"]
+__all__ = ["EXPORTERS", "configure_tracing", "use_provider", "server_span", "client_span", "current_traceparent",
+           "annotate", "set_attributes", "add_event", "enabled"]
 
 EXPORTERS = ("none", "console", "otlp")
 _tracer: Any = None  # an opentelemetry Tracer while tracing is on
@@ -68,6 +69,30 @@ def server_span(name: str, headers: Mapping[str, str], attributes: dict[str, Any
 
     return _tracer.start_as_current_span(name, context=propagate.extract(dict(headers)), kind=SpanKind.SERVER,
                                          attributes={k: v for k, v in attributes.items() if v is not None})
+
+
+def client_span(name: str, traceparent: str | None, attributes: dict[str, Any]):
+    """A context manager: a CLIENT span continuing the trace ``traceparent`` names (the adapter's
+    call to its engine), or nothing when tracing is off or there is no trace to continue."""
+    if _tracer is None or traceparent is None:
+        return contextlib.nullcontext()
+    from opentelemetry import propagate
+    from opentelemetry.trace import SpanKind
+
+    return _tracer.start_as_current_span(name, context=propagate.extract({"traceparent": traceparent}),
+                                         kind=SpanKind.CLIENT,
+                                         attributes={k: v for k, v in attributes.items() if v is not None})
+
+
+def current_traceparent() -> str | None:
+    """The W3C ``traceparent`` of the current span (to carry it on), None when there is none."""
+    if _tracer is None:
+        return None
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent")
 
 
 def annotate(**attributes: Any) -> None:

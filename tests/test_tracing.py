@@ -81,3 +81,74 @@ def test_tracing_settings_name_the_field():
         tracing.configure_tracing("otlp", "")
     with pytest.raises(ConfigError, match="trace_exporter"):
         build(BrokerSettings, {"trace_exporter": "zipkin"})
+
+
+def test_the_trace_goes_on_through_the_adapter_to_the_engine(spans):
+    """HTTP -> broker -> adapter -> engine: the adapter's CLIENT span is a child of the broker's
+    SERVER span (the traceparent rides in the SUBMIT), and the engine receives the adapter span's
+    traceparent header. Broker, adapter and SGLang stub run in this loop, over real sockets."""
+    from mesh.adapters.base import Adapter, AttachSettings
+    from mesh.adapters.sglang import SglangBackend
+    from workers_stub.sglang_server import SglangStub, StubSettings
+
+    async def body():
+        b = build_broker(build(BrokerSettings, {"frontend": "tcp://127.0.0.1:*", "backend": "tcp://127.0.0.1:*",
+                                                "policy": "round_robin", "heartbeat_ms": 200}))
+        task = asyncio.create_task(b.run())
+        await b.ready.wait()
+        ing = HttpIngress(b)
+        url = await ing.start("127.0.0.1", 0)
+        stub = SglangStub(StubSettings(port=0, time_scale=0.05))
+        info = await stub.start()
+        s = AttachSettings(url=info["url"], brokers=(b.backend_endpoint,), worker_id="sg-0", heartbeat_ms=200)
+        s.validate()
+        adapter = Adapter(s, SglangBackend(s))
+        atask = asyncio.create_task(adapter.run())
+        try:
+            await wait_for_workers(b.frontend_endpoint, 1, timeout_s=20)
+            trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+            h = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01", "x-request-id": "cart-17"}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as sess:
+                async with sess.post(url + "/generate", json={"input_ids": list(range(1, 40)),
+                                                              "sampling_params": {"max_new_tokens": 3}}, headers=h) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+                async with sess.post(url + "/generate", json={"input_ids": list(range(1, 40)),
+                                                              "sampling_params": {"max_new_tokens": 2}}) as r:
+                    assert r.status == 200  # no caller trace: the broker's span starts one of its own
+                    await r.read()
+            return trace_id, list(stub.traceparents)
+        finally:
+            adapter.request_stop(force=True)
+            await asyncio.wait_for(atask, 15)
+            await stub.stop()
+            await ing.stop()
+            b.request_stop()
+            await asyncio.wait_for(task, 15)
+
+    trace_id, seen = run(body(), 60)
+    done = spans.get_finished_spans()
+    servers = [x for x in done if x.kind.name == "SERVER"]
+    clients = [x for x in done if x.kind.name == "CLIENT"]
+    assert len(servers) == 2 and len(clients) == 2, [(x.name, x.kind.name) for x in done]
+    srv = next(x for x in servers if format(x.context.trace_id, "032x") == trace_id)
+    cli = next(x for x in clients if format(x.context.trace_id, "032x") == trace_id)
+    assert cli.parent is not None and cli.parent.span_id == srv.context.span_id  # adapter span under the broker's
+    assert cli.name == "mesh adapter sglang" and cli.attributes["mesh.request_id"] == "cart-17"
+    assert cli.attributes["mesh.worker"] == "sg-0"
+    # the engine got the adapter span's own traceparent, for each request
+    assert f"00-{trace_id}-{format(cli.context.span_id, '016x')}-01" in seen
+    assert len(seen) == 2 and all(t.startswith("00-") for t in seen)
+    other = next(x for x in clients if x is not cli)
+    assert other.parent is not None and format(other.context.trace_id, "032x") != trace_id
+
+
+def test_a_malformed_traceparent_is_ignored_not_refused():
+    from mesh import protocol as P
+
+    for bad in ("00-zz", "00-" + "0" * 32 + "-00f067aa0ba902b7-01", "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", 7, None):
+        sub = P.decode_client(P.encode_submit("r1", input_ids=[1, 2], traceparent=bad))  # type: ignore[arg-type]
+        assert isinstance(sub, P.Submit) and sub.traceparent is None, bad
+    good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    assert P.decode_client(P.encode_submit("r1", input_ids=[1, 2], traceparent=good)).traceparent == good

@@ -461,6 +461,9 @@ class SglangStub:
         self._rr = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
+        # W3C traceparent headers of the last requests (SGLang continues them with --enable-trace):
+        # what a test reads to see the trace reach the engine
+        self.traceparents: deque[str] = deque(maxlen=256)
         self.recent_requests: deque[dict] = deque(maxlen=32)
 
     # ------------------------------------------------------------------ lifecycle
@@ -796,6 +799,9 @@ class SglangStub:
         return sp
 
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
+        tp = request.headers.get("traceparent")
+        if tp is not None:
+            self.traceparents.append(tp[:64])
         try:
             body = await self._body(request)
             prompts, batch = self._prompts(body)
@@ -893,6 +899,9 @@ class SglangStub:
         return v
 
     async def h_completions(self, request: web.Request) -> web.StreamResponse:
+        tp = request.headers.get("traceparent")
+        if tp is not None:
+            self.traceparents.append(tp[:64])
         try:
             body = await self._body(request)
             p = body.get("prompt")
@@ -979,6 +988,9 @@ class SglangStub:
         return text_to_tokens("".join(parts))
 
     async def h_chat(self, request: web.Request) -> web.StreamResponse:
+        tp = request.headers.get("traceparent")
+        if tp is not None:
+            self.traceparents.append(tp[:64])
         try:
             body = await self._body(request)
             prompt = self._chat_prompt(body)

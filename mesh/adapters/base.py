@@ -88,6 +88,7 @@ from mesh import protocol as P
 from mesh.discovery import check_endpoint
 from mesh.errors import ConfigError, ErrorCode, FatalRequestError, MeshError, ProtocolError, RequestError, RetryableError, error_for
 from mesh.load import LoadStat
+from mesh import tracing
 from mesh.logs import RateLimiter, announce, get_logger
 from mesh.retry import RetryPolicy
 from mesh.openai_logprobs import LOGPROB_KEYS
@@ -187,6 +188,8 @@ class AttachSettings:
     kv_events_to: str = "all"
     drain_timeout_s: float = 10.0
     log_level: str = "info"
+    trace_exporter: str = "none"
+    trace_endpoint: str = ""
 
     def validate(self) -> None:
         u = urlsplit(self.url)
@@ -214,6 +217,8 @@ class AttachSettings:
             raise ConfigError("kv_events_to: must be all or one")
         if self.health_path is not None and not self.health_path.startswith("/"):
             raise ConfigError("health_path: must start with /")
+        if self.trace_exporter not in ("none", "console", "otlp"):
+            raise ConfigError("trace_exporter: must be none|console|otlp")
 
     @property
     def url_host(self) -> str:
@@ -1268,6 +1273,23 @@ class Adapter:
             self.log.warning("prefill_leg_failed", error=str(engine_error(exc, f"{self.s.base_url}{path}"))[:200])
 
     async def _proxy(self, link: BrokerLink, r: P.Request) -> tuple[ErrorCode | None, str]:
+        """:meth:`_proxy_engine`, in a CLIENT span continuing the caller's trace when tracing is on
+        and the SUBMIT carries a ``traceparent``; the engine gets this span's ``traceparent``
+        header (SGLang and vLLM continue it with their own OpenTelemetry tracing)."""
+        tp = r.submit.traceparent
+        if tp is None or not tracing.enabled():
+            return await self._proxy_engine(link, r, None)
+        with tracing.client_span(f"mesh adapter {self.backend.kind}", tp,
+                                 {"mesh.request_id": r.submit.rid, "mesh.worker": self.worker_id,
+                                  "mesh.attempt": r.attempt, "server.address": self.s.url}):
+            mine = tracing.current_traceparent()
+            code, msg = await self._proxy_engine(link, r, {"traceparent": mine} if mine else None)
+            if code is not None:
+                tracing.annotate(error_code=code.value)
+            return code, msg
+
+    async def _proxy_engine(self, link: BrokerLink, r: P.Request,
+                            headers: dict[str, str] | None) -> tuple[ErrorCode | None, str]:
         """Run one request against the server; returns an error to send, or (None, "") when done.
 
         A request the client does not stream is sent unstreamed when the backend allows it (one
@@ -1296,7 +1318,7 @@ class Adapter:
         try:
             async with asyncio.timeout(timeout_s):
                 if not engine_streams:
-                    status, raw = await self.engine.request("POST", path, payload)
+                    status, raw = await self.engine.request("POST", path, payload, headers)
                     if status != 200:
                         return error_code_for_status(status), f"HTTP {status} from {path}: {raw[:512].decode('utf-8', 'replace')}"
                     obj = orjson.loads(raw)  # not JSON: engine_error's worker_error
@@ -1313,7 +1335,7 @@ class Adapter:
                 held_text: list[str] = []
                 held_lists: dict[str, list] = {}
                 seq = 0
-                async with self.engine.stream("POST", path, payload) as (status, chunks):
+                async with self.engine.stream("POST", path, payload, headers) as (status, chunks):
                     if status != 200:
                         head = b""
                         async for piece in chunks:

@@ -61,6 +61,10 @@ _SPECS: dict[str, Spec] = {
                                                       "indexer)"),
     "drain_timeout_s": Spec(unit="s", help="SIGTERM: wait this long for in-flight requests"),
     "log_level": Spec(add=add_log_level_arg),
+    "trace_exporter": Spec(choices=("none", "console", "otlp"),
+                           help="OpenTelemetry: a CLIENT span per engine call, continuing the trace the broker's "
+                                "HTTP span began (the 'tracing' extra): none, console (stderr) or otlp"),
+    "trace_endpoint": Spec(metavar="URL", help="OTLP/HTTP traces endpoint, e.g. http://otel-collector:4318/v1/traces"),
 }
 _TOP = ["url", "brokers", "worker_id", "model", "role"]
 _TELEMETRY = ["kv_endpoint", "replay_endpoint", "load_endpoint", "block_size", "dp_size", "topic", "max_running_requests",
@@ -68,7 +72,7 @@ _TELEMETRY = ["kv_endpoint", "replay_endpoint", "load_endpoint", "block_size", "
 _SGLANG_ONLY = ["incremental_streaming", "bootstrap_host", "bootstrap_port"]
 _TIMING = ["health_path", "health_interval_ms", "health_timeout_ms", "unhealthy_after", "load_poll_ms", "load_stale_ms",
            "replay_timeout_ms", "discovery_timeout_s", "heartbeat_ms", "liveness", "kv_events_to", "drain_timeout_s",
-           "log_level"]
+           "log_level", "trace_exporter", "trace_endpoint"]
 _VLLM_REQUIRED = ("kv_endpoint", "block_size")
 
 
@@ -161,6 +165,9 @@ async def _run(engine: str, s) -> int:
     from mesh.logs import configure, get_logger
 
     configure(s.log_level)
+    from mesh.tracing import configure_tracing
+
+    configure_tracing(s.trace_exporter, s.trace_endpoint, service="mesh-adapter")
     log = get_logger(service="adapter")
     adapter = Adapter(s, make_backend(engine, s))
     loop = asyncio.get_running_loop()
