@@ -38,3 +38,4 @@ def test_indexer_metrics_count_matches_and_show_its_state(procs):
     assert events.get("queries") == 5, events
     stats = {s.labels["stat"]: s.value for s in fams["mesh_indexer_stat"]}
     assert "tracked_workers" in stats and stats["limit_max_workers"] > 0
+    assert stats["uncovered_streams"] == 0 and [s.value for s in fams["mesh_indexer_ready"]] == [1.0]

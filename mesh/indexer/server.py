@@ -1352,6 +1352,8 @@ class _IndexerCollector:
                 g.add_metric([k], float(v))
         yield g
         yield GaugeMetricFamily("mesh_indexer_queries_in_flight", "Prefix queries being answered", value=self.svc.inflight_queries)
+        yield GaugeMetricFamily("mesh_indexer_ready", "1 while health says SERVING: every expected stream covered "
+                                "(and, on Valkey, the log tail caught up)", value=1.0 if self.svc.ready else 0.0)
         h = self.core.match_hist
         yield HistogramMetricFamily("mesh_indexer_match_seconds", "Server time of one prefix match", buckets=h.buckets(), sum_value=h.sum_s)
 
