@@ -4,6 +4,7 @@ a real broker and simulated workers in this process's event loop, real HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import pytest
@@ -32,15 +33,26 @@ def spans():
     tracing.use_provider(None)
 
 
+@contextlib.asynccontextmanager
+async def _broker_with_http():
+    """A round-robin broker and its HTTP ingress in this loop: (broker, base URL); stopped after."""
+    b = build_broker(build(BrokerSettings, {"frontend": "tcp://127.0.0.1:*", "backend": "tcp://127.0.0.1:*",
+                                            "policy": "round_robin", "heartbeat_ms": 200}))
+    task = asyncio.create_task(b.run())
+    await b.ready.wait()
+    ing = HttpIngress(b)
+    url = await ing.start("127.0.0.1", 0)
+    try:
+        yield b, url
+    finally:
+        await ing.stop()
+        b.request_stop()
+        await asyncio.wait_for(task, 15)
+
+
 def test_http_requests_become_spans_under_the_callers_trace(procs, spans):
     async def body():
-        b = build_broker(build(BrokerSettings, {"frontend": "tcp://127.0.0.1:*", "backend": "tcp://127.0.0.1:*",
-                                                "policy": "round_robin", "heartbeat_ms": 200}))
-        task = asyncio.create_task(b.run())
-        await b.ready.wait()
-        ing = HttpIngress(b)
-        url = await ing.start("127.0.0.1", 0)
-        try:
+        async with _broker_with_http() as (b, url):
             # (in a thread: starting a process blocks, and a blocked loop is lag the broker sheds load for)
             await asyncio.to_thread(procs.workers, "w", [b.backend_endpoint], "--time-scale", "0.05", count=1)
             await wait_for_workers(b.frontend_endpoint, 1)
@@ -54,10 +66,6 @@ def test_http_requests_become_spans_under_the_callers_trace(procs, spans):
                     assert r.status == 400
                 async with s.get(url + "/health") as r:
                     assert r.status == 200
-        finally:
-            await ing.stop()
-            b.request_stop()
-            await asyncio.wait_for(task, 15)
         return trace_id
 
     trace_id = run(body(), 60)
@@ -92,39 +100,31 @@ def test_the_trace_goes_on_through_the_adapter_to_the_engine(spans):
     from workers_stub.sglang_server import SglangStub, StubSettings
 
     async def body():
-        b = build_broker(build(BrokerSettings, {"frontend": "tcp://127.0.0.1:*", "backend": "tcp://127.0.0.1:*",
-                                                "policy": "round_robin", "heartbeat_ms": 200}))
-        task = asyncio.create_task(b.run())
-        await b.ready.wait()
-        ing = HttpIngress(b)
-        url = await ing.start("127.0.0.1", 0)
-        stub = SglangStub(StubSettings(port=0, time_scale=0.05))
-        info = await stub.start()
-        s = AttachSettings(url=info["url"], brokers=(b.backend_endpoint,), worker_id="sg-0", heartbeat_ms=200)
-        s.validate()
-        adapter = Adapter(s, SglangBackend(s))
-        atask = asyncio.create_task(adapter.run())
-        try:
-            await wait_for_workers(b.frontend_endpoint, 1, timeout_s=20)
-            trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-            h = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01", "x-request-id": "cart-17"}
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as sess:
-                async with sess.post(url + "/generate", json={"input_ids": list(range(1, 40)),
-                                                              "sampling_params": {"max_new_tokens": 3}}, headers=h) as r:
-                    assert r.status == 200, await r.text()
-                    await r.read()
-                async with sess.post(url + "/generate", json={"input_ids": list(range(1, 40)),
-                                                              "sampling_params": {"max_new_tokens": 2}}) as r:
-                    assert r.status == 200  # no caller trace: the broker's span starts one of its own
-                    await r.read()
-            return trace_id, list(stub.traceparents)
-        finally:
-            adapter.request_stop(force=True)
-            await asyncio.wait_for(atask, 15)
-            await stub.stop()
-            await ing.stop()
-            b.request_stop()
-            await asyncio.wait_for(task, 15)
+        async with _broker_with_http() as (b, url):
+            stub = SglangStub(StubSettings(port=0, time_scale=0.05))
+            info = await stub.start()
+            s = AttachSettings(url=info["url"], brokers=(b.backend_endpoint,), worker_id="sg-0", heartbeat_ms=200)
+            s.validate()
+            adapter = Adapter(s, SglangBackend(s))
+            atask = asyncio.create_task(adapter.run())
+            try:
+                await wait_for_workers(b.frontend_endpoint, 1, timeout_s=20)
+                trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+                h = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01", "x-request-id": "cart-17"}
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as sess:
+                    async with sess.post(url + "/generate", json={"input_ids": list(range(1, 40)),
+                                                                  "sampling_params": {"max_new_tokens": 3}}, headers=h) as r:
+                        assert r.status == 200, await r.text()
+                        await r.read()
+                    async with sess.post(url + "/generate", json={"input_ids": list(range(1, 40)),
+                                                                  "sampling_params": {"max_new_tokens": 2}}) as r:
+                        assert r.status == 200  # no caller trace: the broker's span starts one of its own
+                        await r.read()
+                return trace_id, list(stub.traceparents)
+            finally:
+                adapter.request_stop(force=True)
+                await asyncio.wait_for(atask, 15)
+                await stub.stop()
 
     trace_id, seen = run(body(), 60)
     done = spans.get_finished_spans()
