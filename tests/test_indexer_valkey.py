@@ -247,14 +247,20 @@ def test_valkey_lost_then_back_empty(procs, valkey):
             assert r.best_prefix_blocks == 3
             await until(lambda: _not_serving(h), 10, "NOT_SERVING while Valkey is gone")
             # Valkey comes back empty (no persistence): a new state; the replica follows it
-            start_valkey_process(d)
+            again.append(start_valkey_process(d)[0])
             await until(lambda: _instance_changed(s, first), 20, "the replica follows the new state")
             r = await s.MatchPrefix(pb.MatchPrefixRequest(keys=_keys(3), block_size=BS), timeout=5)
             assert r.best_prefix_blocks == 0  # the old copy is not served as if it were the new state
             assert (await _apply(s, 0)).verdict in (pb.APPLY, pb.RESYNCED, pb.NEW_EPOCH)
             await until(lambda: _serving(h), 10, "SERVING again")
 
-    run(body(), 60)
+    again: list = []
+    try:
+        run(body(), 60)
+    finally:
+        for p in again:  # the fixture stops only the first server
+            p.kill()
+            p.wait(5)
     assert "indexer_state_replaced" in r1.log_path.read_text()
 
 
