@@ -42,8 +42,8 @@ test-e2e: $(STAMP) valkey-server
 soak: $(STAMP)
 	$(PY) -m pytest -q -m soak
 
-# whole small runs of the benchmark commands (HTTP path arms, tokenize-load): about 35 s
-test-bench: $(STAMP)
+# whole small runs of the benchmark commands (HTTP path arms, tokenize-load, indexer backends): about 45 s
+test-bench: $(STAMP) valkey-server
 	$(PY) -m pytest -q -m bench
 
 bench: $(STAMP) valkey-server
