@@ -312,3 +312,40 @@ def test_backend_flags_are_validated(procs):
     p = procs.spawn("bad2", ["indexer", "--backend", "valkey", "--valkey-url", "http://x"])
     assert p.popen.wait(30) != 0
     assert "valkey_url" in p.log_path.read_text()
+
+
+def test_a_replica_paused_past_a_trim_reloads_the_checkpoint(procs, valkey):
+    """A replica SIGSTOPped while the log was checkpointed and trimmed twice must not go on from
+    its old place (XREAD would skip the trimmed entries silently): it reloads the checkpoint."""
+    _, url, _ = valkey
+    r1, ep1 = _replica(procs, "r1", url, 0, "--checkpoint-every", "10")
+    r2, ep2 = _replica(procs, "r2", url)
+
+    async def body():
+        async with grpc.aio.insecure_channel(ep1.split("//")[1]) as ch1, \
+                grpc.aio.insecure_channel(ep2.split("//")[1]) as ch2:
+            s1, s2 = pb_grpc.IndexerStub(ch1), pb_grpc.IndexerStub(ch2)
+            await _apply(s1, 0)
+
+            async def seen(stub, n):
+                r = await stub.MatchPrefix(pb.MatchPrefixRequest(keys=_keys(n), block_size=BS), timeout=5)
+                return r.best_prefix_blocks == n
+
+            await until(lambda: seen(s2, 1), 10, "replica 2 following")
+            r2.signal(signal.SIGSTOP)
+            try:
+                for seq in range(1, 60):
+                    await _apply(s1, seq)
+                import redis
+
+                rc = redis.Redis.from_url(url)
+                await until(lambda: rc.hget("mesh:indexer:checkpoint", "trimmed") not in (None, b"0-0"), 10,
+                            "a trim past replica 2's place")
+            finally:
+                r2.signal(signal.SIGCONT)
+            await until(lambda: seen(s2, 60), 15, "replica 2 holds all 60 blocks again")
+            st = await s2.Stats(pb.StatsRequest(), timeout=5)
+            assert st.counters["service_checkpoint_reloads"] >= 1 and st.untrusted_streams == 0
+
+    run(body(), 60)
+    assert "indexer_tail_behind_trim" in r2.log_path.read_text()

@@ -135,12 +135,17 @@ class ValkeyLog:
             pipe.xadd(self.k_log, {b"o": p})
         return await self._do("XADD", pipe.execute())
 
-    async def read(self, after: bytes, *, block_ms: int | None) -> list[tuple[bytes, bytes]]:
-        """Entries after ``after`` (at most ``_READ_COUNT``), waiting up to ``block_ms`` for one."""
-        res = await self._do("XREAD", self.tail.xread({self.k_log: after}, count=_READ_COUNT, block=block_ms))
-        if not res:
-            return []
-        return [(eid, fields.get(b"o", b"")) for eid, fields in res[0][1]]
+    async def read(self, after: bytes, *, block_ms: int | None) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """Entries after ``after`` (at most ``_READ_COUNT``), waiting up to ``block_ms`` for one, and
+        the trim point read just after them (one round trip). Trims only move forward, so when
+        ``after`` is not below that point no entry after ``after`` was trimmed before the read:
+        XREAD itself would skip trimmed entries without a word."""
+        pipe = self.tail.pipeline(transaction=False)
+        pipe.xread({self.k_log: after}, count=_READ_COUNT, block=block_ms)
+        pipe.hget(self.k_ckpt, b"trimmed")
+        res, trimmed = await self._do("XREAD", pipe.execute())
+        entries = [(eid, fields.get(b"o", b"")) for eid, fields in res[0][1]] if res else []
+        return entries, trimmed or b"0-0"
 
     def _mac(self, entry_id: bytes, data: bytes) -> bytes:
         return hmac.new(self.mac_key or b"", entry_id + b"\0" + data, hashlib.sha256).digest()
@@ -166,8 +171,10 @@ class ValkeyLog:
             prev = await self._do("HGET checkpoint", self.r.hget(self.k_ckpt, b"id"))
             if prev is not None and _id_key(prev) >= _id_key(upto):
                 return False  # someone wrote a newer one meanwhile
+            # trimmed: entries below it are gone; a replica whose tail is behind it reloads this checkpoint
             await self._do("HSET checkpoint", self.r.hset(self.k_ckpt, mapping={
-                b"id": upto, b"data": data, b"mac": self._mac(upto, data), b"t": str(time.time()).encode()}))
+                b"id": upto, b"data": data, b"mac": self._mac(upto, data), b"t": str(time.time()).encode(),
+                b"trimmed": prev if prev is not None else b"0-0"}))
             if prev is not None:
                 await self._do("XTRIM", self.r.xtrim(self.k_log, minid=prev, approximate=False))
             return True
@@ -251,7 +258,9 @@ class SharedState:
             self.log.info("indexer_checkpoint_loaded", upto=eid.decode(), bytes=len(blob))
         n = 0
         while True:
-            batch = await self.vlog.read(self.last_id, block_ms=None)
+            batch, trimmed = await self.vlog.read(self.last_id, block_ms=None)
+            if await self._behind_trim(trimmed):
+                continue
             if not batch:
                 break
             n += await self._apply_entries(batch)
@@ -264,12 +273,17 @@ class SharedState:
         last_state_check = time.monotonic()
         while True:
             try:
-                batch = await self.vlog.read(self.last_id, block_ms=_BLOCK_MS)
-                if batch:
-                    await self._apply_entries(batch)
+                batch, trimmed = await self.vlog.read(self.last_id, block_ms=_BLOCK_MS)
+                # Checked before the batch is applied: after a pause (SIGSTOP, a partition) the
+                # batch may lie beyond a trim, or belong to a replaced state.
+                if await self._behind_trim(trimmed):
+                    continue  # read again from where the reload left the tail
                 if time.monotonic() - last_state_check >= 1.0:
                     last_state_check = time.monotonic()
-                    await self._check_state_id()
+                    if await self._check_state_id():
+                        continue
+                if batch:
+                    await self._apply_entries(batch)
                 if not self.ready:
                     self._set_ready(True)
                 backoff = 0.05
@@ -281,10 +295,11 @@ class SharedState:
                 await asyncio.sleep(backoff)  # backoff between reconnects to a store that is down
                 backoff = min(2.0, backoff * 2)
 
-    async def _check_state_id(self) -> None:
+    async def _check_state_id(self) -> bool:
+        """True when the state was replaced (this replica starts over from the new one)."""
         sid = await self.vlog.state_id()
         if sid == self.state_id:
-            return
+            return False
         self.log.warning("indexer_state_replaced", old=self.state_id, new=sid,
                          note="the Valkey state changed (flushed or replaced): starting over from it")
         self.c["state_replaced"] += 1
@@ -295,6 +310,24 @@ class SharedState:
         for fut in self.waiters.values():
             if not fut.done():
                 fut.set_result(StoreUnavailable("the shared state was replaced"))
+        return True
+
+    async def _behind_trim(self, trimmed: bytes) -> bool:
+        """A tail behind the trim point (a replica paused, or cut off from Valkey, over two
+        checkpoints) may have missed entries: reload the checkpoint and go on from there. True
+        when it did."""
+        if _id_key(self.last_id) >= _id_key(trimmed):
+            return False
+        ck = await self.vlog.load_checkpoint()
+        if ck is None or _id_key(ck[0]) <= _id_key(self.last_id):
+            return False
+        self.c["checkpoint_reloads"] += 1
+        self.log.warning("indexer_tail_behind_trim", last=self.last_id.decode(), checkpoint=ck[0].decode(),
+                         note="entries this replica had not read were trimmed: reloading the checkpoint")
+        async with self.svc.mutex:
+            self.core.load_state(ck[1])
+            self.last_id = ck[0]
+        return True
 
     def _set_ready(self, ready: bool) -> None:
         if ready != self.ready:
