@@ -139,3 +139,30 @@ def test_a_decision_on_incomplete_coverage_is_degraded():
         r = Router(make_policy("cache_aware"), Provider(incomplete))
         d = r.route(RouteRequest("r", 64, tokens=list(range(64))), pool, 0.0)
         assert d.worker_id is not None and d.degraded is incomplete
+
+
+def test_coverage_follows_registrations_batches_gaps_and_forgets():
+    """The server's own readiness (pure core): a stream a broker says it forwards is uncovered
+    until a batch of it is applied in order; a hole uncovers it again; forgetting the worker (or
+    a bound) ends the expectation, so nobody can hold the server out of readiness for good."""
+    from mesh.indexer.server import IndexerCore, Limits
+
+    core = IndexerCore(limits=Limits(max_streams=3))
+    core.register_worker("w", 16, dp_ranks=[0, 1], now_s=0.0)
+    assert core.uncovered_streams == 2 and core.uncovered() == [("w", 0), ("w", 1)]
+    core.apply_batch("w", 0, 1, 0, _batch(0), now_s=1.0)
+    assert core.uncovered() == [("w", 1)]
+    core.apply_batch("w", 1, 1, 0, _batch(0), now_s=1.0)
+    assert core.uncovered_streams == 0
+    core.apply_batch("w", 1, 1, 5, _batch(5), now_s=2.0)  # seq 1-4 missing: untrusted again
+    assert core.uncovered() == [("w", 1)]
+    core.register_worker("x", 16, dp_ranks=[0, 1, 2], now_s=2.0)  # over max_streams in all: capped
+    assert core.stats()["expected_streams"] == 3 and core.c["expected_ranks_refused"] == 1
+    core.forget_worker("w")
+    core.forget_worker("x")
+    assert core.uncovered_streams == 0 and core.stats()["expected_streams"] == 0
+    # a checkpoint of the state keeps the expectations (the Valkey backend's restart)
+    core.register_worker("y", 16, dp_ranks=[0], now_s=3.0)
+    other = IndexerCore()
+    other.load_state(core.dump_state())
+    assert other.uncovered() == [("y", 0)]

@@ -369,6 +369,7 @@ class IndexerCore:
         # Coverage: the streams brokers told us (RegisterWorker dp_ranks) they forward, and those of
         # them not held trusted here. Ready (health SERVING) only while the second set is empty.
         self._expected: dict[str, set[int]] = {}
+        self._n_expected = 0
         self._uncovered: set[tuple[str, int]] = set()
         self.c: Counter[str] = Counter()
         self.latency_ns: deque[int] = deque(maxlen=_LATENCY_WINDOW)
@@ -567,7 +568,7 @@ class IndexerCore:
     # ------------------------------------------------------------------ state (shared backends)
     #: What a checkpoint holds: everything the verdicts depend on (not counters, not latencies).
     _STATE = ("index", "provider", "_known", "_w", "_n_streams", "_ranked_streams", "_ghosts", "_ghost_streams",
-              "_asked_at", "_expected", "_uncovered")
+              "_asked_at", "_expected", "_n_expected", "_uncovered")
 
     def dump_state(self) -> bytes:
         """The whole index state as bytes (pickle: only ever loaded from a store this service
@@ -611,8 +612,11 @@ class IndexerCore:
         return sorted(self._uncovered)[:limit]
 
     def _expect(self, worker_id: str, dp_ranks: Sequence[int]) -> None:
+        """Bounded like the streams themselves: per worker and over all workers (a caller naming
+        streams it never sends could otherwise hold the server out of readiness without end;
+        such a worker holds no block, so ghost expiry forgets it and its expectations)."""
         exp = self._expected.setdefault(worker_id, set())
-        room = self.limits.max_ranks_per_worker - len(exp)
+        room = min(self.limits.max_ranks_per_worker - len(exp), self.limits.max_streams - self._n_expected)
         for r in dp_ranks:
             if r in exp:
                 continue
@@ -620,11 +624,14 @@ class IndexerCore:
                 self.c["expected_ranks_refused"] += 1
                 break
             exp.add(r)
+            self._n_expected += 1
             room -= 1
             self._cover((worker_id, r))
 
     def _unexpect(self, worker_id: str) -> None:
-        for r in self._expected.pop(worker_id, ()):
+        exp = self._expected.pop(worker_id, ())
+        self._n_expected -= len(exp)
+        for r in exp:
             self._uncovered.discard((worker_id, r))
 
     def _slices(self, worker_id: str, rec: _WorkerRec, events: list[KV.KvEvent],
@@ -830,8 +837,9 @@ class IndexerCore:
             self._known.discard(s)
             self._asked_at.pop(s, None)
             exp = self._expected.get(s[0])
-            if exp is not None:  # an empty rank nobody sends to any more: no longer expected
+            if exp is not None and s[1] in exp:  # an empty rank nobody sends to any more: no longer expected
                 exp.discard(s[1])
+                self._n_expected -= 1
                 self._uncovered.discard(s)
             self.c["ghost_streams_expired"] += 1
             n += 1
@@ -877,7 +885,7 @@ class IndexerCore:
             "service": dict(c),
             "server_instance": self.instance,
             "known_streams": len(self._known),
-            "expected_streams": sum(len(v) for v in self._expected.values()),
+            "expected_streams": self._n_expected,
             "uncovered_streams": len(self._uncovered),
             "tracked_workers": len(self._w),
             "tracked_streams": self._n_streams,
