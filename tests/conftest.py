@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import time
 from pathlib import Path
 
@@ -14,6 +15,27 @@ from mesh.procs import ProcGroup
 
 _E2E_SOURCE_MARKS = ("subprocess", "ProcGroup(", "Popen(", "create_subprocess")
 _module_is_e2e: dict[str, bool] = {}
+
+
+def pytest_configure(config):
+    """One converted base tokenizer per kind for the whole session (and the processes tests
+    start): mesh.tokenization.builtin.build_model_dir keeps them in $MESH_TOKENIZER_CACHE."""
+    import tempfile
+
+    from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
+
+    if not os.environ.get(TOKENIZER_CACHE_ENV):
+        config._mesh_tok_cache = tempfile.TemporaryDirectory(prefix="mesh-tok-")
+        os.environ[TOKENIZER_CACHE_ENV] = config._mesh_tok_cache.name
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_mesh_tok_cache", None)
+    if cache is not None:
+        from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
+
+        os.environ.pop(TOKENIZER_CACHE_ENV, None)
+        cache.cleanup()
 
 
 def pytest_collection_modifyitems(config, items):

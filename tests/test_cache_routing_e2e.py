@@ -3,7 +3,9 @@
 Three arms on the identical seeded shared-prefix workload (skewed group popularity), one after
 the other in the same test: power_of_two, cache_aware_greedy (SGLang's threshold policy) and
 cache_aware (mesh's policy). cache_aware must find clearly more cached tokens than
-power_of_two and at least 0.9x cache_aware_greedy's.
+power_of_two and at least 0.9x cache_aware_greedy's. About 19 s, a quality measurement rather
+than a correctness check, so it runs behind the ``bench`` marker (``make test-bench``); the
+quality matrix (``mesh sim --matrix``) measures the same thing on many more cells.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+
+import pytest
 
 from mesh.client import Client
 from mesh.up import wait_for_workers
@@ -20,6 +24,8 @@ WORKERS = 4
 GROUPS = 16
 KV_TOKENS = 32_768  # per worker: room for about a third of the system prompts
 REQUESTS = 160
+
+pytestmark = pytest.mark.bench
 RATE = 40.0
 
 

@@ -25,9 +25,12 @@ from typing import Iterable
 
 from mesh.errors import ConfigError
 
-__all__ = ["SHIPPED_SPM", "SHIPPED_TEKKEN", "shipped_file", "shipped_spm_path", "build_model_dir",
+__all__ = ["TOKENIZER_CACHE_ENV", "SHIPPED_SPM", "SHIPPED_TEKKEN", "shipped_file", "shipped_spm_path", "build_model_dir",
            "MISTRAL_V3_TEMPLATE"]
 
+#: A folder that keeps the converted base tokenizer.json files between build_model_dir calls
+#: (one conversion per kind per test session instead of one per call; 2-3 s each).
+TOKENIZER_CACHE_ENV = "MESH_TOKENIZER_CACHE"
 SHIPPED_SPM = "mistral_instruct_tokenizer_240323.model.v3"
 SHIPPED_TEKKEN = "tekken_240718.json"
 
@@ -172,16 +175,21 @@ def build_model_dir(dest: str | Path, chat_template: str | None = None,
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    if cache_dir is None and os.environ.get(TOKENIZER_CACHE_ENV):
+        cache_dir = os.environ[TOKENIZER_CACHE_ENV]  # the test session's cache (tests/conftest.py)
     if tokenizer not in ("mistral_v3", "tekken"):
         raise ValueError(f"tokenizer: {tokenizer!r} (choose mistral_v3 or tekken)")
     base = Path(cache_dir) / f"{tokenizer}_base_tokenizer.json" if cache_dir else None
     if base is None or not base.is_file():
         target = base or (dest / "tokenizer.json")
         target.parent.mkdir(parents=True, exist_ok=True)
+        # written aside and renamed: a cache shared by processes never shows a half-written file
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         if tokenizer == "tekken":
-            _convert_tekken(shipped_file(SHIPPED_TEKKEN), target)
+            _convert_tekken(shipped_file(SHIPPED_TEKKEN), tmp)
         else:
-            _convert(shipped_spm_path(), target)
+            _convert(shipped_spm_path(), tmp)
+        os.replace(tmp, target)
         base = target
     tok = Tokenizer.from_file(str(base))
     bos = processors.TemplateProcessing(single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1",
