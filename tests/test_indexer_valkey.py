@@ -349,3 +349,32 @@ def test_a_replica_paused_past_a_trim_reloads_the_checkpoint(procs, valkey):
 
     run(body(), 60)
     assert "indexer_tail_behind_trim" in r2.log_path.read_text()
+
+
+def test_a_password_comes_from_the_environment_and_never_reaches_a_log(procs, tmp_path):
+    if valkey_server_binary() is None:
+        pytest.skip("no valkey-server/redis-server on PATH")
+    d = tmp_path / "vk"
+    d.mkdir()
+    vp, url = start_valkey_process(d, password="hunter2-secret")
+    try:
+        bad = procs.spawn("nopass", ["indexer", "--listen", "127.0.0.1:0", "--backend", "valkey", "--valkey-url", url])
+        assert bad.popen.wait(30) == 2
+        out = bad.log_path.read_text()
+        assert "valkey_url" in out and "Traceback" not in out
+        wrong = procs.spawn("wrong", ["indexer", "--listen", "127.0.0.1:0", "--backend", "valkey", "--valkey-url",
+                                      url.replace("unix://", "unix://:hunter2-secret-not@")])
+        assert wrong.popen.wait(30) == 2 and "hunter2" not in wrong.log_path.read_text()
+        procs.env["MESH_VALKEY_PASSWORD"] = "hunter2-secret"
+        ok, ep = _replica(procs, "ok", url)
+
+        async def body():
+            async with grpc.aio.insecure_channel(ep.split("//")[1]) as ch:
+                assert (await _apply(pb_grpc.IndexerStub(ch), 0)).verdict in (pb.APPLY, pb.RESYNCED, pb.NEW_EPOCH)
+
+        run(body(), 30)
+        assert "hunter2" not in ok.log_path.read_text()
+    finally:
+        procs.env.pop("MESH_VALKEY_PASSWORD", None)
+        vp.kill()
+        vp.wait(5)

@@ -71,7 +71,8 @@ def valkey_server_binary() -> str | None:
     return shutil.which("valkey-server") or shutil.which("redis-server")
 
 
-def start_valkey_process(workdir: Path, *, timeout_s: float = 15.0) -> tuple[subprocess.Popen, str]:
+def start_valkey_process(workdir: Path, *extra: str, timeout_s: float = 15.0,
+                         password: str | None = None) -> tuple[subprocess.Popen, str]:
     """Start a private Valkey/Redis server on a unix socket in ``workdir`` (no persistence, no TCP
     port to collide with) and wait until it answers PING; returns (process, ``unix://`` URL)."""
     import redis
@@ -81,7 +82,8 @@ def start_valkey_process(workdir: Path, *, timeout_s: float = 15.0) -> tuple[sub
         raise FileNotFoundError("neither valkey-server nor redis-server is installed (make test installs redis-server)")
     sock = workdir / "valkey.sock"
     p = subprocess.Popen([binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
-                          "--appendonly", "no", "--dir", str(workdir), "--logfile", str(workdir / "valkey.log")],
+                          "--appendonly", "no", "--dir", str(workdir), "--logfile", str(workdir / "valkey.log"),
+                          *(["--requirepass", password] if password else []), *extra],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                          start_new_session=True)
     url = f"unix://{sock}"
@@ -91,7 +93,7 @@ def start_valkey_process(workdir: Path, *, timeout_s: float = 15.0) -> tuple[sub
         if p.poll() is not None:
             raise RuntimeError(f"{binary} exited with {p.returncode}: see {workdir / 'valkey.log'}")
         try:
-            if sock.exists() and redis.Redis.from_url(url, socket_timeout=1.0).ping():
+            if sock.exists() and redis.Redis.from_url(url, socket_timeout=1.0, password=password).ping():
                 return p, url
         except (redis.RedisError, OSError):
             pass

@@ -49,7 +49,8 @@ class IndexerSettings:
                            help="where the index state lives: this process (memory), or Valkey/Redis shared by "
                                 "every replica given the same --valkey-url and --valkey-prefix (survives restarts)")
     valkey_url: str | None = setting(None, metavar="URL", default_text="none",
-                                     help="redis://HOST:PORT[/DB] of the Valkey (or Redis) server for --backend valkey")
+                                     help="redis://HOST:PORT[/DB] (rediss:// for TLS) of the Valkey (or Redis) server for "
+                                          "--backend valkey; its password from $MESH_VALKEY_PASSWORD (kept out of logs)")
     valkey_prefix: str = setting("mesh:indexer", help="key prefix of the shared state in Valkey (one per index)")
     checkpoint_every: int = setting(20_000, unit="log entries",
                                     help="--backend valkey: write a checkpoint (and trim the log) after this many entries")

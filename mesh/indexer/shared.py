@@ -53,9 +53,11 @@ import msgpack
 from mesh.errors import ConfigError, MeshError
 from mesh.logs import RateLimiter, get_logger
 
-__all__ = ["ValkeyLog", "SharedState", "StoreUnavailable", "parse_valkey_url", "DEFAULT_PREFIX"]
+__all__ = ["ValkeyLog", "SharedState", "StoreUnavailable", "parse_valkey_url", "DEFAULT_PREFIX", "PASSWORD_ENV"]
 
 DEFAULT_PREFIX = "mesh:indexer"
+#: Environment variable holding the Valkey password (AUTH), instead of redis://:PASSWORD@HOST.
+PASSWORD_ENV = "MESH_VALKEY_PASSWORD"
 _READ_COUNT = 512  # entries per XREAD
 _BLOCK_MS = 1000  # how long one XREAD waits for new entries
 _SUBMIT_TIMEOUT_S = 5.0  # an appended entry not applied by then: the caller gets UNAVAILABLE
@@ -71,6 +73,19 @@ def parse_valkey_url(url: str, field: str = "valkey_url") -> str:
     if not url.startswith(("redis://", "rediss://", "valkey://", "valkeys://", "unix://")):
         raise ConfigError(f"{field}: {url!r} must be redis://HOST:PORT[/DB] (or rediss://, valkey://, unix://)")
     return url.replace("valkey", "redis", 1) if url.startswith("valkey") else url
+
+
+def _redacted(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (redis://user:secret@host -> redis://user:***@host)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    user = u.username or ""
+    host = u.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{u.port}" if u.port else "")
+    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
 
 
 def entry_time_s(entry_id: bytes) -> float:
@@ -93,7 +108,7 @@ class ValkeyLog:
         import redis.asyncio as aioredis
 
         url = parse_valkey_url(url)
-        self.url = url
+        self.url = _redacted(url)  # for messages and logs: a password in the URL stays out of them
         self.prefix = prefix
         self.k_log = f"{prefix}:log"
         self.k_state = f"{prefix}:state"
@@ -101,9 +116,11 @@ class ValkeyLog:
         self.k_lock = f"{prefix}:checkpoint-lock"
         self.mac_key = mac_key
         # Two clients: the tail's XREAD BLOCK holds its connection for up to _BLOCK_MS.
-        self.r = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # a password from the environment keeps it off the command line (ps, manifests)
+        auth = {"password": os.environ[PASSWORD_ENV]} if os.environ.get(PASSWORD_ENV) else {}
+        self.r = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **auth)
         self.tail = aioredis.Redis.from_url(url, socket_timeout=timeout_s + _BLOCK_MS / 1000,
-                                            socket_connect_timeout=timeout_s)
+                                            socket_connect_timeout=timeout_s, **auth)
 
     async def _do(self, what: str, coro: Any) -> Any:
         from redis.exceptions import RedisError
