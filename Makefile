@@ -42,7 +42,8 @@ test-e2e: $(STAMP) valkey-server
 soak: $(STAMP)
 	$(PY) -m pytest -q -m soak
 
-# whole small runs of the benchmark commands (HTTP path arms, tokenize-load, indexer backends): about 45 s
+# whole small runs of the benchmark commands (HTTP path arms, tokenize-load, indexer backends, broker)
+# and the three-arm cache-routing quality run: about 75 s
 test-bench: $(STAMP) valkey-server
 	$(PY) -m pytest -q -m bench
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
+
 from mesh.bench.broker_bench import run_broker_bench
 from mesh.client import Client
 from mesh.up import wait_for_workers
@@ -34,6 +36,7 @@ def test_instant_worker_process_serves_requests(procs):
     run(body())
 
 
+@pytest.mark.bench  # a whole (small) mesh bench broker run, ~8 s: make test-bench
 def test_broker_bench_runs_both_arms_with_zero_errors():
     res = run_broker_bench(workers=4, seconds=0.5, concurrency=16, rounds=2, quiet=True)
     assert len(res["rounds"]) == 2

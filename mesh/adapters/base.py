@@ -85,11 +85,11 @@ import zmq.asyncio
 from mesh import kv_events as KV
 from mesh.adapters.engine_http import EngineConnectionError, EngineHttp
 from mesh import protocol as P
-from mesh.discovery import check_endpoint
 from mesh.errors import ConfigError, ErrorCode, FatalRequestError, MeshError, ProtocolError, RequestError, RetryableError, error_for
 from mesh.load import LoadStat
 from mesh import tracing
 from mesh.logs import RateLimiter, announce, get_logger
+from mesh.adapters.settings import AttachSettings  # noqa: F401 - re-exported: the adapters' settings
 from mesh.retry import RetryPolicy
 from mesh.openai_logprobs import LOGPROB_KEYS
 from mesh.sockets import SocketSpec, make_socket, recv_frames, socket_readable
@@ -149,84 +149,6 @@ def _log_crash(log, task: asyncio.Task) -> None:
 
 
 # --------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class AttachSettings:
-    """``mesh attach`` settings. Engine fields left None come from discovery (SGLang /server_info)."""
-
-    url: str
-    brokers: tuple[str, ...]
-    worker_id: str = ""
-    model: str = ""
-    role: str = "mixed"
-    labels: dict[str, str] = field(default_factory=dict)
-    kv_endpoint: str | None = None
-    replay_endpoint: str | None = None
-    load_endpoint: str | None = None
-    block_size: int | None = None
-    dp_size: int | None = None
-    topic: str | None = None
-    max_running_requests: int | None = None
-    max_total_num_tokens: int | None = None
-    incremental_streaming: bool | None = None
-    bootstrap_host: str | None = None  # PD prefill servers: host of the KV bootstrap server (default: --url host)
-    bootstrap_port: int = 8998  # SGLang --disaggregation-bootstrap-port
-    heartbeat_ms: int = 500
-    liveness: int = 3
-    reconnect_base_ms: float = 100.0
-    reconnect_cap_ms: float = 5000.0
-    health_path: str | None = None
-    health_interval_ms: int = 1000
-    health_timeout_ms: int = 5000
-    unhealthy_after: int = 2
-    load_poll_ms: int = 1000
-    load_stale_ms: int = 3000
-    replay_timeout_ms: int = 2000
-    discovery_timeout_s: float = 0.0  # 0 = keep trying
-    max_batch_tokens: int = 131_072
-    kv_events_to: str = "all"
-    drain_timeout_s: float = 10.0
-    log_level: str = "info"
-    trace_exporter: str = "none"
-    trace_endpoint: str = ""
-
-    def validate(self) -> None:
-        u = urlsplit(self.url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ConfigError(f"url: expected http://HOST:PORT, got {self.url!r}")
-        if not self.brokers:
-            raise ConfigError("brokers: at least one --broker endpoint is required")
-        for b in self.brokers:
-            check_endpoint(b, "brokers")  # a ZeroMQ endpoint, or dns+tcp://NAME:PORT (mesh.discovery)
-        if self.role not in P.ROLES:
-            raise ConfigError(f"role: must be one of {P.ROLES}")
-        for name in ("kv_endpoint", "replay_endpoint", "load_endpoint"):
-            v = getattr(self, name)
-            if v is not None and not v.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ConfigError(f"{name}: {v!r} must be a tcp://, ipc:// or inproc:// endpoint")
-        for name in ("block_size", "dp_size", "max_running_requests", "max_total_num_tokens"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"{name}: must be >= 1")
-        for name in ("heartbeat_ms", "liveness", "health_interval_ms", "health_timeout_ms", "unhealthy_after", "load_poll_ms",
-                     "load_stale_ms", "replay_timeout_ms", "max_batch_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1")
-        if self.kv_events_to not in ("all", "one"):
-            raise ConfigError("kv_events_to: must be all or one")
-        if self.health_path is not None and not self.health_path.startswith("/"):
-            raise ConfigError("health_path: must start with /")
-        if self.trace_exporter not in ("none", "console", "otlp"):
-            raise ConfigError("trace_exporter: must be none|console|otlp")
-
-    @property
-    def url_host(self) -> str:
-        return urlsplit(self.url).hostname or "127.0.0.1"
-
-    @property
-    def base_url(self) -> str:
-        return self.url.rstrip("/")
 
 
 @dataclass

@@ -20,7 +20,7 @@ from mesh.settings_fields import Spec, add_flags
 
 __all__ = ["add_attach_parser", "settings_from_args", "main"]
 
-# How AttachSettings' fields (mesh/adapters/base.py) appear on the command line: the one
+# How AttachSettings' fields (mesh/adapters/settings.py) appear on the command line: the one
 # description from which the flags and the [attach] TOML keys (field or flag names) are made.
 _SPECS: dict[str, Spec] = {
     "url": Spec(help="the server's HTTP address, e.g. http://10.0.0.5:30000"),
@@ -88,7 +88,7 @@ def _specs(vllm: bool) -> dict[str, Spec]:
 
 
 def _common(p: argparse.ArgumentParser, *, vllm: bool) -> None:
-    from mesh.adapters.base import AttachSettings
+    from mesh.adapters.settings import AttachSettings
 
     specs = _specs(vllm)
     p.add_argument("--config", help="TOML file; its [attach] table uses these flag names")
@@ -122,7 +122,7 @@ def add_attach_parser(subparsers) -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace):
     """AttachSettings: defaults < the [attach] table of --config < flags (labels: the file's, then
     each --label); validated, errors naming the field."""
-    from mesh.adapters.base import AttachSettings
+    from mesh.adapters.settings import AttachSettings
     from mesh.config import load_toml, settings_from_args as build_settings
     from mesh.settings_fields import toml_aliases
 
