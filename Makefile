@@ -43,7 +43,7 @@ soak: $(STAMP)
 	$(PY) -m pytest -q -m soak
 
 # whole small runs of the benchmark commands (HTTP path arms, tokenize-load, indexer backends, broker)
-# and the three-arm cache-routing quality run: about 75 s
+# and the three-arm cache-routing quality run: about 100 s
 test-bench: $(STAMP) valkey-server
 	$(PY) -m pytest -q -m bench
 
