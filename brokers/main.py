@@ -107,8 +107,19 @@ def _gauges(broker: Broker):
             out["mesh_cost_model"].append(({"what": "trusted"}, 1.0 if snap["trusted"] else 0.0))
         prov = broker.router.provider
         if prov is not None and hasattr(prov, "stats"):
-            for k, v in _flatten(prov.stats()).items():
+            pst = prov.stats()
+            for k, v in _flatten(pst).items():
                 out["mesh_provider_stat"].append(({"provider": prov.name, "stat": k}, float(v)))
+            # the shared indexer: this broker's view of each replica (which one is not ready, and why)
+            for rep in pst.get("replicas", ()) if isinstance(pst, dict) else ():
+                ep = str(rep.get("endpoint", ""))
+                rows = out.setdefault("mesh_indexer_replica", [])
+                rows.append(({"endpoint": ep, "what": "ready"}, 1.0 if rep.get("ready") else 0.0))
+                rows.append(({"endpoint": ep, "what": "breaker_open"}, 0.0 if rep.get("breaker") == "closed" else 1.0))
+                for what in ("uncovered_streams", "queued", "dirty_streams", "rtt_ms"):
+                    v = rep.get(what)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        rows.append(({"endpoint": ep, "what": what}, float(v)))
         return {k: v for k, v in out.items() if v}
     return collect
 

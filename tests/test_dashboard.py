@@ -20,6 +20,10 @@ def _exported() -> set[str]:
     core.worker_frames([b"w", *P.encode_ready(P.Ready("w0", "m", "mixed", {}, 16, 256, 400_000, 1, 1, 500))], 0.0)
     core.worker_frames([b"w", *P.encode_heartbeat()], 0.0)
     names = {m.name for m in metrics_registry(b).collect()}
+    # a broker on the shared indexer exports its view of each replica too (nothing is contacted)
+    bi = build_broker(build(BrokerSettings, {"policy": "cache_aware", "cache_prefix_provider": "indexer",
+                                             "kv_indexer_endpoint": ("http://127.0.0.1:9",)}))
+    names |= {m.name for m in metrics_registry(bi).collect()}
     from mesh.indexer.server import IndexerCore, IndexerService, _IndexerCollector
 
     icore = IndexerCore(max_entries=1000)

@@ -138,7 +138,8 @@ def test_replica_sigkill_under_load_costs_no_degraded_decision(procs, valkey):
     _, ep2 = _replica(procs, "r2", url)
     extra = ["--cache-prefix-provider", "indexer", "--kv-indexer-endpoint", ep1, "--kv-indexer-endpoint", ep2,
              "--kv-indexer-query-timeout-ms", "500", "--heartbeat-ms", "200"]
-    a, b = procs.broker("bA", *extra), procs.broker("bB", *extra)
+    a, b = procs.broker("bA", *extra, "--metrics", "127.0.0.1:0"), procs.broker("bB", *extra)
+    metrics_url = wait_for_log_event(a.log_path, "metrics_listening", 10, a.popen, start=a.log_start)["endpoint"]
     procs.workers("w", [a.backend, b.backend], "--kv-events-to", "one", "--time-scale", "0.2", count=4)
     run(wait_for_workers(a.frontend, 4))
     run(wait_for_workers(b.frontend, 4))
@@ -196,6 +197,16 @@ def test_replica_sigkill_under_load_costs_no_degraded_decision(procs, valkey):
     assert run(answered(), 10)
     for br in (a, b):  # no broker saw a restart, so none resynced anything
         assert "indexer_restarted" not in br.log_path.read_text()
+    # the broker's /metrics shows its view of each replica: both ready, breakers closed again
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    fam = {f.name: f for f in text_string_to_metric_families(text)}["mesh_indexer_replica"]
+    view = {(s.labels["endpoint"], s.labels["what"]): s.value for s in fam.samples}
+    for ep in (ep1, ep2):
+        assert view[(ep, "ready")] == 1.0 and view[(ep, "uncovered_streams")] == 0.0, view
 
 
 def test_checkpoints_bound_the_log_and_a_late_replica_loads_one(procs, valkey):
