@@ -4,7 +4,8 @@ Every policy has a stop (an attempt cap, and optionally a deadline) except the o
 exception, :meth:`RetryPolicy.forever` (``max_attempts=None``): a worker reconnecting to its
 brokers keeps trying for as long as the process lives (a broker may be down for minutes), with
 the same jittered exponential back-off, capped at ``cap_ms``; and an adapter waiting for its
-engine to load (minutes of weights; bounded by ``--discovery-timeout-s`` when given). Nothing
+engine to load (minutes of weights; bounded by ``--discovery-timeout-s`` when given); and an
+indexer replica tailing the Valkey log it serves from (:mod:`mesh.indexer.shared`). Nothing
 else may use it (``tests/test_worker_api.py`` holds the list): a request, an index forward or a
 client call always gives up eventually.
 

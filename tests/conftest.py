@@ -70,6 +70,16 @@ def procs(tmp_path: Path):
     assert not stubborn, f"processes needed SIGKILL at teardown: {stubborn}"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (for a process that must come back on the same
+    address after a restart; everything else binds port 0 and reads the port it got)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def run(coro, timeout_s: float = 60.0):
     """Run one async test body with a hard timeout (every await in tests is bounded)."""
     return asyncio.run(asyncio.wait_for(coro, timeout_s))

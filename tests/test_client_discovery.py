@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,17 +24,11 @@ from mesh.discovery import Resolver
 from mesh.errors import ConfigError
 from mesh.procs import BrokerProc, ProcGroup
 from mesh.up import wait_for_workers
-from tests.conftest import run, until, wait_until
+from tests.conftest import free_port, run, until, wait_until
 
 NAME = "brokers.test"
 REFRESH_S = 0.1  # the clients' re-resolution interval here
 IPS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4", "d": "127.0.0.5"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.2", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -54,7 +47,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     group = ProcGroup(tmp_path_factory.mktemp("client-discovery") / "logs")
-    port = _free_port()
+    port = free_port("127.0.0.2")
     holder = None
     try:
         brokers = {n: group.broker(n, "--heartbeat-ms", "200", frontend=f"tcp://{ip}:{port}") for n, ip in IPS.items()}

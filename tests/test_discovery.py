@@ -5,7 +5,6 @@ resolver the test controls ($MESH_RESOLVE_FILE)."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
@@ -13,7 +12,7 @@ from mesh.client import Client
 from mesh.discovery import Resolver, check_endpoint, endpoints_for, parse_dns
 from mesh.errors import ConfigError
 
-from conftest import run, until
+from conftest import free_port, run, until
 
 
 def test_dns_specs_are_parsed_and_checked_by_name():
@@ -33,12 +32,6 @@ def test_override_file_steers_resolution(tmp_path):
     assert run(r.resolve("localhost")) is not None  # not in the file: the system resolver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.2", 0))
-        return s.getsockname()[1]
-
-
 async def _workers_at(frontend: str) -> set[str]:
     async with Client(frontend) as c:
         st = await c.status()
@@ -46,7 +39,7 @@ async def _workers_at(frontend: str) -> set[str]:
 
 
 def test_workers_follow_brokers_through_dns(procs, tmp_path, monkeypatch):
-    port = _free_port()
+    port = free_port("127.0.0.2")
     hosts = tmp_path / "hosts"
     hosts.write_text("brokers.test 127.0.0.2\n")
     monkeypatch.setenv("MESH_RESOLVE_FILE", str(hosts))

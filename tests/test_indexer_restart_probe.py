@@ -5,7 +5,6 @@ registered past the indexer's expiry. A real `mesh indexer` process, SIGKILLed a
 from __future__ import annotations
 
 import signal
-import socket
 
 import msgpack
 
@@ -13,13 +12,7 @@ from mesh import kv_events as KV
 from mesh.indexer.client import IndexerClient
 from mesh.procs import wait_for_log_event
 
-from conftest import run, until
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port, run, until
 
 
 def _batch(seq: int) -> bytes:
@@ -33,7 +26,7 @@ def _indexer(procs, name: str, port: int, *extra: str):
 
 
 def test_a_restarted_indexer_is_resynced_without_traffic(procs):
-    port = _free_port()
+    port = free_port()
     p, ep = _indexer(procs, "idx", port)
     asked: list[tuple[str, int, str]] = []
 
@@ -89,7 +82,7 @@ async def _no_workers(c: IndexerClient) -> bool:
 
 
 def test_queries_prefer_ready_replicas_and_flag_incomplete_coverage(procs):
-    pa, pb_ = _free_port(), _free_port()
+    pa, pb_ = free_port(), free_port()
     a, ep_a = _indexer(procs, "a", pa)
     b, ep_b = _indexer(procs, "b", pb_)
     keys = [1000, 1001]

@@ -21,7 +21,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 
 import grpc
 import msgpack
@@ -35,11 +34,10 @@ from mesh.index import ROOT_KEY
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer import indexer_pb2_grpc as pb_grpc
 from mesh.indexer.bench import start_valkey_process, valkey_server_binary
-from mesh.indexer.client import IndexerClient
 from mesh.procs import wait_for_log_event
 from mesh.up import wait_for_workers
 
-from conftest import run, until
+from conftest import free_port, run, until
 
 BS = 16
 
@@ -57,12 +55,6 @@ def valkey(tmp_path):
     yield p, url, d
     p.kill()
     p.wait(5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _replica(procs, name: str, url: str, port: int = 0, *extra: str):
@@ -133,7 +125,7 @@ def test_replica_sigkill_under_load_costs_no_degraded_decision(procs, valkey):
     """Issue 17's Done-when: two replicas on one Valkey survive a replica SIGKILL with zero
     degraded decisions after the restart (and none during it: the other replica answers)."""
     _, url, _ = valkey
-    port1 = _free_port()
+    port1 = free_port()
     r1, ep1 = _replica(procs, "r1", url, port1)
     _, ep2 = _replica(procs, "r2", url)
     extra = ["--cache-prefix-provider", "indexer", "--kv-indexer-endpoint", ep1, "--kv-indexer-endpoint", ep2,

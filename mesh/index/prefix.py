@@ -137,11 +137,7 @@ class PrefixIndex:
         spec_ttl_s: float = 5.0,
         match_touch_limit: int = 8,
     ) -> None:
-        if max_entries is not None and max_entries < 1:
-            raise ValueError("max_entries must be >= 1 or None")
-        self.max_entries = max_entries
-        # Evict a little below the cap so a full index does not evict on every store.
-        self._evict_to = None if max_entries is None else max_entries - max_entries // 64
+        self.set_max_entries(max_entries)
         self.key_fn = key_fn
         self.match_touch_limit = match_touch_limit
         self._holders: dict[int, _Run | dict[_Stream, _Run]] = {}
@@ -153,6 +149,14 @@ class PrefixIndex:
         self._version = 0
         self.c = _Counters()
         self.spec = ApproxIndex(max_entries=spec_max_entries, default_ttl_s=spec_ttl_s)
+
+    def set_max_entries(self, max_entries: int | None) -> None:
+        """The entry budget (None = unbounded); a smaller one takes effect at the next store."""
+        if max_entries is not None and max_entries < 1:
+            raise ValueError("max_entries must be >= 1 or None")
+        self.max_entries = max_entries
+        # Evict a little below the cap so a full index does not evict on every store.
+        self._evict_to = None if max_entries is None else max_entries - max_entries // 64
 
     # ------------------------------------------------------------------ streams and workers
     def _stream(self, stream: Stream) -> _Stream:

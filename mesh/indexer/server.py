@@ -264,6 +264,12 @@ class ApplyOutcome:
 _REJECTED = ApplyOutcome(pb.REJECTED, resync_needed=True)
 
 
+def check_registration(worker_id: str, block_size: int) -> None:
+    """ValueError unless a RegisterWorker's arguments are acceptable."""
+    if not worker_id or len(worker_id) > _MAX_WORKER_ID_CHARS or block_size <= 0:
+        raise ValueError(f"worker_id must be 1..{_MAX_WORKER_ID_CHARS} characters and block_size > 0")
+
+
 def _drain(steps: Generator[None, None, ApplyOutcome]) -> ApplyOutcome:
     """Run an apply generator to completion without yielding (the synchronous path)."""
     while True:
@@ -580,9 +586,7 @@ class IndexerCore:
         st = pickle.loads(blob)  # noqa: S301 -- signed checkpoint of our own state (see dump_state)
         for k in self._STATE:
             setattr(self, k, st[k])
-        mx = self.limits_max_entries
-        self.index.max_entries = mx
-        self.index._evict_to = None if mx is None else mx - mx // 64
+        self.index.set_max_entries(self.limits_max_entries)
 
     def reset_state(self) -> None:
         """Forget everything (the shared state this server followed was replaced)."""
@@ -700,8 +704,7 @@ class IndexerCore:
         Raises ValueError (bad arguments) or :class:`Refused` (a bound; another owner changing
         the block size). The owner re-registering another block size resets the worker.
         """
-        if not worker_id or len(worker_id) > _MAX_WORKER_ID_CHARS or block_size <= 0:
-            raise ValueError(f"worker_id must be 1..{_MAX_WORKER_ID_CHARS} characters and block_size > 0")
+        check_registration(worker_id, block_size)
         now = time.monotonic() if now_s is None else now_s
         rec = self._w.get(worker_id)
         if rec is None:
@@ -1107,8 +1110,7 @@ class IndexerService(pb_grpc.IndexerServicer):
                                 f"dp_ranks: at most {self.core.limits.max_ranks_per_worker} (max_ranks_per_worker)")
         try:
             if self.shared is not None:
-                if not wid or len(wid) > _MAX_WORKER_ID_CHARS or bs <= 0:  # refused before it is logged
-                    raise ValueError(f"worker_id must be 1..{_MAX_WORKER_ID_CHARS} characters and block_size > 0")
+                check_registration(wid, bs)  # refused before it is logged
                 res = (await self._shared_submit([("register", wid, bs, owner, ranks)], context))[0]
                 if isinstance(res, BaseException):
                     raise res

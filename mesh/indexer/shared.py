@@ -52,6 +52,7 @@ import msgpack
 
 from mesh.errors import ConfigError, MeshError
 from mesh.logs import RateLimiter, get_logger
+from mesh.retry import RetryPolicy
 
 __all__ = ["ValkeyLog", "SharedState", "StoreUnavailable", "parse_valkey_url", "DEFAULT_PREFIX", "PASSWORD_ENV"]
 
@@ -63,6 +64,7 @@ _BLOCK_MS = 1000  # how long one XREAD waits for new entries
 _SUBMIT_TIMEOUT_S = 5.0  # an appended entry not applied by then: the caller gets UNAVAILABLE
 _LOCK_TTL_MS = 30_000
 _EXPIRE_PERIOD_S = 5.0  # expiry pass at most this often, in log time
+_RECONNECT = RetryPolicy.forever(base_ms=50.0, cap_ms=2000.0)  # the tail's reads of a store that is down
 
 
 class StoreUnavailable(MeshError):
@@ -285,8 +287,10 @@ class SharedState:
         self._set_ready(True)
 
     async def run(self) -> None:
-        """Tail the log until cancelled; on Valkey errors retry with backoff (not ready meanwhile)."""
-        backoff = 0.05
+        """Tail the log until cancelled; on Valkey errors retry with the project's jittered
+        back-off, without an attempt cap (a replica follows its store for as long as it lives,
+        as a worker follows its brokers), not ready meanwhile."""
+        failures = 0
         last_state_check = time.monotonic()
         while True:
             try:
@@ -303,14 +307,15 @@ class SharedState:
                     await self._apply_entries(batch)
                 if not self.ready:
                     self._set_ready(True)
-                backoff = 0.05
+                failures = 0
             except StoreUnavailable as exc:
                 self.c["log_read_errors"] += 1
                 self._set_ready(False)
+                failures += 1
+                delay_s = _RECONNECT.delay_s(failures)
                 if self._rl.allow("read"):
-                    self.log.warning("indexer_valkey_unavailable", error=str(exc)[:300], retry_in_s=backoff)
-                await asyncio.sleep(backoff)  # backoff between reconnects to a store that is down
-                backoff = min(2.0, backoff * 2)
+                    self.log.warning("indexer_valkey_unavailable", error=str(exc)[:300], retry_in_s=round(delay_s, 3))
+                await asyncio.sleep(delay_s)  # the back-off before reading a store that is down again
 
     async def _check_state_id(self) -> bool:
         """True when the state was replaced (this replica starts over from the new one)."""
