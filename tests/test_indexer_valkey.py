@@ -381,3 +381,39 @@ def test_a_password_comes_from_the_environment_and_never_reaches_a_log(procs, tm
         procs.env.pop("MESH_VALKEY_PASSWORD", None)
         vp.kill()
         vp.wait(5)
+
+
+def test_garbage_in_the_log_is_counted_and_skipped(procs, valkey):
+    """Whoever can write to Valkey can append anything to the log: an entry that is not msgpack,
+    an unknown kind or wrong arity is counted and skipped, and the replicas go on serving (and
+    keep agreeing: every replica skips the same entries)."""
+    import redis
+
+    _, url, _ = valkey
+    _, ep1 = _replica(procs, "r1", url)
+    rc = redis.Redis.from_url(url)
+    for junk in (b"\xc1not msgpack", msgpack.packb([1, "launch", "x"]), msgpack.packb([1, "apply"]), b""):
+        rc.xadd("mesh:indexer:log", {b"o": junk})
+    rc.xadd("mesh:indexer:log", {b"x": b"no o field"})
+
+    async def body():
+        async with grpc.aio.insecure_channel(ep1.split("//")[1]) as ch:
+            s = pb_grpc.IndexerStub(ch)
+            assert (await _apply(s, 0)).verdict in (pb.APPLY, pb.RESYNCED, pb.NEW_EPOCH)
+            st = await s.Stats(pb.StatsRequest(), timeout=5)
+            assert st.counters["service_log_bad_entries"] == 5 and st.entries == 1 and st.ready
+            # a RegisterWorker naming more streams than a worker may have is refused by name
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await s.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w", block_size=BS,
+                                                                dp_ranks=list(range(5000))), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dp_ranks" in err.value.details()
+
+    run(body(), 30)
+    _, ep2 = _replica(procs, "late", url)  # a replica replaying the same log skips the same entries
+
+    async def late():
+        async with grpc.aio.insecure_channel(ep2.split("//")[1]) as ch:
+            st = await pb_grpc.IndexerStub(ch).Stats(pb.StatsRequest(), timeout=5)
+            assert st.counters["service_log_bad_entries"] == 5 and st.entries == 1
+
+    run(late(), 30)
