@@ -203,6 +203,27 @@ def _add_bench(sub) -> None:
     r.add_argument("--decisions", type=int, default=2000, help="decisions timed per fleet size (after 50 untimed warm-up decisions)")
     r.add_argument("--json", help="write results to this JSON file")
     r.set_defaults(func=_cmd_bench_routing)
+    x = bsub.add_parser(
+        "exchange", help="how long a broker's dispatch takes to show in its peer-exchange messages, per --exchange-interval-ms",
+        description="Two real brokers A and B (--exchange / --peer each other, policy cache_aware), real worker-stub "
+                    "processes registered with both, Poisson background load through B only; probes through A only, one "
+                    "at a time. Delay = arrival of the first PEER_LOAD message from A showing the probe (read on a SUB of "
+                    "A's exchange endpoint) - the probe's submit: an upper bound of dispatch-to-peer visibility. One arm "
+                    "(fresh processes) per interval per round, intervals interleaved; ratios are against the smallest interval.")
+    x.add_argument("--intervals-ms", default="0,5", help="comma-separated --exchange-interval-ms values to compare (default 0,5)")
+    x.add_argument("--rounds", type=int, default=2, help="rounds over the intervals, interleaved (0,5,0,5): shows the noise (default 2)")
+    x.add_argument("--workers", type=int, default=4, help="simulated workers (one worker-stub process, both brokers) (default 4)")
+    x.add_argument("--probes", type=int, default=200, help="timed probes through A per arm (default 200)")
+    x.add_argument("--background-rate", type=float, default=100.0, help="background requests/s through B (Poisson; default 100)")
+    x.add_argument("--background-max-new-tokens", type=int, default=24,
+                   help="max_new_tokens of a background request: ~7 ms per decode step, so ~200 ms in flight (default 24)")
+    x.add_argument("--probe-max-new-tokens", type=int, default=8, help="max_new_tokens of a probe (default 8)")
+    x.add_argument("--gap-ms", type=float, default=10.0,
+                   help="random gap, uniform in [0, GAP], before each probe: probes land at every phase of A's publishing (default 10)")
+    x.add_argument("--timeout-s", type=float, default=10.0, help="bound of every wait of one probe (default 10)")
+    x.add_argument("--log-dir", help="the processes' logs (default a new temporary folder)")
+    x.add_argument("--json", help="write results (every probe included) to this JSON file")
+    x.set_defaults(func=_cmd_bench_exchange)
     from mesh.indexer.cli import add_bench_parser
 
     add_bench_parser(bsub)
@@ -234,6 +255,38 @@ def _cmd_bench_broker(args) -> int:
     if args.json:
         _write_json(args.json, res)
     return 0
+
+
+def _cmd_bench_exchange(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mesh.bench.exchange_bench import print_results, run_exchange_bench
+
+    try:
+        intervals = [float(v) for v in args.intervals_ms.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--intervals-ms: comma-separated numbers, got {args.intervals_ms!r}") from None
+    con = Console()
+    if not con.is_terminal:
+        con = Console(width=max(con.width, 170))  # a log file or pipe: keep the table's columns whole
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=con, transient=True) as bar:
+        task = bar.add_task("probes", total=len(intervals) * args.rounds * args.probes)
+        try:
+            res = run_exchange_bench(intervals, workers=args.workers, probes=args.probes, rounds=args.rounds,
+                                     background_rate=args.background_rate,
+                                     background_max_new_tokens=args.background_max_new_tokens,
+                                     probe_max_new_tokens=args.probe_max_new_tokens, gap_ms=args.gap_ms,
+                                     timeout_s=args.timeout_s, log_dir=args.log_dir, quiet=True,
+                                     progress=lambda n: bar.advance(task, n))
+        except ValueError as exc:
+            con.print(f"mesh bench exchange: {exc}")
+            return 2
+    print_results(res, con)
+    if args.json:
+        _write_json(args.json, res)
+    return 0 if res["ok"] else 1
 
 
 def _write_json(path: str, res) -> None:
