@@ -8,9 +8,13 @@ peers' figures to its worker states. What to send, when, and what a peer's messa
 the pure :mod:`mesh.routing.peers` (the simulator runs the same objects); this module only owns
 the two sockets.
 
-* **Timing.** A change message at most every ``--exchange-interval-ms`` (5) while something
-  changed, a full snapshot every min(1 s, stale / 3) regardless: it bounds how long a lost
-  message matters and is the peers' liveness signal.
+* **Timing.** A change message at the end of every pump that changed this broker's figures
+  (``--exchange-interval-ms 0``, the default: under load one pump handles many dispatches, so
+  the pump's own batching bounds the message rate), or at most every ``--exchange-interval-ms``
+  when set; a full snapshot every min(1 s, stale / 3) regardless: it bounds how long a lost
+  message matters and is the peers' liveness signal. Why 0: peers that learn of a dispatch
+  milliseconds late pick the same idle worker meanwhile; ``mesh bench exchange`` measures
+  the dispatch-to-peer delay of both settings side by side on real brokers.
 * **Fire-and-forget, bounded, counted.** Sends never block (PUB: a slow peer loses messages at
   the HWM, the receiver counts them from sequence gaps as ``gap_messages``); a message lists at
   most :data:`~mesh.protocol.MAX_EXCHANGE_WORKERS` workers; every input passes

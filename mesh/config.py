@@ -122,8 +122,9 @@ class BrokerSettings:
                                            help="requests for ALIAS go to the workers that serve MODEL (repeatable)")
     telemetry: str = setting("", default_text="off", help="ZeroMQ PUB endpoint for the live telemetry stream (mesh top)")
     # Peer exchange (brokers/peer_exchange.py): this broker's PUB endpoint (port * = any) and
-    # the other brokers' exchange endpoints; figures go out at most every exchange_interval_ms
-    # while something changed (full snapshot every min(1 s, stale / 3)); a peer silent for
+    # the other brokers' exchange endpoints; figures go out at the end of every pump that changed
+    # them (0, the default) or at most every exchange_interval_ms (full snapshot every
+    # min(1 s, stale / 3)); a peer silent for
     # exchange_stale_ms is dropped and this broker falls back to its own view for it.
     exchange: str = setting("", metavar="ENDPOINT", default_text="off",
                             help="bind this broker's peer exchange PUB here (tcp://HOST:PORT, port * = any): brokers "
@@ -131,8 +132,10 @@ class BrokerSettings:
                                  "with the fleet's load")
     peer: tuple[str, ...] = setting((), metavar="ENDPOINT", help="another broker's --exchange endpoint to subscribe to "
                                                                  "(repeatable; this broker's own is skipped)")
-    exchange_interval_ms: float = setting(5.0, unit="ms", help="at most one change message per interval while "
-                                                               "something changed")
+    exchange_interval_ms: float = setting(0.0, unit="ms", help="at most one change message per interval while "
+                                                               "something changed (0: one per broker pump that "
+                                                               "changed something, the pump's own batching bounds "
+                                                               "the rate)")
     exchange_stale_ms: float = setting(3000.0, unit="ms", help="a peer silent this long is dropped: this broker falls "
                                                                "back to its own view for it")
     curve_secret: str = setting("", default_text="off", help="broker certificate (.key_secret from mesh keygen): CURVE "

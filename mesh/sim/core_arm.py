@@ -181,8 +181,11 @@ class CoreArm:
         prov = None
         if spec.provider != "none":
             prov = make_provider(spec.provider, block_size=self.block_size, shared_index=self._shared, **cfg.provider_options)
-        pol = make_policy(spec.policy, rng=random.Random(_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
-                          **cfg.policy_options)
+        from mesh.sim.runner import policy_base
+
+        name, tag = policy_base(spec.policy)
+        pol = make_policy(name, rng=random.Random(_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
+                          router_id=f"router-{r}{tag}", **cfg.policy_options)
         router = self._make_router(cfg, pol, prov, r)
         core = BrokerCore(self.settings, router, broker_id=f"router-{r}", kv_sink=prov, perf=lambda: 0.0,
                           log=_QuietLog())

@@ -103,9 +103,9 @@ SHORT = {"power_of_two": "p2c", "cache_aware_greedy": "greedy", "cache_aware": "
          "round_robin": "rr", "random": "random"}
 _SIM_KEYS = {"heartbeat_ms": float, "event_delay_ms": float, "net_ms": float, "load_freshness_s": float,
              "ttft_slo_ms": float, "router_pick": str, "policy_options": dict, "provider_options": dict,
-             "exchange": bool, "exchange_delay_ms": float}
+             "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float}
 _MATRIX_KEYS = {"seeds", "policies", "provider", "subject", "baselines", "hit_reference", "calibration_within_slo",
-                "calibration_wait_ms",
+                "calibration_wait_ms", "noise",
                 "calibration_tolerance"}
 _CELL_KEYS = {"workload", "load", "workers", "routers", "max_requests"}
 _STEP_UP, _STEP_DOWN = 2.0, 1.4  # calibration bracketing factors (the guess is more often low than high)
@@ -158,13 +158,24 @@ class MatrixConfig:
     engine: EngineConfig
     workloads: dict[str, WorkloadDef]
     cells: list[Cell]
+    noise: bool = False  # also run the subject with other router ids (its noise floor, see analyse_cell)
+
+    @property
+    def noise_arm(self) -> str | None:
+        """The subject again with other router ids (``cache_aware@b``), when ``noise`` is on."""
+        return f"{self.subject}@b" if self.noise else None
+
+    @property
+    def arm_policies(self) -> list[str]:
+        """Every arm a cell runs: the judged policies, then the noise arm."""
+        return self.policies + ([self.noise_arm] if self.noise else [])
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": self.path, "seeds": list(self.seeds), "policies": list(self.policies), "provider": self.provider,
             "subject": self.subject, "baselines": list(self.baselines), "hit_reference": self.hit_reference,
             "calibration_within_slo": self.calibration_within_slo, "calibration_tolerance": self.calibration_tolerance,
-            "calibration_wait_ms": self.calibration_wait_ms,
+            "calibration_wait_ms": self.calibration_wait_ms, "noise": self.noise,
             "sim": dict(self.sim), "engine": asdict(self.engine),
             "workloads": {k: v.to_dict() for k, v in self.workloads.items()},
             "cells": [asdict(c) for c in self.cells],
@@ -357,8 +368,11 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
         cells = [c for c in cells if pat.search(c.label)]
         if not cells:
             _fail("cells", f"no cell label matches {only!r}")
+    noise = m.get("noise", False)
+    if type(noise) is not bool:
+        _fail("matrix.noise", f"must be true or false, got {noise!r}")
     return MatrixConfig(str(p), seed_list, policies, provider, subject, baselines, hit_ref, cal_good, cal_tol, cal_wait,
-                        sim_out, engine, workloads, cells)
+                        sim_out, engine, workloads, cells, noise)
 
 
 # --------------------------------------------------------------------------- streams
@@ -546,7 +560,7 @@ def run_cell(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any]) -> 
     """Every policy of ``mc`` on the cell's stream for ``seed`` (one :func:`run_sim`)."""
     wdef = mc.workloads[cell.workload]
     rate = cell.load * calib["rate_p2c_rps"]
-    cfg = _sim_config(mc, wdef, rate, cell.workers, cell.routers, seed, cell.max_requests, mc.policies)
+    cfg = _sim_config(mc, wdef, rate, cell.workers, cell.routers, seed, cell.max_requests, mc.arm_policies)
     wl = build_stream(mc, wdef, cfg)
     rep = run_sim(cfg, workload=wl)
     return {
@@ -591,7 +605,18 @@ def analyse_cell(mc: MatrixConfig, run: dict[str, Any]) -> dict[str, Any]:
         "hit_rate": {"value": _r(s["hit_rate"] / ref["hit_rate"], 4) if ref["hit_rate"] else None, "limit": 0.9,
                      "against": mc.hit_reference, "pass": s["hit_rate"] >= 0.9 * ref["hit_rate"] - 0.005},
     }
-    return {"policies": out, "targets": targets}
+    res: dict[str, Any] = {"policies": out, "targets": targets}
+    na = arms.get(mc.noise_arm) if mc.noise_arm else None
+    if na is not None and s["ttft_p95_ms"] > 0 and na["ttft_p95_ms"] > 0:
+        # The subject's p95 under other arbitrary tie orders: a miss no larger than this spread
+        # is not resolved by this cell (the same policy moves that much by chance alone).
+        nr = na["ttft_p95_ms"] / s["ttft_p95_ms"]
+        spread = max(nr, 1.0 / nr)
+        res["noise"] = {"arm": mc.noise_arm, "p95_ratio": _r(nr, 4), "spread": _r(spread, 4),
+                        "goodput_diff": _r(na["goodput"] - s["goodput"], 4)}
+        t = targets["ttft_p95"]
+        t["beyond_noise"] = t["value"] is not None and t["value"] > 1.05 * spread
+    return res
 
 
 _ORDER = {"win": 0, "within": 1, "lose": 2}
@@ -603,6 +628,7 @@ def _cell_summary(mc: MatrixConfig, cell: Cell, runs: list[dict[str, Any]]) -> d
     for pol in mc.policies:
         status[pol] = max((r["analysis"]["policies"][pol]["status"] for r in runs), key=_ORDER.__getitem__)
     targets = {k: all(r["analysis"]["targets"][k]["pass"] for r in runs) for k in ("ttft_p95", "goodput", "hit_rate")}
+    noise = [r["analysis"]["noise"] for r in runs if "noise" in r["analysis"]]
     subj = [r["analysis"]["policies"][mc.subject] for r in runs]
     ratios = "/".join(f"{x['p95_ratio']:.2f}x" for x in subj)
     bests = "/".join(dict.fromkeys(SHORT.get(x["best_other"], x["best_other"]) for x in subj))
@@ -611,8 +637,15 @@ def _cell_summary(mc: MatrixConfig, cell: Cell, runs: list[dict[str, Any]]) -> d
     tmark = " ".join(f"{k} {'PASS' if v else 'MISS'}" for k, v in targets.items())
     verdict = (f"{cell.label}: {SHORT.get(mc.subject, mc.subject)} p95 {ratios} best other ({bests}), "
                f"goodput {gds} pts — {word}; targets: {tmark}")
-    return {**asdict(cell), "label": cell.label, "seeds": per_seed, "status": status, "targets": targets,
-            "verdict": verdict}
+    out = {**asdict(cell), "label": cell.label, "seeds": per_seed, "status": status, "targets": targets}
+    if noise:
+        out["noise_spread"] = max(n["spread"] for n in noise)
+        out["ttft_p95_miss_beyond_noise"] = any(r["analysis"]["targets"]["ttft_p95"].get("beyond_noise") for r in runs)
+        verdict += "; noise " + "/".join(f"{n['p95_ratio']:.2f}x" for n in noise)
+        if not targets["ttft_p95"]:
+            verdict += " (miss beyond noise)" if out["ttft_p95_miss_beyond_noise"] else " (miss within noise)"
+    out["verdict"] = verdict
+    return out
 
 
 def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -622,8 +655,42 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
             pol[p][s] += 1
     tg = {k: sum(1 for c in cells if c["targets"][k]) for k in ("ttft_p95", "goodput", "hit_rate")}
     all_pass = sum(1 for c in cells if all(c["targets"].values()))
-    return {"cells": len(cells), "policies": pol, "targets_passed": tg, "cells_all_targets": all_pass,
-            "losing_cells": [c["label"] for c in cells if c["status"][mc.subject] == "lose"]}
+    out = {"cells": len(cells), "policies": pol, "targets_passed": tg, "cells_all_targets": all_pass,
+           "losing_cells": [c["label"] for c in cells if c["status"][mc.subject] == "lose"]}
+    if mc.noise:
+        out["ttft_p95_misses_beyond_noise"] = [c["label"] for c in cells if c.get("ttft_p95_miss_beyond_noise")]
+    out["routers"] = _router_scaling(mc, cells)
+    return out
+
+
+def _p95(run: dict[str, Any], policy: str) -> float:
+    return next(a["ttft_p95_ms"] for a in run["arms"] if a["policy"] == policy)
+
+
+def _router_scaling(mc: MatrixConfig, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The subject's TTFT p95 with R routers over 1 router's, per seed, for every (workload,
+    load, workers) the matrix runs with 1 router and more (issue 15: within 5 % with the
+    exchange on), with the 1-router cell's noise spread beside it."""
+    groups: dict[tuple[str, float, int], dict[int, dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault((c["workload"], c["load"], c["workers"]), {})[c["routers"]] = c
+    out = []
+    for (wl, load, workers), by_r in groups.items():
+        one = by_r.get(1)
+        if one is None or len(by_r) < 2:
+            continue
+        row: dict[str, Any] = {"cells": f"{wl} L{load:g} W{workers}", "ratios": {}}
+        for r, c in sorted(by_r.items()):
+            if r == 1:
+                continue
+            row["ratios"][str(r)] = {seed: _r(_p95(c["seeds"][seed], mc.subject) / _p95(one["seeds"][seed], mc.subject), 4)
+                                     for seed in one["seeds"] if seed in c["seeds"]}
+        if "noise_spread" in one:
+            row["one_router_noise"] = {seed: one["seeds"][seed]["analysis"]["noise"]["p95_ratio"]
+                                       for seed in one["seeds"] if "noise" in one["seeds"][seed]["analysis"]}
+        row["within_5pct"] = all(v <= 1.05 for rr in row["ratios"].values() for v in rr.values())
+        out.append(row)
+    return out
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -646,7 +713,7 @@ _COST = {"shared_prefix": 3.0, "conversation": 3.0, "multi_turn": 1.0, "zipf": 1
 
 def _cost(mc: MatrixConfig, cell: Cell) -> float:
     w = mc.workloads[cell.workload]
-    return cell.max_requests * (3.0 if w.trace else _COST.get(w.workload, 1.0)) * len(mc.policies)
+    return cell.max_requests * (3.0 if w.trace else _COST.get(w.workload, 1.0)) * len(mc.arm_policies)
 
 
 def default_jobs() -> int:
@@ -795,6 +862,13 @@ def render_report(report: dict[str, Any]) -> list[Any]:
                           f"{a['hit_rate'] * 100:.1f}", f"{(a['oracle_hit_rate'] or 0) * 100:.1f}", f"{a['worker_cv']:.2f}",
                           f"{an['p95_ratio']:.2f}x", SHORT.get(an["best_other"], an["best_other"]),
                           f"{an['goodput_diff'] * 100:+.1f}", Text(an["status"], style=style[an["status"]]))
+        for s, r in c["seeds"].items():  # the noise arm: the subject with other router ids, not judged
+            nz = r["analysis"].get("noise")
+            a = next((x for x in r["arms"] if nz and x["policy"] == nz["arm"]), None)
+            if a is not None:
+                t.add_row(nz["arm"], s, f"{a['ttft_p50_ms']:.0f}", f"{a['ttft_p95_ms']:.0f}", f"{a['goodput'] * 100:.1f}",
+                          f"{a['hit_rate'] * 100:.1f}", f"{(a['oracle_hit_rate'] or 0) * 100:.1f}", f"{a['worker_cv']:.2f}",
+                          f"{nz['p95_ratio']:.2f}x", subject, "", Text("noise", style="dim"))
         out.append(t)
         out.append(Text(c["verdict"]))
     sm = report["summary"]
@@ -817,6 +891,16 @@ def render_report(report: dict[str, Any]) -> list[Any]:
     ]
     if sm["losing_cells"]:
         lines.append(f"{subject} loses in: " + "; ".join(sm["losing_cells"]))
+    if "ttft_p95_misses_beyond_noise" in sm:
+        beyond = sm["ttft_p95_misses_beyond_noise"]
+        lines.append(f"  TTFT p95 misses larger than the cell's noise ({subject} with other router ids): "
+                     f"{len(beyond)}" + (f" ({'; '.join(beyond)})" if beyond else ""))
+    for row in sm.get("routers", []):
+        rat = ", ".join(f"R{r} {'/'.join(f'{v:.2f}' for v in by_seed.values())}" for r, by_seed in row["ratios"].items())
+        nz = row.get("one_router_noise")
+        lines.append(f"  routers, {row['cells']}: p95 over R1 {rat}" + (
+            f" (R1 noise {'/'.join(f'{v:.2f}' for v in nz.values())})" if nz else "") + (
+            "" if row["within_5pct"] else " -> above 5 %"))
     out.append(Text("\n".join(lines)))
     return out
 

@@ -22,8 +22,8 @@ Each arm replays the same :class:`~mesh.sim.workloads.Workload` through fresh ob
 * **Network**: ``net_ms`` one way: router -> worker on dispatch, worker -> router for the first
   token and the completion (so TTFT and E2E include it twice).
 * **Exchange** (``exchange``, several routers): each router publishes its own per-worker figures
-  with :class:`~mesh.routing.peers.PeerPublisher` (a change message at most every
-  ``exchange_interval_ms`` while something changed, a full snapshot every second) and every
+  with :class:`~mesh.routing.peers.PeerPublisher` (a change message for every change, or at
+  most every ``exchange_interval_ms`` when set, a full snapshot every second) and every
   other router merges them with :class:`~mesh.routing.peers.PeerMerge` ``exchange_delay_ms``
   later: the broker's exchange, with the same core objects and a delay instead of sockets.
 * **Arrivals**: request ``i`` reaches router ``i % R`` (``router_pick="round_robin"``) or a
@@ -133,7 +133,7 @@ class SimConfig:
     long_pool_share: float = 0.25  # with buckets: share of (prefill/mixed) workers labelled pool=long
     exchange: bool = False  # routers exchange their in-flight figures (mesh.routing.peers)
     exchange_delay_ms: float = 2.0  # publish -> peers' merge (the broker's few-ms socket hop)
-    exchange_interval_ms: float = 5.0  # at most one change message per router per interval
+    exchange_interval_ms: float = 0.0  # at most one change message per router per interval (0: one per change)
     exchange_full_ms: float = 1000.0  # full snapshot period
     # "fast": routing-only arms (Router.route / release, no broker lifecycle); "core": every router
     # is the broker's own BrokerCore (mesh.sim.core_arm). Faults and P/D arms always run the core.
@@ -158,8 +158,9 @@ class SimConfig:
         if not self.policies or not self.providers or not self.routers or not self.workers:
             raise ConfigError("policies, providers, routers and workers must be non-empty")
         for p in self.policies:
-            if p not in POLICIES:
-                raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(POLICIES))}")
+            if policy_base(p)[0] not in POLICIES:
+                raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(POLICIES))} "
+                                  "(NAME@TAG: the same policy with another arbitrary tie order)")
         for p in self.providers:
             if p not in PROVIDER_FEEDS:
                 raise ConfigError(f"unknown provider {p!r}; choose from {', '.join(sorted(PROVIDER_FEEDS))}")
@@ -199,6 +200,16 @@ class SimConfig:
         return d
 
 
+def policy_base(name: str) -> tuple[str, str]:
+    """``"cache_aware@b"`` -> ``("cache_aware", "@b")``: an arm tagged ``@TAG`` runs the same
+    policy with its routers named differently, so every arbitrary choice that hangs on a
+    router's id (cache_aware's order among equally loaded workers) differs and nothing else
+    does. The quality matrix runs its subject twice this way: the spread between the two is
+    the cell's noise floor."""
+    base, sep, tag = name.partition("@")
+    return base, sep + tag
+
+
 @dataclass(frozen=True)
 class ArmSpec:
     policy: str
@@ -213,7 +224,7 @@ def arm_specs(cfg: SimConfig) -> list[ArmSpec]:
     for w in cfg.workers:
         for r in cfg.routers:
             for pol in cfg.policies:
-                load_only = not POLICIES[pol].needs_match
+                load_only = not POLICIES[policy_base(pol)[0]].needs_match
                 provs = ["none"] if load_only and cfg.dedupe_load_only else cfg.providers
                 for prov in provs:
                     spec = ArmSpec(pol, prov, r, w)
@@ -385,8 +396,9 @@ class Arm:
                 prov = make_provider(spec.provider, block_size=self.block_size, shared_index=shared, **cfg.provider_options)
                 for wid in ids:
                     prov.add_worker(wid, self.block_size)
-            pol = make_policy(spec.policy, rng=random.Random(_key(0x5E1, cfg.seed, r)),
-                              freshness_s=cfg.load_freshness_s, **cfg.policy_options)
+            name, tag = policy_base(spec.policy)
+            pol = make_policy(name, rng=random.Random(_key(0x5E1, cfg.seed, r)),
+                              freshness_s=cfg.load_freshness_s, router_id=f"router-{r}{tag}", **cfg.policy_options)
             states = [WorkerState(wid, role=roles[i], labels=dict(labels[i]), block_size=self.block_size,
                                   max_running_requests=ecfg.max_running_requests, max_total_num_tokens=ecfg.max_total_num_tokens)
                       for i, wid in enumerate(ids)]
