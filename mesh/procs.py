@@ -18,7 +18,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Proc", "ProcGroup", "BrokerProc", "wait_for_log_event"]
+__all__ = ["Proc", "ProcGroup", "BrokerProc", "wait_for_log_event", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now, for a process whose address must be known before it
+    starts (two brokers that are each other's ``--peer``) or must stay the same across a restart;
+    everything else binds port 0 (or ``*``) and reads the port it got."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def wait_for_log_event(path: Path, event: str, timeout_s: float, proc: subprocess.Popen | None = None, *,

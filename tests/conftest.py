@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.procs import ProcGroup
+from mesh.procs import ProcGroup, free_port  # noqa: F401 - free_port: tests import it from here
 
 
 _E2E_SOURCE_MARKS = ("subprocess", "ProcGroup(", "Popen(", "create_subprocess")
@@ -68,16 +68,6 @@ def procs(tmp_path: Path):
             if code == -9:
                 stubborn.append(p.name)
     assert not stubborn, f"processes needed SIGKILL at teardown: {stubborn}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for a process that must come back on the same
-    address after a restart; everything else binds port 0 and reads the port it got)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def run(coro, timeout_s: float = 60.0):

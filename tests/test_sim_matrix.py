@@ -267,3 +267,41 @@ def test_conversation_parameters_and_duration():
         make_workload("conversation", seed=1, rate=4.0, duration_s=10.0, turns_mean=0.5)
     with pytest.raises(ConfigError, match="no parameter 'groups'"):
         make_workload("conversation", seed=1, rate=4.0, duration_s=10.0, groups=3)
+
+
+def test_noise_arm_and_router_scaling(tmp_path):
+    """``noise = true`` runs the subject again with other router ids: its spread is reported per
+    cell and seed, a p95 miss is marked within or beyond it, and cells that differ only in
+    routers get the subject's p95 over the 1-router cell's."""
+    text = TINY.replace('policies = ["power_of_two", "cache_aware_greedy", "cache_aware"]',
+                        'policies = ["power_of_two", "cache_aware_greedy", "cache_aware"]\nnoise = true')
+    text = text.replace("load = [0.5, 1.0]", "load = 1.0").replace("routers = 2", "routers = [1, 2]").replace(
+        "workers = 2", "workers = 3")
+    rep = run_matrix(load_matrix(_write(tmp_path, text), seeds=[1]), jobs=1)
+    for c in rep["cells"]:
+        run = c["seeds"]["1"]
+        assert [a["policy"] for a in run["arms"]] == ["power_of_two", "cache_aware_greedy", "cache_aware", "cache_aware@b"]
+        assert set(run["analysis"]["policies"]) == {"power_of_two", "cache_aware_greedy", "cache_aware"}  # not judged
+        nz = run["analysis"]["noise"]
+        p95 = {a["policy"]: a["ttft_p95_ms"] for a in run["arms"]}
+        assert nz["p95_ratio"] == pytest.approx(p95["cache_aware@b"] / p95["cache_aware"], abs=1e-4)
+        assert nz["spread"] == pytest.approx(max(nz["p95_ratio"], 1 / nz["p95_ratio"]), abs=1e-4)
+        t = run["analysis"]["targets"]["ttft_p95"]
+        assert t["beyond_noise"] == (t["value"] > 1.05 * nz["spread"])
+        assert "noise " in c["verdict"]
+    (row,) = rep["summary"]["routers"]
+    assert row["cells"] == "zipf L1 W3"
+    one, two = (next(c for c in rep["cells"] if c["routers"] == r) for r in (1, 2))
+    p95 = {r: {a["policy"]: a["ttft_p95_ms"] for a in c["seeds"]["1"]["arms"]} for r, c in ((1, one), (2, two))}
+    assert row["ratios"]["2"]["1"] == pytest.approx(p95[2]["cache_aware"] / p95[1]["cache_aware"], abs=1e-4)
+    both = (p95[2]["cache_aware"] * p95[2]["cache_aware@b"] / (p95[1]["cache_aware"] * p95[1]["cache_aware@b"])) ** 0.5
+    assert row["ratios_two_orders"]["2"]["1"] == pytest.approx(both, abs=1e-4)
+    assert isinstance(rep["summary"]["ttft_p95_misses_beyond_noise"], list)
+    from mesh.sim.matrix import render_report
+    from rich.console import Console
+
+    con = Console(record=True, width=200)
+    for r in render_report(json.loads(dumps_matrix(rep))):
+        con.print(r)
+    text_out = con.export_text()
+    assert "cache_aware@b" in text_out and "routers, zipf L1 W3: p95 over R1 R2 " in text_out

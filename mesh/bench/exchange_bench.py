@@ -39,7 +39,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,24 +50,16 @@ import zmq
 
 from mesh import protocol as P
 from mesh.bench.proc_cpu import CpuSampler
-from mesh.procs import ProcGroup, wait_for_log_event
+from mesh.procs import ProcGroup, free_port, wait_for_log_event
 from mesh.sockets import CLIENT_DEALER, EXCHANGE_SUB, make_socket, recv_frames, send_frames
 from mesh.stats import percentile
 
-__all__ = ["run_exchange_bench", "print_results", "free_port"]
+__all__ = ["run_exchange_bench", "print_results"]
 
 DEFAULT_INTERVALS_MS = (0.0, 5.0)
 VOCAB = 32_000
 _STALE_MS = "3000"
 _READY_TIMEOUT_S = 30.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now. The two brokers must know each other's exchange
-    endpoint before either starts (each is the other's ``--peer``), so these ports cannot be ``*``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:

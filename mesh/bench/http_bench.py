@@ -40,7 +40,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,7 +54,7 @@ from pathlib import Path
 
 from mesh.bench.http_load import PROMPT, request_body, run_load, wrk_path, wrk_version
 from mesh.bench.report import fmt as _f
-from mesh.procs import Proc, ProcGroup, wait_for_log_event
+from mesh.procs import Proc, ProcGroup, free_port, wait_for_log_event
 from mesh.up import wait_for_workers
 
 __all__ = ["ALL_ARMS", "run_http_bench", "evaluate_targets", "print_results", "sglang_router_available"]
@@ -110,12 +109,6 @@ def _broker(g: ProcGroup, policy: str | None, tokenizer: str | None = None) -> t
     b = g.broker("broker", *extra, timeout_s=_STARTUP_S)
     url = wait_for_log_event(b.log_path, "http_listening", _STARTUP_S, b.popen, start=b.log_start)["url"]
     return b, url
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
@@ -179,7 +172,7 @@ class _Router:
 
 
 def _spawn_sglang_router(g: ProcGroup, worker_urls: list[str], log_dir: Path) -> _Router:
-    port, prom = _free_port(), _free_port()
+    port, prom = free_port(), free_port()
     hf = log_dir / "hf-home"
     hf.mkdir(parents=True, exist_ok=True)
     # The router tries to fetch the served model's tokenizer from the Hugging Face hub: point it at

@@ -688,6 +688,14 @@ def _router_scaling(mc: MatrixConfig, cells: list[dict[str, Any]]) -> list[dict[
         if "noise_spread" in one:
             row["one_router_noise"] = {seed: one["seeds"][seed]["analysis"]["noise"]["p95_ratio"]
                                        for seed in one["seeds"] if "noise" in one["seeds"][seed]["analysis"]}
+            # the same ratio with each side the geometric mean of the subject's two arms (two
+            # arbitrary tie orders): half the variance of one arm against one arm
+            arms2 = [mc.subject, mc.noise_arm]
+            row["ratios_two_orders"] = {
+                str(r): {seed: _r(math.sqrt(_p95(c["seeds"][seed], arms2[0]) * _p95(c["seeds"][seed], arms2[1])
+                                            / (_p95(one["seeds"][seed], arms2[0]) * _p95(one["seeds"][seed], arms2[1]))), 4)
+                         for seed in one["seeds"] if seed in c["seeds"]}
+                for r, c in sorted(by_r.items()) if r != 1}
         row["within_5pct"] = all(v <= 1.05 for rr in row["ratios"].values() for v in rr.values())
         out.append(row)
     return out
@@ -898,8 +906,10 @@ def render_report(report: dict[str, Any]) -> list[Any]:
     for row in sm.get("routers", []):
         rat = ", ".join(f"R{r} {'/'.join(f'{v:.2f}' for v in by_seed.values())}" for r, by_seed in row["ratios"].items())
         nz = row.get("one_router_noise")
+        two = row.get("ratios_two_orders")
+        rat2 = ", ".join(f"R{r} {'/'.join(f'{v:.2f}' for v in by_seed.values())}" for r, by_seed in two.items()) if two else ""
         lines.append(f"  routers, {row['cells']}: p95 over R1 {rat}" + (
-            f" (R1 noise {'/'.join(f'{v:.2f}' for v in nz.values())})" if nz else "") + (
+            f" (R1 noise {'/'.join(f'{v:.2f}' for v in nz.values())}; both tie orders: {rat2})" if nz else "") + (
             "" if row["within_5pct"] else " -> above 5 %"))
     out.append(Text("\n".join(lines)))
     return out
