@@ -53,7 +53,7 @@ from mesh.routing.router import Router
 from mesh.routing.view import WorkerState
 from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, recv_frames_user, send_frames, socket_readable
 
-__all__ = ["Broker", "Inflight", "broker_id_of"]
+__all__ = ["Broker", "Inflight"]
 
 _DRAIN_BATCH = 512  # max messages taken from one socket before looking at the other
 _DRAIN_TICK_S = 0.05  # while draining for shutdown, re-check at least this often
@@ -68,11 +68,6 @@ _LAG_WINDOW_S = 1.0  # time constant of the loop-lag average that drives load sh
 # treated like a ZeroMQ client at its send HWM.
 _LOCAL_QUEUE_MAX = 4096
 _KV_BACKLOG_BUDGET_S = 0.01  # index work per pump while a KV backlog exists
-
-
-def broker_id_of(settings: BrokerSettings) -> str:
-    """The broker's name in logs, metrics and the exchange: ``--broker-id`` or ``broker-PID``."""
-    return settings.broker_id or f"broker-{os.getpid()}"
 
 
 class Broker:
@@ -94,7 +89,7 @@ class Broker:
         self.worker_keys = worker_keys
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
-        self.broker_id = broker_id_of(settings)
+        self.broker_id = settings.broker_id or f"broker-{os.getpid()}"
         self.log = get_logger(service="broker", broker_id=self.broker_id)
         self.stats = BrokerStats()
         self.core = BrokerCore(settings, router, broker_id=self.broker_id, stats=self.stats, log=self.log, kv_sink=kv_sink,

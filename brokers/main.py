@@ -7,7 +7,7 @@ import random
 import sys
 from pathlib import Path
 
-from brokers.broker import Broker, broker_id_of
+from brokers.broker import Broker
 from brokers.stats import StatsCollector
 from mesh import aio
 from mesh.config import BrokerSettings, model_paths
@@ -32,8 +32,7 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
         kwargs["worker_keys"] = worker_key_names(settings.curve_allow_workers)
     rng = random.Random(settings.seed)
     try:
-        policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s,
-                             router_id=broker_id_of(settings))
+        policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s)
     except ValueError as exc:
         raise ConfigError(f"policy: {exc}") from None
     provider = None

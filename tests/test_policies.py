@@ -143,26 +143,27 @@ def test_cost_ties_spread_deterministically_and_temperature_samples():
     assert picks2.count("cheap") > 150 and picks2.count("dear") > 3, picks2.count("cheap")
 
 
-def test_each_router_has_its_own_stable_order_among_equally_loaded_workers():
-    """Routers deciding at the same moment (before the exchange tells them of each other's
-    dispatches) must not all take the same idle worker; one router must keep its choice stable."""
-    pool = [ws(f"w{i:02d}") for i in range(16)]
-    routers = [make_policy("cache_aware", router_id=f"broker-{i}") for i in range(8)]
-    assert [p.tie_salt for p in routers] == [f"broker-{i}" for i in range(8)]
-    picks = [p.choose(req(), pool, FakeMatch({}, 128), 0.1).worker_id for p in routers]
-    assert len(set(picks)) >= 5, picks  # 8 routers, 16 idle workers: spread, not all on one
-    again = [p.choose(RouteRequest("other", 2048, block_size=16), pool, FakeMatch({}, 128), 0.1).worker_id for p in routers]
-    assert again == picks  # stable per router: not a per-request draw
-    # load still comes first: a less loaded worker wins over every router's preferred one
-    busy = [ws(f"w{i:02d}", running=3) for i in range(16)]
-    busy[11] = ws("w11", running=1)
-    assert {p.choose(req(), busy, FakeMatch({}, 128), 0.1).worker_id for p in routers} == {"w11"}
-    # and a holder of the prompt over an idle non-holder, whatever the order
-    hold = {p.choose(req(), pool, FakeMatch({"w07": 128}, 128), 0.1).worker_id for p in routers}
-    assert hold == {"w07"}
-    # greedy (SGLang's rule, the reference) keeps the lowest worker id
-    g = make_policy("cache_aware_greedy", router_id="broker-3")
-    assert g.choose(req(), pool, FakeMatch({}, 128), 0.1).worker_id == "w00"
+def test_a_miss_goes_to_the_shortest_prefill_queue_then_the_least_loaded():
+    """A miss waits for the prefill queued ahead of it, not for the requests decoding beside it."""
+    now = 0.01  # 10 ms after the snapshots: 250 tokens of each queue drained at 25k tokens/s
+    a = ws("a", running=2, wu=5_000, at=0.0)  # equal request counts; a has ~190 ms of prefill queued
+    b = ws("b", running=3, at=0.0)  # one request more, nothing queued
+    miss = FakeMatch({}, 128)
+    assert CacheAware().choose(req(), [a, b], miss, now).worker_id == "b"
+    assert CacheAwareGreedy().choose(req(), [a, b], miss, now).worker_id == "a"  # by requests
+    assert CacheAware(miss_queue_ms=0).choose(req(), [a, b], miss, now).worker_id == "a"  # greedy's rule
+    # queues within the same 5 ms count as equal: then the least loaded, then the lowest id
+    c = ws("c", running=2, wu=300, at=0.0)  # ~2 ms queued once drained
+    assert CacheAware().choose(req(), [b, c], miss, now).worker_id == "c"
+    assert CacheAware().choose(req(), [ws("d", running=1), ws("e", running=1)], miss, now).worker_id == "d"
+    # a holder of the prompt is not a miss: its queue does not send the request away
+    assert CacheAware().choose(req(), [a, b], FakeMatch({"a": 128}, 128), now).worker_id == "a"
+    # what this router sent since the snapshot counts as queued too (the exchange adds its peers')
+    f, g = ws("f", at=0.0), ws("g", at=0.0)
+    f.record_dispatch(4_000)
+    assert CacheAware().choose(req(), [f, g], miss, now).worker_id == "g"
+    with pytest.raises(ValueError, match="miss_queue_ms"):
+        CacheAware(miss_queue_ms=-1)
 
 
 def test_cost_bounded_candidates_in_large_fleet():

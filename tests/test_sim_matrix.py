@@ -270,7 +270,7 @@ def test_conversation_parameters_and_duration():
 
 
 def test_noise_arm_and_router_scaling(tmp_path):
-    """``noise = true`` runs the subject again with other router ids: its spread is reported per
+    """``noise = true`` runs the subject again with its workers named in another order: its spread is reported per
     cell and seed, a p95 miss is marked within or beyond it, and cells that differ only in
     routers get the subject's p95 over the 1-router cell's."""
     text = TINY.replace('policies = ["power_of_two", "cache_aware_greedy", "cache_aware"]',

@@ -17,16 +17,16 @@ step used only as far as the quality matrix (README) showed it pays:
    is a candidate (the least loaded wins below);
 2. otherwise **affinity** (``affinity_threshold``, 0.5): the holders of at least that share of the
    prompt whose KV can take it (fresh telemetry) and whose telemetry is not distrusted;
-3. among those (or everyone when nobody holds enough) the least loaded by request pressure,
-   rounded, and among equally loaded ones **this router's own stable order** of workers (a hash
-   of ``tie_salt``, the broker's id, with the worker id). Stable, so a burst of one new prefix
-   through one router stays on one worker until its KV events arrive, as greedy's lowest worker
-   id keeps it; per router, so several routers deciding in the same few milliseconds (before
-   the exchange tells them of each other's dispatches) take different idle workers instead of
-   all taking the lowest id (quality matrix, README: low_reuse at load 0.5 with 4 routers went
-   from 1.26x power-of-two's TTFT p95 to 1.02x). With ``cost_ties="auto"`` the **cost model**
-   breaks those ties instead while its online calibration trusts it, with ``"always"``
-   unconditionally.
+3. among holders the least loaded by request pressure, rounded, and among equally loaded ones
+   the lowest worker id, as greedy does (a stable choice keeps a burst of one new prefix on one
+   worker until its KV events arrive). When nobody holds enough (a **miss**), the shortest
+   estimated prefill queue first (``miss_queue_ms``: queues within the same 5 ms of prefill
+   count as equal), then the least loaded, then the lowest id: a miss waits for the prefill
+   queued ahead of it, not for the requests decoding beside it, and the request count cannot
+   tell a worker that just took three prompts from one with three long decodes (quality matrix,
+   README: low_reuse at load 0.5 with 4 routers went from 1.26x power-of-two's TTFT p95 to
+   0.88x). With ``cost_ties="auto"`` the **cost model** breaks those ties instead while its
+   online calibration trusts it, with ``"always"`` unconditionally.
 
 The predicted time to first token::
 
@@ -151,14 +151,13 @@ class CacheAware:
 
     name = "cache_aware"
     needs_match = True
-    takes_router_id = True  # make_policy passes the router's id as tie_salt
 
     def __init__(self, rng: random.Random | None = None, freshness_s: float = 5.0, *, cost: CostModel | None = None,
                  full_scan_max: int = 32, top_k: int = 8, sample_others: int = 8, temperature: float = 0.5,
                  decode_harm_weight: float = 1.0, tie_tolerance: float = 0.02, temperature_ms: float = 100.0,
                  affinity_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
                  load_slack: float = 1.0, calibrate: bool = True, calibration: CalibrationSettings | None = None,
-                 cost_ties: str = "never", tie_salt: str = "") -> None:
+                 cost_ties: str = "never", miss_queue_ms: float = 5.0) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -182,17 +181,11 @@ class CacheAware:
         # never (default): greedy's order among equally loaded candidates; auto: the cost model
         # breaks those ties while the calibration trusts it; always: it always does
         self.cost_ties = cost_ties
-        self.tie_salt = tie_salt
-        self._tie_rank: dict[str, int] = {}  # worker id -> its rank in this router's order
-
-    def _rank(self, worker_id: str) -> int:
-        """This router's stable order of workers among equally loaded ones (see step 3)."""
-        r = self._tie_rank.get(worker_id)
-        if r is None:
-            if len(self._tie_rank) >= 8192:  # bounded under worker-id churn
-                self._tie_rank.clear()
-            r = self._tie_rank[worker_id] = hash_pair(self.tie_salt, worker_id)
-        return r
+        if not (math.isfinite(miss_queue_ms) and miss_queue_ms >= 0):
+            raise ValueError(f"miss_queue_ms must be >= 0, not {miss_queue_ms!r}")
+        # on a miss, prefill queues within this many ms of each other count as equal (0: greedy's
+        # rule, the least loaded by requests)
+        self.miss_queue_ms = miss_queue_ms
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
@@ -235,22 +228,14 @@ class CacheAware:
         c = self.cost
         agg = w.fresh_load(now_s, self.freshness_s)
         rate = w.prefill_tokens_per_s or c.prefill_tokens_per_s
+        queued = self._queued_tokens(w, agg, rate, now_s)
         if agg is not None:
-            # the snapshot's queue plus what was sent since, drained at the worker's rate for
-            # the time since the snapshot (a fluid estimate; without the drain every token sent
-            # in the last heartbeat period counted as still queued, which overstated the queue
-            # of a busy worker several-fold: the calibration's fit put its weight at 0.02)
-            since_s = now_s - max(w.load_at_s) if w.load_at_s else 0.0
-            queued = agg.waiting_uncached_tokens + w.pending_since_load_tokens
-            if since_s > 0.0:
-                queued = max(0.0, queued - rate * since_s)
             running = agg.running
             # num_total_tokens: KV held by running requests plus what waiting ones need (cached
             # but unreferenced pages are evictable, so num_tokens would overstate pressure)
             used = agg.total_tokens
             capacity = agg.max_tokens
         else:
-            queued = w.outstanding_prefill_tokens + w.peer_prefill_tokens  # with peers' (exchange)
             running = w.inflight + w.peer_inflight
             used = 0
             capacity = w.max_total_num_tokens
@@ -272,6 +257,27 @@ class CacheAware:
             # has actually been delivering bounds the prediction from below.
             ttft = max(ttft, w.first_reply_ms)
         return ttft, ttft + self.decode_harm_weight * running * own_ms, x
+
+    @staticmethod
+    def _queued_tokens(w: WorkerState, agg, rate: float, now_s: float) -> float:
+        """Uncached prefill tokens queued on w now. With fresh telemetry (``agg``): the
+        snapshot's queue plus what this router and its peers sent since, drained at the worker's
+        rate for the time since the snapshot (a fluid estimate; without the drain every token
+        sent in the last heartbeat period counted as still queued, which overstated the queue of
+        a busy worker several-fold: the calibration's fit put its weight at 0.02). Without: the
+        outstanding prefill tokens of this router and its peers (fail-open)."""
+        if agg is None:
+            return float(w.outstanding_prefill_tokens + w.peer_prefill_tokens)
+        queued = float(agg.waiting_uncached_tokens + w.pending_since_load_tokens)
+        since_s = now_s - max(w.load_at_s) if w.load_at_s else 0.0
+        if since_s > 0.0:
+            queued = max(0.0, queued - rate * since_s)
+        return queued
+
+    def queued_prefill_ms(self, w: WorkerState, now_s: float) -> float:
+        """The prefill queued on w now, in ms of its prefill rate (see :meth:`_queued_tokens`)."""
+        rate = w.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
+        return 1000.0 * self._queued_tokens(w, w.fresh_load(now_s, self.freshness_s), rate, now_s) / rate
 
     def observe(self, decision: Decision, ttft_ms: float) -> None:
         """The request routed by ``decision`` got its first reply ``ttft_ms`` after dispatch:
@@ -337,8 +343,8 @@ class CacheAware:
         then the holders of at least ``affinity_threshold`` of the prompt whose KV can take it,
         then the least loaded of those (within ``load_slack`` requests), and among them the
         lowest score while the calibrated cost model is trusted (ties by in-flight count and a
-        per-request rendezvous hash), otherwise this router's stable order (see the module
-        docstring)."""
+        per-request rendezvous hash), otherwise the lowest worker id; on a miss the shortest
+        prefill queue first (see the module docstring)."""
         fr = self.freshness_s
         load = {t[2]: t[4].pressure(now_s, fr) for t in scored}
         lo_p, hi_p = min(load.values()), max(load.values())
@@ -350,9 +356,11 @@ class CacheAware:
                    and self._fits(t[4], prompt_tokens, now_s) and not t[4].distrusted(now_s)]
             if hot:
                 pool = hot
-        if scored[0][5] is None:  # no cost ties (see choose): the router's own stable order
-            rank = self._rank
-            return min(pool, key=lambda t: (round(load[t[2]]), rank(t[2])))
+        if scored[0][5] is None:  # no cost ties (see choose): greedy's order
+            if pool is scored and self.miss_queue_ms > 0:  # a miss: the shortest prefill queue first
+                q_ms = self.miss_queue_ms
+                return min(pool, key=lambda t: (int(self.queued_prefill_ms(t[4], now_s) // q_ms), round(load[t[2]]), t[2]))
+            return min(pool, key=lambda t: (round(load[t[2]]), t[2]))
         band = min(load[t[2]] for t in pool) + self.load_slack
         return min((t for t in pool if load[t[2]] <= band),
                    key=lambda t: (round(load[t[2]]), t[0], t[4].inflight, _rendezvous(rid, t[2])))

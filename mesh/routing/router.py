@@ -36,17 +36,11 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-def make_policy(name: str, *, rng: random.Random | None = None, freshness_s: float = 5.0, router_id: str = "",
-                **kwargs) -> Policy:
-    """The named policy. ``router_id`` (the broker's id; the simulator's router index) seeds the
-    per-router order of policies that break ties by one (``takes_router_id``), so routers that
-    decide at the same moment spread over equally loaded workers instead of agreeing."""
+def make_policy(name: str, *, rng: random.Random | None = None, freshness_s: float = 5.0, **kwargs) -> Policy:
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
-    if getattr(factory, "takes_router_id", False):
-        kwargs.setdefault("tie_salt", router_id)
     return factory(rng=rng, freshness_s=freshness_s, **kwargs)
 
 

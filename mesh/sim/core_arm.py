@@ -149,14 +149,14 @@ class CoreArm:
 
     def __init__(self, cfg, spec, workload, oracle=None, progress: Callable[[int, int], None] | None = None,
                  faults: FaultSpec | None = None) -> None:
-        from mesh.sim.runner import PROVIDER_FEEDS, _make_router, _roles_and_labels, _worker_ids
+        from mesh.sim.runner import PROVIDER_FEEDS, _make_router, _roles_and_labels, _worker_ids, policy_base
 
         self.cfg, self.spec, self.wl, self.oracle, self.progress = cfg, spec, workload, oracle, progress
         self.faults = faults or FaultSpec()
         ecfg = cfg.engine
         self.block_size = ecfg.page_size
         n_workers = spec.workers if cfg.pd is None else sum(cfg.pd)
-        ids = _worker_ids(n_workers)
+        ids = _worker_ids(n_workers, policy_base(spec.policy)[1])
         roles, labels = _roles_and_labels(cfg, n_workers)
         self.workers = [_SimWorker(i, wid, EngineModel(ecfg), roles[i], labels[i]) for i, wid in enumerate(ids)]
         self.feed = PROVIDER_FEEDS.get(spec.provider, "none")
@@ -183,9 +183,8 @@ class CoreArm:
             prov = make_provider(spec.provider, block_size=self.block_size, shared_index=self._shared, **cfg.provider_options)
         from mesh.sim.runner import policy_base
 
-        name, tag = policy_base(spec.policy)
-        pol = make_policy(name, rng=random.Random(_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
-                          router_id=f"router-{r}{tag}", **cfg.policy_options)
+        pol = make_policy(policy_base(spec.policy)[0], rng=random.Random(_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
+                          **cfg.policy_options)
         router = self._make_router(cfg, pol, prov, r)
         core = BrokerCore(self.settings, router, broker_id=f"router-{r}", kv_sink=prov, perf=lambda: 0.0,
                           log=_QuietLog())

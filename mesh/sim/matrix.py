@@ -158,11 +158,11 @@ class MatrixConfig:
     engine: EngineConfig
     workloads: dict[str, WorkloadDef]
     cells: list[Cell]
-    noise: bool = False  # also run the subject with other router ids (its noise floor, see analyse_cell)
+    noise: bool = False  # also run the subject with its workers named in another order (its noise floor, see analyse_cell)
 
     @property
     def noise_arm(self) -> str | None:
-        """The subject again with other router ids (``cache_aware@b``), when ``noise`` is on."""
+        """The subject again with its workers named in another order (``cache_aware@b``), when ``noise`` is on."""
         return f"{self.subject}@b" if self.noise else None
 
     @property
@@ -870,7 +870,7 @@ def render_report(report: dict[str, Any]) -> list[Any]:
                           f"{a['hit_rate'] * 100:.1f}", f"{(a['oracle_hit_rate'] or 0) * 100:.1f}", f"{a['worker_cv']:.2f}",
                           f"{an['p95_ratio']:.2f}x", SHORT.get(an["best_other"], an["best_other"]),
                           f"{an['goodput_diff'] * 100:+.1f}", Text(an["status"], style=style[an["status"]]))
-        for s, r in c["seeds"].items():  # the noise arm: the subject with other router ids, not judged
+        for s, r in c["seeds"].items():  # the noise arm: the subject with its workers named in another order, not judged
             nz = r["analysis"].get("noise")
             a = next((x for x in r["arms"] if nz and x["policy"] == nz["arm"]), None)
             if a is not None:
@@ -901,7 +901,7 @@ def render_report(report: dict[str, Any]) -> list[Any]:
         lines.append(f"{subject} loses in: " + "; ".join(sm["losing_cells"]))
     if "ttft_p95_misses_beyond_noise" in sm:
         beyond = sm["ttft_p95_misses_beyond_noise"]
-        lines.append(f"  TTFT p95 misses larger than the cell's noise ({subject} with other router ids): "
+        lines.append(f"  TTFT p95 misses larger than the cell's noise ({subject} with its workers named in another order): "
                      f"{len(beyond)}" + (f" ({'; '.join(beyond)})" if beyond else ""))
     for row in sm.get("routers", []):
         rat = ", ".join(f"R{r} {'/'.join(f'{v:.2f}' for v in by_seed.values())}" for r, by_seed in row["ratios"].items())

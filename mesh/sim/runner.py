@@ -202,10 +202,10 @@ class SimConfig:
 
 def policy_base(name: str) -> tuple[str, str]:
     """``"cache_aware@b"`` -> ``("cache_aware", "@b")``: an arm tagged ``@TAG`` runs the same
-    policy with its routers named differently, so every arbitrary choice that hangs on a
-    router's id (cache_aware's order among equally loaded workers) differs and nothing else
-    does. The quality matrix runs its subject twice this way: the spread between the two is
-    the cell's noise floor."""
+    policy with its workers named differently (the same engines, in another order), so every
+    arbitrary choice that hangs on a name (the lowest worker id among equally loaded workers)
+    differs and nothing else does. The quality matrix runs its subject twice this way: the
+    spread between the two is the cell's noise floor."""
     base, sep, tag = name.partition("@")
     return base, sep + tag
 
@@ -358,9 +358,17 @@ def _make_router(cfg: SimConfig, pol, prov, index: int):
                         pd=cfg.pd is not None)
 
 
-def _worker_ids(n: int) -> list[str]:
+def _worker_ids(n: int, tag: str = "") -> list[str]:
+    """Worker names by engine index; an arm tagged ``@TAG`` (:func:`policy_base`) names the same
+    engines in another order, so choices that hang on names (the lowest worker id among equally
+    loaded ones) differ and nothing else does."""
     width = max(2, len(str(n - 1)))
-    return [f"w{i:0{width}d}" for i in range(n)]
+    ids = [f"w{i:0{width}d}" for i in range(n)]
+    if tag:
+        import zlib
+
+        random.Random(zlib.crc32(tag.encode())).shuffle(ids)
+    return ids
 
 
 class Arm:
@@ -378,7 +386,7 @@ class Arm:
         ecfg = cfg.engine
         self.block_size = ecfg.page_size
         n_workers = spec.workers
-        ids = _worker_ids(n_workers)
+        ids = _worker_ids(n_workers, policy_base(spec.policy)[1])
         self.workers = [_Worker(i, wid, EngineModel(ecfg)) for i, wid in enumerate(ids)]
         roles, labels = _roles_and_labels(cfg, n_workers)
         self.wix = {wid: i for i, wid in enumerate(ids)}
@@ -396,9 +404,8 @@ class Arm:
                 prov = make_provider(spec.provider, block_size=self.block_size, shared_index=shared, **cfg.provider_options)
                 for wid in ids:
                     prov.add_worker(wid, self.block_size)
-            name, tag = policy_base(spec.policy)
-            pol = make_policy(name, rng=random.Random(_key(0x5E1, cfg.seed, r)),
-                              freshness_s=cfg.load_freshness_s, router_id=f"router-{r}{tag}", **cfg.policy_options)
+            pol = make_policy(policy_base(spec.policy)[0], rng=random.Random(_key(0x5E1, cfg.seed, r)),
+                              freshness_s=cfg.load_freshness_s, **cfg.policy_options)
             states = [WorkerState(wid, role=roles[i], labels=dict(labels[i]), block_size=self.block_size,
                                   max_running_requests=ecfg.max_running_requests, max_total_num_tokens=ecfg.max_total_num_tokens)
                       for i, wid in enumerate(ids)]
