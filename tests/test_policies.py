@@ -162,8 +162,18 @@ def test_a_miss_goes_to_the_shortest_prefill_queue_then_the_least_loaded():
     f, g = ws("f", at=0.0), ws("g", at=0.0)
     f.record_dispatch(4_000)
     assert CacheAware().choose(req(), [f, g], miss, now).worker_id == "g"
+    # only among the workers within one request of the least loaded: near saturation the request
+    # balance decides (an idle queue two requests above the least loaded does not win)
+    h, k = ws("h", running=1, wu=5_000, at=0.0), ws("k", running=3, at=0.0)
+    assert CacheAware().choose(req(), [h, k], miss, now).worker_id == "h"
+    assert CacheAware(miss_load_band=2).choose(req(), [h, k], miss, now).worker_id == "k"
+    # an imbalance is corrected by request count, as greedy does, whatever the queues
+    big = [ws("m", running=40, at=0.0), ws("n", running=2, wu=5_000, at=0.0), ws("o", running=3, at=0.0)]
+    assert CacheAware().choose(req(), big, FakeMatch({"m": 128}, 128), now).worker_id == "n"
     with pytest.raises(ValueError, match="miss_queue_ms"):
         CacheAware(miss_queue_ms=-1)
+    with pytest.raises(ValueError, match="miss_load_band"):
+        CacheAware(miss_load_band=-1)
 
 
 def test_cost_bounded_candidates_in_large_fleet():

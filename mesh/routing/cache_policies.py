@@ -19,13 +19,15 @@ step used only as far as the quality matrix (README) showed it pays:
    prompt whose KV can take it (fresh telemetry) and whose telemetry is not distrusted;
 3. among holders the least loaded by request pressure, rounded, and among equally loaded ones
    the lowest worker id, as greedy does (a stable choice keeps a burst of one new prefix on one
-   worker until its KV events arrive). When nobody holds enough (a **miss**), the shortest
-   estimated prefill queue first (``miss_queue_ms``: queues within the same 5 ms of prefill
-   count as equal), then the least loaded, then the lowest id: a miss waits for the prefill
-   queued ahead of it, not for the requests decoding beside it, and the request count cannot
-   tell a worker that just took three prompts from one with three long decodes (quality matrix,
-   README: low_reuse at load 0.5 with 4 routers went from 1.26x power-of-two's TTFT p95 to
-   0.88x). With ``cost_ties="auto"`` the **cost model** breaks those ties instead while its
+   worker until its KV events arrive). When nobody holds enough (a **miss**, and no imbalance
+   to correct), among the workers within ``miss_load_band`` (1) request of the least loaded the
+   shortest estimated prefill queue first (``miss_queue_ms``: queues within the same 5 ms of
+   prefill count as equal), then the least loaded, then the lowest id: a miss waits for the
+   prefill queued ahead of it, not for the requests decoding beside it, and the request count
+   cannot tell a worker that just took a prompt from one with a long decode. The band keeps
+   the request balance that decides near saturation (quality matrix, README: unbounded, the
+   queue-first rule won low_reuse at load 0.5-0.8 by 12-27 % and lost it at load 1.0 by
+   15-19 %). With ``cost_ties="auto"`` the **cost model** breaks those ties instead while its
    online calibration trusts it, with ``"always"`` unconditionally.
 
 The predicted time to first token::
@@ -157,7 +159,7 @@ class CacheAware:
                  decode_harm_weight: float = 1.0, tie_tolerance: float = 0.02, temperature_ms: float = 100.0,
                  affinity_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
                  load_slack: float = 1.0, calibrate: bool = True, calibration: CalibrationSettings | None = None,
-                 cost_ties: str = "never", miss_queue_ms: float = 5.0) -> None:
+                 cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -183,9 +185,12 @@ class CacheAware:
         self.cost_ties = cost_ties
         if not (math.isfinite(miss_queue_ms) and miss_queue_ms >= 0):
             raise ValueError(f"miss_queue_ms must be >= 0, not {miss_queue_ms!r}")
+        if type(miss_load_band) is not int or miss_load_band < 0:
+            raise ValueError(f"miss_load_band must be an int >= 0, not {miss_load_band!r}")
         # on a miss, prefill queues within this many ms of each other count as equal (0: greedy's
         # rule, the least loaded by requests)
         self.miss_queue_ms = miss_queue_ms
+        self.miss_load_band = miss_load_band  # ... among workers within this many requests of the least loaded
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
@@ -349,6 +354,7 @@ class CacheAware:
         load = {t[2]: t[4].pressure(now_s, fr) for t in scored}
         lo_p, hi_p = min(load.values()), max(load.values())
         pool = scored
+        miss = False
         if not (hi_p - lo_p > self.balance_abs_threshold and hi_p > lo_p * self.balance_rel_threshold):
             # (a worker whose telemetry is distrusted, because it claimed less work than this
             # router alone has there, is no holder to stick to: its queue is unknown)
@@ -356,10 +362,15 @@ class CacheAware:
                    and self._fits(t[4], prompt_tokens, now_s) and not t[4].distrusted(now_s)]
             if hot:
                 pool = hot
+            else:
+                miss = self.miss_queue_ms > 0
         if scored[0][5] is None:  # no cost ties (see choose): greedy's order
-            if pool is scored and self.miss_queue_ms > 0:  # a miss: the shortest prefill queue first
+            if miss:  # nobody holds enough (and no imbalance to correct): the shortest prefill queue
+                # among the workers within miss_load_band requests of the least loaded
                 q_ms = self.miss_queue_ms
-                return min(pool, key=lambda t: (int(self.queued_prefill_ms(t[4], now_s) // q_ms), round(load[t[2]]), t[2]))
+                floor = round(lo_p) + self.miss_load_band
+                return min((t for t in pool if round(load[t[2]]) <= floor),
+                           key=lambda t: (int(self.queued_prefill_ms(t[4], now_s) // q_ms), round(load[t[2]]), t[2]))
             return min(pool, key=lambda t: (round(load[t[2]]), t[2]))
         band = min(load[t[2]] for t in pool) + self.load_slack
         return min((t for t in pool if load[t[2]] <= band),
