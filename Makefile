@@ -51,6 +51,7 @@ bench: $(STAMP) valkey-server
 	$(VENV)/bin/mesh bench broker --json bench/broker.json
 	$(VENV)/bin/mesh bench routing --json bench/routing.json
 	$(VENV)/bin/mesh bench indexer --json bench/indexer.json
+	$(VENV)/bin/mesh bench exchange --json bench/exchange.json
 
 # the HTTP path side by side (direct engine, broker + ZMQ workers, broker + adapters, sglang-router);
 # wrk is installed when missing and we may (root with apt-get), else the built-in load generator runs
