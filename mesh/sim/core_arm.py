@@ -156,7 +156,8 @@ class CoreArm:
         ecfg = cfg.engine
         self.block_size = ecfg.page_size
         n_workers = spec.workers if cfg.pd is None else sum(cfg.pd)
-        ids = _worker_ids(n_workers, policy_base(spec.policy)[1])
+        self._policy, tag = policy_base(spec.policy)  # "NAME@TAG": the workers named in another order
+        ids = _worker_ids(n_workers, tag)
         roles, labels = _roles_and_labels(cfg, n_workers)
         self.workers = [_SimWorker(i, wid, EngineModel(ecfg), roles[i], labels[i]) for i, wid in enumerate(ids)]
         self.feed = PROVIDER_FEEDS.get(spec.provider, "none")
@@ -181,9 +182,7 @@ class CoreArm:
         prov = None
         if spec.provider != "none":
             prov = make_provider(spec.provider, block_size=self.block_size, shared_index=self._shared, **cfg.provider_options)
-        from mesh.sim.runner import policy_base
-
-        pol = make_policy(policy_base(spec.policy)[0], rng=random.Random(_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
+        pol = make_policy(self._policy, rng=random.Random(_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
                           **cfg.policy_options)
         router = self._make_router(cfg, pol, prov, r)
         core = BrokerCore(self.settings, router, broker_id=f"router-{r}", kv_sink=prov, perf=lambda: 0.0,

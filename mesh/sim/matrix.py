@@ -663,14 +663,18 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _p95(run: dict[str, Any], policy: str) -> float:
-    return next(a["ttft_p95_ms"] for a in run["arms"] if a["policy"] == policy)
+def _p95(run: dict[str, Any], policies: list[str]) -> float:
+    """The geometric mean of these arms' TTFT p95 in one (cell, seed) run."""
+    by = {a["policy"]: a["ttft_p95_ms"] for a in run["arms"]}
+    return math.prod(by[p] for p in policies) ** (1.0 / len(policies))
 
 
 def _router_scaling(mc: MatrixConfig, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The subject's TTFT p95 with R routers over 1 router's, per seed, for every (workload,
     load, workers) the matrix runs with 1 router and more (issue 15: within 5 % with the
-    exchange on), with the 1-router cell's noise spread beside it."""
+    exchange on), with the 1-router cell's noise beside it and, with the noise arm, the same
+    ratio with each side the geometric mean of the subject's two arms (two worker namings:
+    half the variance of one arm against one arm)."""
     groups: dict[tuple[str, float, int], dict[int, dict[str, Any]]] = {}
     for c in cells:
         groups.setdefault((c["workload"], c["load"], c["workers"]), {})[c["routers"]] = c
@@ -679,23 +683,17 @@ def _router_scaling(mc: MatrixConfig, cells: list[dict[str, Any]]) -> list[dict[
         one = by_r.get(1)
         if one is None or len(by_r) < 2:
             continue
-        row: dict[str, Any] = {"cells": f"{wl} L{load:g} W{workers}", "ratios": {}}
-        for r, c in sorted(by_r.items()):
-            if r == 1:
-                continue
-            row["ratios"][str(r)] = {seed: _r(_p95(c["seeds"][seed], mc.subject) / _p95(one["seeds"][seed], mc.subject), 4)
-                                     for seed in one["seeds"] if seed in c["seeds"]}
+
+        def ratios(arms: list[str]) -> dict[str, dict[str, float]]:
+            return {str(r): {seed: _r(_p95(c["seeds"][seed], arms) / _p95(one["seeds"][seed], arms), 4)
+                             for seed in one["seeds"] if seed in c["seeds"]}
+                    for r, c in sorted(by_r.items()) if r != 1}
+
+        row: dict[str, Any] = {"cells": f"{wl} L{load:g} W{workers}", "ratios": ratios([mc.subject])}
         if "noise_spread" in one:
             row["one_router_noise"] = {seed: one["seeds"][seed]["analysis"]["noise"]["p95_ratio"]
                                        for seed in one["seeds"] if "noise" in one["seeds"][seed]["analysis"]}
-            # the same ratio with each side the geometric mean of the subject's two arms (two
-            # arbitrary tie orders): half the variance of one arm against one arm
-            arms2 = [mc.subject, mc.noise_arm]
-            row["ratios_two_orders"] = {
-                str(r): {seed: _r(math.sqrt(_p95(c["seeds"][seed], arms2[0]) * _p95(c["seeds"][seed], arms2[1])
-                                            / (_p95(one["seeds"][seed], arms2[0]) * _p95(one["seeds"][seed], arms2[1]))), 4)
-                         for seed in one["seeds"] if seed in c["seeds"]}
-                for r, c in sorted(by_r.items()) if r != 1}
+            row["ratios_two_orders"] = ratios([mc.subject, mc.noise_arm])
         row["within_5pct"] = all(v <= 1.05 for rr in row["ratios"].values() for v in rr.values())
         out.append(row)
     return out

@@ -160,7 +160,7 @@ class SimConfig:
         for p in self.policies:
             if policy_base(p)[0] not in POLICIES:
                 raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(POLICIES))} "
-                                  "(NAME@TAG: the same policy with another arbitrary tie order)")
+                                  "(NAME@TAG: the same policy with its workers named in another order)")
         for p in self.providers:
             if p not in PROVIDER_FEEDS:
                 raise ConfigError(f"unknown provider {p!r}; choose from {', '.join(sorted(PROVIDER_FEEDS))}")
