@@ -239,3 +239,28 @@ def test_cost_keeps_affinity_to_a_holder_until_it_is_clearly_overloaded():
     # a holder whose KV cannot take the prompt is not a holder for this request
     full = [ws("a"), ws("b", used=399_000)]
     assert CacheAware(**argmin).choose(req(), full, m, 0.1).worker_id == "a"
+
+
+def test_a_worker_claiming_an_instant_prefill_queue_gains_at_most_the_load_band():
+    """Hostile telemetry: a worker whose counters claim an absurd prefill rate (so every queue
+    estimate drains at once) and an empty queue would take every miss under a queue-only rule;
+    the band keeps it within one request of the least loaded."""
+    honest = [ws(f"h{i}", running=2, wu=3_000, at=0.0) for i in range(3)]
+    liar = ws("liar", running=2, at=0.0)
+    liar.prefill_tokens_per_s = 1e12
+    pool = [*honest, liar]
+    pol = CacheAware()
+    picks = []
+    for i in range(40):
+        d = pol.choose(RouteRequest(f"m{i}", 2048, block_size=16), pool, FakeMatch({}, 128), 0.01)
+        next(w for w in pool if w.worker_id == d.worker_id).record_dispatch(2048)
+        picks.append(d.worker_id)
+    n = {w.worker_id: picks.count(w.worker_id) for w in pool}
+    assert n["liar"] <= min(n[h.worker_id] for h in honest) + 2, n
+    unbounded = CacheAware(miss_load_band=1_000)
+    fresh = [*(ws(f"h{i}", running=2, wu=3_000, at=0.0) for i in range(3)), ws("liar", running=2, at=0.0)]
+    fresh[-1].prefill_tokens_per_s = 1e12
+    for i in range(40):
+        d = unbounded.choose(RouteRequest(f"m{i}", 2048, block_size=16), fresh, FakeMatch({}, 128), 0.01)
+        next(w for w in fresh if w.worker_id == d.worker_id).record_dispatch(2048)
+    assert fresh[-1].inflight >= 30  # what the band prevents (only the 32-request imbalance bound stops it)
