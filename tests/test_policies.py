@@ -176,6 +176,33 @@ def test_a_miss_goes_to_the_shortest_prefill_queue_then_the_least_loaded():
         CacheAware(miss_load_band=-1)
 
 
+def test_the_imbalance_bound_moves_only_the_requests_whose_holder_is_overloaded():
+    """SGLang's bound sends every request to the least loaded worker while any worker is 32
+    requests (and 1.1x) above it, so requests whose own holder is fine are recomputed there, a
+    herd of full prefills on one worker (zipf: six within 40 ms, TTFT 386-734 ms). cache_aware
+    overrides affinity only where the holder is itself overloaded."""
+    now = 0.01
+    hot, mid, cold = ws("hot", running=45), ws("mid", running=12), ws("cold", running=4)
+    fleet = [hot, mid, cold]
+    held_by_mid, held_by_hot = FakeMatch({"mid": 128}, 128), FakeMatch({"hot": 128}, 128)
+    assert CacheAware().choose(req(), fleet, held_by_mid, now).worker_id == "mid"
+    assert CacheAware().choose(req(), fleet, held_by_hot, now).worker_id == "cold"
+    # several holders: the overloaded one is left out, the least loaded of the rest wins
+    both = FakeMatch({"hot": 128, "mid": 128}, 128)
+    assert CacheAware().choose(req(), fleet, both, now).worker_id == "mid"
+    # a miss during an imbalance goes to the least loaded, whatever the queues
+    assert CacheAware().choose(req(), fleet, FakeMatch({}, 128), now).worker_id == "cold"
+    # SGLang's scope (and greedy) move the request held by the fine worker too
+    assert CacheAware(imbalance_scope="fleet").choose(req(), fleet, held_by_mid, now).worker_id == "cold"
+    assert CacheAwareGreedy().choose(req(), fleet, held_by_mid, now).worker_id == "cold"
+    # no imbalance (45 - 14 <= 32): affinity to the busier holder stands in both scopes
+    calm = [hot, ws("mid", running=14), ws("cold", running=14)]
+    for scope in ("holder", "fleet"):
+        assert CacheAware(imbalance_scope=scope).choose(req(), calm, held_by_hot, now).worker_id == "hot"
+    with pytest.raises(ValueError, match="imbalance_scope"):
+        CacheAware(imbalance_scope="worker")
+
+
 def test_cost_bounded_candidates_in_large_fleet():
     pool = [ws(f"w{i:04d}") for i in range(2000)]
     p = CacheAware(random.Random(0), top_k=4, sample_others=4, temperature=0.0, temperature_ms=0.0)

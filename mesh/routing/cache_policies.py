@@ -12,11 +12,16 @@ reference to beat:
 ``cache_aware`` — mesh's policy: **load first, then cache**, with a calibrated cost model beside it; each
 step used only as far as the quality matrix (README) showed it pays:
 
-1. SGLang's imbalance bound, as in greedy: when pressures differ by more than
-   ``balance_abs_threshold`` (32) requests and ``balance_rel_threshold`` (1.1x), every worker
-   is a candidate (the least loaded wins below);
+1. SGLang's imbalance bound, **applied per holder**: a worker whose pressure exceeds the least
+   loaded one's by more than ``balance_abs_threshold`` (32) requests and
+   ``balance_rel_threshold`` (1.1x) is no holder to stick to; a request left with no holder
+   goes to the least loaded worker. SGLang (and greedy, ``imbalance_scope="fleet"``) sends
+   *every* request there while any worker is over the bound, also those whose holder is fine:
+   they are recomputed on one worker in a burst (zipf: six full prefills on one worker within
+   40 ms, TTFT 386-734 ms, and the hits queued behind them), and the cache's hit rate drops;
 2. otherwise **affinity** (``affinity_threshold``, 0.5): the holders of at least that share of the
-   prompt whose KV can take it (fresh telemetry) and whose telemetry is not distrusted;
+   prompt whose KV can take it (fresh telemetry), whose telemetry is not distrusted and that
+   are not over the imbalance bound;
 3. among holders the least loaded by request pressure, rounded, and among equally loaded ones
    the lowest worker id, as greedy does (a stable choice keeps a burst of one new prefix on one
    worker until its KV events arrive). When nobody holds enough (a **miss**, and no imbalance
@@ -159,7 +164,8 @@ class CacheAware:
                  decode_harm_weight: float = 1.0, tie_tolerance: float = 0.02, temperature_ms: float = 100.0,
                  affinity_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
                  load_slack: float = 1.0, calibrate: bool = True, calibration: CalibrationSettings | None = None,
-                 cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1) -> None:
+                 cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
+                 imbalance_scope: str = "holder") -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -191,6 +197,12 @@ class CacheAware:
         # rule, the least loaded by requests)
         self.miss_queue_ms = miss_queue_ms
         self.miss_load_band = miss_load_band  # ... among workers within this many requests of the least loaded
+        if imbalance_scope not in ("holder", "fleet"):
+            raise ValueError(f"imbalance_scope must be holder or fleet, not {imbalance_scope!r}")
+        # holder (default): the imbalance bound overrides affinity only where the holder itself is
+        # the overloaded worker; fleet: SGLang's rule, any imbalance sends every request to the
+        # least loaded worker
+        self.imbalance_scope = imbalance_scope
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
@@ -355,14 +367,18 @@ class CacheAware:
         lo_p, hi_p = min(load.values()), max(load.values())
         pool = scored
         miss = False
-        if not (hi_p - lo_p > self.balance_abs_threshold and hi_p > lo_p * self.balance_rel_threshold):
+        ab, rb = self.balance_abs_threshold, self.balance_rel_threshold
+        imbalanced = hi_p - lo_p > ab and hi_p > lo_p * rb
+        if not imbalanced or self.imbalance_scope == "holder":
             # (a worker whose telemetry is distrusted, because it claimed less work than this
             # router alone has there, is no holder to stick to: its queue is unknown)
             hot = [t for t in scored if t[3] and t[3] >= self.affinity_threshold * prompt_tokens
                    and self._fits(t[4], prompt_tokens, now_s) and not t[4].distrusted(now_s)]
+            if imbalanced:
+                hot = [t for t in hot if not (load[t[2]] - lo_p > ab and load[t[2]] > lo_p * rb)]
             if hot:
                 pool = hot
-            else:
+            elif not imbalanced:
                 miss = self.miss_queue_ms > 0
         if scored[0][5] is None:  # no cost ties (see choose): greedy's order
             if miss:  # nobody holds enough (and no imbalance to correct): the shortest prefill queue
