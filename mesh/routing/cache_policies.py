@@ -356,9 +356,10 @@ class CacheAware:
                         detail={"predicted_ttft_ms": round(cost_ms, 3), "uncached_tokens": L - hit, "cost_x": x})
 
     def _choose_banded(self, scored, prompt_tokens: int, now_s: float, rid: str):
-        """Load first, then cache, then cost (see the module docstring): SGLang's imbalance bound,
-        then the holders of at least ``affinity_threshold`` of the prompt whose KV can take it,
-        then the least loaded of those (within ``load_slack`` requests), and among them the
+        """Load first, then cache, then cost (see the module docstring): the holders of at least
+        ``affinity_threshold`` of the prompt whose KV can take it and that are not over SGLang's
+        imbalance bound (``imbalance_scope="fleet"``: none while any worker is over it; with no
+        holder left during an imbalance, the least loaded worker), then the least loaded of those (within ``load_slack`` requests), and among them the
         lowest score while the calibrated cost model is trusted (ties by in-flight count and a
         per-request rendezvous hash), otherwise the lowest worker id; on a miss the shortest
         prefill queue first (see the module docstring)."""
