@@ -359,10 +359,11 @@ class CacheAware:
         """Load first, then cache, then cost (see the module docstring): the holders of at least
         ``affinity_threshold`` of the prompt whose KV can take it and that are not over SGLang's
         imbalance bound (``imbalance_scope="fleet"``: none while any worker is over it; with no
-        holder left during an imbalance, the least loaded worker), then the least loaded of those (within ``load_slack`` requests), and among them the
-        lowest score while the calibrated cost model is trusted (ties by in-flight count and a
-        per-request rendezvous hash), otherwise the lowest worker id; on a miss the shortest
-        prefill queue first (see the module docstring)."""
+        holder left during an imbalance, the least loaded worker), then the least loaded of
+        those (within ``load_slack`` requests), and among them the lowest score while the
+        calibrated cost model is trusted (ties by in-flight count and a per-request rendezvous
+        hash), otherwise the lowest worker id; on a miss the shortest prefill queue first (see
+        the module docstring)."""
         fr = self.freshness_s
         load = {t[2]: t[4].pressure(now_s, fr) for t in scored}
         lo_p, hi_p = min(load.values()), max(load.values())
