@@ -289,6 +289,34 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
         config_from_args(bad)
 
 
+def test_policy_options_reach_one_policy_and_bad_ones_are_named():
+    """``--policy-option POLICY.KEY=VALUE`` sets a constructor option of that policy only (greedy,
+    which has no such option, runs beside it), and a bad one is refused by name before any run."""
+    parser = argparse.ArgumentParser(prog="mesh")
+    add_sim_parser(parser.add_subparsers(dest="cmd"))
+    base = ["sim", "--workload", "low_reuse", "--rate", "150", "--duration-s", "2", "--workers", "4",
+            "--output-tokens", "64", "--policy", "cache_aware_greedy,cache_aware"]
+
+    def served(extra):
+        arms = {a["policy"]: a for a in run_sim(config_from_args(parser.parse_args(base + extra)))["arms"]}
+        return arms["cache_aware"]["served_per_worker"], arms["cache_aware_greedy"]["served_per_worker"]
+
+    ours, greedy = served([])
+    assert ours != greedy  # every request is a miss: the queue-first miss rule places them otherwise
+    as_greedy = ["--policy-option", "cache_aware.miss_queue_ms=0", "--policy-option", "cache_aware.imbalance_scope=fleet"]
+    cfg = config_from_args(parser.parse_args(base + as_greedy))
+    assert cfg.policy_params == {"cache_aware": {"miss_queue_ms": 0, "imbalance_scope": "fleet"}}
+    # with greedy's miss rule and SGLang's fleet-wide bound, cache_aware makes greedy's choices
+    ours, greedy = served(as_greedy)
+    assert ours == greedy
+    for opt, msg in [("cache_aware.imbalance_scope=worker", "imbalance_scope"),
+                     ("cache_aware.no_such_knob=1", "no_such_knob"),
+                     ("greedy_typo.cache_threshold=0.5", "unknown policy 'greedy_typo'"),
+                     ("cache_aware=1", "POLICY.KEY=VALUE")]:
+        with pytest.raises(ConfigError, match=msg):
+            config_from_args(parser.parse_args(base + ["--policy-option", opt]))
+
+
 def test_determinism_across_processes(tmp_path):
     # Different hash seeds (string hashing, set order) must not change a single byte.
     import os

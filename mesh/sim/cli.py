@@ -57,6 +57,10 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--workers", type=_csv(int), default=[16], help="worker count(s), e.g. 16,64 (default 16)")
     a.add_argument("--router-pick", choices=["round_robin", "random"], default="round_robin",
                    help="how requests reach routers (default round_robin)")
+    a.add_argument("--policy-option", action="append", default=[], metavar="POLICY.KEY=VALUE",
+                   help="a constructor option of one policy, e.g. cache_aware.imbalance_scope=fleet or "
+                        "cache_aware.balance_abs_threshold=64 (VALUE is read as JSON when it parses, else as a "
+                        "string; repeatable; see mesh/routing/cache_policies.py)")
     a.add_argument("--no-dedupe", action="store_true",
                    help="run load-only policies once per provider instead of once with provider 'none'")
     w = p.add_argument_group("request stream")
@@ -116,7 +120,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
 
 
 #: options that only make sense for a single run (with --matrix the TOML says all of this)
-_SINGLE_RUN_ONLY = ("policy", "provider", "routers", "workers", "router_pick", "no_dedupe", "time_scale", "rate",
+_SINGLE_RUN_ONLY = ("policy", "policy_option", "provider", "routers", "workers", "router_pick", "no_dedupe", "time_scale", "rate",
                     "duration_s", "seed", "heartbeat_ms", "event_delay_ms", "net_ms", "load_freshness_s", "ttft_slo_ms",
                     "buckets", "pd", "exchange", "exchange_delay_ms", "exchange_interval_ms", "config")
 
@@ -137,6 +141,22 @@ def _check_matrix_args(args: argparse.Namespace) -> None:
         raise ConfigError("jobs: must be >= 0 (0 = every usable core)")
 
 
+def _policy_params(items: list[str]) -> dict[str, dict]:
+    """``--policy-option POLICY.KEY=VALUE`` items as {policy: {key: value}} (ConfigError naming the item)."""
+    out: dict[str, dict] = {}
+    for item in items:
+        head, eq, raw = item.partition("=")
+        pol, dot, key = head.strip().partition(".")
+        if not (eq and dot and pol and key.isidentifier()):
+            raise ConfigError(f"--policy-option {item!r}: expected POLICY.KEY=VALUE, e.g. cache_aware.imbalance_scope=fleet")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out.setdefault(pol, {})[key] = value
+    return out
+
+
 def config_from_args(args: argparse.Namespace):
     from mesh.config import settings_from_args
     from mesh.engine_model import EngineConfig
@@ -154,7 +174,7 @@ def config_from_args(args: argparse.Namespace):
         net_ms=args.net_ms, load_freshness_s=args.load_freshness_s, ttft_slo_ms=args.ttft_slo_ms, engine=engine,
         dedupe_load_only=not args.no_dedupe, buckets=args.buckets, pd=_pd(args.pd),
         exchange=args.exchange, exchange_delay_ms=args.exchange_delay_ms, exchange_interval_ms=args.exchange_interval_ms,
-        lifecycle=args.lifecycle, faults=args.faults,
+        lifecycle=args.lifecycle, faults=args.faults, policy_params=_policy_params(getattr(args, "policy_option", [])),
     )
     cfg.validate()
     return cfg

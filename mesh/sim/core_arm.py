@@ -183,7 +183,7 @@ class CoreArm:
         if spec.provider != "none":
             prov = make_provider(spec.provider, block_size=self.block_size, shared_index=self._shared, **cfg.provider_options)
         pol = make_policy(self._policy, rng=random.Random(_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
-                          **cfg.policy_options)
+                          **cfg.options_for(self._policy))
         router = self._make_router(cfg, pol, prov, r)
         core = BrokerCore(self.settings, router, broker_id=f"router-{r}", kv_sink=prov, perf=lambda: 0.0,
                           log=_QuietLog())

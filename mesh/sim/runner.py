@@ -126,6 +126,8 @@ class SimConfig:
     ttft_slo_ms: float = 2000.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     policy_options: dict[str, Any] = field(default_factory=dict)
+    # per policy (base name, no @TAG): constructor options of that policy only, over policy_options
+    policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     provider_options: dict[str, Any] = field(default_factory=dict)
     dedupe_load_only: bool = True
     buckets: str | None = None  # bucket config (TOML/JSON): arms route through BucketRouter
@@ -161,6 +163,13 @@ class SimConfig:
             if policy_base(p)[0] not in POLICIES:
                 raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(POLICIES))} "
                                   "(NAME@TAG: the same policy with its workers named in another order)")
+        for name, opts in self.policy_params.items():
+            if name not in POLICIES:
+                raise ConfigError(f"policy option {name}.*: unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}")
+            try:
+                make_policy(name, **self.options_for(name))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"policy option {name}.{','.join(sorted(opts))}: {exc}") from None
         for p in self.providers:
             if p not in PROVIDER_FEEDS:
                 raise ConfigError(f"unknown provider {p!r}; choose from {', '.join(sorted(PROVIDER_FEEDS))}")
@@ -188,6 +197,10 @@ class SimConfig:
             from mesh.routing.buckets import load_bucket_config
 
             load_bucket_config(self.buckets)  # ConfigError naming the bucket and field
+
+    def options_for(self, policy: str) -> dict[str, Any]:
+        """Constructor options of ``policy`` (a base name): ``policy_options`` and its own."""
+        return {**self.policy_options, **self.policy_params.get(policy, {})}
 
     @property
     def uses_core(self) -> bool:
@@ -404,8 +417,9 @@ class Arm:
                 prov = make_provider(spec.provider, block_size=self.block_size, shared_index=shared, **cfg.provider_options)
                 for wid in ids:
                     prov.add_worker(wid, self.block_size)
-            pol = make_policy(policy_base(spec.policy)[0], rng=random.Random(_key(0x5E1, cfg.seed, r)),
-                              freshness_s=cfg.load_freshness_s, **cfg.policy_options)
+            base = policy_base(spec.policy)[0]
+            pol = make_policy(base, rng=random.Random(_key(0x5E1, cfg.seed, r)),
+                              freshness_s=cfg.load_freshness_s, **cfg.options_for(base))
             states = [WorkerState(wid, role=roles[i], labels=dict(labels[i]), block_size=self.block_size,
                                   max_running_requests=ecfg.max_running_requests, max_total_num_tokens=ecfg.max_total_num_tokens)
                       for i, wid in enumerate(ids)]
