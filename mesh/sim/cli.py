@@ -120,8 +120,8 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
 
 
 #: options that only make sense for a single run (with --matrix the TOML says all of this)
-_SINGLE_RUN_ONLY = ("policy", "policy_option", "provider", "routers", "workers", "router_pick", "no_dedupe", "time_scale", "rate",
-                    "duration_s", "seed", "heartbeat_ms", "event_delay_ms", "net_ms", "load_freshness_s", "ttft_slo_ms",
+_SINGLE_RUN_ONLY = ("policy", "policy_option", "provider", "routers", "workers", "router_pick", "no_dedupe",
+                    "time_scale", "rate", "duration_s", "seed", "heartbeat_ms", "event_delay_ms", "net_ms", "load_freshness_s", "ttft_slo_ms",
                     "buckets", "pd", "exchange", "exchange_delay_ms", "exchange_interval_ms", "config")
 
 
