@@ -497,6 +497,10 @@ class Client:
             self._forget(rid)
             raise error_for(ErrorCode.DEADLINE_EXCEEDED, f"could not send the request to {link.endpoint} before its deadline",
                             rid) from None
+        except RequestError as exc:
+            self._forget(rid)
+            exc.link = link  # which broker refused the send (generate() resubmits elsewhere)
+            raise
         except BaseException:
             self._forget(rid)
             raise
@@ -505,10 +509,10 @@ class Client:
     async def generate(self, *, resubmit: int = 3, **kwargs) -> Result:
         """Submit and wait for the result (see :meth:`submit` for arguments).
 
-        A request that ends with ``unavailable`` (a draining or restarting broker, or a broker
-        whose connection dropped while it held the request) is resubmitted up to ``resubmit``
-        times after a jittered back-off, so broker restarts and crashes do not fail requests;
-        the deadline still bounds the whole call. A resubmission goes to another broker: if
+        A request that ends with ``unavailable`` (a draining or restarting broker, a broker
+        whose connection dropped while it held the request, or a send to a broker that failed)
+        is resubmitted up to ``resubmit`` times after a jittered back-off, so broker restarts
+        and crashes do not fail requests; the deadline still bounds the whole call. A resubmission goes to another broker: if
         none is connected yet (say the other one is itself restarting), it waits for one up to
         ``_OTHER_LINK_WAIT_S`` rather than going back to the broker that just refused. Partial
         output of the failed attempt is discarded (``generate`` only returns whole results), so
@@ -530,17 +534,22 @@ class Client:
             attempt += 1
             kwargs["deadline_ms"] = max(1, int((t_end - time.monotonic()) * 1000))
             kwargs.pop("rid", None) if attempt > 1 else None
-            st = await self.submit(**kwargs, _avoid=refused_by)
+            st = None
             try:
+                # unavailable from submit() itself: the send to that broker failed, nothing ran
+                st = await self.submit(**kwargs, _avoid=refused_by)
                 return await st.result()
             except RetryableError as exc:
                 remaining = t_end - time.monotonic()
-                lost_unstarted = exc.code is ErrorCode.WORKER_LOST and st.chunks == 0
+                lost_unstarted = exc.code is ErrorCode.WORKER_LOST and st is not None and st.chunks == 0
                 if ((exc.code is not ErrorCode.UNAVAILABLE and not lost_unstarted) or not kwargs.get("idempotent", True)
                         or not policy.should_retry(attempt, remaining)):
                     raise
                 # unavailable: that broker refused or went away, prefer another; worker_lost: any
-                refused_by = st._link if exc.code is ErrorCode.UNAVAILABLE else None
+                if exc.code is ErrorCode.UNAVAILABLE:
+                    refused_by = st._link if st is not None else getattr(exc, "link", None)
+                else:
+                    refused_by = None
                 await asyncio.sleep(min(policy.delay_s(attempt), max(0.0, remaining)))
                 await self._another_link_up(refused_by, min(_OTHER_LINK_WAIT_S, max(0.0, t_end - time.monotonic())))
 
