@@ -200,16 +200,18 @@ def test_sigkill_busy_worker_requests_retried_or_worker_lost(procs):
     # round_robin: the test is about worker loss, so the victim must hold work in every run; the
     # default cost policy samples, and with two workers it put all ten streams on one of them ~1/1000
     b = procs.broker("b", *FAST, "--max-attempts", "3", "--retry-budget-min", "20", "--policy", "round_robin")
-    victim = procs.workers("victim", [b.backend], "--decode-base-ms", "40", count=1)
-    procs.workers("survivor", [b.backend], "--decode-base-ms", "40", count=1)
+    with procs.together():
+        victim = procs.workers("victim", [b.backend], "--decode-base-ms", "40", count=1)
+        procs.workers("survivor", [b.backend], "--decode-base-ms", "40", count=1)
     run(wait_for_workers(b.frontend, 2))
 
     async def body():
         async with Client(b.frontend) as c:
             # non-streaming requests: nothing is streamed, so they are retry-safe
             quiet = [await c.submit(input_ids=[7] * 32 + [i], max_new_tokens=30, stream=False, deadline_ms=20_000) for i in range(10)]
-            # streaming requests: once a chunk arrived they can only fail with worker_lost
-            loud = [await c.submit(input_ids=[9] * 32 + [i], max_new_tokens=200, stream=True, deadline_ms=20_000) for i in range(10)]
+            # streaming requests: once a chunk arrived they can only fail with worker_lost (100 tokens
+            # at 40 ms: the victim's streams run for 4 s after the kill below, sent at their first token)
+            loud = [await c.submit(input_ids=[9] * 32 + [i], max_new_tokens=100, stream=True, deadline_ms=20_000) for i in range(10)]
             # wait until the victim is busy streaming
             t_end = time.monotonic() + 10
             while not any(st.worker == "victim" and st.first_token_s for st in loud) and time.monotonic() < t_end:
