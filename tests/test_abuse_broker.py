@@ -376,7 +376,8 @@ def test_a_stalled_worker_of_three_fails_no_request(procs):
     """SIGSTOP one of three workers for 3 s under steady load. Before: 27 requests failed with
     'retry budget exhausted' while the other two had capacity. Now: none fails."""
     b = procs.broker("b", *FAST)
-    ws = [procs.workers(f"w{i}", [b.backend], "--heartbeat-ms", "200", "--decode-base-ms", "20", count=1) for i in range(3)]
+    with procs.together():
+        ws = [procs.workers(f"w{i}", [b.backend], "--heartbeat-ms", "200", "--decode-base-ms", "20", count=1) for i in range(3)]
     run(wait_for_workers(b.frontend, 3))
 
     async def body():

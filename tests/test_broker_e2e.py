@@ -159,8 +159,9 @@ def test_hostile_worker_input_and_unregistered_peer(procs):
 
 def test_many_clients_many_workers_exactly_one_terminal(procs):
     b = procs.broker("b", *FAST)
-    procs.workers("wa", [b.backend], "--time-scale", "0.2", count=3)
-    procs.workers("wb", [b.backend], "--time-scale", "0.2", count=2)
+    with procs.together():
+        procs.workers("wa", [b.backend], "--time-scale", "0.2", count=3)
+        procs.workers("wb", [b.backend], "--time-scale", "0.2", count=2)
     run(wait_for_workers(b.frontend, 5))
     n_clients, per_client = 4, 40
 
@@ -334,8 +335,9 @@ def test_graceful_sigterm_drains(procs):
 def test_failing_worker_is_ejected_then_reinstated(procs):
     b = procs.broker("b", *FAST, "--eject-after-failures", "3", "--eject-base-s", "2", "--retry-budget-min", "50",
                      "--policy", "round_robin")
-    procs.workers("bad", [b.backend], "--fail-requests-every", "1", count=1)
-    procs.workers("good", [b.backend], count=2)
+    with procs.together():
+        procs.workers("bad", [b.backend], "--fail-requests-every", "1", count=1)
+        procs.workers("good", [b.backend], count=2)
     run(wait_for_workers(b.frontend, 3))
 
     async def body():
@@ -360,8 +362,9 @@ def test_stalled_worker_sigstop_is_expired_retried_and_fenced_after_sigcont(proc
     retry-safe requests finish elsewhere. After SIGCONT whatever it still sends for the old
     attempts is dropped (never reaches the client), and it re-registers and serves again."""
     b = procs.broker("b", *FAST, "--policy", "round_robin", "--max-attempts", "3", "--retry-budget-min", "20")
-    staller = procs.workers("staller", [b.backend], "--decode-base-ms", "30", "--heartbeat-ms", "200", count=1)
-    procs.workers("steady", [b.backend], "--decode-base-ms", "30", "--heartbeat-ms", "200", count=1)
+    with procs.together():
+        staller = procs.workers("staller", [b.backend], "--decode-base-ms", "30", "--heartbeat-ms", "200", count=1)
+        procs.workers("steady", [b.backend], "--decode-base-ms", "30", "--heartbeat-ms", "200", count=1)
     run(wait_for_workers(b.frontend, 2))
 
     async def body():

@@ -23,8 +23,9 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 def test_short_and_long_buckets_keep_traffic_apart(procs):
     b = procs.broker("b", *FAST, "--bucket-config", BUCKETS)
-    procs.workers("short", [b.backend], "--label", "pool=short", "--time-scale", "0.2", count=2)
-    procs.workers("long", [b.backend], "--label", "pool=long", "--time-scale", "0.2", count=2)
+    with procs.together():
+        procs.workers("short", [b.backend], "--label", "pool=short", "--time-scale", "0.2", count=2)
+        procs.workers("long", [b.backend], "--label", "pool=long", "--time-scale", "0.2", count=2)
     run(wait_for_workers(b.frontend, 4))
     rng = random.Random(1)
 
@@ -66,8 +67,9 @@ def test_full_buckets_fall_back_instead_of_503(procs):
 
 def _pd_fleet(procs, *extra_decode: str):
     b = procs.broker("b", *FAST, "--bucket-config", BUCKETS, "--pd", "--max-attempts", "6", "--retry-budget-min", "50")
-    procs.workers("pre", [b.backend], "--role", "prefill", "--label", "pool=short", "--time-scale", "0.3", count=2)
-    procs.workers("dec", [b.backend], "--role", "decode", "--label", "stage=decode", "--time-scale", "0.3", *extra_decode, count=2)
+    with procs.together():
+        procs.workers("pre", [b.backend], "--role", "prefill", "--label", "pool=short", "--time-scale", "0.3", count=2)
+        procs.workers("dec", [b.backend], "--role", "decode", "--label", "stage=decode", "--time-scale", "0.3", *extra_decode, count=2)
     run(wait_for_workers(b.frontend, 4))
     return b
 
@@ -112,10 +114,11 @@ def test_pd_failed_transfer_is_retried(procs):
 
 def test_pd_kill_prefill_mid_handoff_and_decode_mid_stream(procs):
     b = procs.broker("b", *FAST, "--bucket-config", BUCKETS, "--pd", "--max-attempts", "4", "--retry-budget-min", "50")
-    pre_victim = procs.workers("pre-a", [b.backend], "--role", "prefill", "--label", "pool=short", "--prefill-tokens-per-s", "3000", count=1)
-    procs.workers("pre-b", [b.backend], "--role", "prefill", "--label", "pool=short", "--prefill-tokens-per-s", "3000", count=1)
-    decoders = {d: procs.workers(d, [b.backend], "--role", "decode", "--label", "stage=decode", "--decode-base-ms", "40", count=1)
-                for d in ("dec-a", "dec-b")}
+    with procs.together():
+        pre_victim = procs.workers("pre-a", [b.backend], "--role", "prefill", "--label", "pool=short", "--prefill-tokens-per-s", "3000", count=1)
+        procs.workers("pre-b", [b.backend], "--role", "prefill", "--label", "pool=short", "--prefill-tokens-per-s", "3000", count=1)
+        decoders = {d: procs.workers(d, [b.backend], "--role", "decode", "--label", "stage=decode", "--decode-base-ms", "40", count=1)
+                    for d in ("dec-a", "dec-b")}
     run(wait_for_workers(b.frontend, 4))
     rng = random.Random(5)
 

@@ -22,8 +22,9 @@ FAST = ["--heartbeat-ms", "200"]
 
 def test_requests_go_only_to_workers_of_their_model(procs):
     b = procs.broker("b", *FAST, "--model-alias", "fast=model-a", "--model-alias", "ghost=model-z")
-    procs.workers("a", [b.backend], "--model", "model-a", count=2)
-    procs.workers("b", [b.backend], "--model", "model-b", count=2)
+    with procs.together():
+        procs.workers("a", [b.backend], "--model", "model-a", count=2)
+        procs.workers("b", [b.backend], "--model", "model-b", count=2)
     run(wait_for_workers(b.frontend, 4))
 
     async def body():

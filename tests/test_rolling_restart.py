@@ -47,7 +47,8 @@ async def _steady_load(frontends: list[str], stop: asyncio.Event, rate: float = 
 
 def test_rolling_worker_restart_fails_nothing(procs):
     b = procs.broker("b", *FAST)
-    ws = [procs.workers(f"w{i}", [b.backend], "--heartbeat-ms", "200", count=1) for i in range(3)]
+    with procs.together():
+        ws = [procs.workers(f"w{i}", [b.backend], "--heartbeat-ms", "200", count=1) for i in range(3)]
     run(wait_for_workers(b.frontend, 3))
 
     async def body():
