@@ -7,6 +7,7 @@ import inspect
 import os
 import signal
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +33,51 @@ def pytest_configure(config):
         os.environ[TOKENIZER_CACHE_ENV] = config._mesh_tok_cache.name
 
 
+_PREBUILD = """
+import sys, tempfile
+from mesh.tokenization.builtin import build_model_dir
+with tempfile.TemporaryDirectory() as d:
+    for kind in sys.argv[1:]:
+        build_model_dir(f"{d}/{kind}", tokenizer=kind)
+"""
+
+
+def _start_tokenizer_prebuild(config) -> None:
+    """Convert the base tokenizers into the session cache in a background process (niced) while the
+    tests before the first one that needs them run: the conversion is seconds of CPU that would
+    otherwise be paid in series inside that test's fixture. :func:`tokenizer_cache` waits for it."""
+    from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
+
+    cache = Path(os.environ[TOKENIZER_CACHE_ENV])
+    kinds = [k for k in ("mistral_v3", "tekken") if not (cache / f"{k}_base_tokenizer.json").is_file()]
+    if not kinds:
+        return
+    log = cache / "prebuild.log"
+    with log.open("ab") as f:
+        config._mesh_tok_prebuild = (subprocess.Popen(
+            [sys.executable, "-c", _PREBUILD, *kinds], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, preexec_fn=lambda: os.nice(10)), log)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_cache(pytestconfig) -> Path:
+    """The session's converted base tokenizers, once the background conversion has finished (so a
+    fixture's build_model_dir does not convert them a second time alongside it)."""
+    from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
+
+    pre = getattr(pytestconfig, "_mesh_tok_prebuild", None)
+    if pre is not None:
+        p, log = pre
+        rc = p.wait(600)
+        assert rc == 0, f"tokenizer conversion failed ({rc}):\n{log.read_text()[-3000:]}"
+    return Path(os.environ[TOKENIZER_CACHE_ENV])
+
+
 def pytest_unconfigure(config):
+    pre = getattr(config, "_mesh_tok_prebuild", None)
+    if pre is not None and pre[0].poll() is None:
+        pre[0].kill()
+        pre[0].wait(10)
     cache = getattr(config, "_mesh_tok_cache", None)
     if cache is not None:
         from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
@@ -56,6 +101,13 @@ def pytest_collection_modifyitems(config, items):
             spawns = _module_is_e2e[path] = any(m in src for m in _E2E_SOURCE_MARKS)
         e2e = "procs" in getattr(item, "fixturenames", ()) or spawns
         item.add_marker(pytest.mark.e2e if e2e else pytest.mark.unit)
+
+
+def pytest_collection_finish(session):
+    """The selected tests (after -m/-k) that build model dirs ask for ``tokenizer_cache``: start
+    converting their base tokenizers now, in the background."""
+    if any("tokenizer_cache" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_tokenizer_prebuild(session.config)
 
 
 class Procs(ProcGroup):

@@ -18,29 +18,31 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("tokenizers")
 pytest.importorskip("mistral_common")
 
-from mesh.procs import ProcGroup, wait_for_log_event  # noqa: E402
+from mesh.procs import wait_for_log_event  # noqa: E402
 from mesh.tokenization import ModelTokenizer  # noqa: E402
 from mesh.tokenization.builtin import build_model_dir  # noqa: E402
 from mesh.up import wait_for_workers  # noqa: E402
-from tests.conftest import run, until  # noqa: E402
+from tests.conftest import Procs, run, until  # noqa: E402
 
 PROMPT = "Grüße aus Köln: the router keeps every prefix where its KV cache already is."
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(tmp_path_factory, tokenizer_cache):
     root = tmp_path_factory.mktemp("models")
     dirs = {"model-a": build_model_dir(root / "a", tokenizer="mistral_v3"), "model-b": build_model_dir(root / "b", tokenizer="tekken")}
-    group = ProcGroup(root / "logs")
+    group = Procs(root / "logs")
     try:
         b = group.broker("b", "--heartbeat-ms", "200", "--http", "127.0.0.1:0", "--model-alias", "fast=model-a",
                          *[x for m, d in dirs.items() for x in ("--tokenizer", f"{m}={d}")])
-        url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
-        for m, d in dirs.items():  # the workers tokenise as their model's engine would
-            group.workers(m[-1], [b.backend], "--model", m, "--tokenizer", str(d), "--time-scale", "0.01", count=2)
-        run(wait_for_workers(b.frontend, 4), 40)
+        # the gateway and the workers start together (each process loads its tokenizers)
         g = group.spawn("gw", ["gateway", "--http", "127.0.0.1:0", "--broker", b.frontend,
                                 *[x for m, d in dirs.items() for x in ("--tokenizer", f"{m}={d}")]])
+        with group.together():
+            for m, d in dirs.items():  # the workers tokenise as their model's engine would
+                group.workers(m[-1], [b.backend], "--model", m, "--tokenizer", str(d), "--time-scale", "0.01", count=2)
+        url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
+        run(wait_for_workers(b.frontend, 4), 40)
         gw = wait_for_log_event(g.log_path, "gateway_listening", 30, g.popen, start=g.log_start)["url"]
         yield {"broker": url, "gateway": gw, "dirs": dirs}
     finally:
@@ -94,7 +96,7 @@ def test_models_are_listed_routed_aliased_and_tokenised_per_model(fleet, door):
     run(body(), 90)
 
 
-def test_a_tokenizer_for_an_unknown_path_is_a_config_error_naming_the_field(tmp_path):
+def test_a_tokenizer_for_an_unknown_path_is_a_config_error_naming_the_field(tmp_path, tokenizer_cache):
     from mesh.config import check_tokenizers
     from mesh.errors import ConfigError
 

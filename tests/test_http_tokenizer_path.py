@@ -39,7 +39,7 @@ SYSTEM = ("You are the support assistant of a company that sells garden tools. A
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def model_dir(tmp_path_factory, tokenizer_cache) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("chatml"), chat_template=TEMPLATE.read_text(),
                            extra_special_tokens=["<|im_start|>", "<|im_end|>"], tokenizer="tekken")
 
@@ -50,16 +50,17 @@ def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool 
     # (which may, rightly, send a request away from a busy holder: a load_override)
     if via_gateway:  # the HTTP API and the tokenizer in `mesh gateway`, the broker without HTTP
         b = procs.broker("b", "--policy", "cache_aware_greedy")
-        g = procs.spawn("gw", ["gateway", "--broker", b.frontend, "--http", "127.0.0.1:0", *extra])
-        url = wait_for_log_event(g.log_path, "gateway_listening", 30, g.popen, start=g.log_start)["url"]
+        door, ready = procs.spawn("gw", ["gateway", "--broker", b.frontend, "--http", "127.0.0.1:0", *extra]), "gateway_listening"
     else:
         b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "cache_aware_greedy", *extra)
-        url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
-    engines = []
-    for i in range(2):
-        p = procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--tokenizer", str(model_dir)])
-        engines.append(wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"])
-        procs.spawn(f"a{i}", ["attach", "sglang", "--url", engines[-1], "--broker", b.backend, "--worker-id", f"a{i}"])
+        door, ready = b, "http_listening"
+    # the two engines start while the HTTP door comes up (each process loads the model's tokenizer)
+    stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--tokenizer", str(model_dir)])
+             for i in range(2)]
+    url = wait_for_log_event(door.log_path, ready, 30, door.popen, start=door.log_start)["url"]
+    engines = [wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"] for p in stubs]
+    for i, e in enumerate(engines):
+        procs.spawn(f"a{i}", ["attach", "sglang", "--url", e, "--broker", b.backend, "--worker-id", f"a{i}"])
     run(wait_for_workers(b.frontend, 2), 40)
     return url, b.frontend, engines
 

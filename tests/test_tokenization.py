@@ -59,12 +59,10 @@ def _load_hf(path: Path):
 
 
 @pytest.fixture(scope="module")
-def base_cache(tmp_path_factory) -> Path:
+def base_cache(tokenizer_cache) -> Path:
     # the session's converted base tokenizers (tests/conftest.py): the conversion is the same code whichever
-    # test runs it first, and each model dir below is still built (added tokens, template) and loaded afresh
-    from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
-
-    return Path(os.environ[TOKENIZER_CACHE_ENV]) if os.environ.get(TOKENIZER_CACHE_ENV) else tmp_path_factory.mktemp("spm-cache")
+    # process runs it, and each model dir below is still built (added tokens, template) and loaded afresh
+    return tokenizer_cache
 
 
 @pytest.fixture(scope="module")
