@@ -176,12 +176,12 @@ def http_adapter_path(procs: ProcGroup, n: int = 2, *, engine_urls: list[str] | 
           broker_args: tuple[str, ...] = ()):
     """The HTTP path with real processes: ``mesh broker --http`` + ``n`` adapters, each attached to
     a ``mesh stub-sglang`` it starts (or to ``engine_urls``); returns (HTTP url, engine urls)."""
+    engines = list(engine_urls or [])
+    # the engines need nothing of the broker: they start while it does
+    stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale]) for i in range(n - len(engines))]
     b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "round_robin", "--heartbeat-ms", str(HB_MS), *broker_args)
     url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"]
-    engines = list(engine_urls or [])
-    for i in range(n - len(engines)):
-        p = procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale])
-        engines.append(wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"])
+    engines += [wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"] for p in stubs]
     for i, e in enumerate(engines):
         procs.spawn(f"a{i}", ["attach", "sglang", "--url", e, "--broker", b.backend, "--worker-id", f"a{i}",
                                "--heartbeat-ms", str(HB_MS)])

@@ -23,9 +23,9 @@ def _gateway(procs: ProcGroup, brokers: list[str], *extra: str) -> str:
 
 
 def _fleet(procs: ProcGroup, n_brokers: int = 2):
+    stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001"]) for i in range(2)]  # start alongside
     brokers = [procs.broker(f"b{i}", "--policy", "round_robin") for i in range(n_brokers)]
-    for i in range(2):
-        p = procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001"])
+    for i, p in enumerate(stubs):
         e = wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"]
         args = ["attach", "sglang", "--url", e, "--worker-id", f"a{i}"]
         for b in brokers:

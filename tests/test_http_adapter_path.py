@@ -248,9 +248,10 @@ def test_lifetimes_streams_are_bounded_by_idle_time_unstreamed_by_the_request_ti
             assert r.status == 504 and err["code"] == "deadline_exceeded" and 1.3 < time.monotonic() - t0 < 5
             await _engine_idle(s, engines[0])
 
-            # a stream of a few seconds (500 tokens at the modelled speed): past the request timeout, never idle
+            # a stream of over two seconds (300 tokens at the modelled 7 ms a step, a floor): past the request
+            # timeout, never idle
             t0 = time.monotonic()
-            async with s.post(url + "/generate", json={**req, "stream": True, "sampling_params": {"max_new_tokens": 500}}) as r:
+            async with s.post(url + "/generate", json={**req, "stream": True, "sampling_params": {"max_new_tokens": 300}}) as r:
                 events = await _sse(r)
             took = time.monotonic() - t0
             last = orjson.loads(events[-2])
