@@ -60,14 +60,34 @@ def start_stub(group: ProcGroup, name: str, *args: str, timeout_s: float = 30.0)
     return p, rec
 
 
-def start_adapter(group: ProcGroup, name: str, engine: str, url: str, brokers: list[str], *args: str,
-                  timeout_s: float = 30.0) -> tuple[Proc, dict]:
+def start_stubs(group: ProcGroup, specs: dict[str, tuple[str, ...]], timeout_s: float = 30.0) -> dict[str, dict]:
+    """:func:`start_stub` for several at once (name -> args): all spawned, then each one's readiness
+    record awaited as start_stub does."""
+    ps = {name: spawn_module(group, name, "workers_stub.sglang_cli", ["--port", "0", *args]) for name, args in specs.items()}
+    return {name: wait_for_log_event(p.log_path, "sglang_stub_listening", timeout_s, p.popen) for name, p in ps.items()}
+
+
+def _adapter_cmd(name: str, engine: str, url: str, brokers: list[str], args: tuple[str, ...]) -> list[str]:
     cmd = [engine, "--url", url, "--worker-id", name]
     for b in brokers:
         cmd += ["--broker", b]
-    p = spawn_module(group, name, "mesh.adapters.cli", [*cmd, *args])
+    return [*cmd, *args]
+
+
+def start_adapter(group: ProcGroup, name: str, engine: str, url: str, brokers: list[str], *args: str,
+                  timeout_s: float = 30.0) -> tuple[Proc, dict]:
+    p = spawn_module(group, name, "mesh.adapters.cli", _adapter_cmd(name, engine, url, brokers, args))
     rec = wait_for_log_event(p.log_path, "adapter_attached", timeout_s, p.popen)
     return p, rec
+
+
+def start_adapters(group: ProcGroup, specs: list[tuple[str, str, str, list[str], tuple[str, ...]]],
+                   timeout_s: float = 30.0) -> dict[str, dict]:
+    """:func:`start_adapter` for several at once ((name, engine, url, brokers, args) each): all
+    spawned, then each one's ``adapter_attached`` awaited."""
+    ps = {name: spawn_module(group, name, "mesh.adapters.cli", _adapter_cmd(name, engine, url, brokers, args))
+          for name, engine, url, brokers, args in specs}
+    return {name: wait_for_log_event(p.log_path, "adapter_attached", timeout_s, p.popen) for name, p in ps.items()}
 
 
 class FakeBroker:

@@ -20,7 +20,7 @@ from mesh.errors import ErrorCode, RequestError
 from mesh.engine_model import output_token_id
 from mesh.up import wait_for_workers
 from tests.conftest import run, until
-from tests.adapters_support import start_adapter, start_stub
+from tests.adapters_support import start_adapters, start_stubs
 
 FAST_BROKER = ["--heartbeat-ms", "200"]
 FAST_ADAPTER = ["--heartbeat-ms", "200", "--health-interval-ms", "100", "--unhealthy-after", "1", "--load-poll-ms", "200"]
@@ -64,15 +64,14 @@ async def _warm(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> Non
 
 def test_attach_sglang_and_vllm_end_to_end(procs):
     b = procs.broker("b", *FAST_BROKER)
-    _, sa = start_stub(procs, "stub-a", *STUB)
-    _, sb = start_stub(procs, "stub-b", *STUB)
-    _, sc = start_stub(procs, "stub-c", *STUB, "--fail-health")
-    _, sv = start_stub(procs, "stub-v", *STUB, "--event-format", "vllm")
-    start_adapter(procs, "a", "sglang", sa["url"], [b.backend], *FAST_ADAPTER)
-    start_adapter(procs, "b", "sglang", sb["url"], [b.backend], *FAST_ADAPTER)
-    start_adapter(procs, "c", "sglang", sc["url"], [b.backend], *FAST_ADAPTER)
-    start_adapter(procs, "v", "vllm", sv["url"], [b.backend], *FAST_ADAPTER, "--kv-endpoint", sv["kv_endpoint"],
-                  "--replay-endpoint", sv["replay_endpoint"], "--block-size", "16")
+    stubs = start_stubs(procs, {"stub-a": STUB, "stub-b": STUB, "stub-c": (*STUB, "--fail-health"),
+                                "stub-v": (*STUB, "--event-format", "vllm")})  # started together
+    sa, sb, sc, sv = (stubs[f"stub-{k}"] for k in "abcv")
+    start_adapters(procs, [("a", "sglang", sa["url"], [b.backend], tuple(FAST_ADAPTER)),
+                           ("b", "sglang", sb["url"], [b.backend], tuple(FAST_ADAPTER)),
+                           ("c", "sglang", sc["url"], [b.backend], tuple(FAST_ADAPTER)),
+                           ("v", "vllm", sv["url"], [b.backend], (*FAST_ADAPTER, "--kv-endpoint", sv["kv_endpoint"],
+                                                                  "--replay-endpoint", sv["replay_endpoint"], "--block-size", "16"))])
     run(wait_for_workers(b.frontend, 3))
     rng = random.Random(5)
 
