@@ -414,7 +414,8 @@ def test_a_stalled_worker_of_three_fails_no_request(procs):
 def test_one_client_cannot_take_the_whole_broker(procs):
     """A per-client in-flight quota: the greedy client is told rate_limited (HTTP 429) at its
     quota while another client is still served."""
-    b = procs.broker("b", *FAST, "--max-inflight-per-client", "5", "--progress-timeout-ms", "0")
+    # (a short drain: the held requests are never answered, so the teardown's SIGTERM need not wait for them)
+    b = procs.broker("b", *FAST, "--max-inflight-per-client", "5", "--progress-timeout-ms", "0", "--drain-timeout-s", "0.5")
 
     async def body():
         hold = await FakeWorker(b.backend, "hold", never_answer).start()
