@@ -176,6 +176,38 @@ def test_a_miss_goes_to_the_shortest_prefill_queue_then_the_least_loaded():
         CacheAware(miss_load_band=-1)
 
 
+def test_a_miss_among_equal_workers_goes_where_the_fleet_has_sent_the_least():
+    """The miss rule's last tie-break: among workers with the same prefill queue and load, the
+    one the routers (this one and, through the exchange, its peers) have sent the least prefill
+    work so far, not the lowest id: on an idle fleet new prefixes spread over the engines
+    instead of stacking on the first ids."""
+    now = 0.01
+    miss = FakeMatch({}, 128)
+    a, b = ws("a"), ws("b")
+    a.record_dispatch(2_048)
+    a.record_release(2_048)  # finished: a is idle again (its LoadStat says so), but it holds a prefix
+    a.update_load([LoadStat(0, 0, 0, 400_000, 0, 0, 0, 256, 0, 0)], 0.005)
+    assert CacheAware().queued_prefill_ms(a, now) == CacheAware().queued_prefill_ms(b, now) == 0
+    assert CacheAware().choose(req(), [a, b], miss, now).worker_id == "b"
+    assert CacheAware(miss_order="id").choose(req(), [a, b], miss, now).worker_id == "a"
+    assert CacheAwareGreedy().choose(req(), [a, b], miss, now).worker_id == "a"
+    # what peers report sending counts as the fleet's too
+    b.apply_peer_change(0, 0, 4_096)
+    b.apply_peer_change(0, 0, 0)
+    assert b.fleet_sent_tokens == 4_096 and a.fleet_sent_tokens == 2_048
+    assert CacheAware().choose(req(), [a, b], miss, now).worker_id == "a"
+    # only a tie-break: a shorter queue or a lower load still wins, and a holder is no miss
+    assert CacheAware().choose(req(), [ws("d", running=2, wu=5_000, at=0.0), a], miss, now).worker_id == "a"
+    assert CacheAware().choose(req(), [ws("e", running=1), a], miss, now).worker_id == "a"
+    assert CacheAware().choose(req(), [b, ws("f")], FakeMatch({"b": 128}, 128), now).worker_id == "b"
+    # a peer's dropped figures (live=False) are not work it sent
+    g = ws("g")
+    g.apply_peer_change(1, 100, 100, live=False)
+    assert g.fleet_sent_tokens == 0
+    with pytest.raises(ValueError, match="miss_order"):
+        CacheAware(miss_order="random")
+
+
 def test_the_imbalance_bound_moves_only_the_requests_whose_holder_is_overloaded():
     """SGLang's bound sends every request to the least loaded worker while any worker is 32
     requests (and 1.1x) above it, so requests whose own holder is fine are recomputed there, a

@@ -27,13 +27,16 @@ step used only as far as the quality matrix (README) showed it pays:
    worker until its KV events arrive). When nobody holds enough (a **miss**, and no imbalance
    to correct), among the workers within ``miss_load_band`` (1) request of the least loaded the
    shortest estimated prefill queue first (``miss_queue_ms``: queues within the same 5 ms of
-   prefill count as equal), then the least loaded, then the lowest id: a miss waits for the
-   prefill queued ahead of it, not for the requests decoding beside it, and the request count
-   cannot tell a worker that just took a prompt from one with a long decode. The band keeps
-   the request balance that decides near saturation (quality matrix, README: unbounded, the
-   queue-first rule won low_reuse at load 0.5-0.8 by 12-27 % and lost it at load 1.0 by
-   15-19 %). With ``cost_ties="auto"`` the **cost model** breaks those ties instead while its
-   online calibration trusts it, with ``"always"`` unconditionally.
+   prefill count as equal), then the least loaded, then the worker the routers have sent the
+   least prefill work so far (``miss_order="sent"``: this router's and, through the exchange,
+   its peers'; ``"id"``: the lowest id, greedy's order): a miss waits for the prefill queued
+   ahead of it, not for the requests decoding beside it, and the request count cannot tell a
+   worker that just took a prompt from one with a long decode. The last tie-break spreads new
+   prefixes over an idle fleet, where the lowest id stacked them on the first engines. The
+   band keeps the request balance that decides near saturation (quality matrix, README:
+   unbounded, the queue-first rule won low_reuse at load 0.5-0.8 by 12-27 % and lost it at
+   load 1.0 by 15-19 %). With ``cost_ties="auto"`` the **cost model** breaks those ties
+   instead while its online calibration trusts it, with ``"always"`` unconditionally.
 
 The predicted time to first token::
 
@@ -165,7 +168,7 @@ class CacheAware:
                  affinity_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
                  load_slack: float = 1.0, calibrate: bool = True, calibration: CalibrationSettings | None = None,
                  cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
-                 imbalance_scope: str = "holder") -> None:
+                 imbalance_scope: str = "holder", miss_order: str = "sent") -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -203,6 +206,11 @@ class CacheAware:
         # the overloaded worker; fleet: SGLang's rule, any imbalance sends every request to the
         # least loaded worker
         self.imbalance_scope = imbalance_scope
+        if miss_order not in ("sent", "id"):
+            raise ValueError(f"miss_order must be sent or id, not {miss_order!r}")
+        # the last tie-break of the miss rule: sent (default), the worker the fleet's routers have
+        # sent the least prefill work so far; id: the lowest worker id, as greedy
+        self.miss_sent = miss_order == "sent"
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
@@ -387,8 +395,10 @@ class CacheAware:
                 # among the workers within miss_load_band requests of the least loaded
                 q_ms = self.miss_queue_ms
                 floor = round(lo_p) + self.miss_load_band
+                sent = self.miss_sent
                 return min((t for t in pool if round(load[t[2]]) <= floor),
-                           key=lambda t: (int(self.queued_prefill_ms(t[4], now_s) // q_ms), round(load[t[2]]), t[2]))
+                           key=lambda t: (int(self.queued_prefill_ms(t[4], now_s) // q_ms), round(load[t[2]]),
+                                          t[4].fleet_sent_tokens if sent else 0, t[2]))
             return min(pool, key=lambda t: (round(load[t[2]]), t[2]))
         band = min(load[t[2]] for t in pool) + self.load_slack
         return min((t for t in pool if load[t[2]] <= band),

@@ -74,6 +74,7 @@ class WorkerState:
     peer_inflight: int = 0  # requests fresh peer routers have in flight here (exchange)
     peer_prefill_tokens: int = 0  # ... and their uncached prefill tokens
     sent_tokens: int = 0  # uncached tokens this router ever dispatched here (grows only; published to peers)
+    peer_sent_tokens: int = 0  # ... and fresh peers ever reported sending here (grows only)
     # The exchange's dirty set (worker ids whose own figures changed since the last publish):
     # record_dispatch/record_release add this worker's id when it is set.
     exchange_dirty: set | None = None
@@ -166,6 +167,14 @@ class WorkerState:
         if live:
             self.inflight_at_load -= d_inflight
             self.pending_since_load_tokens += sent_tokens
+            self.peer_sent_tokens += sent_tokens
+
+    @property
+    def fleet_sent_tokens(self) -> int:
+        """Uncached tokens this router and its peers ever sent here, as far as it has heard: the
+        prefill work the fleet's routers have placed on this worker, a proxy for how much of the
+        cache it holds (the miss rule's last tie-break)."""
+        return self.sent_tokens + self.peer_sent_tokens
 
     @property
     def fleet_prefill_tokens(self) -> int:
