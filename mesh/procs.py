@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 __all__ = ["Proc", "ProcGroup", "BrokerProc", "wait_for_log_event", "free_port"]
 
@@ -174,17 +175,24 @@ class ProcGroup:
         wait_for_log_event(p.log_path, "workers_started", timeout_s, p.popen, start=p.log_start)
         return p
 
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        for p in reversed(self.procs):
-            if p.alive():
-                p.popen.send_signal(signal.SIGTERM)
+    def stop_all(self, grace_s: float = 10.0, procs: Sequence[Proc] | None = None) -> list[str]:
+        """SIGTERM every live process of ``procs`` (default: the group's, newest first) at once,
+        give each ``grace_s`` from that signal to exit, SIGKILL the rest; returns their names.
+        (One by one, each wait would start only after the previous process had gone: the same
+        bound, paid in series.)"""
+        live = [p for p in (reversed(self.procs) if procs is None else procs) if p.alive()]
+        for p in live:
+            p.popen.send_signal(signal.SIGTERM)
         t_end = time.monotonic() + grace_s
-        for p in reversed(self.procs):
+        stubborn = []
+        for p in live:
             try:
                 p.popen.wait(max(0.1, t_end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait(5)
+                stubborn.append(p.name)
+        return stubborn
 
     def __enter__(self) -> "ProcGroup":
         return self

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -139,23 +138,6 @@ class Procs(ProcGroup):
         return p
 
 
-def stop_bounded(group: ProcGroup, grace_s: float = 10.0) -> list[str]:
-    """SIGTERM every live process of ``group`` at once, then give each ``grace_s`` from that
-    signal to exit; SIGKILL those that did not and return their names. (One by one, each wait
-    would start only after the previous process had gone: the same bound, paid in series.)"""
-    live = [p for p in group.procs if p.alive()]
-    for p in live:
-        p.popen.send_signal(signal.SIGTERM)
-    t_end = time.monotonic() + grace_s
-    stubborn = []
-    for p in live:
-        try:
-            p.popen.wait(max(0.0, t_end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-            p.popen.wait(5)
-            stubborn.append(p.name)
-    return stubborn
 
 
 @pytest.fixture
@@ -164,7 +146,7 @@ def procs(tmp_path: Path):
     ignores SIGTERM for 10 s is SIGKILLed and the test fails (shutdown must be bounded)."""
     group = Procs(tmp_path / "logs")
     yield group
-    stubborn = stop_bounded(group, grace_s=10.0)
+    stubborn = group.stop_all(grace_s=10.0)
     assert not stubborn, f"processes needed SIGKILL at teardown: {stubborn}"
 
 

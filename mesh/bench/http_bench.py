@@ -228,16 +228,7 @@ def _stop_front_to_back(g: ProcGroup, grace_s: float = 10.0) -> None:
         return 1 if p.name.startswith("a") and p.name[1:].isdigit() else 2
 
     for k in range(3):
-        procs = [p for p in g.procs if layer(p) == k and p.alive()]
-        for p in procs:
-            p.signal(signal.SIGTERM)
-        t_end = time.monotonic() + grace_s
-        for p in procs:
-            try:
-                p.popen.wait(max(0.1, t_end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait(5)
+        g.stop_all(grace_s, procs=[p for p in g.procs if layer(p) == k])
 
 
 def _engine_stats(logs: Iterable[Path], bench_path: str) -> tuple[dict[str, int], list[int | None]]:
