@@ -512,12 +512,12 @@ class Client:
         A request that ends with ``unavailable`` (a draining or restarting broker, a broker
         whose connection dropped while it held the request, or a send to a broker that failed)
         is resubmitted up to ``resubmit`` times after a jittered back-off, so broker restarts
-        and crashes do not fail requests; the deadline still bounds the whole call. A resubmission goes to another broker: if
-        none is connected yet (say the other one is itself restarting), it waits for one up to
-        ``_OTHER_LINK_WAIT_S`` rather than going back to the broker that just refused. Partial
-        output of the failed attempt is discarded (``generate`` only returns whole results), so
-        this holds mid-stream too; requests submitted with ``idempotent=False`` are never
-        resubmitted.
+        and crashes do not fail requests; the deadline still bounds the whole call. A
+        resubmission goes to another broker: if none is connected yet (say the other one is
+        itself restarting), it waits for one up to ``_OTHER_LINK_WAIT_S`` rather than going back
+        to the broker that just refused. Partial output of the failed attempt is discarded
+        (``generate`` only returns whole results), so this holds mid-stream too; requests
+        submitted with ``idempotent=False`` are never resubmitted.
 
         A request that ends with ``worker_lost`` before any CHUNK arrived (its worker died and
         the broker had no attempt or retry budget left to re-dispatch it) is resubmitted too,
