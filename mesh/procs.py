@@ -166,13 +166,16 @@ class ProcGroup:
         self.procs[-1] = bp
         return bp
 
-    def workers(self, name: str, backends: list[str], *extra: str, count: int = 1, timeout_s: float = 30.0) -> Proc:
-        """Start ``count`` simulated workers in one process and wait for ``workers_started``."""
+    def workers(self, name: str, backends: list[str], *extra: str, count: int = 1, timeout_s: float = 30.0,
+                wait: bool = True) -> Proc:
+        """Start ``count`` simulated workers in one process and wait for ``workers_started``
+        (``wait=False``: the caller waits, e.g. for several started together)."""
         args = ["worker-stub", "--count", str(count), "--worker-id", name]
         for b in backends:
             args += ["--broker", b]
         p = self._spawn(name, [*args, *extra])
-        wait_for_log_event(p.log_path, "workers_started", timeout_s, p.popen, start=p.log_start)
+        if wait:
+            wait_for_log_event(p.log_path, "workers_started", timeout_s, p.popen, start=p.log_start)
         return p
 
     def stop_all(self, grace_s: float = 10.0, procs: Sequence[Proc] | None = None) -> list[str]:

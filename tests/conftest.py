@@ -130,14 +130,9 @@ class Procs(ProcGroup):
     def workers(self, name: str, backends: list[str], *extra: str, count: int = 1, timeout_s: float = 30.0) -> Proc:
         if self._pending is None:
             return super().workers(name, backends, *extra, count=count, timeout_s=timeout_s)
-        args = ["worker-stub", "--count", str(count), "--worker-id", name]  # as ProcGroup.workers
-        for b in backends:
-            args += ["--broker", b]
-        p = self.spawn(name, [*args, *extra])
+        p = super().workers(name, backends, *extra, count=count, wait=False)
         self._pending.append((p, "workers_started", timeout_s))
         return p
-
-
 
 
 @pytest.fixture
