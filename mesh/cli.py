@@ -309,45 +309,83 @@ def _cmd_bench_routing(args) -> int:
 # ----------------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mesh", description="mesh: a ZeroMQ request-router mesh for LLM inference fleets.")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    _add_broker(sub)
-    _add_worker(sub)
-    _add_up(sub)
-    _add_top(sub)
-    _add_keygen(sub)
+def _add_indexer(sub) -> None:
     from mesh.indexer.cli import add_indexer_parser
 
     add_indexer_parser(sub)
+
+
+def _add_sim(sub) -> None:
     from mesh.sim.cli import add_sim_parser
 
     add_sim_parser(sub)
+
+
+def _add_attach(sub) -> None:
     from mesh.adapters.cli import add_attach_parser
-    from workers_stub.sglang_cli import add_stub_sglang_parser
 
     add_attach_parser(sub)
+
+
+def _add_stub_sglang(sub) -> None:
+    from workers_stub.sglang_cli import add_stub_sglang_parser
+
     add_stub_sglang_parser(sub)
+
+
+def _add_instant_engine(sub) -> None:
     from workers_stub.instant_http import add_instant_engine_parser
 
     add_instant_engine_parser(sub)
+
+
+def _add_gateway(sub) -> None:
     from brokers.gateway import add_gateway_parser
 
     add_gateway_parser(sub)
+
+
+def _add_fuzz(sub) -> None:
     from mesh.fuzz.cli import add_fuzz_parser
 
     add_fuzz_parser(sub)
+
+
+def _add_ctl(sub) -> None:
     from mesh.ctl import add_ctl_parser
 
     add_ctl_parser(sub)
-    _add_bench(sub)
+
+
+# Every subcommand, in --help order, with the function that adds its parser. The adders import
+# their command's modules; a process building only its own parser skips the others' imports (the
+# simulator, the gateway, the benchmarks: ~0.15 s of start-up per process, and tests start hundreds).
+_COMMANDS: dict[str, object] = {
+    "broker": _add_broker, "worker-stub": _add_worker, "up": _add_up, "top": _add_top,
+    "keygen": _add_keygen, "indexer": _add_indexer, "sim": _add_sim, "attach": _add_attach,
+    "stub-sglang": _add_stub_sglang, "instant-engine": _add_instant_engine, "gateway": _add_gateway,
+    "fuzz": _add_fuzz, "ctl": _add_ctl, "bench": _add_bench,
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``mesh`` parser: every subcommand, or with ``only`` (a name in ``_COMMANDS``) just that one."""
+    p = argparse.ArgumentParser(prog="mesh", description="mesh: a ZeroMQ request-router mesh for LLM inference fleets.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for name, add in _COMMANDS.items():
+        if only is None or name == only:
+            add(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args._argv = list(sys.argv[1:] if argv is None else argv)  # which flags were given (explicit beats file)
+    given = list(sys.argv[1:] if argv is None else argv)
+    # The command is the first argument ("mesh" takes no options of its own but --help): a known
+    # one builds only its parser; anything else (--help, a typo) builds all, for the full usage.
+    only = given[0] if given and given[0] in _COMMANDS else None
+    parser = build_parser(only)
+    args = parser.parse_args(given)
+    args._argv = given  # which flags were given (explicit beats file)
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
