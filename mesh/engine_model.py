@@ -578,35 +578,66 @@ class EngineModel:
             self._pinned_pages += 1
         p.ref += 1
 
-    def _add_page(self, r: _Req, tokens: list[int], i: int) -> None:
-        """Put page ``i`` of ``tokens`` on ``r``'s path: share the cached page or insert a new one."""
+    def _add_pages(self, r: _Req, tokens: list[int], start: int, end: int) -> None:
+        """Put pages ``start..end-1`` of ``tokens`` on ``r``'s path: share each cached page or insert
+        a new one (BlockStored noted, merged as :meth:`_note_stored` merges).
+
+        The hot loop of every simulation (one pass per prefill chunk), so the page, pin, clock and
+        event bookkeeping of one page is written out inline here; :meth:`_note_stored` is the
+        same merge rule for the snapshot path.
+        """
         ps = self._ps
-        key = r.keys[i]
-        p = self._cache.get(key)
-        if p is None:
-            parent = r.path[-1] if r.path else None
-            page = tokens[i * ps : (i + 1) * ps]
-            prior = parent.digest if parent is not None else r.prior
-            digest = _sha256(prior + self._pack_page(*page)).digest()
-            p = _Page(key, parent, digest, tuple(page), self._tick(), r.ns)
-            self._cache[key] = p
-            if parent is not None:
-                parent.children += 1
-            self._note_stored(p)
-        else:
-            p.stamp = self._tick()
-        self._pin(p)
-        r.path.append(p)
+        keys = r.keys
+        path = r.path
+        cache = self._cache
+        pend = self._pending
+        pack = self._pack_page
+        ns = r.ns
+        clock = self._clock
+        newly_pinned = 0
+        for i in range(start, end):
+            key = keys[i]
+            clock += 1
+            p = cache.get(key)
+            if p is None:
+                parent = path[-1] if path else None
+                page = tokens[i * ps : (i + 1) * ps]
+                if parent is not None:
+                    digest = _sha256(parent.digest + pack(*page)).digest()
+                    parent.children += 1
+                    parent_hash = parent.hash
+                else:
+                    digest = _sha256(r.prior + pack(*page)).digest()
+                    parent_hash = None
+                p = _Page(key, parent, digest, tuple(page), clock, ns)
+                cache[key] = p
+                if pend:
+                    last = pend[-1]
+                    if last[0] == "S" and last[1][-1] == parent_hash and last[4] == ns:
+                        last[1].append(p.hash)
+                        last[3].extend(page)
+                    else:
+                        pend.append(["S", [p.hash], parent_hash, list(page), ns])
+                else:
+                    pend.append(["S", [p.hash], parent_hash, list(page), ns])
+            else:
+                p.stamp = clock
+            if p.ref == 0:
+                newly_pinned += 1
+            p.ref += 1
+            path.append(p)
+        self._clock = clock
+        self._pinned_pages += newly_pinned
         # The request's own copy of these tokens either became the cached page or is freed.
-        self._private -= ps
+        self._private -= ps * (end - start)
 
     def _insert_computed(self, r: _Req) -> None:
         """Insert the full pages of ``r.seq`` whose KV now exists (prefill progress)."""
         n_pages = r.computed // self._ps
-        if len(r.path) < n_pages:
+        have = len(r.path)
+        if have < n_pages:
             self._seq_keys(r)
-            for i in range(len(r.path), n_pages):
-                self._add_page(r, r.seq, i)
+            self._add_pages(r, r.seq, have, n_pages)
 
     def _release(self, r: _Req) -> None:
         """Unpin ``r``'s pages (touching them: most recently used) and free its private KV."""
@@ -701,10 +732,10 @@ class EngineModel:
         # SGLang caches the finished request's prompt + output (full pages only).
         tokens = r.prompt + r.output
         n_pages = min(len(tokens), r.kv_tokens) // self._ps
-        if len(r.path) < n_pages:
+        have = len(r.path)
+        if have < n_pages:
             self._keys_upto(r, tokens, n_pages)
-            for i in range(len(r.path), n_pages):
-                self._add_page(r, tokens, i)
+            self._add_pages(r, tokens, have, n_pages)
         self._release(r)
         del self._reqs[r.rid]
         self._decoding.pop(r.rid, None)
