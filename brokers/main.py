@@ -154,16 +154,21 @@ async def serve_broker(settings: BrokerSettings) -> None:
     broker = build_broker(settings)
     auth = None
     if broker.curve is not None:
-        from zmq.auth import CURVE_ALLOW_ANY
         from zmq.auth.asyncio import AsyncioAuthenticator
+
+        from mesh.security import configure_allow_lists, worker_key_names
 
         auth = AsyncioAuthenticator(broker.ctx)
         auth.start()
+        lists: dict[str, frozenset[bytes] | None] = {}
         for domain, allow in (("workers", settings.curve_allow_workers), ("clients", settings.curve_allow_clients)):
             if not allow:
                 get_logger(service="broker").warning("curve_allow_any", domain=domain,
                                                      note="encrypted but any key may connect; set an allow-list")
-            auth.configure_curve(domain=domain, location=allow or CURVE_ALLOW_ANY)
+            lists[domain] = frozenset(worker_key_names(allow, f"curve_allow_{domain}")) if allow else None
+        # The peer exchange: only holders of the brokers' own key pair (see brokers.peer_exchange).
+        lists["peers"] = frozenset([broker.curve.public_key])
+        configure_allow_lists(auth, lists)
     broker.bind()
     reg = metrics_registry(broker)
     if settings.metrics:

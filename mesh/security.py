@@ -29,7 +29,8 @@ import zmq.auth
 from mesh.errors import ConfigError
 from mesh.sockets import CurveKeys
 
-__all__ = ["keygen", "server_keys", "client_keys", "valid_key_name", "worker_key_names", "key_may_claim"]
+__all__ = ["keygen", "server_keys", "client_keys", "valid_key_name", "worker_key_names", "key_may_claim",
+           "CurveAllowList", "configure_allow_lists"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SECRET_BANNER = ("#   ****  Generated on {0} by mesh keygen  ****\n#   ZeroMQ CURVE **Secret** Certificate\n"
@@ -141,8 +142,8 @@ def client_keys(secret_path: str | Path, server_public_path: str | Path) -> Curv
     return CurveKeys(public_key=pub, secret_key=sec, server=False, server_key=server_pub)  # type: ignore[arg-type]
 
 
-def worker_key_names(allow_dir: str | Path) -> dict[bytes, str]:
-    """The worker allow-list as ``z85 public key -> key name`` (the ``NAME`` of ``NAME.key``):
+def worker_key_names(allow_dir: str | Path, field: str = "curve_allow_workers") -> dict[bytes, str]:
+    """An allow-list directory as ``z85 public key -> key name`` (the ``NAME`` of ``NAME.key``):
     the broker binds each registration to the key its connection authenticated with."""
     from zmq.auth import load_certificate
 
@@ -151,9 +152,32 @@ def worker_key_names(allow_dir: str | Path) -> dict[bytes, str]:
         try:
             public, _ = load_certificate(str(path))
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"curve_allow_workers: {path} is not a public key file ({exc})") from None
+            raise ConfigError(f"{field}: {path} is not a public key file ({exc})") from None
         out[public] = path.stem
     return out
+
+
+class CurveAllowList:
+    """A ZAP credentials provider for one domain: any key (``keys`` None) or the listed z85 keys.
+
+    Why not ``Authenticator.configure_curve``: pyzmq keeps *one* allow-any switch for every ZAP
+    domain, so the last domain configured with ``CURVE_ALLOW_ANY`` (or without it) decided the
+    other domains too: a worker allow-list with no client allow-list admitted any worker key,
+    and a client allow-list alone refused every worker. A provider per domain keeps each
+    domain's rule its own, and a domain nobody configured is refused."""
+
+    def __init__(self, keys: frozenset[bytes] | None) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return self.keys is None or key in self.keys
+
+
+def configure_allow_lists(auth, lists: dict[str, frozenset[bytes] | None]) -> None:
+    """Give the authenticator ``auth`` one :class:`CurveAllowList` per ZAP domain (``None``:
+    any key)."""
+    for domain, keys in lists.items():
+        auth.configure_curve_callback(domain=domain, credentials_provider=CurveAllowList(keys))
 
 
 def key_may_claim(key_name: str, worker_id: str) -> bool:

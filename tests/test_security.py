@@ -51,3 +51,49 @@ def test_curve_allow_lists(procs, tmp_path):
             assert st.counters.get("requests.ok") == 5
 
     run(body(), timeout_s=60)
+
+
+@pytest.mark.parametrize("listed", ["workers", "clients"])
+def test_one_allow_list_guards_its_own_side_only(procs, tmp_path, listed):
+    """With only one of the two allow-lists, that side checks keys and the other admits any key.
+
+    Before: pyzmq's Authenticator keeps one allow-any switch for every ZAP domain, so the last
+    domain configured decided both sides. ``--curve-allow-workers`` alone let any worker key
+    through the handshake (only the registration check still refused it), and
+    ``--curve-allow-clients`` alone refused every worker ("Unknown domain"): a fleet with no
+    workers."""
+    keys, allow, other = (tmp_path / d for d in ("keys", "allow", "other"))
+    keygen(keys, "broker")
+    allow.mkdir()
+    pub, _ = keygen(keys, "w")  # the listed key: worker w's or a client's, by ``listed``
+    (allow / pub.name).write_bytes(pub.read_bytes())
+    keygen(other, "stranger")  # unlisted
+    b = procs.broker("b", "--curve-secret", str(keys / "broker.key_secret"), f"--curve-allow-{listed}", str(allow),
+                     "--heartbeat-ms", "200")
+    worker_key = keys / "w.key_secret" if listed == "workers" else other / "stranger.key_secret"
+    procs.workers("w", [b.backend], "--curve-secret", str(worker_key), "--curve-server-key", str(keys / "broker.key"), count=1)
+    if listed == "workers":  # an unlisted worker must fail the handshake itself
+        procs.workers("evil", [b.backend], "--curve-secret", str(other / "stranger.key_secret"),
+                      "--curve-server-key", str(keys / "broker.key"), count=1)
+    client_secret = keys / "w.key_secret" if listed == "clients" else other / "stranger.key_secret"
+    client = client_keys(client_secret, keys / "broker.key")
+
+    async def body():
+        async with Client(b.frontend, curve=client) as c:
+            async def settled():
+                st = await c.status()
+                ids = {w["worker_id"] for w in st.workers}
+                rejected = st.counters.get("frames_rejected.worker.auth_failed", 0)
+                return (ids, rejected) if "w" in ids and (listed == "clients" or rejected >= 1) else None
+
+            ids, _ = await until(settled, 20, "the worker registered (and the unlisted one was rejected)", step_s=0.05)
+            assert ids == {"w"}
+            assert (await c.generate(input_ids=[1, 2, 3], max_new_tokens=2, deadline_ms=5000)).worker == "w"
+        if listed == "clients":  # and an unlisted client still cannot submit
+            stranger = client_keys(other / "stranger.key_secret", keys / "broker.key")
+            async with Client(b.frontend, curve=stranger) as c:
+                with pytest.raises(RequestError) as ei:
+                    await c.generate(input_ids=[1, 2, 3], max_new_tokens=2, deadline_ms=1000)
+                assert ei.value.code.value == "deadline_exceeded"
+
+    run(body(), timeout_s=60)
