@@ -188,12 +188,12 @@ class Broker:
 
             self.exchange = PeerExchange(sctx, self.broker_id, self.s.exchange, self.s.peer, interval_ms=self.s.exchange_interval_ms,
                                          stale_ms=self.s.exchange_stale_ms, stats=self.stats.exchange, log=self.log,
-                                         on_reject=lambda err: self._reject("exchange", err, b""))
+                                         on_reject=lambda err: self._reject("exchange", err, b""), curve=self.curve)
             self.exchange_endpoint = self.exchange.endpoint
             self._xs = self.exchange.sub
             if self.curve is not None:
-                self.log.warning("exchange_plaintext", endpoint=self.exchange_endpoint,
-                                 note="the peer exchange has no CURVE: keep it on the brokers' private network")
+                # a stranger subscribing to our PUB, or a --peer that does not hold the brokers' key
+                self._monitors += [("exchange", sock.get_monitor_socket(ev)) for sock in (self.exchange.pub, self.exchange.sub)]
 
     async def run(self) -> None:
         """Serve until :meth:`request_stop`; then drain in-flight work and close the sockets."""
@@ -229,6 +229,9 @@ class Broker:
         if self.telemetry is not None:
             self.telemetry.close()
         if self.exchange is not None:
+            if self._monitors:
+                for sock in (self.exchange.pub, self.exchange.sub):
+                    sock.disable_monitor()
             self.exchange.close()
         for sock in (self._front, self._back):
             if sock is not None:

@@ -27,10 +27,15 @@ the two sockets.
   and expected peers.
 * **One owner.** The broker's pump owns both sockets (their FDs are watched with the others);
   :meth:`receive` and :meth:`tick` are called from it and return the changes to apply.
-* **Security.** The exchange has no CURVE yet: anyone who can reach a broker's exchange port can
-  read its figures, and a ``--peer`` endpoint is trusted to report honestly (values are bounded
-  at decode: at most 2**20 requests per worker and message). Run it on the brokers' private
-  network; a broker with ``--curve-secret`` logs ``exchange_plaintext`` at start.
+* **Security.** A broker with ``--curve-secret`` encrypts the exchange both ways with the
+  brokers' key pair, which every broker of a fleet holds (workers and clients already name one
+  ``--curve-server-key`` for all of them): the PUB is a CURVE server that lets only that key
+  subscribe (ZAP domain ``peers``), and the SUB is a CURVE client that accepts only a publisher
+  proving it holds the same secret. A stranger can neither read the figures nor feed any, and
+  its failed handshake is counted (``frames_rejected{path="exchange",reason="auth_failed"}``).
+  Without CURVE the exchange is plaintext like the rest: keep it on the brokers' private
+  network. Values are bounded at decode either way (at most 2**20 requests per worker and
+  message); a key holder is trusted to report honestly.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from mesh import protocol as P
 from mesh.errors import ProtocolError
 from mesh.routing.peers import PeerChange, PeerMerge, PeerPublisher
 from mesh.routing.view import WorkerState
-from mesh.sockets import EXCHANGE_PUB, EXCHANGE_SUB, make_socket, send_frames
+from mesh.sockets import EXCHANGE_PUB, EXCHANGE_SUB, CurveKeys, make_socket, send_frames
 
 __all__ = ["PeerExchange"]
 
@@ -57,11 +62,13 @@ class PeerExchange:
 
     ``ctx`` is a synchronous context (the broker's, shadowed); ``stats`` the counter the
     exchange counts into; ``on_reject(err)`` is told about every rejected message (the broker
-    counts and logs it like its other decode failures)."""
+    counts and logs it like its other decode failures); ``curve`` the broker's own server keys
+    (the brokers' shared pair) to encrypt and authenticate both sockets with."""
 
     def __init__(self, ctx: zmq.Context, broker_id: str, bind: str, peers: Iterable[str], *, interval_ms: float,
                  stale_ms: float, stats: Counter | None = None, log: Any = None,
-                 on_reject: Callable[[ProtocolError], None] | None = None, epoch: int | None = None) -> None:
+                 on_reject: Callable[[ProtocolError], None] | None = None, epoch: int | None = None,
+                 curve: CurveKeys | None = None) -> None:
         self.broker_id = broker_id
         # The boot epoch orders this process's incarnations for the peers (wall-clock ns: a
         # restart is larger; a clock that jumps back costs at most one staleness bound, after
@@ -70,12 +77,17 @@ class PeerExchange:
         self.stats: Counter = stats if stats is not None else Counter()
         self.log = log
         self.on_reject = on_reject
-        self.pub = make_socket(ctx, EXCHANGE_PUB, bind=bind)
+        pub_spec, sub_spec = EXCHANGE_PUB, EXCHANGE_SUB
+        if curve is not None:
+            pub_spec = EXCHANGE_PUB.with_curve(curve, b"peers")
+            sub_spec = EXCHANGE_SUB.with_curve(CurveKeys(curve.public_key, curve.secret_key, server=False,
+                                                         server_key=curve.public_key))
+        self.pub = make_socket(ctx, pub_spec, bind=bind)
         try:
             self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
             # A shared --peer list may name this broker too: never subscribe to ourselves.
             self.peers = [p for p in dict.fromkeys(peers) if p not in (bind, self.endpoint)]
-            self.sub = make_socket(ctx, EXCHANGE_SUB, connect=self.peers or None)
+            self.sub = make_socket(ctx, sub_spec, connect=self.peers or None)
         except BaseException:
             self.pub.close(linger=0)
             raise

@@ -36,10 +36,13 @@ async def _inflight_by_worker(endpoint: str, key: str) -> dict[str, int]:
     return {w["worker_id"]: w.get(key, 0) for w in st.workers}
 
 
-async def _submit_raw(endpoint: str, n: int, max_new_tokens: int) -> zmq.asyncio.Socket:
-    """Streamed requests through a raw DEALER; returns once every one was dispatched (ACCEPTED)."""
+async def _submit_raw(endpoint: str, n: int, max_new_tokens: int, curve=None) -> zmq.asyncio.Socket:
+    """Streamed requests through a raw DEALER (a CURVE client with ``curve``: CurveKeys);
+    returns once every one was dispatched (ACCEPTED)."""
     s = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        s.curve_secretkey, s.curve_publickey, s.curve_serverkey = curve.secret_key, curve.public_key, curve.server_key
     s.connect(endpoint)
     for i in range(n):
         await s.send_multipart(P.encode_submit(f"long-{i}", input_ids=list(range(1 + 97 * i, 400 + 97 * i)),
@@ -128,3 +131,95 @@ async def _fresh(endpoint: str):
 
 async def _peer_total(endpoint: str, n: int) -> bool:
     return sum((await _inflight_by_worker(endpoint, "peer_inflight")).values()) == n
+
+
+def test_under_curve_the_exchange_is_encrypted_and_only_key_holders_take_part(procs, tmp_path):
+    """Two CURVE brokers sharing the brokers' key pair exchange figures; a stranger with another
+    key can neither subscribe to a broker's exchange nor be taken as its peer (both handshakes
+    fail and are counted), and a plaintext subscriber gets nothing."""
+    from mesh.security import client_keys, keygen, server_keys
+
+    keys, other = tmp_path / "keys", tmp_path / "other"
+    keygen(keys, "broker")
+    keygen(keys, "app")
+    keygen(other, "stranger")
+    curve = ["--curve-secret", str(keys / "broker.key_secret")]
+    a = procs.broker("a", *FAST, *curve, "--exchange", "tcp://127.0.0.1:*")
+    ex_a = wait_for_log_event(a.log_path, "broker_listening", 5.0, start=a.log_start)["exchange"]
+    # the stranger's own publisher, which B is (wrongly) pointed at as a second peer
+    ctx = zmq.asyncio.Context.instance()
+    fake_pub = ctx.socket(zmq.PUB)
+    fake_pub.setsockopt(zmq.LINGER, 0)
+    fake = server_keys(other / "stranger.key_secret")
+    fake_pub.curve_secretkey, fake_pub.curve_publickey, fake_pub.curve_server = fake.secret_key, fake.public_key, True
+    fake_port = fake_pub.bind_to_random_port("tcp://127.0.0.1")
+    b = procs.broker("b", *FAST, *curve, "--exchange", "tcp://127.0.0.1:*", "--peer", ex_a,
+                     "--peer", f"tcp://127.0.0.1:{fake_port}")
+    ck = ["--curve-secret", str(keys / "app.key_secret"), "--curve-server-key", str(keys / "broker.key")]
+    procs.workers("w", [a.backend, b.backend], *ck, count=2)
+    app = client_keys(keys / "app.key_secret", keys / "broker.key")
+
+    async def st(endpoint):
+        async with Client(endpoint, curve=app) as c:
+            return await c.status()
+
+    async def lie():
+        seq = 0
+        while True:
+            seq += 1
+            lie = P.PeerLoad("fake", 1, seq, True, [("w-0", 1000, 10**6, 10**6 * seq), ("w-1", 1000, 10**6, 10**6 * seq)])
+            await fake_pub.send_multipart(P.encode_peer_load(lie))
+            await asyncio.sleep(0.02)
+
+    async def body():
+        liar = asyncio.ensure_future(lie())
+        # a stranger subscribing to A's exchange, with its own key and with none
+        spies = []
+        for keyed in (True, False):
+            s = ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.LINGER, 0)
+            if keyed:
+                k = client_keys(other / "stranger.key_secret", keys / "broker.key")
+                s.curve_secretkey, s.curve_publickey, s.curve_serverkey = k.secret_key, k.public_key, k.server_key
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect(ex_a)
+            spies.append(s)
+        try:
+            await until(lambda: _n_workers(a.frontend, app), 20.0, "both workers on A")
+
+            async def fresh_and_counted():
+                sa, sb = await st(a.frontend), await st(b.frontend)
+                rej_a = sa.counters.get("frames_rejected.exchange.auth_failed", 0)
+                return sb.broker["exchange"] if sb.broker["exchange"]["fresh"] == 1 and rej_a >= 1 else None
+
+            ex_b = await until(fresh_and_counted, 15.0, "A fresh at B, the spies' handshakes counted at A")
+            # the stranger's publisher never counts as a peer: B says it is degraded, 1 of 2 fresh
+            assert ex_b["expected"] == 2 and ex_b["degraded"] and set(ex_b["by_peer"]) == {"a"}
+
+            sock = await _submit_raw(a.frontend, 3, 2000, curve=app)
+            try:
+                async def seen():
+                    own = {w["worker_id"]: w.get("inflight", 0) for w in (await st(a.frontend)).workers}
+                    peer = {w["worker_id"]: w.get("peer_inflight", 0) for w in (await st(b.frontend)).workers}
+                    return sum(own.values()) == 3 and own == peer  # A's work, none of the liar's
+
+                await until(seen, 10.0, "B sees A's work over the encrypted exchange")
+                sb = await st(b.frontend)
+                assert set(sb.broker["exchange"]["by_peer"]) == {"a"} and not sb.counters.get("exchange.rejected_bad_field")
+            finally:
+                sock.close(linger=0)
+            for s in spies:  # nothing readable reached either spy
+                assert await s.poll(0) == 0
+        finally:
+            liar.cancel()
+            for s in spies:
+                s.close(linger=0)
+            fake_pub.close(linger=0)
+
+    run(body(), 60.0)
+
+
+
+async def _n_workers(endpoint: str, curve) -> bool:
+    async with Client(endpoint, curve=curve) as c:
+        return len((await c.status()).workers) == 2
