@@ -188,8 +188,12 @@ class Broker:
 
             self.exchange = PeerExchange(sctx, self.broker_id, self.s.exchange, self.s.peer, interval_ms=self.s.exchange_interval_ms,
                                          stale_ms=self.s.exchange_stale_ms, stats=self.stats.exchange, log=self.log,
-                                         on_reject=lambda err: self._reject("exchange", err, b""), curve=self.curve)
+                                         on_reject=lambda err: self._reject("exchange", err, b""), curve=self.curve,
+                                         on_routes=getattr(self.router.provider, "add_peer_routes", None))
             self.exchange_endpoint = self.exchange.endpoint
+            if hasattr(self.router.provider, "add_peer_routes"):
+                # the provider's insert-on-route guesses go to the peers with the next message
+                self.router.provider.route_listener = self.exchange.publisher.note_route
             self._xs = self.exchange.sub
             if self.curve is not None:
                 # a stranger subscribing to our PUB, or a --peer that does not hold the brokers' key

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.index import ApproxIndex
-from mesh.routing.providers import MergedMatch, _BlockSizeVote, request_keys
+from mesh.routing.providers import MergedMatch, PeerRouteSharing, _BlockSizeVote, request_keys
 from mesh.routing.view import RouteRequest
 
 __all__ = ["RemoteIndexProvider"]
@@ -26,7 +26,7 @@ __all__ = ["RemoteIndexProvider"]
 _MATCH_KEY = "indexer_match"
 
 
-class RemoteIndexProvider:
+class RemoteIndexProvider(PeerRouteSharing):
     name = "indexer"
     is_async = True
 
@@ -54,7 +54,7 @@ class RemoteIndexProvider:
             return None  # degraded: route by load
         keys = request_keys(req, self.block_size)
         if self.speculative_ttl_s > 0 and keys:
-            return MergedMatch(remote, self.spec.match(keys, now_s))
+            return self._with_peer_routes(MergedMatch(remote, self.spec.match(keys, now_s)), keys, now_s)
         return remote
 
     def on_routed(self, req: RouteRequest, worker_id: str, now_s: float) -> None:
@@ -62,6 +62,7 @@ class RemoteIndexProvider:
             keys = request_keys(req, self.block_size)
             if keys:
                 self.spec.insert(worker_id, keys, now_s, self.speculative_ttl_s)
+                self._tell_peers(worker_id, keys)
 
     # broker event hooks ------------------------------------------------------------
     def on_worker_ready(self, ready) -> None:
@@ -72,6 +73,7 @@ class RemoteIndexProvider:
     def on_worker_removed(self, worker_id: str) -> None:
         self._bs.drop(worker_id)
         self.spec.remove_worker(worker_id)
+        self._forget_peer_routes(worker_id)
         # The indexer keeps the worker's blocks: another broker may still serve it, and a worker
         # restart arrives as a new epoch there. Forgetting is the indexer's own expiry's job.
 

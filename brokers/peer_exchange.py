@@ -4,7 +4,10 @@ Several brokers route to the same workers; each knows only its own dispatches be
 LoadStat snapshots. With ``--exchange tcp://HOST:PORT --peer tcp://OTHER:PORT ...`` every broker
 publishes, per worker it has work on, its requests in flight, their uncached prefill tokens and
 a counter of the uncached tokens it sent there (:data:`mesh.protocol.X_PEER_LOAD`), and adds its
-peers' figures to its worker states. What to send, when, and what a peer's message means live in
+peers' figures to its worker states. The same messages carry the prompts it routed since the
+last one, as a few content keys each (:mod:`mesh.index.peer_routes`): a peer's provider counts
+them as speculative matches for one TTL, so a follow-up that reaches another broker while the
+first prefill still runs finds the worker that is computing its prefix. What to send, when, and what a peer's message means live in
 the pure :mod:`mesh.routing.peers` (the simulator runs the same objects); this module only owns
 the two sockets.
 
@@ -63,12 +66,14 @@ class PeerExchange:
     ``ctx`` is a synchronous context (the broker's, shadowed); ``stats`` the counter the
     exchange counts into; ``on_reject(err)`` is told about every rejected message (the broker
     counts and logs it like its other decode failures); ``curve`` the broker's own server keys
-    (the brokers' shared pair) to encrypt and authenticate both sockets with."""
+    (the brokers' shared pair) to encrypt and authenticate both sockets with; ``on_routes(routes,
+    now_s)`` takes the prompts a peer routed (its provider's :meth:`add_peer_routes`)."""
 
     def __init__(self, ctx: zmq.Context, broker_id: str, bind: str, peers: Iterable[str], *, interval_ms: float,
                  stale_ms: float, stats: Counter | None = None, log: Any = None,
                  on_reject: Callable[[ProtocolError], None] | None = None, epoch: int | None = None,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None,
+                 on_routes: Callable[[list[tuple[str, list[int]]], float], None] | None = None) -> None:
         self.broker_id = broker_id
         # The boot epoch orders this process's incarnations for the peers (wall-clock ns: a
         # restart is larger; a clock that jumps back costs at most one staleness bound, after
@@ -77,6 +82,7 @@ class PeerExchange:
         self.stats: Counter = stats if stats is not None else Counter()
         self.log = log
         self.on_reject = on_reject
+        self.on_routes = on_routes  # peers' routed prompts (mesh.index.peer_routes): the provider's
         pub_spec, sub_spec = EXCHANGE_PUB, EXCHANGE_SUB
         if curve is not None:
             pub_spec = EXCHANGE_PUB.with_curve(curve, b"peers")
@@ -113,6 +119,9 @@ class PeerExchange:
             return []
         was_fresh = m.broker in self._fresh_set()
         outcome, changes = self.merge.apply(m, now_s)
+        if outcome == "applied" and m.routes and self.on_routes is not None:
+            self.on_routes(m.routes, now_s)
+            self.stats["routes_received"] += len(m.routes)
         if outcome == "self" and not self._self_seen:
             # one --peer endpoint is another address of this broker: it is not a peer to wait for
             self._self_seen = True

@@ -127,7 +127,11 @@ PEER_LOAD   0x21  ``broker`` str (1..256 bytes, the sender's broker id), ``epoch
                   ``[worker_id str (1..256 bytes), inflight int (0..2**20), prefill_tokens
                   int (0..2**40), sent_tokens int (0..2**62)]``, worker ids unique;
                   ``full_ms`` int (1..600000, optional, default 1000): the sender's
-                  full-snapshot period (receivers never call it stale sooner than 3 x that).
+                  full-snapshot period (receivers never call it stale sooner than 3 x that);
+                  ``routes`` (optional) list of at most ``MAX_EXCHANGE_ROUTES`` arrays
+                  ``[worker_id str (1..256 bytes), anchors]``: prompts the sender routed
+                  there since its last message, each as 1..``MAX_ROUTE_ANCHORS`` content
+                  keys (ints 0..2**64-1, :func:`mesh.index.peer_routes.route_anchors`).
 ==========  ====  ===================================================================
 
 Figures are the sender's own *absolute* values per worker: requests it has in flight there,
@@ -195,6 +199,8 @@ __all__ = [
     "EXCHANGE_HEADER",
     "MAX_EXCHANGE_WORKERS",
     "MAX_EXCHANGE_BYTES",
+    "MAX_EXCHANGE_ROUTES",
+    "MAX_ROUTE_ANCHORS",
     "PeerLoad",
     "encode_peer_load",
     "decode_exchange",
@@ -226,6 +232,9 @@ MAX_EXCHANGE_BYTES = 2 * 1024 * 1024
 MAX_PEER_INFLIGHT = 1 << 20
 MAX_PEER_PREFILL_TOKENS = 1 << 40
 MAX_PEER_SENT_TOKENS = 1 << 62
+MAX_EXCHANGE_ROUTES = 1024  # prompts routed per message: with 64 anchors each, under 1 MiB
+MAX_ROUTE_ANCHORS = 64
+_U64 = (1 << 64) - 1
 
 ROLES = ("prefill", "decode", "mixed")
 DRAINING = "draining"  # DISCONNECT reason: graceful worker drain
@@ -894,7 +903,8 @@ def decode_broker_to_worker(frames: list[bytes]):
 class PeerLoad:
     """One PEER_LOAD message: a broker's own absolute figures per worker (see the module docstring).
 
-    ``workers`` holds ``(worker_id, inflight, prefill_tokens, sent_tokens)`` tuples."""
+    ``workers`` holds ``(worker_id, inflight, prefill_tokens, sent_tokens)`` tuples; ``routes``
+    ``(worker_id, anchors)`` pairs: prompts routed since the sender's last message."""
 
     broker: str
     epoch: int
@@ -902,19 +912,22 @@ class PeerLoad:
     full: bool
     workers: list[tuple[str, int, int, int]]
     full_ms: int = 1000
+    routes: list[tuple[str, list[int]]] = field(default_factory=list)
 
 
 def encode_peer_load(m: PeerLoad) -> list[bytes]:
-    return [EXCHANGE_HEADER, _X_PEER_LOAD_B,
-            pack({"broker": m.broker, "epoch": m.epoch, "seq": m.seq, "full": m.full, "full_ms": m.full_ms,
-                  "workers": [list(w) for w in m.workers]})]
+    body = {"broker": m.broker, "epoch": m.epoch, "seq": m.seq, "full": m.full, "full_ms": m.full_ms,
+            "workers": [list(w) for w in m.workers]}
+    if m.routes:
+        body["routes"] = [[w, list(a)] for w, a in m.routes]
+    return [EXCHANGE_HEADER, _X_PEER_LOAD_B, pack(body)]
 
 
 def decode_exchange(frames: list[bytes]) -> PeerLoad | ProtocolError:
     """Decode a peer exchange message. Never raises: returns a PeerLoad or a ProtocolError whose
     ``reason`` is the metric label (``bad_frame_count``, ``bad_header``, ``unknown_command``,
     ``too_large``, ``bad_msgpack``, ``bad_body``, ``bad_field``, ``too_many_workers``,
-    ``duplicate_worker``)."""
+    ``duplicate_worker``, ``too_many_routes``)."""
     try:
         if len(frames) != 3:
             raise ProtocolError("bad_frame_count", f"{len(frames)} frames")
@@ -955,7 +968,24 @@ def decode_exchange(frames: list[bytes]) -> PeerLoad | ProtocolError:
                 raise ProtocolError("duplicate_worker", wid[:64])
             seen.add(wid)
             out.append((wid, n, pre, sent))
-        return PeerLoad(broker, epoch, seq, full, out, full_ms)
+        routes: list[tuple[str, list[int]]] = []
+        rs = d.get("routes")
+        if rs is not None:
+            if type(rs) is not list:
+                raise ProtocolError("bad_field", "routes must be a list")
+            if len(rs) > MAX_EXCHANGE_ROUTES:
+                raise ProtocolError("too_many_routes", f"{len(rs)} routes (max {MAX_EXCHANGE_ROUTES})")
+            for r in rs:
+                if type(r) is not list or len(r) != 2:
+                    raise ProtocolError("bad_field", "a route is [worker_id, anchors]")
+                wid, anchors = r
+                if type(wid) is not str or not wid or len(wid) > 256 or len(wid.encode()) > 256:
+                    raise ProtocolError("bad_field", "a route's worker_id must be a string of 1..256 bytes")
+                if (type(anchors) is not list or not 1 <= len(anchors) <= MAX_ROUTE_ANCHORS
+                        or not all(type(k) is int and 0 <= k <= _U64 for k in anchors)):
+                    raise ProtocolError("bad_field", f"a route's anchors must be 1..{MAX_ROUTE_ANCHORS} ints 0..2**64-1")
+                routes.append((wid, anchors))
+        return PeerLoad(broker, epoch, seq, full, out, full_ms, routes)
     except ProtocolError as exc:
         return exc
     except Exception as exc:

@@ -31,11 +31,12 @@ Figures are per worker, not per DP rank (the router's correction terms are per w
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from mesh.protocol import MAX_EXCHANGE_WORKERS, PeerLoad
+from mesh.index.peer_routes import route_anchors
+from mesh.protocol import MAX_EXCHANGE_ROUTES, MAX_EXCHANGE_WORKERS, PeerLoad
 from mesh.routing.view import WorkerState
 
 __all__ = ["PeerMerge", "PeerPublisher", "PeerChange", "apply_changes"]
@@ -237,8 +238,12 @@ class PeerPublisher:
     snapshot lists the busiest (``stats["truncated"]`` counts the omitted)."""
 
     def __init__(self, broker_id: str, epoch: int, interval_s: float, full_interval_s: float,
-                 max_workers: int = MAX_EXCHANGE_WORKERS) -> None:
+                 max_workers: int = MAX_EXCHANGE_WORKERS, max_routes: int = MAX_EXCHANGE_ROUTES) -> None:
         self.broker_id = broker_id
+        self.max_routes = max_routes
+        # prompts routed since the last message (note_route): at most one message's worth is
+        # kept, the oldest dropped first (counted): they are guesses with a TTL of seconds
+        self.routes: deque[tuple[str, list[int]]] = deque()
         self.epoch = epoch
         self.interval_s = interval_s
         self.full_interval_s = full_interval_s
@@ -250,8 +255,19 @@ class PeerPublisher:
         self._sent: dict[str, int] = {}  # last published sent_tokens per worker (for workers gone since)
         self.stats: Counter[str] = Counter()
 
+    def note_route(self, worker_id: str, keys) -> None:
+        """This router routed a prompt with content keys ``keys`` to ``worker_id``: tell the
+        peers with the next message (see :mod:`mesh.index.peer_routes`)."""
+        if not keys:
+            return
+        routes = self.routes
+        if len(routes) >= self.max_routes:
+            routes.popleft()
+            self.stats["routes_dropped"] += 1
+        routes.append((worker_id, route_anchors(keys)))
+
     def next_due(self) -> float:
-        if self.dirty:
+        if self.dirty or self.routes:
             return min(self._next_full_s, self._last_s + self.interval_s)
         return self._next_full_s
 
@@ -271,7 +287,7 @@ class PeerPublisher:
             self.dirty.clear()
             full = True
             self._next_full_s = now_s + self.full_interval_s
-        elif self.dirty and now_s >= self._last_s + self.interval_s:
+        elif (self.dirty or self.routes) and now_s >= self._last_s + self.interval_s:
             entries = []
             dirty = self.dirty
             while dirty and len(entries) < self.max_workers:
@@ -292,4 +308,8 @@ class PeerPublisher:
         self.seq += 1
         self._last_s = now_s
         self.stats["sent_full" if full else "sent_changes"] += 1
-        return PeerLoad(self.broker_id, self.epoch, self.seq, full, entries, max(1, min(600_000, round(self.full_interval_s * 1000))))
+        routes = list(self.routes)
+        self.routes.clear()
+        self.stats["routes_sent"] += len(routes)
+        return PeerLoad(self.broker_id, self.epoch, self.seq, full, entries, max(1, min(600_000, round(self.full_interval_s * 1000))),
+                        routes)

@@ -22,15 +22,16 @@ no clock (``now_s`` is passed in).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from mesh import kv_events as KV
 from mesh.hashing import ROOT_KEY, content_keys, content_keys_from_packed, packed_bytes
 from mesh.index import ApproxIndex, Clear, PrefixIndex, Remove, Store, Verdict
+from mesh.index.peer_routes import PeerRoutes
 from mesh.namespaces import event_root_key, namespace_root_key
 from mesh.routing.view import RouteRequest
 
-__all__ = ["LocalIndexProvider", "ApproxProvider", "make_provider", "PROVIDERS", "request_keys"]
+__all__ = ["LocalIndexProvider", "ApproxProvider", "PeerRouteSharing", "make_provider", "PROVIDERS", "request_keys"]
 
 
 def request_keys(req: RouteRequest, block_size: int) -> Sequence[int] | None:
@@ -78,6 +79,48 @@ class MergedMatch:
         return sorted(best.values(), key=lambda m: (-m.blocks, m.worker_id))[:k]
 
 
+class PeerRouteSharing:
+    """Insert-on-route guesses shared with the other routers (:mod:`mesh.index.peer_routes`).
+
+    A provider that speculates (``speculative_ttl_s`` > 0) tells :attr:`route_listener` (set by
+    the owner of the exchange: the broker's, or the simulator's publisher) the keys of every
+    prompt it routes, and answers matches from the peers' routes too (:meth:`add_peer_routes`),
+    for one speculative TTL. Without an exchange both stay unset and cost nothing."""
+
+    route_listener: Callable[[str, Sequence[int]], None] | None = None
+    peer_routes: PeerRoutes | None = None
+
+    def peer_route_ttl_s(self) -> float:
+        return getattr(self, "speculative_ttl_s", 0.0)
+
+    def add_peer_routes(self, routes: Sequence[tuple[str, Sequence[int]]], now_s: float) -> None:
+        ttl = self.peer_route_ttl_s()
+        if ttl <= 0 or not routes:
+            return
+        pr = self.peer_routes
+        if pr is None:
+            pr = self.peer_routes = PeerRoutes(ttl)
+        for wid, anchors in routes:
+            pr.add(wid, anchors, now_s)
+
+    def _tell_peers(self, worker_id: str, keys: Sequence[int] | None) -> None:
+        if self.route_listener is not None and keys:
+            self.route_listener(worker_id, keys)
+
+    def _with_peer_routes(self, m, keys: Sequence[int] | None, now_s: float):
+        pr = self.peer_routes
+        if pr is None or not keys:
+            return m
+        pm = pr.match(keys, now_s)
+        if pm is None:
+            return m
+        return pm if m is None else MergedMatch(m, pm)
+
+    def _forget_peer_routes(self, worker_id: str) -> None:
+        if self.peer_routes is not None:
+            self.peer_routes.remove_worker(worker_id)
+
+
 class _BlockSizeVote:
     """The fleet's block size: the most common one among registered workers."""
 
@@ -102,7 +145,7 @@ class _BlockSizeVote:
         return self._value
 
 
-class LocalIndexProvider:
+class LocalIndexProvider(PeerRouteSharing):
     """Event-fed prefix index (``radix_tree``), optionally shared by several routers (``indexer``).
 
     ``speculative_ttl_s`` > 0 enables insert-on-route entries; 0 disables them.
@@ -134,8 +177,8 @@ class LocalIndexProvider:
             return None
         m = self.index.match(keys, now_s)
         if self._local_spec is not None and self.speculative_ttl_s > 0:
-            return MergedMatch(m, self._local_spec.match(keys, now_s))
-        return m
+            m = MergedMatch(m, self._local_spec.match(keys, now_s))
+        return self._with_peer_routes(m, keys, now_s)
 
     def on_routed(self, req: RouteRequest, worker_id: str, now_s: float) -> None:
         if self.speculative_ttl_s > 0:
@@ -145,6 +188,7 @@ class LocalIndexProvider:
                     self._local_spec.insert(worker_id, keys, now_s, self.speculative_ttl_s)
                 else:
                     self.index.speculate(worker_id, keys, now_s, self.speculative_ttl_s)
+                self._tell_peers(worker_id, keys)
 
     # ------------------------------------------------------------------ fleet side
     def add_worker(self, worker_id: str, block_size: int) -> None:
@@ -155,6 +199,7 @@ class LocalIndexProvider:
         self.index.remove_worker(worker_id)
         if self._local_spec is not None:
             self._local_spec.remove_worker(worker_id)
+        self._forget_peer_routes(worker_id)
 
     def apply_events(self, worker_id: str, dp_rank: int, epoch: int, seq: int, events: Sequence[KV.KvEvent], now_s: float) -> str | None:
         """Apply one ordered batch of a (worker, rank) stream. Returns a resync reason or None.
@@ -253,9 +298,9 @@ class LocalIndexProvider:
         return {**self.index.stats(), **{f"provider_{k}": v for k, v in self.counters.items()}}
 
 
-class ApproxProvider:
+class ApproxProvider(PeerRouteSharing):
     """Learns from routing decisions only (no KV events): a prompt sent to a worker is assumed
-    cached there for ``ttl_s``."""
+    cached there for ``ttl_s`` (and, with the exchange, a prompt a peer router sent there)."""
 
     def __init__(self, *, block_size: int = 16, ttl_s: float = 120.0, max_entries: int = 2_000_000) -> None:
         self.name = "approx"
@@ -271,12 +316,16 @@ class ApproxProvider:
         keys = request_keys(req, self.block_size)
         if keys is None:
             return None
-        return self.index.match(keys, now_s)
+        return self._with_peer_routes(self.index.match(keys, now_s), keys, now_s)
 
     def on_routed(self, req: RouteRequest, worker_id: str, now_s: float) -> None:
         keys = request_keys(req, self.block_size)
         if keys:
             self.index.insert(worker_id, keys, now_s, self.ttl_s)
+            self._tell_peers(worker_id, keys)
+
+    def peer_route_ttl_s(self) -> float:
+        return self.ttl_s
 
     def add_worker(self, worker_id: str, block_size: int) -> None:
         self._bs.set(worker_id, block_size)
@@ -284,6 +333,7 @@ class ApproxProvider:
     def remove_worker(self, worker_id: str) -> None:
         self._bs.drop(worker_id)
         self.index.remove_worker(worker_id)
+        self._forget_peer_routes(worker_id)
 
     def apply_events(self, worker_id, dp_rank, epoch, seq, events, now_s) -> str | None:
         return None  # approx ignores engine events by design

@@ -292,6 +292,9 @@ class SimRouter:
         self.merge = PeerMerge(name, stale_s=max(3.0, 3 * full_s))
         for st in self.states:
             st.exchange_dirty = self.publisher.dirty
+        prov = self.router.provider
+        if prov is not None and hasattr(prov, "add_peer_routes"):
+            prov.route_listener = self.publisher.note_route  # its insert-on-route guesses, shared
 
     def route(self, req: RouteRequest, now_s: float) -> Decision:
         return self.router.route(req, self.pool, now_s)
@@ -600,8 +603,12 @@ class Arm:
             elif kind == _X_RECV:
                 for sr in routers:
                     if sr.index != a:
-                        _outcome, changes = sr.merge.apply(b, t)  # type: ignore[union-attr]
+                        outcome, changes = sr.merge.apply(b, t)  # type: ignore[union-attr]
                         x_applied += apply_changes(changes, sr.by_id.get)
+                        if outcome == "applied" and b.routes and sr.router.provider is not None:
+                            add = getattr(sr.router.provider, "add_peer_routes", None)
+                            if add is not None:
+                                add(b.routes, t)
             elif kind == _KV:
                 w = a
                 seq, events = b
