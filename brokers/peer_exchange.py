@@ -73,7 +73,7 @@ class PeerExchange:
                  stale_ms: float, stats: Counter | None = None, log: Any = None,
                  on_reject: Callable[[ProtocolError], None] | None = None, epoch: int | None = None,
                  curve: CurveKeys | None = None,
-                 on_routes: Callable[[list[tuple[str, list[int]]], float], None] | None = None) -> None:
+                 on_routes: Callable[[list[tuple[str, int, list[int]]], float], None] | None = None) -> None:
         self.broker_id = broker_id
         # The boot epoch orders this process's incarnations for the peers (wall-clock ns: a
         # restart is larger; a clock that jumps back costs at most one staleness bound, after

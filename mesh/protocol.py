@@ -129,9 +129,10 @@ PEER_LOAD   0x21  ``broker`` str (1..256 bytes, the sender's broker id), ``epoch
                   ``full_ms`` int (1..600000, optional, default 1000): the sender's
                   full-snapshot period (receivers never call it stale sooner than 3 x that);
                   ``routes`` (optional) list of at most ``MAX_EXCHANGE_ROUTES`` arrays
-                  ``[worker_id str (1..256 bytes), anchors]``: prompts the sender routed
-                  there since its last message, each as 1..``MAX_ROUTE_ANCHORS`` content
-                  keys (ints 0..2**64-1, :func:`mesh.index.peer_routes.route_anchors`).
+                  ``[worker_id str (1..256 bytes), pages int (1..2**31-1), anchors]``:
+                  prompts the sender routed there since its last message, each as its
+                  full-page count and 1..``MAX_ROUTE_ANCHORS`` content keys (ints
+                  0..2**64-1, :func:`mesh.index.peer_routes.route_anchors`).
 ==========  ====  ===================================================================
 
 Figures are the sender's own *absolute* values per worker: requests it has in flight there,
@@ -904,7 +905,7 @@ class PeerLoad:
     """One PEER_LOAD message: a broker's own absolute figures per worker (see the module docstring).
 
     ``workers`` holds ``(worker_id, inflight, prefill_tokens, sent_tokens)`` tuples; ``routes``
-    ``(worker_id, anchors)`` pairs: prompts routed since the sender's last message."""
+    ``(worker_id, pages, anchors)``: prompts routed since the sender's last message."""
 
     broker: str
     epoch: int
@@ -912,14 +913,14 @@ class PeerLoad:
     full: bool
     workers: list[tuple[str, int, int, int]]
     full_ms: int = 1000
-    routes: list[tuple[str, list[int]]] = field(default_factory=list)
+    routes: list[tuple[str, int, list[int]]] = field(default_factory=list)
 
 
 def encode_peer_load(m: PeerLoad) -> list[bytes]:
     body = {"broker": m.broker, "epoch": m.epoch, "seq": m.seq, "full": m.full, "full_ms": m.full_ms,
             "workers": [list(w) for w in m.workers]}
     if m.routes:
-        body["routes"] = [[w, list(a)] for w, a in m.routes]
+        body["routes"] = [[w, n, list(a)] for w, n, a in m.routes]
     return [EXCHANGE_HEADER, _X_PEER_LOAD_B, pack(body)]
 
 
@@ -968,7 +969,7 @@ def decode_exchange(frames: list[bytes]) -> PeerLoad | ProtocolError:
                 raise ProtocolError("duplicate_worker", wid[:64])
             seen.add(wid)
             out.append((wid, n, pre, sent))
-        routes: list[tuple[str, list[int]]] = []
+        routes: list[tuple[str, int, list[int]]] = []
         rs = d.get("routes")
         if rs is not None:
             if type(rs) is not list:
@@ -976,15 +977,17 @@ def decode_exchange(frames: list[bytes]) -> PeerLoad | ProtocolError:
             if len(rs) > MAX_EXCHANGE_ROUTES:
                 raise ProtocolError("too_many_routes", f"{len(rs)} routes (max {MAX_EXCHANGE_ROUTES})")
             for r in rs:
-                if type(r) is not list or len(r) != 2:
-                    raise ProtocolError("bad_field", "a route is [worker_id, anchors]")
-                wid, anchors = r
+                if type(r) is not list or len(r) != 3:
+                    raise ProtocolError("bad_field", "a route is [worker_id, pages, anchors]")
+                wid, pages, anchors = r
+                if type(pages) is not int or not 1 <= pages < 2**31:
+                    raise ProtocolError("bad_field", "a route's pages must be an int 1..2**31-1")
                 if type(wid) is not str or not wid or len(wid) > 256 or len(wid.encode()) > 256:
                     raise ProtocolError("bad_field", "a route's worker_id must be a string of 1..256 bytes")
                 if (type(anchors) is not list or not 1 <= len(anchors) <= MAX_ROUTE_ANCHORS
                         or not all(type(k) is int and 0 <= k <= _U64 for k in anchors)):
                     raise ProtocolError("bad_field", f"a route's anchors must be 1..{MAX_ROUTE_ANCHORS} ints 0..2**64-1")
-                routes.append((wid, anchors))
+                routes.append((wid, pages, anchors))
         return PeerLoad(broker, epoch, seq, full, out, full_ms, routes)
     except ProtocolError as exc:
         return exc

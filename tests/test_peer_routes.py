@@ -58,13 +58,15 @@ def test_anchor_positions_are_half_powers_of_two_and_the_tip():
 def test_an_extension_of_a_peer_route_matches_its_full_length_and_a_partial_share_rounds_down():
     base = prompt(100, seed=1)
     pr = PeerRoutes(ttl_s=5.0)
-    pr.add("w1", route_anchors(keys_of(base)), now_s=0.0)
+    pr.add("w1", 100, route_anchors(keys_of(base)), now_s=0.0)
     follow_up = keys_of(base + prompt(30, seed=2))  # the next turn: the whole prompt plus more
     m = pr.match(follow_up, 1.0)
     assert m.matched_blocks("w1") == 100 and m.best_blocks == 100 and m.query_blocks == 130
     assert [(x.worker_id, x.blocks, x.speculative) for x in m.top(3)] == [("w1", 100, True)]
     partial = keys_of(base[: 70 * BS] + prompt(40, seed=3))  # shares 70 pages: the anchor at 64
     assert pr.match(partial, 1.0).matched_blocks("w1") == 64
+    shorter = keys_of(base[: 60 * BS])  # a prefix of the route: its own last page is an anchor position
+    assert pr.match(shorter, 1.0).matched_blocks("w1") == 45  # the deepest anchor within it
     assert pr.match(keys_of(prompt(50, seed=9)), 1.0) is None  # unrelated
     assert pr.match(follow_up, 5.0) is None  # expired after the TTL
     assert len(pr) == 0 and pr.stats["expired"] == len(route_anchors(keys_of(base)))
@@ -73,12 +75,12 @@ def test_an_extension_of_a_peer_route_matches_its_full_length_and_a_partial_shar
 def test_several_workers_and_a_refreshed_route():
     a = prompt(40, seed=4)
     pr = PeerRoutes(ttl_s=2.0)
-    pr.add("w1", route_anchors(keys_of(a)), 0.0)
-    pr.add("w2", route_anchors(keys_of(a[: 20 * BS])), 0.5)
+    pr.add("w1", 40, route_anchors(keys_of(a)), 0.0)
+    pr.add("w2", 20, route_anchors(keys_of(a[: 20 * BS])), 0.5)
     m = pr.match(keys_of(a), 1.0)
     assert m.depth == {"w1": 40, "w2": 20}
     assert [x.worker_id for x in m.top(2)] == ["w1", "w2"]
-    pr.add("w1", route_anchors(keys_of(a)), 1.9)  # routed there again: lives to 3.9
+    pr.add("w1", 40, route_anchors(keys_of(a)), 1.9)  # routed there again: lives to 3.9
     assert pr.match(keys_of(a), 3.0).depth == {"w1": 40}  # w2's expired at 2.5, w1's first copy at 2.0
     pr.remove_worker("w1")
     assert pr.match(keys_of(a), 3.0) is None
@@ -87,19 +89,25 @@ def test_several_workers_and_a_refreshed_route():
 def test_the_table_is_bounded_oldest_first_whatever_a_peer_sends():
     pr = PeerRoutes(ttl_s=60.0, max_keys=1000)
     rng = random.Random(5)
-    for i in range(P.MAX_EXCHANGE_ROUTES):  # one full hostile message: 1024 routes x 64 random anchors
-        pr.add(f"w{i % 7}", [rng.randrange(2**64) for _ in range(P.MAX_ROUTE_ANCHORS)], 0.0)
-    assert len(pr) == 1000 and len(pr._by_key) <= 1000 and pr.stats["evicted"] == 1024 * 64 - 1000
+    n_anchors = len(_anchor_positions(2**31 - 1))  # the longest route: 61 anchors
+    for i in range(P.MAX_EXCHANGE_ROUTES):  # one full hostile message: 1024 routes x 61 random anchors
+        pr.add(f"w{i % 7}", 2**31 - 1, [rng.randrange(2**64) for _ in range(n_anchors)], 0.0)
+    assert len(pr) == 1000 and len(pr._by_key) <= 1000 and pr.stats["evicted"] == 1024 * 61 - 1000
+    pr.add("w0", 5, [1, 2], 0.0)  # anchors that do not fit the page count: dropped, counted
+    assert pr.stats["bad_routes"] == 1
     newest = prompt(10, seed=6)
-    pr.add("w0", route_anchors(keys_of(newest)), 1.0)
+    pr.add("w0", 10, route_anchors(keys_of(newest)), 1.0)
     assert pr.match(keys_of(newest), 1.0).matched_blocks("w0") == 10
+    lying = prompt(30, seed=13)  # a "route" of 2**31-1 pages whose anchors are this prompt's: depth stays within it
+    pr.add("w1", 30, route_anchors(keys_of(lying)), 1.0)
+    assert pr.match(keys_of(lying[: 20 * BS]), 1.0).matched_blocks("w1") == 16
 
 
 # --------------------------------------------------------------------------- wire and publisher
 
 
 def test_routes_round_trip_and_an_old_message_without_them_still_decodes():
-    m = P.PeerLoad("b", 1, 2, False, [("w0", 1, 2, 3)], 1000, [("w0", [1, 2**64 - 1]), ("w1", [7])])
+    m = P.PeerLoad("b", 1, 2, False, [("w0", 1, 2, 3)], 1000, [("w0", 2, [1, 2**64 - 1]), ("w1", 1, [7])])
     assert P.decode_exchange(P.encode_peer_load(m)) == m
     plain = P.decode_exchange(P.encode_peer_load(P.PeerLoad("b", 1, 2, False, [])))
     assert plain.routes == []
@@ -112,18 +120,23 @@ def _body(routes):
 
 @pytest.mark.parametrize("routes,reason", [
     ({"w": [1]}, "bad_field"),
-    ([["w"]], "bad_field"),
-    ([["w", [1], 3]], "bad_field"),
-    ([["", [1]]], "bad_field"),
-    ([["é" * 200, [1]]], "bad_field"),
-    ([[5, [1]]], "bad_field"),
-    ([["w", []]], "bad_field"),
-    ([["w", [1] * (P.MAX_ROUTE_ANCHORS + 1)]], "bad_field"),
-    ([["w", [-1]]], "bad_field"),
-    ([["w", [1.5]]], "bad_field"),
-    ([["w", [True]]], "bad_field"),
-    ([["w", "123"]], "bad_field"),
-    ([["w", [1]]] * (P.MAX_EXCHANGE_ROUTES + 1), "too_many_routes"),
+    ([["w", 1]], "bad_field"),
+    ([["w", [1]]], "bad_field"),
+    ([["w", 1, [1], 3]], "bad_field"),
+    ([["", 1, [1]]], "bad_field"),
+    ([["é" * 200, 1, [1]]], "bad_field"),
+    ([[5, 1, [1]]], "bad_field"),
+    ([["w", 0, [1]]], "bad_field"),
+    ([["w", 2**31, [1]]], "bad_field"),
+    ([["w", -3, [1]]], "bad_field"),
+    ([["w", 1.0, [1]]], "bad_field"),
+    ([["w", 1, []]], "bad_field"),
+    ([["w", 1, [1] * (P.MAX_ROUTE_ANCHORS + 1)]], "bad_field"),
+    ([["w", 1, [-1]]], "bad_field"),
+    ([["w", 1, [1.5]]], "bad_field"),
+    ([["w", 1, [True]]], "bad_field"),
+    ([["w", 1, "123"]], "bad_field"),
+    ([["w", 1, [1]]] * (P.MAX_EXCHANGE_ROUTES + 1), "too_many_routes"),
 ])
 def test_hostile_routes_are_rejected_never_raised(routes, reason):
     r = P.decode_exchange(_body(routes))
@@ -139,7 +152,7 @@ def test_the_publisher_sends_routed_prompts_with_the_next_message_and_bounds_its
     pub.note_route("w0", ks)
     assert pub.next_due() == pytest.approx(0.005)  # a route alone makes a change message due
     m = pub.build(0.005, sts.get, sts.values)
-    assert m.routes == [("w0", route_anchors(ks))] and m.workers == []
+    assert m.routes == [("w0", 20, route_anchors(ks))] and m.workers == []
     assert pub.build(0.02, sts.get, sts.values) is None  # sent once
     for i in range(5):
         pub.note_route("w0", keys_of(prompt(3, seed=10 + i)))
@@ -149,7 +162,7 @@ def test_the_publisher_sends_routed_prompts_with_the_next_message_and_bounds_its
 def test_a_provider_counts_peer_routes_as_speculative_matches_and_tells_its_own():
     told = []
     a, b = LocalIndexProvider(block_size=BS), LocalIndexProvider(block_size=BS)
-    a.route_listener = lambda wid, ks: told.append((wid, route_anchors(ks)))
+    a.route_listener = lambda wid, ks: told.append((wid, len(ks), route_anchors(ks)))
     for p in (a, b):
         p.add_worker("w1", BS)
         p.add_worker("w2", BS)
@@ -172,7 +185,7 @@ def test_a_provider_counts_peer_routes_as_speculative_matches_and_tells_its_own(
 
 def test_a_merge_outcome_other_than_applied_brings_no_routes():
     merge = PeerMerge("me", stale_s=1.0)
-    m = P.PeerLoad("b1", 1, 5, False, [], 1000, [("w", [1])])
+    m = P.PeerLoad("b1", 1, 5, False, [], 1000, [("w", 1, [1])])
     assert merge.apply(m, 0.0)[0] == "applied"
     assert merge.apply(m, 0.1)[0] == "duplicate"  # the broker and the simulator take routes only when applied
 

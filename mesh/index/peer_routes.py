@@ -9,20 +9,22 @@ the quality matrix's conversation workload that was the whole of what 8 routers 
 one in hit rate (seeds 4-9: 0.41-0.57 against 0.40-0.60; see the README).
 
 So routers tell each other, through the exchange (:mod:`mesh.routing.peers`), where they routed
-what, compactly: a prompt of ``n`` full pages is summarised by its content keys at a few page
-positions, :func:`route_anchors` (every ``floor(2**(j/2))`` up to ``n``, and ``n`` itself).
-Content keys are chained (a page's key depends on every page before it), so a key at position
-``p`` stands for the whole first ``p`` pages. A receiver looks its own request's keys up in the
-anchors it holds (:class:`PeerRoutes`): the deepest one found is a speculative match of that
-many pages on that worker. Exact when a follow-up extends a prompt a peer routed (the last
-anchor is its full length); rounded down by at most ~29 % otherwise; never more than what the
-peer routed. Entries expire after the speculative TTL, like the router's own guesses, and the
+what, compactly: a prompt of ``n`` full pages is summarised by ``n`` and its content keys at a
+few page positions, :func:`route_anchors` (every ``floor(2**(j/2))`` up to ``n``, and ``n``
+itself: 2 log2(n) + 2 keys at most). Content keys are chained (a page's key depends on every page
+before it), so a key at position ``p`` stands for the whole first ``p`` pages, and a request
+sharing them has the same key at the same position. A receiver (:class:`PeerRoutes`) therefore
+looks up only its own keys at those positions, deepest first (at most 63 dict probes, whatever
+the prompt's length), then the tip of the route it found: the depth is exact when a follow-up
+extends a prompt a peer routed, rounded down by at most ~29 % otherwise, and never more than
+what the peer routed. Entries expire after the speculative TTL, like the router's own guesses, and the
 table is bounded (oldest first), so a lost, stale or lying report costs at most one TTL of
 misplaced affinity.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter, deque
 from typing import Sequence
 
@@ -31,25 +33,32 @@ from mesh.index.result import WorkerMatch
 __all__ = ["route_anchors", "PeerRoutes", "PeerRouteMatch"]
 
 
-def _anchor_positions(n: int) -> list[int]:
+def _positions_upto(limit: int) -> list[int]:
     out: list[int] = []
     j = 0
     while True:
         p = int(2 ** (j / 2))
-        if p > n:
-            break
+        if p > limit:
+            return out
         if not out or p != out[-1]:
             out.append(p)
         j += 1
-    if n and (not out or out[-1] != n):
-        out.append(n)
-    return out
+
+
+_POSITIONS = _positions_upto(2**31)  # 1, 2, 4, 5, 8, 11, 16, 22, ...: 61 positions
+
+
+def _anchor_positions(n: int) -> list[int]:
+    """The page positions (1-based) of a route of ``n`` pages: the half powers of two up to
+    ``n``, and ``n``."""
+    out = _POSITIONS[: bisect_right(_POSITIONS, n)]
+    return out + [n] if n and (not out or out[-1] != n) else out
 
 
 def route_anchors(keys: Sequence[int]) -> list[int]:
-    """The content keys of ``keys`` (a prompt's full pages) at positions 1, 2, 4, 5, 8, 11, ...
-    (``floor(2**(j/2))``) and at ``len(keys)``: 2 log2(n) + 2 keys at most (63 below 2**31 pages,
-    within the wire's ``MAX_ROUTE_ANCHORS``), shallowest first."""
+    """The content keys of ``keys`` (a prompt's full pages) at :func:`_anchor_positions`
+    (``len(keys)``), shallowest first: at most 62 keys below 2**31 pages, within the wire's
+    ``MAX_ROUTE_ANCHORS``."""
     return [keys[p - 1] for p in _anchor_positions(len(keys))]
 
 
@@ -76,33 +85,38 @@ class PeerRouteMatch:
 
 
 class PeerRoutes:
-    """Anchor key -> {worker id: expiry} for the prompts peers routed (see the module docstring).
+    """Anchor key -> {worker id: (expiry, route pages, route tip key)} for the prompts peers
+    routed (see the module docstring).
 
-    :meth:`add` takes one peer route (a worker and the anchors of its prompt), :meth:`match`
-    answers a request's keys. At most ``max_keys`` anchor entries: the oldest go first
-    (``stats["evicted"]``). ``stats`` also counts ``routes`` taken, ``anchors`` stored,
-    ``matches`` (requests some peer route matched) and ``expired`` entries. Times are the
-    receiver's ``now_s``."""
+    :meth:`add` takes one peer route (a worker, the prompt's page count and its anchors),
+    :meth:`match` answers a request's keys. At most ``max_keys`` anchor entries: the oldest go
+    first (``stats["evicted"]``). ``stats`` also counts ``routes`` taken, ``anchors`` stored,
+    ``matches`` (requests some peer route matched), ``expired`` entries and ``bad_routes``
+    (anchors that do not fit their page count: dropped). Times are the receiver's ``now_s``."""
 
     def __init__(self, ttl_s: float, max_keys: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
-        self._by_key: dict[int, dict[str, float]] = {}
+        self._by_key: dict[int, dict[str, tuple[float, int, int]]] = {}
         self._order: deque[tuple[float, int, str]] = deque()  # (expiry, key, worker) in arrival order
         self.stats: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._order)
 
-    def add(self, worker_id: str, anchors: Sequence[int], now_s: float) -> None:
+    def add(self, worker_id: str, pages: int, anchors: Sequence[int], now_s: float) -> None:
+        if not anchors or len(anchors) != len(_anchor_positions(pages)):
+            self.stats["bad_routes"] += 1
+            return
         self._expire(now_s)
         exp = now_s + self.ttl_s
+        entry = (exp, pages, anchors[-1])
         by_key, order = self._by_key, self._order
         for k in anchors:
             ws = by_key.get(k)
             if ws is None:
                 ws = by_key[k] = {}
-            ws[worker_id] = exp
+            ws[worker_id] = entry
             order.append((exp, k, worker_id))
         self.stats["routes"] += 1
         self.stats["anchors"] += len(anchors)
@@ -110,22 +124,26 @@ class PeerRoutes:
             self._drop(*order.popleft(), "evicted")
 
     def match(self, keys: Sequence[int], now_s: float) -> PeerRouteMatch | None:
-        """The deepest anchor of each worker among ``keys`` (None: no peer route matches)."""
+        """The deepest peer route of each worker sharing a prefix with ``keys`` (None: none)."""
+        if self._order and self._order[0][0] <= now_s:
+            self._expire(now_s)
         by_key = self._by_key
-        if not by_key or by_key.keys().isdisjoint(keys):
+        if not by_key:
             return None
-        self._expire(now_s)
+        n = len(keys)
         depth: dict[str, int] = {}
-        for i in range(len(keys) - 1, -1, -1):
-            ws = by_key.get(keys[i])
-            if ws is not None:
-                for w, exp in ws.items():
-                    if exp > now_s and w not in depth:
-                        depth[w] = i + 1
+        for p in reversed(_anchor_positions(n)):
+            ws = by_key.get(keys[p - 1])
+            if ws is None:
+                continue
+            for w, (exp, pages, tip) in ws.items():
+                if exp > now_s and w not in depth:
+                    # the anchor proves p pages; the route's tip may prove more
+                    depth[w] = pages if p < pages <= n and keys[pages - 1] == tip else p
         if not depth:
             return None
         self.stats["matches"] += 1
-        return PeerRouteMatch(len(keys), depth)
+        return PeerRouteMatch(n, depth)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget every anchor of ``worker_id`` (it left the pool)."""
@@ -142,7 +160,8 @@ class PeerRoutes:
 
     def _drop(self, exp: float, k: int, w: str, why: str) -> None:
         ws = self._by_key.get(k)
-        if ws is None or ws.get(w) != exp:
+        e = ws.get(w) if ws is not None else None
+        if e is None or e[0] != exp:
             return  # gone already, or refreshed by a later route (whose entry is still queued)
         del ws[w]
         if not ws:

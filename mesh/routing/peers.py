@@ -243,7 +243,7 @@ class PeerPublisher:
         self.max_routes = max_routes
         # prompts routed since the last message (note_route): at most one message's worth is
         # kept, the oldest dropped first (counted): they are guesses with a TTL of seconds
-        self.routes: deque[tuple[str, list[int]]] = deque()
+        self.routes: deque[tuple[str, int, list[int]]] = deque()
         self.epoch = epoch
         self.interval_s = interval_s
         self.full_interval_s = full_interval_s
@@ -264,7 +264,7 @@ class PeerPublisher:
         if len(routes) >= self.max_routes:
             routes.popleft()
             self.stats["routes_dropped"] += 1
-        routes.append((worker_id, route_anchors(keys)))
+        routes.append((worker_id, len(keys), route_anchors(keys)))
 
     def next_due(self) -> float:
         if self.dirty or self.routes:

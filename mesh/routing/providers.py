@@ -93,15 +93,16 @@ class PeerRouteSharing:
     def peer_route_ttl_s(self) -> float:
         return getattr(self, "speculative_ttl_s", 0.0)
 
-    def add_peer_routes(self, routes: Sequence[tuple[str, Sequence[int]]], now_s: float) -> None:
+    def add_peer_routes(self, routes: Sequence[tuple[str, int, Sequence[int]]], now_s: float) -> None:
+        """Take the prompts a peer routed: ``(worker_id, pages, anchors)`` each."""
         ttl = self.peer_route_ttl_s()
         if ttl <= 0 or not routes:
             return
         pr = self.peer_routes
         if pr is None:
             pr = self.peer_routes = PeerRoutes(ttl)
-        for wid, anchors in routes:
-            pr.add(wid, anchors, now_s)
+        for wid, pages, anchors in routes:
+            pr.add(wid, pages, anchors, now_s)
 
     def _tell_peers(self, worker_id: str, keys: Sequence[int] | None) -> None:
         if self.route_listener is not None and keys:
