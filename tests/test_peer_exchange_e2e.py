@@ -223,3 +223,52 @@ def test_under_curve_the_exchange_is_encrypted_and_only_key_holders_take_part(pr
 async def _n_workers(endpoint: str, curve) -> bool:
     async with Client(endpoint, curve=curve) as c:
         return len((await c.status()).workers) == 2
+
+
+def test_a_follow_up_through_the_other_broker_lands_where_its_prefix_is_being_computed(procs):
+    """A routes a long prompt; while its prefill still runs (no token yet, so the KV events
+    cover a chunk at most), its follow-up reaches B. B was told of A's route through the
+    exchange and sends the follow-up to the same worker as a cache hit. Before the routes were
+    exchanged B saw only the queued load there and sent it to the other worker, which recomputed
+    the whole prompt."""
+    slow = ["--prefill-tokens-per-s", "4000", "--chunked-prefill-size", "2048"]  # 16k tokens: 4 s of prefill
+    a = procs.broker("a", *FAST, "--exchange", "tcp://127.0.0.1:*")
+    ex_a = wait_for_log_event(a.log_path, "broker_listening", 5.0, start=a.log_start)["exchange"]
+    b = procs.broker("b", *FAST, "--exchange", "tcp://127.0.0.1:*", "--peer", ex_a)
+    procs.workers("w", [a.backend, b.backend], *slow, count=2)
+    first = list(range(1, 16_001))
+    follow = first + list(range(20_000, 20_100))
+    ctx = zmq.asyncio.Context.instance()
+
+    async def submit(endpoint: str, rid: str, ids: list[int]):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        await s.send_multipart(P.encode_submit(rid, input_ids=ids, params={"max_new_tokens": 4}, stream=True,
+                                               deadline_ms=60_000))
+        while True:
+            m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 10.0))
+            assert not isinstance(m, P.ClientError), m
+            if isinstance(m, P.Accepted):
+                return s, m
+
+    async def body():
+        await wait_for_workers(a.frontend, 2)
+        await wait_for_workers(b.frontend, 2)
+        await until(lambda: _fresh(b.frontend), 10.0, "A fresh at B")
+        sa, acc1 = await submit(a.frontend, "first", first)
+        sb = None
+        try:
+            async def told():
+                return (await _status(b.frontend)).counters.get("exchange.routes_received", 0) >= 1
+
+            await until(told, 5.0, "B told of A's route")
+            sb, acc2 = await submit(b.frontend, "follow", follow)
+            assert await sa.poll(0) == 0  # the first request has no token yet: its prefill still runs
+            assert (acc2.worker, acc2.reason) == (acc1.worker, "cache_hit")
+        finally:
+            sa.close(linger=0)
+            if sb is not None:
+                sb.close(linger=0)
+
+    run(body(), 60.0)
