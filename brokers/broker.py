@@ -191,7 +191,7 @@ class Broker:
                                          on_reject=lambda err: self._reject("exchange", err, b""), curve=self.curve,
                                          on_routes=getattr(self.router.provider, "add_peer_routes", None))
             self.exchange_endpoint = self.exchange.endpoint
-            if hasattr(self.router.provider, "add_peer_routes"):
+            if self.s.exchange_routes and hasattr(self.router.provider, "add_peer_routes"):
                 # the provider's insert-on-route guesses go to the peers with the next message
                 self.router.provider.route_listener = self.exchange.publisher.note_route
             self._xs = self.exchange.sub

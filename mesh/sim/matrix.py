@@ -103,7 +103,7 @@ SHORT = {"power_of_two": "p2c", "cache_aware_greedy": "greedy", "cache_aware": "
          "round_robin": "rr", "random": "random"}
 _SIM_KEYS = {"heartbeat_ms": float, "event_delay_ms": float, "net_ms": float, "load_freshness_s": float,
              "ttft_slo_ms": float, "router_pick": str, "policy_options": dict, "provider_options": dict,
-             "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float}
+             "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float, "exchange_routes": bool}
 _MATRIX_KEYS = {"seeds", "policies", "provider", "subject", "baselines", "hit_reference", "calibration_within_slo",
                 "calibration_wait_ms", "noise",
                 "calibration_tolerance"}

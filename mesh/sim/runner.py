@@ -136,6 +136,7 @@ class SimConfig:
     exchange: bool = False  # routers exchange their in-flight figures (mesh.routing.peers)
     exchange_delay_ms: float = 2.0  # publish -> peers' merge (the broker's few-ms socket hop)
     exchange_interval_ms: float = 0.0  # at most one change message per router per interval (0: one per change)
+    exchange_routes: bool = True  # the messages also carry the prompts each router routed (mesh.index.peer_routes)
     exchange_full_ms: float = 1000.0  # full snapshot period
     # "fast": routing-only arms (Router.route / release, no broker lifecycle); "core": every router
     # is the broker's own BrokerCore (mesh.sim.core_arm). Faults and P/D arms always run the core.
@@ -283,8 +284,9 @@ class SimRouter:
         self.merge: PeerMerge | None = None
         self.pub_at = float("inf")  # when its next publish event is scheduled
 
-    def enable_exchange(self, interval_s: float, full_s: float) -> None:
-        """Publish and merge peer figures as a broker with ``--exchange`` does."""
+    def enable_exchange(self, interval_s: float, full_s: float, routes: bool = True) -> None:
+        """Publish and merge peer figures as a broker with ``--exchange`` does (``routes``: and
+        the prompts it routed, as the broker does unless ``--no-exchange-routes``)."""
         name = f"router-{self.index}"
         self.publisher = PeerPublisher(name, 1, interval_s, full_s)
         # no message is ever lost here, so no peer goes stale (the bound only has to exceed
@@ -293,7 +295,7 @@ class SimRouter:
         for st in self.states:
             st.exchange_dirty = self.publisher.dirty
         prov = self.router.provider
-        if prov is not None and hasattr(prov, "add_peer_routes"):
+        if routes and prov is not None and hasattr(prov, "add_peer_routes"):
             prov.route_listener = self.publisher.note_route  # its insert-on-route guesses, shared
 
     def route(self, req: RouteRequest, now_s: float) -> Decision:
@@ -430,7 +432,7 @@ class Arm:
         self.exchange = bool(cfg.exchange) and len(self.routers) > 1
         if self.exchange:
             for sr in self.routers:
-                sr.enable_exchange(cfg.exchange_interval_ms / 1e3, cfg.exchange_full_ms / 1e3)
+                sr.enable_exchange(cfg.exchange_interval_ms / 1e3, cfg.exchange_full_ms / 1e3, cfg.exchange_routes)
         # KV event targets: providers that get each batch.
         if feed == "local":
             self.kv_targets = [sr.router.provider for sr in self.routers]
