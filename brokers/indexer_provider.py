@@ -82,4 +82,4 @@ class RemoteIndexProvider(PeerRouteSharing):
         return []
 
     def stats(self) -> dict[str, Any]:
-        return self.client.stats()
+        return {**self.client.stats(), **self.peer_route_stats()}

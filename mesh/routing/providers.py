@@ -121,6 +121,14 @@ class PeerRouteSharing:
         if self.peer_routes is not None:
             self.peer_routes.remove_worker(worker_id)
 
+    def peer_route_stats(self) -> dict[str, int]:
+        """``peer_routes_<what>`` counters (routes, anchors, matches, expired, evicted,
+        bad_routes) and ``peer_routes_entries``; empty without an exchange."""
+        pr = self.peer_routes
+        if pr is None:
+            return {}
+        return {"peer_routes_entries": len(pr), **{f"peer_routes_{k}": v for k, v in pr.stats.items()}}
+
 
 class _BlockSizeVote:
     """The fleet's block size: the most common one among registered workers."""
@@ -296,7 +304,7 @@ class LocalIndexProvider(PeerRouteSharing):
         return events
 
     def stats(self) -> dict[str, Any]:
-        return {**self.index.stats(), **{f"provider_{k}": v for k, v in self.counters.items()}}
+        return {**self.index.stats(), **{f"provider_{k}": v for k, v in self.counters.items()}, **self.peer_route_stats()}
 
 
 class ApproxProvider(PeerRouteSharing):
@@ -349,7 +357,7 @@ class ApproxProvider(PeerRouteSharing):
         return []
 
     def stats(self) -> dict[str, Any]:
-        return self.index.stats()
+        return {**self.index.stats(), **self.peer_route_stats()}
 
 
 PROVIDERS = ("radix_tree", "approx", "indexer")
