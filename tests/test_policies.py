@@ -323,3 +323,22 @@ def test_a_worker_claiming_an_instant_prefill_queue_gains_at_most_the_load_band(
         d = unbounded.choose(RouteRequest(f"m{i}", 2048, block_size=16), fresh, FakeMatch({}, 128), 0.01)
         next(w for w in fresh if w.worker_id == d.worker_id).record_dispatch(2048)
     assert fresh[-1].inflight >= 30  # what the band prevents (only the 32-request imbalance bound stops it)
+
+
+def test_stall_escape_leaves_a_holder_stuck_behind_a_huge_prefill_and_only_then():
+    """Opt-in (``stall_escape_ms``, off by default: on the matrix it won every conversation cell
+    and lost shared_prefix under overload, README). A follow-up whose holder has 100k tokens
+    of prefill queued (4 s) goes to an idle worker instead; a short queue, an equally busy fleet
+    or the default keep it on the holder."""
+    now = 0.01
+    held = FakeMatch({"h": 128}, 160)  # h holds 2,048 of the 2,560-token prompt
+    stuck, idle = ws("h", running=1, wu=100_000), ws("o", running=1)
+    assert CacheAware().choose(req(2560), [stuck, idle], held, now).worker_id == "h"
+    d = CacheAware(stall_escape_ms=500).choose(req(2560), [stuck, idle], held, now)
+    assert (d.worker_id, d.reason) == ("o", "load_override")
+    short = ws("h", running=1, wu=5_000)  # 200 ms queued: stays
+    assert CacheAware(stall_escape_ms=500).choose(req(2560), [short, idle], held, now).worker_id == "h"
+    busy = ws("o", running=1, wu=95_000)  # everyone is as busy: recomputing buys nothing
+    assert CacheAware(stall_escape_ms=500).choose(req(2560), [stuck, busy], held, now).worker_id == "h"
+    with pytest.raises(ValueError, match="stall_escape_ms"):
+        CacheAware(stall_escape_ms=-1)

@@ -37,6 +37,13 @@ step used only as far as the quality matrix (README) showed it pays:
    unbounded, the queue-first rule won low_reuse at load 0.5-0.8 by 12-27 % and lost it at
    load 1.0 by 15-19 %). With ``cost_ties="auto"`` the **cost model** breaks those ties
    instead while its online calibration trusts it, with ``"always"`` unconditionally.
+   Opt-in, ``stall_escape_ms`` > 0: a holder whose estimated queued prefill would keep this
+   request waiting that much longer than recomputing the whole prompt on the miss rule's
+   worker is left (a 100k-token prompt ahead of a session's follow-up blocks its holder for
+   seconds). Off by default: at 500 ms it won every conversation cell of the quality matrix
+   (up to 23 %) and lost shared_prefix under overload (1.05-1.10x greedy), where the queue
+   estimate runs high and the recomputed 6k-token prompts add to the overload; no margin
+   from 500 to 1000 ms kept both (README).
 
 The predicted time to first token::
 
@@ -168,7 +175,7 @@ class CacheAware:
                  affinity_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
                  load_slack: float = 1.0, calibrate: bool = True, calibration: CalibrationSettings | None = None,
                  cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
-                 imbalance_scope: str = "holder", miss_order: str = "sent") -> None:
+                 imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 0.0) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -208,6 +215,11 @@ class CacheAware:
         self.imbalance_scope = imbalance_scope
         if miss_order not in ("sent", "id"):
             raise ValueError(f"miss_order must be sent or id, not {miss_order!r}")
+        if not (math.isfinite(stall_escape_ms) and stall_escape_ms >= 0):
+            raise ValueError(f"stall_escape_ms must be >= 0, not {stall_escape_ms!r}")
+        # a holder whose queued prefill would make this request wait more than this many ms
+        # longer than recomputing the whole prompt on the miss rule's worker is left (0: never)
+        self.stall_escape_ms = stall_escape_ms
         # the last tie-break of the miss rule: sent (default), the worker the fleet's routers have
         # sent the least prefill work so far; id: the lowest worker id, as greedy
         self.miss_sent = miss_order == "sent"
@@ -392,17 +404,42 @@ class CacheAware:
                 miss = self.miss_queue_ms > 0
         if scored[0][5] is None:  # no cost ties (see choose): greedy's order
             if miss:  # nobody holds enough (and no imbalance to correct): the shortest prefill queue
-                # among the workers within miss_load_band requests of the least loaded
-                q_ms = self.miss_queue_ms
-                floor = round(lo_p) + self.miss_load_band
-                sent = self.miss_sent
-                return min((t for t in pool if round(load[t[2]]) <= floor),
-                           key=lambda t: (int(self.queued_prefill_ms(t[4], now_s) // q_ms), round(load[t[2]]),
-                                          t[4].fleet_sent_tokens if sent else 0, t[2]))
-            return min(pool, key=lambda t: (round(load[t[2]]), t[2]))
+                return self._miss_pick(pool, load, lo_p, now_s)
+            pick = min(pool, key=lambda t: (round(load[t[2]]), t[2]))
+            if self.stall_escape_ms > 0 and pool is not scored and self.miss_queue_ms > 0:
+                pick = self._stall_escape(pick, scored, load, lo_p, prompt_tokens, now_s)
+            return pick
         band = min(load[t[2]] for t in pool) + self.load_slack
         return min((t for t in pool if load[t[2]] <= band),
                    key=lambda t: (round(load[t[2]]), t[0], t[4].inflight, _rendezvous(rid, t[2])))
+
+    def _miss_pick(self, pool, load, lo_p: float, now_s: float):
+        """The miss rule: among the workers within ``miss_load_band`` requests of the least loaded,
+        the shortest estimated prefill queue, then the least loaded, then the least sent."""
+        q_ms = self.miss_queue_ms
+        floor = round(lo_p) + self.miss_load_band
+        sent = self.miss_sent
+        return min((t for t in pool if round(load[t[2]]) <= floor),
+                   key=lambda t: (int(self.queued_prefill_ms(t[4], now_s) // q_ms), round(load[t[2]]),
+                                  t[4].fleet_sent_tokens if sent else 0, t[2]))
+
+    def _stall_escape(self, pick, scored, load, lo_p: float, prompt_tokens: int, now_s: float):
+        """Leave the holder ``pick`` when the prefill queued on it would keep this request waiting
+        ``stall_escape_ms`` longer than recomputing the whole prompt on the worker the miss rule
+        picks (a 100k-token prompt ahead of a follow-up blocks its holder for seconds). Relative
+        on purpose: when every worker is as busy (saturation) nothing moves."""
+        h = pick[4]
+        rate = h.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
+        wait_h = self.queued_prefill_ms(h, now_s) + 1000.0 * (prompt_tokens - pick[3]) / rate
+        if wait_h <= self.stall_escape_ms:
+            return pick  # fast path: no holder queue that long
+        alt = self._miss_pick(scored, load, lo_p, now_s)
+        if alt is pick:
+            return pick
+        a = alt[4]
+        rate_a = a.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
+        wait_a = self.queued_prefill_ms(a, now_s) + 1000.0 * (prompt_tokens - alt[3]) / rate_a
+        return alt if wait_h - wait_a > self.stall_escape_ms else pick
 
     def _sample(self, scored):
         lo = min(t[0] for t in scored)
