@@ -208,7 +208,7 @@ def test_sim_a_follow_up_at_another_router_finds_the_worker_computing_its_prefix
     out = {}
     for routes in (True, False):
         cfg = SimConfig(workload="shared_prefix", rate=20.0, duration_s=1.0, workers=[4], routers=[2],
-                        policies=["cache_aware"], providers=["radix_tree"], seed=3, exchange=True)
+                        policies=["cache_aware"], providers=["radix_tree"], seed=3, exchange=True, exchange_routes=True)
         arm = Arm(cfg, ArmSpec("cache_aware", "radix_tree", 2, 4), make_workload("shared_prefix", seed=3, rate=20.0, duration_s=1.0))
         r0, r1 = arm.routers
         d0 = r0.route(RouteRequest("first", len(first), tokens=first), 0.0)
@@ -227,18 +227,19 @@ def test_sim_a_follow_up_at_another_router_finds_the_worker_computing_its_prefix
     assert w1 != w0 and why == "cache_miss_min_load"
 
 
-def test_sim_without_exchange_routes_sends_figures_only():
+def test_sim_without_exchange_routes_sends_figures_only_and_that_is_the_default():
     from mesh.sim.runner import Arm, ArmSpec, SimConfig, run_sim
     from mesh.sim.workloads import make_workload
 
     kw = dict(workload="shared_prefix", rate=20.0, duration_s=1.0, workers=[4], routers=[2], policies=["cache_aware"],
               providers=["radix_tree"], seed=3, exchange=True)
-    cfg = SimConfig(**kw, exchange_routes=False)
+    cfg = SimConfig(**kw)
+    assert not cfg.exchange_routes
     arm = Arm(cfg, ArmSpec("cache_aware", "radix_tree", 2, 4), make_workload("shared_prefix", seed=3, rate=20.0, duration_s=1.0))
     r0 = arm.routers[0]
     toks = prompt(50, seed=14)
     d = r0.route(RouteRequest("x", len(toks), tokens=toks), 0.0)
     msg = r0.publisher.build(0.0, r0.by_id.get, lambda: r0.states)
     assert msg.workers and msg.workers[0][0] == d.worker_id and msg.routes == []
-    on, off = run_sim(SimConfig(**kw))["arms"][0], run_sim(cfg)["arms"][0]
+    on, off = run_sim(SimConfig(**kw, exchange_routes=True))["arms"][0], run_sim(cfg)["arms"][0]
     assert on["completed"] == off["completed"] and on["exchange_messages"] > 0 and off["exchange_messages"] > 0

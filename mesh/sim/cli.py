@@ -83,9 +83,9 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--exchange", action="store_true",
                    help="routers share their in-flight figures, as brokers with --exchange/--peer do (no effect with 1 router)")
     f.add_argument("--exchange-delay-ms", type=float, default=2.0, help="exchange publish -> peers' merge delay (default 2)")
-    f.add_argument("--no-exchange-routes", action="store_true",
-                   help="with --exchange: share the in-flight figures only, not the prompts each router routed "
-                        "(what the exchange did before routes; for comparisons)")
+    f.add_argument("--exchange-routes", action="store_true",
+                   help="with --exchange: the routers also share where they routed each prompt, as brokers with "
+                        "--exchange-routes do (mesh.index.peer_routes)")
     f.add_argument("--exchange-interval-ms", type=float, default=0.0,
                    help="at most one change message per router per interval (default 0: one per change, as the "
                         "broker's default publishes once per pump)")
@@ -125,7 +125,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
 #: options that only make sense for a single run (with --matrix the TOML says all of this)
 _SINGLE_RUN_ONLY = ("policy", "policy_option", "provider", "routers", "workers", "router_pick", "no_dedupe",
                     "time_scale", "rate", "duration_s", "seed", "heartbeat_ms", "event_delay_ms", "net_ms", "load_freshness_s", "ttft_slo_ms",
-                    "buckets", "pd", "exchange", "exchange_delay_ms", "exchange_interval_ms", "no_exchange_routes", "config")
+                    "buckets", "pd", "exchange", "exchange_delay_ms", "exchange_interval_ms", "exchange_routes", "config")
 
 
 def _check_matrix_args(args: argparse.Namespace) -> None:
@@ -177,7 +177,7 @@ def config_from_args(args: argparse.Namespace):
         net_ms=args.net_ms, load_freshness_s=args.load_freshness_s, ttft_slo_ms=args.ttft_slo_ms, engine=engine,
         dedupe_load_only=not args.no_dedupe, buckets=args.buckets, pd=_pd(args.pd),
         exchange=args.exchange, exchange_delay_ms=args.exchange_delay_ms, exchange_interval_ms=args.exchange_interval_ms,
-        exchange_routes=not args.no_exchange_routes,
+        exchange_routes=args.exchange_routes,
         lifecycle=args.lifecycle, faults=args.faults, policy_params=_policy_params(getattr(args, "policy_option", [])),
     )
     cfg.validate()

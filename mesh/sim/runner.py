@@ -136,7 +136,7 @@ class SimConfig:
     exchange: bool = False  # routers exchange their in-flight figures (mesh.routing.peers)
     exchange_delay_ms: float = 2.0  # publish -> peers' merge (the broker's few-ms socket hop)
     exchange_interval_ms: float = 0.0  # at most one change message per router per interval (0: one per change)
-    exchange_routes: bool = True  # the messages also carry the prompts each router routed (mesh.index.peer_routes)
+    exchange_routes: bool = False  # the messages also carry the prompts each router routed (mesh.index.peer_routes)
     exchange_full_ms: float = 1000.0  # full snapshot period
     # "fast": routing-only arms (Router.route / release, no broker lifecycle); "core": every router
     # is the broker's own BrokerCore (mesh.sim.core_arm). Faults and P/D arms always run the core.
@@ -284,9 +284,9 @@ class SimRouter:
         self.merge: PeerMerge | None = None
         self.pub_at = float("inf")  # when its next publish event is scheduled
 
-    def enable_exchange(self, interval_s: float, full_s: float, routes: bool = True) -> None:
+    def enable_exchange(self, interval_s: float, full_s: float, routes: bool = False) -> None:
         """Publish and merge peer figures as a broker with ``--exchange`` does (``routes``: and
-        the prompts it routed, as the broker does unless ``--no-exchange-routes``)."""
+        the prompts it routed, as a broker with ``--exchange-routes`` does)."""
         name = f"router-{self.index}"
         self.publisher = PeerPublisher(name, 1, interval_s, full_s)
         # no message is ever lost here, so no peer goes stale (the bound only has to exceed
