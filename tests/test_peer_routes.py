@@ -243,3 +243,27 @@ def test_sim_without_exchange_routes_sends_figures_only_and_that_is_the_default(
     assert msg.workers and msg.workers[0][0] == d.worker_id and msg.routes == []
     on, off = run_sim(SimConfig(**kw, exchange_routes=True))["arms"][0], run_sim(cfg)["arms"][0]
     assert on["completed"] == off["completed"] and on["exchange_messages"] > 0 and off["exchange_messages"] > 0
+
+
+def test_fuzzed_messages_with_routes_never_raise_and_what_decodes_is_safe_to_apply():
+    """Byte-flipped PEER_LOAD bodies carrying routes: the decoder answers a PeerLoad or a
+    ProtocolError, never raises, and any routes it lets through go into a PeerRoutes table
+    (and are matched against) without an exception."""
+    rng = random.Random(17)
+    ks = keys_of(prompt(40, seed=15))
+    good = P.encode_peer_load(P.PeerLoad("b", 1, 0, False, [("w", 1, 2, 3)], 1000,
+                                         [("w", 40, route_anchors(ks)), ("v", 3, route_anchors(ks[:3]))]))[2]
+    pr = PeerRoutes(ttl_s=5.0)
+    decoded = 0
+    for i in range(3000):
+        body = bytearray(good)
+        for _ in range(rng.randrange(1, 5)):
+            body[rng.randrange(len(body))] = rng.randrange(256)
+        r = P.decode_exchange([P.EXCHANGE_HEADER, bytes([P.X_PEER_LOAD]), bytes(body)])
+        assert isinstance(r, (P.PeerLoad, ProtocolError))
+        if isinstance(r, P.PeerLoad):
+            decoded += 1
+            for wid, pages, anchors in r.routes:
+                pr.add(wid, pages, anchors, i * 1e-3)
+            pr.match(ks, i * 1e-3)
+    assert decoded > 100  # the fuzz reached the routes, not only the envelope
