@@ -10,7 +10,10 @@
 * A broker with ``--curve-secret BROKER.key_secret`` encrypts both ROUTERs. Its allow-lists are
   directories of public ``.key`` files: ``--curve-allow-workers DIR`` for the backend and
   ``--curve-allow-clients DIR`` for the frontend. A peer whose key is not listed fails the CURVE
-  handshake: it cannot register or submit, and the failure is counted (``auth_failed``).
+  handshake: it cannot register or submit, and the failure is counted (``auth_failed``). Each
+  list guards its own socket only (one ZAP rule per domain, :func:`configure_allow_lists`); a
+  socket without a list admits any key, and the broker logs ``curve_allow_any`` for it. The
+  peer exchange (ZAP domain ``peers``) admits only the brokers' own key pair.
 * Workers and clients pass their own ``--curve-secret`` and the broker's public key
   (``--curve-server-key BROKER.key``).
 """
