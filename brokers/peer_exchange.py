@@ -4,10 +4,12 @@ Several brokers route to the same workers; each knows only its own dispatches be
 LoadStat snapshots. With ``--exchange tcp://HOST:PORT --peer tcp://OTHER:PORT ...`` every broker
 publishes, per worker it has work on, its requests in flight, their uncached prefill tokens and
 a counter of the uncached tokens it sent there (:data:`mesh.protocol.X_PEER_LOAD`), and adds its
-peers' figures to its worker states. The same messages carry the prompts it routed since the
-last one, as a few content keys each (:mod:`mesh.index.peer_routes`): a peer's provider counts
-them as speculative matches for one TTL, so a follow-up that reaches another broker while the
-first prefill still runs finds the worker that is computing its prefix. What to send, when, and what a peer's message means live in
+peers' figures to its worker states. With ``--exchange-routes`` the same messages also carry
+the prompts it routed since the last one, as a few content keys each
+(:mod:`mesh.index.peer_routes`): a peer's provider counts them as speculative matches for one
+TTL, so a follow-up that reaches another broker while the first prefill still runs finds the
+worker that is computing its prefix (off by default: README). What to send, when, and what a
+peer's message means live in
 the pure :mod:`mesh.routing.peers` (the simulator runs the same objects); this module only owns
 the two sockets.
 
@@ -82,7 +84,7 @@ class PeerExchange:
         self.stats: Counter = stats if stats is not None else Counter()
         self.log = log
         self.on_reject = on_reject
-        self.on_routes = on_routes  # peers' routed prompts (mesh.index.peer_routes): the provider's
+        self.on_routes = on_routes  # peers' routed prompts go to the provider (mesh.index.peer_routes)
         pub_spec, sub_spec = EXCHANGE_PUB, EXCHANGE_SUB
         if curve is not None:
             pub_spec = EXCHANGE_PUB.with_curve(curve, b"peers")
