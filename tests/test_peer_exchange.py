@@ -343,15 +343,23 @@ def test_hostile_bodies_are_rejected_never_raised(over, reason):
     assert isinstance(r, ProtocolError) and r.reason == reason, r
 
 
-def test_fuzzed_bytes_never_raise():
-    rng = random.Random(3)
-    good = P.encode_peer_load(P.PeerLoad("b", 1, 0, True, [("w", 1, 2, 3)]))[2]
-    for _ in range(2000):
+def fuzzed_exchange(good: bytes, n: int, max_flips: int, seed: int):
+    """Decode ``n`` copies of the PEER_LOAD body ``good`` with 1..``max_flips`` random bytes
+    replaced; yields what the decoder answered (asserted to be a PeerLoad or a ProtocolError)."""
+    rng = random.Random(seed)
+    for _ in range(n):
         body = bytearray(good)
-        for _ in range(rng.randrange(1, 4)):
+        for _ in range(rng.randrange(1, max_flips + 1)):
             body[rng.randrange(len(body))] = rng.randrange(256)
         r = P.decode_exchange([P.EXCHANGE_HEADER, bytes([P.X_PEER_LOAD]), bytes(body)])
         assert isinstance(r, (P.PeerLoad, ProtocolError))
+        yield r
+
+
+def test_fuzzed_bytes_never_raise():
+    good = P.encode_peer_load(P.PeerLoad("b", 1, 0, True, [("w", 1, 2, 3)]))[2]
+    for _ in fuzzed_exchange(good, 2000, 3, seed=3):
+        pass
 
 
 def test_exchange_command_stays_unknown_on_the_client_and_worker_paths():
