@@ -27,9 +27,9 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
 
         kwargs["curve"] = server_keys(settings.curve_secret)
     if settings.curve_secret and settings.curve_allow_workers and "worker_keys" not in kwargs:
-        from mesh.security import worker_key_names
+        from mesh.security import allowed_key_names
 
-        kwargs["worker_keys"] = worker_key_names(settings.curve_allow_workers)
+        kwargs["worker_keys"] = allowed_key_names(settings.curve_allow_workers)
     rng = random.Random(settings.seed)
     try:
         policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s)
@@ -156,18 +156,22 @@ async def serve_broker(settings: BrokerSettings) -> None:
     if broker.curve is not None:
         from zmq.auth.asyncio import AsyncioAuthenticator
 
-        from mesh.security import configure_allow_lists, worker_key_names
+        from mesh.security import allowed_key_names, configure_allow_lists
 
         auth = AsyncioAuthenticator(broker.ctx)
         auth.start()
-        lists: dict[str, frozenset[bytes] | None] = {}
         for domain, allow in (("workers", settings.curve_allow_workers), ("clients", settings.curve_allow_clients)):
             if not allow:
                 get_logger(service="broker").warning("curve_allow_any", domain=domain,
                                                      note="encrypted but any key may connect; set an allow-list")
-            lists[domain] = frozenset(worker_key_names(allow, f"curve_allow_{domain}")) if allow else None
-        # The peer exchange: only holders of the brokers' own key pair (see brokers.peer_exchange).
-        lists["peers"] = frozenset([broker.curve.public_key])
+        clients = settings.curve_allow_clients
+        lists: dict[str, frozenset[bytes] | None] = {
+            # the worker list was read by build_broker (it binds registrations to key names)
+            "workers": frozenset(broker.worker_keys) if broker.worker_keys is not None else None,
+            "clients": frozenset(allowed_key_names(clients, "curve_allow_clients")) if clients else None,
+            # the peer exchange: only holders of the brokers' own key pair (see brokers.peer_exchange)
+            "peers": frozenset([broker.curve.public_key]),
+        }
         configure_allow_lists(auth, lists)
     broker.bind()
     reg = metrics_registry(broker)

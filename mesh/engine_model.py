@@ -611,13 +611,10 @@ class EngineModel:
                     parent_hash = None
                 p = _Page(key, parent, digest, tuple(page), clock, ns)
                 cache[key] = p
-                if pend:
-                    last = pend[-1]
-                    if last[0] == "S" and last[1][-1] == parent_hash and last[4] == ns:
-                        last[1].append(p.hash)
-                        last[3].extend(page)
-                    else:
-                        pend.append(["S", [p.hash], parent_hash, list(page), ns])
+                last = pend[-1] if pend else None
+                if last is not None and last[0] == "S" and last[1][-1] == parent_hash and last[4] == ns:
+                    last[1].append(p.hash)
+                    last[3].extend(page)
                 else:
                     pend.append(["S", [p.hash], parent_hash, list(page), ns])
             else:

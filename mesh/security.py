@@ -32,7 +32,7 @@ import zmq.auth
 from mesh.errors import ConfigError
 from mesh.sockets import CurveKeys
 
-__all__ = ["keygen", "server_keys", "client_keys", "valid_key_name", "worker_key_names", "key_may_claim",
+__all__ = ["keygen", "server_keys", "client_keys", "valid_key_name", "allowed_key_names", "key_may_claim",
            "CurveAllowList", "configure_allow_lists"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -145,7 +145,7 @@ def client_keys(secret_path: str | Path, server_public_path: str | Path) -> Curv
     return CurveKeys(public_key=pub, secret_key=sec, server=False, server_key=server_pub)  # type: ignore[arg-type]
 
 
-def worker_key_names(allow_dir: str | Path, field: str = "curve_allow_workers") -> dict[bytes, str]:
+def allowed_key_names(allow_dir: str | Path, field: str = "curve_allow_workers") -> dict[bytes, str]:
     """An allow-list directory as ``z85 public key -> key name`` (the ``NAME`` of ``NAME.key``):
     the broker binds each registration to the key its connection authenticated with."""
     from zmq.auth import load_certificate
