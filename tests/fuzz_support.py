@@ -1,10 +1,14 @@
-"""Fuzz helpers shared by tests/test_fuzz.py and tests/test_fuzz_soak.py: run the MESH/1 fuzzer at
-a real broker and check what it must still do afterwards."""
+"""Fuzz helpers: run the MESH/1 fuzzer at a real broker and check what it must still do afterwards
+(tests/test_fuzz.py, tests/test_fuzz_soak.py); byte-flipped peer-exchange bodies
+(tests/test_peer_exchange.py, tests/test_peer_routes.py)."""
 
 from __future__ import annotations
 
 import json
+import random
 
+from mesh import protocol as P
+from mesh.errors import ProtocolError
 from mesh.fuzz.runner import FuzzConfig, run_fuzz
 from mesh.up import wait_for_workers
 from tests.conftest import run
@@ -45,3 +49,16 @@ def check_broker_survived(s: dict, max_growth_mb: float = 150.0) -> None:
     # frames still queued in or freed from libzmq's pipes (24-97 MB in repeated 9 s runs). A leak
     # (1.27 GB in 40 s before) is far above this.
     assert growth is not None and growth < max_growth_mb, f"broker RSS grew {growth} MB ({s['rss_kb']}); {why}"
+
+
+def fuzzed_exchange(good: bytes, n: int, max_flips: int, seed: int):
+    """Decode ``n`` copies of the PEER_LOAD body ``good`` with 1..``max_flips`` random bytes
+    replaced; yields what the decoder answered (asserted to be a PeerLoad or a ProtocolError)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        body = bytearray(good)
+        for _ in range(rng.randrange(1, max_flips + 1)):
+            body[rng.randrange(len(body))] = rng.randrange(256)
+        r = P.decode_exchange([P.EXCHANGE_HEADER, bytes([P.X_PEER_LOAD]), bytes(body)])
+        assert isinstance(r, (P.PeerLoad, ProtocolError))
+        yield r

@@ -19,6 +19,7 @@ from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes
 from mesh.routing.view import WorkerState
 from mesh.sim.runner import Arm, ArmSpec, SimConfig, run_sim
 from mesh.sim.workloads import make_workload
+from tests.fuzz_support import fuzzed_exchange
 
 
 def msg(seq, workers, *, broker="b1", epoch=1, full=False, full_ms=200):
@@ -341,19 +342,6 @@ def _body(**over):
 def test_hostile_bodies_are_rejected_never_raised(over, reason):
     r = P.decode_exchange(_body(**over))
     assert isinstance(r, ProtocolError) and r.reason == reason, r
-
-
-def fuzzed_exchange(good: bytes, n: int, max_flips: int, seed: int):
-    """Decode ``n`` copies of the PEER_LOAD body ``good`` with 1..``max_flips`` random bytes
-    replaced; yields what the decoder answered (asserted to be a PeerLoad or a ProtocolError)."""
-    rng = random.Random(seed)
-    for _ in range(n):
-        body = bytearray(good)
-        for _ in range(rng.randrange(1, max_flips + 1)):
-            body[rng.randrange(len(body))] = rng.randrange(256)
-        r = P.decode_exchange([P.EXCHANGE_HEADER, bytes([P.X_PEER_LOAD]), bytes(body)])
-        assert isinstance(r, (P.PeerLoad, ProtocolError))
-        yield r
 
 
 def test_fuzzed_bytes_never_raise():

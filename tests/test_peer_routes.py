@@ -21,6 +21,7 @@ from mesh.index.peer_routes import PeerRoutes, _anchor_positions, route_anchors
 from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes
 from mesh.routing.providers import LocalIndexProvider
 from mesh.routing.view import RouteRequest, WorkerState
+from tests.fuzz_support import fuzzed_exchange
 
 BS = 16
 
@@ -249,8 +250,6 @@ def test_fuzzed_messages_with_routes_never_raise_and_what_decodes_is_safe_to_app
     """Byte-flipped PEER_LOAD bodies carrying routes: the decoder answers a PeerLoad or a
     ProtocolError, never raises, and any routes it lets through go into a PeerRoutes table
     (and are matched against) without an exception."""
-    from tests.test_peer_exchange import fuzzed_exchange
-
     ks = keys_of(prompt(40, seed=15))
     good = P.encode_peer_load(P.PeerLoad("b", 1, 0, False, [("w", 1, 2, 3)], 1000,
                                          [("w", 40, route_anchors(ks)), ("v", 3, route_anchors(ks[:3]))]))[2]
