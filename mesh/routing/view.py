@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mesh.load import LoadStat, prefill_rate_tokens_per_s
+from mesh.load import LoadStat, PrefillRateEstimate
 
 __all__ = ["WorkerState", "RouteRequest", "Decision", "AggregatedLoad"]
 
@@ -79,6 +79,7 @@ class WorkerState:
     # record_dispatch/record_release add this worker's id when it is set.
     exchange_dirty: set | None = None
     _prev_load: list[LoadStat | None] = field(default_factory=list)
+    _rate_est: list[PrefillRateEstimate] = field(default_factory=list)  # per rank (prefill_tokens_per_s)
     # fresh_load() is read for every candidate of every decision: the sum over ranks is cached
     # until the next LoadStat, with the time of its oldest rank for the freshness check.
     _agg: AggregatedLoad | None = None
@@ -107,18 +108,22 @@ class WorkerState:
             self.load = [None] * n
             self.load_at_s = [0.0] * n
             self._prev_load = [None] * n
-        rates = []
+            self._rate_est = [PrefillRateEstimate() for _ in range(n)]
+        fed = False
         for ls in stats:
             r = ls.attn_dp_rank if 0 <= ls.attn_dp_rank < n else 0
             prev = self.load[r]
             self._prev_load[r] = prev
             self.load[r] = ls
             self.load_at_s[r] = now_s
-            rate = prefill_rate_tokens_per_s(prev, ls)
-            if rate is not None:
-                rates.append(rate)
-        if rates:
-            self.prefill_tokens_per_s = sum(rates)
+            if prev is not None:
+                self._rate_est[r].update(prev, ls)
+                fed = True
+        if fed:
+            # the pooled rate of every rank that has one (mesh.load.PrefillRateEstimate)
+            rates = [e.rate_tokens_per_s for e in self._rate_est]
+            if any(rates):
+                self.prefill_tokens_per_s = sum(x for x in rates if x)
         self.inflight_at_load = self.inflight
         self._agg = agg = self._aggregate()
         self.pending_since_load_tokens = 0

@@ -1,0 +1,111 @@
+"""The router's prefill-rate estimate (mesh.load.PrefillRateEstimate) and how WorkerState uses it.
+
+The failure it fixes, reproduced on the engine model: one heartbeat interval that holds a single
+one-page prefill beside a decode batch gives SGLang's two-sample rate a figure 20-40x below what the
+worker prefills, and the router read every queue on that worker as that much longer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mesh.engine_model import EngineModel
+from mesh.load import LoadStat, PrefillRateEstimate, prefill_rate_tokens_per_s
+from mesh.routing.view import WorkerState
+
+
+def _ls(tokens: int, busy_us: int, rank: int = 0) -> LoadStat:
+    return LoadStat(0, 0, 0, 400_000, rank, 0, 0, 256, tokens, busy_us)
+
+
+def _prompt(n: int, base: int) -> list[int]:
+    return [(base + i) % 31_000 + 1 for i in range(n)]
+
+
+def _step_until_first_token(e: EngineModel, rid: str, t: float) -> float:
+    while True:
+        r = e.step(t)
+        t += r.duration_s
+        if any(x[0] == rid for x in r.first_tokens):
+            return t
+
+
+def test_a_one_page_prefill_beside_a_decode_batch_does_not_drag_the_pooled_rate_down():
+    e = EngineModel()
+    t = 0.0
+    for i in range(24):  # a decode batch that keeps running
+        e.submit(f"d{i}", _prompt(2_000, 7_000 * i), 10_000, t)
+    t = _step_until_first_token(e, "d23", t)
+    shared = _prompt(6_000, 900_000)
+    pooled = PrefillRateEstimate()
+    prev = first = e.load_stat()
+    two_sample = []
+    for k in range(12):
+        # a 1,200-token question after a cached 6,000-token system prompt, then one page more
+        rid = f"q{k}"
+        e.submit(rid, shared + _prompt(1_200, 50_000 * (k + 1)), 4, t)
+        t = _step_until_first_token(e, rid, t)
+        cur = e.load_stat()
+        two_sample.append(prefill_rate_tokens_per_s(prev, cur))
+        pooled.update(prev, cur)
+        prev = cur
+        e.submit(rid + "r", shared + _prompt(1_200, 50_000 * (k + 1)) + _prompt(16, 3), 4, t)
+        t = _step_until_first_token(e, rid + "r", t)
+        cur = e.load_stat()
+        two_sample.append(prefill_rate_tokens_per_s(prev, cur))
+        pooled.update(prev, cur)
+        prev = cur
+    overall = prefill_rate_tokens_per_s(first, prev)  # the questions' tokens over their busy time
+    assert overall is not None and overall > 10_000
+    assert min(two_sample) < overall / 10  # the one-page intervals: what SGLang's formula reports
+    assert pooled.rate_tokens_per_s == pytest.approx(overall, rel=0.1)
+
+
+def test_the_estimate_follows_a_change_within_a_few_windows():
+    est = PrefillRateEstimate(window_s=2.0)
+    tok = busy = 0
+    prev = _ls(tok, busy)
+    for _ in range(40):  # 20,000 tokens/s, 0.1 s of busy time per sample
+        tok, busy = tok + 2_000, busy + 100_000
+        cur = _ls(tok, busy)
+        est.update(prev, cur)
+        prev = cur
+    assert est.rate_tokens_per_s == pytest.approx(20_000)
+    for _ in range(60):  # then 5,000 tokens/s for 6 s of busy time: 3 windows
+        tok, busy = tok + 500, busy + 100_000
+        cur = _ls(tok, busy)
+        est.update(prev, cur)
+        prev = cur
+    assert est.rate_tokens_per_s == pytest.approx(5_000, rel=0.25)
+
+
+def test_idle_samples_keep_the_estimate_and_a_restart_starts_it_over():
+    est = PrefillRateEstimate()
+    assert est.update(None, _ls(100, 10)) is None
+    assert est.update(_ls(0, 0), _ls(10_000, 500_000)) == pytest.approx(20_000)
+    assert est.update(_ls(10_000, 500_000), _ls(10_000, 500_000)) == pytest.approx(20_000)  # idle
+    # the publisher restarted: its counters went backwards
+    assert est.update(_ls(10_000, 500_000), _ls(50, 1_000)) is None
+    assert est.rate_tokens_per_s is None
+    assert est.update(_ls(50, 1_000), _ls(1_050, 101_000)) == pytest.approx(10_000)
+
+
+def test_busy_time_without_tokens_lowers_the_rate_and_never_divides_by_zero():
+    est = PrefillRateEstimate()
+    assert est.update(_ls(0, 0), _ls(0, 1_000)) is None  # busy, nothing prefilled (transfers)
+    r = est.update(_ls(0, 1_000), _ls(1_000, 101_000))
+    assert r is not None and math.isfinite(r) and r < 10_000
+
+
+def test_worker_state_sums_the_pooled_rate_of_every_rank():
+    w = WorkerState("w", dp_size=2)
+    w.update_load([_ls(0, 0, 0), _ls(0, 0, 1)], 0.0)
+    assert w.prefill_tokens_per_s is None
+    w.update_load([_ls(20_000, 1_000_000, 0), _ls(10_000, 1_000_000, 1)], 0.5)
+    assert w.prefill_tokens_per_s == pytest.approx(30_000)
+    # rank 1 reports a one-page interval: the rate barely moves (the two-sample rate would fall
+    # to 20,000 + 640)
+    w.update_load([_ls(20_000, 1_000_000, 0), _ls(10_016, 1_025_000, 1)], 1.0)
+    assert w.prefill_tokens_per_s > 29_000
