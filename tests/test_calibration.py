@@ -97,22 +97,22 @@ def test_router_outcomes_reach_the_policy_and_change_its_predictions():
 def test_default_ignores_the_cost_model_for_ties():
     # the default (cost_ties="never", chosen on the quality matrix) orders equally loaded
     # holders by worker id even when the calibration trusts the cost model (a miss goes by
-    # prefill queue: test_policies.py)
+    # prefill queue: test_policies.py; a's 800 ms queue is under the stall escape's 1 s floor)
     pol = CacheAware(calibration=CalibrationSettings(min_observations=1))
     for _ in range(5):
         x = (1.0, 100.0, 0.0, 0.0)
         pol.calibrator.observe(x, pol.calibrator.best(x), pol.calibrator.best(x))
     assert pol.calibrator.trusted
-    pool = [_worker("a", waiting_uncached=50_000), _worker("b", waiting_uncached=100)]
+    pool = [_worker("a", waiting_uncached=20_000), _worker("b", waiting_uncached=100)]
     assert pol.choose(RouteRequest("q", 2048, 16, 16), pool, FakeMatch({"a": 128, "b": 128}, 128), 0.0).worker_id == "a"
 
 
 def test_untrusted_cost_model_falls_back_to_request_counts_trusted_one_reads_queues():
     # equal request counts, both hold the prompt; "a" has a long prefill queue. Until the
     # calibration trusts its predictions the choice is greedy's (lowest id at equal load); once
-    # trusted, the queue decides.
+    # trusted, the queue decides (a's 800 ms queue is under the stall escape's 1 s floor).
     def pool():
-        return [_worker("a", waiting_uncached=50_000), _worker("b", waiting_uncached=100)]
+        return [_worker("a", waiting_uncached=20_000), _worker("b", waiting_uncached=100)]
     pol = CacheAware(calibration=CalibrationSettings(min_observations=4), cost_ties="auto")
     both = FakeMatch({"a": 128, "b": 128}, 128)
     assert pol.choose(RouteRequest("q", 2048, 16, 16), pool(), both, 0.0).worker_id == "a"

@@ -285,13 +285,17 @@ def test_power_of_two_draws_exactly_like_random_sample():
 
 
 def test_cost_keeps_affinity_to_a_holder_until_it_is_clearly_overloaded():
-    # b holds 94 % of the prompt and has 10 requests waiting (60k uncached tokens, ~2.4 s): by
+    # b holds 94 % of the prompt and has 10 requests waiting (12k uncached tokens, ~480 ms): by
     # predicted TTFT alone a is better, but recomputing the prefix there costs the fleet; within
     # the imbalance bounds (32 requests and 1.1x) the holder keeps it, as SGLang's greedy rule does
-    pool = [ws("a"), ws("b", wu=60_000, waiting=10)]
+    pool = [ws("a"), ws("b", wu=12_000, waiting=10)]
     m = FakeMatch({"b": 120}, 128)
     argmin = dict(temperature=0.0, temperature_ms=0.0)
     assert CacheAware(**argmin).choose(req(), pool, m, 0.1).worker_id == "b"
+    # 60k tokens (~2.4 s) queued is a stall: the stall escape leaves the holder, unless it is off
+    deep = [ws("a"), ws("b", wu=60_000, waiting=10)]
+    assert CacheAware(**argmin).choose(req(), deep, m, 0.1).worker_id == "a"
+    assert CacheAware(stall_escape_ms=0, **argmin).choose(req(), deep, m, 0.1).worker_id == "b"
     assert CacheAware(affinity_threshold=0.0, **argmin).choose(req(), pool, m, 0.1).worker_id == "a"  # pure cost
     # below the affinity threshold (a 25 % match) the cost model decides
     assert CacheAware(**argmin).choose(req(), pool, FakeMatch({"b": 32}, 128), 0.1).worker_id == "a"
@@ -326,19 +330,23 @@ def test_a_worker_claiming_an_instant_prefill_queue_gains_at_most_the_load_band(
 
 
 def test_stall_escape_leaves_a_holder_stuck_behind_a_huge_prefill_and_only_then():
-    """Opt-in (``stall_escape_ms``, off by default: on the matrix it won every conversation cell
-    and lost shared_prefix under overload, README). A follow-up whose holder has 100k tokens
-    of prefill queued (4 s) goes to an idle worker instead; a short queue, an equally busy fleet
-    or the default keep it on the holder."""
+    """On by default (``stall_escape_ms`` 200, ``stall_queue_ms`` 1000; chosen on the quality
+    matrix, README). A follow-up whose holder has 100k tokens of prefill queued (4 s) goes to an
+    idle worker instead; a queue under the floor, an equally busy fleet or ``stall_escape_ms=0``
+    keep it on the holder."""
     now = 0.01
     held = FakeMatch({"h": 128}, 160)  # h holds 2,048 of the 2,560-token prompt
     stuck, idle = ws("h", running=1, wu=100_000), ws("o", running=1)
-    assert CacheAware().choose(req(2560), [stuck, idle], held, now).worker_id == "h"
-    d = CacheAware(stall_escape_ms=500).choose(req(2560), [stuck, idle], held, now)
+    assert CacheAware(stall_escape_ms=0).choose(req(2560), [stuck, idle], held, now).worker_id == "h"
+    d = CacheAware().choose(req(2560), [stuck, idle], held, now)
     assert (d.worker_id, d.reason) == ("o", "load_override")
-    short = ws("h", running=1, wu=5_000)  # 200 ms queued: stays
-    assert CacheAware(stall_escape_ms=500).choose(req(2560), [short, idle], held, now).worker_id == "h"
+    # 600 ms queued: the margin (600 against 102 ms) is over 200 ms, but the queue is under the
+    # 1 s floor (zipf's holders at 150-300 ms lost their hits to a bare margin)
+    short = ws("h", running=1, wu=15_000)
+    assert CacheAware().choose(req(2560), [short, idle], held, now).worker_id == "h"
+    assert CacheAware(stall_queue_ms=500).choose(req(2560), [short, idle], held, now).worker_id == "o"
     busy = ws("o", running=1, wu=95_000)  # everyone is as busy: recomputing buys nothing
-    assert CacheAware(stall_escape_ms=500).choose(req(2560), [stuck, busy], held, now).worker_id == "h"
-    with pytest.raises(ValueError, match="stall_escape_ms"):
-        CacheAware(stall_escape_ms=-1)
+    assert CacheAware().choose(req(2560), [stuck, busy], held, now).worker_id == "h"
+    for bad in ({"stall_escape_ms": -1}, {"stall_queue_ms": float("nan")}, {"stall_queue_ms": -5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            CacheAware(**bad)

@@ -175,7 +175,8 @@ class CacheAware:
                  affinity_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
                  load_slack: float = 1.0, calibrate: bool = True, calibration: CalibrationSettings | None = None,
                  cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
-                 imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 0.0) -> None:
+                 imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 200.0,
+                 stall_queue_ms: float = 1000.0) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -217,9 +218,13 @@ class CacheAware:
             raise ValueError(f"miss_order must be sent or id, not {miss_order!r}")
         if not (math.isfinite(stall_escape_ms) and stall_escape_ms >= 0):
             raise ValueError(f"stall_escape_ms must be >= 0, not {stall_escape_ms!r}")
-        # a holder whose queued prefill would make this request wait more than this many ms
-        # longer than recomputing the whole prompt on the miss rule's worker is left (0: never)
+        if not (math.isfinite(stall_queue_ms) and stall_queue_ms >= 0):
+            raise ValueError(f"stall_queue_ms must be >= 0, not {stall_queue_ms!r}")
+        # a holder with at least stall_queue_ms of prefill queued, where this request would wait
+        # more than stall_escape_ms longer than recomputing the whole prompt on the miss rule's
+        # worker, is left (stall_escape_ms=0: never)
         self.stall_escape_ms = stall_escape_ms
+        self.stall_queue_ms = stall_queue_ms
         # the last tie-break of the miss rule: sent (default), the worker the fleet's routers have
         # sent the least prefill work so far; id: the lowest worker id, as greedy
         self.miss_sent = miss_order == "sent"
@@ -424,15 +429,19 @@ class CacheAware:
                                   t[4].fleet_sent_tokens if sent else 0, t[2]))
 
     def _stall_escape(self, pick, scored, load, lo_p: float, prompt_tokens: int, now_s: float):
-        """Leave the holder ``pick`` when the prefill queued on it would keep this request waiting
-        ``stall_escape_ms`` longer than recomputing the whole prompt on the worker the miss rule
-        picks (a 100k-token prompt ahead of a follow-up blocks its holder for seconds). Relative
-        on purpose: when every worker is as busy (saturation) nothing moves."""
+        """Leave the holder ``pick`` when at least ``stall_queue_ms`` of prefill is queued on it
+        and waiting there would take ``stall_escape_ms`` longer than recomputing the whole
+        prompt on the worker the miss rule picks (a 100k-token prompt ahead of a follow-up
+        blocks its holder for seconds). Relative on purpose: when every worker is as busy
+        (saturation) nothing moves. The queue floor keeps short-prompt workloads on their
+        holders: without it a 100 ms margin sent zipf's hits away from holders 150-300 ms deep
+        and recomputed their 2k-token prefixes into an overloaded fleet (2.0x greedy's p95)."""
         h = pick[4]
-        rate = h.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
-        wait_h = self.queued_prefill_ms(h, now_s) + 1000.0 * (prompt_tokens - pick[3]) / rate
-        if wait_h <= self.stall_escape_ms:
+        queued_h = self.queued_prefill_ms(h, now_s)
+        if queued_h < self.stall_queue_ms:
             return pick  # fast path: no holder queue that long
+        rate = h.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
+        wait_h = queued_h + 1000.0 * (prompt_tokens - pick[3]) / rate
         alt = self._miss_pick(scored, load, lo_p, now_s)
         if alt is pick:
             return pick
