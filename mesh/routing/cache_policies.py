@@ -37,13 +37,16 @@ step used only as far as the quality matrix (README) showed it pays:
    unbounded, the queue-first rule won low_reuse at load 0.5-0.8 by 12-27 % and lost it at
    load 1.0 by 15-19 %). With ``cost_ties="auto"`` the **cost model** breaks those ties
    instead while its online calibration trusts it, with ``"always"`` unconditionally.
-   Opt-in, ``stall_escape_ms`` > 0: a holder whose estimated queued prefill would keep this
-   request waiting that much longer than recomputing the whole prompt on the miss rule's
-   worker is left (a 100k-token prompt ahead of a session's follow-up blocks its holder for
-   seconds). Off by default: at 500 ms it won every conversation cell of the quality matrix
-   (up to 23 %) and lost shared_prefix under overload (1.05-1.10x greedy), where the queue
-   estimate runs high and the recomputed 6k-token prompts add to the overload; no margin
-   from 500 to 1000 ms kept both (README).
+   **Stall escape** (``stall_escape_ms`` 200, ``stall_queue_ms`` 1000): a holder with at least
+   1 s of prefill queued, where this request would wait 200 ms longer than recomputing the
+   whole prompt on the miss rule's worker, is left (a 100k-token prompt ahead of a session's
+   follow-up blocks its holder for seconds; with several routers a follow-up often reaches a
+   router that did not place the turn before it). The floor keeps short-prompt workloads on
+   their holders: with a bare 100 ms margin zipf's hits left holders 150-300 ms deep and their
+   2k-token prefixes were recomputed into an overloaded fleet (up to 2.0x greedy's p95). It
+   reads queues in ms of the worker's pooled prefill rate
+   (:class:`mesh.load.PrefillRateEstimate`); with SGLang's two-sample rate a one-page interval
+   made a queue look 25x longer, and every margin tried lost shared_prefix (README).
 
 The predicted time to first token::
 
@@ -55,7 +58,7 @@ The predicted time to first token::
   plus what this router (and, with the broker exchange, its peers) sent since that snapshot,
   drained at ``rate_w`` for the time since the snapshot (a fluid estimate); without fresh
   telemetry, the outstanding prefill tokens of this router and its peers (fail-open);
-* ``rate_w``: w's measured prefill throughput (LoadStat counters) or the configured default;
+* ``rate_w``: w's measured prefill throughput (LoadStat counters, pooled over 2 s of busy time) or the configured default;
 * ``step(w)``: the decode work sharing each prefill chunk's GPU step (base + per running request
   + KV read); ``chunks`` = ceil(tokens / chunk size);
 * ``kv_full``: 1 when the request would not fit beside w's active KV (it would wait).
