@@ -339,7 +339,7 @@ def test_stall_escape_leaves_a_holder_stuck_behind_a_huge_prefill_and_only_then(
     stuck, idle = ws("h", running=1, wu=100_000), ws("o", running=1)
     assert CacheAware(stall_escape_ms=0).choose(req(2560), [stuck, idle], held, now).worker_id == "h"
     d = CacheAware().choose(req(2560), [stuck, idle], held, now)
-    assert (d.worker_id, d.reason) == ("o", "load_override")
+    assert (d.worker_id, d.reason) == ("o", "stall_escape")
     # 600 ms queued: the margin (600 against 102 ms) is over 200 ms, but the queue is under the
     # 1 s floor (zipf's holders at 150-300 ms lost their hits to a bare margin)
     short = ws("h", running=1, wu=15_000)

@@ -89,7 +89,8 @@ The candidate set is bounded: every worker when the pool is small, otherwise the
 deepest matches plus ``sample_others`` random workers, so decision cost stays flat as the fleet
 grows. Randomness comes from the seeded ``rng``, so runs are reproducible.
 Reasons: ``cache_hit`` (chose the deepest match), ``load_override`` (a deeper match existed but
-lost), ``cache_miss_min_load`` (no candidate matched).
+lost), ``stall_escape`` (the stall escape left the holder), ``cache_miss_min_load`` (no candidate
+matched).
 """
 
 from __future__ import annotations
@@ -361,8 +362,9 @@ class CacheAware:
             else:
                 ttft, score, x = self._cost(w, L - hit, L, now_s)
                 scored.append((score, ttft, w.worker_id, hit, w, x))
+        escaped = False
         if self.affinity_threshold > 0:
-            pick = self._choose_banded(scored, L, now_s, rid)
+            pick, escaped = self._choose_banded(scored, L, now_s, rid)
         elif (self.temperature > 0 or self.temperature_ms > 0) and len(scored) > 1:
             pick = self._sample(scored)
         else:
@@ -376,6 +378,8 @@ class CacheAware:
             cost_ms, _, x = self._cost(w, L - hit, L, now_s)
         if best_hit == 0:
             reason = "cache_miss_min_load"
+        elif escaped:
+            reason = "stall_escape"
         elif hit >= best_hit:
             reason = "cache_hit"
         else:
@@ -391,7 +395,7 @@ class CacheAware:
         those (within ``load_slack`` requests), and among them the lowest score while the
         calibrated cost model is trusted (ties by in-flight count and a per-request rendezvous
         hash), otherwise the lowest worker id; on a miss the shortest prefill queue first (see
-        the module docstring)."""
+        the module docstring). Returns (pick, True when the stall escape left the holder)."""
         fr = self.freshness_s
         load = {t[2]: t[4].pressure(now_s, fr) for t in scored}
         lo_p, hi_p = min(load.values()), max(load.values())
@@ -412,14 +416,15 @@ class CacheAware:
                 miss = self.miss_queue_ms > 0
         if scored[0][5] is None:  # no cost ties (see choose): greedy's order
             if miss:  # nobody holds enough (and no imbalance to correct): the shortest prefill queue
-                return self._miss_pick(pool, load, lo_p, now_s)
+                return self._miss_pick(pool, load, lo_p, now_s), False
             pick = min(pool, key=lambda t: (round(load[t[2]]), t[2]))
             if self.stall_escape_ms > 0 and pool is not scored and self.miss_queue_ms > 0:
-                pick = self._stall_escape(pick, scored, load, lo_p, prompt_tokens, now_s)
-            return pick
+                alt = self._stall_escape(pick, scored, load, lo_p, prompt_tokens, now_s)
+                return alt, alt is not pick
+            return pick, False
         band = min(load[t[2]] for t in pool) + self.load_slack
         return min((t for t in pool if load[t[2]] <= band),
-                   key=lambda t: (round(load[t[2]]), t[0], t[4].inflight, _rendezvous(rid, t[2])))
+                   key=lambda t: (round(load[t[2]]), t[0], t[4].inflight, _rendezvous(rid, t[2]))), False
 
     def _miss_pick(self, pool, load, lo_p: float, now_s: float):
         """The miss rule: among the workers within ``miss_load_band`` requests of the least loaded,
