@@ -32,7 +32,10 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
         kwargs["worker_keys"] = allowed_key_names(settings.curve_allow_workers)
     rng = random.Random(settings.seed)
     try:
-        policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s)
+        opts = {}
+        if settings.policy == "cache_aware":
+            opts = {"stall_escape_ms": settings.stall_escape_ms, "stall_queue_ms": settings.stall_queue_ms}
+        policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s, **opts)
     except ValueError as exc:
         raise ConfigError(f"policy: {exc}") from None
     provider = None

@@ -66,6 +66,11 @@ class BrokerSettings:
     overload_lag_ms: float = setting(250.0, unit="ms", help="shed new requests while the event loop lags more than this")
     policy: str = setting("cache_aware", help="routing policy: cache_aware, cache_aware_greedy, power_of_two, "
                                               "round_robin, random")
+    stall_escape_ms: float = setting(200.0, unit="ms", help="cache_aware: leave a holder with --stall-queue-ms of "
+                                                             "prefill queued when waiting there takes this much longer "
+                                                             "than recomputing the prompt elsewhere (0 = never)")
+    stall_queue_ms: float = setting(1000.0, unit="ms", help="cache_aware: the holder queue the stall escape needs "
+                                                            "(README: lower let short prompts leave their holders)")
     cache_prefix_provider: str = setting("radix_tree", help="prefix index source: radix_tree, approx, indexer")
     kv_indexer_endpoint: tuple[str, ...] = setting((), help="shared KV indexer http://HOST:PORT (repeat for replicas)")
     kv_indexer_query_timeout_ms: int = setting(100, unit="ms", help="deadline of one indexer query")
@@ -171,6 +176,9 @@ class BrokerSettings:
         _require(0 < self.eject_base_s <= self.eject_max_s, "eject_base_s", "must be > 0 and <= eject_max_s")
         _require(0 <= self.max_ejected_ratio <= 1, "max_ejected_ratio", "must be in [0, 1]")
         _require(self.load_freshness_s > 0, "load_freshness_s", "must be > 0")
+        for name in ("stall_escape_ms", "stall_queue_ms"):
+            v = getattr(self, name)
+            _require(math.isfinite(v) and v >= 0, name, f"must be a finite number >= 0, not {v!r}")
         _require(self.max_worker_heartbeat_ms >= self.heartbeat_ms, "max_worker_heartbeat_ms", "must be >= heartbeat_ms")
         _require(1 <= self.max_workers <= 100_000, "max_workers", "must be in [1, 100000]")
         _require(self.max_inflight_per_client > 0, "max_inflight_per_client", "must be > 0")

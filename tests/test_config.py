@@ -30,6 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
     ({"exchange": "tcp://127.0.0.1:*", "peer": ["tcp://127.0.0.1:*"]}, "peer"),
     ({"exchange": "tcp://127.0.0.1:*", "exchange_interval_ms": -1}, "exchange_interval_ms"),
     ({"exchange": "tcp://127.0.0.1:*", "exchange_stale_ms": 10, "exchange_interval_ms": 5}, "exchange_stale_ms"),
+    ({"stall_escape_ms": -1}, "stall_escape_ms"),
+    ({"stall_queue_ms": float("nan")}, "stall_queue_ms"),
+    ({"stall_queue_ms": float("inf")}, "stall_queue_ms"),
 ])
 def test_broker_settings_errors_name_the_field(values, field):
     with pytest.raises(ConfigError, match=field):
@@ -41,6 +44,22 @@ def test_exchange_settings_from_flags_and_toml():
                                "exchange_interval_ms": 2, "exchange_stale_ms": 1500})
     assert s.peer == ("tcp://10.0.0.2:5600", "tcp://10.0.0.3:5600") and s.exchange_interval_ms == 2.0
     assert build(BrokerSettings, {}).exchange == "" and build(BrokerSettings, {}).peer == ()
+
+
+def test_the_stall_escape_reaches_the_broker_policy():
+    from brokers.main import build_broker
+
+    b = build_broker(build(BrokerSettings, {"stall_escape_ms": 0, "stall_queue_ms": 250}))
+    try:
+        pol = b.router.policy
+        assert (pol.stall_escape_ms, pol.stall_queue_ms) == (0.0, 250.0)
+    finally:
+        b.close()
+    d = build_broker(build(BrokerSettings, {}))
+    try:
+        assert (d.router.policy.stall_escape_ms, d.router.policy.stall_queue_ms) == (200.0, 1000.0)
+    finally:
+        d.close()
 
 
 def test_worker_settings_errors():
