@@ -92,6 +92,12 @@ class LoadStat:
         return self.num_tokens / self.max_total_num_tokens if self.max_total_num_tokens > 0 else 0.0
 
 
+def _prefill_increments(prev: LoadStat, cur: LoadStat) -> tuple[int, int]:
+    """(uncached prefill tokens, prefill busy µs) between two samples of the monotonic counters."""
+    return (cur.total_prefill_uncached_tokens - prev.total_prefill_uncached_tokens,
+            cur.total_prefill_busy_us - prev.total_prefill_busy_us)
+
+
 def prefill_rate_tokens_per_s(prev: LoadStat | None, cur: LoadStat) -> float | None:
     """Prefill throughput from two consecutive samples of the monotonic counters (SGLang §13.4).
 
@@ -100,8 +106,7 @@ def prefill_rate_tokens_per_s(prev: LoadStat | None, cur: LoadStat) -> float | N
     """
     if prev is None:
         return None
-    d_tokens = cur.total_prefill_uncached_tokens - prev.total_prefill_uncached_tokens
-    d_busy_us = cur.total_prefill_busy_us - prev.total_prefill_busy_us
+    d_tokens, d_busy_us = _prefill_increments(prev, cur)
     if d_busy_us <= 0 or d_tokens < 0:
         return None
     return 1e6 * d_tokens / d_busy_us
@@ -143,8 +148,7 @@ class PrefillRateEstimate:
         that went backwards (the publisher restarted) starts the estimate over."""
         if prev is None:
             return self.rate_tokens_per_s
-        d_tokens = cur.total_prefill_uncached_tokens - prev.total_prefill_uncached_tokens
-        d_busy_us = cur.total_prefill_busy_us - prev.total_prefill_busy_us
+        d_tokens, d_busy_us = _prefill_increments(prev, cur)
         if d_tokens < 0 or d_busy_us < 0:
             self.tokens = self.busy_s = 0.0
             return None

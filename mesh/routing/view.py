@@ -78,7 +78,6 @@ class WorkerState:
     # The exchange's dirty set (worker ids whose own figures changed since the last publish):
     # record_dispatch/record_release add this worker's id when it is set.
     exchange_dirty: set | None = None
-    _prev_load: list[LoadStat | None] = field(default_factory=list)
     _rate_est: list[PrefillRateEstimate] = field(default_factory=list)  # per rank (prefill_tokens_per_s)
     # fresh_load() is read for every candidate of every decision: the sum over ranks is cached
     # until the next LoadStat, with the time of its oldest rank for the freshness check.
@@ -107,23 +106,17 @@ class WorkerState:
         if len(self.load) != n:
             self.load = [None] * n
             self.load_at_s = [0.0] * n
-            self._prev_load = [None] * n
             self._rate_est = [PrefillRateEstimate() for _ in range(n)]
-        fed = False
         for ls in stats:
             r = ls.attn_dp_rank if 0 <= ls.attn_dp_rank < n else 0
             prev = self.load[r]
-            self._prev_load[r] = prev
             self.load[r] = ls
             self.load_at_s[r] = now_s
-            if prev is not None:
-                self._rate_est[r].update(prev, ls)
-                fed = True
-        if fed:
-            # the pooled rate of every rank that has one (mesh.load.PrefillRateEstimate)
-            rates = [e.rate_tokens_per_s for e in self._rate_est]
-            if any(rates):
-                self.prefill_tokens_per_s = sum(x for x in rates if x)
+            self._rate_est[r].update(prev, ls)
+        # the pooled rates of the ranks that have one (mesh.load.PrefillRateEstimate)
+        rate = sum(e.rate_tokens_per_s or 0.0 for e in self._rate_est)
+        if rate > 0:
+            self.prefill_tokens_per_s = rate
         self.inflight_at_load = self.inflight
         self._agg = agg = self._aggregate()
         self.pending_since_load_tokens = 0
