@@ -8,6 +8,7 @@ worker prefills, and the router read every queue on that worker as that much lon
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -109,3 +110,17 @@ def test_worker_state_sums_the_pooled_rate_of_every_rank():
     # to 20,000 + 640)
     w.update_load([_ls(20_000, 1_000_000, 0), _ls(10_016, 1_025_000, 1)], 1.0)
     assert w.prefill_tokens_per_s > 29_000
+
+
+def test_hostile_counters_leave_a_finite_positive_rate_or_none():
+    """A broken or lying worker's counters (jumps to 2^63, going backwards, busy time without
+    tokens, tokens without busy time) never make the rate NaN, infinite, zero or negative, and
+    never raise: the router either has a positive finite rate for it or falls back to the default."""
+    rng = random.Random(5)
+    w = WorkerState("liar")
+    for i in range(2_000):
+        tok = rng.choice([0, 1, rng.randrange(1 << 20), rng.randrange(1 << 63), (1 << 63) - 1])
+        busy = rng.choice([0, 1, rng.randrange(1 << 20), rng.randrange(1 << 63), (1 << 63) - 1])
+        w.update_load([_ls(tok, busy)], i * 0.1)
+        r = w.prefill_tokens_per_s
+        assert r is None or (math.isfinite(r) and r > 0), (i, tok, busy, r)
