@@ -13,6 +13,7 @@ import threading
 
 from brokers.main import build_broker
 from mesh import protocol as P
+from mesh.broker_core import HB_SLICES
 from mesh.client import Client
 from mesh.config import BrokerSettings, build
 from mesh.up import wait_for_workers
@@ -56,6 +57,14 @@ class _BrokerThread:
     def call(self, fn, *args) -> None:
         self.loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
 
+    def ask(self, fn, timeout_s: float = 5.0):
+        """Run ``fn()`` on the broker's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(self._run(fn), self.loop).result(timeout_s)  # type: ignore[arg-type]
+
+    @staticmethod
+    async def _run(fn):
+        return fn()
+
     def __exit__(self, *exc) -> None:
         if self.loop is not None and self._thread.is_alive():
             self.call(self.broker.request_stop)
@@ -72,10 +81,27 @@ def test_request_for_a_worker_whose_connection_is_gone_goes_to_another_worker(pr
         run(wait_for_workers(b.frontend_endpoint, 1))
         ghost = P.Ready("ghost", "sim-llama-8b", "mixed", {}, 16, 256, 400_000, 1, 1, 1000)
         ident = b"ghost-identity-never-connected"
-        bt.call(b.feed_worker_frames, [ident, *P.encode_ready(ghost)])
-        # it had been serving (a confirmed session: it spoke after READY) when its connection went away
-        bt.call(b.feed_worker_frames, [ident, *P.encode_heartbeat()])
-        run(wait_for_workers(b.frontend_endpoint, 2))  # the ghost is listed (healthy until its liveness expires)
+        core = b.core
+
+        def hold_off_its_heartbeat() -> bool:
+            # The broker's own heartbeat to the ghost fails too and removes it (as it should); if
+            # that came before the first request, no request could meet the dead connection (it
+            # did in 4 of 10 runs). Move the ghost to the heartbeat slice just served: its next
+            # heartbeat is then most of an interval (1 s) away. False: it is already gone.
+            sess = core.pool.by_identity.get(ident)
+            if sess is not None:
+                sess.hb_slot = (core._hb_slot - 1) % HB_SLICES
+            return sess is not None
+
+        for _ in range(3):  # its heartbeat may fire between registration and the move: feed it again
+            bt.call(b.feed_worker_frames, [ident, *P.encode_ready(ghost)])
+            # it had been serving (a confirmed session: it spoke after READY) when its connection went away
+            bt.call(b.feed_worker_frames, [ident, *P.encode_heartbeat()])
+            run(wait_for_workers(b.frontend_endpoint, 2))  # the ghost is listed (healthy until its liveness expires)
+            if bt.ask(hold_off_its_heartbeat):
+                break
+        else:
+            raise AssertionError("the ghost's heartbeat removed it before every try")
 
         async def body():
             async with Client(b.frontend_endpoint) as c:
