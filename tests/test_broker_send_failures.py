@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from brokers.main import build_broker
 from mesh import protocol as P
@@ -75,7 +76,9 @@ class _BrokerThread:
 
 
 def test_request_for_a_worker_whose_connection_is_gone_goes_to_another_worker(procs):
-    with _BrokerThread(policy="round_robin", heartbeat_ms=1000) as bt:
+    # The broker heartbeats every 5 s: the ghost's own heartbeat (which fails and removes it, as it
+    # should) is then seconds away while the requests below meet its dead connection first.
+    with _BrokerThread(policy="round_robin", heartbeat_ms=5000, max_worker_heartbeat_ms=5000) as bt:
         b = bt.broker
         procs.workers("live", [b.backend_endpoint], "--heartbeat-ms", "1000", count=1)
         run(wait_for_workers(b.frontend_endpoint, 1))
@@ -83,25 +86,21 @@ def test_request_for_a_worker_whose_connection_is_gone_goes_to_another_worker(pr
         ident = b"ghost-identity-never-connected"
         core = b.core
 
-        def hold_off_its_heartbeat() -> bool:
-            # The broker's own heartbeat to the ghost fails too and removes it (as it should); if
-            # that came before the first request, no request could meet the dead connection (it
-            # did in 4 of 10 runs). Move the ghost to the heartbeat slice just served: its next
-            # heartbeat is then most of an interval (1 s) away. False: it is already gone.
-            sess = core.pool.by_identity.get(ident)
-            if sess is not None:
-                sess.hb_slot = (core._hb_slot - 1) % HB_SLICES
-            return sess is not None
+        def register_the_ghost() -> None:
+            # One step of the broker's loop, so no heartbeat tick can come in between: READY, then
+            # a heartbeat (it had been serving, a confirmed session, when its connection went
+            # away), then the ghost moves to the heartbeat slice just served, so that its first
+            # heartbeat is a whole interval away. (Fed as two posts with the move after them, the
+            # heartbeat could come first: it did in 4 of 10 runs, and in CI.)
+            now = time.monotonic()
+            core.worker_frames([ident, *P.encode_ready(ghost)], now, None)
+            core.worker_frames([ident, *P.encode_heartbeat()], now, None)
+            sess = core.pool.by_identity[ident]
+            sess.hb_slot = (core._hb_slot - 1) % HB_SLICES
+            b._kick()  # flush what the core queued (the welcome heartbeat, which fails unreceipted)
 
-        for _ in range(3):  # its heartbeat may fire between registration and the move: feed it again
-            bt.call(b.feed_worker_frames, [ident, *P.encode_ready(ghost)])
-            # it had been serving (a confirmed session: it spoke after READY) when its connection went away
-            bt.call(b.feed_worker_frames, [ident, *P.encode_heartbeat()])
-            run(wait_for_workers(b.frontend_endpoint, 2))  # the ghost is listed (healthy until its liveness expires)
-            if bt.ask(hold_off_its_heartbeat):
-                break
-        else:
-            raise AssertionError("the ghost's heartbeat removed it before every try")
+        bt.ask(register_the_ghost)
+        run(wait_for_workers(b.frontend_endpoint, 2))  # the ghost is listed (healthy until its liveness expires)
 
         async def body():
             async with Client(b.frontend_endpoint) as c:
