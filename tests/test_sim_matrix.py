@@ -106,6 +106,17 @@ def test_default_matrix_is_valid_and_covers_the_issue():
     assert {"power_of_two", "cache_aware_greedy", "cache_aware"} <= set(mc.policies)
 
 
+def test_the_held_out_engine_matrix_is_valid_and_differs_only_in_its_engine():
+    if not (ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl").is_file():
+        pytest.skip("the shared Mooncake trace is not next to this checkout")
+    base = load_matrix(ROOT / "configs" / "quality-matrix.toml")
+    mc = load_matrix(ROOT / "configs" / "quality-matrix-70b.toml")
+    assert mc.seeds == [2]  # held out
+    assert mc.engine.prefill_tokens_per_s < base.engine.prefill_tokens_per_s / 3
+    assert (mc.policies, mc.sim, set(mc.workloads)) == (base.policies, base.sim, set(base.workloads))
+    assert {c.routers for c in mc.cells} == {1, 4}
+
+
 def test_cli_refuses_single_run_options_with_matrix(tmp_path):
     p = _write(tmp_path, TINY)
     parser = _parser()
