@@ -117,6 +117,34 @@ def test_the_held_out_engine_matrix_is_valid_and_differs_only_in_its_engine():
     assert {c.routers for c in mc.cells} == {1, 4}
 
 
+def test_a_matrix_extends_another_and_overrides_it_key_by_key(tmp_path):
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    (base_dir / "t.jsonl").write_text('{"timestamp": 0, "input_length": 64, "output_length": 4, "hash_ids": [1]}\n')
+    _write(base_dir, TINY + '\n[sim]\nheartbeat_ms = 400.0\nnet_ms = 0.7\n\n[workloads.tr]\ntrace = "t.jsonl"\n', "base.toml")
+    child = _write(tmp_path, 'extends = "base/base.toml"\n[matrix]\nseeds = [2]\n[sim]\nnet_ms = 0.9\n'
+                             '[engine]\nprefill_tokens_per_s = 6000.0\n')
+    base, mc = load_matrix(base_dir / "base.toml"), load_matrix(child)
+    assert mc.seeds == [2] and mc.policies == base.policies  # [matrix] key by key
+    assert mc.sim == {**base.sim, "net_ms": 0.9}
+    assert mc.engine.prefill_tokens_per_s == 6000.0 and base.engine.prefill_tokens_per_s != 6000.0
+    assert mc.workloads["tr"].trace == str((base_dir / "t.jsonl").resolve())  # relative to the base
+    assert mc.cells == base.cells  # not given: the base's
+    mine = load_matrix(_write(tmp_path, child.read_text() + TINY[TINY.index("[[cells]]"):].replace("workers = 2", "workers = 3"), "c2.toml"))
+    assert {c.workers for c in mine.cells} == {3}  # given: replaced
+
+
+@pytest.mark.parametrize("text, msg", [
+    ('extends = "nowhere.toml"\n', "extends: .*nowhere.toml does not exist"),
+    ("extends = 3\n", "extends: must be the path"),
+    ('extends = "chain.toml"\n', "extends: .*chain.toml extends another file"),
+])
+def test_a_bad_extends_is_a_clear_error(tmp_path, text, msg):
+    _write(tmp_path, 'extends = "m.toml"\n' + TINY, "chain.toml")
+    with pytest.raises(ConfigError, match=msg):
+        load_matrix(_write(tmp_path, text, "child.toml"))
+
+
 def test_cli_refuses_single_run_options_with_matrix(tmp_path):
     p = _write(tmp_path, TINY)
     parser = _parser()

@@ -14,6 +14,9 @@ every seed with every policy on the identical request stream through the ordinar
   ``provider_options``); ``[engine]``: :class:`~mesh.engine_model.EngineConfig` fields;
 * ``[workloads.NAME]``: either ``trace = "path"`` (Mooncake JSONL, relative to the TOML file)
   or ``workload = "shared_prefix"`` etc. with an optional ``params`` table;
+* ``extends = "other.toml"`` (optional, top level): start from another matrix file and override
+  it (tables key by key, workloads by name, cells replaced), e.g. the held-out engine matrix
+  ``configs/quality-matrix-70b.toml``;
 * ``[[cells]]``: groups of cells; ``workload``, ``load``, ``workers`` and ``routers`` may each be
   a value or a list, and a group expands to the cross product of its lists (in that nesting
   order); ``max_requests`` truncates the stream of every cell of the group.
@@ -226,13 +229,45 @@ def _policy(v: Any, name: str) -> str:
     return v
 
 
+_MERGED_TABLES = ("matrix", "sim", "engine", "workloads")
+
+
+def _with_base(p: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """``extends = "other.toml"`` (relative to ``p``): that matrix with this file over it --
+    ``[matrix]``, ``[sim]`` and ``[engine]`` key by key, ``[workloads]`` by name, ``[[cells]]``
+    replaced when given. One level only; the base's trace paths stay relative to the base."""
+    if "extends" not in data:
+        return data
+    data = dict(data)
+    name = data.pop("extends")
+    if not isinstance(name, str) or not name:
+        _fail("extends", f"must be the path of another matrix file, got {name!r}")
+    bp = Path(name) if Path(name).is_absolute() else p.parent / name
+    if not bp.is_file():
+        _fail("extends", f"{bp} does not exist")
+    base = read_toml(bp, "matrix file")
+    if "extends" in base:
+        _fail("extends", f"{bp} extends another file itself (one level only)")
+    for wd in _table(base.get("workloads", {}), f"{bp.name}: workloads").values():
+        tr = wd.get("trace") if isinstance(wd, dict) else None
+        if isinstance(tr, str) and tr and not Path(tr).is_absolute():
+            wd["trace"] = str(bp.parent.resolve() / tr)
+    merged = dict(base)
+    for k, v in data.items():
+        if k in _MERGED_TABLES and isinstance(v, dict) and isinstance(base.get(k), dict):
+            merged[k] = {**base[k], **v}
+        else:
+            merged[k] = v
+    return merged
+
+
 def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_requests: int | None = None,
                 only: str | None = None) -> MatrixConfig:
     """Read and validate a matrix TOML (see the module docstring). ``seeds`` replaces
     ``matrix.seeds``; ``max_requests`` caps every cell's ``max_requests``; ``only`` (a regular
     expression) keeps the cells whose label (``conversation L1 W16 R4``) it matches."""
     p = Path(path)
-    data = read_toml(p, "matrix file")
+    data = _with_base(p, read_toml(p, "matrix file"))
     _unknown(data, {"matrix", "sim", "engine", "workloads", "cells"}, "")
     m = _table(data.get("matrix", {}), "matrix")
     _unknown(m, _MATRIX_KEYS, "matrix")
