@@ -165,6 +165,19 @@ def test_link_session_registration_liveness_and_backoff():
     assert s.attempt == 0  # registered again: the back-off starts over
 
 
+def test_link_session_does_not_count_its_own_stall_as_broker_silence():
+    s = LinkSession(heartbeat_ms=100, liveness=3, reconnect=RetryPolicy.forever(50, 400))
+    s.open(10.0)
+    s.heard(10.0)
+    assert s.expired(12.0)  # 2 s without a word: silent...
+    s.stalled(12.0)  # ...unless we ourselves could not run: the broker gets one interval from now
+    assert not s.expired(12.0) and not s.expired(12.09) and s.expired(12.1)
+    s.heard(12.05)  # its heartbeats were waiting in the socket
+    assert not s.expired(12.3)
+    s.stalled(12.1)  # a short stall never moves what was heard back
+    assert s.last_heard_s == 12.05
+
+
 def test_epoch_formula():
     assert make_epoch(1_700_000_000.1234, 42) == 1_700_000_000_123 * 1000 + 42
     assert make_epoch(1.0, 1042) == 1000 * 1000 + 42

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -195,3 +196,29 @@ def test_ready_falls_back_when_no_handshake_is_reported(monkeypatch):
     assert fallbacks == 0 and readies == 1 and took < 0.25, (took, fallbacks, readies)
     took, fallbacks, readies = run(register(zmq.EVENT_MONITOR_STOPPED), 20)  # handshakes never reported
     assert fallbacks >= 1 and readies == 1 and 0.25 <= took < 0.6, (took, fallbacks, readies)
+
+
+def test_a_worker_paused_longer_than_its_liveness_does_not_blame_the_broker(procs):
+    """A worker whose own process stalls (SIGSTOP here; a busy host, a GC pause) finds the
+    broker's heartbeats waiting in its socket when it resumes: the broker was not silent, so it
+    must not reconnect. Before the fix it checked its liveness before reading them, declared
+    the broker silent and re-registered under a new connection (seen in CI-like runs of the KV
+    flood test on a busy machine: ``workers.registered`` 3 instead of 2)."""
+    hb_ms = 200  # the worker gives up on a broker silent for 3 x 200 ms
+    # the broker's own liveness of the worker is long: only the worker's judgement is tested
+    b = procs.broker("b", "--heartbeat-ms", str(hb_ms), "--liveness", "50")
+    w = procs.workers("w", [b.backend], "--heartbeat-ms", str(hb_ms))
+    run(wait_for_workers(b.frontend, 1))
+    for _ in range(2):
+        w.signal(signal.SIGSTOP)
+        time.sleep(1.5)  # the pause under test (2.5 liveness windows), not a wait for readiness
+        w.signal(signal.SIGCONT)
+        # the worker answers a request through the same registration afterwards
+        assert run(_generate(b.frontend)) == "w"
+    assert _events(w.log_path, "broker_lost") == []
+    assert _registered(b.log_path, "w") == 1
+
+
+async def _generate(frontend: str) -> str:
+    async with Client(frontend) as c:
+        return (await c.generate(input_ids=[1, 2, 3], max_new_tokens=2, deadline_ms=10_000)).worker

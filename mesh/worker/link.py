@@ -43,6 +43,9 @@ from mesh.worker.session import LinkSession, Send
 __all__ = ["BrokerLink"]
 
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# The link's loop waking this much later than it asked to means the process itself stalled: the
+# lateness is not counted as broker silence (scheduling jitter below it is ignored).
+_STALL_CREDIT_AFTER_S = 0.05
 
 
 class BrokerLink:
@@ -258,13 +261,19 @@ class BrokerLink:
                         continue
                 except zmq.ZMQError as exc:
                     return "closed" if self._closed or self.sock is not sock else f"socket_error:{exc.errno}"
-                timeout_s = session.next_timer_s() - time.monotonic()
+                wait_s = max(0.0, session.next_timer_s() - time.monotonic()) + 0.001
+                due_s = time.monotonic() + wait_s
                 try:
-                    async with asyncio.timeout(max(0.0, timeout_s) + 0.001):
+                    async with asyncio.timeout(wait_s):
                         await wake.wait()
                 except TimeoutError:
                     pass
-                if session.expired(time.monotonic()) and not self._closed and self.sock is sock:
+                now = time.monotonic()
+                if now - due_s > _STALL_CREDIT_AFTER_S:
+                    session.stalled(now)  # we woke late: our stall, not the broker's silence
+                if session.expired(now) and not self._closed and self.sock is sock:
+                    if socket_readable(sync):  # what it sent while we were busy: read it first
+                        continue
                     return "broker_silent"
             return "closed"
         finally:

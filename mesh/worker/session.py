@@ -120,6 +120,14 @@ class LinkSession:
         """True when the broker has been silent for the whole liveness window."""
         return now_s - self.last_heard_s >= self.expiry_s
 
+    def stalled(self, now_s: float) -> None:
+        """Our own loop could not run for a while (it woke later than it asked to: a busy host,
+        a GC pause, SIGSTOP). What the broker sent meanwhile waits unread in our socket (or in
+        libzmq's I/O thread, which stalled too), so the silence is not judged yet: the broker
+        gets one heartbeat interval from now to be heard (the broker credits its own stalls
+        to worker expiry the same way)."""
+        self.last_heard_s = max(self.last_heard_s, now_s - self.expiry_s + self.hb_s)
+
     def lost(self) -> float:
         """The connection was given up: count it and return the back-off before the next one."""
         self.attempt += 1
