@@ -19,7 +19,7 @@ caller:
 
 * ``mesh.client`` (its send boundary): ZeroMQ and OS send errors -> ``unavailable``;
 * ``mesh.indexer.client.indexer_error``: gRPC statuses, OS errors and timeouts of the indexer RPCs;
-* ``mesh.adapters.base.engine_error``: HTTP client errors, timeouts, bad JSON and OS errors of the
+* ``mesh.adapters.engine_client.engine_error``: HTTP client errors, timeouts, bad JSON and OS errors of the
   engine an adapter fronts (the code the worker then reports in its ERROR frame).
 """
 

@@ -16,16 +16,10 @@ import zmq.asyncio
 
 from mesh import kv_events as KV
 from mesh import protocol as P
-from mesh.adapters.base import (
-    AttachSettings,
-    BlockMirror,
-    KvRelay,
-    RankStream,
-    parse_prometheus,
-    rank_endpoint,
-    replace_wildcard,
-    split_events,
-)
+from mesh.adapters.backend import rank_endpoint, replace_wildcard
+from mesh.adapters.engine_client import parse_prometheus
+from mesh.adapters.kv_relay import BlockMirror, KvRelay, RankStream, split_events
+from mesh.adapters.settings import AttachSettings
 from mesh.adapters.sglang import generate_body, info_from_server_info, loadstat_from_v1, loadstats_from_metrics
 from mesh.adapters.vllm import UnsupportedParam, completions_body
 from mesh.errors import ErrorCode
@@ -295,7 +289,7 @@ def test_request_bodies_and_load_parsing():
 
 
 def test_http_status_mapping_is_retryable_where_another_worker_may_succeed():
-    from mesh.adapters.base import error_code_for_status
+    from mesh.adapters.engine_client import error_code_for_status
 
     assert error_code_for_status(400) is ErrorCode.BAD_REQUEST and not ErrorCode.BAD_REQUEST.retryable
     assert error_code_for_status(429) is ErrorCode.OVERLOADED and ErrorCode.OVERLOADED.retryable
@@ -368,7 +362,7 @@ def test_vllm_body_translates_sglang_params_or_refuses_them():
 
 
 def test_vllm_logprobs_become_sglang_meta_lists_for_the_ingress():
-    from mesh.adapters.base import StreamState
+    from mesh.adapters.backend import StreamState
     from mesh.adapters.vllm import VllmBackend
     from mesh.openai_logprobs import completion_logprobs
 

@@ -1,4 +1,4 @@
-"""The adapter's one error boundary (``mesh.adapters.base.engine_error``) against a real HTTP
+"""The adapter's one error boundary (``mesh.adapters.engine_client.engine_error``) against a real HTTP
 engine on 127.0.0.1 that misbehaves: connection refused, HTTP 500, a garbage body, a dropped
 connection, a hang past the deadline. Each becomes the mesh error code the worker reports in its
 ERROR frame (or the error discovery, health and load polls see), naming the engine's URL; engine
@@ -17,7 +17,9 @@ import pytest
 from aiohttp import web
 
 from mesh import protocol as P
-from mesh.adapters.base import Adapter, AttachSettings, engine_error
+from mesh.adapters.base import Adapter
+from mesh.adapters.engine_client import engine_error
+from mesh.adapters.settings import AttachSettings
 from mesh.adapters.engine_http import EngineConnectionError
 from mesh.adapters.sglang import SglangBackend
 from mesh.errors import ConfigError, ErrorCode, FatalRequestError, MeshError, RetryableError

@@ -10,7 +10,9 @@ from __future__ import annotations
 import aiohttp
 
 from mesh import protocol as P
-from mesh.adapters.base import Adapter, AttachSettings, parse_prometheus
+from mesh.adapters.base import Adapter
+from mesh.adapters.engine_client import parse_prometheus
+from mesh.adapters.settings import AttachSettings
 from mesh.adapters.sglang import SglangBackend
 from mesh.engine_model import output_token_id
 from tests.conftest import run

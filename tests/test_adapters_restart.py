@@ -15,7 +15,8 @@ import time
 import aiohttp
 
 from mesh import protocol as P
-from mesh.adapters.base import Adapter, AttachSettings
+from mesh.adapters.base import Adapter
+from mesh.adapters.settings import AttachSettings
 from mesh.adapters.sglang import SglangBackend
 from mesh.hashing import content_keys
 from tests.conftest import run

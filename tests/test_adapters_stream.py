@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from mesh import kv_events as KV
 from mesh import protocol as P
-from mesh.adapters.base import KvRelay, RankStream
+from mesh.adapters.kv_relay import KvRelay, RankStream
 from mesh.engine_model import EngineConfig, EngineModel
 from mesh.routing.providers import LocalIndexProvider
 from tests.conftest import run
@@ -256,7 +256,8 @@ def test_logprob_lists_travel_as_their_new_part_per_chunk_and_whole_when_unstrea
     """Cumulative (SGLang's default) and incremental engine streams give the same frames: each
     CHUNK's ``meta_info`` lists hold the entries of its own tokens (the input ones with the first
     chunk), the FINAL those of its delta; an unstreamed FINAL has the whole answer's."""
-    from mesh.adapters.base import Adapter, AttachSettings
+    from mesh.adapters.base import Adapter
+    from mesh.adapters.settings import AttachSettings
     from mesh.adapters.sglang import SglangBackend
     from tests.adapters_support import FakeBroker
     from workers_stub.sglang_server import SglangStub, StubSettings
@@ -301,11 +302,11 @@ def test_logprob_lists_travel_as_their_new_part_per_chunk_and_whole_when_unstrea
 
 
 def test_oversized_logprob_lists_lose_inputs_then_alternatives_counted():
-    from mesh.adapters import base as B
+    from mesh.adapters import proxy as B
 
     class Probe:
         counters = __import__("collections").Counter()
-        bounded_lists = B.Adapter.bounded_lists
+        bounded_lists = B.RequestProxy.bounded_lists
 
     probe = Probe()
     triple = [-0.5, 123456, " consectetur"]

@@ -379,7 +379,7 @@ def test_indexer_settings_are_a_dataclass_with_generated_flags(tmp_path):
 def test_attach_flags_and_attach_table_through_the_same_mechanism(tmp_path):
     import dataclasses
 
-    from mesh.adapters.base import AttachSettings
+    from mesh.adapters.settings import AttachSettings
     from mesh.adapters.cli import _SPECS, settings_from_args
 
     assert set(_SPECS) == {f.name for f in dataclasses.fields(AttachSettings)}  # every field described

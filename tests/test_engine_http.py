@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from mesh.adapters.base import sse_events
+from mesh.adapters.engine_client import sse_events
 from mesh.adapters.engine_http import EngineConnectionError, EngineHttp
 from tests.conftest import run, until
 

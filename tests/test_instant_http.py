@@ -11,7 +11,8 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 
-from mesh.adapters.base import AttachSettings, StreamState
+from mesh.adapters.backend import StreamState
+from mesh.adapters.settings import AttachSettings
 from mesh.adapters.sglang import SglangBackend, info_from_server_info, loadstat_from_v1
 from workers_stub.instant_http import EngineApp, _Conn, detok, serve
 

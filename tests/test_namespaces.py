@@ -15,7 +15,7 @@ import pytest
 
 from mesh import hashing
 from mesh import kv_events as KV
-from mesh.adapters.base import BlockMirror, split_events
+from mesh.adapters.kv_relay import BlockMirror, split_events
 from mesh.engine_model import EngineConfig, EngineModel
 from mesh.index import ops
 from mesh.indexer import indexer_pb2 as pb

@@ -40,7 +40,7 @@ def test_the_engine_is_given_the_request_id():
     """The adapter's request to SGLang names the request by the SUBMIT's rid (the HTTP x-request-id),
     then the broker's request number and attempt: the engine's logs show the caller's id."""
     from mesh import protocol as P
-    from mesh.adapters.base import AttachSettings
+    from mesh.adapters.settings import AttachSettings
     from mesh.adapters.sglang import generate_body, info_from_server_info
 
     sub = P.decode_client(P.encode_submit("trace-7f3a.checkout:42", input_ids=[1, 2, 3], params={"max_new_tokens": 2}))
@@ -52,7 +52,7 @@ def test_vllm_is_given_the_request_id():
     """vLLM's ``/v1/completions`` body carries ``request_id`` (its own request id field), built
     like SGLang's rid: the caller's id first."""
     from mesh import protocol as P
-    from mesh.adapters.base import EngineInfo
+    from mesh.adapters.backend import EngineInfo
     from mesh.adapters.vllm import completions_body
 
     sub = P.decode_client(P.encode_submit("trace-9", input_ids=[1, 2, 3], params={"max_new_tokens": 2}))

@@ -95,7 +95,8 @@ def test_the_trace_goes_on_through_the_adapter_to_the_engine(spans):
     """HTTP -> broker -> adapter -> engine: the adapter's CLIENT span is a child of the broker's
     SERVER span (the traceparent rides in the SUBMIT), and the engine receives the adapter span's
     traceparent header. Broker, adapter and SGLang stub run in this loop, over real sockets."""
-    from mesh.adapters.base import Adapter, AttachSettings
+    from mesh.adapters.base import Adapter
+    from mesh.adapters.settings import AttachSettings
     from mesh.adapters.sglang import SglangBackend
     from workers_stub.sglang_server import SglangStub, StubSettings
 

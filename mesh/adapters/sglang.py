@@ -28,17 +28,9 @@ from typing import Any
 import aiohttp
 
 from mesh import protocol as P
-from mesh.adapters.base import (
-    engine_request_id,
-    AttachSettings,
-    Backend,
-    EngineInfo,
-    StreamState,
-    error_code_for_status,
-    parse_prometheus,
-    rank_endpoint,
-    replace_wildcard,
-)
+from mesh.adapters.backend import Backend, EngineInfo, StreamState, engine_request_id, rank_endpoint, replace_wildcard
+from mesh.adapters.engine_client import error_code_for_status, parse_prometheus
+from mesh.adapters.settings import AttachSettings
 from mesh.errors import ConfigError, ErrorCode
 from mesh.load import LoadStat
 from mesh.openai_logprobs import LOGPROB_KEYS

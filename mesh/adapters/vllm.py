@@ -7,7 +7,7 @@
 * Events: tagged maps with unsigned (or 32-byte ``bytes``) hashes, ``lora_name``, ``extra_keys``,
   ``group_idx`` (hybrid models: only group 0 / main attention is kept by the decoder), batch rank =
   ``data_parallel_rank``; replay replies always carry the topic frame. Decoding and relaying are
-  the shared ones (:mod:`mesh.adapters.base`).
+  the shared ones (:mod:`mesh.adapters.backend`).
 * Requests: ``POST /v1/completions`` (``prompt`` = token ids or text, ``stream: true``,
   ``stream_options.include_usage``, ``return_token_ids`` for the generated ids); chunks are
   already deltas. ``REQUEST.bootstrap["kv_transfer_params"]`` is passed through (vLLM's PD
@@ -25,17 +25,9 @@ from typing import Any
 import aiohttp
 
 from mesh import protocol as P
-from mesh.adapters.base import (
-    engine_request_id,
-    AttachSettings,
-    Backend,
-    EngineInfo,
-    StreamState,
-    error_code_for_status,
-    parse_prometheus,
-    rank_endpoint,
-    replace_wildcard,
-)
+from mesh.adapters.backend import Backend, EngineInfo, StreamState, engine_request_id, rank_endpoint, replace_wildcard
+from mesh.adapters.engine_client import error_code_for_status, parse_prometheus
+from mesh.adapters.settings import AttachSettings
 from mesh.errors import ConfigError, ErrorCode, RequestError
 from mesh.load import LoadStat
 
