@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.index import ApproxIndex
-from mesh.routing.providers import MergedMatch, PeerRouteSharing, _BlockSizeVote, request_keys
+from mesh.index.ingest import BlockSizeVote
+from mesh.routing.providers import MergedMatch, PeerRouteSharing, request_keys
 from mesh.routing.view import RouteRequest
 
 __all__ = ["RemoteIndexProvider"]
@@ -35,7 +36,7 @@ class RemoteIndexProvider(PeerRouteSharing):
         self._block_size = block_size
         self.speculative_ttl_s = speculative_ttl_s
         self.spec = ApproxIndex(max_entries=1_000_000, default_ttl_s=speculative_ttl_s or 5.0)
-        self._bs = _BlockSizeVote(block_size)
+        self._bs = BlockSizeVote(block_size)
         self.broker = None  # set by the broker owner: used for spawn() and post()
 
     @property

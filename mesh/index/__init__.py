@@ -6,6 +6,8 @@
 * :class:`ApproxIndex` -- the speculative structure alone: the ``approx`` provider that learns only
   from routing decisions, with a TTL.
 * :class:`MatchResult` -- lazy per-worker results of one match (valid until the next mutation).
+* :class:`mesh.index.ingest.KvIngest` -- the KV ingest rules (sequencing, epochs, resync, the
+  block-size vote) that the routers' provider and the indexer service both apply.
 * :func:`mesh.index.bench.run_index_bench` -- micro-benchmark (``python -m mesh.index.bench``).
 """
 

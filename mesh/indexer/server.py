@@ -2,8 +2,8 @@
 
 A thin gRPC shell (``grpc.aio``, one event loop, so no locks) around the same index code the
 brokers and the simulator use: :class:`mesh.index.PrefixIndex` fed through
-:meth:`mesh.routing.providers.LocalIndexProvider.apply_events` (one implementation of the event
-semantics: sequencing, resync snapshots, epochs, block-size checks, content keys from token ids).
+:meth:`mesh.index.ingest.KvIngest.apply_events` (one implementation of the event semantics:
+sequencing, resync snapshots, epochs, block-size checks, content keys from token ids).
 
 Per batch of a ``(worker_id, dp_rank)`` stream, :class:`IndexerCore` adds only what a shared
 service needs on top:
@@ -79,13 +79,13 @@ from mesh.broker_core.counters import LatencyHistogram
 from mesh.errors import ConfigError, ProtocolError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex, Verdict
+from mesh.index.ingest import CountingBlockSizeVote, KvIngest
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer import indexer_pb2_grpc as pb_grpc
 from mesh.indexer.client import OWNER_METADATA, read_token_file
 from mesh.logs import RateLimiter, announce, configure, get_logger
 from mesh.namespaces import namespace_root_key
 from mesh.protocol import unpack
-from mesh.routing.providers import LocalIndexProvider, _BlockSizeVote
 from mesh.stats import percentile
 
 __all__ = ["IndexerCore", "IndexerService", "ApplyOutcome", "Limits", "Refused", "serve", "run_server",
@@ -192,47 +192,6 @@ class _VerdictIndex(PrefixIndex):
         del self._streams[stream]
         s.worker.streams.pop(stream[1], None)
         return True
-
-
-class _CountingVote(_BlockSizeVote):
-    """The provider's fleet block size, kept with O(1) updates.
-
-    The stock vote recounts every worker after each membership change, on the next batch: with
-    tens of thousands of registered (ghost) workers every new worker cost a full recount.
-    """
-
-    def __init__(self, default: int) -> None:
-        super().__init__(default)
-        self.sizes: Counter[int] = Counter()
-
-    def set(self, worker_id: str, bs: int) -> None:
-        old = self.by_worker.get(worker_id)
-        if old == bs:
-            return
-        if old is not None:
-            self._dec(old)
-        self.by_worker[worker_id] = bs
-        self.sizes[bs] += 1
-        self._value = None
-
-    def drop(self, worker_id: str) -> None:
-        old = self.by_worker.pop(worker_id, None)
-        if old is not None:
-            self._dec(old)
-            self._value = None
-
-    def _dec(self, bs: int) -> None:
-        n = self.sizes[bs] - 1
-        if n:
-            self.sizes[bs] = n
-        else:
-            del self.sizes[bs]
-
-    @property
-    def value(self) -> int:
-        if self._value is None:  # O(distinct block sizes)
-            self._value = max(self.sizes.items(), key=lambda kv: kv[1])[0] if self.sizes else self.default
-        return self._value
 
 
 @dataclass(slots=True, eq=False)
@@ -358,9 +317,8 @@ class IndexerCore:
         self.limits.validate()
         self.limits_max_entries = max_entries
         self.index = _VerdictIndex(max_entries, key_fn=content_keys)
-        # speculative_ttl_s=0: a shared index never holds one router's guesses.
-        self.provider = LocalIndexProvider(self.index, name="indexer", block_size=block_size, speculative_ttl_s=0)
-        self.provider._bs = _CountingVote(block_size)
+        # The routers' ingest rules; no speculation: a shared index never holds one router's guesses.
+        self.ingest = KvIngest(self.index, vote=CountingBlockSizeVote(block_size))
         self.instance = int.from_bytes(os.urandom(8), "little")
         self._known: set[tuple[str, int]] = set()  # streams this server has applied a batch of
         self._w: dict[str, _WorkerRec] = {}
@@ -526,19 +484,18 @@ class IndexerCore:
         rejected = [0]  # stores of the wrong block size taken out, filled in as slices are made
         slices = self._slices(worker_id, rec, events, rejected)
         first = next(slices, [])
-        self.provider.apply_events(worker_id, dp_rank, epoch, seq, first, now)
+        self.ingest.apply_events(worker_id, dp_rank, epoch, seq, first, now)
         v = ix.last_verdict
         if v is None:  # the resync path: a snapshot re-trusted an untrusted stream
             verdict, applied, missed = pb.RESYNCED, True, 0
         else:
             verdict, applied, missed = _VERDICT_PB[v.verdict], v.apply, v.missed
         if applied:
-            bs = rec.block_size if rec.block_size is not None else self.provider.block_size
+            bs = rec.block_size if rec.block_size is not None else self.ingest.block_size
             for piece in slices:
                 yield
-                # NOTE: the batch's later slices, with the semantics of apply_events' own apply
-                # step (the sequencing verdict above covers the whole batch).
-                self.provider._apply(stream, piece, bs)
+                # the batch's later slices (the sequencing verdict above covers the whole batch)
+                self.ingest.apply(stream, piece, bs)
         rejected_bs = rejected[0]
         if applied:
             if v is not None:
@@ -573,7 +530,7 @@ class IndexerCore:
 
     # ------------------------------------------------------------------ state (shared backends)
     #: What a checkpoint holds: everything the verdicts depend on (not counters, not latencies).
-    _STATE = ("index", "provider", "_known", "_w", "_n_streams", "_ranked_streams", "_ghosts", "_ghost_streams",
+    _STATE = ("index", "ingest", "_known", "_w", "_n_streams", "_ranked_streams", "_ghosts", "_ghost_streams",
               "_asked_at", "_expected", "_n_expected", "_uncovered")
 
     def dump_state(self) -> bytes:
@@ -590,7 +547,7 @@ class IndexerCore:
 
     def reset_state(self) -> None:
         """Forget everything (the shared state this server followed was replaced)."""
-        fresh = IndexerCore(max_entries=self.limits_max_entries, block_size=self.provider._bs.default,
+        fresh = IndexerCore(max_entries=self.limits_max_entries, block_size=self.ingest.vote.default,
                             resync_retry_s=self.resync_retry_s, limits=self.limits)
         for k in self._STATE:
             setattr(self, k, getattr(fresh, k))
@@ -690,7 +647,7 @@ class IndexerCore:
 
     def _set_block_size(self, worker_id: str, rec: _WorkerRec, block_size: int) -> None:
         rec.block_size = block_size
-        self.provider.add_worker(worker_id, block_size)
+        self.ingest.add_worker(worker_id, block_size)
 
     # ------------------------------------------------------------------ register / forget
     def register_worker(self, worker_id: str, block_size: int, *, owner: str = "", now_s: float | None = None,
@@ -773,7 +730,7 @@ class IndexerCore:
                 raise Refused(grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
                               f"worker {worker_id!r} belongs to another owner")
         n = self.index.worker_entries(worker_id)
-        self.provider.remove_worker(worker_id)
+        self.ingest.remove_worker(worker_id)
         if rec is not None:
             self._drop_streams(worker_id, rec)
             del self._w[worker_id]
@@ -879,7 +836,7 @@ class IndexerCore:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
-        s = self.provider.stats()
+        s = self.ingest.stats()
         c = self.c
         lat = sorted(self.latency_ns)
         lim = self.limits

@@ -15,20 +15,21 @@ links and removals, so SGLang signed, vLLM unsigned and salted hashes all work. 
 (LoRA adapter, cache salt, extra key: ``mesh.namespaces``) are chains with their own root key, on
 the request side (:func:`request_keys`) and on the event side (a root ``BlockStored`` naming a
 ``lora_name`` / ``cache_salt``); speculation and ``approx`` store request keys, so they keep
-namespaces apart too. Pure code: no I/O,
+namespaces apart too. The event-side rules (sequencing, epochs, resync, block-size vote) are
+:class:`mesh.index.ingest.KvIngest`'s, shared with the indexer service. Pure code: no I/O,
 no clock (``now_s`` is passed in).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Callable, Sequence
 
 from mesh import kv_events as KV
 from mesh.hashing import ROOT_KEY, content_keys, content_keys_from_packed, packed_bytes
-from mesh.index import ApproxIndex, Clear, PrefixIndex, Remove, Store, Verdict
+from mesh.index import ApproxIndex, PrefixIndex
+from mesh.index.ingest import BlockSizeVote, KvIngest
 from mesh.index.peer_routes import PeerRoutes
-from mesh.namespaces import event_root_key, namespace_root_key
+from mesh.namespaces import namespace_root_key
 from mesh.routing.view import RouteRequest
 
 __all__ = ["LocalIndexProvider", "ApproxProvider", "PeerRouteSharing", "make_provider", "PROVIDERS", "request_keys"]
@@ -130,30 +131,6 @@ class PeerRouteSharing:
         return {"peer_routes_entries": len(pr), **{f"peer_routes_{k}": v for k, v in pr.stats.items()}}
 
 
-class _BlockSizeVote:
-    """The fleet's block size: the most common one among registered workers."""
-
-    def __init__(self, default: int) -> None:
-        self.default = default
-        self.by_worker: dict[str, int] = {}
-        self._value: int | None = None  # cached: read on every request, changed on membership
-
-    def set(self, worker_id: str, bs: int) -> None:
-        if self.by_worker.get(worker_id) != bs:
-            self.by_worker[worker_id] = bs
-            self._value = None
-
-    def drop(self, worker_id: str) -> None:
-        if self.by_worker.pop(worker_id, None) is not None:
-            self._value = None
-
-    @property
-    def value(self) -> int:
-        if self._value is None:
-            self._value = Counter(self.by_worker.values()).most_common(1)[0][0] if self.by_worker else self.default
-        return self._value
-
-
 class LocalIndexProvider(PeerRouteSharing):
     """Event-fed prefix index (``radix_tree``), optionally shared by several routers (``indexer``).
 
@@ -170,14 +147,12 @@ class LocalIndexProvider(PeerRouteSharing):
         self.speculative_ttl_s = speculative_ttl_s
         # A shared index must not carry one router's guesses: speculation stays router-local.
         self._local_spec = ApproxIndex(max_entries=1_000_000, default_ttl_s=speculative_ttl_s or 5.0) if self.shared else None
-        self._bs = _BlockSizeVote(block_size)
-        self.counters: Counter[str] = Counter()
-        self.resync_retry_s = 5.0
-        self._resync_pending: dict[tuple[str, int], float] = {}
+        self.ingest = KvIngest(self.index, block_size=block_size)
+        self.counters = self.ingest.counters
 
     @property
     def block_size(self) -> int:
-        return self._bs.value
+        return self.ingest.block_size
 
     # ------------------------------------------------------------------ routing side
     def match(self, req: RouteRequest, now_s: float):
@@ -201,71 +176,18 @@ class LocalIndexProvider(PeerRouteSharing):
 
     # ------------------------------------------------------------------ fleet side
     def add_worker(self, worker_id: str, block_size: int) -> None:
-        self._bs.set(worker_id, block_size)
+        self.ingest.add_worker(worker_id, block_size)
 
     def remove_worker(self, worker_id: str) -> None:
-        self._bs.drop(worker_id)
-        self.index.remove_worker(worker_id)
+        self.ingest.remove_worker(worker_id)
         if self._local_spec is not None:
             self._local_spec.remove_worker(worker_id)
         self._forget_peer_routes(worker_id)
 
     def apply_events(self, worker_id: str, dp_rank: int, epoch: int, seq: int, events: Sequence[KV.KvEvent], now_s: float) -> str | None:
-        """Apply one ordered batch of a (worker, rank) stream. Returns a resync reason or None.
-
-        Duplicates and stale epochs are ignored; a gap marks the stream untrusted and asks for a
-        resync (once per ``resync_retry_s`` while one is pending; live batches keep applying
-        meanwhile, so the index under-reports but never over-reports); a resync snapshot (a
-        batch that starts with AllBlocksCleared) re-trusts it.
-        """
-        return self._apply_batch(worker_id, dp_rank, epoch, seq, events, now_s)[0]
-
-    def _apply_batch(self, worker_id: str, dp_rank: int, epoch: int, seq: int, events: Sequence[KV.KvEvent],
-                     now_s: float) -> tuple[str | None, bool]:
-        """:meth:`apply_events`, also saying whether the batch was applied (not a duplicate)."""
-        stream = (worker_id, dp_rank)
-        bs = self._bs.by_worker.get(worker_id, self.block_size)
-        self.counters["batches"] += 1
-        if events and type(events[0]) is KV.AllBlocksCleared and not self.index.is_trusted(stream):
-            self.index.reset_stream(stream, epoch, seq)
-            self._resync_pending.pop(stream, None)
-            self.counters["resyncs_applied"] += 1
-            self._apply(stream, events[1:], bs)
-            return None, True
-        v = self.index.begin_batch(stream, epoch, seq)
-        if v.apply:  # begin_batch already advanced the stream: the batch must be applied
-            self._apply(stream, events, bs)
-        else:
-            self.counters[str(v.verdict.value)] += 1
-        if v.verdict is Verdict.GAP:
-            self.counters["gaps"] += 1
-        if not self.index.is_trusted(stream):
-            last = self._resync_pending.get(stream)
-            if last is None or now_s - last >= self.resync_retry_s:
-                self._resync_pending[stream] = now_s
-                return "gap", v.apply
-        return None, v.apply
-
-    def _apply(self, stream, events: Sequence[KV.KvEvent], bs: int) -> None:
-        ops: list[Any] = []
-        for ev in events:
-            t = type(ev)
-            if t is KV.BlockStored:
-                if ev.block_size != bs:
-                    self.counters["wrong_block_size"] += 1
-                    continue
-                if ev.unmatched_blocks:
-                    self.counters["unmatched_blocks"] += ev.unmatched_blocks
-                root = ROOT_KEY
-                if ev.parent_block_hash is None and (ev.lora_name is not None or ev.cache_salt is not None):
-                    root = event_root_key(ev.lora_name, ev.cache_salt)  # a namespaced root store
-                ops.append(Store(ev.block_hashes, ev.parent_block_hash, token_ids=ev.token_ids, block_size=bs, root_key=root))
-            elif t is KV.BlockRemoved:
-                ops.append(Remove(ev.block_hashes))
-            elif t is KV.AllBlocksCleared:
-                ops.append(Clear())
-        if ops:
-            self.index.apply(stream, ops)
+        """Apply one ordered batch of a (worker, rank) stream (:meth:`KvIngest.apply_events`).
+        Returns a resync reason or None."""
+        return self.ingest.apply_events(worker_id, dp_rank, epoch, seq, events, now_s)
 
     # ------------------------------------------------------------------ broker adapter
     def on_worker_ready(self, ready) -> None:
@@ -276,7 +198,7 @@ class LocalIndexProvider(PeerRouteSharing):
 
     def on_kv_events(self, worker_id: str, msg, now_s: float = 0.0) -> list[tuple[int, str]]:
         """Broker entry point: decode a KV_EVENTS message (tolerantly) and apply it."""
-        events = self._decode(msg.events)
+        events = self.ingest.decode(msg.events)
         why = self.apply_events(worker_id, msg.dp_rank, msg.epoch, msg.seq, events, now_s)
         return [(msg.dp_rank, why)] if why else []
 
@@ -287,24 +209,19 @@ class LocalIndexProvider(PeerRouteSharing):
         is applied (sequence check); matches in between see a partly applied batch, which only
         under-reports."""
         raw = msg.events
-        why, applied = self._apply_batch(worker_id, msg.dp_rank, msg.epoch, msg.seq, self._decode(raw[:step]), now_s)
+        ingest = self.ingest
+        why, applied = ingest.apply_batch(worker_id, msg.dp_rank, msg.epoch, msg.seq, ingest.decode(raw[:step]), now_s)
         stream = (worker_id, msg.dp_rank)
         for start in range(step, len(raw) if applied else 0, step):
             yield
-            bs = self._bs.by_worker.get(worker_id)
+            bs = ingest.worker_block_size(worker_id)
             if bs is None:
                 break  # the worker left meanwhile: its entries are gone, do not re-add them
-            self._apply(stream, self._decode(raw[start:start + step]), bs)
+            ingest.apply(stream, ingest.decode(raw[start:start + step]), bs)
         return [(msg.dp_rank, why)] if why else []
 
-    def _decode(self, raw: list) -> list[KV.KvEvent]:
-        events, skipped = KV.decode_events(raw)
-        for reason, n in skipped.items():
-            self.counters[f"skipped_{reason}"] += n
-        return events
-
     def stats(self) -> dict[str, Any]:
-        return {**self.index.stats(), **{f"provider_{k}": v for k, v in self.counters.items()}, **self.peer_route_stats()}
+        return {**self.ingest.stats(), **self.peer_route_stats()}
 
 
 class ApproxProvider(PeerRouteSharing):
@@ -315,7 +232,7 @@ class ApproxProvider(PeerRouteSharing):
         self.name = "approx"
         self.ttl_s = ttl_s
         self.index = ApproxIndex(max_entries=max_entries, default_ttl_s=ttl_s)
-        self._bs = _BlockSizeVote(block_size)
+        self._bs = BlockSizeVote(block_size)
 
     @property
     def block_size(self) -> int:

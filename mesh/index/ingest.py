@@ -1,0 +1,203 @@
+"""KV ingest: the rules that turn a worker's KV event batches into prefix-index operations.
+
+One implementation shared by the routers' event-fed provider
+(:class:`mesh.routing.providers.LocalIndexProvider`) and the indexer service
+(:class:`mesh.indexer.server.IndexerCore`):
+
+* **sequencing** per ``(worker_id, dp_rank)`` stream (epochs, duplicates, gaps:
+  :mod:`mesh.index.sequence`, through :meth:`PrefixIndex.begin_batch`);
+* **resync**: a gap marks the stream untrusted and asks for a resync (once per
+  ``resync_retry_s`` while one is pending; live batches keep applying meanwhile, so the index
+  under-reports but never over-reports); a resync snapshot (a batch that starts with
+  AllBlocksCleared) re-trusts it;
+* **block size**: the fleet's block size is the one most registered workers have
+  (:class:`BlockSizeVote`); a ``BlockStored`` of another size than its worker's is skipped and
+  counted (``wrong_block_size``);
+* **content keys**: stores are keyed from their token ids by the index's ``key_fn``; a namespaced
+  root store (a root ``BlockStored`` naming a ``lora_name`` / ``cache_salt``) chains from its
+  namespace's root key (:mod:`mesh.namespaces`).
+
+Pure code: no I/O, no clock (``now_s`` is passed in).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+from mesh import kv_events as KV
+from mesh.hashing import ROOT_KEY
+from mesh.index.ops import Clear, Remove, Store
+from mesh.index.prefix import PrefixIndex
+from mesh.index.sequence import Verdict
+from mesh.namespaces import event_root_key
+
+__all__ = ["BlockSizeVote", "CountingBlockSizeVote", "KvIngest"]
+
+
+class BlockSizeVote:
+    """The fleet's block size: the most common one among registered workers."""
+
+    def __init__(self, default: int) -> None:
+        self.default = default
+        self.by_worker: dict[str, int] = {}
+        self._value: int | None = None  # cached: read on every request, changed on membership
+
+    def set(self, worker_id: str, bs: int) -> None:
+        if self.by_worker.get(worker_id) != bs:
+            self.by_worker[worker_id] = bs
+            self._value = None
+
+    def drop(self, worker_id: str) -> None:
+        if self.by_worker.pop(worker_id, None) is not None:
+            self._value = None
+
+    @property
+    def value(self) -> int:
+        if self._value is None:
+            self._value = Counter(self.by_worker.values()).most_common(1)[0][0] if self.by_worker else self.default
+        return self._value
+
+
+class CountingBlockSizeVote(BlockSizeVote):
+    """The fleet's block size, kept with O(1) updates (the indexer's).
+
+    The stock vote recounts every worker after each membership change, on the next batch: with
+    tens of thousands of registered (ghost) workers every new worker cost a full recount.
+    """
+
+    def __init__(self, default: int) -> None:
+        super().__init__(default)
+        self.sizes: Counter[int] = Counter()
+
+    def set(self, worker_id: str, bs: int) -> None:
+        old = self.by_worker.get(worker_id)
+        if old == bs:
+            return
+        if old is not None:
+            self._dec(old)
+        self.by_worker[worker_id] = bs
+        self.sizes[bs] += 1
+        self._value = None
+
+    def drop(self, worker_id: str) -> None:
+        old = self.by_worker.pop(worker_id, None)
+        if old is not None:
+            self._dec(old)
+            self._value = None
+
+    def _dec(self, bs: int) -> None:
+        n = self.sizes[bs] - 1
+        if n:
+            self.sizes[bs] = n
+        else:
+            del self.sizes[bs]
+
+    @property
+    def value(self) -> int:
+        if self._value is None:  # O(distinct block sizes)
+            self._value = max(self.sizes.items(), key=lambda kv: kv[1])[0] if self.sizes else self.default
+        return self._value
+
+
+class KvIngest:
+    """KV event batches of every worker's streams -> one :class:`PrefixIndex` (rules above).
+
+    ``counters``: ``batches``, ``resyncs_applied``, ``gaps``, the non-apply verdicts,
+    ``wrong_block_size``, ``unmatched_blocks`` and ``skipped_<reason>`` of :meth:`decode`.
+    """
+
+    def __init__(self, index: PrefixIndex, *, block_size: int = 16, vote: BlockSizeVote | None = None,
+                 resync_retry_s: float = 5.0) -> None:
+        self.index = index
+        self.vote = vote if vote is not None else BlockSizeVote(block_size)
+        self.counters: Counter[str] = Counter()
+        self.resync_retry_s = resync_retry_s
+        self._resync_pending: dict[tuple[str, int], float] = {}
+
+    @property
+    def block_size(self) -> int:
+        """The fleet's block size (the vote's)."""
+        return self.vote.value
+
+    def worker_block_size(self, worker_id: str) -> int | None:
+        """The block size ``worker_id`` registered with (None: not registered)."""
+        return self.vote.by_worker.get(worker_id)
+
+    def add_worker(self, worker_id: str, block_size: int) -> None:
+        self.vote.set(worker_id, block_size)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.vote.drop(worker_id)
+        self.index.remove_worker(worker_id)
+
+    def apply_events(self, worker_id: str, dp_rank: int, epoch: int, seq: int, events: Sequence[KV.KvEvent], now_s: float) -> str | None:
+        """Apply one ordered batch of a (worker, rank) stream. Returns a resync reason or None.
+
+        Duplicates and stale epochs are ignored; a gap marks the stream untrusted and asks for a
+        resync (once per ``resync_retry_s`` while one is pending; live batches keep applying
+        meanwhile, so the index under-reports but never over-reports); a resync snapshot (a
+        batch that starts with AllBlocksCleared) re-trusts it.
+        """
+        return self.apply_batch(worker_id, dp_rank, epoch, seq, events, now_s)[0]
+
+    def apply_batch(self, worker_id: str, dp_rank: int, epoch: int, seq: int, events: Sequence[KV.KvEvent],
+                    now_s: float) -> tuple[str | None, bool]:
+        """:meth:`apply_events`, also saying whether the batch was applied (not a duplicate)."""
+        stream = (worker_id, dp_rank)
+        bs = self.vote.by_worker.get(worker_id, self.block_size)
+        self.counters["batches"] += 1
+        if events and type(events[0]) is KV.AllBlocksCleared and not self.index.is_trusted(stream):
+            self.index.reset_stream(stream, epoch, seq)
+            self._resync_pending.pop(stream, None)
+            self.counters["resyncs_applied"] += 1
+            self.apply(stream, events[1:], bs)
+            return None, True
+        v = self.index.begin_batch(stream, epoch, seq)
+        if v.apply:  # begin_batch already advanced the stream: the batch must be applied
+            self.apply(stream, events, bs)
+        else:
+            self.counters[str(v.verdict.value)] += 1
+        if v.verdict is Verdict.GAP:
+            self.counters["gaps"] += 1
+        if not self.index.is_trusted(stream):
+            last = self._resync_pending.get(stream)
+            if last is None or now_s - last >= self.resync_retry_s:
+                self._resync_pending[stream] = now_s
+                return "gap", v.apply
+        return None, v.apply
+
+    def apply(self, stream, events: Sequence[KV.KvEvent], bs: int) -> None:
+        """Apply events of an admitted batch (no sequencing: :meth:`apply_batch` decided), e.g.
+        the later slices of a big batch."""
+        ops: list[Any] = []
+        for ev in events:
+            t = type(ev)
+            if t is KV.BlockStored:
+                if ev.block_size != bs:
+                    self.counters["wrong_block_size"] += 1
+                    continue
+                if ev.unmatched_blocks:
+                    self.counters["unmatched_blocks"] += ev.unmatched_blocks
+                root = ROOT_KEY
+                if ev.parent_block_hash is None and (ev.lora_name is not None or ev.cache_salt is not None):
+                    root = event_root_key(ev.lora_name, ev.cache_salt)  # a namespaced root store
+                ops.append(Store(ev.block_hashes, ev.parent_block_hash, token_ids=ev.token_ids, block_size=bs, root_key=root))
+            elif t is KV.BlockRemoved:
+                ops.append(Remove(ev.block_hashes))
+            elif t is KV.AllBlocksCleared:
+                ops.append(Clear())
+        if ops:
+            self.index.apply(stream, ops)
+
+    def decode(self, raw: list) -> list[KV.KvEvent]:
+        """Wire events -> events (tolerantly: what cannot be decoded is counted as ``skipped_<reason>``)."""
+        events, skipped = KV.decode_events(raw)
+        for reason, n in skipped.items():
+            self.counters[f"skipped_{reason}"] += n
+        return events
+
+    def stats(self) -> dict[str, Any]:
+        """The index's stats and the ingest counters as ``provider_<name>`` (the names brokers and
+        the indexer report)."""
+        return {**self.index.stats(), **{f"provider_{k}": v for k, v in self.counters.items()}}
