@@ -24,7 +24,8 @@ def _exported() -> set[str]:
     bi = build_broker(build(BrokerSettings, {"policy": "cache_aware", "cache_prefix_provider": "indexer",
                                              "kv_indexer_endpoint": ("http://127.0.0.1:9",)}))
     names |= {m.name for m in metrics_registry(bi).collect()}
-    from mesh.indexer.server import IndexerCore, IndexerService, _IndexerCollector
+    from mesh.indexer.core import IndexerCore
+    from mesh.indexer.server import IndexerService, _IndexerCollector
 
     icore = IndexerCore(max_entries=1000)
     names |= {m.name for m in _IndexerCollector(icore, IndexerService(icore)).collect()}

@@ -18,7 +18,7 @@ from mesh.index import PrefixIndex
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer.cli import add_indexer_parser, indexer_settings
 from mesh.indexer.client import BreakerState, CircuitBreaker, IndexerClient, MatchView, events_from_body, parse_endpoint
-from mesh.indexer.server import IndexerCore
+from mesh.indexer.core import IndexerCore
 from mesh.protocol import pack
 from mesh.routing.providers import LocalIndexProvider
 
@@ -174,26 +174,26 @@ def test_verdicts_for_each_kind_of_batch() -> None:
 
 def test_reordered_batch_heals_when_the_missing_one_arrives() -> None:
     core = IndexerCore(max_entries=None)
-    core.apply_batch("w", 0, 1, 0, _raw(_stored(1, 2)))
-    assert core.apply_batch("w", 0, 1, 2, _raw(_stored(4, 1, parent=3))).verdict == pb.GAP  # broker B was faster
-    assert core.apply_batch("w", 0, 1, 1, _raw(_stored(3, 1, parent=2))).verdict == pb.UNTRUSTED
-    assert core.apply_batch("w", 0, 1, 2, _raw(_stored(4, 1, parent=3))).verdict == pb.APPLY  # B retries / A forwards
+    core.apply_batch("w", 0, 1, 0, _raw(_stored(1, 2)), now_s=0.0)
+    assert core.apply_batch("w", 0, 1, 2, _raw(_stored(4, 1, parent=3)), now_s=0.0).verdict == pb.GAP  # broker B was faster
+    assert core.apply_batch("w", 0, 1, 1, _raw(_stored(3, 1, parent=2)), now_s=0.0).verdict == pb.UNTRUSTED
+    assert core.apply_batch("w", 0, 1, 2, _raw(_stored(4, 1, parent=3)), now_s=0.0).verdict == pb.APPLY  # B retries / A forwards
     assert core.index.is_trusted(("w", 0)) and core.index.worker_entries("w") == 4
 
 
 def test_unknown_stream_must_start_at_zero_or_with_a_snapshot() -> None:
     """A restarted indexer never trusts increments on top of state it never saw."""
     core = IndexerCore(max_entries=None)
-    o = core.apply_batch("w", 0, 7, 41, _raw(_stored(1, 2)))
+    o = core.apply_batch("w", 0, 7, 41, _raw(_stored(1, 2)), now_s=0.0)
     assert (pb.Verdict.Name(o.verdict), o.missed, o.resync_needed) == ("GAP", 41, True)
     assert core.index.worker_entries("w") == 0
-    o = core.apply_batch("w", 0, 7, 42, _raw(KV.AllBlocksCleared(), _stored(1, 3)))
+    o = core.apply_batch("w", 0, 7, 42, _raw(KV.AllBlocksCleared(), _stored(1, 3)), now_s=0.0)
     assert pb.Verdict.Name(o.verdict) == "RESYNCED"
-    assert pb.Verdict.Name(core.apply_batch("w", 0, 7, 43, _raw(_stored(9, 1, parent=3))).verdict) == "APPLY"
+    assert pb.Verdict.Name(core.apply_batch("w", 0, 7, 43, _raw(_stored(9, 1, parent=3)), now_s=0.0).verdict) == "APPLY"
     assert core.index.worker_entries("w") == 4
-    core.forget_worker("w")
+    core.forget_worker("w", now_s=0.0)
     assert core.index.worker_entries("w") == 0
-    assert pb.Verdict.Name(core.apply_batch("w", 0, 7, 44, _raw(_stored(10, 1))).verdict) == "GAP"
+    assert pb.Verdict.Name(core.apply_batch("w", 0, 7, 44, _raw(_stored(10, 1)), now_s=0.0).verdict) == "GAP"
 
 
 def test_whole_kv_events_body_is_accepted_and_events_can_be_sliced_out() -> None:
@@ -201,7 +201,7 @@ def test_whole_kv_events_body_is_accepted_and_events_can_be_sliced_out() -> None
     body = pack({"dp_rank": 0, "epoch": 3, "seq": 0, "ts": 1.5, "events": events})
     assert events_from_body(body) == pack(events)
     core = IndexerCore(max_entries=None)
-    o = core.apply_batch("w", 0, 3, 0, body)  # a map: detected as a whole body
+    o = core.apply_batch("w", 0, 3, 0, body, now_s=0.0)  # a map: detected as a whole body
     assert o.events_applied == 1 and core.index.worker_entries("w") == 2
     with pytest.raises(ValueError):
         events_from_body(pack({"dp_rank": 0}))
@@ -211,13 +211,13 @@ def test_whole_kv_events_body_is_accepted_and_events_can_be_sliced_out() -> None
 
 def test_block_size_of_registered_worker_is_enforced_and_unregistered_ones_are_learned() -> None:
     core = IndexerCore(max_entries=None)
-    core.register_worker("a", 32)
-    core.apply_batch("a", 0, 1, 0, _raw(_stored(1, 2)))  # 16-token pages from a 32-token worker: ignored
+    core.register_worker("a", 32, now_s=0.0)
+    core.apply_batch("a", 0, 1, 0, _raw(_stored(1, 2)), now_s=0.0)  # 16-token pages from a 32-token worker: ignored
     assert core.index.worker_entries("a") == 0
-    core.apply_batch("b", 0, 1, 0, _raw(KV.BlockStored((1,), None, tuple(range(1, 33)), 32)))
+    core.apply_batch("b", 0, 1, 0, _raw(KV.BlockStored((1,), None, tuple(range(1, 33)), 32)), now_s=0.0)
     assert core.index.worker_entries("b") == 1
     with pytest.raises(ValueError):
-        core.register_worker("", 16)
+        core.register_worker("", 16, now_s=0.0)
 
 
 def test_silent_workers_expire_and_come_back_through_a_resync() -> None:
@@ -233,7 +233,7 @@ def test_silent_workers_expire_and_come_back_through_a_resync() -> None:
 def test_bounded_memory_evicts_beyond_max_entries() -> None:
     core = IndexerCore(max_entries=64)
     for i in range(20):
-        core.apply_batch(f"w{i}", 0, 1, 0, _raw(_stored(1, 8, seed=i)))
+        core.apply_batch(f"w{i}", 0, 1, 0, _raw(_stored(1, 8, seed=i)), now_s=0.0)
     s = core.stats()
     assert s["entries"] <= 64 and s["evictions"] > 0
 
@@ -263,7 +263,7 @@ def test_two_brokers_with_duplicates_reorder_and_resync_equal_the_reference(seed
             if rng.random() < 0.15:
                 pending[i], pending[i + 1] = pending[i + 1], pending[i]
         for w, seq, raw in pending:
-            o = core.apply_batch(w.worker_id, w.dp_rank, w.epoch, seq, raw)
+            o = core.apply_batch(w.worker_id, w.dp_rank, w.epoch, seq, raw, now_s=0.0)
             if o.resync_needed:
                 resyncs.append((w.worker_id, w.dp_rank))
         for _attempt in range(3):  # the broker's on_resync -> the worker answers with a snapshot
@@ -271,7 +271,7 @@ def test_two_brokers_with_duplicates_reorder_and_resync_equal_the_reference(seed
             for wid, rank in asked:
                 w = next(x for x in workers if x.worker_id == wid)
                 seq, raw = w.snapshot()
-                if core.apply_batch(w.worker_id, w.dp_rank, w.epoch, seq, raw).resync_needed:
+                if core.apply_batch(w.worker_id, w.dp_rank, w.epoch, seq, raw, now_s=0.0).resync_needed:
                     resyncs.append((wid, rank))
     assert core.index.untrusted_streams() == []
     ref = reference(workers)
@@ -288,7 +288,7 @@ def test_duplicates_only_never_double_apply() -> None:
         for w in workers:
             seq, raw = w.batch()
             for _copy in range(2):
-                o = core.apply_batch(w.worker_id, 0, w.epoch, seq, raw)
+                o = core.apply_batch(w.worker_id, 0, w.epoch, seq, raw, now_s=0.0)
                 assert not o.resync_needed
     s = core.stats()
     assert s["duplicates"] == 90
@@ -305,7 +305,7 @@ def test_match_view_has_the_shape_and_answers_of_match_result(multi_rank: bool) 
     for _ in range(15):
         for w in workers:
             seq, raw = w.batch()
-            core.apply_batch(w.worker_id, w.dp_rank, w.epoch, seq, raw)
+            core.apply_batch(w.worker_id, w.dp_rank, w.epoch, seq, raw, now_s=0.0)
     ref = reference(workers)
     assert_same_matches(ref, core_answer(core), workers)
     keys = content_keys(SYSTEM + [1] * BS, BS)
@@ -324,7 +324,7 @@ def test_max_results_keeps_the_deepest_and_counts_all() -> None:
     toks = [7] * (4 * BS)
     for i in range(10):
         n = 1 + i % 4
-        core.apply_batch(f"w{i}", 0, 1, 0, _raw(KV.BlockStored(tuple(range(1, n + 1)), None, tuple(toks[:n * BS]), BS)))
+        core.apply_batch(f"w{i}", 0, 1, 0, _raw(KV.BlockStored(tuple(range(1, n + 1)), None, tuple(toks[:n * BS]), BS)), now_s=0.0)
     resp = core.match(content_keys(toks, BS), max_results=3)
     flat = [(lvl.matched_blocks, w) for lvl in resp.levels for w in lvl.worker_ids]
     assert flat == [(4, "w3"), (4, "w7"), (3, "w2")]

@@ -138,7 +138,7 @@ def test_coverage_follows_registrations_batches_gaps_and_forgets():
     """The server's own readiness (pure core): a stream a broker says it forwards is uncovered
     until a batch of it is applied in order; a hole uncovers it again; forgetting the worker (or
     a bound) ends the expectation, so nobody can hold the server out of readiness for good."""
-    from mesh.indexer.server import IndexerCore, Limits
+    from mesh.indexer.core import IndexerCore, Limits
 
     core = IndexerCore(limits=Limits(max_streams=3))
     core.register_worker("w", 16, dp_ranks=[0, 1], now_s=0.0)
@@ -151,8 +151,8 @@ def test_coverage_follows_registrations_batches_gaps_and_forgets():
     assert core.uncovered() == [("w", 1)]
     core.register_worker("x", 16, dp_ranks=[0, 1, 2], now_s=2.0)  # over max_streams in all: capped
     assert core.stats()["expected_streams"] == 3 and core.c["expected_ranks_refused"] == 1
-    core.forget_worker("w")
-    core.forget_worker("x")
+    core.forget_worker("w", now_s=3.0)
+    core.forget_worker("x", now_s=3.0)
     assert core.uncovered_streams == 0 and core.stats()["expected_streams"] == 0
     # a checkpoint of the state keeps the expectations (the Valkey backend's restart)
     core.register_worker("y", 16, dp_ranks=[0], now_s=3.0)

@@ -2,7 +2,7 @@
 
 One implementation shared by the routers' event-fed provider
 (:class:`mesh.routing.providers.LocalIndexProvider`) and the indexer service
-(:class:`mesh.indexer.server.IndexerCore`):
+(:class:`mesh.indexer.core.IndexerCore`):
 
 * **sequencing** per ``(worker_id, dp_rank)`` stream (epochs, duplicates, gaps:
   :mod:`mesh.index.sequence`, through :meth:`PrefixIndex.begin_batch`);

@@ -56,7 +56,8 @@ class IndexerSettings:
                                     help="--backend valkey: write a checkpoint (and trim the log) after this many entries")
 
     def validate(self) -> None:
-        from mesh.indexer.server import Limits, parse_listen
+        from mesh.indexer.core import Limits
+        from mesh.indexer.server import parse_listen
 
         parse_listen(self.listen)
         if self.max_entries < 0:
@@ -141,7 +142,8 @@ def indexer_token(vals: dict[str, Any]) -> str | None:
 
 
 def _cmd_indexer(args) -> int:
-    from mesh.indexer.server import Limits, run_server
+    from mesh.indexer.core import Limits
+    from mesh.indexer.server import run_server
 
     v = indexer_settings(args)
     limits = Limits(**{k: v[k] for k in _LIMITS}, owner_ttl_s=float(v["worker_ttl_s"]))

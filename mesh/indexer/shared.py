@@ -7,7 +7,7 @@ included) comes back with it, without asking any broker for anything:
 * **One log.** Every mutation a replica is asked for (ApplyKvBatch(es), RegisterWorker,
   ForgetWorker) is appended to one Valkey stream (``{prefix}:log``, XADD) *before* it is
   applied. Every replica tails that stream (XREAD BLOCK) and applies every entry, its own and the
-  other replicas', in stream order, through the same :class:`~mesh.indexer.server.IndexerCore`
+  other replicas', in stream order, through the same :class:`~mesh.indexer.core.IndexerCore`
   the in-memory backend runs. The core is deterministic given its entries and their times, and
   an entry's time is its stream id (the Valkey server's clock, ms): all replicas reach the same
   verdicts and the same state. A caller gets the verdict of *its* entry as applied by the replica
