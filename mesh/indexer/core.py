@@ -32,9 +32,9 @@ from __future__ import annotations
 import os
 import pickle
 from collections import Counter, deque
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from mesh import kv_events as KV
 from mesh.broker_core.counters import LatencyHistogram
@@ -43,9 +43,8 @@ from mesh.hashing import content_keys
 from mesh.index import PrefixIndex, Verdict
 from mesh.index.ingest import CountingBlockSizeVote, KvIngest
 from mesh.indexer import indexer_pb2 as pb
-from mesh.indexer.payload import raw_event_chunks, split_store
+from mesh.indexer.payload import decode_payload, event_slices
 from mesh.logs import RateLimiter, get_logger
-from mesh.protocol import unpack
 from mesh.stats import percentile
 
 __all__ = ["IndexerCore", "ApplyOutcome", "Limits", "Refused", "REJECTED", "check_registration", "DEFAULT_MAX_ENTRIES",
@@ -61,10 +60,6 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 #: The longest owner id (``x-mesh-owner``) a caller may give.
 MAX_OWNER_CHARS = 128
 _MAX_WORKER_ID_CHARS = 256
-_SLICED_DECODE_BYTES = 128 << 10  # payloads above this are unpacked event by event, with yields
-_DECODE_SLICE_EVENTS = 256  # events unpacked + decoded between two chances to yield
-_APPLY_SLICE_BLOCKS = 256  # blocks applied between two chances to yield
-_SPLIT_STORE_BLOCKS = 1024  # a BlockStored longer than this is applied as parent-linked pieces
 _LATENCY_WINDOW = 8192  # recent query handler times kept for the p50/p99 in Stats
 
 _VERDICT_PB = {
@@ -184,6 +179,68 @@ def _drain(steps: Generator[None, None, ApplyOutcome]) -> ApplyOutcome:
             return stop.value
 
 
+class Coverage:
+    """Readiness: the streams brokers told us (RegisterWorker ``dp_ranks``) they forward, and those
+    of them not held trusted here (``covered``: the core's judgement, passed in). Ready (health
+    SERVING) only while none is uncovered.
+
+    Bounded like the streams themselves: per worker and over all workers (a caller naming
+    streams it never sends could otherwise hold the server out of readiness without end; such a
+    worker holds no block, so ghost expiry forgets it and its expectations).
+    """
+
+    def __init__(self) -> None:
+        self.expected: dict[str, set[int]] = {}
+        self.n_expected = 0
+        self.uncovered: set[tuple[str, int]] = set()
+
+    def is_expected(self, stream: tuple[str, int]) -> bool:
+        exp = self.expected.get(stream[0])
+        return exp is not None and stream[1] in exp
+
+    def update(self, stream: tuple[str, int], covered: bool) -> None:
+        if covered:
+            self.uncovered.discard(stream)
+        else:
+            self.uncovered.add(stream)
+
+    def expect(self, worker_id: str, dp_ranks: Sequence[int], limits: Limits,
+               covered: Callable[[tuple[str, int]], bool]) -> bool:
+        """Expect these streams of ``worker_id``; True when a bound refused some."""
+        exp = self.expected.setdefault(worker_id, set())
+        room = min(limits.max_ranks_per_worker - len(exp), limits.max_streams - self.n_expected)
+        for r in dp_ranks:
+            if r in exp:
+                continue
+            if room <= 0:
+                return True
+            exp.add(r)
+            self.n_expected += 1
+            room -= 1
+            self.update((worker_id, r), covered((worker_id, r)))
+        return False
+
+    def forget(self, worker_id: str) -> None:
+        """The worker is gone: none of its streams is expected any more."""
+        exp = self.expected.pop(worker_id, ())
+        self.n_expected -= len(exp)
+        for r in exp:
+            self.uncovered.discard((worker_id, r))
+
+    def lost(self, stream: tuple[str, int]) -> None:
+        """The stream's state was dropped: if expected, uncovered until a resync brings it back."""
+        if self.is_expected(stream):
+            self.uncovered.add(stream)
+
+    def drop(self, stream: tuple[str, int]) -> None:
+        """An empty rank nobody sends to any more: no longer expected."""
+        exp = self.expected.get(stream[0])
+        if exp is not None and stream[1] in exp:
+            exp.discard(stream[1])
+            self.n_expected -= 1
+            self.uncovered.discard(stream)
+
+
 class IndexerCore:
     """The service logic without gRPC: apply batches, match prompts, register/forget, stats.
 
@@ -211,11 +268,7 @@ class IndexerCore:
         # untrusted/unknown stream -> when a resync was last asked for (cleared once trusted)
         self._asked_at: dict[tuple[str, int], float] = {}
         self.resync_retry_s = resync_retry_s
-        # Coverage: the streams brokers told us (RegisterWorker dp_ranks) they forward, and those of
-        # them not held trusted here. Ready (health SERVING) only while the second set is empty.
-        self._expected: dict[str, set[int]] = {}
-        self._n_expected = 0
-        self._uncovered: set[tuple[str, int]] = set()
+        self.coverage = Coverage()
         self.c: Counter[str] = Counter()
         self.latency_ns: deque[int] = deque(maxlen=_LATENCY_WINDOW)
         self.match_hist = LatencyHistogram()  # every match's server time (Prometheus mesh_indexer_match_seconds)
@@ -306,33 +359,11 @@ class IndexerCore:
             self._refuse(refusal, worker_id=worker_id[:64], dp_rank=dp_rank)
             return ApplyOutcome(pb.REJECTED, refused=refusal)
         max_events = self.limits.max_batch_events
-        skipped: Counter[str] = Counter()
-        if len(payload) <= _SLICED_DECODE_BYTES:
-            try:
-                obj = unpack(payload)
-            except ProtocolError:
-                c["batches_rejected"] += 1
-                return REJECTED
-            if type(obj) is dict:  # a whole KV_EVENTS body
-                obj = obj.get("events")
-            events, sk = KV.decode_events(obj)
-            skipped.update(sk)
-        else:
-            events = []
-            try:
-                for chunk in raw_event_chunks(payload, _DECODE_SLICE_EVENTS):
-                    if chunk is None:
-                        skipped["bad_batch"] += 1
-                        break
-                    evs, sk = KV.decode_events(chunk)
-                    events.extend(evs)
-                    skipped.update(sk)
-                    if len(events) > max_events:
-                        break
-                    yield
-            except ProtocolError:
-                c["batches_rejected"] += 1
-                return REJECTED
+        try:
+            events, skipped = yield from decode_payload(payload, max_events)
+        except ProtocolError:
+            c["batches_rejected"] += 1
+            return REJECTED
         if len(events) > max_events:
             reason = self._refuse("refused_batch_events", worker_id=worker_id[:64], dp_rank=dp_rank,
                                   limit=max_events)
@@ -363,7 +394,12 @@ class IndexerCore:
         was_trusted = ix.is_trusted(stream)
         ix.last_verdict = None
         rejected = [0]  # stores of the wrong block size taken out, filled in as slices are made
-        slices = self._slices(worker_id, rec, events, rejected)
+
+        def reject(got: int) -> None:
+            rejected[0] += 1
+            self._reject_block_size(worker_id, rec.block_size, got)
+
+        slices = event_slices(events, rec.block_size, reject)
         first = next(slices, [])
         self.ingest.apply_events(worker_id, dp_rank, epoch, seq, first, now)
         v = ix.last_verdict
@@ -403,16 +439,15 @@ class IndexerCore:
         if applied:
             self._known.add(stream)
             c["events_applied"] += n_applied
-        exp = self._expected.get(worker_id)
-        if exp is not None and dp_rank in exp:
-            self._cover(stream)
+        if self.coverage.is_expected(stream):
+            self.coverage.update(stream, self.covered(stream))
         c[f"verdict_{pb.Verdict.Name(verdict).lower()}"] += 1
         return out
 
     # ------------------------------------------------------------------ state (shared backends)
     #: What a checkpoint holds: everything the verdicts depend on (not counters, not latencies).
     _STATE = ("index", "ingest", "_known", "_w", "_n_streams", "_ranked_streams", "_ghosts", "_ghost_streams",
-              "_asked_at", "_expected", "_n_expected", "_uncovered")
+              "_asked_at", "coverage")
 
     def dump_state(self) -> bytes:
         """The whole index state as bytes (pickle: only ever loaded from a store this service
@@ -438,12 +473,6 @@ class IndexerCore:
         """Does this server hold ``stream`` trusted (a batch applied, no hole since)?"""
         return stream in self._known and self.index.is_trusted(stream)
 
-    def _cover(self, stream: tuple[str, int]) -> None:
-        if self.covered(stream):
-            self._uncovered.discard(stream)
-        else:
-            self._uncovered.add(stream)
-
     @property
     def ghosts(self) -> tuple[int, int]:
         """(ghost workers, ghost streams): admitted, never a block in the index yet."""
@@ -452,67 +481,11 @@ class IndexerCore:
     @property
     def uncovered_streams(self) -> int:
         """Expected streams (see :meth:`register_worker`) not held trusted: 0 = complete."""
-        return len(self._uncovered)
+        return len(self.coverage.uncovered)
 
     def uncovered(self, limit: int = 16) -> list[tuple[str, int]]:
         """Some uncovered streams, sorted (for logs and tests)."""
-        return sorted(self._uncovered)[:limit]
-
-    def _expect(self, worker_id: str, dp_ranks: Sequence[int]) -> None:
-        """Bounded like the streams themselves: per worker and over all workers (a caller naming
-        streams it never sends could otherwise hold the server out of readiness without end;
-        such a worker holds no block, so ghost expiry forgets it and its expectations)."""
-        exp = self._expected.setdefault(worker_id, set())
-        room = min(self.limits.max_ranks_per_worker - len(exp), self.limits.max_streams - self._n_expected)
-        for r in dp_ranks:
-            if r in exp:
-                continue
-            if room <= 0:
-                self.c["expected_ranks_refused"] += 1
-                break
-            exp.add(r)
-            self._n_expected += 1
-            room -= 1
-            self._cover((worker_id, r))
-
-    def _unexpect(self, worker_id: str) -> None:
-        exp = self._expected.pop(worker_id, ())
-        self._n_expected -= len(exp)
-        for r in exp:
-            self._uncovered.discard((worker_id, r))
-
-    def _slices(self, worker_id: str, rec: _WorkerRec, events: list[KV.KvEvent],
-                rejected: list[int]) -> Iterator[list[KV.KvEvent]]:
-        """The batch's events in slices of about ``_APPLY_SLICE_BLOCKS`` blocks, with stores of the
-        wrong block size taken out (counted in ``rejected[0]`` and the service counters, logged)
-        and very long stores split into parent-linked pieces.
-        """
-        bs = rec.block_size
-        out: list[KV.KvEvent] = []
-        blocks = 0
-        for ev in events:
-            if type(ev) is KV.BlockStored:
-                if bs is not None and ev.block_size != bs:
-                    rejected[0] += 1
-                    self._reject_block_size(worker_id, bs, ev.block_size)
-                    continue
-                n = len(ev.block_hashes)
-                if n > _SPLIT_STORE_BLOCKS:
-                    if out:
-                        yield out
-                    for piece in split_store(ev, _APPLY_SLICE_BLOCKS):
-                        yield [piece]
-                    out, blocks = [], 0
-                    continue
-                blocks += n
-            else:
-                blocks += 1
-            out.append(ev)
-            if blocks >= _APPLY_SLICE_BLOCKS:
-                yield out
-                out, blocks = [], 0
-        if out:
-            yield out
+        return sorted(self.coverage.uncovered)[:limit]
 
     def _reject_block_size(self, worker_id: str, expected: int, got: int) -> None:
         self.c["events_rejected_block_size"] += 1
@@ -572,7 +545,8 @@ class IndexerCore:
             self._set_block_size(worker_id, rec, block_size)
         rec.last_seen = now
         if dp_ranks:
-            self._expect(worker_id, dp_ranks)
+            if self.coverage.expect(worker_id, dp_ranks, self.limits, self.covered):
+                self.c["expected_ranks_refused"] += 1
         self.c["workers_registered"] += 1
 
     def _reset_worker(self, worker_id: str, rec: _WorkerRec, block_size: int) -> None:
@@ -586,12 +560,10 @@ class IndexerCore:
                          entries_dropped=dropped)
 
     def _drop_streams(self, worker_id: str, rec: _WorkerRec) -> None:
-        exp = self._expected.get(worker_id, ())
         for r in rec.ranks:
             s = (worker_id, r)
             self._known.discard(s)
-            if r in exp:
-                self._uncovered.add(s)  # expected and now gone: a resync must bring it back
+            self.coverage.lost(s)
             self._asked_at.pop(s, None)
             self._ghost_streams.pop(s, None)
             if r:
@@ -621,7 +593,7 @@ class IndexerCore:
             self._drop_streams(worker_id, rec)
             del self._w[worker_id]
             self._ghosts.pop(worker_id, None)
-        self._unexpect(worker_id)
+        self.coverage.forget(worker_id)
         self.c["workers_forgotten"] += 1
         return n
 
@@ -682,11 +654,7 @@ class IndexerCore:
                 self._ranked_streams -= 1
             self._known.discard(s)
             self._asked_at.pop(s, None)
-            exp = self._expected.get(s[0])
-            if exp is not None and s[1] in exp:  # an empty rank nobody sends to any more: no longer expected
-                exp.discard(s[1])
-                self._n_expected -= 1
-                self._uncovered.discard(s)
+            self.coverage.drop(s)
             self.c["ghost_streams_expired"] += 1
             n += 1
         return n
@@ -698,27 +666,7 @@ class IndexerCore:
         ``max_results`` > 0 keeps only the deepest that many workers (``matched_workers`` still
         counts them all).
         """
-        m = self.index.match(keys)
-        resp = pb.MatchPrefixResponse(query_blocks=len(keys), blocks_read=len(keys))
-        if m.empty:
-            return resp
-        resp.best_prefix_blocks = m.best_blocks
-        matched = 0
-        room = max_results if max_results > 0 else -1
-        levels = resp.levels
-        for depth, ids, ranks in _depth_groups(m, self._single_rank):
-            matched += len(ids)
-            if room == 0:
-                continue
-            if 0 < room < len(ids):
-                ids, ranks = ids[:room], ranks[:room]
-            lvl = levels.add(matched_blocks=depth)
-            lvl.worker_ids.extend(ids)
-            lvl.dp_ranks.extend(ranks)
-            if room > 0:
-                room -= len(ids)
-        resp.matched_workers = matched
-        return resp
+        return _match_response(self.index.match(keys), len(keys), max_results, self._single_rank)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
@@ -731,8 +679,8 @@ class IndexerCore:
             "service": dict(c),
             "server_instance": self.instance,
             "known_streams": len(self._known),
-            "expected_streams": self._n_expected,
-            "uncovered_streams": len(self._uncovered),
+            "expected_streams": self.coverage.n_expected,
+            "uncovered_streams": len(self.coverage.uncovered),
             "tracked_workers": len(self._w),
             "tracked_streams": self._n_streams,
             "ghost_workers": len(self._ghosts),
@@ -745,6 +693,30 @@ class IndexerCore:
             "match_p50_us": percentile(lat, 50, presorted=True) / 1000.0,  # ns -> us; 0.0 with no samples
             "match_p99_us": percentile(lat, 99, presorted=True) / 1000.0,
         }
+
+
+def _match_response(m: Any, n_keys: int, max_results: int, single_rank: bool) -> pb.MatchPrefixResponse:
+    """A MatchResult of ``n_keys`` query blocks as a MatchPrefixResponse (see :meth:`IndexerCore.match`)."""
+    resp = pb.MatchPrefixResponse(query_blocks=n_keys, blocks_read=n_keys)
+    if m.empty:
+        return resp
+    resp.best_prefix_blocks = m.best_blocks
+    matched = 0
+    room = max_results if max_results > 0 else -1
+    levels = resp.levels
+    for depth, ids, ranks in _depth_groups(m, single_rank):
+        matched += len(ids)
+        if room == 0:
+            continue
+        if 0 < room < len(ids):
+            ids, ranks = ids[:room], ranks[:room]
+        lvl = levels.add(matched_blocks=depth)
+        lvl.worker_ids.extend(ids)
+        lvl.dp_ranks.extend(ranks)
+        if room > 0:
+            room -= len(ids)
+    resp.matched_workers = matched
+    return resp
 
 
 def _depth_groups(m: Any, single_rank: bool):
