@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,32 @@ def test_every_relative_link_points_to_an_existing_file_and_heading(doc: Path):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(f"{target} (no heading #{anchor} in {dest.relative_to(ROOT)})")
     assert not broken, f"{doc.relative_to(ROOT)}: broken links: {broken}"
+
+
+def _recipe_commands() -> list[list[str]]:
+    """The ``mesh ...`` command lines of the fleet recipe (continuations joined, optional [...] unwrapped)."""
+    text = README.read_text()
+    recipe = text[text.index("## mesh in front of"):text.index("\n## ", text.index("## mesh in front of") + 1)]
+    out = []
+    for block in re.findall(r"^```bash\n(.*?)^```", recipe, re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0].replace("[", "").replace("]", "")
+            if line.startswith("mesh "):
+                out.append(shlex.split(line)[1:])
+    return out
+
+
+def test_the_fleet_recipe_names_only_flags_mesh_has():
+    from mesh.cli import build_parser
+
+    cmds = _recipe_commands()
+    assert {c[0] for c in cmds} >= {"broker", "attach", "gateway", "indexer"}, cmds
+    assert any("--tokenizer" in c for c in cmds if c[0] == "broker")
+    for argv in cmds:
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as exc:
+            pytest.fail(f"README: mesh {' '.join(argv)} does not parse (exit {exc.code})")
 
 
 def test_the_readme_python_snippet_compiles_and_imports_only_names_that_exist():
