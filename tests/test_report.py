@@ -123,3 +123,12 @@ def test_the_checked_in_quality_matrix_page_is_generated_from_the_checked_in_sum
     assert main([str(root / "docs/quality-matrix-summary.json"), "--out", str(tmp_path), "--date", date]) == 0
     fresh = (tmp_path / "quality-matrix.md").read_text().replace(str(root) + "/", "")
     assert fresh == page
+
+
+def test_a_matrix_without_the_noise_arm_has_no_noise_column(tmp_path: Path):
+    for data, page in ((MATRIX_FULL, "quality-matrix-70b.md"), (MATRIX_COMPACT, "quality-matrix.md")):
+        src = tmp_path / "m.json"
+        src.write_text(json.dumps(data))
+        assert main([str(src), "--out", str(tmp_path), "--date", "d"]) == 0
+        head = next(line for line in (tmp_path / page).read_text().splitlines() if line.startswith("| cell |"))
+        assert ("| noise |" in head) == (data is MATRIX_COMPACT), head

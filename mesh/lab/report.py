@@ -267,8 +267,8 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
              f"in `mesh sim`, seeds {' and '.join(seeds)} (figures are per seed, \"seed {' / seed '.join(seeds)}\"). "
              f"`{subject}` is judged against the best other policy: it loses a cell when its TTFT p95 is more than 5 % "
              "above, or its goodput more than 1 point below, on either seed. The noise column is the same policy with "
-             "its workers named in another order (the cell's noise floor).",
-             f"mesh sim --matrix {path} --seeds {','.join(seeds)} --jobs 2 --json {out}")
+             "its workers named in another order (the cell's noise floor), when the matrix runs it.",
+             f"mesh sim --matrix {path} --seeds {','.join(seeds)} --json {out}")
     sm = d["summary"]
     p.tables.append((["policy", "won", "within 5 %", "lost"],
                      [[k, str(v["win"]), str(v["within"]), str(v["lose"])] for k, v in sm["policies"].items()]))
@@ -278,8 +278,9 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                    f"{tg.get('ttft_p95', '-')} / {n}; goodput >= the best other's - 1 point {tg.get('goodput', '-')} / {n}; "
                    f"hit rate >= 0.9x greedy's {tg.get('hit_rate', '-')} / {n}; all three {sm.get('cells_all_targets', '-')} / {n}."
                    + (f" Losing cells: {', '.join(sm['losing_cells'])}." if sm.get("losing_cells") else ""))
-    head = ["cell", *[f"{SHORT.get(o, o)} p95 ms" for o in others], f"{subject} p95 ms", "/ best other", "noise",
-            "Δ goodput pts", f"hit: {subject} vs greedy", "verdict"]
+    noise = any(v["noise"] for c in cells for v in c["seeds"].values())
+    head = ["cell", *[f"{SHORT.get(o, o)} p95 ms" for o in others], f"{subject} p95 ms", "/ best other",
+            *(["noise"] if noise else []), "Δ goodput pts", f"hit: {subject} vs greedy", "verdict"]
     rows = []
     for c in cells:
         s = c["seeds"]
@@ -287,7 +288,7 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                      *[_per_seed(s, lambda v, o=o: (v["arms"].get(o) or {}).get("ttft_p95_ms"), "{:,.0f}") for o in others],
                      _per_seed(s, lambda v: (v["arms"].get(subject) or {}).get("ttft_p95_ms"), "{:,.0f}"),
                      _per_seed(s, lambda v: (v["subject"] or {}).get("p95_ratio"), "{:.2f}"),
-                     _per_seed(s, lambda v: (v["noise"] or {}).get("p95_ratio"), "{:.2f}"),
+                     *([_per_seed(s, lambda v: (v["noise"] or {}).get("p95_ratio"), "{:.2f}")] if noise else []),
                      _per_seed(s, lambda v: None if v["subject"] is None else v["subject"]["goodput_diff"] * 100, "{:+.1f}"),
                      _per_seed(s, lambda v: (v["arms"].get(subject) or {}).get("hit_rate"), "{:.2f}") + " vs "
                      + _per_seed(s, lambda v: (v["arms"].get("cache_aware_greedy") or {}).get("hit_rate"), "{:.2f}"),
