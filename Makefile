@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-e2e test-bench soak bench bench-http venv clean valkey-server
+.PHONY: demo test test-unit test-e2e test-bench soak bench bench-http report venv clean valkey-server
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,13 @@ bench-http: $(STAMP)
 	@if ! command -v wrk >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get install -y wrk || { apt-get update && apt-get install -y wrk; } || echo "wrk not installed: the built-in load generator runs"; fi
 	$(VENV)/bin/mesh bench http --json bench/http.json
+
+# the result pages in docs/results/, one per JSON file (a new run replaces its page); the quality
+# matrix's summary is dated by the commit that changed it, not by the checkout
+report: $(STAMP)
+	$(if $(wildcard bench/*.json),$(PY) -m mesh.lab.report $(wildcard bench/*.json))
+	$(PY) -m mesh.lab.report docs/quality-matrix-summary.json \
+		--date "$$(git log -1 --format=%cs -- docs/quality-matrix-summary.json 2>/dev/null | grep . || date -u +%F)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

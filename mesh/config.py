@@ -70,7 +70,7 @@ class BrokerSettings:
                                                              "prefill queued when waiting there takes this much longer "
                                                              "than recomputing the prompt elsewhere (0 = never)")
     stall_queue_ms: float = setting(1000.0, unit="ms", help="cache_aware: the holder queue the stall escape needs "
-                                                            "(README: lower let short prompts leave their holders)")
+                                                            "(docs/routing.md: lower let short prompts leave their holders)")
     cache_prefix_provider: str = setting("radix_tree", help="prefix index source: radix_tree, approx, indexer")
     kv_indexer_endpoint: tuple[str, ...] = setting((), help="shared KV indexer http://HOST:PORT (repeat for replicas)")
     kv_indexer_query_timeout_ms: int = setting(100, unit="ms", help="deadline of one indexer query")
@@ -144,7 +144,7 @@ class BrokerSettings:
     exchange_routes: bool = setting(False, help="also tell the peers where this broker routed each prompt (a few "
                                                 "content keys per prompt), so that a follow-up reaching a peer finds "
                                                 "the worker still computing its prefix: restores one router's hit "
-                                                "rate on multi-turn chat, but not its TTFT (README). Peers' routes "
+                                                "rate on multi-turn chat, but not its TTFT (docs/routing.md). Peers' routes "
                                                 "are taken either way")
     exchange_stale_ms: float = setting(3000.0, unit="ms", help="a peer silent this long is dropped: this broker falls "
                                                                "back to its own view for it")

@@ -1,0 +1,393 @@
+"""``mesh report``: the result pages in ``docs/results/``, generated from the JSON the lab writes.
+
+Reads the files ``mesh bench broker|routing|indexer|exchange|http --json F`` and
+``mesh sim --matrix FILE --json F`` write (or the compact ``docs/quality-matrix-summary.json``)
+and writes one markdown page per file: a table, the command that made it and the date of the
+run. A page is replaced on every run, so the latest result is the only one in the repository
+and a new run is a new page, not a merge of prose.
+
+    mesh report bench/*.json docs/quality-matrix-summary.json      # -> docs/results/<name>.md
+
+Each input's kind is recognised by its keys (``--kind`` forces one); the page is named after the
+kind (``broker.md``, ``http.md``, ...) or, for a matrix, after its configuration file
+(``quality-matrix.md``, ``quality-matrix-70b.md``). The date is the JSON file's modification
+time in UTC unless ``--date`` gives one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["KINDS", "Page", "detect_kind", "main", "page_name", "render", "to_markdown"]
+
+KINDS = ("broker", "routing", "indexer", "exchange", "http", "matrix")
+SHORT = {"power_of_two": "p2c", "cache_aware_greedy": "greedy"}
+
+
+@dataclass
+class Page:
+    """One result page: a title, what it measures, tables (header + rows) and notes under them."""
+
+    title: str
+    about: str
+    command: str
+    tables: list[tuple[list[str], list[list[str]]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- recognising the input
+
+
+def detect_kind(data: Any) -> str | None:
+    """Which command wrote this JSON (one of :data:`KINDS`), or None."""
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("cells"), list) and isinstance(data.get("summary"), dict):
+        return "matrix"
+    if data.get("bench") == "http" or ("config" in data and isinstance(data.get("cells"), list)):
+        return "http"
+    if "baseline_rps" in data and "rounds" in data:
+        return "broker"
+    if "decision" in data and "apply_blocks_per_s" in data:
+        return "routing"
+    if "backends" in data and "ingest_blocks_per_s" in data:
+        return "indexer"
+    if "by_interval" in data:
+        return "exchange"
+    return None
+
+
+def page_name(kind: str, data: dict[str, Any]) -> str:
+    """The page's file stem: the kind, or for a matrix the stem of its configuration file."""
+    if kind != "matrix":
+        return kind
+    path = (data.get("matrix") or {}).get("path")
+    return Path(path).stem if path else "quality-matrix"
+
+
+# ----------------------------------------------------------------------------- cells
+
+
+def _num(v: Any, spec: str = "{:,.0f}") -> str:
+    """One table cell: ``spec`` applied to a number, "-" for a missing one (None or NaN)."""
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    if isinstance(v, str):
+        return v
+    return spec.format(v)
+
+
+def _pair(a: Any, b: Any, spec: str = "{:,.2f}") -> str:
+    return f"{_num(a, spec)} / {_num(b, spec)}"
+
+
+def _span(values: Iterable[Any], spec: str = "{:,.0f}") -> str:
+    """A list of per-round figures as "lo-hi" (or the one value)."""
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return "-"
+    lo, hi = min(xs), max(xs)
+    return _num(lo, spec) if lo == hi else f"{_num(lo, spec)}-{_num(hi, spec)}"
+
+
+# ----------------------------------------------------------------------------- one renderer per kind
+
+
+def _broker(d: dict[str, Any], src: str) -> Page:
+    p = Page("Broker throughput and added latency",
+             f"One broker with {d['workers']} instant workers against a minimal ZeroMQ forwarder, "
+             f"{d['concurrency']} requests in flight for the maximum, then both at half the broker's maximum "
+             "for latency. Each round runs both arms with fresh processes; the last row is the median.",
+             f"mesh bench broker --workers {d['workers']} --concurrency {d['concurrency']} --seconds {d['seconds']:g} "
+             f"--rounds {len(d['rounds'])}{'' if d.get('pinning') else ' --no-pin'} --json {src}")
+    rows = [[str(k), _num(r["rps"]), _num(r["baseline_rps"]),
+             _num(r["rps"] / r["baseline_rps"] if r.get("baseline_rps") else None, "{:.3f}"),
+             _pair(r.get("p50_ms"), r.get("p99_ms"))] for k, r in enumerate(d["rounds"], 1)]
+    rows.append(["**median**", _num(d["rps"]), _num(d["baseline_rps"]), _num(d["ratio"], "{:.3f}"),
+                 _pair(d["p50_ms"], d["p99_ms"])])
+    p.tables.append((["round", "mesh req/s", "forwarder req/s", "ratio", "added latency p50 / p99 ms"], rows))
+    pin = d.get("pinning") or {}
+
+    def cpus(v: Any) -> str:
+        return ", ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+    p.notes.append(f"Errors: {d.get('errors', 0)}. CPUs: {d.get('cpus', '-')}; pinning: "
+                   + (f"process under test on CPU {cpus(pin.get('process_under_test'))}, harness on "
+                      f"CPU {cpus(pin.get('harness'))}" if pin else "off") + ".")
+    return p
+
+
+def _routing(d: dict[str, Any], src: str) -> Page:
+    sizes = ",".join(d["decision"])
+    p = Page("Routing decision time",
+             f"One `cache_aware` decision for a {d.get('prompt_tokens', '-')}-token prompt "
+             f"({d.get('block_size', '-')}-token pages): content keys, index match, scoring and bookkeeping, "
+             "in process.",
+             f"mesh bench routing --sizes {sizes} --json {src}")
+    rows = [[n, _num(r["p50_us"], "{:,.0f} µs"), _num(r["p99_us"], "{:,.0f} µs"), _num(r.get("index_entries"))]
+            for n, r in d["decision"].items()]
+    p.tables.append((["workers", "p50", "p99", "index entries"], rows))
+    p.notes.append(f"Index apply: {_num(d['apply_blocks_per_s'])} blocks/s. Memory: {_num(d.get('bytes_per_block'), '{:g}')} "
+                   f"bytes per indexed (block, worker) entry. p99 at 4,096 workers over p99 at 64: "
+                   f"{_num(d.get('p99_ratio_4096_vs_64'), '{:.2f}')}.")
+    return p
+
+
+_INDEXER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str], str]] = [
+    ("ingest over gRPC", lambda r: _num(r.get("ingest_blocks_per_s"), "{:,.0f} blocks/s"), ">= 200,000 blocks/s"),
+    ("one-batch apply p50 / p99 ms", lambda r: _pair(r.get("apply_p50_ms"), r.get("apply_p99_ms")), ""),
+    ("match p50 / p99 ms, client", lambda r: _pair(r.get("match_p50_ms_client"), r.get("match_p99_ms_client")), "p99 <= 3 ms"),
+    ("match p50 / p99 ms, server", lambda r: _pair(r.get("match_p50_ms_server"), r.get("match_p99_ms_server")), "p99 <= 1 ms"),
+    ("bytes per indexed block (RSS)", lambda r: _num(r.get("bytes_per_block"), "{:,.0f}"), ""),
+    ("replica SIGKILL -> listening with the state",
+     lambda r: f"{r['restart_seconds']} s, {_num(r.get('restart_entries'))} entries" if "restart_seconds" in r else "n/a", ""),
+]
+
+
+def _indexer(d: dict[str, Any], src: str) -> Page:
+    per = d["backends"]
+    backend = "both" if len(per) > 1 else next(iter(per))
+    p = Page("Shared KV indexer",
+             f"The indexer server in its own process with {_num(d['workers'])} workers and "
+             f"{_num(d.get('indexed_blocks'))} indexed blocks, queried with {d.get('prompt_blocks', '-')}-block prompts; "
+             "every backend on the same workload in one run.",
+             f"mesh bench indexer --workers {d['workers']} --blocks {d.get('ingest_blocks', d.get('indexed_blocks'))} "
+             f"--backend {backend} --json {src}")
+    rows = [[label, *[cell(per[b]) for b in per], target] for label, cell, target in _INDEXER_ROWS]
+    p.tables.append((["measure", *per, "target"], rows))
+    p.notes.append(f"Host: {d.get('host_cpus', '-')} CPUs, load average {d.get('host_loadavg_1m_at_end', '-')} at the end.")
+    return p
+
+
+def _exchange(d: dict[str, Any], src: str) -> Page:
+    ivs = ",".join(f"{x:g}" for x in d["intervals_ms"])
+    p = Page("Peer exchange delay",
+             f"Two brokers peering, {d['workers']} simulated workers registered with both, "
+             f"{d['background_rate_rps']:g} req/s of background load through B; probes through A, one at a time, "
+             "timed from submit to the first exchange message from A that shows them. Rounds interleave the intervals.",
+             f"mesh bench exchange --intervals-ms {ivs} --rounds {d['rounds']} --probes {d['probes_per_arm']} --json {src}")
+    rows = []
+    for key, r in d["by_interval"].items():
+        dl = r["delay_ms"]
+        rows.append([key + (" (default)" if key == "0" else ""), _num(dl.get("p50"), "{:.2f} ms"),
+                     _num(dl.get("p90"), "{:.2f}"), _num(dl.get("p99"), "{:.2f}"),
+                     _num(r["accept_ms"].get("p50"), "{:.2f} ms"), _span(r.get("b_messages_per_s", []))])
+    p.tables.append((["`--exchange-interval-ms`", "delay p50", "p90", "p99", "A's ACCEPTED at the client, p50",
+                      "B's messages/s"], rows))
+    if d.get("ratios"):
+        p.notes.append("Ratios of the delay: " + "; ".join(
+            f"{k}: p50 {_num(v.get('p50'), '{:.2f}')}x, p99 {_num(v.get('p99'), '{:.2f}')}x" for k, v in d["ratios"].items())
+            + ".")
+    return p
+
+
+def _http(d: dict[str, Any], src: str) -> Page:
+    cfg = d["config"]
+    conc = ",".join(str(c) for c in cfg["concurrency"])
+    p = Page("The HTTP path",
+             f"Closed-loop `POST {cfg['path']}`{' (streamed)' if cfg.get('stream') else ''}, "
+             f"{cfg['max_new_tokens']} output tokens, {cfg['seconds']:g} s per cell, load generator {cfg.get('loadgen')}. "
+             "CPU per request is each process group's user + system time over the window, divided by the requests.",
+             f"mesh bench http --arms {','.join(cfg['arms'])} --concurrency {conc} --seconds {cfg['seconds']:g} "
+             f"--path {cfg['path']}{' --stream' if cfg.get('stream') else ''} --json {src}")
+    rows = []
+    for c in cfg["concurrency"]:
+        for name in cfg["arms"]:
+            cell = next((x for x in d["cells"] if x["arm"] == name and x["c"] == c), None)
+            if cell is None:
+                status = (d.get("arms", {}).get(name) or {}).get("status", "not run")
+                rows.append([name, str(c), status, "", "", ""])
+                continue
+            us = cell.get("cpu_us_per_req") or {}
+            rows.append([name, str(c), _num(cell["rps"]),
+                         f"{_num(cell['p50_ms'], '{:.2f}')} / {_num(cell['p99_ms'], '{:.2f}')} / {_num(cell['max_ms'], '{:.1f}')}",
+                         _num(us.get("router"), "{:,.0f} µs"), _num(us.get("adapters"), "{:,.0f} µs")])
+    p.tables.append((["arm", "c", "req/s", "p50 / p99 / max ms", "router CPU/req", "adapters CPU/req"], rows))
+    targets = [[t["name"], str(t["c"]), f"{t['op']} {t['target']:g} {t.get('unit', '')}".strip() if t.get("target") is not None else "-",
+                _num(t.get("value"), "{:,.3g}"), _num(t.get("sglang_router"), "{:,.3g}"), t["result"]]
+               for t in d.get("targets", [])]
+    if targets:
+        p.tables.append((["target", "c", "goal", "mesh", "sglang_router", "result"], targets))
+    m = d.get("machine") or {}
+    p.notes.append(f"Machine: {m.get('cpus', '-')} CPUs, load average {m.get('loadavg_at_start', '-')} at the start.")
+    return p
+
+
+# ----------------------------------------------------------------------------- the quality matrix
+
+
+def _matrix_cells(d: dict[str, Any], subject: str) -> list[dict[str, Any]]:
+    """Cells in one shape whatever the file: {label, seeds: {seed: {arms: {policy: figures}, subject, noise}}}.
+
+    ``mesh sim --matrix --json`` keeps every arm in ``seeds[s]["arms"]`` (a list) and its judgement in
+    ``seeds[s]["analysis"]``; the compact summary keeps ``seeds[s][policy]`` and the subject's
+    judgement and the noise arm's ratio per seed beside ``seeds``."""
+    out = []
+    for c in d["cells"]:
+        seeds = {}
+        for s, run in c["seeds"].items():
+            if isinstance(run.get("arms"), list):
+                an = run.get("analysis") or {}
+                seeds[s] = {"arms": {a["policy"]: a for a in run["arms"]},
+                            "subject": (an.get("policies") or {}).get(subject), "noise": an.get("noise")}
+            else:
+                seeds[s] = {"arms": run, "subject": (c.get(subject) or {}).get(s), "noise": (c.get("noise") or {}).get(s)}
+        out.append({"label": c["label"], "seeds": seeds})
+    return out
+
+
+def _per_seed(seeds: dict[str, Any], get: Callable[[dict[str, Any]], Any], spec: str) -> str:
+    return " / ".join(_num(get(v), spec) for v in seeds.values())
+
+
+def _matrix(d: dict[str, Any], src: str) -> Page:
+    mc = d.get("matrix") or {}
+    pols = d["summary"]["policies"]
+    subject = mc.get("subject") or ("cache_aware" if "cache_aware" in pols else next(iter(pols)))
+    cells = _matrix_cells(d, subject)
+    seeds = list(cells[0]["seeds"]) if cells else []
+    # the matrix's own order; the compact summary keeps it in its arms (noise arms, "policy@b", aside)
+    order = mc.get("policies")
+    if not order:
+        first = next(iter(cells[0]["seeds"].values()))["arms"] if cells else pols
+        order = [a for a in first if "@" not in a]
+    others = [p for p in order if p != subject]
+    # the compact summary (docs/quality-matrix-summary.json) is cut from the JSON of this command
+    path = mc.get("path") or "configs/quality-matrix.toml"
+    out = src if mc else "matrix.json"
+    p = Page("Routing quality matrix",
+             f"Every policy on the identical request stream in each cell (workload, load L, workers W, routers R), "
+             f"in `mesh sim`, seeds {' and '.join(seeds)} (figures are per seed, \"seed {' / seed '.join(seeds)}\"). "
+             f"`{subject}` is judged against the best other policy: it loses a cell when its TTFT p95 is more than 5 % "
+             "above, or its goodput more than 1 point below, on either seed. The noise column is the same policy with "
+             "its workers named in another order (the cell's noise floor), when the matrix runs it.",
+             f"mesh sim --matrix {path} --seeds {','.join(seeds)} --json {out}")
+    sm = d["summary"]
+    p.tables.append((["policy", "won", "within 5 %", "lost"],
+                     [[k, str(v["win"]), str(v["within"]), str(v["lose"])] for k, v in sm["policies"].items()]))
+    n = sm["cells"]
+    tg = sm.get("targets_passed") or {}
+    p.notes.append(f"Targets for `{subject}`, every cell and both seeds: TTFT p95 <= 1.05x the best other "
+                   f"{tg.get('ttft_p95', '-')} / {n}; goodput >= the best other's - 1 point {tg.get('goodput', '-')} / {n}; "
+                   f"hit rate >= 0.9x greedy's {tg.get('hit_rate', '-')} / {n}; all three {sm.get('cells_all_targets', '-')} / {n}."
+                   + (f" Losing cells: {', '.join(sm['losing_cells'])}." if sm.get("losing_cells") else ""))
+    noise = any(v["noise"] for c in cells for v in c["seeds"].values())
+    head = ["cell", *[f"{SHORT.get(o, o)} p95 ms" for o in others], f"{subject} p95 ms", "/ best other",
+            *(["noise"] if noise else []), "Δ goodput pts", f"hit: {subject} vs greedy", "verdict"]
+    rows = []
+    for c in cells:
+        s = c["seeds"]
+        rows.append([c["label"],
+                     *[_per_seed(s, lambda v, o=o: (v["arms"].get(o) or {}).get("ttft_p95_ms"), "{:,.0f}") for o in others],
+                     _per_seed(s, lambda v: (v["arms"].get(subject) or {}).get("ttft_p95_ms"), "{:,.0f}"),
+                     _per_seed(s, lambda v: (v["subject"] or {}).get("p95_ratio"), "{:.2f}"),
+                     *([_per_seed(s, lambda v: (v["noise"] or {}).get("p95_ratio"), "{:.2f}")] if noise else []),
+                     _per_seed(s, lambda v: None if v["subject"] is None else v["subject"]["goodput_diff"] * 100, "{:+.1f}"),
+                     _per_seed(s, lambda v: (v["arms"].get(subject) or {}).get("hit_rate"), "{:.2f}") + " vs "
+                     + _per_seed(s, lambda v: (v["arms"].get("cache_aware_greedy") or {}).get("hit_rate"), "{:.2f}"),
+                     _per_seed(s, lambda v: (v["subject"] or {}).get("status"), "{}")])
+    p.tables.append((head, rows))
+    if not mc:
+        p.notes.append(f"`{src}` is the compact form of that command's JSON: every arm's headline figures, "
+                       "the judgement per seed, the noise arm and the router rows.")
+    routers = sm.get("routers") or []
+    if routers:
+        p.tables.append((["cells", *[f"{r} routers over 1" for r in routers[0]["ratios"]], "within 5 %"],
+                         [[r["cells"], *[" / ".join(_num(x, "{:.2f}") for x in by.values()) for by in r["ratios"].values()],
+                           "yes" if r["within_5pct"] else "no"] for r in routers]))
+    return p
+
+
+_RENDER: dict[str, Callable[[dict[str, Any], str], Page]] = {
+    "broker": _broker, "routing": _routing, "indexer": _indexer, "exchange": _exchange, "http": _http, "matrix": _matrix,
+}
+
+
+def render(kind: str, data: dict[str, Any], src: str) -> Page:
+    """The page for one JSON result of ``kind``; ``src`` is the path the command wrote it to."""
+    return _RENDER[kind](data, src)
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |"
+
+    align = ["---" if i == 0 else "---:" for i in range(len(head))]
+    if head and head[-1] in ("verdict", "result", "target", "within 5 %"):
+        align[-1] = "---"
+    return [line(head), "|" + "|".join(align) + "|", *(line(r) for r in rows)]
+
+
+def to_markdown(page: Page, *, src: str, date: str) -> str:
+    out = [f"# {page.title}", "",
+           f"<!-- generated by `mesh report` from {src}: do not edit, the next run replaces this page -->", "",
+           page.about, "", f"- Command: `{page.command}`", f"- Date: {date}", f"- Source: `{src}`", ""]
+    for head, rows in page.tables:
+        out += [*_table(head, rows), ""]
+    for note in page.notes:
+        out += [note, ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def _date_of(path: Path) -> str:
+    return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="mesh report",
+        description="Render the JSON of `mesh bench ... --json F` and `mesh sim --matrix ... --json F` as markdown "
+                    "pages (one per file: a table, the command that made it and the date), replacing each page.")
+    ap.add_argument("inputs", nargs="+", help="JSON result files")
+    ap.add_argument("--out", default="docs/results", help="folder for the pages (default docs/results)")
+    ap.add_argument("--kind", choices=KINDS, help="the inputs' kind (default: recognised from each file's keys)")
+    ap.add_argument("--date", help="the date printed on the pages (default: each file's modification time, UTC)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write one page per input; 0 when every input was rendered, 2 when one could not be."""
+    args = build_parser().parse_args(argv)
+    out_dir = Path(args.out)
+    failed = 0
+    for name in args.inputs:
+        path = Path(name)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"mesh report: {name}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        kind = args.kind or detect_kind(data)
+        if kind is None:
+            print(f"mesh report: {name}: not the JSON of a mesh bench or mesh sim --matrix run", file=sys.stderr)
+            failed += 1
+            continue
+        try:
+            page = render(kind, data, name)
+        except (KeyError, TypeError, ValueError, AttributeError, StopIteration) as exc:
+            print(f"mesh report: {name}: not a {kind} result ({type(exc).__name__}: {exc})", file=sys.stderr)
+            failed += 1
+            continue
+        out_dir.mkdir(parents=True, exist_ok=True)
+        target = out_dir / f"{page_name(kind, data)}.md"
+        target.write_text(to_markdown(page, src=name, date=args.date or _date_of(path)))
+        print(f"wrote {target}")
+    return 2 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
