@@ -10,6 +10,7 @@ guarantee as ZeroMQ clients. By concern:
 * :mod:`.submit`: HTTP -> SUBMIT (headers, body, prompt, tokenizer, parameters, size limits);
 * :mod:`.openai_api`: ``/v1/completions`` and ``/v1/chat/completions`` bodies;
 * :mod:`.generate`: SGLang's ``/generate``;
+* :mod:`.endpoint`: what those two share (refusals, the wait for an unstreamed FINAL);
 * :mod:`.replies`: one request's replies, JSON errors, SSE streaming;
 * :mod:`.guard`: connection limits and timeouts (slowloris);
 * :mod:`.backend`: the seam to "a broker".

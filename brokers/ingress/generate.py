@@ -11,9 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from brokers.ingress.replies import (REFUSALS, Call, ReplyStream, detok, error_response, json_response, mesh_error_response,
-                                     mesh_headers, refusal_response, status_of)
-from brokers.ingress.submit import Submitter, opt_bool
+from brokers.ingress.endpoint import Endpoint
+from brokers.ingress.replies import REFUSALS, Call, detok, json_response, mesh_headers, status_of
+from brokers.ingress.submit import opt_bool
 from mesh import openai_logprobs as OL
 from mesh import protocol as P
 from mesh.errors import ErrorCode, IngressBadRequest
@@ -21,18 +21,12 @@ from mesh.errors import ErrorCode, IngressBadRequest
 __all__ = ["GenerateEndpoint"]
 
 
-class GenerateEndpoint:
+class GenerateEndpoint(Endpoint):
     """The ``/generate`` handler."""
-
-    def __init__(self, submitter: Submitter, streams: ReplyStream) -> None:
-        self.sub = submitter
-        self.streams = streams
 
     async def generate(self, request: web.Request):
         try:
-            slo = self.sub.slo(request)
-            deadline_ms = self.sub.deadline_ms(request)
-            body = await self.sub.read_json(request)
+            slo, deadline_ms, body = await self.head(request)
             text, ids = body.get("text"), body.get("input_ids")
             if text is not None and ids is not None:
                 raise IngressBadRequest("give either text or input_ids, not both")
@@ -47,7 +41,7 @@ class GenerateEndpoint:
             call = self.sub.submit(prompt, stream=stream, slo=slo, deadline_ms=self.sub.lifetime_ms(deadline_ms, stream),
                                    params=params, model=model, tx=tx)
         except REFUSALS as exc:
-            return refusal_response(self.sub.backend.stats, exc)
+            return self.refused(exc)
         try:
             return await self._reply(request, call, user_rid or call.rid, stream)
         finally:
@@ -58,15 +52,11 @@ class GenerateEndpoint:
         as the engine wrote it (``id`` set to the request's id); workers without one (simulated)
         get the same fields built from the FINAL."""
         if not stream:
-            while True:
-                m = await call.next()
-                if m is None:
-                    return error_response(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error")
-                if isinstance(m, P.ClientError):
-                    return mesh_error_response(m.code, m.message)
-                if isinstance(m, P.ClientFinal):
-                    return json_response({"text": detok(m.data, call.tok), "output_ids": m.data.get("token_ids", []),
-                                           "meta_info": sgl_meta(m, rid)}, headers=mesh_headers(call, m.worker))
+            m = await self.final(call)
+            if not isinstance(m, P.ClientFinal):
+                return m
+            return json_response({"text": detok(m.data, call.tok), "output_ids": m.data.get("token_ids", []),
+                                  "meta_info": sgl_meta(m, rid)}, headers=mesh_headers(call, m.worker))
         early, resp, m = await self.streams.open(request, call)
         if early is not None:
             return early

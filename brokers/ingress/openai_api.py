@@ -12,9 +12,9 @@ import time
 
 from aiohttp import web
 
-from brokers.ingress.replies import (REFUSALS, Call, ReplyStream, detok, error_response, json_response, mesh_error_response,
-                                     mesh_headers, refusal_response, status_of)
-from brokers.ingress.submit import Submitter, opt_bool
+from brokers.ingress.endpoint import Endpoint
+from brokers.ingress.replies import REFUSALS, Call, detok, json_response, mesh_headers, status_of
+from brokers.ingress.submit import opt_bool
 from mesh import openai_logprobs as OL
 from mesh import protocol as P
 from mesh.errors import ErrorCode, IngressBadRequest
@@ -22,12 +22,8 @@ from mesh.errors import ErrorCode, IngressBadRequest
 __all__ = ["OpenAIEndpoints"]
 
 
-class OpenAIEndpoints:
+class OpenAIEndpoints(Endpoint):
     """The completions and chat completions handlers."""
-
-    def __init__(self, submitter: Submitter, streams: ReplyStream) -> None:
-        self.sub = submitter
-        self.streams = streams
 
     async def completions(self, request: web.Request):
         return await self._serve(request, chat=False)
@@ -37,9 +33,7 @@ class OpenAIEndpoints:
 
     async def _serve(self, request: web.Request, *, chat: bool):
         try:
-            slo = self.sub.slo(request)
-            deadline_ms = self.sub.deadline_ms(request)
-            body = await self.sub.read_json(request)
+            slo, deadline_ms, body = await self.head(request)
             model = self.sub.model_of(body)
             tx = self.sub.text_for(model)
             if chat:
@@ -60,7 +54,7 @@ class OpenAIEndpoints:
             call = self.sub.submit(prompt, stream=stream, slo=slo, deadline_ms=self.sub.lifetime_ms(deadline_ms, stream),
                                    params=params, model=model, tx=tx)
         except REFUSALS as exc:
-            return refusal_response(self.sub.backend.stats, exc)
+            return self.refused(exc)
         try:
             return await self._reply(request, call, chat=chat, stream=stream, include_usage=include_usage)
         finally:
@@ -71,20 +65,16 @@ class OpenAIEndpoints:
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            while True:
-                m = await call.next()
-                if m is None:
-                    return error_response(504, "no reply before the deadline", ErrorCode.DEADLINE_EXCEEDED.value, "server_error")
-                if isinstance(m, P.ClientError):
-                    return mesh_error_response(m.code, m.message)
-                if isinstance(m, P.ClientFinal):
-                    text = detok(m.data, call.tok)
-                    lps = self.logprobs(m.data, chat, None, call.tok)
-                    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                               "finish_reason": finish_reason(m.finish_reason)}
-                              if chat else {"index": 0, "text": text, "finish_reason": finish_reason(m.finish_reason), "logprobs": lps})
-                    return json_response({"id": rid, "object": obj, "created": created, "model": call.model,
-                                           "choices": [choice], "usage": usage(m.usage)}, headers=mesh_headers(call, m.worker))
+            m = await self.final(call)
+            if not isinstance(m, P.ClientFinal):
+                return m
+            text = detok(m.data, call.tok)
+            lps = self.logprobs(m.data, chat, None, call.tok)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                       "finish_reason": finish_reason(m.finish_reason)}
+                      if chat else {"index": 0, "text": text, "finish_reason": finish_reason(m.finish_reason), "logprobs": lps})
+            return json_response({"id": rid, "object": obj, "created": created, "model": call.model,
+                                  "choices": [choice], "usage": usage(m.usage)}, headers=mesh_headers(call, m.worker))
         early, resp, m = await self.streams.open(request, call)
         if early is not None:
             return early
