@@ -126,7 +126,7 @@ class BrokerPool:
                     name = link.catalog["model_name"]
         return served, aliases, name
 
-    # ------------------------------------------------------------------ the ingress' interface
+    # ------------------------------------------------------------------ IngressBackend (brokers.ingress.backend)
     def submit(self, identity: bytes, sub: P.Submit, replies: asyncio.Queue, *, quota_key: bytes | None = None) -> None:
         rid = sub.rid
         up = [link for link in self._links if link.up]
