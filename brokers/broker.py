@@ -68,6 +68,7 @@ _LAG_WINDOW_S = 1.0  # time constant of the loop-lag average that drives load sh
 # treated like a ZeroMQ client at its send HWM.
 _LOCAL_QUEUE_MAX = 4096
 _KV_BACKLOG_BUDGET_S = 0.01  # index work per pump while a KV backlog exists
+_REMOTE: Any = object()  # _send_client: the identity is no local client's
 
 
 class Broker:
@@ -116,10 +117,13 @@ class Broker:
         self._dirty: set[zmq.Socket] = set()  # sent on since their last readiness check
         self._next_tel = 0.0
         self._tasks: set[asyncio.Task] = set()
-        # Local clients (the HTTP ingress): identity -> reply queue. Their identities start with
-        # b"\x00" and are longer than 5 bytes, which ZeroMQ reserves, so no peer can collide.
-        self._local: dict[bytes, asyncio.Queue] = {}
-        self._local_quota: dict[bytes, bytes] = {}  # local (HTTP) identity -> its quota key
+        # Local clients (the HTTP ingress, see brokers.ingress.backend): identity -> reply queue;
+        # a client's replies are found here, the others go to the frontend socket. None: the client
+        # went away (its cancel is in the mailbox); such entries, listed in _gone, are dropped once
+        # the mailbox is drained. (The core refuses such identities from the socket: a zero byte
+        # then more than 4 bytes.)
+        self._local: dict[bytes, asyncio.Queue | None] = {}
+        self._gone: list[bytes] = []
         self.telemetry = None
         self.telemetry_endpoint = ""
         self.exchange = None  # brokers.peer_exchange.PeerExchange with --exchange
@@ -133,7 +137,7 @@ class Broker:
         self._send_why = ""  # why the last failed send failed (send_hwm | unreachable)
         self._front_first = False  # which socket the next pump reads first (alternates)
 
-    # -- read-only views for the HTTP ingress, metrics and tests --------------------------
+    # -- read-only views for the HTTP ingress (brokers.ingress.backend), metrics and tests --
     @property
     def registry(self) -> WorkerPool:
         """The worker pool (sessions by identity and id, the routable pool)."""
@@ -356,6 +360,11 @@ class Broker:
                 break  # more is queued: run the timers, let other tasks in, come straight back
         if self._mail:
             self._drain_mail()
+        if self._gone:  # after the mailbox: the cancels of these clients are done
+            for ident in self._gone:
+                if self._local.get(ident, b"") is None:
+                    del self._local[ident]
+            self._gone.clear()
         core = self.core
         if core.kv_backlog:
             core.run_kv_backlog(time.monotonic, _KV_BACKLOG_BUDGET_S)
@@ -459,10 +468,8 @@ class Broker:
                 if kind == "matched":
                     core.matched(item, now)
                 elif kind == "local_submit":
-                    ident, sub = item
-                    core.submit(ident, sub, now, self._local_quota.get(ident))
-                elif kind == "client_frames":
-                    core.client_frames(item, now, self._local_quota.get(item[0]), local=True)
+                    ident, sub, quota_key = item
+                    core.submit(ident, sub, now, quota_key)
                 elif kind == "cancel_local":
                     core.cancel_client(item, now)
                 elif kind == "resync":
@@ -485,28 +492,24 @@ class Broker:
             self._flush()
             self._start_prefetches()
 
-    # -- local clients (HTTP ingress) -------------------------------------------------
-    def submit_local(self, identity: bytes, frames: list[bytes], replies: asyncio.Queue, *, quota_key: bytes | None = None,
-                     decoded: P.Submit | None = None) -> None:
-        """Submit client frames on behalf of an in-process client; replies land in ``replies``.
-        ``quota_key`` names who the request counts against for ``max_inflight_per_client``
-        (the HTTP peer; each HTTP request has a fresh identity); ``decoded`` is ``frames``
-        already through :func:`mesh.protocol.decode_client` (the ingress checks it), so the
-        loop does not decode it again."""
+    # -- local clients (HTTP ingress): brokers.ingress.backend.IngressBackend ---------------
+    def submit(self, identity: bytes, sub: P.Submit, replies: asyncio.Queue, *, quota_key: bytes | None = None) -> None:
+        """Submit a decoded SUBMIT on behalf of an in-process client; replies land in ``replies``.
+        ``quota_key`` names who the request counts against for ``max_inflight_per_client`` (the
+        HTTP peer; each HTTP request has a fresh identity)."""
         self._local[identity] = replies
-        if quota_key is not None:
-            self._local_quota[identity] = quota_key
-        if isinstance(decoded, P.Submit):
-            self.post("local_submit", (identity, decoded))
-        else:
-            self.post("client_frames", [identity, *frames])
+        self.post("local_submit", (identity, sub, quota_key))
 
-    def cancel_local(self, identity: bytes) -> None:
+    def cancel(self, identity: bytes) -> None:
         self.post("cancel_local", identity)
 
-    def forget_local(self, identity: bytes) -> None:
-        self._local.pop(identity, None)
-        self._local_quota.pop(identity, None)
+    def forget(self, identity: bytes) -> None:
+        if identity in self._local:
+            self._local[identity] = None  # replies until its cancel is done: counted unreachable
+            self._gone.append(identity)
+
+    def routable_workers(self) -> int:
+        return len(self.core.pool.pool())
 
     def admin(self, action: str, worker_id: str = "", for_s: float | None = None) -> asyncio.Future:
         """An operator's action, run by the pump (it owns the core): ``list`` (every worker's
@@ -632,19 +635,19 @@ class Broker:
         return False
 
     def _send_client(self, identity: bytes, frames: list[bytes]) -> bool:
-        if identity[:1] == b"\x00" and len(identity) > 5:
-            q = self._local.get(identity)
-            if q is None:
-                self._send_why = "unreachable"
-                self.stats.dropped["client_unreachable"] += 1
-                return False
-            if q.qsize() >= _LOCAL_QUEUE_MAX:  # an HTTP client that stopped reading
-                self._send_why = "send_hwm"
-                self.stats.dropped["client_send_hwm"] += 1
-                return False
-            q.put_nowait(frames)
-            return True
-        return self._send(self._front, "client", identity, frames)
+        q = self._local.get(identity, _REMOTE)
+        if q is _REMOTE:
+            return self._send(self._front, "client", identity, frames)
+        if q is None:  # an in-process client that went away
+            self._send_why = "unreachable"
+            self.stats.dropped["client_unreachable"] += 1
+            return False
+        if q.qsize() >= _LOCAL_QUEUE_MAX:  # an HTTP client that stopped reading
+            self._send_why = "send_hwm"
+            self.stats.dropped["client_send_hwm"] += 1
+            return False
+        q.put_nowait(frames)
+        return True
 
     def _reject(self, path: str, err: ProtocolError, peer: bytes) -> None:
         self.stats.frames_rejected[(path, err.reason)] += 1

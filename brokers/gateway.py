@@ -1,17 +1,18 @@
 """``mesh gateway``: the HTTP API in its own process, in front of one or more brokers.
 
-The same ingress as ``mesh broker --http`` (:class:`brokers.http_ingress.HttpIngress`: OpenAI and
+The same ingress as ``mesh broker --http`` (:class:`brokers.ingress.HttpIngress`: OpenAI and
 SGLang endpoints, tokenizer and chat template off the loop, connection limits, timeouts), but it
 submits over the client protocol (one DEALER per broker) instead of a broker's mailbox. HTTP front
 ends then scale on their own, tokenisation runs beside no broker, and an HTTP flood exhausts the
 gateway's descriptors and CPU, never a broker's sockets.
 
-:class:`BrokerPool` is what the ingress needs from "a broker": ``submit_local`` / ``cancel_local`` /
-``forget_local`` (replies land in the request's queue as the frames a broker sends a client),
-``stats`` (counters), ``registry.pool()`` (the routable workers, from the brokers' STATUS, for
-``/health``) and ``state`` (``/readyz``). Requests go round robin over the brokers whose
-connection is up; a request whose broker connection drops gets ``unavailable`` at once (the client
-may resubmit), as :class:`mesh.client.Client` does.
+:class:`BrokerPool` implements :class:`brokers.ingress.backend.IngressBackend`, what the ingress
+needs from "a broker": ``submit`` / ``cancel`` / ``forget`` (replies, found by their rid, land in
+the request's queue as the frames a broker sends a client), ``stats`` (counters),
+``routable_workers`` and ``model_catalog`` (from the brokers' STATUS) and ``state``; it has no
+admin API. Requests go round robin over the brokers whose connection is up; a request whose broker
+connection drops gets ``unavailable`` at once (the client may resubmit), as
+:class:`mesh.client.Client` does.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class _Link:
 class BrokerPool:
     """Remote brokers, seen through the interface the HTTP ingress uses (see the module docstring)."""
 
+    admin = None  # the admin API (/workers) is the brokers' own
+
     def __init__(self, endpoints: list[str], ctx: zmq.asyncio.Context | None = None) -> None:
         if not endpoints:
             raise ValueError("at least one broker endpoint is required")
@@ -61,7 +64,6 @@ class BrokerPool:
         # rid -> [accepted at (monotonic s), model, worker, first output at, last chunk at]: the
         # latencies the gateway observes on the replies it relays
         self._timing: dict[str, list] = {}
-        self.registry = self
         self._links: list[_Link] = []
         self._rr = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}  # rid -> the request's reply queue
@@ -103,6 +105,9 @@ class BrokerPool:
                     seen.setdefault(str(w.get("worker_id")), w)
         return list(seen.values())
 
+    def routable_workers(self) -> int:
+        return len(self.pool())
+
     def model_catalog(self) -> tuple[dict[str, int], dict[str, str], str]:
         """Served models (routable workers each, over the connected brokers), aliases and the
         fleet's name, as the brokers report them (see ``Broker.model_catalog``)."""
@@ -121,28 +126,27 @@ class BrokerPool:
                     name = link.catalog["model_name"]
         return served, aliases, name
 
-    # ------------------------------------------------------------------ the ingress' interface
-    def submit_local(self, identity: bytes, frames: list[bytes], replies: asyncio.Queue, *, quota_key: bytes | None = None,
-                     decoded: P.Submit | None = None) -> None:
-        rid = decoded.rid if isinstance(decoded, P.Submit) else None
+    # ------------------------------------------------------------------ IngressBackend (brokers.ingress.backend)
+    def submit(self, identity: bytes, sub: P.Submit, replies: asyncio.Queue, *, quota_key: bytes | None = None) -> None:
+        rid = sub.rid
         up = [link for link in self._links if link.up]
-        if rid is None or not up:
+        if not up:
             replies.put_nowait(P.encode_client_error(rid, ErrorCode.UNAVAILABLE, "no broker connection is up"))
             self.stats.requests[ErrorCode.UNAVAILABLE.value] += 1
             return
         link = up[next(self._rr) % len(up)]
         self._queues[rid] = replies
-        self._timing[rid] = [time.monotonic(), decoded.model or "", "", 0.0, 0.0]
+        self._timing[rid] = [time.monotonic(), sub.model or "", "", 0.0, 0.0]
         self._by_ident[identity] = (rid, link)
         link.pending.add(rid)
         try:
-            link.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            link.sock.send_multipart(P.submit_frames(sub), flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:  # the pipe is full (HWM) or gone
             self._drop(rid, link)
             self.stats.dropped["gateway_send_failed"] += 1
             replies.put_nowait(P.encode_client_error(rid, ErrorCode.OVERLOADED, "broker connection is saturated"))
 
-    def cancel_local(self, identity: bytes) -> None:
+    def cancel(self, identity: bytes) -> None:
         entry = self._by_ident.get(identity)
         if entry is not None and entry[1].up:
             try:
@@ -150,7 +154,7 @@ class BrokerPool:
             except zmq.ZMQError:
                 self.stats.dropped["gateway_cancel_failed"] += 1
 
-    def forget_local(self, identity: bytes) -> None:
+    def forget(self, identity: bytes) -> None:
         entry = self._by_ident.pop(identity, None)
         if entry is not None:
             self._drop(*entry)
@@ -235,7 +239,7 @@ class BrokerPool:
 
 async def serve_gateway(brokers: list[str], http: str, **ingress_kw: Any) -> None:
     """Run the gateway until SIGINT/SIGTERM: connect to ``brokers``, serve HTTP on ``http``."""
-    from brokers.http_ingress import HttpIngress
+    from brokers.ingress import HttpIngress
 
     from prometheus_client import CollectorRegistry
 

@@ -197,7 +197,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
         await client.start()
     ingress = None
     if settings.http:
-        from brokers.http_ingress import HttpIngress
+        from brokers.ingress import HttpIngress
 
         host, _, port = settings.http.rpartition(":")
         ingress = HttpIngress(broker, model=settings.model_name, api_key=_api_key(settings, log),

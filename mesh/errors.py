@@ -8,9 +8,12 @@
     ├── ClientStateError       a client used before open or after close (also a RuntimeError)
     └── RequestError           a request ended in an error reply; carries an ErrorCode
         ├── RetryableError     worker_lost, unavailable, overloaded, worker_error: another try may succeed
+        │   └── IngressOverloaded   overloaded: the HTTP front door's tokenizer pool is full (429)
         └── FatalRequestError  bad_request, deadline_exceeded, duplicate, cancelled, no_worker, internal,
             │                  context_length_exceeded, too_large, rate_limited, model_not_found
-            └── AuthError      unauthorized: credentials missing or wrong, or a call not allowed to them
+            ├── AuthError      unauthorized: credentials missing or wrong, or a call not allowed to them
+            ├── IngressBadRequest   bad_request: a header, body or field the HTTP front door refuses (400)
+            └── IngressTooLarge     too_large: a body, message list or encoded SUBMIT over its limits (413)
 
 Callers decide retry versus fail from the type alone (``RetryableError``), or from
 ``ErrorCode.retryable`` when they hold a code from the wire. Every client maps the errors of its
@@ -19,6 +22,8 @@ caller:
 
 * ``mesh.client`` (its send boundary): ZeroMQ and OS send errors -> ``unavailable``;
 * ``mesh.indexer.client.indexer_error``: gRPC statuses, OS errors and timeouts of the indexer RPCs;
+* ``brokers.ingress``: the HTTP front door raises the three ``Ingress*`` errors while it turns a
+  request into a SUBMIT and answers each with its status and an OpenAI-style body;
 * ``mesh.adapters.engine_client.engine_error``: HTTP client errors, timeouts, bad JSON and OS errors of the
   engine an adapter fronts (the code the worker then reports in its ERROR frame).
 """
@@ -37,6 +42,9 @@ __all__ = [
     "RetryableError",
     "FatalRequestError",
     "AuthError",
+    "IngressBadRequest",
+    "IngressTooLarge",
+    "IngressOverloaded",
     "error_for",
 ]
 
@@ -140,6 +148,29 @@ class AuthError(FatalRequestError):
     """``unauthorized``: the caller's credentials are missing or wrong (a bearer token, a CURVE
     key), or they do not allow this call (another owner's worker). A configuration problem:
     never retried, and worth an operator's attention rather than a retry loop."""
+
+
+class IngressBadRequest(FatalRequestError):
+    """``bad_request`` from the HTTP front door (``message`` names the header or field). ``close``:
+    the connection is not worth keeping (an unread or half-read body)."""
+
+    def __init__(self, message: str, *, close: bool = False) -> None:
+        super().__init__(ErrorCode.BAD_REQUEST, message)
+        self.close = close
+
+
+class IngressTooLarge(FatalRequestError):
+    """``too_large`` from the HTTP front door: a body, a message list or the encoded SUBMIT."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.TOO_LARGE, message)
+
+
+class IngressOverloaded(RetryableError):
+    """``overloaded`` from the HTTP front door: its tokenizer pool is full (retry later)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.OVERLOADED, message)
 
 
 def error_for(code: ErrorCode | str, message: str = "", request_id: str | None = None) -> RequestError:

@@ -195,6 +195,9 @@ __all__ = [
     "Resync",
     "decode_client",
     "decode_client_reply",
+    "submit_body",
+    "submit_of_body",
+    "submit_frames",
     "decode_worker",
     "decode_broker_to_worker",
     "EXCHANGE_HEADER",
@@ -458,7 +461,12 @@ class ClientError:
     message: str
 
 
-def encode_submit(
+def encode_submit(rid: str, **fields: Any) -> list[bytes]:
+    """A client's SUBMIT frames; ``fields`` as :func:`submit_body` takes them."""
+    return [CLIENT_HEADER, _B[Cmd.C_SUBMIT], pack(submit_body(rid, **fields))]
+
+
+def submit_body(
     rid: str,
     *,
     input_ids: list[int] | None = None,
@@ -470,7 +478,8 @@ def encode_submit(
     slo: dict[str, Any] | None = None,
     model: str | None = None,
     traceparent: str | None = None,
-) -> list[bytes]:
+) -> dict[str, Any]:
+    """The SUBMIT body (frame 2 before packing) :func:`encode_submit` sends."""
     body: dict[str, Any] = {"rid": rid, "params": params or {}, "stream": stream, "idempotent": idempotent}
     if model is not None:
         body["model"] = model
@@ -484,7 +493,12 @@ def encode_submit(
         body["deadline_ms"] = deadline_ms
     if slo:
         body["slo"] = slo
-    return [CLIENT_HEADER, _B[Cmd.C_SUBMIT], pack(body)]
+    return body
+
+
+def submit_frames(sub: Submit) -> list[bytes]:
+    """The SUBMIT frames of a request already built (its body is ``sub.raw``)."""
+    return [CLIENT_HEADER, _B[Cmd.C_SUBMIT], sub.raw]
 
 
 def encode_cancel(rid: str) -> list[bytes]:
@@ -534,7 +548,22 @@ def _check_frames(frames: list[bytes], header: bytes, other: bytes) -> tuple[int
 
 
 def _parse_submit(raw: bytes) -> Submit:
-    d = _map(unpack(raw))
+    return _submit_of(_map(unpack(raw)), raw)
+
+
+def submit_of_body(body: dict[str, Any], raw: bytes) -> Submit | ProtocolError:
+    """The request an in-process client built: ``body`` (:func:`submit_body`) checked as
+    :func:`decode_client` checks a received SUBMIT, without decoding ``raw`` (``pack(body)``, what
+    the worker gets) again. Never raises."""
+    try:
+        return _submit_of(_map(body), raw)
+    except ProtocolError as exc:
+        return exc
+    except Exception as exc:  # defensive, as at the decode boundary
+        return ProtocolError("internal_decode_error", repr(exc))
+
+
+def _submit_of(d: dict[str, Any], raw: bytes) -> Submit:
     rid = _rid(d)
     ids = d.get("input_ids")
     text = d.get("text")

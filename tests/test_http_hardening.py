@@ -25,7 +25,7 @@ import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from brokers.http_ingress import MAX_BODY_BYTES, MAX_SUBMIT_BYTES, HttpIngress
+from brokers.ingress import MAX_BODY_BYTES, MAX_SUBMIT_BYTES, HttpIngress
 from brokers.stats import BrokerStats
 from mesh import protocol as P
 from mesh.client import Client
@@ -115,21 +115,21 @@ class _FakeBroker:
 
         self.s = S()
 
-    def submit_local(self, ident, frames, q, quota_key=None, decoded=None) -> None:
+    def submit(self, ident, sub, q, quota_key=None) -> None:
         self.idents.append(ident)
-        rid = msgpack.unpackb(frames[2])["rid"]
+        rid = sub.rid
         data = msgpack.packb({"token_ids": [7, 7]})
         q.put_nowait(P.encode_client_final("someone-else", "length", {"completion_tokens": 1}, "evil", 1,
                                            msgpack.packb({"text": "INJECTED"})))
         q.put_nowait(P.encode_client_final(rid, "length", {"completion_tokens": 2}, "w", 1, data))
 
-    def cancel_local(self, ident) -> None:
+    def cancel(self, ident) -> None:
         self.cancelled.append(ident)
 
     def model_catalog(self):
         return {"m": 1}, {}, "mesh"
 
-    def forget_local(self, ident) -> None:
+    def forget(self, ident) -> None:
         pass
 
 
@@ -229,7 +229,7 @@ def test_oversized_bodies_get_413_and_workers_survive(instant_mesh):
 def test_encoded_submit_size_is_checked(monkeypatch):
     """What the ingress adds (tokenisation, role prefixes) can grow a body; the encoded SUBMIT is
     checked against the frame cap before anything is submitted (shown here with a small cap)."""
-    import brokers.http_ingress as hi
+    import brokers.ingress.submit as hi
 
     monkeypatch.setattr(hi, "MAX_SUBMIT_BYTES", 1000)
 
@@ -342,7 +342,7 @@ def test_header_body_and_idle_timeouts(procs):
 
 
 class _SilentBroker(_FakeBroker):
-    def submit_local(self, ident, frames, q, quota_key=None, decoded=None) -> None:  # never answers: the request stays busy
+    def submit(self, ident, sub, q, quota_key=None) -> None:  # never answers: the request stays busy
         self.idents.append(ident)
 
 

@@ -9,7 +9,7 @@ import contextlib
 import aiohttp
 import pytest
 
-from brokers.http_ingress import HttpIngress
+from brokers.ingress import HttpIngress
 from brokers.main import build_broker
 from mesh import tracing
 from mesh.config import BrokerSettings, build

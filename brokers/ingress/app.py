@@ -1,0 +1,243 @@
+"""The HTTP ingress (aiohttp): routes, API key, lifecycle, and the simple and admin endpoints.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`.openai_api`), ``POST
+/generate`` (SGLang native, :mod:`.generate`), ``GET /v1/models``, ``GET /health`` (200 when at least
+one worker is routable), ``GET /readyz``, ``GET /metrics`` (Prometheus; needs the API key when one
+is set, like every path except the health probes), ``GET /workers`` and ``POST
+/workers/{id}/drain|eject|reinstate`` (the admin API, on a broker only).
+
+The ingress talks to "a broker" only through :class:`brokers.ingress.backend.IngressBackend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+
+from aiohttp import web
+
+from brokers.ingress.backend import IngressBackend
+from brokers.ingress.generate import GenerateEndpoint
+from brokers.ingress.guard import ConnGuard, GuardedConnection
+from brokers.ingress.openai_api import OpenAIEndpoints
+from brokers.ingress.replies import ReplyStream, error_response, json_response
+from brokers.ingress.submit import MAX_BODY_BYTES, QUOTA_KEY, REQUEST_ID, REQUEST_ID_RE, Submitter
+from mesh import tracing
+from mesh.errors import ErrorCode
+from mesh.logs import get_logger
+
+__all__ = ["HttpIngress"]
+
+
+def _no_admin() -> web.Response:
+    return error_response(404, "no admin API on this front door (use the broker's --http)", "not_found")
+
+
+class HttpIngress:
+    """Serves HTTP on the running event loop; talks to its backend only through :class:`IngressBackend`."""
+
+    def __init__(self, backend: IngressBackend, *, model: str = "mesh", api_key: str | None = None, tokenizer_path: str | None = None,
+                 chat_template_path: str | None = None, tokenizers: dict[str | None, str] | None = None,
+                 chat_templates: dict[str | None, str] | None = None, metrics_registry=None, max_connections: int = 512, header_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128,
+                 request_timeout_s: float = 1800.0, stream_idle_timeout_s: float = 300.0) -> None:
+        self.backend = backend
+        self._key = api_key.encode() if api_key else None
+        self.metrics_registry = metrics_registry
+        self.idle_timeout_s = idle_timeout_s
+        self.backlog = max(1, min(backlog, max_connections))
+        self.guard = ConnGuard(backend.stats, max_connections, header_timeout_s)
+        self.log = get_logger(service="http")
+        self._runner: web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self.endpoint = ""
+        paths = dict(tokenizers or {})
+        templates = dict(chat_templates or {})
+        if tokenizer_path:
+            paths[None] = tokenizer_path
+        if chat_template_path:
+            templates[None] = chat_template_path
+        self.submitter = Submitter(backend, model=model, tokenizers=paths, chat_templates=templates, body_timeout_s=body_timeout_s,
+                                   request_timeout_s=request_timeout_s)
+        streams = ReplyStream(backend.stats, stream_idle_timeout_s=stream_idle_timeout_s, body_timeout_s=body_timeout_s)
+        openai = OpenAIEndpoints(self.submitter, streams)
+        generate = GenerateEndpoint(self.submitter, streams)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard_mw])
+        app.add_routes([
+            web.post("/v1/completions", openai.completions),
+            web.post("/v1/chat/completions", openai.chat_completions),
+            web.post("/generate", generate.generate),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/healthz", self.health),
+            web.get("/readyz", self.readyz),
+            web.get("/metrics", self.metrics),
+            web.get("/workers", self.workers),
+            web.post("/workers/{worker_id}/{action}", self.worker_action),
+        ])
+        self.app = app
+
+    @property
+    def api_key(self) -> str | None:
+        return self._key.decode() if self._key else None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, host: str, port: int) -> str:
+        # handler_cancellation: a client that goes away cancels its handler, which cancels its request
+        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.idle_timeout_s, shutdown_timeout=5.0,
+                                     handler_cancellation=True)
+        await self._runner.setup()
+        server = self._runner.server
+        assert server is not None
+
+        def factory() -> GuardedConnection:
+            return GuardedConnection(self.guard, server())
+
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True)
+        h, p = self._server.sockets[0].getsockname()[:2]
+        self.endpoint = f"http://{h}:{p}"
+        return self.endpoint
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self.guard.close_all()
+        self.submitter.close()
+
+    # ------------------------------------------------------------------ middleware
+    @web.middleware
+    async def _guard_mw(self, request: web.Request, handler):
+        """Marks the connection busy (no head timeout, not evictable) while a request runs, checks
+        the API key (every path but the health probes); turns routing errors into OpenAI-style
+        bodies and any unexpected exception into a logged 500 without details (no traceback
+        reaches a client), and carries the caller's ``x-request-id`` (validated) into the request and
+        back on every answer. One middleware, not a chain: each layer costs every request."""
+        xid = request.headers.get("x-request-id")
+        if xid is not None and not REQUEST_ID_RE.fullmatch(xid):
+            self.backend.stats.requests[ErrorCode.BAD_REQUEST.value] += 1
+            return error_response(400, "x-request-id: 1..128 characters of A-Z a-z 0-9 . _ : @ + = -", ErrorCode.BAD_REQUEST.value)
+        REQUEST_ID.set(xid)
+        tr = request.transport
+        conn = tr.get_protocol() if tr is not None else None
+        if isinstance(conn, GuardedConnection):
+            self.guard.busy(conn)
+        QUOTA_KEY.set(b"\x00httpq:" + (request.remote or "?").encode())
+        try:
+            if tracing.enabled() and request.method == "POST":
+                with tracing.server_span(f"mesh {request.path}", request.headers,
+                                         {"http.request.method": "POST", "url.path": request.path, "mesh.request_id": xid}):
+                    resp = await self._handle(request, handler)
+                    tracing.set_attributes({"http.response.status_code": resp.status})
+            else:
+                resp = await self._handle(request, handler)
+        finally:
+            if isinstance(conn, GuardedConnection):
+                self.guard.idle(conn)
+        if xid is not None and not resp.prepared and "x-request-id" not in resp.headers:
+            resp.headers["x-request-id"] = xid  # errors too: the caller's id comes back on every answer
+        return resp
+
+    async def _handle(self, request: web.Request, handler):
+        try:
+            if self._key and request.path not in ("/health", "/healthz", "/readyz"):
+                got = request.headers.get("Authorization", "").encode("utf-8", "replace")
+                if not hmac.compare_digest(got, b"Bearer " + self._key):
+                    self.backend.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
+                    return error_response(401, "missing or invalid API key", "unauthorized", "authentication_error")
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "bad_request" if exc.status < 500 else "internal")
+            return error_response(exc.status, exc.reason, code, "invalid_request_error" if exc.status < 500 else "server_error")
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as exc:
+            self.backend.stats.dropped["http_handler_exception"] += 1
+            self.log.exception("http_handler_failed", path=request.path, error=repr(exc))
+            return error_response(500, "internal error", ErrorCode.INTERNAL.value, "server_error")
+
+    # ------------------------------------------------------------------ simple endpoints
+    async def models(self, request: web.Request) -> web.Response:
+        """The models that have routable workers, their aliases, and the fleet's name while it
+        serves one model (each is a name requests may use)."""
+        served, aliases, fleet_name = self.backend.model_catalog()
+        ids = sorted(served)
+        ids += sorted(a for a, target in aliases.items() if target in served and a not in served)
+        if len(served) == 1 and fleet_name not in ids:
+            ids.append(fleet_name)
+        return json_response({"object": "list", "data": [
+            {"id": i, "object": "model", "created": 0, "owned_by": "mesh", "root": aliases.get(i, ids[0] if i == fleet_name else i)}
+            for i in ids]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        n = self.backend.routable_workers()
+        return web.json_response({"status": "ok" if n else "no_workers", "workers": n}, status=200 if n else 503)
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ok = self.backend.state == "serving"
+        return web.json_response({"ready": ok, "state": self.backend.state}, status=200 if ok else 503)
+
+    # ------------------------------------------------------------------ admin API
+    async def workers(self, request: web.Request) -> web.Response:
+        """Every registered worker: its state (registered, routable, ejected, draining), load,
+        in-flight requests and KV capacity (behind the API key when one is set)."""
+        admin = self.backend.admin
+        if admin is None:
+            return _no_admin()
+        workers = await asyncio.wait_for(admin("list"), 10)
+        return json_response({"object": "list", "data": workers})
+
+    async def worker_action(self, request: web.Request) -> web.Response:
+        """``POST /workers/{id}/drain|eject|reinstate`` (eject: optional JSON ``{"for_s": N}``).
+        Without an API key these change the fleet only for loopback clients."""
+        admin = self.backend.admin
+        if admin is None:
+            return _no_admin()
+        if self._key is None and not is_loopback(request.remote):
+            self.backend.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
+            return error_response(403, "worker actions need --api-key (or a loopback client)", "unauthorized", "authentication_error")
+        action = request.match_info["action"]
+        if action not in ("drain", "eject", "reinstate"):
+            return error_response(404, f"unknown action {action!r}: drain, eject or reinstate", "not_found")
+        for_s = None
+        if request.can_read_body:
+            try:
+                body = json.loads(await request.read() or b"{}")
+            except ValueError:
+                return error_response(400, "body: not JSON", ErrorCode.BAD_REQUEST.value)
+            v = body.get("for_s") if isinstance(body, dict) else None
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    return error_response(400, "for_s: must be a number of seconds", ErrorCode.BAD_REQUEST.value)
+                for_s = float(v)
+        try:
+            entry = await asyncio.wait_for(admin(action, request.match_info["worker_id"], for_s), 10)
+        except KeyError:
+            return error_response(404, f"no worker {request.match_info['worker_id']!r} is registered", "not_found")
+        except ValueError as exc:
+            return error_response(409, str(exc), "conflict")
+        return json_response(entry)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        body = generate_latest(self.metrics_registry) if self.metrics_registry is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def is_loopback(host: str | None) -> bool:
+    """True for a loopback peer address (None, a unix socket, counts as not loopback)."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
