@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-import mesh.broker_core.core as core_module
+import mesh.broker_core.table as core_module
 from brokers.main import build_broker
 from mesh import protocol as P
 from mesh.broker_core import TO_CLIENT, TO_WORKER, BrokerCore, RequestState, SessionState
