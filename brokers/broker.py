@@ -93,7 +93,7 @@ class Broker:
         self.log = get_logger(service="broker", broker_id=self.broker_id)
         self.stats = BrokerStats()
         self.core = BrokerCore(settings, router, broker_id=self.broker_id, stats=self.stats, log=self.log, kv_sink=kv_sink,
-                               worker_keys=worker_keys, on_event=self._event, on_new_worker=self._on_new_worker,
+                               worker_keys=worker_keys, on_event=self._event, on_new_worker=self._on_new_worker, perf=time.perf_counter,
                                # (no exchange configured: no per-decision call to ask whether peers are stale)
                                view_degraded=self._view_degraded if settings.exchange else None,
                                status_extra=self._status_extra)

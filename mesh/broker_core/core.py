@@ -39,7 +39,6 @@ The facade keeps the inputs, routing an attempt (:meth:`BrokerCore._dispatch`) a
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 from mesh import protocol as P
@@ -70,7 +69,7 @@ class BrokerCore:
     :meth:`matched`, :meth:`resync`, :meth:`tick`, :meth:`send_failed`, :meth:`begin_drain`,
     :meth:`fail_all`. Outputs: :attr:`out` (sends), :attr:`prefetch` (requests whose async prefix
     match the shell must run, then call :meth:`matched`). Seams (all optional): ``perf`` (a
-    clock for the decision-latency histogram only), ``on_event`` (telemetry events),
+    clock for the decision-latency histogram only; without it decisions take no time), ``on_event`` (telemetry events),
     ``on_new_worker`` (a new session's routing state, e.g. to join the peer exchange),
     ``view_degraded`` (True while peers' figures are stale), ``status_extra`` (more STATUS fields).
     Views: :attr:`status` (STATUS, the model catalog, per-worker entries), :attr:`pool`.
@@ -86,7 +85,7 @@ class BrokerCore:
         log: Any = None,
         kv_sink: Any = None,
         worker_keys: dict[bytes, str] | None = None,
-        perf: Callable[[], float] = time.perf_counter,
+        perf: Callable[[], float] | None = None,
         on_event: Callable[..., None] | None = None,
         on_new_worker: Callable[[WorkerState], None] | None = None,
         view_degraded: Callable[[], bool] | None = None,
@@ -98,7 +97,7 @@ class BrokerCore:
         self.stats = stats if stats is not None else BrokerStats()
         self.log = log if log is not None else get_logger(service="broker", broker_id=broker_id)
         self.kv_sink = kv_sink
-        self.perf = perf
+        self.perf = perf if perf is not None else _no_clock  # the shell hands it time.perf_counter
         self.view_degraded = view_degraded
         self.async_provider = bool(getattr(router.provider, "is_async", False))
         self._limiter = RateLimiter(1.0)
@@ -451,6 +450,10 @@ class BrokerCore:
     def pending_deadlines(self) -> int:
         """Deadline entries in the timer heap (finished requests' entries are dropped lazily)."""
         return len(self.table.deadlines)
+
+
+def _no_clock() -> float:
+    return 0.0
 
 
 def _salvage_rid(frames: list[bytes]) -> str | None:
