@@ -108,16 +108,17 @@ class BrokerCore:
         self.drain_deadline_s = float("inf")
         self.started_s = 0.0
         self.loop_lag_s = 0.0  # set by the shell: its loop's lag average (load shedding)
-        # the collaborators, each pointing only at those made before it
+        # the collaborators, each pointing only at those made before it (and the table back at
+        # _dispatch: a parked or retried request, or one a freed slot unparks, is routed here)
         self.pool = WorkerPool()
-        sd = (self.stats, self.log, self._limiter, outbox)
+        common = (self.stats, self.log, self._limiter, outbox)  # counters, log, rate limiter, sends
         self.intake = Intake(settings, self.pool, self.stats)
         self.status = Status(settings, self.pool, self.intake, self.stats, router, broker_id, status_extra)
-        self.kv = KvBacklog(kv_sink, self.pool, *sd)
-        self.workers = Workers(settings, self.pool, *sd, kv_sink=kv_sink, worker_keys=worker_keys, on_event=on_event,
+        self.kv = KvBacklog(kv_sink, self.pool, *common)
+        self.workers = Workers(settings, self.pool, *common, kv_sink=kv_sink, worker_keys=worker_keys, on_event=on_event,
                                on_new_worker=on_new_worker)
-        self.table = RequestTable(settings, router, self.pool, self.workers, self.intake, *sd, dispatch=self._dispatch)
-        self.replies = Replies(router, self.pool, self.table, self.workers, self.status, *sd)
+        self.table = RequestTable(settings, router, self.pool, self.workers, self.intake, *common, dispatch=self._dispatch)
+        self.replies = Replies(router, self.pool, self.table, self.workers, self.status, *common)
         self._out = outbox
         self.kv_backlog = self.kv.queue  # truthy while KV batches wait for run_kv_backlog
         self.inflight = self.table.inflight  # rid -> request (the same dict, read-only outside)
