@@ -44,7 +44,7 @@ from mesh import protocol as P
 from mesh.broker_core import BrokerCore, Inflight
 from mesh.broker_core.counters import BrokerStats
 from mesh.broker_core.pool import WorkerPool
-from mesh.broker_core.sends import TO_WORKER
+from mesh.broker_core.sends import TO_WORKER, Send, deliver
 from mesh.config import BrokerSettings
 from mesh.errors import ProtocolError
 from mesh.logs import RateLimiter, announce, get_logger
@@ -94,7 +94,7 @@ class Broker:
         self.log = get_logger(service="broker", broker_id=self.broker_id)
         self.stats = BrokerStats()
         self.core = BrokerCore(settings, router, broker_id=self.broker_id, stats=self.stats, log=self.log, kv_sink=kv_sink,
-                               worker_keys=worker_keys, on_event=self._event, on_new_worker=self._on_new_worker,
+                               worker_keys=worker_keys, on_event=self._event, on_new_worker=self._on_new_worker, perf=time.perf_counter,
                                # (no exchange configured: no per-decision call to ask whether peers are stale)
                                view_degraded=self._view_degraded if settings.exchange else None,
                                status_extra=self._status_extra)
@@ -483,7 +483,7 @@ class Broker:
                     if not fut.done():
                         try:
                             fut.set_result(core.admin(action, worker_id, now, for_s=for_s) if action != "list"
-                                           else core.status_workers(now))
+                                           else core.status.workers(now))
                         except (KeyError, ValueError) as exc:
                             fut.set_exception(exc)
             except Exception as exc:
@@ -593,27 +593,17 @@ class Broker:
     def _flush(self) -> None:
         """Send what the core asked for, in order; a failed send goes back to the core (which
         may ask for more sends: a re-dispatch), and sends conditional on it are skipped."""
-        core = self.core
-        out = core.out  # drained in place: send_failed appends to the same list, and the loop reaches it
         back = self._back
-        i = 0
-        try:
-            while i < len(out):
-                s = out[i]
-                i += 1
-                if s.when is not None and s.when.failed:
-                    continue
-                ok = self._send(back, "worker", s.identity, s.frames) if s.to == TO_WORKER else self._send_client(s.identity, s.frames)
-                if not ok:
-                    s.failed = self._send_why or "unreachable"
-                    if s.receipt:
-                        try:
-                            core.send_failed(s, time.monotonic())
-                        except Exception as exc:  # a core bug must not kill the loop
-                            self.stats.dropped["handler_exception"] += 1
-                            self.log.exception("send_failed_handler", error=repr(exc))
-        finally:
-            del out[:i]
+
+        def transport(s: Send) -> str:
+            ok = self._send(back, "worker", s.identity, s.frames) if s.to == TO_WORKER else self._send_client(s.identity, s.frames)
+            return "" if ok else (self._send_why or "unreachable")
+
+        deliver(self.core, transport, time.monotonic, self._send_failed_bug)
+
+    def _send_failed_bug(self, exc: Exception) -> None:
+        self.stats.dropped["handler_exception"] += 1
+        self.log.exception("send_failed_handler", error=repr(exc))
 
     def _send(self, sock: zmq.Socket | None, path: str, identity: bytes, frames: list[bytes]) -> bool:
         """Non-blocking send through a ROUTER_MANDATORY socket; a failure is counted, logged
@@ -691,9 +681,9 @@ class Broker:
 
     def _publish_snapshot(self, now: float) -> None:
         core = self.core
-        workers = core.status_workers(now)[:P.MAX_STATUS_WORKERS]
+        workers = core.status.workers(now)[:P.MAX_STATUS_WORKERS]
         for w in workers:
-            req, pt, ct = core.worker_tokens(w["worker_id"])
+            req, pt, ct = core.status.worker_tokens(w["worker_id"])
             w["requests"] = req
             w["hit_rate"] = round(ct / pt, 4) if pt else 0.0
         self.telemetry.snapshot({"state": self.state, "inflight": len(core.inflight), "workers": workers,  # type: ignore[union-attr]
@@ -705,7 +695,7 @@ class Broker:
     def model_catalog(self) -> tuple[dict[str, int], dict[str, str], str]:
         """What the HTTP ingress lists and resolves: served models (routable workers each), the
         aliases and the fleet's name (``--model-name``)."""
-        return self.core.model_catalog()
+        return self.core.status.model_catalog()
 
     def served_models(self) -> dict[str, int]:
-        return self.core.served_models()
+        return self.core.status.served_models()

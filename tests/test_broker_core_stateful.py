@@ -41,10 +41,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-import mesh.broker_core.core as core_module
+import mesh.broker_core.table as core_module
 from brokers.main import build_broker
 from mesh import protocol as P
-from mesh.broker_core import TO_CLIENT, TO_WORKER, BrokerCore, RequestState, SessionState
+from mesh.broker_core import TO_CLIENT, TO_WORKER, BrokerCore, RequestState, SessionState, deliver
 from mesh.config import BrokerSettings, build
 from mesh.errors import ErrorCode
 from mesh.routing.router import Router, make_policy
@@ -178,24 +178,16 @@ class Shell:
         self.flush()
 
     def flush(self) -> None:
-        core = self.core
-        out = core.take()
-        i = 0
-        while i < len(out):
-            s = out[i]
-            i += 1
-            if s.when is not None and s.when.failed:
-                continue
-            dec = self._made(s)
-            why = self.down.get((s.to, s.identity))
-            if why:
-                s.failed = why
-                self._failed(s, dec)
-                if s.receipt:
-                    core.send_failed(s, self.now)
-                    out.extend(core.take())
-            else:
-                self._delivered(s, dec)
+        deliver(self.core, self._transport, lambda: self.now)
+
+    def _transport(self, s) -> str:
+        dec = self._made(s)
+        why = self.down.get((s.to, s.identity))
+        if why:
+            self._failed(s, dec)
+        else:
+            self._delivered(s, dec)
+        return why or ""
 
     def advance(self, dt: float, keepalive: set[bytes] = frozenset()) -> None:
         """Move virtual time by ``dt``, ticking at every wake-up the core asks for; the idents in

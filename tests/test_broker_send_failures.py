@@ -96,7 +96,7 @@ def test_request_for_a_worker_whose_connection_is_gone_goes_to_another_worker(pr
             core.worker_frames([ident, *P.encode_ready(ghost)], now, None)
             core.worker_frames([ident, *P.encode_heartbeat()], now, None)
             sess = core.pool.by_identity[ident]
-            sess.hb_slot = (core._hb_slot - 1) % HB_SLICES
+            sess.hb_slot = (core.workers._hb_slot - 1) % HB_SLICES
             b._kick()  # flush what the core queued (the welcome heartbeat, which fails unreceipted)
 
         bt.ask(register_the_ghost)

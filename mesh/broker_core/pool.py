@@ -5,14 +5,16 @@ worker: ``worker_id/epoch/connection``). A worker id has at most one live sessio
 a known worker id replaces the old session (restart or reconnect) and the old one's in-flight
 requests are handled as lost.
 
-Session states and the only transitions between them (:data:`SESSION_TRANSITIONS`)::
+Session states, and every move between them with what triggers it (:data:`SESSION_TRANSITIONS`,
+``(from, to, why)`` triples checked by :meth:`WorkerPool.move`)::
 
-    REGISTERED --first message after READY--> ROUTABLE
-    ROUTABLE   --outlier ejection-->          EJECTED --reinstated--> ROUTABLE
-    REGISTERED | ROUTABLE | EJECTED --DISCONNECT draining, or an operator's drain--> DRAINING
-    DRAINING   --an operator reinstates a worker the operator drained--> ROUTABLE
+    REGISTERED ---spoke (first message after READY)---> ROUTABLE
+    ROUTABLE   ---ejected (outlier, or an operator)---> EJECTED ---reinstated---> ROUTABLE
+    REGISTERED | ROUTABLE | EJECTED ---drained_by_worker (DISCONNECT draining)
+                                     | drained_by_operator---> DRAINING
+    DRAINING   ---undrained (an operator reinstates a worker the operator drained)---> ROUTABLE
                                                         (REGISTERED if it never spoke)
-    any live state --expired, disconnected, connection lost, replaced--> GONE
+    any live state ---expired | disconnected | connection_lost | replaced | duplicate_ready---> GONE
 
 Only ROUTABLE sessions get new requests, except in panic mode (every remaining confirmed worker
 is EJECTED: route to them anyway). DRAINING sessions finish what they hold.
@@ -27,7 +29,8 @@ from dataclasses import dataclass, field
 from mesh.protocol import Ready
 from mesh.routing.view import WorkerState
 
-__all__ = ["WorkerSession", "WorkerPool", "SessionState", "SESSION_TRANSITIONS", "OUTCOME_WINDOW", "IllegalTransition"]
+__all__ = ["WorkerSession", "WorkerPool", "SessionState", "SESSION_TRANSITIONS", "GONE_WHY", "OUTCOME_WINDOW",
+           "IllegalTransition"]
 
 OUTCOME_WINDOW = 32  # recent attempt outcomes kept per session (error-rate outlier detection)
 
@@ -48,11 +51,17 @@ class SessionState(enum.Enum):
 
 
 _S = SessionState
-SESSION_TRANSITIONS: frozenset[tuple[SessionState, SessionState]] = frozenset({
-    (_S.REGISTERED, _S.ROUTABLE), (_S.REGISTERED, _S.DRAINING), (_S.REGISTERED, _S.GONE),
-    (_S.ROUTABLE, _S.EJECTED), (_S.ROUTABLE, _S.DRAINING), (_S.ROUTABLE, _S.GONE),
-    (_S.EJECTED, _S.ROUTABLE), (_S.EJECTED, _S.DRAINING), (_S.EJECTED, _S.GONE),
-    (_S.DRAINING, _S.GONE), (_S.DRAINING, _S.ROUTABLE), (_S.DRAINING, _S.REGISTERED),
+_LIVE = (_S.REGISTERED, _S.ROUTABLE, _S.EJECTED, _S.DRAINING)
+#: Why a session leaves the pool (the ``why`` of its move to GONE).
+GONE_WHY = ("expired", "disconnected", "connection_lost", "replaced", "duplicate_ready")
+#: Every legal move as (from, to, why): ``why`` names the trigger (see the module docstring).
+SESSION_TRANSITIONS: frozenset[tuple[SessionState, SessionState, str]] = frozenset({
+    (_S.REGISTERED, _S.ROUTABLE, "spoke"),
+    (_S.ROUTABLE, _S.EJECTED, "ejected"), (_S.EJECTED, _S.ROUTABLE, "reinstated"),
+    *((f, _S.DRAINING, why) for f in (_S.REGISTERED, _S.ROUTABLE, _S.EJECTED)
+      for why in ("drained_by_worker", "drained_by_operator")),
+    (_S.DRAINING, _S.ROUTABLE, "undrained"), (_S.DRAINING, _S.REGISTERED, "undrained"),
+    *((f, _S.GONE, why) for f in _LIVE for why in GONE_WHY),
 })
 
 
@@ -83,6 +92,14 @@ class WorkerSession:
     def worker_id(self) -> str:
         return self.ready.worker_id
 
+    def histogram(self, name: str, stats):
+        """``name``'s latency histogram of this worker in ``stats`` (a BrokerStats; labels: its
+        served model, its id), cached on the session (read ``lat.get(name)`` first: hot path)."""
+        h = self.lat.get(name)
+        if h is None:
+            h = self.lat[name] = stats.histogram(name, self.ready.model, self.worker_id)
+        return h
+
     @property
     def confirmed(self) -> bool:
         """It sent something after READY (only then is it routable)."""
@@ -108,9 +125,11 @@ class WorkerPool:
         return len(self.by_id)
 
     # -- transitions -------------------------------------------------------------------
-    def _move(self, sess: WorkerSession, to: SessionState) -> None:
-        if (sess.status, to) not in SESSION_TRANSITIONS:
-            raise IllegalTransition(f"worker {sess.worker_id}: {sess.status.value} -> {to.value}")
+    def move(self, sess: WorkerSession, to: SessionState, why: str) -> None:
+        """Move ``sess`` to ``to`` on trigger ``why``; :class:`IllegalTransition` if the table
+        has no such move."""
+        if (sess.status, to, why) not in SESSION_TRANSITIONS:
+            raise IllegalTransition(f"worker {sess.worker_id}: {sess.status.value} -> {to.value} ({why})")
         sess.status = to
         # ``healthy`` is what the routing core reads: not ejected, not draining, not gone.
         sess.state.healthy = to in (SessionState.REGISTERED, SessionState.ROUTABLE)
@@ -121,41 +140,41 @@ class WorkerPool:
         old = self.by_id.get(sess.worker_id)
         if old is not None:
             self.by_identity.pop(old.identity, None)
-            self._move(old, SessionState.GONE)
+            self.move(old, SessionState.GONE, "replaced")
         self.by_identity[sess.identity] = sess
         self.by_id[sess.worker_id] = sess
         self._changed()
         return old
 
-    def remove(self, sess: WorkerSession) -> None:
-        """Take ``sess`` out of the pool (GONE). Idempotent."""
+    def remove(self, sess: WorkerSession, why: str) -> None:
+        """Take ``sess`` out of the pool (GONE, ``why``: one of :data:`GONE_WHY`). Idempotent."""
         if self.by_identity.get(sess.identity) is sess:
             del self.by_identity[sess.identity]
         if self.by_id.get(sess.worker_id) is sess:
             del self.by_id[sess.worker_id]
         if sess.status is not SessionState.GONE:
-            self._move(sess, SessionState.GONE)
+            self.move(sess, SessionState.GONE, why)
 
     def confirm(self, sess: WorkerSession) -> None:
         sess.spoke = True
-        self._move(sess, SessionState.ROUTABLE)
+        self.move(sess, SessionState.ROUTABLE, "spoke")
 
     def eject(self, sess: WorkerSession, until_s: float) -> None:
         sess.ejected_until_s = until_s
-        self._move(sess, SessionState.EJECTED)
+        self.move(sess, SessionState.EJECTED, "ejected")
 
     def reinstate(self, sess: WorkerSession) -> None:
         sess.ejected_until_s = 0.0
-        self._move(sess, SessionState.ROUTABLE)
+        self.move(sess, SessionState.ROUTABLE, "reinstated")
 
     def drain(self, sess: WorkerSession, by: str = "worker") -> None:
         sess.drained_by = by
-        self._move(sess, SessionState.DRAINING)
+        self.move(sess, SessionState.DRAINING, "drained_by_operator" if by == "operator" else "drained_by_worker")
 
     def undrain(self, sess: WorkerSession) -> None:
         """An operator puts back a worker the operator drained (a worker that is leaving stays drained)."""
         sess.drained_by = ""
-        self._move(sess, SessionState.ROUTABLE if sess.spoke else SessionState.REGISTERED)
+        self.move(sess, SessionState.ROUTABLE if sess.spoke else SessionState.REGISTERED, "undrained")
 
     def _changed(self) -> None:
         self._pool = None

@@ -1,13 +1,16 @@
 """Accepted requests and their state machine (pure: no I/O, no clock).
 
-Request states and the only transitions between them (:data:`REQUEST_TRANSITIONS`)::
+Request states, and every move between them with what triggers it (:data:`REQUEST_TRANSITIONS`,
+``(from, to, why)`` triples checked by :func:`move`)::
 
-    NEW ---------> PREFETCHING (async prefix match) --matched--> DISPATCHED | PARKED | DONE
-    NEW ---------> DISPATCHED (an attempt is out on a worker; phase mixed, prefill or decode)
-    NEW ---------> PARKED (no routable worker, or all at their in-flight cap) --> DISPATCHED
-    DISPATCHED --failed, nothing streamed--> RETRY_WAIT --back-off over--> DISPATCHED | PARKED
-    DISPATCHED --prefill done (P/D handoff) or send failed--> DISPATCHED (next leg / attempt)
-    any state --terminal frame (FINAL or ERROR) sent--> DONE
+    NEW ---prefix_match---> PREFETCHING (async prefix match) ---routed---> DISPATCHED
+    NEW | PREFETCHING | PARKED | RETRY_WAIT ---routed---> DISPATCHED (an attempt is out on a worker)
+    DISPATCHED ---routed---> DISPATCHED (its REQUEST could not be sent: another worker)
+    DISPATCHED | RETRY_WAIT ---decode_leg---> DISPATCHED (P/D: prefill done, or the decode leg again)
+    any live state ---no_worker | saturated---> PARKED (no routable worker / all at their cap)
+    DISPATCHED ---attempt_failed---> RETRY_WAIT (nothing streamed; the back-off runs)
+    DISPATCHED ---answered---> DONE (its FINAL)
+    any live state ---failed | client_gone---> DONE (its ERROR, or nobody reads it any more)
 
 ``DONE`` is final: a request sends exactly one terminal frame, and replies of any attempt but the
 current one (``attempt``, on ``session``) are dropped as stale.
@@ -35,25 +38,32 @@ class RequestState(enum.Enum):
 
 
 _R = RequestState
-REQUEST_TRANSITIONS: frozenset[tuple[RequestState, RequestState]] = frozenset({
-    (_R.NEW, _R.PREFETCHING), (_R.NEW, _R.DISPATCHED), (_R.NEW, _R.PARKED), (_R.NEW, _R.DONE),
-    (_R.PREFETCHING, _R.DISPATCHED), (_R.PREFETCHING, _R.PARKED), (_R.PREFETCHING, _R.DONE),
-    (_R.PARKED, _R.DISPATCHED), (_R.PARKED, _R.PARKED), (_R.PARKED, _R.DONE),
-    (_R.DISPATCHED, _R.DISPATCHED), (_R.DISPATCHED, _R.RETRY_WAIT), (_R.DISPATCHED, _R.PARKED), (_R.DISPATCHED, _R.DONE),
-    (_R.RETRY_WAIT, _R.DISPATCHED), (_R.RETRY_WAIT, _R.PARKED), (_R.RETRY_WAIT, _R.DONE),
+_LIVE = (_R.NEW, _R.PREFETCHING, _R.PARKED, _R.DISPATCHED, _R.RETRY_WAIT)
+#: Every legal move as (from, to, why): ``why`` names the trigger (see the module docstring).
+REQUEST_TRANSITIONS: frozenset[tuple[RequestState, RequestState, str]] = frozenset({
+    (_R.NEW, _R.PREFETCHING, "prefix_match"),
+    *((f, _R.DISPATCHED, "routed") for f in _LIVE),
+    (_R.DISPATCHED, _R.DISPATCHED, "decode_leg"), (_R.RETRY_WAIT, _R.DISPATCHED, "decode_leg"),
+    *((f, _R.PARKED, why) for f in _LIVE for why in ("no_worker", "saturated")),
+    (_R.DISPATCHED, _R.RETRY_WAIT, "attempt_failed"),
+    (_R.DISPATCHED, _R.DONE, "answered"),
+    *((f, _R.DONE, why) for f in _LIVE for why in ("failed", "client_gone")),
 })
 
 
-# The table per source state, on the member itself: a move is one attribute read and an identity
-# scan of a short tuple (hashing Enum members costs a Python call each; this runs per request).
+# The table per source state, on the member itself: trigger -> the states it may lead to. A move
+# is one attribute read, a dict lookup by a string and an identity scan of a short tuple (hashing
+# Enum members costs a Python call each; this runs per request).
 for _s in RequestState:
-    _s.allowed = tuple(t for (f, t) in REQUEST_TRANSITIONS if f is _s)  # type: ignore[attr-defined]
+    _s.allowed = {w: tuple(t for (f, t, w2) in REQUEST_TRANSITIONS if f is _s and w2 == w)  # type: ignore[attr-defined]
+                  for (f, _, w) in REQUEST_TRANSITIONS if f is _s}
 
 
-def move(inf: "Inflight", to: RequestState) -> None:
-    """Move ``inf`` to state ``to``; :class:`IllegalTransition` if the table does not allow it."""
-    if to not in inf.state.allowed:  # type: ignore[attr-defined]
-        raise IllegalTransition(f"request {inf.client_rid!r}: {inf.state.value} -> {to.value}")
+def move(inf: "Inflight", to: RequestState, why: str) -> None:
+    """Move ``inf`` to state ``to`` on trigger ``why``; :class:`IllegalTransition` if the table
+    has no such move."""
+    if to not in inf.state.allowed.get(why, ()):  # type: ignore[attr-defined]
+        raise IllegalTransition(f"request {inf.client_rid!r}: {inf.state.value} -> {to.value} ({why})")
     inf.state = to
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mesh import protocol as P
-from mesh.broker_core import TO_WORKER, BrokerCore, Receipt
+from mesh.broker_core import TO_WORKER, BrokerCore, Receipt, Send, deliver
 from mesh.config import BrokerSettings, build
 from mesh.engine_model import EngineModel
 from mesh.errors import ConfigError
@@ -250,27 +250,18 @@ class CoreArm:
 
         def flush(r: int, t: float) -> None:
             """Deliver what core r asked for; failed sends go back to it (ROUTER_MANDATORY)."""
-            nonlocal counted_terminal
             core = cores[r]
-            out = core.take()
-            i = 0
-            while i < len(out):
-                s = out[i]
-                i += 1
-                if s.when is not None and s.when.failed:
-                    continue
+
+            def send(s: Send) -> str | None:
+                nonlocal counted_terminal
                 if s.to == TO_WORKER:
                     wi = by_ident[r].get(s.identity)
                     w = workers[wi] if wi is not None else None
                     if w is None or not w.alive or w.ident[r] != s.identity:
-                        s.failed = "unreachable"
-                        if s.receipt:
-                            core.send_failed(s, t)
-                            out.extend(core.take())
-                        continue
+                        return "unreachable"
                     cmd = s.frames[1][0]
                     if cmd == P.Cmd.HEARTBEAT:
-                        continue  # a worker only needs to know the broker is there
+                        return None  # a worker only needs to know the broker is there
                     if s.receipt in (Receipt.DISPATCH, Receipt.DECODE):
                         inf = s.ref
                         payload = ("req", inf.rid, s.attempt, inf.phase, inf.client_rid)
@@ -281,12 +272,12 @@ class CoreArm:
                     m = P.decode_client_reply(s.frames)
                     t_m = type(m)
                     if t_m is P.Accepted:
-                        continue
+                        return None
                     i_req = int(m.rid)
                     if t_m is P.ClientChunk:
                         if first[i_req] < 0:
                             first[i_req] = t
-                        continue
+                        return None
                     terminals[i_req] += 1
                     if terminals[i_req] == 1:
                         counted_terminal += 1
@@ -302,6 +293,8 @@ class CoreArm:
                                 first[i_req] = t
                         else:
                             code_of[i_req] = m.code
+                return None
+            deliver(core, send, lambda: t)
             schedule_tick(r, t)
 
         def to_router(r: int, w: _SimWorker, msg: Any, t: float) -> None:

@@ -1,0 +1,138 @@
+"""Intake: whether a new request may run, and as what (pure: no I/O, no clock).
+
+Per-client in-flight quotas, the broker's own load shedding, model names and aliases, and the
+fleet's KV capacity (a prompt no worker could hold is refused before it is hashed). It reads the
+worker pool and knows nothing of the request table, which calls :meth:`Intake.release` when a
+request leaves it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from mesh import protocol as P
+from mesh.broker_core.counters import BrokerStats
+from mesh.broker_core.pool import WorkerPool
+from mesh.broker_core.requests import Inflight
+from mesh.config import BrokerSettings
+from mesh.errors import ErrorCode
+from mesh.hashing import text_to_tokens
+from mesh.namespaces import request_namespace
+from mesh.routing.view import RouteRequest
+
+__all__ = ["Intake", "MAX_KEY_TOKENS"]
+
+MAX_KEY_TOKENS = 1 << 20  # prompt tokens hashed for routing while no worker has registered
+
+
+class Intake:
+    """Refusals before any work (quotas, load), model resolution and context limits."""
+
+    def __init__(self, settings: BrokerSettings, pool: WorkerPool, stats: BrokerStats) -> None:
+        self.s = settings
+        self.pool = pool
+        self.stats = stats
+        self.quotas: Counter[bytes] = Counter()  # quota key -> its requests in flight
+        self.aliases = settings.aliases()  # --model-alias: name -> served model
+        self._cap_version = -1  # pool version the fleet capacity was computed at
+        self._cap_tokens: dict[str | None, int] = {}  # model (None: all) -> largest KV capacity
+
+    def admit(self, quota: bytes) -> None:
+        self.quotas[quota] += 1
+
+    def release(self, quota: bytes) -> None:
+        n = self.quotas[quota] - 1
+        if n > 0:
+            self.quotas[quota] = n
+        else:
+            self.quotas.pop(quota, None)
+
+    def refusal(self, quota: bytes, sub: P.Submit, loop_lag_s: float) -> tuple[ErrorCode, str] | None:
+        """Why a new SUBMIT is refused before any work is done on it (None: accept it).
+        Checked in order of cost; nothing here looks at the prompt."""
+        if len(sub.raw) > P.MAX_FRAME_BYTES:  # an in-process client: workers could not take the frame
+            return ErrorCode.TOO_LARGE, f"request body of {len(sub.raw)} bytes exceeds the {P.MAX_FRAME_BYTES}-byte frame limit"
+        if self.quotas[quota] >= self.s.max_inflight_per_client:
+            return ErrorCode.RATE_LIMITED, f"this client already has {self.s.max_inflight_per_client} requests in flight"
+        if loop_lag_s * 1000.0 > self.s.overload_lag_ms:
+            self.stats.loop["shed"] += 1
+            return ErrorCode.OVERLOADED, f"broker overloaded (event loop lag {loop_lag_s * 1000:.0f} ms)"
+        return None  # the prompt's length is checked where it is routed (RequestTable.prepare_route)
+
+    def fleet_capacity(self, model: str | None = None) -> int:
+        """The most KV tokens any registered worker (of ``model``) can hold (0 while none is registered)."""
+        if self._cap_version != self.pool.version:
+            self._cap_version = self.pool.version
+            self._cap_tokens.clear()
+        cap = self._cap_tokens.get(model)
+        if cap is None:
+            cap = self._cap_tokens[model] = max((s.ready.max_total_num_tokens for s in self.pool.by_id.values()
+                                                 if model is None or s.ready.model == model), default=0)
+        return cap
+
+    def model_for(self, sub: P.Submit) -> tuple[str | None, tuple[ErrorCode, str] | None]:
+        """The model a request is routed to (None: any worker) and why it is refused, if it is.
+
+        A name is a model some registered worker serves (READY ``model``; adapters read it from
+        the engine) or an alias of one (``--model-alias``). No name, or ``--model-name`` (the id
+        the HTTP ingress reports, default ``mesh``), means the fleet's only model: with several
+        it is a 400. An unknown name is a 404 ``model_not_found``, except while no worker is
+        registered at all (startup): then it waits, parked, for workers to say what they serve."""
+        name = sub.model
+        known = self.pool.models()
+        if name is not None:
+            name = self.aliases.get(name, name)
+            if name in known:
+                return name, None
+        if name is None or name == self.s.model_name:
+            # The models with routable workers decide: a registered peer that serves nothing (or
+            # a model whose workers are all down) does not make unnamed requests ambiguous.
+            served = [m for m in known if self.pool.pool(m)]
+            if len(served) > 1:
+                return None, (ErrorCode.BAD_REQUEST, f"model is required: this fleet serves {', '.join(sorted(served))}")
+            return (served[0] if served else None), None
+        if not known:
+            return name, None
+        listed = sorted(set(known) | set(self.aliases))
+        return None, (ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; models: {', '.join(listed)}")
+
+    def context_refusal(self, sub: P.Submit, model: str | None = None) -> tuple[ErrorCode, str] | None:
+        """A prompt longer than every worker's KV capacity can never run: refuse it before it is
+        hashed. Text is counted conservatively (no real tokenizer packs 32 characters per
+        token on average), so a text prompt that could fit is never refused."""
+        cap = self.fleet_capacity(model)
+        if not cap:
+            return None  # no worker yet: checked again at dispatch
+        n = len(sub.input_ids) if sub.input_ids is not None else len(sub.text or "") // 32
+        if n > cap:
+            return (ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                    f"prompt of {n}{'+' if sub.input_ids is None else ''} tokens exceeds the largest worker's capacity of {cap} tokens")
+        return None
+
+    def route_request(self, inf: Inflight, needs_match: bool) -> RouteRequest:
+        """The request's routing view (``needs_match``: the policy matches prefixes, so a text
+        prompt is keyed by its bytes)."""
+        sub = inf.submit
+        tokens = sub.input_ids
+        packed = sub.packed
+        # Only a prefix that some worker could hold can match: keys beyond the fleet's capacity
+        # are never hashed (a 4M-token prompt once blocked the loop for 0.9 s hashing in full).
+        cap = self.fleet_capacity(inf.model) or MAX_KEY_TOKENS
+        if tokens is None and needs_match:
+            tokens = text_to_tokens((sub.text or "")[:cap])[:cap]  # text prompts route by a byte-level key
+            n_prompt = sub.prompt_len
+        else:
+            n_prompt = len(tokens) if tokens is not None else sub.prompt_len
+            if tokens is not None and len(tokens) > cap:
+                tokens = tokens[:cap]
+                packed = packed[:cap] if packed is not None else None
+        return RouteRequest(
+            request_id=inf.client_rid,
+            prompt_tokens=n_prompt,
+            max_new_tokens=sub.max_new_tokens,
+            tokens=tokens,
+            packed=packed,
+            ttft_slo_ms=sub.ttft_slo_ms,
+            tps_slo=sub.tps_slo,
+            namespace=request_namespace(sub.params),
+        )

@@ -1,0 +1,98 @@
+"""Status views of the broker core: STATUS replies, the model catalog, per-worker entries and
+token counts (pure: no I/O, no clock). Reads the worker pool, intake's aliases and the counters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from mesh import protocol as P
+from mesh.broker_core.counters import BrokerStats
+from mesh.broker_core.intake import Intake
+from mesh.broker_core.pool import SessionState, WorkerPool, WorkerSession
+from mesh.config import BrokerSettings
+
+__all__ = ["Status"]
+
+_STATUS_CACHE_S = 0.1  # STATUS worker lists of large fleets are rebuilt at most this often
+_STATUS_CACHE_MIN_WORKERS = 256  # smaller fleets always get a fresh list
+
+
+class Status:
+    """What operators, telemetry and the HTTP ingress read about the broker and its workers."""
+
+    def __init__(self, settings: BrokerSettings, pool: WorkerPool, intake: Intake, stats: BrokerStats, router: Any,
+                 broker_id: str, extra: Callable[[float], dict] | None = None) -> None:
+        self.s = settings
+        self.pool = pool
+        self.intake = intake
+        self.stats = stats
+        self.router = router
+        self.broker_id = broker_id
+        self.extra = extra  # more STATUS fields (the shell's)
+        self._cache: tuple[float, list[dict]] | None = None
+        self._worker_tokens: dict[str, list[int]] = {}  # worker_id -> [requests, prompt tokens, cached tokens]
+
+    def reply(self, now: float, broker: dict) -> list[bytes]:
+        """The STATUS reply (``broker``: the broker's own fields, :meth:`broker`), bounded to
+        ``MAX_STATUS_WORKERS`` workers. For large fleets the worker list (O(workers) to build)
+        is reused for ``_STATUS_CACHE_S``, so a flood of queries costs one build per interval;
+        broker state and counters are always current."""
+        c = self._cache
+        if c is None or now - c[0] >= _STATUS_CACHE_S or len(self.pool) <= _STATUS_CACHE_MIN_WORKERS:
+            workers = self.workers(now)[:P.MAX_STATUS_WORKERS]
+            c = self._cache = (now, workers)
+        if len(self.pool) > len(c[1]):
+            broker["workers_truncated"] = True
+        return P.encode_status_reply(broker, c[1], self.stats.flat())
+
+    def broker(self, now: float, state: str, inflight: int, started_s: float, loop_lag_s: float) -> dict:
+        out = {"id": self.broker_id, "state": state, "inflight": inflight,
+               "uptime_s": round(now - started_s, 3), "policy": self.router.policy.name,
+               "loop_lag_ms": round(loop_lag_s * 1000, 2), "workers_total": len(self.pool),
+               "provider": getattr(self.router.provider, "name", "none"), "models": self.served_models(),
+               "model_name": self.s.model_name, "aliases": self.intake.aliases}
+        if self.extra is not None:
+            out.update(self.extra(now))
+        return out
+
+    def model_catalog(self) -> tuple[dict[str, int], dict[str, str], str]:
+        """What the HTTP ingress lists and resolves: served models (routable workers each), the
+        aliases and the fleet's name (``--model-name``)."""
+        return self.served_models(), self.intake.aliases, self.s.model_name
+
+    def served_models(self) -> dict[str, int]:
+        """Model name -> routable workers serving it (models whose workers are all down are absent)."""
+        return {m: n for m in self.pool.models() if (n := len(self.pool.pool(m)))}
+
+    def workers(self, now: float) -> list[dict]:
+        """One entry per registered worker (STATUS, telemetry, the admin API)."""
+        return [self.worker_status(sess, now) for sess in self.pool.by_id.values()]
+
+    def worker_status(self, sess: WorkerSession, now: float) -> dict:
+        st = sess.state
+        agg = st.fresh_load(now, self.s.load_freshness_s)
+        return {
+            "worker_id": st.worker_id, "model": sess.ready.model, "role": st.role, "labels": st.labels,
+            "healthy": st.healthy and sess.confirmed, "state": sess.status.value,
+            "inflight": st.inflight, "peer_inflight": st.peer_inflight, "peer_prefill_tokens": st.peer_prefill_tokens,
+            "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
+            "ejected_for_s": round(max(0.0, sess.ejected_until_s - now), 3) if sess.status is SessionState.EJECTED else 0.0,
+            "kv_capacity_tokens": sess.ready.max_total_num_tokens,
+            "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4),
+                                              "kv_used_tokens": agg.used_tokens},
+        }
+
+    def count_tokens(self, worker_id: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """One finished request of ``worker_id`` (for :meth:`worker_tokens`)."""
+        wt = self._worker_tokens.get(worker_id)
+        if wt is None:
+            wt = self._worker_tokens[worker_id] = [0, 0, 0]
+        wt[0] += 1
+        wt[1] += prompt_tokens
+        wt[2] += cached_tokens
+
+    def worker_tokens(self, worker_id: str) -> tuple[int, int, int]:
+        """(requests finished, prompt tokens, cached tokens) of one worker, for telemetry."""
+        wt = self._worker_tokens.get(worker_id)
+        return (wt[0], wt[1], wt[2]) if wt else (0, 0, 0)
