@@ -6,7 +6,7 @@
 * :class:`ApproxIndex` -- the speculative structure alone: the ``approx`` provider that learns only
   from routing decisions, with a TTL.
 * :class:`MatchResult` -- lazy per-worker results of one match (valid until the next mutation).
-* :func:`mesh.index.bench.run_index_bench` -- micro-benchmark (``python -m mesh.index.bench``).
+* :func:`mesh.lab.bench.index_bench.run_index_bench` -- micro-benchmark (``python -m mesh.lab.bench.index_bench``).
 """
 
 from mesh.index.ops import ROOT_KEY, Clear, IndexOp, Remove, Store, Stream

@@ -16,7 +16,7 @@ result), each awaited through ``TokenizerPool`` from an event loop, as the HTTP 
 
 Prompts are pseudo-random words (seeded), trimmed to the exact token count, so BPE meets realistic text
 rather than one repeated phrase. ``--builtin`` uses the shipped Mistral-7B-Instruct-v0.3 tokenizer
-(``mesh.tokenization.builtin``) with its chat template (``--builtin tekken``: Mistral-Nemo's Tekken vocabulary); ``--model-dir DIR`` any local model folder.
+(``mesh.lab.tokenizer_builtin``) with its chat template (``--builtin tekken``: Mistral-Nemo's Tekken vocabulary); ``--model-dir DIR`` any local model folder.
 """
 
 from __future__ import annotations
