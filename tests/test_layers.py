@@ -62,17 +62,17 @@ def test_only_the_cli_loader_imports_the_lab():
 
 def test_no_import_circles():
     graph = {m: {t for t, _, _ in es if t and t != m} for m, es in EDGES.items()}
-    state: dict[str, int] = {}
-    circles = []
+    state: dict[str, str] = {}
+    circles: list[list[str]] = []
 
     def visit(m, path):
-        state[m] = 1
+        state[m] = "open"
         for t in sorted(graph[m]):
-            if state.get(t) == 1:
+            if state.get(t) == "open":
                 circles.append(path[path.index(t):] + [t])
             elif t not in state:
                 visit(t, path + [t])
-        state[m] = 2
+        state[m] = "done"
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
