@@ -110,12 +110,12 @@ def run_tokenizer_bench(model_dir: str | Path | None = None, chat_template_file:
                         builtin: bool | str = False, sizes: tuple[int, ...] = (1024, 8192), iters: int = 100,
                         workers: int = 2, concurrency: int = 8) -> dict[str, Any]:
     """Run the four arms per size; returns a JSON-able dict (see the module docstring for each figure)."""
-    from .pool import ModelTokenizer, TokenizerPool
+    from mesh.tokenization.pool import ModelTokenizer, TokenizerPool
 
     tmp = None
     kind = builtin if isinstance(builtin, str) else "mistral_v3"
     if builtin:
-        from .builtin import MISTRAL_V3_TEMPLATE, build_model_dir
+        from mesh.lab.tokenizer_builtin import MISTRAL_V3_TEMPLATE, build_model_dir
 
         tmp = tempfile.TemporaryDirectory(prefix="mesh-tokbench-")
         model_dir = build_model_dir(Path(tmp.name) / "model", chat_template=MISTRAL_V3_TEMPLATE, tokenizer=kind)
