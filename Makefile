@@ -3,18 +3,27 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# the demo needs the product and the lab (mesh up), not the test tools: its own, smaller install
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test test-unit test-e2e test-bench soak bench bench-http report venv clean valkey-server
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+$(DEMO_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[lab]'
+	touch $(DEMO_STAMP)
+
 venv: $(STAMP)
 
-demo: $(STAMP)
+# a venv made by `make test` (.[dev] holds .[lab]) serves the demo as it is
+demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	$(VENV)/bin/mesh up
 
 # redis-server (Valkey's protocol) for the indexer's Valkey backend tests: installed from the system's

@@ -15,7 +15,8 @@ from mesh.errors import ConfigError
 from mesh.gc_tuning import bound_malloc_retention, freeze_startup_heap
 from mesh.routing.providers import make_provider
 from mesh.logs import announce, configure, get_logger
-from mesh.routing.router import Router, make_policy
+from mesh.routing.factory import make_router
+from mesh.routing.router import make_policy
 
 __all__ = ["build_broker", "serve_broker"]
 
@@ -65,14 +66,11 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
 
 def _router(settings: BrokerSettings, policy, provider, rng):
     """Buckets or PD: the bucket router (admission, two passes); otherwise the plain Router."""
-    if not settings.bucket_config and not settings.pd:
-        return Router(policy, provider)
-    from mesh.routing.bucket_router import BucketRouter
     from mesh.routing.buckets import load_bucket_config
 
-    cfg = load_bucket_config(settings.bucket_config) if settings.bucket_config else None
-    return BucketRouter(cfg, policy, provider, rng=rng, freshness_s=settings.load_freshness_s, pd=settings.pd,
-                        global_cache_winner=settings.global_cache_winner, decode_policy=settings.decode_policy)
+    buckets = load_bucket_config(settings.bucket_config) if settings.bucket_config else None
+    return make_router(policy, provider, buckets=buckets, pd=settings.pd, rng=rng, freshness_s=settings.load_freshness_s,
+                       global_cache_winner=settings.global_cache_winner, decode_policy=settings.decode_policy)
 
 
 def _gauges(broker: Broker):

@@ -24,10 +24,10 @@ import zmq
 import zmq.asyncio
 
 from mesh import protocol as P
-from mesh.procs import Proc, ProcGroup, wait_for_log_event
+from mesh.lab.procs import Proc, ProcGroup, wait_for_log_event
 from mesh.routing.providers import LocalIndexProvider
 from mesh.sockets import BROKER_BACKEND, make_socket, recv_frames, send_frames
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until  # noqa: F401 - the adapter tests import until from here
 
 DATA = Path(__file__).parent / "data"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.procs import Proc, ProcGroup, free_port, wait_for_log_event  # noqa: F401 - free_port: tests import it from here
+from mesh.lab.procs import Proc, ProcGroup, free_port, wait_for_log_event  # noqa: F401 - free_port: tests import it from here
 
 
 _E2E_SOURCE_MARKS = ("subprocess", "ProcGroup(", "Popen(", "create_subprocess")
@@ -22,10 +22,10 @@ _module_is_e2e: dict[str, bool] = {}
 
 def pytest_configure(config):
     """One converted base tokenizer per kind for the whole session (and the processes tests
-    start): mesh.tokenization.builtin.build_model_dir keeps them in $MESH_TOKENIZER_CACHE."""
+    start): mesh.lab.tokenizer_builtin.build_model_dir keeps them in $MESH_TOKENIZER_CACHE."""
     import tempfile
 
-    from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
+    from mesh.lab.tokenizer_builtin import TOKENIZER_CACHE_ENV
 
     if not os.environ.get(TOKENIZER_CACHE_ENV):
         config._mesh_tok_cache = tempfile.TemporaryDirectory(prefix="mesh-tok-")
@@ -34,7 +34,7 @@ def pytest_configure(config):
 
 _PREBUILD = """
 import sys, tempfile
-from mesh.tokenization.builtin import build_model_dir
+from mesh.lab.tokenizer_builtin import build_model_dir
 with tempfile.TemporaryDirectory() as d:
     for kind in sys.argv[1:]:
         build_model_dir(f"{d}/{kind}", tokenizer=kind)
@@ -45,7 +45,7 @@ def _start_tokenizer_prebuild(config) -> None:
     """Convert the base tokenizers into the session cache in a background process (niced) while the
     tests before the first one that needs them run: the conversion is seconds of CPU that would
     otherwise be paid in series inside that test's fixture. :func:`tokenizer_cache` waits for it."""
-    from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
+    from mesh.lab.tokenizer_builtin import TOKENIZER_CACHE_ENV
 
     cache = Path(os.environ[TOKENIZER_CACHE_ENV])
     kinds = [k for k in ("mistral_v3", "tekken") if not (cache / f"{k}_base_tokenizer.json").is_file()]
@@ -62,7 +62,7 @@ def _start_tokenizer_prebuild(config) -> None:
 def tokenizer_cache(pytestconfig) -> Path:
     """The session's converted base tokenizers, once the background conversion has finished (so a
     fixture's build_model_dir does not convert them a second time alongside it)."""
-    from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
+    from mesh.lab.tokenizer_builtin import TOKENIZER_CACHE_ENV
 
     pre = getattr(pytestconfig, "_mesh_tok_prebuild", None)
     if pre is not None:
@@ -79,7 +79,7 @@ def pytest_unconfigure(config):
         pre[0].wait(10)
     cache = getattr(config, "_mesh_tok_cache", None)
     if cache is not None:
-        from mesh.tokenization.builtin import TOKENIZER_CACHE_ENV
+        from mesh.lab.tokenizer_builtin import TOKENIZER_CACHE_ENV
 
         os.environ.pop(TOKENIZER_CACHE_ENV, None)
         cache.cleanup()

@@ -9,8 +9,8 @@ import random
 
 from mesh import protocol as P
 from mesh.errors import ProtocolError
-from mesh.fuzz.runner import FuzzConfig, run_fuzz
-from mesh.up import wait_for_workers
+from mesh.lab.fuzz.runner import FuzzConfig, run_fuzz
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run
 
 # glibc keeps what libzmq's I/O thread allocated for queued inbound frames (up to 4 MB each,

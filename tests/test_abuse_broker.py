@@ -23,7 +23,7 @@ from mesh import protocol as P
 from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
 from mesh.load import LoadStat
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.abuse_peers import FakeWorker, answer_ok, impostor_answer, kv_batch, long_stream, never_answer, raw_dealer, status
 from tests.conftest import run, until
 
@@ -469,7 +469,7 @@ def test_http_requests_count_against_their_peers_quota(procs):
     users: the ingress passes the peer's address as the quota key."""
     import aiohttp
 
-    from mesh.procs import wait_for_log_event
+    from mesh.lab.procs import wait_for_log_event
 
     b = procs.broker("b", *FAST, "--http", "127.0.0.1:0", "--max-inflight-per-client", "3", "--progress-timeout-ms", "0")
     url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen)["url"]

@@ -19,8 +19,8 @@ import pytest
 from mesh import protocol as P
 from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
-from mesh.procs import wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.procs import wait_for_log_event
+from mesh.lab.up import wait_for_workers
 from tests.abuse_peers import FakeWorker, never_answer, raw_dealer, status
 from tests.conftest import run
 from tests.abuse_peers import impostor_answer, kv_batch, long_stream

@@ -18,7 +18,7 @@ import pytest
 from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
 from mesh.engine_model import output_token_id
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 from tests.adapters_support import start_adapters, start_stubs
 

@@ -13,9 +13,9 @@ from mesh.broker_core import BrokerCore, SessionState
 from mesh.client import Client
 from mesh.config import BrokerSettings, build
 from mesh import protocol as P
-from mesh.procs import wait_for_log_event
+from mesh.lab.procs import wait_for_log_event
 from mesh.routing.router import Router, make_policy
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 
 from conftest import run
 

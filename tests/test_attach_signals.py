@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from mesh.procs import Proc, ProcGroup, wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.procs import Proc, ProcGroup, wait_for_log_event
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run
 from tests.adapters_support import start_stub
 

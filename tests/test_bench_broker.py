@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from mesh.bench.broker_bench import run_broker_bench
+from mesh.lab.bench.broker_bench import run_broker_bench
 from mesh.client import Client
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 
 from conftest import run
 
@@ -56,7 +56,7 @@ def test_broker_bench_runs_both_arms_with_zero_errors():
 def test_baseline_arm_answers_every_request_like_an_instant_worker(tmp_path):
     """The forwarder arm's workers decode each SUBMIT and answer with a client FINAL (same
     work as the instant workers), and the harness counts every one of those answers."""
-    from mesh.bench.broker_bench import _baseline_arm
+    from mesh.lab.bench.broker_bench import _baseline_arm
 
     res = _baseline_arm(tmp_path, workers=4, concurrency=16, seconds=0.5, latency_rate=400)
     assert res["errors"] == 0 and res["rps"] > 0

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from mesh.bench.http_bench import evaluate_targets, run_http_bench
-from mesh.bench.http_load import parse_wrk, request_body, run_load, wrk_path
-from mesh.bench.proc_cpu import CpuSampler, cpu_seconds, descendants
-from mesh.procs import wait_for_log_event
+from mesh.lab.bench.http_bench import evaluate_targets, run_http_bench
+from mesh.lab.bench.http_load import parse_wrk, request_body, run_load, wrk_path
+from mesh.lab.bench.proc_cpu import CpuSampler, cpu_seconds, descendants
+from mesh.lab.procs import wait_for_log_event
 
 # captured from `wrk -t 2 -c 4 -d 1s --latency` (wrk 4.1.0) against mesh instant-engine, with the
 # error lines wrk adds when there are errors

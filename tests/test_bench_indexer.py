@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mesh.indexer.bench import valkey_server_binary
+from mesh.lab.bench.indexer_bench import valkey_server_binary
 
 pytestmark = pytest.mark.bench
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("tokenizers", reason="needs the dev extra (tokenizers) for the builtin tokenizer")
 pytest.importorskip("mistral_common", reason="needs the dev extra (mistral-common) for the builtin tokenizer")
 
-from mesh.bench.tokenize_load import evaluate_targets, hist_quantile, parse_metrics  # noqa: E402
+from mesh.lab.bench.tokenize_load import evaluate_targets, hist_quantile, parse_metrics  # noqa: E402
 
 PROMPT_TOKENS = 256
 

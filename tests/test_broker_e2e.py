@@ -19,7 +19,7 @@ import zmq.asyncio
 from mesh import protocol as P
 from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200"]  # brokers: faster liveness for quicker tests (T_detect = 0.8 s)

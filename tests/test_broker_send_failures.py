@@ -17,7 +17,7 @@ from mesh import protocol as P
 from mesh.broker_core import HB_SLICES
 from mesh.client import Client
 from mesh.config import BrokerSettings, build
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 
 from conftest import run, until
 

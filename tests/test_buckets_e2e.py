@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mesh.client import Client
 from mesh.errors import RequestError
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 BUCKETS = str(Path(__file__).resolve().parents[1] / "configs" / "buckets-example.toml")

@@ -17,7 +17,7 @@ import statistics
 import pytest
 
 from mesh.client import Client
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run
 
 WORKERS = 4

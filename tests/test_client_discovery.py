@@ -22,8 +22,8 @@ from structlog.testing import capture_logs
 from mesh.client import Client, SyncClient
 from mesh.discovery import Resolver
 from mesh.errors import ConfigError
-from mesh.procs import BrokerProc, ProcGroup
-from mesh.up import wait_for_workers
+from mesh.lab.procs import BrokerProc, ProcGroup
+from mesh.lab.up import wait_for_workers
 from tests.conftest import free_port, run, until, wait_until
 
 NAME = "brokers.test"

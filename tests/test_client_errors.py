@@ -7,7 +7,7 @@ import zmq
 
 from mesh.client import Client
 from mesh.errors import ClientStateError, ErrorCode, MeshError, RetryableError
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 

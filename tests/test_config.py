@@ -343,7 +343,7 @@ def test_a_setting_without_a_declaration_cannot_become_a_flag():
 
 
 def test_sim_engine_model_from_flags_and_its_engine_table(tmp_path):
-    from mesh.sim.cli import config_from_args
+    from mesh.lab.sim.cli import config_from_args
 
     cfg = tmp_path / "e.toml"
     cfg.write_text("[engine]\npage_size = 32\nmax_running_requests = 8\n")

@@ -1,4 +1,4 @@
-"""CPU placement for benchmarks (mesh.bench.cpu_pinning): the plan, and real pinning of real threads."""
+"""CPU placement for benchmarks (mesh.lab.bench.cpu_pinning): the plan, and real pinning of real threads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from mesh.bench.cpu_pinning import Placement, pin_process, pinned_self, plan
+from mesh.lab.bench.cpu_pinning import Placement, pin_process, pinned_self, plan
 
 linux_2cpu = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux with 2+ usable CPUs")

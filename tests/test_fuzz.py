@@ -7,7 +7,7 @@ import random
 
 from mesh import protocol as P
 from mesh.errors import ProtocolError
-from mesh.fuzz.generators import (
+from mesh.lab.fuzz.generators import (
     BODY_MUTATIONS,
     CLIENT_SEMANTIC,
     FRAME_MUTATIONS,

@@ -9,8 +9,8 @@ import signal
 import aiohttp
 import pytest
 
-from mesh.procs import ProcGroup, wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.procs import ProcGroup, wait_for_log_event
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 

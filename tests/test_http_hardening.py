@@ -29,8 +29,8 @@ from brokers.ingress import MAX_BODY_BYTES, MAX_SUBMIT_BYTES, HttpIngress
 from brokers.stats import BrokerStats
 from mesh import protocol as P
 from mesh.client import Client
-from mesh.procs import wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.procs import wait_for_log_event
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 KEY = "k3y-" + "x" * 20

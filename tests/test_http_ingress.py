@@ -10,8 +10,8 @@ import urllib.request
 import openai
 import pytest
 
-from mesh.procs import wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.procs import wait_for_log_event
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run
 
 

@@ -18,10 +18,10 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("tokenizers")
 pytest.importorskip("mistral_common")
 
-from mesh.procs import wait_for_log_event  # noqa: E402
+from mesh.lab.procs import wait_for_log_event  # noqa: E402
 from mesh.tokenization import ModelTokenizer  # noqa: E402
-from mesh.tokenization.builtin import build_model_dir  # noqa: E402
-from mesh.up import wait_for_workers  # noqa: E402
+from mesh.lab.tokenizer_builtin import build_model_dir  # noqa: E402
+from mesh.lab.up import wait_for_workers  # noqa: E402
 from tests.conftest import Procs, run, until  # noqa: E402
 
 PROMPT = "Grüße aus Köln: the router keeps every prefix where its KV cache already is."

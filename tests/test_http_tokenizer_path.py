@@ -23,9 +23,9 @@ pytest.importorskip("jinja2")
 pytest.importorskip("mistral_common")
 pytest.importorskip("transformers")
 
-from mesh.procs import wait_for_log_event  # noqa: E402
-from mesh.tokenization.builtin import build_model_dir  # noqa: E402
-from mesh.up import wait_for_workers  # noqa: E402
+from mesh.lab.procs import wait_for_log_event  # noqa: E402
+from mesh.lab.tokenizer_builtin import build_model_dir  # noqa: E402
+from mesh.lab.up import wait_for_workers  # noqa: E402
 from tests.conftest import run, until  # noqa: E402
 
 

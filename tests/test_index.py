@@ -16,7 +16,7 @@ from mesh.index import (
     Store,
     Verdict,
 )
-from mesh.index.bench import run_index_bench
+from mesh.lab.bench.index_bench import run_index_bench
 
 from index_checks import check_index_invariants
 

@@ -13,8 +13,8 @@ import signal
 import time
 
 from mesh.client import Client
-from mesh.procs import Proc, wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.procs import Proc, wait_for_log_event
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200"]

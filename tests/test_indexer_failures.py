@@ -7,7 +7,7 @@ import signal
 import time
 
 from mesh.indexer.client import IndexerClient
-from mesh.procs import ProcGroup
+from mesh.lab.procs import ProcGroup
 
 from conftest import run, until
 from test_indexer import BS, FakeWorker, reference

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.hashing import content_keys
 from mesh.indexer.client import IndexerClient
-from mesh.procs import wait_for_log_event
+from mesh.lab.procs import wait_for_log_event
 
 from conftest import run
 

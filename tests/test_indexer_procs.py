@@ -21,7 +21,7 @@ from mesh import kv_events as KV
 from mesh.hashing import content_keys
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer.client import IndexerClient
-from mesh.procs import Proc, ProcGroup, wait_for_log_event
+from mesh.lab.procs import Proc, ProcGroup, wait_for_log_event
 from mesh.protocol import pack
 
 from conftest import run, until

@@ -10,7 +10,7 @@ import msgpack
 
 from mesh import kv_events as KV
 from mesh.indexer.client import IndexerClient
-from mesh.procs import wait_for_log_event
+from mesh.lab.procs import wait_for_log_event
 
 from conftest import free_port, run, until
 

@@ -33,9 +33,9 @@ from mesh.hashing import content_keys
 from mesh.index import ROOT_KEY
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer import indexer_pb2_grpc as pb_grpc
-from mesh.indexer.bench import start_valkey_process, valkey_server_binary
-from mesh.procs import wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.bench.indexer_bench import start_valkey_process, valkey_server_binary
+from mesh.lab.procs import wait_for_log_event
+from mesh.lab.up import wait_for_workers
 
 from conftest import free_port, run, until
 

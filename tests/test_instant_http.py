@@ -279,7 +279,7 @@ def test_engine_process_announces_url_and_counts_paths(procs):
     """``mesh instant-engine`` as a process: readiness line with the URL; on SIGTERM the requests per path."""
     import urllib.request
 
-    from mesh.procs import wait_for_log_event
+    from mesh.lab.procs import wait_for_log_event
 
     p = procs.spawn("engine", ["instant-engine", "--port", "0", "--model", "x"])
     rec = wait_for_log_event(p.log_path, "instant_engine_listening", 30, p.popen)

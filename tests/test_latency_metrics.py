@@ -8,8 +8,8 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.client import Client
-from mesh.procs import wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.procs import wait_for_log_event
+from mesh.lab.up import wait_for_workers
 
 from conftest import run
 

@@ -14,7 +14,7 @@ import pytest
 
 from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from mesh.client import Client
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 PROMPT = [random.Random(11).randrange(1, 30_000) for _ in range(512)]

@@ -17,8 +17,8 @@ from mesh.errors import ProtocolError
 from mesh.load import LoadStat
 from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes
 from mesh.routing.view import WorkerState
-from mesh.sim.runner import Arm, ArmSpec, SimConfig, run_sim
-from mesh.sim.workloads import make_workload
+from mesh.lab.sim.runner import Arm, ArmSpec, SimConfig, run_sim
+from mesh.lab.sim.workloads import make_workload
 from tests.fuzz_support import fuzzed_exchange
 
 

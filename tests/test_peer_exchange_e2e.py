@@ -18,8 +18,8 @@ import zmq.asyncio
 
 from mesh import protocol as P
 from mesh.client import Client
-from mesh.procs import wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.procs import wait_for_log_event
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200", "--exchange-stale-ms", "600"]

@@ -201,8 +201,8 @@ def test_sim_a_follow_up_at_another_router_finds_the_worker_computing_its_prefix
     routes exchanged router 1 sends it to the same worker (a speculative hit of the whole first
     prompt); with the load figures alone (the exchange before routes) it is a miss that goes to
     another worker, away from the queued prefill, and recomputes the prompt."""
-    from mesh.sim.runner import Arm, ArmSpec, SimConfig
-    from mesh.sim.workloads import make_workload
+    from mesh.lab.sim.runner import Arm, ArmSpec, SimConfig
+    from mesh.lab.sim.workloads import make_workload
 
     first = prompt(2000, seed=11)
     follow = first + prompt(100, seed=12)
@@ -229,8 +229,8 @@ def test_sim_a_follow_up_at_another_router_finds_the_worker_computing_its_prefix
 
 
 def test_sim_without_exchange_routes_sends_figures_only_and_that_is_the_default():
-    from mesh.sim.runner import Arm, ArmSpec, SimConfig, run_sim
-    from mesh.sim.workloads import make_workload
+    from mesh.lab.sim.runner import Arm, ArmSpec, SimConfig, run_sim
+    from mesh.lab.sim.workloads import make_workload
 
     kw = dict(workload="shared_prefix", rate=20.0, duration_s=1.0, workers=[4], routers=[2], policies=["cache_aware"],
               providers=["radix_tree"], seed=3, exchange=True)

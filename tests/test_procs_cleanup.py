@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR
 _PARENT = """
 import sys, time
 from pathlib import Path
-from mesh.procs import ProcGroup, wait_for_log_event
+from mesh.lab.procs import ProcGroup, wait_for_log_event
 g = ProcGroup(Path(sys.argv[1]))
 b = g.broker("b")
 print(b.popen.pid, flush=True)

@@ -6,7 +6,7 @@ import asyncio
 import random
 
 from mesh.client import Client
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 FAST = ["--heartbeat-ms", "200"]

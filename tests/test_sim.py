@@ -10,11 +10,11 @@ import pytest
 
 from mesh.engine_model import EngineConfig, output_token_id
 from mesh.errors import ConfigError
-from mesh.sim import SimConfig, Workload, load_mooncake, make_workload, oracle_cached_tokens, run_sim
-from mesh.sim.cli import add_sim_parser, config_from_args, dumps_report
-from mesh.sim.metrics import cv, percentile, ratio
-from mesh.sim.runner import Arm, ArmSpec, arm_specs
-from mesh.sim.workloads import SimRequest
+from mesh.lab.sim import SimConfig, Workload, load_mooncake, make_workload, oracle_cached_tokens, run_sim
+from mesh.lab.sim.cli import add_sim_parser, config_from_args, dumps_report
+from mesh.lab.sim.metrics import cv, percentile, ratio
+from mesh.lab.sim.runner import Arm, ArmSpec, arm_specs
+from mesh.lab.sim.workloads import SimRequest
 
 SMALL_ENGINE = EngineConfig(max_total_num_tokens=20_000, page_size=16)
 
@@ -199,7 +199,7 @@ def test_kv_events_reach_providers_and_match_engines():
     eng = EngineConfig(max_total_num_tokens=2_000, page_size=16)
     cfg = _cfg(engine=eng, workers=[3], routers=[2], policies=["cache_aware"], rate=30.0, duration_s=2.0,
                workload_params=_small_stream(groups=10))
-    from mesh.sim.runner import build_workload
+    from mesh.lab.sim.runner import build_workload
 
     wl = build_workload(cfg)
     arm = Arm(cfg, ArmSpec("cache_aware", "radix_tree", 2, 3), wl)
@@ -220,7 +220,7 @@ def test_kv_events_reach_providers_and_match_engines():
 def test_indexer_is_shared_and_approx_gets_no_events():
     cfg = _cfg(workers=[2], routers=[3], policies=["cache_aware"], rate=30.0, duration_s=1.0,
                workload_params=_small_stream())
-    from mesh.sim.runner import build_workload
+    from mesh.lab.sim.runner import build_workload
 
     wl = build_workload(cfg)
     ix = Arm(cfg, ArmSpec("cache_aware", "indexer", 3, 2), wl)
@@ -327,7 +327,7 @@ def test_determinism_across_processes(tmp_path):
     for hs in ("1", "2"):
         out = tmp_path / f"r{hs}.json"
         subprocess.run(
-            [sys.executable, "-m", "mesh.sim.cli", "--workload", "shared_prefix", "--rate", "40", "--duration-s", "1",
+            [sys.executable, "-m", "mesh.lab.sim.cli", "--workload", "shared_prefix", "--rate", "40", "--duration-s", "1",
              "--groups", "5", "--system-tokens", "256", "--question-tokens", "32", "--output-tokens", "8",
              "--workers", "3", "--routers", "2", "--policy", "cache_aware,cache_aware_greedy",
              "--provider", "radix_tree,approx", "--router-pick", "random", "--max-total-num-tokens", "2000",
@@ -341,7 +341,7 @@ def test_determinism_across_processes(tmp_path):
 def test_sim_buckets_overloaded_run_falls_back_and_rejects_nothing():
     from pathlib import Path
 
-    from mesh.sim.runner import SimConfig, run_sim
+    from mesh.lab.sim.runner import SimConfig, run_sim
 
     buckets = str(Path(__file__).resolve().parents[1] / "configs" / "buckets-example.toml")
     from mesh.engine_model import EngineConfig
@@ -356,7 +356,7 @@ def test_sim_buckets_overloaded_run_falls_back_and_rejects_nothing():
 
 
 def test_sim_pd_disaggregation_completes_every_request():
-    from mesh.sim.runner import SimConfig, run_sim
+    from mesh.lab.sim.runner import SimConfig, run_sim
 
     cfg = SimConfig(workload="shared_prefix", workload_params={"groups": 4, "prompts_per_group": 5}, rate=5.0, duration_s=3.0,
                     policies=["cache_aware"], providers=["radix_tree"], pd=(2, 2), seed=4)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mesh.errors import ConfigError
-from mesh.sim.core_arm import FaultSpec, parse_faults
-from mesh.sim.runner import SimConfig, run_sim
+from mesh.lab.sim.core_arm import FaultSpec, parse_faults
+from mesh.lab.sim.runner import SimConfig, run_sim
 
 
 def _run(faults=None, **kw):

@@ -1,4 +1,4 @@
-"""The routing quality matrix (mesh/sim/matrix.py) and the conversation workload."""
+"""The routing quality matrix (mesh/lab/sim/matrix.py) and the conversation workload."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from mesh.errors import ConfigError
-from mesh.sim.cli import add_sim_parser
-from mesh.sim.matrix import dumps_matrix, load_matrix, run_matrix
-from mesh.sim.workloads import make_workload
+from mesh.lab.sim.cli import add_sim_parser
+from mesh.lab.sim.matrix import dumps_matrix, load_matrix, run_matrix
+from mesh.lab.sim.workloads import make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -207,7 +207,7 @@ def test_tiny_matrix_end_to_end(tmp_path):
 
     # same config -> same report, from reused calibrations too (and across processes: --jobs 2)
     mc = load_matrix(p)
-    from mesh.sim.matrix import reusable_calibrations
+    from mesh.lab.sim.matrix import reusable_calibrations
 
     reuse = reusable_calibrations(mc, out_json)
     assert set(reuse) == set(rep["calibrations"])
@@ -232,7 +232,7 @@ def test_trace_windows_per_seed(tmp_path):
     text = TINY.replace('[workloads.zipf]\nworkload = "zipf"\nparams = { groups = 64, system_tokens = 2048, '
                         'question_tokens = 512, output_tokens = 32 }', '[workloads.zipf]\ntrace = "t.jsonl"')
     mc = load_matrix(_write(tmp_path, text.replace("max_requests = 100", "max_requests = 15")))
-    from mesh.sim.matrix import _sim_config, build_stream
+    from mesh.lab.sim.matrix import _sim_config, build_stream
 
     wdef = mc.workloads["zipf"]
     for seed, first in ((1, 0), (2, 15), (3, 4)):  # offset (seed - 1) * 15 mod 26
@@ -336,7 +336,7 @@ def test_noise_arm_and_router_scaling(tmp_path):
     both = (p95[2]["cache_aware"] * p95[2]["cache_aware@b"] / (p95[1]["cache_aware"] * p95[1]["cache_aware@b"])) ** 0.5
     assert row["ratios_two_orders"]["2"]["1"] == pytest.approx(both, abs=1e-4)
     assert isinstance(rep["summary"]["ttft_p95_misses_beyond_noise"], list)
-    from mesh.sim.matrix import render_report
+    from mesh.lab.sim.matrix import render_report
     from rich.console import Console
 
     con = Console(record=True, width=200)

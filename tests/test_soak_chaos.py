@@ -13,7 +13,7 @@ import pytest
 
 from mesh.client import Client
 from mesh.errors import RequestError
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run
 
 pytestmark = pytest.mark.soak

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from mesh.client import Client
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 # 20k prefill tokens/s: the 40k-token suffix keeps its holder busy for 2 s, past the 1 s floor,

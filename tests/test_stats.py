@@ -97,7 +97,7 @@ def test_mean_cv_ratio():
 
 
 def test_sim_metrics_reexports_the_same_functions():
-    from mesh.sim import metrics
+    from mesh.lab.sim import metrics
 
     assert metrics.percentile is stats.percentile
     assert metrics.mean is stats.mean and metrics.cv is stats.cv and metrics.ratio is stats.ratio

@@ -9,13 +9,13 @@ from rich.console import Console
 
 from mesh.protocol import unpack
 from mesh.top import render
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run
 
 
 def test_telemetry_snapshots_and_events(procs):
     b = procs.broker("b", "--telemetry", "tcp://127.0.0.1:*", "--heartbeat-ms", "200")
-    from mesh.procs import wait_for_log_event
+    from mesh.lab.procs import wait_for_log_event
 
     tel = wait_for_log_event(b.log_path, "broker_listening", 10)["telemetry"]
     ctx = zmq.Context()

@@ -1,7 +1,7 @@
 """mesh.tokenization against transformers' own apply_chat_template, with a real shipped tokenizer.
 
 The tokenizer is Mistral-7B-Instruct-v0.3's SentencePiece model as ``mistral-common`` ships it, converted
-to ``tokenizer.json`` by ``transformers`` (``mesh.tokenization.builtin``); no hub download anywhere
+to ``tokenizer.json`` by ``transformers`` (``mesh.lab.tokenizer_builtin``); no hub download anywhere
 (HF_HUB_OFFLINE=1). Chat templates of four public models are test data in tests/data/chat_templates/.
 """
 
@@ -33,7 +33,7 @@ from mesh.tokenization import (  # noqa: E402
     TokenizerPool,
     load_model_dir,
 )
-from mesh.tokenization.builtin import build_model_dir, shipped_spm_path  # noqa: E402
+from mesh.lab.tokenizer_builtin import build_model_dir, shipped_spm_path  # noqa: E402
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
@@ -186,7 +186,7 @@ def test_tekken_encodes_as_mistral_common_does(models):
     """The converted Tekken tokenizer.json gives the ids mistral-common's own Tekkenizer gives."""
     from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
-    from mesh.tokenization.builtin import SHIPPED_TEKKEN, shipped_file
+    from mesh.lab.tokenizer_builtin import SHIPPED_TEKKEN, shipped_file
 
     ours, hf = models["mistral_nemo"]
     tk = Tekkenizer.from_file(str(shipped_file(SHIPPED_TEKKEN)))
@@ -461,7 +461,7 @@ def test_pool_refuses_past_its_queue_bound(models):
 # ---- the benchmark ---------------------------------------------------------------------------------------
 
 def test_make_prompt_hits_the_token_count(models):
-    from mesh.tokenization.bench import make_prompt
+    from mesh.lab.bench.tokenizer_bench import make_prompt
 
     ours, _ = models["mistral_v3"]
     for n in (1, 100, 1024):

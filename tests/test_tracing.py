@@ -14,7 +14,7 @@ from brokers.main import build_broker
 from mesh import tracing
 from mesh.config import BrokerSettings, build
 from mesh.errors import ConfigError
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 
 from conftest import run
 

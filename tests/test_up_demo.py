@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mesh.loadgen import LoadSpec, summarize
-from mesh.loadgen_http import prompt_text, run_http_load
-from mesh.up import _adapter_ok, _stop_procs, start_http_path
+from mesh.lab.loadgen import LoadSpec, summarize
+from mesh.lab.loadgen_http import prompt_text, run_http_load
+from mesh.lab.up import _adapter_ok, _stop_procs, start_http_path
 
 from conftest import run, wait_until
 

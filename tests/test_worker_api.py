@@ -21,7 +21,7 @@ from mesh.client import Client
 from mesh.errors import ConfigError
 from mesh.load import LoadStat
 from mesh.retry import RetryPolicy
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from mesh.worker import Capabilities, LinkSession, Send, WorkerAPI, make_epoch
 from tests.conftest import run, until
 
@@ -106,7 +106,7 @@ def _sources(*dirs: str) -> list[Path]:
 #: worker API, the cores) must not: mesh/ holds the worker side of the protocol.
 _MAY_IMPORT_WORKERS_STUB = {
     "mesh/cli.py": "the mesh command, top of the stack: dispatches to worker-stub, stub-sglang, instant-engine",
-    "mesh/bench/broker_bench.py": "the broker benchmark drives the instant benchmark workers (InstantFleet)",
+    "mesh/lab/bench/broker_bench.py": "the broker benchmark drives the instant benchmark workers (InstantFleet)",
 }
 
 

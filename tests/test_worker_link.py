@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mesh.client import Client
 from mesh.security import client_keys, keygen
-from mesh.up import wait_for_workers
+from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
 
 HB_MS = 500

@@ -463,9 +463,9 @@ def _cmd_instant_engine(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m workers_stub.instant_http`` = ``mesh instant-engine``."""
-    from mesh.cli import main as mesh_main
+    from mesh.cli_run import run_one
 
-    return mesh_main(["instant-engine", *(sys.argv[1:] if argv is None else argv)])
+    return run_one("instant-engine", add_instant_engine_parser, argv)
 
 
 if __name__ == "__main__":

@@ -128,9 +128,9 @@ def _cmd_stub_sglang(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m workers_stub.sglang_cli`` = ``mesh stub-sglang`` (one CLI entry point)."""
-    from mesh.cli import main as mesh_main
+    from mesh.cli_run import run_one
 
-    return mesh_main(["stub-sglang", *(sys.argv[1:] if argv is None else argv)])
+    return run_one("stub-sglang", add_stub_sglang_parser, argv)
 
 
 if __name__ == "__main__":

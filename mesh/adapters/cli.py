@@ -199,9 +199,9 @@ def _cmd_attach(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mesh.adapters.cli`` = ``mesh attach`` (one CLI entry point)."""
-    from mesh.cli import main as mesh_main
+    from mesh.cli_run import run_one
 
-    return mesh_main(["attach", *(sys.argv[1:] if argv is None else argv)])
+    return run_one("attach", add_attach_parser, argv)
 
 
 if __name__ == "__main__":

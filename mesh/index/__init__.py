@@ -8,7 +8,7 @@
 * :class:`MatchResult` -- lazy per-worker results of one match (valid until the next mutation).
 * :class:`mesh.index.ingest.KvIngest` -- the KV ingest rules (sequencing, epochs, resync, the
   block-size vote) that the routers' provider and the indexer service both apply.
-* :func:`mesh.index.bench.run_index_bench` -- micro-benchmark (``python -m mesh.index.bench``).
+* :func:`mesh.lab.bench.index_bench.run_index_bench` -- micro-benchmark (``python -m mesh.lab.bench.index_bench``).
 """
 
 from mesh.index.ops import ROOT_KEY, Clear, IndexOp, Remove, Store, Stream

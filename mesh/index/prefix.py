@@ -64,7 +64,7 @@ __all__ = ["PrefixIndex", "KeyFn"]
 #: ``key_fn(token_ids, block_size, parent_key) -> content keys`` (``mesh.hashing.content_keys``).
 KeyFn = Callable[[Sequence[int], int, int], list[int]]
 
-# Rough CPython costs used by the stats() estimate (bytes; measured in mesh.index.bench).
+# Rough CPython costs used by the stats() estimate (bytes; measured in mesh.lab.bench.index_bench).
 _INT_BYTES = 36  # a u64 int object
 _LIST_SLOT = 8
 

@@ -9,7 +9,7 @@
 * :mod:`mesh.indexer.client` -- :class:`~mesh.indexer.client.IndexerClient`, what a broker uses:
   prefix queries with a deadline, bounded concurrency, replica failover and a circuit breaker
   (``None`` = degraded, never an exception), and ordered at-least-once event forwarding;
-* :mod:`mesh.indexer.bench` -- ``mesh bench indexer``.
+* :mod:`mesh.lab.bench.indexer_bench` -- ``mesh bench indexer``.
 
 Imports nothing heavy at package import: ``from mesh.indexer.client import IndexerClient``.
 """

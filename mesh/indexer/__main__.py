@@ -2,7 +2,8 @@
 
 import sys
 
-from mesh.cli import main
+from mesh.cli_run import run_one
+from mesh.indexer.cli import add_indexer_parser
 
 if __name__ == "__main__":
-    sys.exit(main(["indexer", *sys.argv[1:]]))
+    sys.exit(run_one("indexer", add_indexer_parser))

@@ -1,11 +1,9 @@
-"""``mesh indexer`` and ``mesh bench indexer`` argument parsers (wired into :mod:`mesh.cli`)."""
+"""``mesh indexer``'s argument parser (wired into :mod:`mesh.cli`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,38 +152,3 @@ def _cmd_indexer(args) -> int:
                       query_delay_ms=args.fault_query_delay_ms, metrics=v["metrics"], backend=v["backend"],
                       valkey_url=v["valkey_url"], valkey_prefix=v["valkey_prefix"],
                       checkpoint_every=v["checkpoint_every"])
-
-
-def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
-    """Add ``indexer`` to ``mesh bench``'s subparsers."""
-    b = bench_subparsers.add_parser(
-        "indexer", help="indexer over gRPC: ingest blocks/s, match p50/p99 (client and server), bytes per block",
-        description="Start 'mesh indexer' as a subprocess, ingest >= 1M blocks for 1,000 workers over gRPC, then "
-                    "time 512-block prefix queries.")
-    b.add_argument("--workers", type=int, default=1000, help="simulated workers (default 1000)")
-    b.add_argument("--blocks", type=int, default=1_050_000, help="blocks to index in total (default 1050000)")
-    b.add_argument("--queries", type=int, default=2000, help="timed prefix queries (default 2000)")
-    b.add_argument("--backend", default="both", choices=("both", "memory", "valkey"),
-                   help="which backends to run on the same workload, side by side (default both: memory, then "
-                        "valkey on a private redis-server/valkey-server this command starts; memory alone when none "
-                        "is installed)")
-    b.add_argument("--json", help="write results to this JSON file")
-    b.set_defaults(func=_cmd_bench_indexer)
-    return b
-
-
-def _cmd_bench_indexer(args) -> int:
-    from mesh.indexer.bench import run_indexer_bench, valkey_server_binary
-
-    if args.backend == "both":
-        backends: tuple[str, ...] = ("memory", "valkey") if valkey_server_binary() else ("memory",)
-        if len(backends) == 1:
-            print("mesh bench indexer: no valkey-server/redis-server installed: the memory backend only", file=sys.stderr)
-    else:
-        backends = (args.backend,)
-        if args.backend == "valkey" and not valkey_server_binary():
-            raise ConfigError("backend: valkey needs valkey-server or redis-server on PATH (apt-get install redis-server)")
-    res = run_indexer_bench(workers=args.workers, total_blocks=args.blocks, queries=args.queries, backends=backends)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    return 0

@@ -2,7 +2,7 @@
 
 A matrix is a set of **cells** -- (workload or trace, load, workers, routers) -- each run for
 every seed with every policy on the identical request stream through the ordinary simulator
-(:func:`mesh.sim.runner.run_sim`: one stream, one arm per policy). The TOML file
+(:func:`mesh.lab.sim.runner.run_sim`: one stream, one arm per policy). The TOML file
 (``configs/quality-matrix.toml`` is the default matrix and documents every key) has:
 
 * ``[matrix]``: ``seeds``, ``policies``, ``provider`` (for policies that read matches),
@@ -94,8 +94,8 @@ from mesh.config import build, read_toml
 from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES
-from mesh.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, run_sim
-from mesh.sim.workloads import WORKLOADS, SimRequest, Workload, load_mooncake
+from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, run_sim
+from mesh.lab.sim.workloads import WORKLOADS, SimRequest, Workload, load_mooncake
 
 __all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix",
            "analyse_cell", "unloaded_ttft_ms", "wait_within_slo", "render_report", "write_heatmap", "dumps_matrix", "SHORT"]
@@ -996,7 +996,7 @@ def write_heatmap(report: dict[str, Any], path: str) -> None:
 
 
 def cmd_matrix(args: Any) -> int:
-    """``mesh sim --matrix FILE`` (called from :func:`mesh.sim.cli.cmd_sim`)."""
+    """``mesh sim --matrix FILE`` (called from :func:`mesh.lab.sim.cli.cmd_sim`)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

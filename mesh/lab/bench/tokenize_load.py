@@ -7,7 +7,7 @@ consecutive phases against the same broker process:
 
 1. ``idle``: the probe only.
 2. ``embedded``: the probe, while ``--http-concurrency`` closed-loop HTTP clients (wrk when on PATH,
-   else the built-in generator of :mod:`mesh.bench.http_load`) send ``/v1/completions`` requests
+   else the built-in generator of :mod:`mesh.lab.bench.http_load`) send ``/v1/completions`` requests
    with a ``--prompt-tokens`` (default 8,192) text prompt and ``max_tokens`` 1 to the broker's own
    HTTP ingress, which tokenises each prompt in its thread pool before routing it.
 3. ``gateway``: the same HTTP load through ``mesh gateway --tokenizer ... --broker <broker>`` (its own
@@ -37,7 +37,7 @@ time, closed loop) and records each round trip. Per phase, over the same measure
   finished ``ok`` minus the probe's, ``mesh_routed_prompt_tokens`` minus the probe's tokens), and the
   load generator's own figures (its window is the measured one plus up to 1 s; 2xx answers, errors,
   HTTP p50/p99);
-- **CPU** (``/proc``, :mod:`mesh.bench.proc_cpu`) of the broker, workers, gateway and harness over the
+- **CPU** (``/proc``, :mod:`mesh.lab.bench.proc_cpu`) of the broker, workers, gateway and harness over the
   window: broker CPU per probe request (the figure asked for; it includes the HTTP work in the
   loaded phases) and per routed request (probe + HTTP), and the broker's share of a core.
 
@@ -65,7 +65,7 @@ A MISS does not fail the command; a broken phase (no probe answers, no 2xx HTTP 
 **CPU placement** (default with 2+ CPUs; ``--no-pin`` turns it off): every thread of the broker
 (its loop, ZeroMQ I/O thread, tokenizer pool, metrics server) on one CPU, everything else (harness,
 workers, gateway, load generator) on the others, as in ``mesh bench broker``
-(:mod:`mesh.bench.cpu_pinning`). In ``embedded`` the tokenizer pool then competes with the loop
+(:mod:`mesh.lab.bench.cpu_pinning`). In ``embedded`` the tokenizer pool then competes with the loop
 for the broker's core (what embedding means on a busy machine); in ``gateway`` the tokenizing
 happens on the other core, as on a separate machine. The JSON records the placement.
 """
@@ -82,7 +82,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import fmt as _f, write_json
+from mesh.lab.bench.report import fmt as _f, write_json
 from mesh.stats import percentile
 
 __all__ = ["run_tokenize_load", "print_results", "evaluate_targets", "hist_quantile", "parse_metrics",
@@ -265,7 +265,7 @@ async def _scrape(url: str) -> dict:
 
 
 def _post(url: str, body: bytes, timeout_s: float = 30.0) -> tuple[int, bytes]:
-    from mesh.bench.http_bench import _post as post
+    from mesh.lab.bench.http_bench import post
 
     return post(url, body, timeout_s)
 
@@ -297,11 +297,11 @@ def run_tokenize_load(*, duration_s: float = 8.0, warmup_s: float = 1.0, http_co
     """Run the phases (see the module docstring) and return every figure as a JSON-able dict."""
     import asyncio
 
-    from mesh.bench.cpu_pinning import pin_process, pinned_self, plan
-    from mesh.bench.http_bench import _machine, _sigterm_as_interrupt, _stop_front_to_back
-    from mesh.bench.http_load import request_body, wrk_path
-    from mesh.procs import ProcGroup, wait_for_log_event
-    from mesh.up import wait_for_workers
+    from mesh.lab.bench.cpu_pinning import pin_process, pinned_self, plan
+    from mesh.lab.bench.http_bench import machine, sigterm_as_interrupt, stop_front_to_back
+    from mesh.lab.bench.http_load import request_body, wrk_path
+    from mesh.lab.procs import ProcGroup, wait_for_log_event
+    from mesh.lab.up import wait_for_workers
 
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
     if duration_s <= 0 or warmup_s < 0 or http_concurrency < 1 or prompt_tokens < 1 or probe_rate < 0 or workers < 1:
@@ -316,11 +316,11 @@ def run_tokenize_load(*, duration_s: float = 8.0, warmup_s: float = 1.0, http_co
     root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mesh-bench-tokload-"))
     t_prep = time.perf_counter()
     if tokenizer == "builtin":
-        from mesh.tokenization.builtin import build_model_dir
+        from mesh.lab.tokenizer_builtin import build_model_dir
 
         tokenizer = str(build_model_dir(root / "model", tokenizer="tekken"))
     from mesh.tokenization import ModelTokenizer
-    from mesh.tokenization.bench import make_prompt
+    from mesh.lab.bench.tokenizer_bench import make_prompt
 
     mt = ModelTokenizer.from_dir(tokenizer)
     prompt = make_prompt(mt.files.tokenizer, prompt_tokens)
@@ -336,14 +336,14 @@ def run_tokenize_load(*, duration_s: float = 8.0, warmup_s: float = 1.0, http_co
                    "loadgen": loadgen, "tokenizer": tokenizer, "control": control, "path": "/v1/completions",
                    "max_tokens": 1, "log_dir": str(root)},
         "thresholds": {"decision_p99_max_ratio": DECISION_P99_MAX_RATIO, "probe_p99_max_ratio": PROBE_P99_MAX_RATIO},
-        "machine": _machine(),
+        "machine": machine(),
         "pinning": place.as_dict() if place else None,
         "prep_s": round(prep_s, 2),
         "phases": {},
     }
 
     # SIGTERM stops the benchmark like Ctrl-C, so every process it started is stopped too
-    with _sigterm_as_interrupt(), pinned_self(place.harness if place else None), ProcGroup(root / "procs") as g:
+    with sigterm_as_interrupt(), pinned_self(place.harness if place else None), ProcGroup(root / "procs") as g:
         try:
             b = g.broker("broker", "--http", "127.0.0.1:0", "--tokenizer", tokenizer, "--metrics", "127.0.0.1:0",
                          "--log-level", "warning", "--drain-timeout-s", str(_DRAIN_S), timeout_s=_STARTUP_S)
@@ -365,7 +365,7 @@ def run_tokenize_load(*, duration_s: float = 8.0, warmup_s: float = 1.0, http_co
             res["error"] = f"{type(exc).__name__}: {exc}"[:3000]
             say(f"[bench tokenize-load] FAILED: {res['error']}")
         finally:
-            _stop_front_to_back(g)
+            stop_front_to_back(g)
     try:
         res["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -381,7 +381,7 @@ async def _phases(res: dict, g, b, http_url: str, metrics_url: str, body: bytes,
     import asyncio
 
     from mesh.client import Client
-    from mesh.procs import wait_for_log_event
+    from mesh.lab.procs import wait_for_log_event
 
     async with Client(b.frontend) as client:
         # warm the probe path (connection handshake, first decisions) before anything is measured
@@ -427,7 +427,7 @@ async def _loaded(client, metrics_url: str, roles: dict, duration_s: float, warm
     warm up, measure the window, then collect the load generator's own result."""
     import asyncio
 
-    from mesh.bench.http_load import run_load
+    from mesh.lab.bench.http_load import run_load
 
     m0 = await _scrape(metrics_url)
     load = asyncio.create_task(asyncio.to_thread(run_load, url, body, c, duration_s + 1.0, warmup_s=warmup_s,
@@ -457,7 +457,7 @@ async def _window(client, metrics_url: str, roles: dict, duration_s: float, prob
                   extra: _Sender | None = None) -> dict:
     import asyncio
 
-    from mesh.bench.proc_cpu import CpuSampler
+    from mesh.lab.bench.proc_cpu import CpuSampler
 
     probe = _Sender(client, _probe_ids, probe_rate)
     lags: list[float] = []

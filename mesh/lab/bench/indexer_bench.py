@@ -48,7 +48,7 @@ TARGETS = {"ingest_blocks_per_s_min": 200_000, "match_p99_ms_server_max": 1.0, "
 
 def start_indexer_process(log_path: Path, *extra: str, port: int = 0, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
     """Start ``mesh indexer`` (via ``python -m mesh.indexer``) and wait for ``indexer_listening``."""
-    from mesh.procs import wait_for_log_event
+    from mesh.lab.procs import wait_for_log_event
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log_path.open("ab") as log:
@@ -411,7 +411,7 @@ def _print(res: dict[str, Any]) -> None:
     Console(stderr=True).print(t)
 
 
-if __name__ == "__main__":  # python -m mesh.indexer.bench [--quick]
+if __name__ == "__main__":  # python -m mesh.lab.bench.indexer_bench [--quick]
     import json
 
     quick = "--quick" in sys.argv

@@ -2,7 +2,7 @@
 
 The definitions (type 7 percentile, population cv, safe ratio, mean) live in the neutral
 :mod:`mesh.stats` so the benches and the indexer share them; this module keeps the simulator's
-``from mesh.sim.metrics import percentile`` imports working (hand-checked in tests/test_sim.py
+``from mesh.lab.sim.metrics import percentile`` imports working (hand-checked in tests/test_sim.py
 and tests/test_stats.py).
 """
 

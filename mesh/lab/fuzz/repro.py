@@ -1,6 +1,6 @@
 """Minimal reproductions of what the fuzzer found, against a fresh broker with no other worker.
 
-    python -m mesh.fuzz.repro tcp://127.0.0.1:FRONT tcp://127.0.0.1:BACK [name ...]
+    python -m mesh.lab.fuzz.repro tcp://127.0.0.1:FRONT tcp://127.0.0.1:BACK [name ...]
 
 Each repro prints what it sent and what came back, and ``REPRODUCED`` or ``not reproduced``.
 Blocking sockets with bounded polls; no sleeps.

@@ -5,7 +5,7 @@ Part 1, the path users run: HTTP clients (the official ``openai`` package, strea
 ``mesh stub-sglang`` engines (SGLang's HTTP API, KV events and LoadStat over the GPU server model).
 Part 2, the ZeroMQ client path: :class:`mesh.client.Client` -> the same broker -> ``mesh
 worker-stub`` simulated workers, for a third of the duration. Both parts offer the same seeded
-open-loop shared-prefix load (:mod:`mesh.loadgen`, :mod:`mesh.loadgen_http`) and print the same
+open-loop shared-prefix load (:mod:`mesh.lab.loadgen`, :mod:`mesh.lab.loadgen_http`) and print the same
 summary table; the exit code is 0 only when every request of both parts succeeded.
 
 ``--serve`` starts the engines, their adapters and the simulated workers on one broker, prints
@@ -32,8 +32,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from mesh.client import Client
-from mesh.loadgen import LoadSpec, run_load, summarize
-from mesh.procs import BrokerProc, Proc, ProcGroup, wait_for_log_event
+from mesh.lab.loadgen import LoadSpec, run_load, summarize
+from mesh.lab.procs import BrokerProc, Proc, ProcGroup, wait_for_log_event
 
 __all__ = ["HttpPath", "run_up", "start_http_path", "wait_for_workers"]
 
@@ -277,7 +277,7 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     # ---- part 1: HTTP clients -> broker --http -> mesh attach sglang -> mesh stub-sglang
     import gc
 
-    from mesh.loadgen_http import run_http_load
+    from mesh.lab.loadgen_http import run_http_load
 
     # A full collection over everything imported so far (openai is, see above) is a pause of
     # 0.1-0.2 s in the load generator's loop, measured as TTFT; frozen objects are not scanned again.

@@ -4,7 +4,7 @@ Peers (one asyncio loop, one socket per peer, each with its own seeded generator
 
 * **registered workers** (backend): send a valid READY, wait for the broker's first HEARTBEAT,
   keep heartbeating, answer the REQUESTs they get (correctly, with errors, silently or with
-  garbage, see :func:`mesh.fuzz.generators.answer_request`), re-register after a DISCONNECT, and
+  garbage, see :func:`mesh.lab.fuzz.generators.answer_request`), re-register after a DISCONNECT, and
   between all that send fuzz cases from their own session, so worker frames reach the session
   handlers and not only the unregistered-peer path;
 * **junk workers** (backend): never registered on purpose, some with ROUTING_IDs that begin with
@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from mesh import protocol as P
 from mesh.errors import ProtocolError
-from mesh.fuzz.generators import Case, ClientGen, WorkerGen, answer_request
+from mesh.lab.fuzz.generators import Case, ClientGen, WorkerGen, answer_request
 
 __all__ = ["FuzzConfig", "run_fuzz", "rss_kb", "broker_status", "real_requests"]
 

@@ -1,7 +1,7 @@
 """``mesh bench http``: the HTTP path users run, measured end to end next to its baselines, in one run.
 
 Arms, each a set of real processes on 127.0.0.1 (fresh for every arm), each measured at every
-concurrency of ``--concurrency`` with a real closed-loop load generator (:mod:`mesh.bench.http_load`:
+concurrency of ``--concurrency`` with a real closed-loop load generator (:mod:`mesh.lab.bench.http_load`:
 wrk when on PATH, else the built-in one):
 
 * ``direct``: load generator -> one instant HTTP engine (``mesh instant-engine``, which answers
@@ -19,7 +19,7 @@ wrk when on PATH, else the built-in one):
 
 Each cell (arm, c) warms up (``--warmup``, default 1 s), then measures for ``--seconds``. Besides
 req/s and round-trip p50/p99/max, it records the CPU time every process of the arm spent in the
-measured window (``/proc/PID/stat`` utime + stime, every thread, see :mod:`mesh.bench.proc_cpu`)
+measured window (``/proc/PID/stat`` utime + stime, every thread, see :mod:`mesh.lab.bench.proc_cpu`)
 divided by the requests completed in it: microseconds of CPU per request, per role: ``loadgen``,
 ``router`` (broker or sglang-router), ``adapters`` (sum), ``engines`` (instant engines or ZMQ
 workers, sum) and ``path`` = router + adapters (the whole path's CPU per request).
@@ -52,10 +52,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mesh.bench.http_load import PROMPT, request_body, run_load, wrk_path, wrk_version
-from mesh.bench.report import fmt as _f
-from mesh.procs import Proc, ProcGroup, free_port, wait_for_log_event
-from mesh.up import wait_for_workers
+from mesh.lab.bench.http_load import PROMPT, request_body, run_load, wrk_path, wrk_version
+from mesh.lab.bench.report import fmt as _f
+from mesh.lab.procs import Proc, ProcGroup, free_port, wait_for_log_event
+from mesh.lab.up import wait_for_workers
 
 __all__ = ["ALL_ARMS", "run_http_bench", "evaluate_targets", "print_results", "sglang_router_available"]
 
@@ -111,7 +111,7 @@ def _broker(g: ProcGroup, policy: str | None, tokenizer: str | None = None) -> t
     return b, url
 
 
-def _post(url: str, body: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
+def post(url: str, body: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
     req = urllib.request.Request(url, data=body, method="POST",
                                  headers={"Content-Type": "application/json", "Accept": "application/json"})
     try:
@@ -123,7 +123,7 @@ def _post(url: str, body: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
 
 def _probe(arm: _Arm, path: str, body: bytes) -> None:
     """One request through the arm before any load: a broken arm fails here with its answer."""
-    status, data = _post(arm.url + path, body)
+    status, data = post(arm.url + path, body)
     if status != 200:
         raise RuntimeError(f"probe {path} answered HTTP {status}: {data[:300].decode(errors='replace')}")
 
@@ -200,7 +200,7 @@ def _wait_router_ready(r: _Router, path: str, body: bytes) -> None:
         if not r.proc.alive():
             raise RuntimeError(f"sglang_router exited ({r.proc.popen.returncode}); log tail:\n{_tail(r.proc.log_path)}")
         try:
-            status, data = _post(r.url + path, body, timeout_s=5)
+            status, data = post(r.url + path, body, timeout_s=5)
             if status == 200:
                 return
             last = f"HTTP {status}: {data[:200].decode(errors='replace')}"
@@ -217,7 +217,7 @@ def _tail(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
-def _stop_front_to_back(g: ProcGroup, grace_s: float = 10.0) -> None:
+def stop_front_to_back(g: ProcGroup, grace_s: float = 10.0) -> None:
     """Stop the arm from the load's side inwards: the router (broker or sglang-router) first, so
     what is still in flight drains through live adapters and engines; then the adapters; then the
     engines. (All at once, an engine could go before the adapter proxying to it, failing requests
@@ -299,7 +299,7 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def _machine() -> dict:
+def machine() -> dict:
     try:
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -314,7 +314,7 @@ def _machine() -> dict:
 
 
 @contextmanager
-def _sigterm_as_interrupt():
+def sigterm_as_interrupt():
     """SIGTERM to the benchmark stops it like Ctrl-C, so its processes are stopped too."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -365,7 +365,7 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
         raise ValueError(f"loadgen: expected auto, wrk or python, got {loadgen!r}")
     root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mesh-bench-http-"))
     if tokenizer == "builtin":
-        from mesh.tokenization.builtin import build_model_dir
+        from mesh.lab.tokenizer_builtin import build_model_dir
 
         tokenizer = str(build_model_dir(root / "model", tokenizer="tekken"))
     if tokenizer is None:
@@ -374,7 +374,7 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
     if prompt_tokens:
         if tokenizer:
             from mesh.tokenization import ModelTokenizer
-            from mesh.tokenization.bench import make_prompt
+            from mesh.lab.bench.tokenizer_bench import make_prompt
 
             prompt = make_prompt(ModelTokenizer.from_dir(tokenizer).files.tokenizer, prompt_tokens)
         else:
@@ -386,11 +386,11 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                    "stream": stream, "max_new_tokens": max_new_tokens, "prompt_bytes": len(prompt.encode()), "prompt_tokens": prompt_tokens, "tokenizer": tokenizer,
                    "loadgen": loadgen, "engines": engines, "broker_policy": broker_policy or "default",
                    "sglang_router_policy": "round_robin", "log_dir": str(root)},
-        "machine": _machine(),
+        "machine": machine(),
         "cells": [],
         "arms": {},
     }
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         for name in arm_list:
             info: dict = {"status": "ok"}
             res["arms"][name] = info
@@ -426,7 +426,7 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                     info.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:2000])
                     say(f"[bench http] {name}: FAILED: {info['reason']}")
                 finally:
-                    _stop_front_to_back(g)
+                    stop_front_to_back(g)
                     for _ in range(len(concurrency) - done_cells):
                         progress and progress(f"{name} (not run)")
             if name in ("direct", "broker_adapters", "sglang_router") and info["status"] == "ok":

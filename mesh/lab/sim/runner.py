@@ -1,6 +1,6 @@
 """The discrete-event simulator: R routers x W engine models in virtual time.
 
-Each arm replays the same :class:`~mesh.sim.workloads.Workload` through fresh objects:
+Each arm replays the same :class:`~mesh.lab.sim.workloads.Workload` through fresh objects:
 
 * **Workers**: one :class:`~mesh.engine_model.EngineModel` each (the same model the simulated
   workers use). A worker with work runs back-to-back scheduler steps: at a step's start the
@@ -38,7 +38,7 @@ Metrics of an arm (all over the requests that completed; times in virtual ms):
 
 * ``hit_rate``: sum of engine ``usage.cached_tokens`` / sum of prompt tokens.
 * ``any_hit_rate``: share of requests with at least one cached token.
-* ``oracle_hit_rate``: :func:`~mesh.sim.workloads.oracle_cached_tokens` / prompt tokens, the
+* ``oracle_hit_rate``: :func:`~mesh.lab.sim.workloads.oracle_cached_tokens` / prompt tokens, the
   infinite-cache longest-prefix ceiling of the stream at the routers' block size (same for every
   arm of one stream).
 * ``worker_cv``: population std / mean of requests dispatched to each worker (workers that got
@@ -47,7 +47,7 @@ Metrics of an arm (all over the requests that completed; times in virtual ms):
   from the first arrival to the last completion.
 * ``ttft_*_ms``: first token at the router (step end + ``net_ms``) minus arrival at the router;
   ``e2e_p95_ms``: completion at the router minus arrival. Percentiles: linear interpolation
-  (:func:`~mesh.sim.metrics.percentile`).
+  (:func:`~mesh.lab.sim.metrics.percentile`).
 * ``throughput_rps``: completed requests / ``sim_span_s``; ``output_tps``: completion tokens /
   ``sim_span_s``.
 * ``goodput``: share of requests with TTFT <= ``ttft_slo_ms``.
@@ -66,7 +66,7 @@ The core of an arm is :class:`Arm`; simulated routers are :class:`SimRouter` obj
 ``route(req, now_s)`` returns a Decision, so a bucket-aware router can replace them without
 touching the event loop. These arms model routing only: no registration, liveness, retries,
 parking or deadlines. Arms with faults, prefill/decode arms, and any arm with ``lifecycle =
-"core"`` run the broker's own lifecycle core instead (:mod:`mesh.sim.core_arm`): there is one P/D
+"core"`` run the broker's own lifecycle core instead (:mod:`mesh.lab.sim.core_arm`): there is one P/D
 and one retry path, the broker's. Nothing here reads the wall clock; the same config and seed
 give identical results.
 """
@@ -83,19 +83,17 @@ from mesh.engine_model import EngineConfig, EngineModel
 from mesh.errors import ConfigError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex
+from mesh.routing.bucket_router import DECODE_POLICIES
 from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes
 from mesh.routing.router import POLICIES, Router, make_policy
 from mesh.routing.view import Decision, RouteRequest, WorkerState
-from mesh.sim.events import EventQueue
-from mesh.sim.metrics import cv, mean, percentile, ratio
-from mesh.sim.workloads import Workload, _key, load_mooncake, make_workload, oracle_cached_tokens
+from mesh.lab.sim.events import EventQueue
+from mesh.lab.sim.fleet import PROVIDER_FEEDS, engine_step, make_router, policy_base, roles_and_labels, worker_ids
+from mesh.lab.sim.metrics import cv, mean, percentile, ratio
+from mesh.lab.sim.workloads import Workload, load_mooncake, make_workload, oracle_cached_tokens, seed_key
 
 __all__ = ["SimConfig", "ArmSpec", "SimRouter", "Arm", "run_sim", "run_arm", "build_workload", "arm_specs"]
 
-#: How each provider is fed KV events: per router ("local"), once into a shared index ("shared"),
-#: or not at all ("none").
-#: ``none`` runs without a provider (cache-aware policies then see no matches).
-PROVIDER_FEEDS = {"radix_tree": "local", "indexer": "shared", "approx": "none", "none": "none"}
 ROUTER_PICKS = ("round_robin", "random")
 
 # event kinds
@@ -131,6 +129,8 @@ class SimConfig:
     provider_options: dict[str, Any] = field(default_factory=dict)
     dedupe_load_only: bool = True
     buckets: str | None = None  # bucket config (TOML/JSON): arms route through BucketRouter
+    global_cache_winner: bool = True  # BucketRouter: an admitted global cache winner may leave its bucket
+    decode_policy: str = "power_of_two"  # BucketRouter with pd: how the decode worker is picked
     pd: tuple[int, int] | None = None  # (prefill workers, decode workers): disaggregated arms
     long_pool_share: float = 0.25  # with buckets: share of (prefill/mixed) workers labelled pool=long
     exchange: bool = False  # routers exchange their in-flight figures (mesh.routing.peers)
@@ -139,9 +139,9 @@ class SimConfig:
     exchange_routes: bool = False  # the messages also carry the prompts each router routed (mesh.index.peer_routes)
     exchange_full_ms: float = 1000.0  # full snapshot period
     # "fast": routing-only arms (Router.route / release, no broker lifecycle); "core": every router
-    # is the broker's own BrokerCore (mesh.sim.core_arm). Faults and P/D arms always run the core.
+    # is the broker's own BrokerCore (mesh.lab.sim.core_arm). Faults and P/D arms always run the core.
     lifecycle: str = "fast"
-    faults: str | None = None  # mesh.sim.core_arm.parse_faults: "kill=2/min,pause=4/min,..."
+    faults: str | None = None  # mesh.lab.sim.core_arm.parse_faults: "kill=2/min,pause=4/min,..."
     broker_options: dict[str, Any] = field(default_factory=dict)  # BrokerSettings fields for core arms
 
     def validate(self, *, source: bool = True) -> None:
@@ -182,10 +182,12 @@ class SimConfig:
             raise ConfigError("max_requests must be >= 1")
         if self.pd is not None and (len(self.pd) != 2 or min(self.pd) < 1):
             raise ConfigError("pd must be two positive worker counts: PREFILL,DECODE")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ConfigError(f"decode_policy must be one of {', '.join(DECODE_POLICIES)}, got {self.decode_policy!r}")
         if self.lifecycle not in ("fast", "core"):
             raise ConfigError(f"lifecycle must be fast or core, got {self.lifecycle!r}")
         if self.faults is not None:
-            from mesh.sim.core_arm import parse_faults
+            from mesh.lab.sim.core_arm import parse_faults
 
             parse_faults(self.faults)  # ConfigError naming the item
         if self.uses_core and self.exchange and max(self.routers) > 1:
@@ -212,16 +214,6 @@ class SimConfig:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
         d["engine"] = asdict(self.engine)
         return d
-
-
-def policy_base(name: str) -> tuple[str, str]:
-    """``"cache_aware@b"`` -> ``("cache_aware", "@b")``: an arm tagged ``@TAG`` runs the same
-    policy with its workers named differently (the same engines, in another order), so every
-    arbitrary choice that hangs on a name (the lowest worker id among equally loaded workers)
-    differs and nothing else does. The quality matrix runs its subject twice this way: the
-    spread between the two is the cell's noise floor."""
-    base, sep, tag = name.partition("@")
-    return base, sep + tag
 
 
 @dataclass(frozen=True)
@@ -269,7 +261,7 @@ class SimRouter:
     ``router`` is anything with the :class:`Router` contract -- ``pool(states)``,
     ``route(req, pool, now_s)`` and ``release(state, decision)`` -- so
     :class:`mesh.routing.bucket_router.BucketRouter` slots in unchanged (P/D arms run the broker's
-    core, :mod:`mesh.sim.core_arm`).
+    core, :mod:`mesh.lab.sim.core_arm`).
     """
 
     __slots__ = ("index", "router", "states", "pool", "by_id", "publisher", "merge", "pub_at")
@@ -337,65 +329,13 @@ class _Track:
         self.completion = 0
 
 
-def engine_step(engine: EngineModel, wid: str, t: float):
-    """One scheduler step of ``engine`` at ``t`` (its StepResult); an engine that has work but
-    makes no progress is a model bug, raised rather than looped on forever."""
-    res = engine.step(t)
-    if res.duration_s <= 0.0 and not (res.first_tokens or res.finished or res.tokens):
-        raise RuntimeError(f"engine {wid} made no progress at t={t}")
-    return res
-
-
-def _roles_and_labels(cfg: SimConfig, n: int) -> tuple[list[str], list[dict[str, str]]]:
-    """Roles and READY labels of the simulated fleet (bucket selectors match these labels).
-
-    Mixed or prefill workers: the last ``long_pool_share`` are ``pool=long``, the rest
-    ``pool=short``; decode workers (``pd``): ``stage=decode``."""
-    n_front = n if cfg.pd is None else cfg.pd[0]
-    n_long = int(round(n_front * cfg.long_pool_share)) if cfg.buckets else 0
-    roles, labels = [], []
-    for i in range(n):
-        if i < n_front:
-            roles.append("prefill" if cfg.pd else "mixed")
-            labels.append({"pool": "long" if i >= n_front - n_long else "short"})
-        else:
-            roles.append("decode")
-            labels.append({"stage": "decode"})
-    return roles, labels
-
-
-def _make_router(cfg: SimConfig, pol, prov, index: int):
-    """The broker's router: the plain Router, or BucketRouter with buckets and/or P/D."""
-    if cfg.buckets is None and cfg.pd is None:
-        return Router(pol, prov)
-    from mesh.routing.bucket_router import BucketRouter
-    from mesh.routing.buckets import load_bucket_config
-
-    bcfg = load_bucket_config(cfg.buckets) if cfg.buckets else None
-    return BucketRouter(bcfg, pol, prov, rng=random.Random(_key(0xB0C, cfg.seed, index)), freshness_s=cfg.load_freshness_s,
-                        pd=cfg.pd is not None)
-
-
-def _worker_ids(n: int, tag: str = "") -> list[str]:
-    """Worker names by engine index; an arm tagged ``@TAG`` (:func:`policy_base`) names the same
-    engines in another order, so choices that hang on names (the lowest worker id among equally
-    loaded ones) differ and nothing else does."""
-    width = max(2, len(str(n - 1)))
-    ids = [f"w{i:0{width}d}" for i in range(n)]
-    if tag:
-        import zlib
-
-        random.Random(zlib.crc32(tag.encode())).shuffle(ids)
-    return ids
-
-
 class Arm:
     """One arm: builds fresh routers and engines, runs the event loop, summarises."""
 
     def __init__(self, cfg: SimConfig, spec: ArmSpec, workload: Workload, oracle: tuple[int, int] | None = None,
                  progress: Callable[[int, int], None] | None = None) -> None:
         if cfg.uses_core:
-            raise ConfigError("faults and P/D arms run the broker's core: use run_arm (mesh.sim.core_arm.CoreArm)")
+            raise ConfigError("faults and P/D arms run the broker's core: use run_arm (mesh.lab.sim.core_arm.CoreArm)")
         self.cfg = cfg
         self.spec = spec
         self.wl = workload
@@ -404,9 +344,9 @@ class Arm:
         ecfg = cfg.engine
         self.block_size = ecfg.page_size
         n_workers = spec.workers
-        ids = _worker_ids(n_workers, policy_base(spec.policy)[1])
+        ids = worker_ids(n_workers, policy_base(spec.policy)[1])
         self.workers = [_Worker(i, wid, EngineModel(ecfg)) for i, wid in enumerate(ids)]
-        roles, labels = _roles_and_labels(cfg, n_workers)
+        roles, labels = roles_and_labels(cfg, n_workers)
         self.wix = {wid: i for i, wid in enumerate(ids)}
         feed = PROVIDER_FEEDS.get(spec.provider, "none")
         self.feed = feed
@@ -423,12 +363,12 @@ class Arm:
                 for wid in ids:
                     prov.add_worker(wid, self.block_size)
             base = policy_base(spec.policy)[0]
-            pol = make_policy(base, rng=random.Random(_key(0x5E1, cfg.seed, r)),
+            pol = make_policy(base, rng=random.Random(seed_key(0x5E1, cfg.seed, r)),
                               freshness_s=cfg.load_freshness_s, **cfg.options_for(base))
             states = [WorkerState(wid, role=roles[i], labels=dict(labels[i]), block_size=self.block_size,
                                   max_running_requests=ecfg.max_running_requests, max_total_num_tokens=ecfg.max_total_num_tokens)
                       for i, wid in enumerate(ids)]
-            self.routers.append(SimRouter(r, _make_router(cfg, pol, prov, r), states))
+            self.routers.append(SimRouter(r, make_router(cfg, pol, prov, r), states))
         self.exchange = bool(cfg.exchange) and len(self.routers) > 1
         if self.exchange:
             for sr in self.routers:
@@ -459,7 +399,7 @@ class Arm:
         kv_delay = cfg.event_delay_ms / 1e3
         kv_targets = self.kv_targets
         uses_keys = self.uses_keys
-        pick_rng = random.Random(_key(0x91C, cfg.seed)) if cfg.router_pick == "random" else None
+        pick_rng = random.Random(seed_key(0x91C, cfg.seed)) if cfg.router_pick == "random" else None
         tracks: list[_Track | None] = [None] * n
         pending_prompts: dict[int, Any] = {}
         decisions: Counter[str] = Counter()
@@ -492,7 +432,7 @@ class Arm:
                 x_schedule(sr, t0)
 
         # heartbeats: per (router, worker) phase offsets from a seeded RNG
-        hb_rng = random.Random(_key(0x4B, cfg.seed))
+        hb_rng = random.Random(seed_key(0x4B, cfg.seed))
         for sr in routers:
             for w in workers:
                 push(t0 + hb_rng.random() * hb, _HEARTBEAT, sr.index, w.index)
@@ -738,10 +678,10 @@ def _r(x: float, nd: int = 6) -> float:
 
 def run_arm(cfg: SimConfig, spec: ArmSpec, workload: Workload, oracle: tuple[int, int] | None = None,
             progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Run one arm on ``workload``: :class:`Arm`, or the broker's core (:class:`mesh.sim.core_arm.CoreArm`)
+    """Run one arm on ``workload``: :class:`Arm`, or the broker's core (:class:`mesh.lab.sim.core_arm.CoreArm`)
     when ``cfg.uses_core``."""
     if cfg.uses_core:
-        from mesh.sim.core_arm import CoreArm, parse_faults
+        from mesh.lab.sim.core_arm import CoreArm, parse_faults
 
         faults = parse_faults(cfg.faults) if cfg.faults else None
         return CoreArm(cfg, spec, workload, oracle, progress, faults=faults).run()

@@ -95,7 +95,7 @@ _NS_CONV_MSG = 6
 _NS_CONV_OUT = 7
 
 
-def _key(ns: int, *parts: int) -> int:
+def seed_key(ns: int, *parts: int) -> int:
     """A deterministic 64-bit seed from small ints (no Python ``hash``: it is salted per process)."""
     k = ns
     for p in parts:
@@ -211,7 +211,7 @@ def load_mooncake(path: str | Path, *, time_scale: float = 1.0, max_requests: in
             segs = []
             for j in range(blocks):
                 take = min(MOONCAKE_BLOCK, n - j * MOONCAKE_BLOCK)
-                segs.append((0, _key(_NS_MOONCAKE, ids[j]), MOONCAKE_BLOCK, take))
+                segs.append((0, seed_key(_NS_MOONCAKE, ids[j]), MOONCAKE_BLOCK, take))
             reqs.append(SimRequest(0, ts / 1000.0 * time_scale, n, out, tuple(segs)))
     reqs.sort(key=lambda r: r.arrival_s)  # stable: file order breaks ties
     if reqs:
@@ -254,7 +254,7 @@ def _shared_prefix(rng, times, seed, p):
     for i, t in enumerate(times):
         g = rng.randrange(g_n)
         k = rng.randrange(ppg)
-        segs = ((0, _key(_NS_SYSTEM, seed, g), s, s), (0, _key(_NS_QUESTION, seed, g, k), q, q))
+        segs = ((0, seed_key(_NS_SYSTEM, seed, g), s, s), (0, seed_key(_NS_QUESTION, seed, g, k), q, q))
         out.append(SimRequest(i, t, s + q, o, segs))
     return out
 
@@ -268,14 +268,14 @@ def _multi_turn(rng, times, seed, p):
     for u in range(users):
         h: tuple[Segment, ...] = ()
         if s:
-            h += ((0, _key(_NS_SYSTEM, seed, 0), s, s),)
+            h += ((0, seed_key(_NS_SYSTEM, seed, 0), s, s),)
         if ctx:
-            h += ((0, _key(_NS_CONTEXT, seed, u), ctx, ctx),)
+            h += ((0, seed_key(_NS_CONTEXT, seed, u), ctx, ctx),)
         history.append(h)
     out = []
     for i, t in enumerate(times):
         u, r = i % users, i // users
-        segs = history[u] + ((0, _key(_NS_QUESTION, seed, u, r), q, q),)
+        segs = history[u] + ((0, seed_key(_NS_QUESTION, seed, u, r), q, q),)
         n = sum(sg[3] for sg in segs)
         out.append(SimRequest(i, t, n, o, segs))
         history[u] = segs + (((1, i, o, o),) if o else ())
@@ -296,7 +296,7 @@ def _zipf(rng, times, seed, p):
     out = []
     for i, t in enumerate(times):
         g = min(bisect.bisect_right(cum, rng.random() * acc), g_n - 1)
-        segs = ((0, _key(_NS_SYSTEM, seed, g), s, s), (0, _key(_NS_UNIQUE, seed, i), q, q))
+        segs = ((0, seed_key(_NS_SYSTEM, seed, g), s, s), (0, seed_key(_NS_UNIQUE, seed, i), q, q))
         out.append(SimRequest(i, t, s + q, o, segs))
     return out
 
@@ -307,7 +307,7 @@ def _low_reuse(rng, times, seed, p):
     out = []
     for i, t in enumerate(times):
         k = rng.randrange(g_n)
-        out.append(SimRequest(i, t, q, o, ((0, _key(_NS_UNIQUE, seed, k), q, q),)))
+        out.append(SimRequest(i, t, q, o, ((0, seed_key(_NS_UNIQUE, seed, k), q, q),)))
     return out
 
 
@@ -372,7 +372,7 @@ def _conversation(seed: int, rate: float, duration_s: float | None, limit: int |
     _pos("message_tokens", p["message_tokens"])
     _pos("output_tokens", p["output_tokens"], zero=True)
     _pos("max_context_tokens", p["max_context_tokens"])
-    shape_rng = random.Random(_key(0xC0, seed, 1))
+    shape_rng = random.Random(seed_key(0xC0, seed, 1))
     pool = [_conv_session(shape_rng, p) for _ in range(_CONV_POOL)]
     mean_turns = sum(len(s) for s in pool) / len(pool)
     span = max(sum(t[2] for t in s) for s in pool)
@@ -380,8 +380,8 @@ def _conversation(seed: int, rate: float, duration_s: float | None, limit: int |
     session_rate = rate / mean_turns
     horizon = duration_s if duration_s is not None else limit / rate * 1.25 + 1.0
     while True:
-        gap_rng = random.Random(_key(0xC0, seed, 2))
-        shape_rng = random.Random(_key(0xC0, seed, 1))
+        gap_rng = random.Random(seed_key(0xC0, seed, 2))
+        shape_rng = random.Random(seed_key(0xC0, seed, 1))
         turns: list[tuple[float, int, int]] = []  # (arrival, session, turn)
         shapes: list[list[tuple[int, int, float]]] = []
         t = -warm
@@ -414,11 +414,11 @@ def _conversation(seed: int, rate: float, duration_s: float | None, limit: int |
             h = ()
             for j in range(k):
                 msg, o, _ = sess[j]
-                h += ((0, _key(_NS_CONV_MSG, seed, sid, j), msg, msg),)
+                h += ((0, seed_key(_NS_CONV_MSG, seed, sid, j), msg, msg),)
                 if o:
-                    h += ((0, _key(_NS_CONV_OUT, seed, sid, j), o, o),)
+                    h += ((0, seed_key(_NS_CONV_OUT, seed, sid, j), o, o),)
         msg, o, _ = sess[k]
-        segs = h + ((0, _key(_NS_CONV_MSG, seed, sid, k), msg, msg),)
+        segs = h + ((0, seed_key(_NS_CONV_MSG, seed, sid, k), msg, msg),)
         n = sum(sg[3] for sg in segs)
         out[i] = SimRequest(i, at, n, o, segs)
         history[sid] = segs + (((1, i, o, o),) if o else ())
@@ -468,9 +468,9 @@ def make_workload(
     if getattr(gen, "own_arrivals", False):  # sessions: the generator places its own turns in time
         reqs = gen(seed, rate, duration_s, max_requests, p)
     else:
-        rng = random.Random(_key(0xA11, seed, 1))
+        rng = random.Random(seed_key(0xA11, seed, 1))
         times = _arrivals(rng, rate, duration_s, max_requests)
-        reqs = gen(random.Random(_key(0xA11, seed, 2)), times, seed, p)
+        reqs = gen(random.Random(seed_key(0xA11, seed, 2)), times, seed, p)
     params_out = {"seed": seed, "rate": rate, "duration_s": duration_s, **p}
     return Workload(name, reqs, params_out, vocab_size)
 

@@ -36,7 +36,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``sim`` subcommand to ``mesh``'s subparsers."""
     from mesh.engine_model import EngineConfig
     from mesh.settings_fields import add_flags
-    from mesh.sim.workloads import WORKLOADS
+    from mesh.lab.sim.workloads import WORKLOADS
 
     p = subparsers.add_parser(
         "sim", help="simulate routers + GPU servers in virtual time: hit rate, balance, TTFT per policy",
@@ -48,7 +48,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="generated workload")
     src.add_argument("--matrix", metavar="FILE",
                      help="run a quality matrix (e.g. configs/quality-matrix.toml): cells of workload, load, workers "
-                          "and routers, every policy per cell on one stream, per-cell verdicts (see mesh/sim/matrix.py)")
+                          "and routers, every policy per cell on one stream, per-cell verdicts (see mesh/lab/sim/matrix.py)")
     a = p.add_argument_group("arms")
     a.add_argument("--policy", type=_csv(str), default=["power_of_two"], help="comma-separated policies (default power_of_two)")
     a.add_argument("--provider", type=_csv(str), default=["radix_tree"],
@@ -92,6 +92,10 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--buckets", help="bucket config (TOML/JSON, e.g. configs/buckets-example.toml): route through "
                                      "bucket domains, admission and the two-pass fallback, as the broker does")
     f.add_argument("--pd", help="P,D: prefill/decode disaggregation with P prefill and D decode workers (replaces --workers)")
+    f.add_argument("--no-global-cache-winner", dest="global_cache_winner", action="store_false",
+                   help="with --buckets: keep cache winners inside their bucket, as the broker's flag does")
+    f.add_argument("--decode-policy", choices=["power_of_two", "legacy_host_affinity"], default="power_of_two",
+                   help="with --pd: how the decode worker is picked, as the broker's flag does (default power_of_two)")
     lc = p.add_argument_group("broker lifecycle and faults (the broker's own BrokerCore in virtual time)")
     lc.add_argument("--lifecycle", choices=["fast", "core"], default="fast",
                     help="fast: routing only (Router.route/release); core: every router is the broker's BrokerCore "
@@ -125,7 +129,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
 #: options that only make sense for a single run (with --matrix the TOML says all of this)
 _SINGLE_RUN_ONLY = ("policy", "policy_option", "provider", "routers", "workers", "router_pick", "no_dedupe",
                     "time_scale", "rate", "duration_s", "seed", "heartbeat_ms", "event_delay_ms", "net_ms", "load_freshness_s", "ttft_slo_ms",
-                    "buckets", "pd", "exchange", "exchange_delay_ms", "exchange_interval_ms", "exchange_routes", "config")
+                    "buckets", "global_cache_winner", "decode_policy", "pd", "exchange", "exchange_delay_ms", "exchange_interval_ms", "exchange_routes", "config")
 
 
 def _check_matrix_args(args: argparse.Namespace) -> None:
@@ -163,7 +167,7 @@ def _policy_params(items: list[str]) -> dict[str, dict]:
 def config_from_args(args: argparse.Namespace):
     from mesh.config import settings_from_args
     from mesh.engine_model import EngineConfig
-    from mesh.sim.runner import SimConfig
+    from mesh.lab.sim.runner import SimConfig
 
     engine = settings_from_args(EngineConfig, args, "engine", dest_prefix="engine_")
     params = {k: getattr(args, k) for k in _WORKLOAD_PARAMS if getattr(args, k, None) is not None}
@@ -176,6 +180,7 @@ def config_from_args(args: argparse.Namespace):
         router_pick=args.router_pick, heartbeat_ms=args.heartbeat_ms, event_delay_ms=args.event_delay_ms,
         net_ms=args.net_ms, load_freshness_s=args.load_freshness_s, ttft_slo_ms=args.ttft_slo_ms, engine=engine,
         dedupe_load_only=not args.no_dedupe, buckets=args.buckets, pd=_pd(args.pd),
+        global_cache_winner=args.global_cache_winner, decode_policy=args.decode_policy,
         exchange=args.exchange, exchange_delay_ms=args.exchange_delay_ms, exchange_interval_ms=args.exchange_interval_ms,
         exchange_routes=args.exchange_routes,
         lifecycle=args.lifecycle, faults=args.faults, policy_params=_policy_params(getattr(args, "policy_option", [])),
@@ -205,11 +210,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from mesh.sim.report import arm_label, render_lifecycle_table, render_table, write_plot
-    from mesh.sim.runner import arm_specs, build_workload, run_sim
+    from mesh.lab.sim.report import arm_label, render_lifecycle_table, render_table, write_plot
+    from mesh.lab.sim.runner import arm_specs, build_workload, run_sim
 
     if getattr(args, "matrix", None):
-        from mesh.sim.matrix import cmd_matrix
+        from mesh.lab.sim.matrix import cmd_matrix
 
         _check_matrix_args(args)
         return cmd_matrix(args)
@@ -265,16 +270,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (``python -m mesh.sim.cli``), same as ``mesh sim``."""
-    parser = argparse.ArgumentParser(prog="mesh")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    add_sim_parser(sub)
-    args = parser.parse_args(["sim", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"mesh: configuration error: {exc}", file=sys.stderr)
-        return 2
+    """Standalone entry point (``python -m mesh.lab.sim.cli``), same as ``mesh sim``."""
+    from mesh.cli_run import run_one
+
+    return run_one("sim", add_sim_parser, argv)
 
 
 if __name__ == "__main__":

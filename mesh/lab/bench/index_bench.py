@@ -1,6 +1,6 @@
 """Micro-benchmark of the prefix index: apply throughput, match latency vs fleet size, memory.
 
-``run_index_bench(...) -> dict`` (``python -m mesh.index.bench [--quick]`` prints it as JSON):
+``run_index_bench(...) -> dict`` (``python -m mesh.lab.bench.index_bench [--quick]`` prints it as JSON):
 
 * **apply**: blocks/s of ``resolve_parent_key`` + ``store`` with precomputed content keys, batched
   like real events (32-512 blocks per Store), while building a realistic index;
@@ -276,7 +276,7 @@ def run_index_bench(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mesh.index.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m mesh.lab.bench.index_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run, seconds)")
     ap.add_argument("--workers", type=int, nargs="+", default=None)
     ap.add_argument("--queries", type=int, default=None)

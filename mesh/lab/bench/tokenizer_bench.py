@@ -16,7 +16,7 @@ result), each awaited through ``TokenizerPool`` from an event loop, as the HTTP 
 
 Prompts are pseudo-random words (seeded), trimmed to the exact token count, so BPE meets realistic text
 rather than one repeated phrase. ``--builtin`` uses the shipped Mistral-7B-Instruct-v0.3 tokenizer
-(``mesh.tokenization.builtin``) with its chat template (``--builtin tekken``: Mistral-Nemo's Tekken vocabulary); ``--model-dir DIR`` any local model folder.
+(``mesh.lab.tokenizer_builtin``) with its chat template (``--builtin tekken``: Mistral-Nemo's Tekken vocabulary); ``--model-dir DIR`` any local model folder.
 """
 
 from __future__ import annotations
@@ -110,12 +110,12 @@ def run_tokenizer_bench(model_dir: str | Path | None = None, chat_template_file:
                         builtin: bool | str = False, sizes: tuple[int, ...] = (1024, 8192), iters: int = 100,
                         workers: int = 2, concurrency: int = 8) -> dict[str, Any]:
     """Run the four arms per size; returns a JSON-able dict (see the module docstring for each figure)."""
-    from .pool import ModelTokenizer, TokenizerPool
+    from mesh.tokenization.pool import ModelTokenizer, TokenizerPool
 
     tmp = None
     kind = builtin if isinstance(builtin, str) else "mistral_v3"
     if builtin:
-        from .builtin import MISTRAL_V3_TEMPLATE, build_model_dir
+        from mesh.lab.tokenizer_builtin import MISTRAL_V3_TEMPLATE, build_model_dir
 
         tmp = tempfile.TemporaryDirectory(prefix="mesh-tokbench-")
         model_dir = build_model_dir(Path(tmp.name) / "model", chat_template=MISTRAL_V3_TEMPLATE, tokenizer=kind)

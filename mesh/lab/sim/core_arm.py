@@ -49,8 +49,10 @@ from mesh.errors import ConfigError
 from mesh.index import PrefixIndex
 from mesh.hashing import content_keys
 from mesh.routing.router import make_policy
-from mesh.sim.events import EventQueue
-from mesh.sim.metrics import cv, mean, percentile, ratio
+from mesh.lab.sim.events import EventQueue
+from mesh.lab.sim.fleet import PROVIDER_FEEDS, engine_step, make_router, policy_base, roles_and_labels, worker_ids
+from mesh.lab.sim.metrics import cv, mean, percentile, ratio
+from mesh.lab.sim.workloads import seed_key
 
 __all__ = ["FaultSpec", "CoreArm", "parse_faults"]
 
@@ -149,22 +151,20 @@ class CoreArm:
 
     def __init__(self, cfg, spec, workload, oracle=None, progress: Callable[[int, int], None] | None = None,
                  faults: FaultSpec | None = None) -> None:
-        from mesh.sim.runner import PROVIDER_FEEDS, _make_router, _roles_and_labels, _worker_ids, policy_base
-
         self.cfg, self.spec, self.wl, self.oracle, self.progress = cfg, spec, workload, oracle, progress
         self.faults = faults or FaultSpec()
         ecfg = cfg.engine
         self.block_size = ecfg.page_size
         n_workers = spec.workers if cfg.pd is None else sum(cfg.pd)
         self._policy, tag = policy_base(spec.policy)  # "NAME@TAG": the workers named in another order
-        ids = _worker_ids(n_workers, tag)
-        roles, labels = _roles_and_labels(cfg, n_workers)
+        ids = worker_ids(n_workers, tag)
+        roles, labels = roles_and_labels(cfg, n_workers)
         self.workers = [_SimWorker(i, wid, EngineModel(ecfg), roles[i], labels[i]) for i, wid in enumerate(ids)]
         self.feed = PROVIDER_FEEDS.get(spec.provider, "none")
         self._shared = None
         if spec.provider == "indexer":
             self._shared = PrefixIndex(cfg.provider_options.get("max_entries", 20_000_000), key_fn=content_keys)
-        self._make_router = _make_router
+        self._make_router = make_router
         self.settings = build(BrokerSettings, {
             "heartbeat_ms": max(1, int(cfg.heartbeat_ms)), "load_freshness_s": cfg.load_freshness_s,
             "default_deadline_ms": 600_000, "max_inflight": 1_000_000, "max_inflight_per_client": 1_000_000,
@@ -176,13 +176,11 @@ class CoreArm:
 
     def _new_core(self, r: int) -> BrokerCore:
         from mesh.routing.providers import make_provider
-        from mesh.sim.workloads import _key
-
         cfg, spec = self.cfg, self.spec
         prov = None
         if spec.provider != "none":
             prov = make_provider(spec.provider, block_size=self.block_size, shared_index=self._shared, **cfg.provider_options)
-        pol = make_policy(self._policy, rng=random.Random(_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
+        pol = make_policy(self._policy, rng=random.Random(seed_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
                           **cfg.options_for(self._policy))
         router = self._make_router(cfg, pol, prov, r)
         core = BrokerCore(self.settings, router, broker_id=f"router-{r}", kv_sink=prov, perf=lambda: 0.0,
@@ -191,9 +189,6 @@ class CoreArm:
 
     # ------------------------------------------------------------------ event loop
     def run(self) -> dict[str, Any]:  # noqa: C901 - one event loop, one place
-        from mesh.sim.runner import engine_step
-        from mesh.sim.workloads import _key
-
         cfg, wl, fs = self.cfg, self.wl, self.faults
         reqs = wl.requests
         n = len(reqs)
@@ -205,8 +200,8 @@ class CoreArm:
         hb = cfg.heartbeat_ms / 1e3
         kv_delay = cfg.event_delay_ms / 1e3
         ecfg = cfg.engine
-        frng = random.Random(_key(0xFA17, cfg.seed))  # fault times and victims: the same in every arm
-        kvrng = random.Random(_key(0xFA18, cfg.seed))  # lost KV batches (draws depend on the arm's steps)
+        frng = random.Random(seed_key(0xFA17, cfg.seed))  # fault times and victims: the same in every arm
+        kvrng = random.Random(seed_key(0xFA18, cfg.seed))  # lost KV batches (draws depend on the arm's steps)
         t0 = reqs[0].arrival_s
         t_last = reqs[-1].arrival_s
         arrival = [0.0] * n
@@ -369,7 +364,7 @@ class CoreArm:
             for r in range(n_routers):
                 by_ident[r][w.ident[r]] = w.index
             register(w, t_reg)
-        hb_rng = random.Random(_key(0x4B, cfg.seed))
+        hb_rng = random.Random(seed_key(0x4B, cfg.seed))
         for r in range(n_routers):
             for w in workers:
                 push(t_reg + net + hb_rng.random() * hb, _HB, r, w)  # after READY: the first heartbeat confirms

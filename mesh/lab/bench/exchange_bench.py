@@ -7,7 +7,7 @@ machine's drift shows as the spread between rounds of the same interval):
 * two broker processes A and B (policy cache_aware, the default), each binding ``--exchange``
   on a free port and naming the other as ``--peer``, both with the arm's interval;
 * one worker-stub process with ``workers`` simulated engines registered with both brokers;
-* **background load through B only**: a separate process (``python -m mesh.bench.exchange_bench
+* **background load through B only**: a separate process (``python -m mesh.lab.bench.exchange_bench
   background``, the repo's :class:`mesh.client.Client`) sends Poisson arrivals at ``rate`` req/s
   of unique prompts that decode for ``background_max_new_tokens`` steps (~7 ms each), so the workers are
   busy and B publishes (and A ingests) change messages as a loaded broker does. It is its own
@@ -49,8 +49,8 @@ from pathlib import Path
 import zmq
 
 from mesh import protocol as P
-from mesh.bench.proc_cpu import CpuSampler
-from mesh.procs import ProcGroup, free_port, wait_for_log_event
+from mesh.lab.bench.proc_cpu import CpuSampler
+from mesh.lab.procs import ProcGroup, free_port, wait_for_log_event
 from mesh.sockets import CLIENT_DEALER, EXCHANGE_SUB, make_socket, recv_frames, send_frames
 from mesh.stats import percentile
 
@@ -263,7 +263,7 @@ def _wait_fresh(frontends: list[str], timeout_s: float) -> None:
 
 
 def _wait_workers(frontends: list[str], n: int, timeout_s: float) -> None:
-    from mesh.up import wait_for_workers
+    from mesh.lab.up import wait_for_workers
 
     async def body() -> None:
         for fe in frontends:
@@ -273,11 +273,11 @@ def _wait_workers(frontends: list[str], n: int, timeout_s: float) -> None:
 
 
 class _Background:
-    """The background load process (``python -m mesh.bench.exchange_bench background``)."""
+    """The background load process (``python -m mesh.lab.bench.exchange_bench background``)."""
 
     def __init__(self, log_path: Path, frontend: str, rate: float, max_new_tokens: int, prompt_tokens: int, seed: int) -> None:
         self.log_path = log_path
-        args = [sys.executable, "-m", "mesh.bench.exchange_bench", "background", "--frontend", frontend, "--rate", str(rate),
+        args = [sys.executable, "-m", "mesh.lab.bench.exchange_bench", "background", "--frontend", frontend, "--rate", str(rate),
                 "--max-new-tokens", str(max_new_tokens), "--prompt-tokens", str(prompt_tokens), "--seed", str(seed)]
         with log_path.open("wb") as lf:
             self.popen = subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -500,7 +500,7 @@ def print_results(res: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from mesh.bench.report import fmt
+    from mesh.lab.bench.report import fmt
 
     c = console or Console()
     split = res["split_ms"]

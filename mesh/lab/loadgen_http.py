@@ -1,6 +1,6 @@
 """Open-loop load over the OpenAI HTTP API, with the official ``openai`` client (the path users run).
 
-The same prompt stream, arrivals and summary as :mod:`mesh.loadgen` (ZeroMQ clients): one of
+The same prompt stream, arrivals and summary as :mod:`mesh.lab.loadgen` (ZeroMQ clients): one of
 ``spec.groups`` seeded system prompts plus a unique question each, Poisson arrivals at
 ``spec.rate_rps`` for ``spec.duration_s``, open loop. Each request is a streamed
 ``POST /v1/completions`` with ``stream_options.include_usage``, so its last chunk reports
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 
-from mesh.loadgen import LoadSpec, Outcome, open_loop, planned_prompts
+from mesh.lab.loadgen import LoadSpec, Outcome, open_loop, planned_prompts
 
 __all__ = ["prompt_text", "run_http_load"]
 
@@ -88,7 +88,7 @@ async def _one(client, model: str, i: int, prompt: str, spec: LoadSpec, out: lis
 async def run_http_load(url: str, spec: LoadSpec, progress=None, *, model: str | None = None) -> tuple[list[Outcome], float]:
     """Drive ``spec`` at the OpenAI API under ``url`` (``url + "/v1"``); returns the outcomes and
     the wall time (until the last reply). ``model`` defaults to the first of ``GET /v1/models``.
-    ``progress(elapsed_s, done)`` is called after each arrival, as in :func:`mesh.loadgen.run_load`."""
+    ``progress(elapsed_s, done)`` is called after each arrival, as in :func:`mesh.lab.loadgen.run_load`."""
     import openai
 
     prompts = list(enumerate(prompt_text(p) for p in planned_prompts(spec)))

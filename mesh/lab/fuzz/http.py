@@ -1,6 +1,6 @@
 """Fuzz the broker's HTTP ingress: mutated JSON bodies and headers, then a spoofing check.
 
-* POSTs bodies from :func:`mesh.fuzz.generators.http_case` to ``/v1/completions``,
+* POSTs bodies from :func:`mesh.lab.fuzz.generators.http_case` to ``/v1/completions``,
   ``/v1/chat/completions`` and ``/generate`` (a few at a time) and records every 5xx, timeout and
   connection error with the body that caused it;
 * *local-identity spoofing*: the ingress hands requests to the broker as local clients whose
@@ -23,8 +23,8 @@ import zmq
 import zmq.asyncio
 
 from mesh import protocol as P
-from mesh.fuzz.generators import http_case
-from mesh.fuzz.runner import pid_alive, rss_kb
+from mesh.lab.fuzz.generators import http_case
+from mesh.lab.fuzz.runner import pid_alive, rss_kb
 
 __all__ = ["run_http_fuzz", "spoof_check"]
 

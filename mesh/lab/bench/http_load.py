@@ -6,13 +6,13 @@ is in, HTTP/1.1 keep-alive) against one URL with one POST body for a warm-up, th
 measured window, and returns requests completed in the window, req/s, round-trip p50/p99/max in
 ms, errors (socket errors + HTTP status >= 400, as wrk counts them) and the CPU seconds, over the
 same window, of the load generator and of every process role it was given (``roles``: role ->
-root pids, see :mod:`mesh.bench.proc_cpu`).
+root pids, see :mod:`mesh.lab.bench.proc_cpu`).
 
 * ``wrk`` (``-t min(2, c) -c c --latency``, the body from a Lua script in a temporary file): the
   warm-up is its own short run; the window is the measured run, whose CPU is taken from
   ``wait4`` (wrk's own, every thread) and around which the roles are sampled. wrk's durations
   are whole seconds.
-* ``python`` (``python -m mesh.bench.http_load``: aiohttp on uvloop, ``c`` loops on a pool of
+* ``python`` (``python -m mesh.lab.bench.http_load``: aiohttp on uvloop, ``c`` loops on a pool of
   ``c`` kept-alive connections): the child warms up, then samples the roles and its own
   ``getrusage`` at its window's edges itself, and prints one JSON line.
 """
@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from mesh.bench.proc_cpu import CpuSampler
+from mesh.lab.bench.proc_cpu import CpuSampler
 from mesh.stats import percentile
 
 __all__ = ["request_body", "parse_wrk", "run_load", "wrk_path", "wrk_version", "PROMPT"]
@@ -248,7 +248,7 @@ def _run_python(url: str, body: bytes, c: int, warmup_s: float, seconds: float, 
         f.write(body)
         body_file = f.name
     try:
-        args = [sys.executable, "-m", "mesh.bench.http_load", "--url", url, "--body-file", body_file, "-c", str(c),
+        args = [sys.executable, "-m", "mesh.lab.bench.http_load", "--url", url, "--body-file", body_file, "-c", str(c),
                 "--warmup", str(warmup_s), "--seconds", str(seconds), "--roles", json.dumps({k: list(v) for k, v in roles.items()})]
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         try:

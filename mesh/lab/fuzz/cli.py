@@ -56,7 +56,7 @@ def run_cli(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from mesh.fuzz.runner import FuzzConfig, run_fuzz
+    from mesh.lab.fuzz.runner import FuzzConfig, run_fuzz
 
     console = Console(stderr=True)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
@@ -67,7 +67,7 @@ def run_cli(args) -> int:
     if (frontend is None) != (backend is None):
         raise SystemExit("mesh fuzz: give both --broker-frontend and --broker-backend, or neither")
     if frontend is None:
-        from mesh.procs import ProcGroup
+        from mesh.lab.procs import ProcGroup
 
         log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="mesh-fuzz-"))
         group = ProcGroup(log_dir)
@@ -75,7 +75,7 @@ def run_cli(args) -> int:
         b = group.broker("fuzz-broker", *extra, "--heartbeat-ms", "200")
         frontend, backend, pid, log = b.frontend, b.backend, b.pid, str(b.log_path)
         if extra:
-            from mesh.procs import wait_for_log_event
+            from mesh.lab.procs import wait_for_log_event
 
             http_url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen)["url"]
         group.workers("real-w", [backend], "--time-scale", "0.2", count=1)
@@ -102,7 +102,7 @@ def run_cli(args) -> int:
             if not http_url:
                 console.print("[yellow]--http: no --http-url and the broker was not started here; skipped[/]")
             else:
-                from mesh.fuzz.http import run_http_fuzz
+                from mesh.lab.fuzz.http import run_http_fuzz
 
                 hs = args.http_seconds if args.http_seconds is not None else max(2.0, args.seconds / 2)
                 summary["http"] = asyncio.run(run_http_fuzz(http_url, frontend, seconds=hs, seed=seed, broker_pid=pid))
@@ -144,7 +144,6 @@ def _print(s: dict, console) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser(prog="mesh")
-    add_fuzz_parser(p.add_subparsers(dest="cmd"))
-    a = p.parse_args(["fuzz", *sys.argv[1:]])
-    sys.exit(a.func(a))
+    from mesh.cli_run import run_one
+
+    sys.exit(run_one("fuzz", add_fuzz_parser))

@@ -1,5 +1,5 @@
 """``mesh bench http``: command-line wiring (kept free of heavy imports: the parser is built on
-every ``mesh`` invocation). The benchmark itself is :mod:`mesh.bench.http_bench`."""
+every ``mesh`` invocation). The benchmark itself is :mod:`mesh.lab.bench.http_bench`."""
 
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ def _cmd_bench_http(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from mesh.bench.http_bench import ALL_ARMS, print_results, run_http_bench, sglang_router_available
-    from mesh.bench.report import write_json
+    from mesh.lab.bench.http_bench import ALL_ARMS, print_results, run_http_bench, sglang_router_available
+    from mesh.lab.bench.report import write_json
 
     arms = args.arms or [a for a in ALL_ARMS if (a != "sglang_router" or sglang_router_available())
                          and (a != "broker_zmq_tokenized" or args.tokenizer)]

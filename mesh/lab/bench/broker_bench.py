@@ -44,9 +44,9 @@ from pathlib import Path
 import zmq
 
 from mesh import protocol as P
-from mesh.bench.cpu_pinning import Placement, pin_process, pinned_self, plan
+from mesh.lab.bench.cpu_pinning import Placement, pin_process, pinned_self, plan
 from mesh.gc_tuning import freeze_startup_heap
-from mesh.procs import ProcGroup, wait_for_log_event
+from mesh.lab.procs import ProcGroup, wait_for_log_event
 from mesh.sockets import ReadyPoller, recv_frames, send_frames
 from mesh.stats import percentile
 from workers_stub.instant import InstantFleet, instant_answer
@@ -339,7 +339,7 @@ def _baseline_arm(log_dir: Path, workers: int, concurrency: int, seconds: float,
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     fwd_log = log_dir / "forwarder.log"
     with fwd_log.open("wb") as lf:
-        fwd = subprocess.Popen([sys.executable, "-m", "mesh.bench.broker_bench", "forwarder"], stdout=lf, stderr=subprocess.STDOUT, env=env)
+        fwd = subprocess.Popen([sys.executable, "-m", "mesh.lab.bench.broker_bench", "forwarder"], stdout=lf, stderr=subprocess.STDOUT, env=env)
     try:
         rec = wait_for_log_event(fwd_log, "forwarder_listening", 30, fwd)
         if place is not None:
@@ -391,7 +391,7 @@ def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int =
 
     With ``pin`` (default) and at least two usable CPUs, the process under test (broker or
     forwarder, every thread) runs on one CPU and this harness on the others, in both arms
-    (:mod:`mesh.bench.cpu_pinning` says why); the placement is recorded as ``pinning``.
+    (:mod:`mesh.lab.bench.cpu_pinning` says why); the placement is recorded as ``pinning``.
 
     Headline figures are medians over rounds: a shared machine's noise comes and goes over
     minutes, so one round's p99 can be dominated by a neighbour; every round is in ``rounds``.
@@ -429,11 +429,11 @@ def run_broker_bench(workers: int = 64, seconds: float = 4.0, concurrency: int =
         "pinning": place.as_dict() if place else None,
     }
     if not quiet:
-        _print(res)
+        print_results(res)
     return res
 
 
-def _print(res: dict) -> None:
+def print_results(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
