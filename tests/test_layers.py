@@ -11,12 +11,11 @@ CORES = ("mesh/protocol.py", "mesh/hashing.py", "mesh/kv_events.py", "mesh/index
          "mesh/broker_core/", "mesh/load.py", "mesh/params.py", "mesh/stats.py", "mesh/errors.py", "mesh/namespaces.py",
          "mesh/openai_logprobs.py", "mesh/worker/session.py")
 SHELL_ONLY = {"zmq", "grpc", "asyncio", "aiohttp", "time", "socket"}
-#: file -> (module it may import anyway, why)
-KNOWN = {"mesh/broker_core/core.py": ("time", "time.perf_counter is only the default of the injected perf() that times "
-                                              "dispatch for the counters; decisions take `now` from the caller")}
+#: file -> (module it may import anyway, why); empty: every core takes `now` (or a clock callable) from its shell
+KNOWN: dict[str, tuple[str, str]] = {}
 #: (importer, module, name) -> why
-KNOWN_PRIVATE = {("mesh.indexer.server", "mesh.routing.providers", "_BlockSizeVote"): "KV ingest moves to mesh/index/ (issue 29)",
-                 ("brokers.indexer_provider", "mesh.routing.providers", "_BlockSizeVote"): "the same move"}
+KNOWN_PRIVATE: dict[tuple[str, str, str], str] = {}
+OURS = ("mesh", "brokers", "workers_stub")
 
 FILES = {p.relative_to(ROOT).as_posix(): p for pkg in ("mesh", "brokers", "workers_stub") for p in (ROOT / pkg).rglob("*.py")}
 MODULES = {f.removesuffix(".py").removesuffix("/__init__").replace("/", "."): f for f in FILES}
@@ -83,3 +82,9 @@ def test_no_imports_of_private_names_across_modules():
     bad = [(m, t, name) for m, es in EDGES.items() for t, name, _ in es
            if t and t != m and name and name.startswith("_") and not name.startswith("__") and (m, t, name) not in KNOWN_PRIVATE]
     assert not bad, f"imports of another module's private names: {bad}"
+
+
+def test_every_import_of_our_packages_names_a_module_that_exists():
+    bad = [(f, n) for f in FILES for n, name, _ in _imports(f)
+           if n.split(".")[0] in OURS and n not in MODULES]
+    assert not bad, f"imports of modules that do not exist: {bad}"
