@@ -6,6 +6,7 @@
     ├── ProtocolError          a frame or body failed validation (fatal for that message)
     ├── ConfigError            a config file or flag is invalid (fatal at startup; names the field)
     ├── ClientStateError       a client used before open or after close (also a RuntimeError)
+    ├── CheckpointError        a shared indexer checkpoint this version cannot read (another version's)
     └── RequestError           a request ended in an error reply; carries an ErrorCode
         ├── RetryableError     worker_lost, unavailable, overloaded, worker_error: another try may succeed
         │   └── IngressOverloaded   overloaded: the HTTP front door's tokenizer pool is full (429)
@@ -38,6 +39,7 @@ __all__ = [
     "ProtocolError",
     "ConfigError",
     "ClientStateError",
+    "CheckpointError",
     "RequestError",
     "RetryableError",
     "FatalRequestError",
@@ -120,6 +122,11 @@ class ProtocolError(MeshError):
 class ClientStateError(MeshError, RuntimeError):
     """A client used outside its life (not opened yet, or closed): a programming error, raised
     at once. (Also a RuntimeError, which it was before the error tree covered it.)"""
+
+
+class CheckpointError(MeshError):
+    """A shared indexer checkpoint written by another version (or damaged past its signature):
+    the replica starts from an empty index and replays what the log still holds."""
 
 
 class ConfigError(MeshError):

@@ -12,7 +12,9 @@ import random
 import pytest
 
 from mesh import kv_events as KV
-from mesh.errors import ConfigError
+import pickle
+
+from mesh.errors import CheckpointError, ConfigError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex
 from mesh.indexer import indexer_pb2 as pb
@@ -170,6 +172,20 @@ def test_verdicts_for_each_kind_of_batch() -> None:
     assert (V(bad.verdict), bad.resync_needed) == ("REJECTED", True)
     s = core.stats()
     assert s["duplicates"] == 1 and s["service"]["verdict_gap"] == 1 and s["service"]["verdict_resynced"] == 1
+
+
+def test_a_checkpoint_round_trips_and_another_versions_is_refused_without_touching_the_state() -> None:
+    core = IndexerCore(max_entries=None)
+    core.apply_batch("w", 0, 1, 0, _raw(_stored(1, 4)), now_s=100.0)
+    blob = core.dump_state()
+    other = IndexerCore(max_entries=None)
+    other.load_state(blob)
+    assert other.index.worker_entries("w") == 4 and other.covered(("w", 0))
+    old_shape = pickle.dumps({"index": other.index, "provider": None, "_known": set()})  # before KV ingest moved
+    for bad in (old_shape, b"\x80\x05not a pickle", pickle.dumps([1, 2])):
+        with pytest.raises(CheckpointError):
+            other.load_state(bad)
+        assert other.index.worker_entries("w") == 4 and other.covered(("w", 0))
 
 
 def test_reordered_batch_heals_when_the_missing_one_arrives() -> None:

@@ -230,6 +230,34 @@ def test_checkpoints_bound_the_log_and_a_late_replica_loads_one(procs, valkey):
     run(check(), 30)
 
 
+def test_a_checkpoint_of_another_version_starts_an_empty_index_that_serves(procs, valkey):
+    """A rolling upgrade meets the previous version's checkpoint (another shape, classes under other
+    module names): the replica must not crash-loop; it starts empty at that checkpoint, says so,
+    and serves what the log brings from there."""
+    import pickle
+
+    import redis
+
+    _, url, _ = valkey
+    rc = redis.Redis.from_url(url)
+    rc.xadd("mesh:indexer:log", {b"o": b"\xc1"})
+    rc.hset("mesh:indexer:checkpoint", mapping={b"id": b"1-0", b"trimmed": b"0-0",
+                                                b"data": pickle.dumps({"index": None, "provider": None})})
+    r1, ep1 = _replica(procs, "r1", url)
+    bad = wait_for_log_event(r1.log_path, "indexer_checkpoint_incompatible", 10, r1.popen, start=r1.log_start)
+    assert bad["upto"] == "1-0"
+
+    async def body():
+        async with grpc.aio.insecure_channel(ep1.split("//")[1]) as ch:
+            s = pb_grpc.IndexerStub(ch)
+            for seq in range(3):
+                await _apply(s, seq)
+            return await s.MatchPrefix(pb.MatchPrefixRequest(keys=_keys(3), block_size=BS), timeout=5)
+
+    assert run(body(), 30).best_prefix_blocks == 3
+    assert r1.popen.poll() is None
+
+
 def test_valkey_lost_then_back_empty(procs, valkey):
     vp, url, d = valkey
     r1, ep1 = _replica(procs, "r1", url)

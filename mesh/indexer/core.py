@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from mesh import kv_events as KV
 from mesh.broker_core.counters import LatencyHistogram
-from mesh.errors import ConfigError, ProtocolError
+from mesh.errors import CheckpointError, ConfigError, ProtocolError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex, Verdict
 from mesh.index.ingest import CountingBlockSizeVote, KvIngest
@@ -449,14 +449,26 @@ class IndexerCore:
     _STATE = ("index", "ingest", "_known", "_w", "_n_streams", "_ranked_streams", "_ghosts", "_ghost_streams",
               "_asked_at", "coverage")
 
+    #: Bumped whenever the shape of a checkpoint changes; another version's checkpoint is refused.
+    STATE_VERSION = 2
+
     def dump_state(self) -> bytes:
         """The whole index state as bytes (pickle: only ever loaded from a store this service
         trusts, and signed by :mod:`mesh.indexer.shared` before it leaves the process)."""
-        return pickle.dumps({k: getattr(self, k) for k in self._STATE}, protocol=5)
+        st = {k: getattr(self, k) for k in self._STATE}
+        st["state_version"] = self.STATE_VERSION
+        return pickle.dumps(st, protocol=5)
 
     def load_state(self, blob: bytes) -> None:
-        """Replace the state with one :meth:`dump_state` made (this server's limits stay)."""
-        st = pickle.loads(blob)  # noqa: S301 -- signed checkpoint of our own state (see dump_state)
+        """Replace the state with one :meth:`dump_state` made (this server's limits stay). A
+        checkpoint of another version raises :class:`CheckpointError` and changes nothing."""
+        try:
+            st = pickle.loads(blob)  # noqa: S301 -- signed checkpoint of our own state (see dump_state)
+        except Exception as exc:  # classes another version named (moved, renamed, removed)
+            raise CheckpointError(f"unreadable checkpoint ({type(exc).__name__}: {str(exc)[:120]})") from exc
+        version = st.get("state_version") if isinstance(st, dict) else None
+        if version != self.STATE_VERSION or any(k not in st for k in self._STATE):
+            raise CheckpointError(f"checkpoint version {version!r}, this indexer reads {self.STATE_VERSION}")
         for k in self._STATE:
             setattr(self, k, st[k])
         self.index.set_max_entries(self.limits_max_entries)

@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from mesh.errors import ConfigError, MeshError
+from mesh.errors import CheckpointError, ConfigError, MeshError
 from mesh.logs import RateLimiter, get_logger
 from mesh.retry import RetryPolicy
 
@@ -269,12 +269,9 @@ class SharedState:
         self.state_id = await self.vlog.state_id()
         self.core.instance = self.state_id
         ck = await self.vlog.load_checkpoint()
-        if ck is not None:
-            eid, blob = ck
-            self.core.load_state(blob)
-            self.last_id = eid
+        if ck is not None and self._adopt_checkpoint(*ck):
             self.c["checkpoints_loaded"] += 1
-            self.log.info("indexer_checkpoint_loaded", upto=eid.decode(), bytes=len(blob))
+            self.log.info("indexer_checkpoint_loaded", upto=ck[0].decode(), bytes=len(ck[1]))
         n = 0
         while True:
             batch, trimmed = await self.vlog.read(self.last_id, block_ms=None)
@@ -347,9 +344,23 @@ class SharedState:
         self.log.warning("indexer_tail_behind_trim", last=self.last_id.decode(), checkpoint=ck[0].decode(),
                          note="entries this replica had not read were trimmed: reloading the checkpoint")
         async with self.svc.mutex:
-            self.core.load_state(ck[1])
-            self.last_id = ck[0]
+            self._adopt_checkpoint(*ck)
         return True
+
+    def _adopt_checkpoint(self, eid: bytes, blob: bytes) -> bool:
+        """Load a checkpoint and follow the log from it. One another version wrote (a rolling
+        upgrade) is not fatal: the index starts empty at that point and the streams it missed
+        are resynced by their workers, as after any gap. True when the checkpoint was loaded."""
+        self.last_id = eid
+        try:
+            self.core.load_state(blob)
+            return True
+        except CheckpointError as exc:
+            self.core.reset_state()
+            self.c["checkpoints_incompatible"] += 1
+            self.log.warning("indexer_checkpoint_incompatible", upto=eid.decode(), error=str(exc),
+                             note="starting from an empty index at the checkpoint; workers resync what it missed")
+            return False
 
     def _set_ready(self, ready: bool) -> None:
         if ready != self.ready:
