@@ -213,9 +213,9 @@ _COMMANDS: dict[str, object] = {
     "broker": _add_broker, "worker-stub": _add_worker, "up": _lab("up"), "top": _add_top,
     "keygen": _add_keygen, "indexer": _add_indexer, "sim": _lab("sim"), "attach": _add_attach,
     "stub-sglang": _add_stub_sglang, "instant-engine": _add_instant_engine, "gateway": _add_gateway,
-    "fuzz": _lab("fuzz"), "ctl": _add_ctl, "bench": _lab("bench"),
+    "fuzz": _lab("fuzz"), "ctl": _add_ctl, "bench": _lab("bench"), "report": _lab("report"),
 }
-_LAB_COMMANDS = ("up", "sim", "fuzz", "bench")
+_LAB_COMMANDS = ("up", "sim", "fuzz", "bench", "report")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -7,16 +7,12 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import Counter
-from typing import Iterable
+
+from mesh.stats import LatencyHistogram
 
 __all__ = ["BrokerStats", "LatencyHistogram"]
 
-# Bucket bounds (seconds) for decision latency: 10 us .. 100 ms, about x1.6 apart so that a p99
-# estimated from them can tell a 1.5x change (coarser buckets made "2x idle" a single step).
-_DECISION_BUCKETS_S = (1e-5, 1.5e-5, 2.5e-5, 4e-5, 6e-5, 1e-4, 1.5e-4, 2.5e-4, 4e-4, 6e-4, 1e-3, 1.5e-3, 2.5e-3, 4e-3,
-                       6e-3, 1e-2, 2.5e-2, 0.1)
 # Loop lag: 100 us .. 5 s.
 _LAG_BUCKETS_S = (1e-4, 1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Request latencies as the broker sees them (labelled by model and worker; see REQUEST_LATENCIES).
@@ -31,30 +27,6 @@ REQUEST_LATENCIES: dict[str, tuple[str, tuple[float, ...]]] = {
     "e2e": ("SUBMIT accepted -> FINAL sent to the client", _E2E_BUCKETS_S),
     "queue": ("SUBMIT accepted -> its first attempt sent to a worker (parked, index match, admission)", _QUEUE_BUCKETS_S),
 }
-
-
-class LatencyHistogram:
-    """A fixed-bucket histogram with O(log buckets) observe and no locks."""
-
-    def __init__(self, bounds_s: Iterable[float] = _DECISION_BUCKETS_S) -> None:
-        self.bounds_s = tuple(bounds_s)
-        self.counts = [0] * (len(self.bounds_s) + 1)
-        self.sum_s = 0.0
-        self.n = 0
-
-    def observe(self, v_s: float) -> None:
-        self.sum_s += v_s
-        self.n += 1
-        # first bucket whose upper bound is >= v (the last slot is +Inf)
-        self.counts[bisect_left(self.bounds_s, v_s)] += 1
-
-    def buckets(self) -> list[tuple[str, int]]:
-        out, acc = [], 0
-        for b, c in zip(self.bounds_s, self.counts):
-            acc += c
-            out.append((repr(b), acc))
-        out.append(("+Inf", acc + self.counts[-1]))
-        return out
 
 
 class BrokerStats:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from mesh import kv_events as KV
-from mesh.broker_core.counters import LatencyHistogram
+from mesh.stats import LatencyHistogram
 from mesh.errors import CheckpointError, ConfigError, ProtocolError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex, Verdict

@@ -227,4 +227,10 @@ def _cmd_bench_indexer(args) -> int:
 
 
 #: The lab's subcommands and the functions that add their parsers (mesh.cli orders them in --help).
-COMMANDS = {"up": _add_up, "sim": _add_sim, "fuzz": _add_fuzz, "bench": _add_bench}
+def _add_report(sub) -> None:
+    from mesh.lab.report import add_report_parser
+
+    add_report_parser(sub)
+
+
+COMMANDS = {"up": _add_up, "sim": _add_sim, "fuzz": _add_fuzz, "bench": _add_bench, "report": _add_report}

@@ -346,11 +346,23 @@ def _date_of(path: Path) -> str:
     return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+_DESCRIPTION = ("Render the JSON of `mesh bench ... --json F` and `mesh sim --matrix ... --json F` as markdown "
+                "pages (one per file: a table, the command that made it and the date), replacing each page.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="mesh report",
-        description="Render the JSON of `mesh bench ... --json F` and `mesh sim --matrix ... --json F` as markdown "
-                    "pages (one per file: a table, the command that made it and the date), replacing each page.")
+    return _add_arguments(argparse.ArgumentParser(prog="mesh report", description=_DESCRIPTION))
+
+
+def add_report_parser(sub) -> argparse.ArgumentParser:
+    """Add ``report`` to the ``mesh`` command's subparsers."""
+    p = _add_arguments(sub.add_parser("report", help="result pages in docs/results/ from bench and matrix JSON",
+                                      description=_DESCRIPTION))
+    p.set_defaults(func=write_pages)
+    return p
+
+
+def _add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("inputs", nargs="+", help="JSON result files")
     ap.add_argument("--out", default="docs/results", help="folder for the pages (default docs/results)")
     ap.add_argument("--kind", choices=KINDS, help="the inputs' kind (default: recognised from each file's keys)")
@@ -359,8 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return write_pages(build_parser().parse_args(argv))
+
+
+def write_pages(args: argparse.Namespace) -> int:
     """Write one page per input; 0 when every input was rendered, 2 when one could not be."""
-    args = build_parser().parse_args(argv)
     out_dir = Path(args.out)
     failed = 0
     for name in args.inputs:
