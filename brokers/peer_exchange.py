@@ -8,7 +8,7 @@ peers' figures to its worker states. With ``--exchange-routes`` the same message
 the prompts it routed since the last one, as a few content keys each
 (:mod:`mesh.index.peer_routes`): a peer's provider counts them as speculative matches for one
 TTL, so a follow-up that reaches another broker while the first prefill still runs finds the
-worker that is computing its prefix (off by default: README). What to send, when, and what a
+worker that is computing its prefix (off by default: docs/routing.md). What to send, when, and what a
 peer's message means live in the pure :mod:`mesh.routing.peers` (the simulator runs the same
 objects); this module only owns the two sockets.
 

@@ -57,7 +57,7 @@ class BrokerSettings:
     eject_max_s: float = setting(300.0, unit="s", help="longest ejection")
     max_ejected_ratio: float = setting(0.5, help="share of workers that may be ejected at once (at least one may be)")
     drain_timeout_s: float = setting(10.0, unit="s", help="how long SIGTERM waits for in-flight work")
-    # Containment (see README "Threat model and limits"): what a worker or client may ask for.
+    # Containment (docs/security.md, "Threat model" and "Limits"): what a worker or client may ask for.
     max_worker_heartbeat_ms: int = setting(2000, unit="ms", help="cap on the heartbeat interval a worker may announce")
     max_workers: int = setting(4096, help="registered worker sessions at most; more READYs are refused")
     max_inflight_per_client: int = setting(4096, help="in-flight requests per client before 'rate_limited' 429")

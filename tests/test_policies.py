@@ -331,7 +331,7 @@ def test_a_worker_claiming_an_instant_prefill_queue_gains_at_most_the_load_band(
 
 def test_stall_escape_leaves_a_holder_stuck_behind_a_huge_prefill_and_only_then():
     """On by default (``stall_escape_ms`` 200, ``stall_queue_ms`` 1000; chosen on the quality
-    matrix, README). A follow-up whose holder has 100k tokens of prefill queued (4 s) goes to an
+    matrix, docs/routing.md). A follow-up whose holder has 100k tokens of prefill queued (4 s) goes to an
     idle worker instead; a queue under the floor, an equally busy fleet or ``stall_escape_ms=0``
     keep it on the holder."""
     now = 0.01

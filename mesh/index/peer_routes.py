@@ -6,7 +6,7 @@ so. With several routers only the router that routed a prompt knew; a follow-up 
 another router while the first prefill was still running saw only the pages already reported
 (a chunk or two of a 30k-token prompt), missed, and recomputed the whole prompt elsewhere. On
 the quality matrix's conversation workload that was the whole of what 8 routers lost against
-one in hit rate (seeds 4-9: 0.41-0.57 against 0.40-0.60; see the README).
+one in hit rate (seeds 4-9: 0.41-0.57 against 0.40-0.60; docs/routing.md).
 
 So routers tell each other, through the exchange (:mod:`mesh.routing.peers`), where they routed
 what, compactly: a prompt of ``n`` full pages is summarised by ``n`` and its content keys at a

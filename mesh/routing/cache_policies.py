@@ -10,7 +10,7 @@ reference to beat:
 3. otherwise the least loaded worker. Defaults 0.5 / 32 / 1.1 (SGLang's Rust defaults).
 
 ``cache_aware`` — mesh's policy: **load first, then cache**, with a calibrated cost model beside it; each
-step used only as far as the quality matrix (README) showed it pays:
+step used only as far as the quality matrix (docs/routing.md) showed it pays:
 
 1. SGLang's imbalance bound, **applied per holder**: a worker whose pressure exceeds the least
    loaded one's by more than ``balance_abs_threshold`` (32) requests and
@@ -33,7 +33,7 @@ step used only as far as the quality matrix (README) showed it pays:
    ahead of it, not for the requests decoding beside it, and the request count cannot tell a
    worker that just took a prompt from one with a long decode. The last tie-break spreads new
    prefixes over an idle fleet, where the lowest id stacked them on the first engines. The
-   band keeps the request balance that decides near saturation (quality matrix, README:
+   band keeps the request balance that decides near saturation (quality matrix, docs/routing.md:
    unbounded, the queue-first rule won low_reuse at load 0.5-0.8 by 12-27 % and lost it at
    load 1.0 by 15-19 %). With ``cost_ties="auto"`` the **cost model** breaks those ties
    instead while its online calibration trusts it, with ``"always"`` unconditionally.
@@ -46,7 +46,7 @@ step used only as far as the quality matrix (README) showed it pays:
    2k-token prefixes were recomputed into an overloaded fleet (up to 2.0x greedy's p95). It
    reads queues in ms of the worker's pooled prefill rate
    (:class:`mesh.load.PrefillRateEstimate`); with SGLang's two-sample rate a one-page interval
-   made a queue look 25x longer, and every margin tried lost shared_prefix (README).
+   made a queue look 25x longer, and every margin tried lost shared_prefix (docs/routing.md).
 
 The predicted time to first token::
 
@@ -69,7 +69,7 @@ recursive least squares with forgetting; the fit is used only while it predicts 
 fixed model on the same outcomes). The score adds ``decode_harm_weight x running_w x
 own_prefill_ms`` (while this prefill runs every request decoding on w stalls).
 
-Why this shape (measured on the quality matrix, README): the per-request TTFT prediction is
+Why this shape (measured on the quality matrix, docs/routing.md): the per-request TTFT prediction is
 myopic. As the primary criterion it sent requests away from prefix holders under load (the fleet
 then recomputed shared prefixes and saturated: shared_prefix and zipf p95 2.6-100x greedy's). As a
 tie-break it lost wherever its error was large, and even gated on a small running error (<= 10 %

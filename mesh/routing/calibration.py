@@ -42,7 +42,7 @@ _BOUNDS = ((-1_000.0, 5_000.0), (0.0, 20.0), (0.0, 20.0), (0.0, 60_000.0))
 
 @dataclass(frozen=True, slots=True)
 class CalibrationSettings:
-    """Knobs of :class:`TtftCalibrator` (defaults chosen on the quality matrix, README)."""
+    """Knobs of :class:`TtftCalibrator` (defaults chosen on the quality matrix, docs/routing.md)."""
 
     forget: float = 0.998  # RLS forgetting factor: memory ~500 outcomes
     err_alpha: float = 0.02  # EWMA weight of one outcome in the relative-error estimate (~50)
