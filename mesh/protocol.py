@@ -91,8 +91,10 @@ KV_EVENTS   0x03  w->b    ``dp_rank`` int, ``epoch`` int, ``seq`` int >= 0 (per 
                           ``AllBlocksCleared``, :mod:`mesh.kv_events`).
 REQUEST     0x04  b->w    ``rid`` int (broker-assigned), ``attempt`` int >= 1, ``deadline_ms``
                           int > 0 (remaining budget), ``client_rid`` str (for logs),
-                          ``bootstrap`` map or nil (prefill/decode handoff). Frame 3: the
-                          client's SUBMIT body, verbatim.
+                          ``bootstrap`` map or nil (prefill/decode handoff); optional ``lora``
+                          str (the LoRA adapter the broker resolved the request to, from
+                          ``model`` ``base:adapter``, an adapter's name or ``lora_path``).
+                          Frame 3: the client's SUBMIT body, verbatim.
 CHUNK       0x05  w->b    ``rid``, ``attempt``, ``seq`` (contiguous from 0). Frame 3: data map.
 FINAL       0x06  w->b    ``rid``, ``attempt``, ``finish_reason`` str, ``usage`` map. Frame 3:
                           final data map.
@@ -718,6 +720,7 @@ class Request:
     client_rid: str
     bootstrap: dict[str, Any] | None
     submit: Submit
+    lora: str | None = None  # the LoRA adapter the broker resolved (None: base model, or an old broker)
 
 
 @dataclass(slots=True)
@@ -797,8 +800,11 @@ def encode_kv_events(dp_rank: int, epoch: int, seq: int, ts: float, events: list
     return [WORKER_HEADER, _B[Cmd.KV_EVENTS], pack({"dp_rank": dp_rank, "epoch": epoch, "seq": seq, "ts": ts, "events": events})]
 
 
-def encode_request(rid: int, attempt: int, deadline_ms: int, client_rid: str, submit_raw: bytes, bootstrap: dict | None = None) -> list[bytes]:
+def encode_request(rid: int, attempt: int, deadline_ms: int, client_rid: str, submit_raw: bytes, bootstrap: dict | None = None,
+                   *, lora: str | None = None) -> list[bytes]:
     meta = {"rid": rid, "attempt": attempt, "deadline_ms": deadline_ms, "client_rid": client_rid, "bootstrap": bootstrap}
+    if lora is not None:
+        meta["lora"] = lora
     return [WORKER_HEADER, _B[Cmd.REQUEST], pack(meta), submit_raw]
 
 
@@ -936,7 +942,7 @@ def decode_broker_to_worker(frames: list[bytes]):
             bootstrap = _opt_map(d, "bootstrap")
             return Request(
                 _int(d, "rid"), _int(d, "attempt", lo=1), _int(d, "deadline_ms", lo=0), _str(d, "client_rid", required=False),
-                bootstrap, _parse_submit(frames[3]),
+                bootstrap, _parse_submit(frames[3]), _str(d, "lora", required=False, max_bytes=MAX_LORA_NAME_BYTES) or None,
             )
         if cmd is Cmd.CANCEL:
             return WorkerCancel(_int(d, "rid"), _int(d, "attempt", lo=1))

@@ -98,10 +98,14 @@ def test_each_engine_gets_the_adapter_in_its_own_form():
              ("base:sql", "other"): "sql"}
     for (model, lp), want in cases.items():
         r = _request(model, **({"lora_path": lp} if lp else {}))
-        assert engine_lora(r.submit, info) == want, (model, lp)
+        assert engine_lora(r, info) == want, (model, lp)
         sg = generate_body(r, info)
         assert sg.get("lora_path") == want, (model, lp, sg)  # SGLang: lora_path = the adapter's name
         assert completions_body(r, info)["model"] == (want or "base"), (model, lp)  # vLLM: model = the adapter
+    # the broker's resolution (REQUEST lora) wins: an adapter name this engine does not hold yet
+    r = P.decode_broker_to_worker(P.encode_request(1, 1, 1000, "c", _request("sql2").submit.raw, lora="sql2"))
+    assert r.lora == "sql2" and engine_lora(r, info) == "sql2" and generate_body(r, info)["lora_path"] == "sql2"
+    assert P.decode_broker_to_worker(P.encode_request(1, 1, 1000, "c", r.submit.raw)).lora is None
 
 
 # ----------------------------------------------------------------------------- wire
@@ -175,6 +179,10 @@ def test_requests_for_an_adapter_go_to_its_holders():
     assert st["b"]["loras"] == ["chat", "sql"] and st["o"]["loras"] == []
     assert core.status.lora_catalog() == {"sql": {"parent": "base", "workers": 2}, "chat": {"parent": "base", "workers": 1}}
     assert core.stats.flat()["lora.sent_without_adapter"] == 3
+    # the REQUEST tells the worker the adapter the broker resolved (its engine may not hold it yet)
+    core.client_frames([b"client", *P.encode_submit("last", input_ids=[1] * 8, model="chat")], 2.0)
+    reqs = [P.decode_broker_to_worker(x.frames) for x in core.take() if x.to == TO_WORKER]
+    assert [(q.lora, q.submit.model) for q in reqs] == [("chat", "chat")]
 
 
 def test_a_runtime_change_is_followed_and_a_full_holder_is_a_counted_miss():

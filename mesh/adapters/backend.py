@@ -86,9 +86,13 @@ def models_and_loras(d: Any) -> tuple[str | None, list[str]]:
     return base, sorted(set(loras))
 
 
-def engine_lora(sub: P.Submit, info: EngineInfo) -> str | None:
-    """The LoRA adapter a request asks this engine for (:mod:`mesh.routing.lora`: ``base:adapter``,
-    the adapter's own name, or ``lora_path``); None for the base model."""
+def engine_lora(r: P.Request, info: EngineInfo) -> str | None:
+    """The LoRA adapter a request asks this engine for: the one the broker resolved (REQUEST
+    ``lora``), else (an older broker) read from the request (:mod:`mesh.routing.lora`:
+    ``base:adapter``, the adapter's own name, or ``lora_path``); None for the base model."""
+    if r.lora is not None:
+        return r.lora
+    sub = r.submit
     adapter = None
     name = sub.model
     if name and name != info.model:

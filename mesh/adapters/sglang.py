@@ -132,7 +132,7 @@ def generate_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
         body["input_ids"] = list(sub.input_ids)
     else:
         body["text"] = sub.text
-    lora = engine_lora(sub, info)
+    lora = engine_lora(r, info)
     if lora is not None:
         body["lora_path"] = lora  # SGLang's field: the name of a loaded adapter
     body["sampling_params"] = sp

@@ -79,7 +79,7 @@ def completions_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
             raise UnsupportedParam(f"{k}: vLLM has no equivalent of this SGLang parameter")
     if structured:
         body["structured_outputs"] = structured
-    lora = engine_lora(sub, info)
+    lora = engine_lora(r, info)
     if lora is not None:
         body["model"] = lora  # vLLM serves each LoRA adapter under its own model name
     if params.get("return_logprob"):

@@ -313,7 +313,7 @@ class BrokerCore:
             inf.room = int(decision.detail.get("bootstrap_room") or inf.rid)
             bootstrap = {"mode": "prefill", "room": inf.room, "decode_worker": decision.decode_worker_id}
         remaining_ms = max(1, int((inf.deadline_s - now) * 1000))
-        frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw, bootstrap)
+        frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw, bootstrap, lora=lora)
         inf.decision = decision
         move(inf, _R.DISPATCHED, "routed")
         inf.session = sess

@@ -16,6 +16,7 @@ __all__ = ["Status"]
 
 _STATUS_CACHE_S = 0.1  # STATUS worker lists of large fleets are rebuilt at most this often
 _STATUS_CACHE_MIN_WORKERS = 256  # smaller fleets always get a fresh list
+_STATUS_MAX_LORAS = 64  # LoRA adapters listed per worker (a STATUS of 1,024 workers stays well under a frame)
 
 
 class Status:
@@ -93,7 +94,7 @@ class Status:
             "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
             "ejected_for_s": round(max(0.0, sess.ejected_until_s - now), 3) if sess.status is SessionState.EJECTED else 0.0,
             "kv_capacity_tokens": sess.ready.max_total_num_tokens,
-            "loras": sorted(st.loras),
+            "loras": sorted(st.loras)[:_STATUS_MAX_LORAS],
             "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4),
                                               "kv_used_tokens": agg.used_tokens},
         }
