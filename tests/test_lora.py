@@ -209,6 +209,31 @@ def test_an_old_worker_without_the_field_serves_the_base_model():
     assert core.stats.lora == {"sent_without_adapter": 1}
 
 
+def test_the_gateway_lists_the_adapters_its_brokers_report():
+    from brokers.gateway import BrokerPool
+
+    gw = BrokerPool(["tcp://127.0.0.1:1"])
+    gw.pool = lambda: [{"worker_id": "a", "model": "base", "loras": ["sql"]}, {"worker_id": "b", "model": "base", "loras": ["sql", "x"]},
+                       {"worker_id": "c", "model": "base"}, {"worker_id": "d", "model": "base", "loras": "bad"}]
+    assert gw.lora_catalog() == {"sql": {"parent": "base", "workers": 2}, "x": {"parent": "base", "workers": 1}}
+
+
+def test_an_adapter_is_tokenised_as_its_base_model_at_the_http_ingress():
+    from brokers.ingress.submit import Submitter
+
+    class Fleet:
+        def model_catalog(self):
+            return {"base": 2, "other": 1}, {"fast": "base"}, "mesh"
+
+        def lora_catalog(self):
+            return {"sql": {"parent": "base", "workers": 1}}
+
+    sub = Submitter(Fleet())
+    sub._texts = {"base": "T-base", "other": "T-other"}  # what --tokenizer base=DIR other=DIR loads
+    assert [sub.text_for(m) for m in ("base:sql", "sql", "fast:sql", "other", "nosuch")] == ["T-base", "T-base", "T-base", "T-other",
+                                                                                            None]
+
+
 # ----------------------------------------------------------------------------- end to end
 
 FAST_ADAPTER = ("--heartbeat-ms", "200", "--health-interval-ms", "100", "--unhealthy-after", "1", "--load-poll-ms", "200",

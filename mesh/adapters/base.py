@@ -323,6 +323,8 @@ class Adapter:
                 self.log.info("restart_check_failed", error=str(engine_error(exc, f"restart check at {self.s.url}"))[:200])
                 restarted = False
             await self.relay.verify(restarted)
+            if self.s.lora_refresh_ms > 0:
+                await self.refresh_loras()  # a restarted engine may hold other adapters: READY tells the current ones
         self.healthy = True
         self._was_healthy = True
         self._open_links()
