@@ -69,6 +69,9 @@ def test_holders_only_prefers_holders_while_one_can_take_the_request():
     assert holders_only(pool, "sql", {"a"}) == {"a", "b"}
     assert holders_only(pool, "sql", {"a", "c"}) is None  # every holder tried or full: the whole pool
     assert holders_only(pool, "nobody", set()) is None
+    pd = [WorkerState("p1", role="prefill", loras=frozenset({"sql"})), WorkerState("p2", role="prefill"),
+          WorkerState("d1", role="decode")]
+    assert holders_only(pd, "sql", set()) == {"p2"}  # the decode workers stay: none of them holds it
 
 
 # ----------------------------------------------------------------------------- engines

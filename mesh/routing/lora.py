@@ -61,12 +61,15 @@ def holds(w: WorkerState, adapter: str) -> bool:
 
 def holders_only(pool: Sequence[WorkerState], adapter: str, exclude: Collection[str]) -> set[str] | None:
     """The exclusion set that leaves only the adapter's holders as candidates (``exclude`` plus
-    every non-holder), or None when no holder is a candidate (route over the whole pool). O(pool)."""
-    holder = False
-    others = set(exclude)
+    the non-holders), or None when no holder is a candidate (route over the whole pool). Per role:
+    a P/D fleet whose prefill workers hold the adapter and decode workers do not keeps its decode
+    workers. O(pool)."""
+    roles: set[str] = set()  # roles with a holder that can take the request
     for w in pool:
-        if adapter in w.loras:
-            holder = holder or w.worker_id not in exclude
-        else:
-            others.add(w.worker_id)
-    return others if holder else None
+        if adapter in w.loras and w.worker_id not in exclude:
+            roles.add(w.role)
+    if not roles:
+        return None
+    out = set(exclude)
+    out.update(w.worker_id for w in pool if w.role in roles and adapter not in w.loras)
+    return out
