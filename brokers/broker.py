@@ -697,5 +697,9 @@ class Broker:
         aliases and the fleet's name (``--model-name``)."""
         return self.core.status.model_catalog()
 
+    def lora_catalog(self) -> dict[str, dict]:
+        """LoRA adapters of the routable workers: name -> ``{"parent", "workers"}``."""
+        return self.core.status.lora_catalog()
+
     def served_models(self) -> dict[str, int]:
         return self.core.status.served_models()

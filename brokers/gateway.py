@@ -126,6 +126,17 @@ class BrokerPool:
                     name = link.catalog["model_name"]
         return served, aliases, name
 
+    def lora_catalog(self) -> dict[str, dict]:
+        """LoRA adapters of the routable workers (their STATUS ``loras``), as ``Broker.lora_catalog``."""
+        out: dict[str, dict] = {}
+        for w in self.pool():
+            loras, model = w.get("loras"), w.get("model")
+            for a in loras if isinstance(loras, list) and isinstance(model, str) else ():
+                if isinstance(a, str):
+                    e = out.setdefault(a, {"parent": model, "workers": 0})
+                    e["workers"] += e["parent"] == model
+        return out
+
     # ------------------------------------------------------------------ IngressBackend (brokers.ingress.backend)
     def submit(self, identity: bytes, sub: P.Submit, replies: asyncio.Queue, *, quota_key: bytes | None = None) -> None:
         rid = sub.rid

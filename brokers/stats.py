@@ -62,6 +62,7 @@ class StatsCollector(Collector):
             ("mesh_kv_events", "KV event stream handling", "what", s.kv),
             ("mesh_loop", "Broker event loop stalls and load shedding", "what", s.loop),
             ("mesh_exchange", "Peer exchange messages and decisions made while a peer was stale", "what", s.exchange),
+            ("mesh_lora", "LoRA requests and where they were sent (to an engine holding the adapter or not)", "what", s.lora),
         ):
             fam = CounterMetricFamily(name, doc, labels=[label])
             for k, v in sorted(ctr.items()):

@@ -76,19 +76,25 @@ READY       0x01  w->b    ``worker_id`` str, ``model`` str, ``role`` ``prefill|d
                           page), ``max_running_requests`` int > 0, ``max_total_num_tokens``
                           int > 0, ``dp_size`` int >= 1, ``epoch`` int >= 0 (changes on every
                           worker start), ``heartbeat_ms`` int > 0 (the worker's interval).
+                          Optional: ``loras`` list of str (at most ``MAX_LORAS`` LoRA adapter
+                          names of 1..256 bytes, the ones loaded on the engine; absent: the
+                          worker does not report adapters).
                           Must be the first command; a second READY on a live session is
                           answered with DISCONNECT.
 HEARTBEAT   0x02  both    w->b: ``load`` list of LoadStat tagged arrays, one per DP rank
-                          (:mod:`mesh.load`); may be empty. b->w: empty map. Any inbound
-                          message also counts as liveness.
+                          (:mod:`mesh.load`); may be empty; optional ``loras`` (as in READY:
+                          the worker's adapters changed, this is the whole new list).
+                          b->w: empty map. Any inbound message also counts as liveness.
 KV_EVENTS   0x03  w->b    ``dp_rank`` int, ``epoch`` int, ``seq`` int >= 0 (per (worker,
                           rank), +1 per batch), ``ts`` float, ``events`` list of SGLang
                           tagged-map events (``BlockStored`` / ``BlockRemoved`` /
                           ``AllBlocksCleared``, :mod:`mesh.kv_events`).
 REQUEST     0x04  b->w    ``rid`` int (broker-assigned), ``attempt`` int >= 1, ``deadline_ms``
                           int > 0 (remaining budget), ``client_rid`` str (for logs),
-                          ``bootstrap`` map or nil (prefill/decode handoff). Frame 3: the
-                          client's SUBMIT body, verbatim.
+                          ``bootstrap`` map or nil (prefill/decode handoff); optional ``lora``
+                          str (the LoRA adapter the broker resolved the request to, from
+                          ``model`` ``base:adapter``, an adapter's name or ``lora_path``).
+                          Frame 3: the client's SUBMIT body, verbatim.
 CHUNK       0x05  w->b    ``rid``, ``attempt``, ``seq`` (contiguous from 0). Frame 3: data map.
 FINAL       0x06  w->b    ``rid``, ``attempt``, ``finish_reason`` str, ``usage`` map. Frame 3:
                           final data map.
@@ -172,6 +178,7 @@ __all__ = [
     "WORKER_HEADER",
     "MAX_FRAME_BYTES",
     "MAX_LABELS",
+    "MAX_LORAS",
     "MAX_STATUS_WORKERS",
     "MAX_NEW_TOKENS",
     "Cmd",
@@ -222,6 +229,8 @@ MAX_RID_BYTES = 256
 MAX_LABELS = 16
 MAX_LABEL_KEY_BYTES = 64
 MAX_LABEL_VALUE_BYTES = 128
+MAX_LORAS = 256  # LoRA adapter names in one READY / HEARTBEAT
+MAX_LORA_NAME_BYTES = 256
 MAX_STATUS_WORKERS = 1024
 MAX_TOKEN_ID = 2**32
 # A non-streamed FINAL carries every output token (and its text) back through one frame:
@@ -684,11 +693,13 @@ class Ready:
     dp_size: int
     epoch: int
     heartbeat_ms: int
+    loras: list[str] | None = None  # LoRA adapters loaded on the engine (None: not reported)
 
 
 @dataclass(slots=True)
 class Heartbeat:
     load: list[LoadStat] = field(default_factory=list)
+    loras: list[str] | None = None  # the worker's adapters changed: the whole new list
 
 
 @dataclass(slots=True)
@@ -709,6 +720,7 @@ class Request:
     client_rid: str
     bootstrap: dict[str, Any] | None
     submit: Submit
+    lora: str | None = None  # the LoRA adapter the broker resolved (None: base model, or an old broker)
 
 
 @dataclass(slots=True)
@@ -767,24 +779,32 @@ def encode_ready(r: Ready) -> list[bytes]:
         "epoch": r.epoch,
         "heartbeat_ms": r.heartbeat_ms,
     }
+    if r.loras is not None:
+        body["loras"] = list(r.loras)
     return [WORKER_HEADER, _B[Cmd.READY], pack(body)]
 
 
 _EMPTY_MAP = pack({})
 
 
-def encode_heartbeat(load: list[LoadStat] | None = None) -> list[bytes]:
-    if load is None:
+def encode_heartbeat(load: list[LoadStat] | None = None, loras: list[str] | None = None) -> list[bytes]:
+    if load is None and loras is None:
         return [WORKER_HEADER, _B[Cmd.HEARTBEAT], _EMPTY_MAP]
-    return [WORKER_HEADER, _B[Cmd.HEARTBEAT], pack({"load": [ls.to_wire() for ls in load]})]
+    body: dict[str, Any] = {"load": [ls.to_wire() for ls in load]} if load is not None else {}
+    if loras is not None:
+        body["loras"] = list(loras)
+    return [WORKER_HEADER, _B[Cmd.HEARTBEAT], pack(body)]
 
 
 def encode_kv_events(dp_rank: int, epoch: int, seq: int, ts: float, events: list[Any]) -> list[bytes]:
     return [WORKER_HEADER, _B[Cmd.KV_EVENTS], pack({"dp_rank": dp_rank, "epoch": epoch, "seq": seq, "ts": ts, "events": events})]
 
 
-def encode_request(rid: int, attempt: int, deadline_ms: int, client_rid: str, submit_raw: bytes, bootstrap: dict | None = None) -> list[bytes]:
+def encode_request(rid: int, attempt: int, deadline_ms: int, client_rid: str, submit_raw: bytes, bootstrap: dict | None = None,
+                   *, lora: str | None = None) -> list[bytes]:
     meta = {"rid": rid, "attempt": attempt, "deadline_ms": deadline_ms, "client_rid": client_rid, "bootstrap": bootstrap}
+    if lora is not None:
+        meta["lora"] = lora
     return [WORKER_HEADER, _B[Cmd.REQUEST], pack(meta), submit_raw]
 
 
@@ -813,6 +833,17 @@ def encode_resync(dp_rank: int, reason: str) -> list[bytes]:
     return [WORKER_HEADER, _B[Cmd.RESYNC], pack({"dp_rank": dp_rank, "reason": reason})]
 
 
+def _loras(d: dict) -> list[str] | None:
+    """The optional ``loras`` field of READY / HEARTBEAT (None when absent)."""
+    v = d.get("loras")
+    if v is None:
+        return None
+    if type(v) is not list or len(v) > MAX_LORAS or any(
+            type(x) is not str or not 0 < len(x.encode()) <= MAX_LORA_NAME_BYTES for x in v):
+        raise ProtocolError("bad_field", f"loras must be a list of at most {MAX_LORAS} names of 1..{MAX_LORA_NAME_BYTES} bytes")
+    return v
+
+
 def _parse_ready(d: dict) -> Ready:
     role = _str(d, "role")
     if role not in ROLES:
@@ -836,6 +867,7 @@ def _parse_ready(d: dict) -> Ready:
         dp_size=_int(d, "dp_size", required=False, default=1, lo=1, hi=1024),
         epoch=_int(d, "epoch"),
         heartbeat_ms=_int(d, "heartbeat_ms", required=False, default=500, lo=1, hi=600_000),
+        loras=_loras(d),
     )
 
 
@@ -870,11 +902,12 @@ def decode_worker(frames: list[bytes]):
         d = _map(unpack(body))
         if cmd is Cmd.HEARTBEAT:
             load = d.get("load")
+            loras = _loras(d)
             if load is None:
-                return Heartbeat()
+                return Heartbeat(loras=loras)
             if type(load) is not list or len(load) > 1024:
                 raise ProtocolError("bad_field", "load must be a list of LoadStat")
-            return Heartbeat([LoadStat.from_wire(x) for x in load])
+            return Heartbeat([LoadStat.from_wire(x) for x in load], loras)
         if cmd is Cmd.KV_EVENTS:
             events = d.get("events")
             if type(events) is not list:
@@ -909,7 +942,7 @@ def decode_broker_to_worker(frames: list[bytes]):
             bootstrap = _opt_map(d, "bootstrap")
             return Request(
                 _int(d, "rid"), _int(d, "attempt", lo=1), _int(d, "deadline_ms", lo=0), _str(d, "client_rid", required=False),
-                bootstrap, _parse_submit(frames[3]),
+                bootstrap, _parse_submit(frames[3]), _str(d, "lora", required=False, max_bytes=MAX_LORA_NAME_BYTES) or None,
             )
         if cmd is Cmd.CANCEL:
             return WorkerCancel(_int(d, "rid"), _int(d, "attempt", lo=1))

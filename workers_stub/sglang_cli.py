@@ -63,6 +63,11 @@ def add_stub_sglang_parser(subparsers) -> argparse.ArgumentParser:
                    help="HTTP load endpoints: v1_loads (0.5.21+), get_load (/get_load + /v1/loads, 0.5.12-0.5.20), metrics (only /metrics)")
     p.add_argument("--tokenizer", help="a model folder (tokenizer.json, tokenizer_config.json): text prompts and chat "
                                       "messages are tokenised as the real engine would (default: UTF-8 bytes as ids)")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-paths): /v1/models lists "
+                                                               "them, /load_lora_adapter and /v1/load_lora_adapter change them")
+    p.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME[=PATH]", help="LoRA adapters loaded at start (SGLang's flag)")
+    p.add_argument("--lora-dynamic", action="store_true", help="load an unknown adapter on its first request (as vLLM's LoRA "
+                                                               "resolvers do) instead of refusing it")
     add_log_level_arg(p, "info")
     g = p.add_argument_group("engine model (defaults: 8B model on one H100; --page-size is SGLang's flag too)")
     add_flags(g, EngineConfig, only=_ENGINE_FLAGS)  # generated from the EngineConfig fields (help, units)
@@ -107,6 +112,7 @@ def settings_from_args(args: argparse.Namespace):
         replay_frames=args.replay_frames, buffer_steps=buffer_steps, time_scale=args.time_scale, model=args.model,
         fail_health=args.fail_health, incremental_streaming_output=args.incremental_streaming_output,
         http_load_api=args.http_load_api, engine=engine, log_level=args.log_level, tokenizer=args.tokenizer or "",
+        enable_lora=args.enable_lora or bool(args.lora_paths), lora_paths=tuple(args.lora_paths), lora_dynamic=args.lora_dynamic,
     )
     try:
         s.validate()

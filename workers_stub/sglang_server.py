@@ -17,6 +17,13 @@ as the native simulated worker). It speaks the subset of SGLang 0.5.23 a router 
 * ``/v1/loads`` (JSON and ``format=prometheus``), ``/get_load`` (only with
   ``--http-load-api get_load``, emulating 0.5.12-0.5.20), ``/metrics`` with ``sglang:`` names;
 * ``/flush_cache`` (refused with 400 while requests run; publishes ``AllBlocksCleared``).
+* LoRA (``--enable-lora``, ``--lora-paths NAME[=PATH]``): ``/v1/models`` lists each adapter with
+  ``parent`` = the base model (both engines' shape); ``POST /load_lora_adapter`` /
+  ``/unload_lora_adapter`` (SGLang, JSON answer) and ``/v1/load_lora_adapter`` /
+  ``/v1/unload_lora_adapter`` (vLLM, text answer); a request names its adapter by ``lora_path``,
+  by ``model`` = the adapter (vLLM) or ``BASE:ADAPTER`` (SGLang); an adapter not loaded is a 400
+  (``lora_path``) or 404 (unknown model), or is loaded on first use with ``--lora-dynamic``;
+  ``/debug/stats`` ``lora_requests`` counts the requests each adapter served.
 
 ZMQ, per rank r (ports ``base + r``): the KV event PUB and replay ROUTER
 (:mod:`workers_stub.sglang_wire`), and the LoadStat PUB (on change, at least every second). Port 0
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import Counter
 import json
 import math
 import os
@@ -281,6 +289,12 @@ class StubSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     log_level: str = "info"
     tokenizer: str = ""  # a model folder: text prompts and chat are tokenised as the real engine would
+    # LoRA (SGLang --enable-lora / --lora-paths NAME[=PATH]): listed in /v1/models with a parent, changed
+    # by /load_lora_adapter; an unknown adapter is refused, or loaded on first use with lora_dynamic.
+    # Without enable_lora any lora_path is served untracked (only its cache namespace matters).
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()
+    lora_dynamic: bool = False
 
     def validate(self) -> None:
         if not 1 <= self.dp_size <= 64:
@@ -295,6 +309,9 @@ class StubSettings:
             raise ValueError("time_scale must be a positive number")
         if self.buffer_steps < 1:
             raise ValueError("buffer_steps must be >= 1")
+        for spec in self.lora_paths:
+            if not spec.partition("=")[0]:
+                raise ValueError(f"lora_paths: {spec!r} is not NAME[=PATH]")
 
 
 class HttpError(Exception):
@@ -359,8 +376,8 @@ class _Rank:
         if events and self.kv is not None:
             self.kv.publish(events)
 
-    def submit(self, job: _Job, prompt: list[int], body: dict | None = None) -> None:
-        lora, xkey, salt = request_event_fields(body)  # lora_path / extra_key / cache_salt: the cache namespace
+    def submit(self, job: _Job, prompt: list[int], body: dict | None = None, lora: str | None = None) -> None:
+        _, xkey, salt = request_event_fields(body)  # lora (resolved) / extra_key / cache_salt: the cache namespace
         self.engine.submit(job.key, prompt, job.max_new, self.now(), lora_name=lora, extra_key=xkey,
                            cache_salt=salt)  # ValueError -> 400
         self.jobs[job.key] = job
@@ -465,6 +482,9 @@ class SglangStub:
         # what a test reads to see the trace reach the engine
         self.traceparents: deque[str] = deque(maxlen=256)
         self.recent_requests: deque[dict] = deque(maxlen=32)
+        # LoRA adapters loaded (name -> path) and requests served per adapter (what a test reads)
+        self.loras: dict[str, str] = {n: p or f"/adapters/{n}" for n, _, p in (x.partition("=") for x in s.lora_paths)}
+        self.lora_served: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -560,6 +580,10 @@ class SglangStub:
         r.add_post("/v1/completions", self.h_completions)
         r.add_post("/v1/chat/completions", self.h_chat)
         r.add_get("/v1/models", self.h_models)
+        for path in ("/load_lora_adapter", "/v1/load_lora_adapter"):
+            r.add_post(path, self.h_load_lora)
+        for path in ("/unload_lora_adapter", "/v1/unload_lora_adapter"):
+            r.add_post(path, self.h_unload_lora)
         for path in ("/health", "/health_generate"):
             r.add_get(path, self.h_health)
         r.add_get("/ready", self.h_health)
@@ -595,15 +619,44 @@ class SglangStub:
         cands = [self.ranks[i] for n, i in loads if n == least]
         return cands[next(self._rr) % len(cands)]
 
+    def _lora(self, body: dict | None) -> str | None:
+        """The adapter a request runs under, as the engines read it: the OpenAI ``model`` (an
+        adapter's own name, vLLM; ``base:adapter``, SGLang), else SGLang's ``lora_path``. An
+        adapter not loaded is refused as the engines refuse it, or loaded with ``lora_dynamic``."""
+        if not body:
+            return None
+        model, lp = body.get("model"), body.get("lora_path")
+        adapter, by_model = None, False
+        if type(model) is str and model != self.s.model and self.s.enable_lora:
+            by_model = True
+            if model.startswith(f"{self.s.model}:"):
+                adapter = model[len(self.s.model) + 1:].strip() or None
+            else:
+                adapter = model  # vLLM: any other name is an adapter's (or does not exist)
+        if adapter is None and type(lp) is str and lp:
+            adapter = lp
+        if adapter is None or not self.s.enable_lora:
+            return adapter
+        if adapter not in self.loras:
+            if not self.s.lora_dynamic:
+                if by_model and model == adapter:  # vLLM's answer to an unknown model name
+                    raise HttpError(404, f"The model `{adapter}` does not exist.")
+                raise HttpError(400, f"Got LoRA adapter that has never been loaded: {adapter}")
+            self.loras[adapter] = f"/adapters/{adapter}"
+            self.log.info("stub_lora_loaded", lora_name=adapter, on_demand=True)
+        self.lora_served[adapter] += 1
+        return adapter
+
     def _start_job(self, prompt: list[int], max_new: int, rid: str | None, rank_hint: Any, body: dict | None = None) -> _Job:
         if not prompt:
             raise HttpError(400, "The input_ids / prompt is empty")
         if type(max_new) is not int or max_new < 0:
             raise HttpError(400, f"max_new_tokens must be a non-negative integer, got {max_new!r}")
+        lora = self._lora(body)
         rk = self._pick_rank(rank_hint)
         job = _Job(next(self._keys), rid or uuid.uuid4().hex, rk.rank, len(prompt), max_new)
         try:
-            rk.submit(job, prompt, body)
+            rk.submit(job, prompt, body, lora)
         except ValueError as exc:
             raise HttpError(400, str(exc)) from None
         return job
@@ -1042,10 +1095,48 @@ class SglangStub:
         return resp
 
     async def h_models(self, request: web.Request) -> web.Response:
+        """The base model, then each loaded LoRA adapter with ``parent`` = the base and ``root`` =
+        its path (SGLang ``available_models`` with --enable-lora; vLLM's list has the same shape)."""
         m = self.s.model
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "created": int(self.startup_time),
-                                                              "owned_by": "sglang", "root": m,
-                                                              "max_model_len": self.s.engine.max_total_num_tokens}]})
+        data = [{"id": m, "object": "model", "created": int(self.startup_time), "owned_by": "sglang", "root": m,
+                 "max_model_len": self.s.engine.max_total_num_tokens}]
+        data += [{"id": n, "object": "model", "created": int(self.startup_time), "owned_by": "sglang", "root": path, "parent": m,
+                  "max_model_len": None} for n, path in self.loras.items()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def h_load_lora(self, request: web.Request) -> web.Response:
+        """SGLang ``POST /load_lora_adapter`` / vLLM ``POST /v1/load_lora_adapter``: ``lora_name``, ``lora_path``."""
+        try:
+            body = await self._body(request)
+        except HttpError as exc:
+            return _json_error(exc.status, exc.message)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not self.s.enable_lora:
+            return _json_error(400, "LoRA is not enabled. Please set `--enable-lora` to True.")
+        if type(name) is not str or not name or type(path) is not str or not path:
+            return _json_error(400, "lora_name and lora_path are required")
+        if name in self.loras:
+            return _json_error(400, f"The lora adapter '{name}' has already been loaded.")
+        self.loras[name] = path
+        self.log.info("stub_lora_loaded", lora_name=name, on_demand=False)
+        return self._lora_answer(request, f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def h_unload_lora(self, request: web.Request) -> web.Response:
+        """SGLang ``POST /unload_lora_adapter`` / vLLM ``POST /v1/unload_lora_adapter``: ``lora_name``."""
+        try:
+            body = await self._body(request)
+        except HttpError as exc:
+            return _json_error(exc.status, exc.message)
+        name = body.get("lora_name")
+        if self.loras.pop(name if type(name) is str else "", None) is None:
+            return _json_error(404 if request.path.startswith("/v1/") else 400, f"The lora adapter '{name}' cannot be found.")
+        self.log.info("stub_lora_unloaded", lora_name=name)
+        return self._lora_answer(request, f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _lora_answer(self, request: web.Request, text: str) -> web.Response:
+        if request.path.startswith("/v1/"):  # vLLM answers plain text
+            return web.Response(text=text)
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.loras)})
 
     # ------------------------------------------------------------------ health, info, load
 
@@ -1254,7 +1345,7 @@ class SglangStub:
             kv = rk.kv
             out.append({"rank": rk.rank, "next_seq": kv.seq if kv else None, "dropped": kv.dropped if kv else 0,
                         "replays_served": kv.replays_served if kv else 0, "cached_pages": rk.engine.num_cached_pages})
-        return web.json_response({"ranks": out, "healthy": self.healthy})
+        return web.json_response({"ranks": out, "healthy": self.healthy, "lora_requests": dict(self.lora_served)})
 
 
 async def serve_stub(s: StubSettings) -> None:

@@ -166,16 +166,20 @@ class HttpIngress:
 
     # ------------------------------------------------------------------ simple endpoints
     async def models(self, request: web.Request) -> web.Response:
-        """The models that have routable workers, their aliases, and the fleet's name while it
-        serves one model (each is a name requests may use)."""
+        """The models that have routable workers, their aliases, the fleet's name while it
+        serves one model, and the LoRA adapters those workers hold (each is a name requests may
+        use; ``BASE:ADAPTER`` works too)."""
         served, aliases, fleet_name = self.backend.model_catalog()
         ids = sorted(served)
         ids += sorted(a for a, target in aliases.items() if target in served and a not in served)
         if len(served) == 1 and fleet_name not in ids:
             ids.append(fleet_name)
-        return json_response({"object": "list", "data": [
-            {"id": i, "object": "model", "created": 0, "owned_by": "mesh", "root": aliases.get(i, ids[0] if i == fleet_name else i)}
-            for i in ids]})
+        data = [{"id": i, "object": "model", "created": 0, "owned_by": "mesh", "root": aliases.get(i, ids[0] if i == fleet_name else i)}
+                for i in ids]
+        # LoRA adapters as the engines list them: their own id, ``parent`` = the base model
+        data += [{"id": a, "object": "model", "created": 0, "owned_by": "mesh", "root": a, "parent": e["parent"]}
+                 for a, e in sorted(self.backend.lora_catalog().items()) if a not in served]
+        return json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
         n = self.backend.routable_workers()

@@ -75,6 +75,10 @@ class IngressBackend(Protocol):
         """Served models (routable workers each), model aliases, and the fleet's name."""
         ...
 
+    def lora_catalog(self) -> dict[str, dict]:
+        """LoRA adapters the routable workers hold: name -> ``{"parent": base model, "workers": n}``."""
+        ...
+
     def routable_workers(self) -> int:
         """How many workers can take requests now (``/health``)."""
         ...

@@ -47,6 +47,7 @@ from mesh import protocol as P
 from mesh import tracing
 from mesh.errors import ConfigError, IngressBadRequest, IngressOverloaded, IngressTooLarge
 from mesh.params import ParamError, from_generate, from_openai
+from mesh.routing.lora import split_model
 
 __all__ = ["MAX_BODY_BYTES", "MAX_SUBMIT_BYTES", "QUOTA_KEY", "REQUEST_ID", "REQUEST_ID_RE", "Submitter", "opt_bool"]
 
@@ -156,9 +157,21 @@ class Submitter:
             if (name is None or name == fleet_name) and len(served) == 1:
                 name = next(iter(served))
             hit = self._texts.get(name) if name is not None else None
+            if hit is None and name is not None:  # a LoRA adapter tokenises as its base model
+                base = self.lora_base(name, served)
+                hit = self._texts.get(aliases.get(base, base)) if base is not None else None
             if hit is not None:
                 return hit
         return self._texts.get(None)
+
+    def lora_base(self, name: str, served: dict[str, int]) -> str | None:
+        """The base model of ``BASE:ADAPTER`` or of an adapter's own name (None: not an adapter)."""
+        if ":" in name:
+            base, adapter = split_model(name, served)
+            if adapter is not None:
+                return base
+        entry = self.backend.lora_catalog().get(name)
+        return entry["parent"] if entry else None
 
     def answer_model(self, model: str | None) -> str:
         """The ``model`` an answer reports: the name asked for, else the fleet's only model."""

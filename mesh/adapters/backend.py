@@ -20,8 +20,10 @@ from mesh.adapters.settings import AttachSettings
 from mesh.errors import ErrorCode, RetryableError
 from mesh.load import LoadStat
 from mesh.logs import get_logger
+from mesh.routing.lora import request_lora, split_model
 
-__all__ = ["EngineInfo", "StreamState", "Backend", "engine_request_id", "rank_endpoint", "replace_wildcard"]
+__all__ = ["EngineInfo", "StreamState", "Backend", "engine_request_id", "rank_endpoint", "replace_wildcard", "models_and_loras",
+           "engine_lora"]
 
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 
@@ -57,10 +59,53 @@ class EngineInfo:
     max_total_num_tokens: int = 1 << 20
     incremental_streaming: bool = False
     startup_time: float | None = None
+    loras: list[str] | None = None  # LoRA adapters loaded on the engine (None: unknown)
 
     def describe(self) -> dict[str, Any]:
         return {"model": self.model, "block_size": self.block_size, "dp_size": self.dp_size, "topic": self.topic,
-                "kv_endpoints": self.kv_endpoints, "replay_endpoints": self.replay_endpoints, "load_endpoints": self.load_endpoints}
+                "kv_endpoints": self.kv_endpoints, "replay_endpoints": self.replay_endpoints, "load_endpoints": self.load_endpoints,
+                "loras": self.loras}
+
+
+def models_and_loras(d: Any) -> tuple[str | None, list[str]]:
+    """A ``GET /v1/models`` answer -> (the base model, the LoRA adapters). Both engines list the
+    base model(s) first and each loaded adapter as an entry whose ``parent`` is the base model and
+    ``root`` its path (vLLM ``OpenAIServingModels.show_available_models``, SGLang
+    ``http_server.available_models``, with ``--enable-lora``). Anything malformed is skipped."""
+    data = d.get("data") if isinstance(d, dict) else None
+    base = None
+    loras: list[str] = []
+    for e in data if isinstance(data, list) else ():
+        if not isinstance(e, dict) or not isinstance(e.get("id"), str) or not e["id"]:
+            continue
+        if isinstance(e.get("parent"), str) and e["parent"]:
+            if len(loras) < P.MAX_LORAS and len(e["id"].encode()) <= P.MAX_LORA_NAME_BYTES:
+                loras.append(e["id"])
+        elif base is None:
+            base = e["id"]
+    return base, sorted(set(loras))
+
+
+def engine_lora(r: P.Request, info: EngineInfo) -> str | None:
+    """The LoRA adapter a request asks this engine for: the one the broker resolved (REQUEST
+    ``lora``), else (an older broker) read from the request (:mod:`mesh.routing.lora`:
+    ``base:adapter``, the adapter's own name, or ``lora_path``); None for the base model."""
+    if r.lora is not None:
+        return r.lora
+    sub = r.submit
+    adapter = None
+    name = sub.model
+    if name and name != info.model:
+        loras = info.loras or ()
+        if name in loras:
+            adapter = name
+        else:
+            base, adapter = split_model(name, (info.model,))
+            # the base may be a broker-side alias: a ':' names an adapter of this engine's model,
+            # or one this engine holds (else it is a model name with a colon, e.g. an alias)
+            if adapter is not None and base != info.model and adapter not in loras:
+                adapter = None
+    return request_lora(sub.params, adapter)
 
 
 def rank_endpoint(base: str, rank: int) -> str:
@@ -127,6 +172,11 @@ class Backend:
 
     async def poll_load(self, http: aiohttp.ClientSession, info: EngineInfo) -> list[LoadStat] | None:
         return None
+
+    async def loras(self, http: aiohttp.ClientSession) -> list[str] | None:
+        """The LoRA adapters loaded on the engine now (``GET /v1/models``), None when it does not say."""
+        status, d = await self.get_json(http, "/v1/models")
+        return models_and_loras(d)[1] if status == 200 else None
 
     def prefill_leg(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
         """PD prefill leg (``bootstrap.mode == "prefill"``): (path, body, FINAL data) or None if unsupported."""

@@ -116,6 +116,8 @@ class Adapter:
         self.api.start()  # heartbeats (they go out only while links are open: while the server is healthy)
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
         self._tasks.append(asyncio.create_task(self._stats_loop(), name="stats"))
+        if s.lora_refresh_ms > 0:
+            self._tasks.append(asyncio.create_task(self._lora_loop(), name="lora-refresh"))
         for t in self._tasks:
             t.add_done_callback(lambda t: log_crash(self.log, t))
         announce("adapter_attached", worker_id=self.worker_id, engine=self.backend.kind, url=s.url, brokers=list(s.brokers),
@@ -235,7 +237,8 @@ class Adapter:
         assert info is not None
         return Capabilities(model=info.model[:256], role=self.s.role, labels=dict(self.s.labels), block_size=info.block_size,
                             max_running_requests=max(1, info.max_running_requests),
-                            max_total_num_tokens=max(1, info.max_total_num_tokens), dp_size=info.dp_size)
+                            max_total_num_tokens=max(1, info.max_total_num_tokens), dp_size=info.dp_size,
+                            loras=list(info.loras) if info.loras is not None else None)
 
     def _open_links(self) -> None:
         """Register with every broker (the API continues the connection numbering)."""
@@ -320,6 +323,8 @@ class Adapter:
                 self.log.info("restart_check_failed", error=str(engine_error(exc, f"restart check at {self.s.url}"))[:200])
                 restarted = False
             await self.relay.verify(restarted)
+            if self.s.lora_refresh_ms > 0:
+                await self.refresh_loras()  # a restarted engine may hold other adapters: READY tells the current ones
         self.healthy = True
         self._was_healthy = True
         self._open_links()
@@ -332,6 +337,44 @@ class Adapter:
         for task in list(self._serving.values()):
             task.cancel()
         announce("adapter_unhealthy", worker_id=self.worker_id, reason=why)
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def _lora_loop(self) -> None:
+        """Engines load and unload LoRA adapters at run time (SGLang ``/load_lora_adapter``, vLLM
+        ``/v1/load_lora_adapter``): re-read them every ``lora_refresh_ms`` and tell the brokers in
+        a HEARTBEAT ``loras`` (every time, so a lost one is repaired on the next tick; READY
+        carries them on every new session)."""
+        assert self.info is not None and self.http is not None
+        period = self.s.lora_refresh_ms / 1000
+        while True:
+            await asyncio.sleep(period)
+            if not self.healthy:
+                continue
+            await self.refresh_loras()
+
+    async def refresh_loras(self) -> list[str] | None:
+        """Read the engine's adapters once; announce them to every broker link. Never raises."""
+        info = self.info
+        assert info is not None and self.http is not None
+        try:
+            loras = await self.backend.loras(self.http)
+        except Exception as exc:  # this loop must not die: count, say why, try again
+            self.counters["lora_refresh_errors"] += 1
+            self.log.debug("lora_refresh_failed", error=str(engine_error(exc, f"LoRA refresh at {self.s.url}"))[:200])
+            return None
+        if loras is None:
+            return None
+        if loras != info.loras:
+            self.counters["lora_changes"] += 1
+            self.log.info("engine_loras_changed", loras=loras[:16], n=len(loras),
+                          added=sorted(set(loras) - set(info.loras or ()))[:16], removed=sorted(set(info.loras or ()) - set(loras))[:16])
+            info.loras = loras
+        frames = P.encode_heartbeat(self._fresh_loads(time.monotonic()), loras)
+        for link in self.api.links:
+            if link.registered:
+                link.send(frames)
+        return loras
 
     # ------------------------------------------------------------------ load
 

@@ -54,6 +54,8 @@ _SPECS: dict[str, Spec] = {
     "unhealthy_after": Spec(help="failed checks before the worker leaves the mesh"),
     "load_poll_ms": Spec(unit="ms", help="HTTP load polling period when there is no LoadStat stream"),
     "load_stale_ms": Spec(unit="ms", help="a load sample older than this is not reported"),
+    "lora_refresh_ms": Spec(unit="ms", help="re-read the engine's loaded LoRA adapters (/v1/models) this often; "
+                                            "0 = only at registration"),
     "replay_timeout_ms": Spec(unit="ms", help="wait for one replay reply"),
     "discovery_timeout_s": Spec(unit="s", help="give up if the server never answers (0 = keep trying)"),
     "max_batch_tokens": Spec(unit="tokens", cli=False, help="largest batch of tokens relayed at once"),
@@ -71,7 +73,7 @@ _TELEMETRY = ["kv_endpoint", "replay_endpoint", "load_endpoint", "block_size", "
               "max_total_num_tokens"]
 _SGLANG_ONLY = ["incremental_streaming", "bootstrap_host", "bootstrap_port"]
 _TIMING = ["health_path", "health_interval_ms", "health_timeout_ms", "unhealthy_after", "load_poll_ms", "load_stale_ms",
-           "replay_timeout_ms", "discovery_timeout_s", "heartbeat_ms", "liveness", "kv_events_to", "drain_timeout_s",
+           "lora_refresh_ms", "replay_timeout_ms", "discovery_timeout_s", "heartbeat_ms", "liveness", "kv_events_to", "drain_timeout_s",
            "log_level", "trace_exporter", "trace_endpoint"]
 _VLLM_REQUIRED = ("kv_endpoint", "block_size")
 

@@ -49,6 +49,7 @@ class AttachSettings:
     unhealthy_after: int = 2
     load_poll_ms: int = 1000
     load_stale_ms: int = 3000
+    lora_refresh_ms: int = 5000  # re-read the engine's LoRA adapters (/v1/models) this often; 0 = only at registration
     replay_timeout_ms: int = 2000
     discovery_timeout_s: float = 0.0  # 0 = keep trying
     max_batch_tokens: int = 131_072
@@ -80,6 +81,8 @@ class AttachSettings:
                      "load_stale_ms", "replay_timeout_ms", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")
+        if self.lora_refresh_ms < 0:
+            raise ConfigError("lora_refresh_ms: must be >= 0 (0 = read the adapters only at registration)")
         if self.kv_events_to not in ("all", "one"):
             raise ConfigError("kv_events_to: must be all or one")
         if self.health_path is not None and not self.health_path.startswith("/"):

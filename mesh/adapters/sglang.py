@@ -7,12 +7,15 @@
   ``kv_events_config`` server arg. Every value can be overridden by a flag. Also read:
   ``served_model_name``, ``max_running_requests``, ``max_total_num_tokens``,
   ``incremental_streaming_output``, ``startup_time`` (a change across a health outage = restart).
+  LoRA adapters: ``GET /v1/models`` entries with a ``parent`` (servers run with
+  ``--enable-lora``), announced to the brokers and re-read every ``--lora-refresh-ms``.
 * Requests: ``POST /generate``, with ``stream: true`` when the client streams (else one JSON
   answer); streamed ``output_ids``/``text`` are cumulative unless
   the server runs with ``--incremental-streaming-output``; the adapter sends deltas as mesh CHUNKs,
   logprob lists in ``meta_info`` likewise (each CHUNK carries the entries of its own tokens).
   ``params`` keys SGLang knows as sampling params go to ``sampling_params`` (unknown keys there
-  would be a 400), a few request-level keys pass through, the rest is dropped. PD bootstrap:
+  would be a 400), a few request-level keys pass through, the rest is dropped. A LoRA request
+  (``base:adapter``, the adapter's name or ``lora_path``) gets ``lora_path`` = the adapter's name. PD bootstrap:
   ``REQUEST.bootstrap`` keys ``bootstrap_host|port|room|pair_key`` (or ``host``/``port``/``room``)
   become the top-level ``bootstrap_*`` fields of ``/generate``.
 * Load when there is no LoadStat stream: ``/v1/loads?include=core`` (0.5.12+), else ``/get_load``
@@ -28,10 +31,10 @@ from typing import Any
 import aiohttp
 
 from mesh import protocol as P
-from mesh.adapters.backend import Backend, EngineInfo, StreamState, engine_request_id, rank_endpoint, replace_wildcard
+from mesh.adapters.backend import Backend, EngineInfo, StreamState, engine_lora, engine_request_id, rank_endpoint, replace_wildcard
 from mesh.adapters.engine_client import error_code_for_status, parse_prometheus
 from mesh.adapters.settings import AttachSettings
-from mesh.errors import ConfigError, ErrorCode
+from mesh.errors import ConfigError, ErrorCode, RequestError
 from mesh.load import LoadStat
 from mesh.openai_logprobs import LOGPROB_KEYS
 from mesh.params import REQUEST_KEYS, SAMPLING_KEYS
@@ -129,6 +132,9 @@ def generate_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
         body["input_ids"] = list(sub.input_ids)
     else:
         body["text"] = sub.text
+    lora = engine_lora(r, info)
+    if lora is not None:
+        body["lora_path"] = lora  # SGLang's field: the name of a loaded adapter
     body["sampling_params"] = sp
     body["stream"] = bool(sub.stream)  # unstreamed: one JSON answer, no SSE to parse
     body["rid"] = engine_request_id(r)
@@ -252,6 +258,10 @@ class SglangBackend(Backend):
 
     async def discover(self, http: aiohttp.ClientSession) -> EngineInfo:
         info = info_from_server_info(await self._server_info(http), self.s)
+        try:
+            info.loras = await self.loras(http)  # /v1/models: adapters have a parent (with --enable-lora)
+        except RequestError:
+            info.loras = None
         if info.kv_endpoints and info.kv_endpoints[0] is None:
             self.log.warning("no_kv_events", hint="start the server with --kv-events-config '{\"publisher\":\"zmq\",...}' "
                              "(or pass --kv-endpoint); without events the brokers cannot route by this worker's cache")

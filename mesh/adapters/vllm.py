@@ -2,7 +2,8 @@
 
 * No HTTP discovery: ``--kv-endpoint`` (rank 0; rank r = port + r) and ``--block-size`` are
   required, ``--replay-endpoint``, ``--dp-size`` (default 1) and ``--topic`` optional. The model
-  name comes from ``GET /v1/models``; the KV capacity from ``vllm:cache_config_info``
+  name comes from ``GET /v1/models`` (the entry without a ``parent``; entries with one are LoRA
+  adapters, announced to the brokers and re-read every ``--lora-refresh-ms``); the KV capacity from ``vllm:cache_config_info``
   (``num_gpu_blocks x block_size``) unless ``--max-total-num-tokens`` is given.
 * Events: tagged maps with unsigned (or 32-byte ``bytes``) hashes, ``lora_name``, ``extra_keys``,
   ``group_idx`` (hybrid models: only group 0 / main attention is kept by the decoder), batch rank =
@@ -10,7 +11,8 @@
   the shared ones (:mod:`mesh.adapters.backend`).
 * Requests: ``POST /v1/completions`` (``prompt`` = token ids or text, ``stream: true``,
   ``stream_options.include_usage``, ``return_token_ids`` for the generated ids); chunks are
-  already deltas. ``REQUEST.bootstrap["kv_transfer_params"]`` is passed through (vLLM's PD
+  already deltas. A LoRA request (``base:adapter``, the adapter's name or ``lora_path``) is sent
+  with ``model`` = the adapter's name. ``REQUEST.bootstrap["kv_transfer_params"]`` is passed through (vLLM's PD
   connector field).
 * Load: ``/metrics`` (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc`` or v0's ``vllm:gpu_cache_usage_perc``), one LoadStat per ``engine``
@@ -25,7 +27,8 @@ from typing import Any
 import aiohttp
 
 from mesh import protocol as P
-from mesh.adapters.backend import Backend, EngineInfo, StreamState, engine_request_id, rank_endpoint, replace_wildcard
+from mesh.adapters.backend import (Backend, EngineInfo, StreamState, engine_lora, engine_request_id, models_and_loras, rank_endpoint,
+                                  replace_wildcard)
 from mesh.adapters.engine_client import error_code_for_status, parse_prometheus
 from mesh.adapters.settings import AttachSettings
 from mesh.errors import ConfigError, ErrorCode, RequestError
@@ -76,8 +79,9 @@ def completions_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
             raise UnsupportedParam(f"{k}: vLLM has no equivalent of this SGLang parameter")
     if structured:
         body["structured_outputs"] = structured
-    if isinstance(params.get("lora_path"), str):
-        body["model"] = params["lora_path"]  # vLLM serves each LoRA adapter under its own model name
+    lora = engine_lora(r, info)
+    if lora is not None:
+        body["model"] = lora  # vLLM serves each LoRA adapter under its own model name
     if params.get("return_logprob"):
         body["logprobs"] = int(params.get("top_logprobs_num") or 0)
     body["prompt"] = list(sub.input_ids) if sub.input_ids is not None else sub.text
@@ -146,11 +150,18 @@ class VllmBackend(Backend):
     async def discover(self, http: aiohttp.ClientSession) -> EngineInfo:
         s = self.s
         model = s.model
+        loras = None
         if not model:
             status, d = await self.get_json(http, "/v1/models")
             if status != 200 or not isinstance(d, dict) or not d.get("data"):
                 raise self.not_ready("/v1/models", status)  # retried by discovery
-            model = str(d["data"][0].get("id") or "vllm")
+            base, loras = models_and_loras(d)  # the base model, not data[0]: LoRA entries have a parent
+            model = base or "vllm"
+        else:
+            try:
+                loras = await self.loras(http)
+            except RequestError:  # the name is given: /v1/models only tells the adapters here
+                loras = None
         max_total = s.max_total_num_tokens
         if not max_total:
             try:
@@ -179,7 +190,7 @@ class VllmBackend(Backend):
         return EngineInfo(model=model, block_size=int(s.block_size or 16), dp_size=dp, topic=s.topic or "",
                           kv_endpoints=ranked(s.kv_endpoint), replay_endpoints=ranked(s.replay_endpoint),
                           load_endpoints=ranked(s.load_endpoint), max_running_requests=s.max_running_requests or 256,
-                          max_total_num_tokens=max_total, incremental_streaming=True)
+                          max_total_num_tokens=max_total, incremental_streaming=True, loras=loras)
 
     def request(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any]]:
         return "/v1/completions", completions_body(r, info)

@@ -272,7 +272,11 @@ class BrokerCore:
             return
         req = inf.route_req
         t0 = self.perf()
-        decision = self.router.route(req, pool, now, exclude=inf.tried | full if full else inf.tried)
+        exclude = inf.tried | full if full else inf.tried
+        lora = self.intake.lora_of(inf.submit, model)
+        if lora is not None:
+            exclude = self.intake.lora_exclusions(lora, pool, exclude)
+        decision = self.router.route(req, pool, now, exclude=exclude)
         self.stats.decision_latency.observe(self.perf() - t0)
         if decision.worker_id is None:
             if decision.reason == "bad_slo":
@@ -291,6 +295,8 @@ class BrokerCore:
                 table.finish_error(inf, ErrorCode.NO_WORKER, "no routable worker" if not pool else decision.reason)
             return
         self.stats.decisions[decision.reason] += 1
+        if lora is not None:
+            self.intake.count_lora(lora, decision.worker_id)
         if self.view_degraded is not None and self.view_degraded():
             self.stats.exchange["decisions_peer_stale"] += 1  # routed on this broker's own view
         dr = decision.detail.get("decode_reason")
@@ -307,7 +313,7 @@ class BrokerCore:
             inf.room = int(decision.detail.get("bootstrap_room") or inf.rid)
             bootstrap = {"mode": "prefill", "room": inf.room, "decode_worker": decision.decode_worker_id}
         remaining_ms = max(1, int((inf.deadline_s - now) * 1000))
-        frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw, bootstrap)
+        frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw, bootstrap, lora=lora)
         inf.decision = decision
         move(inf, _R.DISPATCHED, "routed")
         inf.session = sess
@@ -362,6 +368,8 @@ class BrokerCore:
         elif t is P.Heartbeat:
             if msg.load:
                 sess.state.update_load(msg.load, now)
+            if msg.loras is not None:
+                self.workers.update_loras(sess, msg.loras)
         elif t is P.KvEventsMsg:
             self.kv.on_kv_events(sess, msg, now)
         elif t is P.WorkerError:

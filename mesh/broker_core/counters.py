@@ -45,6 +45,7 @@ class BrokerStats:
         # duplicate, old_epoch, restarted, gap_messages (lost), expired, rejected_<reason>,
         # decisions_peer_stale (routed on this broker's own view while a peer was stale), ...
         self.exchange: Counter[str] = Counter()
+        self.lora: Counter[str] = Counter()  # sent_to_holder, sent_without_adapter (mesh.routing.lora)
         self.degraded_decisions = 0
         self.requests_parked = 0
         self.cached_tokens = 0
@@ -82,6 +83,7 @@ class BrokerStats:
             ("kv", self.kv),
             ("loop", self.loop),
             ("exchange", self.exchange),
+            ("lora", self.lora),
         ):
             for k, v in ctr.items():
                 out[f"{prefix}.{k}"] = v

@@ -1,7 +1,8 @@
 """Intake: whether a new request may run, and as what (pure: no I/O, no clock).
 
-Per-client in-flight quotas, the broker's own load shedding, model names and aliases, and the
-fleet's KV capacity (a prompt no worker could hold is refused before it is hashed). It reads the
+Per-client in-flight quotas, the broker's own load shedding, model names and aliases, LoRA
+adapters (:mod:`mesh.routing.lora`: which one a request names, who holds it), and the fleet's KV
+capacity (a prompt no worker could hold is refused before it is hashed). It reads the
 worker pool and knows nothing of the request table, which calls :meth:`Intake.release` when a
 request leaves it.
 """
@@ -17,8 +18,9 @@ from mesh.broker_core.requests import Inflight
 from mesh.config import BrokerSettings
 from mesh.errors import ErrorCode
 from mesh.hashing import text_to_tokens
-from mesh.namespaces import request_namespace
-from mesh.routing.view import RouteRequest
+from mesh.namespaces import make_namespace
+from mesh.routing.lora import holders_only, request_lora, split_model
+from mesh.routing.view import RouteRequest, WorkerState
 
 __all__ = ["Intake", "MAX_KEY_TOKENS"]
 
@@ -77,13 +79,24 @@ class Intake:
         the engine) or an alias of one (``--model-alias``). No name, or ``--model-name`` (the id
         the HTTP ingress reports, default ``mesh``), means the fleet's only model: with several
         it is a 400. An unknown name is a 404 ``model_not_found``, except while no worker is
-        registered at all (startup): then it waits, parked, for workers to say what they serve."""
+        registered at all (startup): then it waits, parked, for workers to say what they serve.
+
+        LoRA (:mod:`mesh.routing.lora`): ``base:adapter`` is routed to the base model's workers
+        (whether or not one holds the adapter: an engine may load it on demand), an adapter's own
+        name to the model of the workers that hold it; an adapter name no worker holds is a 404."""
         name = sub.model
         known = self.pool.models()
         if name is not None:
             name = self.aliases.get(name, name)
             if name in known:
                 return name, None
+            base, adapter = split_model(name, known)
+            base = self.aliases.get(base, base)
+            if adapter is not None and base in known:
+                return base, None
+            owner = self.lora_bases().get(name)
+            if owner is not None:
+                return owner, None
         if name is None or name == self.s.model_name:
             # The models with routable workers decide: a registered peer that serves nothing (or
             # a model whose workers are all down) does not make unnamed requests ambiguous.
@@ -95,6 +108,40 @@ class Intake:
             return name, None
         listed = sorted(set(known) | set(self.aliases))
         return None, (ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; models: {', '.join(listed)}")
+
+    def lora_bases(self) -> dict[str, str]:
+        """Adapter name -> the base model of the workers holding it (registered workers; an
+        adapter on workers of two models goes to the model first in name order). O(workers)."""
+        out: dict[str, str] = {}
+        for sess in self.pool.by_id.values():
+            m = sess.ready.model
+            for a in sess.state.loras:
+                if a not in out or m < out[a]:
+                    out[a] = m
+        return out
+
+    def lora_of(self, sub: P.Submit, model: str | None) -> str | None:
+        """The LoRA adapter a request routed to ``model`` (:meth:`model_for`) runs under, or None."""
+        name = sub.model
+        adapter = None
+        if name is not None and model is not None and name != model and name != self.s.model_name:
+            name = self.aliases.get(name, name)
+            if name != model:
+                base, adapter = split_model(name, self.pool.models())
+                if adapter is None or self.aliases.get(base, base) != model:
+                    adapter = name  # model_for resolved the adapter's own name to its base
+        return request_lora(sub.params, adapter)
+
+    def lora_exclusions(self, adapter: str, pool: list[WorkerState], exclude: set[str]) -> set[str]:
+        """``exclude`` narrowed to the adapter's holders while one can take the request."""
+        only = holders_only(pool, adapter, exclude)
+        return exclude if only is None else only
+
+    def count_lora(self, adapter: str, worker_id: str) -> None:
+        """A LoRA request was sent to ``worker_id``: to an engine holding its adapter, or not."""
+        sess = self.pool.by_id.get(worker_id)
+        held = sess is not None and adapter in sess.state.loras
+        self.stats.lora["sent_to_holder" if held else "sent_without_adapter"] += 1
 
     def context_refusal(self, sub: P.Submit, model: str | None = None) -> tuple[ErrorCode, str] | None:
         """A prompt longer than every worker's KV capacity can never run: refuse it before it is
@@ -134,5 +181,6 @@ class Intake:
             packed=packed,
             ttft_slo_ms=sub.ttft_slo_ms,
             tps_slo=sub.tps_slo,
-            namespace=request_namespace(sub.params),
+            namespace=make_namespace(self.lora_of(sub, inf.model), (sub.params or {}).get("extra_key"),
+                                     (sub.params or {}).get("cache_salt")),
         )

@@ -16,6 +16,7 @@ __all__ = ["Status"]
 
 _STATUS_CACHE_S = 0.1  # STATUS worker lists of large fleets are rebuilt at most this often
 _STATUS_CACHE_MIN_WORKERS = 256  # smaller fleets always get a fresh list
+_STATUS_MAX_LORAS = 64  # LoRA adapters listed per worker (a STATUS of 1,024 workers stays well under a frame)
 
 
 class Status:
@@ -61,6 +62,20 @@ class Status:
         aliases and the fleet's name (``--model-name``)."""
         return self.served_models(), self.intake.aliases, self.s.model_name
 
+    def lora_catalog(self) -> dict[str, dict[str, Any]]:
+        """LoRA adapter -> ``{"parent": base model, "workers": routable workers holding it}``, over
+        the models with routable workers (what ``/v1/models`` lists beside the base models)."""
+        out: dict[str, dict[str, Any]] = {}
+        for m in self.pool.models():
+            for w in self.pool.pool(m):
+                for a in w.loras:
+                    e = out.get(a)
+                    if e is None:
+                        out[a] = {"parent": m, "workers": 1}
+                    elif e["parent"] == m:
+                        e["workers"] += 1
+        return out
+
     def served_models(self) -> dict[str, int]:
         """Model name -> routable workers serving it (models whose workers are all down are absent)."""
         return {m: n for m in self.pool.models() if (n := len(self.pool.pool(m)))}
@@ -79,6 +94,7 @@ class Status:
             "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,
             "ejected_for_s": round(max(0.0, sess.ejected_until_s - now), 3) if sess.status is SessionState.EJECTED else 0.0,
             "kv_capacity_tokens": sess.ready.max_total_num_tokens,
+            "loras": sorted(st.loras)[:_STATUS_MAX_LORAS],
             "load": None if agg is None else {"running": agg.running, "waiting": agg.waiting, "kv_usage": round(agg.kv_usage, 4),
                                               "kv_used_tokens": agg.used_tokens},
         }

@@ -117,6 +117,7 @@ class Workers:
         state = WorkerState(
             worker_id=r.worker_id, role=r.role, labels=dict(r.labels), block_size=r.block_size,
             max_running_requests=r.max_running_requests, max_total_num_tokens=r.max_total_num_tokens, dp_size=r.dp_size,
+            loras=frozenset(r.loras or ()),
         )
         if self.on_new_worker is not None:
             self.on_new_worker(state)
@@ -142,7 +143,17 @@ class Workers:
         self.event("worker_registered", worker_id=r.worker_id, role=r.role, epoch=r.epoch)
         self._out.to_worker(sess.identity, P.encode_heartbeat())  # first message tells the worker it is routable
 
-    # -- outlier ejection ---------------------------------------------------------------
+    def update_loras(self, sess: WorkerSession, loras: list[str]) -> None:
+        """A HEARTBEAT with ``loras``: the worker's engine loaded or unloaded LoRA adapters."""
+        new = frozenset(loras)
+        if new == sess.state.loras:
+            return
+        added, removed = sorted(new - sess.state.loras), sorted(sess.state.loras - new)
+        sess.state.loras = new
+        self.stats.workers["loras_changed"] += 1
+        self.log.info("worker_loras_changed", worker_id=sess.worker_id, added=added[:16], removed=removed[:16], loras=len(new))
+
+        # -- outlier ejection ---------------------------------------------------------------
     def note_failure(self, sess: WorkerSession, now: float) -> None:
         """Count a worker-side failure; eject the worker after ``eject_after_failures`` in a row."""
         sess.failures += 1

@@ -78,6 +78,7 @@ class WorkerState:
     # The exchange's dirty set (worker ids whose own figures changed since the last publish):
     # record_dispatch/record_release add this worker's id when it is set.
     exchange_dirty: set | None = None
+    loras: frozenset[str] = frozenset()  # LoRA adapters loaded on the worker's engine (READY / HEARTBEAT)
     _rate_est: list[PrefillRateEstimate] = field(default_factory=list)  # per rank (prefill_tokens_per_s)
     # fresh_load() is read for every candidate of every decision: the sum over ranks is cached
     # until the next LoadStat, with the time of its oldest rank for the freshness check.
