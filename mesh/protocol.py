@@ -87,8 +87,10 @@ KV_EVENTS   0x03  w->b    ``dp_rank`` int, ``epoch`` int, ``seq`` int >= 0 (per 
                           ``AllBlocksCleared``, :mod:`mesh.kv_events`).
 REQUEST     0x04  b->w    ``rid`` int (broker-assigned), ``attempt`` int >= 1, ``deadline_ms``
                           int > 0 (remaining budget), ``client_rid`` str (for logs),
-                          ``bootstrap`` map or nil (prefill/decode handoff). Frame 3: the
-                          client's SUBMIT body, verbatim.
+                          ``bootstrap`` map or nil (prefill/decode handoff); ``dp_rank`` int
+                          0..1023, optional: the DP-attention rank to serve it on (sent only to
+                          workers with ``dp_size`` > 1; a worker without ranks ignores it).
+                          Frame 3: the client's SUBMIT body, verbatim.
 CHUNK       0x05  w->b    ``rid``, ``attempt``, ``seq`` (contiguous from 0). Frame 3: data map.
 FINAL       0x06  w->b    ``rid``, ``attempt``, ``finish_reason`` str, ``usage`` map. Frame 3:
                           final data map.
@@ -709,6 +711,7 @@ class Request:
     client_rid: str
     bootstrap: dict[str, Any] | None
     submit: Submit
+    dp_rank: int | None = None  # DP-attention rank chosen by the router (absent: the engine picks)
 
 
 @dataclass(slots=True)
@@ -783,8 +786,11 @@ def encode_kv_events(dp_rank: int, epoch: int, seq: int, ts: float, events: list
     return [WORKER_HEADER, _B[Cmd.KV_EVENTS], pack({"dp_rank": dp_rank, "epoch": epoch, "seq": seq, "ts": ts, "events": events})]
 
 
-def encode_request(rid: int, attempt: int, deadline_ms: int, client_rid: str, submit_raw: bytes, bootstrap: dict | None = None) -> list[bytes]:
+def encode_request(rid: int, attempt: int, deadline_ms: int, client_rid: str, submit_raw: bytes, bootstrap: dict | None = None,
+                   *, dp_rank: int | None = None) -> list[bytes]:
     meta = {"rid": rid, "attempt": attempt, "deadline_ms": deadline_ms, "client_rid": client_rid, "bootstrap": bootstrap}
+    if dp_rank is not None:
+        meta["dp_rank"] = dp_rank
     return [WORKER_HEADER, _B[Cmd.REQUEST], pack(meta), submit_raw]
 
 
@@ -910,6 +916,7 @@ def decode_broker_to_worker(frames: list[bytes]):
             return Request(
                 _int(d, "rid"), _int(d, "attempt", lo=1), _int(d, "deadline_ms", lo=0), _str(d, "client_rid", required=False),
                 bootstrap, _parse_submit(frames[3]),
+                dp_rank=None if d.get("dp_rank") is None else _int(d, "dp_rank", hi=1023),
             )
         if cmd is Cmd.CANCEL:
             return WorkerCancel(_int(d, "rid"), _int(d, "attempt", lo=1))
