@@ -64,3 +64,28 @@ def test_ranks_step_in_lockstep():
     assert e.step(0.0).duration_s == pytest.approx(one.step(0.0).duration_s)  # the slowest rank's
     with pytest.raises(Exception):
         DpEngineModel(cfg, dp_size=0)
+
+
+def test_the_simulator_models_per_rank_caches_and_routes_to_ranks(monkeypatch):
+    from mesh.errors import ConfigError
+    from mesh.lab.sim.runner import SimConfig, run_sim
+    from mesh.routing import router
+
+    def arm(dp: int) -> dict:
+        cfg = SimConfig(workload="shared_prefix", workload_params={"groups": 6, "prompts_per_group": 8}, rate=20.0,
+                        duration_s=4.0, policies=["cache_aware"], providers=["radix_tree"], workers=[2], seed=5, dp_size=dp)
+        return run_sim(cfg)["arms"][0]
+
+    ranked = arm(2)
+    assert ranked["completed"] == ranked["requests"] > 0
+    assert ranked["kv_resyncs"] == 0 and ranked["kv_events_applied"] > 0  # every rank's stream applies in order
+    why = {k: v for k, v in ranked["decisions"].items() if k.startswith("dp_rank_")}
+    assert sum(why.values()) == ranked["requests"] and why.get("dp_rank_prefix", 0) > 0, ranked["decisions"]
+    assert not any(k.startswith("dp_rank_") for k in arm(1)["decisions"])  # off with one rank
+    # the same fleet when the router names no rank (the engine balances its ranks by queue):
+    # follow-ups land on cold ranks (seed 5: hit rate 0.70 instead of 0.80, TTFT p50 115 ms, not 75)
+    monkeypatch.setattr(router, "assign_rank", lambda *a, **k: None)
+    engine_picks = arm(2)
+    assert ranked["hit_rate"] > engine_picks["hit_rate"] + 0.05, (ranked["hit_rate"], engine_picks["hit_rate"])
+    with pytest.raises(ConfigError, match="dp_size"):
+        SimConfig(workload="shared_prefix", dp_size=2, pd=(1, 1)).validate()
