@@ -306,7 +306,7 @@ class SimRouter:
 
 
 class _Worker:
-    __slots__ = ("index", "wid", "engine", "stepping", "busy_s", "served", "kv_seq", "ls", "steps")
+    __slots__ = ("index", "wid", "engine", "stepping", "busy_s", "served", "kv_seq", "rank_seq", "ls", "steps")
 
     def __init__(self, index: int, wid: str, engine: EngineModel | DpEngineModel) -> None:
         self.index = index
@@ -315,7 +315,8 @@ class _Worker:
         self.stepping = False
         self.busy_s = 0.0
         self.served = 0
-        self.kv_seq = [0] * (engine.dp_size if isinstance(engine, DpEngineModel) else 1)  # per rank
+        self.kv_seq = 0  # KV batches released, every rank's
+        self.rank_seq = [0] * (engine.dp_size if isinstance(engine, DpEngineModel) else 1)  # next seq per rank
         self.ls = None  # cached LoadStats (one per rank); None = engine changed since
         self.steps = 0
 
@@ -478,9 +479,10 @@ class Arm:
                     push(t + net, _DONE, rid)
                 for rank, events in (res.rank_kv_events if type(res) is DpStepResult else ((0, res.kv_events),)):
                     if events and kv_targets:
-                        push(t + kv_delay, _KV, w, (w.kv_seq[rank], events, rank))
+                        push(t + kv_delay, _KV, w, (w.rank_seq[rank], events, rank))
                     if events:
-                        w.kv_seq[rank] += 1
+                        w.rank_seq[rank] += 1
+                        w.kv_seq += 1
                 if w.engine.has_work():
                     start_step(w, t)
                 else:
