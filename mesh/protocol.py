@@ -93,7 +93,10 @@ REQUEST     0x04  b->w    ``rid`` int (broker-assigned), ``attempt`` int >= 1, `
                           int > 0 (remaining budget), ``client_rid`` str (for logs),
                           ``bootstrap`` map or nil (prefill/decode handoff); optional ``lora``
                           str (the LoRA adapter the broker resolved the request to, from
-                          ``model`` ``base:adapter``, an adapter's name or ``lora_path``).
+                          ``model`` ``base:adapter``, an adapter's name or ``lora_path``);
+                          ``dp_rank`` int 0..1023, optional: the DP-attention rank to serve it on
+                          (sent only to workers with ``dp_size`` > 1; a worker without ranks
+                          ignores it).
                           Frame 3: the client's SUBMIT body, verbatim.
 CHUNK       0x05  w->b    ``rid``, ``attempt``, ``seq`` (contiguous from 0). Frame 3: data map.
 FINAL       0x06  w->b    ``rid``, ``attempt``, ``finish_reason`` str, ``usage`` map. Frame 3:
@@ -721,6 +724,7 @@ class Request:
     bootstrap: dict[str, Any] | None
     submit: Submit
     lora: str | None = None  # the LoRA adapter the broker resolved (None: base model, or an old broker)
+    dp_rank: int | None = None  # DP-attention rank chosen by the router (absent: the engine picks)
 
 
 @dataclass(slots=True)
@@ -801,10 +805,12 @@ def encode_kv_events(dp_rank: int, epoch: int, seq: int, ts: float, events: list
 
 
 def encode_request(rid: int, attempt: int, deadline_ms: int, client_rid: str, submit_raw: bytes, bootstrap: dict | None = None,
-                   *, lora: str | None = None) -> list[bytes]:
+                   *, lora: str | None = None, dp_rank: int | None = None) -> list[bytes]:
     meta = {"rid": rid, "attempt": attempt, "deadline_ms": deadline_ms, "client_rid": client_rid, "bootstrap": bootstrap}
     if lora is not None:
         meta["lora"] = lora
+    if dp_rank is not None:
+        meta["dp_rank"] = dp_rank
     return [WORKER_HEADER, _B[Cmd.REQUEST], pack(meta), submit_raw]
 
 
@@ -943,6 +949,7 @@ def decode_broker_to_worker(frames: list[bytes]):
             return Request(
                 _int(d, "rid"), _int(d, "attempt", lo=1), _int(d, "deadline_ms", lo=0), _str(d, "client_rid", required=False),
                 bootstrap, _parse_submit(frames[3]), _str(d, "lora", required=False, max_bytes=MAX_LORA_NAME_BYTES) or None,
+                dp_rank=None if d.get("dp_rank") is None else _int(d, "dp_rank", hi=1023),
             )
         if cmd is Cmd.CANCEL:
             return WorkerCancel(_int(d, "rid"), _int(d, "attempt", lo=1))

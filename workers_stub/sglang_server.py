@@ -33,7 +33,8 @@ ZMQ, per rank r (ports ``base + r``): the KV event PUB and replay ROUTER
 Debug endpoints (stub only): ``POST /debug/health {"ok": bool}``, ``POST /debug/drop_publishes
 {"rank", "count"}`` (next N batches skip the live PUB but stay replayable), ``POST
 /debug/publish_malformed {"rank", "kind": bad_msgpack|bad_events|bad_envelope}``, ``GET
-/debug/requests`` (last request bodies), ``GET /debug/stats``.
+/debug/requests`` (last request bodies), ``GET /debug/stats`` (per rank: event sequence, cached
+pages, requests served and their cached tokens: which DP rank a request landed on).
 """
 
 from __future__ import annotations
@@ -1344,7 +1345,8 @@ class SglangStub:
         for rk in self.ranks:
             kv = rk.kv
             out.append({"rank": rk.rank, "next_seq": kv.seq if kv else None, "dropped": kv.dropped if kv else 0,
-                        "replays_served": kv.replays_served if kv else 0, "cached_pages": rk.engine.num_cached_pages})
+                        "replays_served": kv.replays_served if kv else 0, "cached_pages": rk.engine.num_cached_pages,
+                        "requests": rk.requests_total, "cached_tokens": rk.cached_tokens_total})
         return web.json_response({"ranks": out, "healthy": self.healthy, "lora_requests": dict(self.lora_served)})
 
 

@@ -23,7 +23,11 @@ from mesh.adapters.engine_client import engine_error, error_code_for_status, sse
 from mesh.errors import ErrorCode, RequestError
 from mesh.openai_logprobs import LOGPROB_KEYS
 
-__all__ = ["ReplyLink", "EngineTransport", "RequestProxy"]
+__all__ = ["ReplyLink", "EngineTransport", "RequestProxy", "DP_RANK_HEADER"]
+
+#: Pins a request to a DP rank: vLLM's OpenAI server (``_get_data_parallel_rank``) and SGLang's
+#: OpenAI endpoints read it; SGLang's ``/generate`` takes the body field ``routed_dp_rank``.
+DP_RANK_HEADER = "X-Data-Parallel-Rank"
 
 
 class ReplyLink(Protocol):
@@ -135,6 +139,8 @@ class RequestProxy:
         CHUNK carries the entries of its own tokens (the input ones with the first), a streamed
         FINAL those of its delta, whether the engine streams them cumulatively or not."""
         sub = r.submit
+        if r.dp_rank is not None:  # DP attention: the header vLLM and SGLang's OpenAI endpoints read
+            headers = {**(headers or {}), DP_RANK_HEADER: str(r.dp_rank)}
         try:
             path, body = self.backend.request(r, self.info)
         except ValueError as exc:  # a parameter this engine has no equivalent for (vLLM): refused by name

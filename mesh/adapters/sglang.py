@@ -17,7 +17,9 @@
   would be a 400), a few request-level keys pass through, the rest is dropped. A LoRA request
   (``base:adapter``, the adapter's name or ``lora_path``) gets ``lora_path`` = the adapter's name. PD bootstrap:
   ``REQUEST.bootstrap`` keys ``bootstrap_host|port|room|pair_key`` (or ``host``/``port``/``room``)
-  become the top-level ``bootstrap_*`` fields of ``/generate``.
+  become the top-level ``bootstrap_*`` fields of ``/generate``. DP attention: ``REQUEST.dp_rank``
+  (the rank the broker chose, :mod:`mesh.routing.ranks`) becomes ``routed_dp_rank`` (SGLang's own
+  field since 0.5.x; ``data_parallel_rank`` is its deprecated alias).
 * Load when there is no LoadStat stream: ``/v1/loads?include=core`` (0.5.12+), else ``/get_load``
   (<= 0.5.20), else ``/metrics`` (``sglang:`` or ``sglang_`` names); an endpoint that answers 404
   is not asked again.
@@ -143,6 +145,8 @@ def generate_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
             dst = _BOOTSTRAP.get(k)
             if dst is not None and v is not None:
                 body[dst] = v
+    if r.dp_rank is not None:  # the router's DP-attention rank (a client's own routed_dp_rank wins)
+        body.setdefault("routed_dp_rank", r.dp_rank)
     return body
 
 

@@ -302,6 +302,8 @@ class BrokerCore:
         dr = decision.detail.get("decode_reason")
         if dr:
             self.stats.decisions[f"decode_{dr}"] += 1
+        if decision.dp_rank is not None:  # DP attention: why this rank (mesh.routing.ranks)
+            self.stats.decisions[f"dp_rank_{decision.detail.get('rank_reason', 'unknown')}"] += 1
         if decision.degraded:
             self.stats.degraded_decisions += 1
         sess = self.pool.by_id[decision.worker_id]
@@ -313,7 +315,8 @@ class BrokerCore:
             inf.room = int(decision.detail.get("bootstrap_room") or inf.rid)
             bootstrap = {"mode": "prefill", "room": inf.room, "decode_worker": decision.decode_worker_id}
         remaining_ms = max(1, int((inf.deadline_s - now) * 1000))
-        frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw, bootstrap, lora=lora)
+        frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw, bootstrap,
+                                  lora=lora, dp_rank=decision.dp_rank)
         inf.decision = decision
         move(inf, _R.DISPATCHED, "routed")
         inf.session = sess

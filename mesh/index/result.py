@@ -132,6 +132,20 @@ class MatchResult:
             return WorkerMatch(worker_id, e_blocks, e_rank, False)
         return None
 
+    def rank_blocks(self, worker_id: str) -> dict[int, int]:
+        """``{dp_rank: blocks}``: the event-fed match of each of the worker's ranks that holds
+        part of the query (DP attention: every rank has its own cache; speculation has no rank)."""
+        self._check()
+        out: dict[int, int] = {}
+        if self._ed and self._workers is not None:
+            w = self._workers.get(worker_id)
+            if w is not None:
+                for rank, s in w.streams.items():
+                    d = _deepest(self._ed, self._eh, s, _has_stream)
+                    if d:
+                        out[rank] = d
+        return out
+
     def matched_blocks(self, worker_id: str) -> int:
         """Blocks of the query the worker holds as a prefix (max of event-fed and speculative)."""
         self._check()

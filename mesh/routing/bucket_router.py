@@ -61,6 +61,7 @@ from mesh.routing.admission import (
 from mesh.routing.buckets import BucketConfig, BucketSpec, SloError, decode_buckets_for, prefill_buckets_for, validate_slo
 from mesh.routing.cache_policies import CacheAware
 from mesh.routing.policies import MatchView, Policy
+from mesh.routing.ranks import assign_rank
 from mesh.routing.router import PrefixProvider, Router
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 
@@ -274,6 +275,7 @@ class BucketRouter:
         detail["uncached_tokens"] = uncached
         d = Decision(w.worker_id, pick.reason, matched_blocks=blocks, degraded=degraded, uncached_tokens=uncached, detail=detail)
         w.record_dispatch(uncached)
+        assign_rank(d, w, match, now_s, self.freshness_s)  # the prefill (or mixed) leg's rank
         if dec is not None:
             kv = _kv_tokens(req)
             d.decode_worker_id = dec.worker.worker_id
@@ -296,7 +298,7 @@ class BucketRouter:
         if decision.decode_worker_id is not None and state.worker_id == decision.decode_worker_id:
             state.record_release(decision.detail.get("decode_kv_tokens", 0))
         else:
-            state.record_release(decision.uncached_tokens)
+            state.record_release(decision.uncached_tokens, decision.dp_rank)
 
     # ------------------------------------------------------------------ global cache winner (§6.3)
 

@@ -71,6 +71,16 @@ class MergedMatch:
     def matched_blocks(self, worker_id: str) -> int:
         return max(self.a.matched_blocks(worker_id), self.b.matched_blocks(worker_id))
 
+    def rank_blocks(self, worker_id: str) -> dict[int, int]:
+        """Per DP rank, the deeper of the two views' event-fed matches (speculation has no rank)."""
+        out: dict[int, int] = {}
+        for m in (self.a, self.b):
+            ranks = getattr(m, "rank_blocks", None)
+            for r, d in (ranks(worker_id) if ranks is not None else {}).items():
+                if d > out.get(r, 0):
+                    out[r] = d
+        return out
+
     def top(self, k: int) -> list:
         best: dict[str, Any] = {}
         for m in (*self.a.top(k), *self.b.top(k)):

@@ -12,6 +12,7 @@ from typing import Callable, Collection, Iterable, Protocol, Sequence
 
 from mesh.routing.cache_policies import CacheAware, CacheAwareGreedy
 from mesh.routing.policies import MatchView, Policy, PowerOfTwo, RandomPolicy, RoundRobin
+from mesh.routing.ranks import assign_rank
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 
 __all__ = ["Router", "PrefixProvider", "POLICIES", "make_policy"]
@@ -98,6 +99,7 @@ class Router:
             d.uncached_tokens = req.prompt_tokens - hit
         w = self._by_id(pool).get(d.worker_id) or next(x for x in cands if x.worker_id == d.worker_id)
         w.record_dispatch(d.uncached_tokens)
+        assign_rank(d, w, match, now_s, getattr(self.policy, "freshness_s", 5.0))  # before on_routed changes the index
         if self.provider is not None:
             self.provider.on_routed(req, d.worker_id, now_s)
         return d
@@ -112,4 +114,4 @@ class Router:
     @staticmethod
     def release(state: WorkerState, decision: Decision) -> None:
         """Undo :meth:`route`'s bookkeeping for one request."""
-        state.record_release(decision.uncached_tokens)
+        state.record_release(decision.uncached_tokens, decision.dp_rank)

@@ -91,6 +91,11 @@ class WorkerState:
     load_distrust_until_s: float = 0.0
     load_distrusted: int = 0
     first_reply_ms: float = 0.0  # EWMA of dispatch -> first reply seen by this router (outcomes)
+    # DP attention (dp_size > 1, mesh.routing.ranks): this router's unfinished requests per rank
+    # and their count when that rank's last LoadStat arrived (the per-rank twin of inflight /
+    # inflight_at_load); empty until a request is routed to a rank.
+    rank_inflight: list[int] = field(default_factory=list)
+    rank_inflight_at_load: list[int] = field(default_factory=list)
 
     def distrusted(self, now_s: float) -> bool:
         """True while this worker's telemetry is ignored (see ``load_strikes``)."""
@@ -114,6 +119,8 @@ class WorkerState:
             self.load[r] = ls
             self.load_at_s[r] = now_s
             self._rate_est[r].update(prev, ls)
+            if r < len(self.rank_inflight):
+                self.rank_inflight_at_load[r] = self.rank_inflight[r]
         # the pooled rates of the ranks that have one (mesh.load.PrefillRateEstimate)
         rate = sum(e.rate_tokens_per_s or 0.0 for e in self._rate_est)
         if rate > 0:
@@ -144,12 +151,35 @@ class WorkerState:
         if self.exchange_dirty is not None:
             self.exchange_dirty.add(self.worker_id)
 
-    def record_release(self, uncached_tokens: int) -> None:
-        """A request dispatched here finished, failed or moved elsewhere."""
+    def record_release(self, uncached_tokens: int, dp_rank: int | None = None) -> None:
+        """A request dispatched here (to ``dp_rank``, when one was chosen) finished, failed or
+        moved elsewhere."""
         self.inflight = max(0, self.inflight - 1)
+        if dp_rank is not None and dp_rank < len(self.rank_inflight):
+            self.rank_inflight[dp_rank] = max(0, self.rank_inflight[dp_rank] - 1)
         self.outstanding_prefill_tokens = max(0, self.outstanding_prefill_tokens - uncached_tokens)
         if self.exchange_dirty is not None:
             self.exchange_dirty.add(self.worker_id)
+
+    def record_rank_dispatch(self, dp_rank: int) -> None:
+        """The request just recorded by :meth:`record_dispatch` goes to DP rank ``dp_rank``."""
+        n = max(self.dp_size, dp_rank + 1)
+        if len(self.rank_inflight) < n:
+            grow = n - len(self.rank_inflight)
+            self.rank_inflight.extend([0] * grow)
+            self.rank_inflight_at_load.extend([0] * grow)
+        self.rank_inflight[dp_rank] += 1
+
+    def rank_pressure(self, dp_rank: int, now_s: float, freshness_s: float) -> float:
+        """Requests on one DP rank right now (estimate), as :meth:`pressure` for the worker: the
+        rank's fresh LoadStat (running + waiting) corrected by what this router sent there or
+        saw finish since; without one, this router's own requests on that rank."""
+        mine = self.rank_inflight[dp_rank] if dp_rank < len(self.rank_inflight) else 0
+        ls = self.load[dp_rank] if dp_rank < len(self.load) else None
+        if ls is None or now_s - self.load_at_s[dp_rank] > freshness_s or now_s < self.load_distrust_until_s:
+            return float(mine)
+        since = mine - (self.rank_inflight_at_load[dp_rank] if dp_rank < len(self.rank_inflight_at_load) else 0)
+        return max(0.0, float(ls.num_running_reqs + ls.num_waiting_reqs + since))
 
     def apply_peer_change(self, d_inflight: int, d_prefill_tokens: int, sent_tokens: int, live: bool = True) -> None:
         """Peers' figures here changed by ``d_inflight`` requests and ``d_prefill_tokens``
@@ -255,3 +285,4 @@ class Decision:
     decode_worker_id: str | None = None
     uncached_tokens: int = 0
     detail: dict[str, Any] = field(default_factory=dict)
+    dp_rank: int | None = None  # the DP rank of worker_id chosen for it (dp_size > 1; mesh.routing.ranks)

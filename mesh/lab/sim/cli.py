@@ -92,6 +92,9 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--buckets", help="bucket config (TOML/JSON, e.g. configs/buckets-example.toml): route through "
                                      "bucket domains, admission and the two-pass fallback, as the broker does")
     f.add_argument("--pd", help="P,D: prefill/decode disaggregation with P prefill and D decode workers (replaces --workers)")
+    f.add_argument("--dp-size", type=int, default=1,
+                   help="DP-attention ranks per worker, each its own KV cache and batch; the router picks the rank "
+                        "(default 1: none)")
     f.add_argument("--no-global-cache-winner", dest="global_cache_winner", action="store_false",
                    help="with --buckets: keep cache winners inside their bucket, as the broker's flag does")
     f.add_argument("--decode-policy", choices=["power_of_two", "legacy_host_affinity"], default="power_of_two",
@@ -129,7 +132,8 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
 #: options that only make sense for a single run (with --matrix the TOML says all of this)
 _SINGLE_RUN_ONLY = ("policy", "policy_option", "provider", "routers", "workers", "router_pick", "no_dedupe",
                     "time_scale", "rate", "duration_s", "seed", "heartbeat_ms", "event_delay_ms", "net_ms", "load_freshness_s", "ttft_slo_ms",
-                    "buckets", "global_cache_winner", "decode_policy", "pd", "exchange", "exchange_delay_ms", "exchange_interval_ms", "exchange_routes", "config")
+                    "buckets", "global_cache_winner", "decode_policy", "pd", "exchange", "exchange_delay_ms", "exchange_interval_ms", "exchange_routes", "config",
+                    "dp_size")
 
 
 def _check_matrix_args(args: argparse.Namespace) -> None:
@@ -182,7 +186,7 @@ def config_from_args(args: argparse.Namespace):
         dedupe_load_only=not args.no_dedupe, buckets=args.buckets, pd=_pd(args.pd),
         global_cache_winner=args.global_cache_winner, decode_policy=args.decode_policy,
         exchange=args.exchange, exchange_delay_ms=args.exchange_delay_ms, exchange_interval_ms=args.exchange_interval_ms,
-        exchange_routes=args.exchange_routes,
+        exchange_routes=args.exchange_routes, dp_size=args.dp_size,
         lifecycle=args.lifecycle, faults=args.faults, policy_params=_policy_params(getattr(args, "policy_option", [])),
     )
     cfg.validate()

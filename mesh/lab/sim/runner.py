@@ -15,7 +15,8 @@ Each arm replays the same :class:`~mesh.lab.sim.workloads.Workload` through fres
   virtual time.
 * **Telemetry**: every worker's LoadStat reaches every router every ``heartbeat_ms``, each
   (router, worker) pair with its own seeded phase offset.
-* **KV events**: a step's ``kv_events`` batch (epoch 1, seq 0, 1, ... per worker, dp rank 0)
+* **KV events**: a step's ``kv_events`` batch (epoch 1, seq 0, 1, ... per worker, dp rank 0; with
+  ``dp_size`` > 1 one batch per rank that released events, each rank its own stream)
   reaches the providers ``event_delay_ms`` after the step ends: every router's own provider for
   ``radix_tree``; the shared index once for ``indexer`` (all routers query that one index);
   never for ``approx`` (it learns only from its own router's decisions).
@@ -79,7 +80,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from mesh.engine_model import EngineConfig, EngineModel
+from mesh.engine_model import DpEngineModel, DpStepResult, EngineConfig, EngineModel
 from mesh.errors import ConfigError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex
@@ -143,6 +144,9 @@ class SimConfig:
     lifecycle: str = "fast"
     faults: str | None = None  # mesh.lab.sim.core_arm.parse_faults: "kill=2/min,pause=4/min,..."
     broker_options: dict[str, Any] = field(default_factory=dict)  # BrokerSettings fields for core arms
+    # DP-attention ranks per worker (mesh.engine_model.DpEngineModel: a KV cache, batch, event
+    # stream and LoadStat per rank; the routers pick the rank, mesh.routing.ranks); fast arms only
+    dp_size: int = 1
 
     def validate(self, *, source: bool = True) -> None:
         """Raise ConfigError on a bad setting (``source``: also check trace/workload)."""
@@ -184,6 +188,10 @@ class SimConfig:
             raise ConfigError("pd must be two positive worker counts: PREFILL,DECODE")
         if self.decode_policy not in DECODE_POLICIES:
             raise ConfigError(f"decode_policy must be one of {', '.join(DECODE_POLICIES)}, got {self.decode_policy!r}")
+        if type(self.dp_size) is not int or not 1 <= self.dp_size <= 64:
+            raise ConfigError(f"dp_size must be an int in [1, 64], got {self.dp_size!r}")
+        if self.dp_size > 1 and self.uses_core:
+            raise ConfigError("dp_size: DP-attention ranks are modelled by lifecycle=fast arms only (no faults, no pd)")
         if self.lifecycle not in ("fast", "core"):
             raise ConfigError(f"lifecycle must be fast or core, got {self.lifecycle!r}")
         if self.faults is not None:
@@ -298,17 +306,18 @@ class SimRouter:
 
 
 class _Worker:
-    __slots__ = ("index", "wid", "engine", "stepping", "busy_s", "served", "kv_seq", "ls", "steps")
+    __slots__ = ("index", "wid", "engine", "stepping", "busy_s", "served", "kv_seq", "rank_seq", "ls", "steps")
 
-    def __init__(self, index: int, wid: str, engine: EngineModel) -> None:
+    def __init__(self, index: int, wid: str, engine: EngineModel | DpEngineModel) -> None:
         self.index = index
         self.wid = wid
         self.engine = engine
         self.stepping = False
         self.busy_s = 0.0
         self.served = 0
-        self.kv_seq = 0
-        self.ls = None  # cached LoadStat; None = engine changed since
+        self.kv_seq = 0  # KV batches released, every rank's
+        self.rank_seq = [0] * (engine.dp_size if isinstance(engine, DpEngineModel) else 1)  # next seq per rank
+        self.ls = None  # cached LoadStats (one per rank); None = engine changed since
         self.steps = 0
 
 
@@ -345,7 +354,8 @@ class Arm:
         self.block_size = ecfg.page_size
         n_workers = spec.workers
         ids = worker_ids(n_workers, policy_base(spec.policy)[1])
-        self.workers = [_Worker(i, wid, EngineModel(ecfg)) for i, wid in enumerate(ids)]
+        dp = cfg.dp_size
+        self.workers = [_Worker(i, wid, EngineModel(ecfg) if dp == 1 else DpEngineModel(ecfg, dp)) for i, wid in enumerate(ids)]
         roles, labels = roles_and_labels(cfg, n_workers)
         self.wix = {wid: i for i, wid in enumerate(ids)}
         feed = PROVIDER_FEEDS.get(spec.provider, "none")
@@ -366,7 +376,8 @@ class Arm:
             pol = make_policy(base, rng=random.Random(seed_key(0x5E1, cfg.seed, r)),
                               freshness_s=cfg.load_freshness_s, **cfg.options_for(base))
             states = [WorkerState(wid, role=roles[i], labels=dict(labels[i]), block_size=self.block_size,
-                                  max_running_requests=ecfg.max_running_requests, max_total_num_tokens=ecfg.max_total_num_tokens)
+                                  max_running_requests=ecfg.max_running_requests, max_total_num_tokens=ecfg.max_total_num_tokens,
+                                  dp_size=dp)
                       for i, wid in enumerate(ids)]
             self.routers.append(SimRouter(r, make_router(cfg, pol, prov, r), states))
         self.exchange = bool(cfg.exchange) and len(self.routers) > 1
@@ -466,11 +477,12 @@ class Arm:
                     if tr.first < 0:  # max_new_tokens == 0: no token, done after prefill
                         tr.first = t + net
                     push(t + net, _DONE, rid)
-                if res.kv_events and kv_targets:
-                    push(t + kv_delay, _KV, w, (w.kv_seq, res.kv_events))
-                    w.kv_seq += 1
-                elif res.kv_events:
-                    w.kv_seq += 1
+                for rank, events in (res.rank_kv_events if type(res) is DpStepResult else ((0, res.kv_events),)):
+                    if events and kv_targets:
+                        push(t + kv_delay, _KV, w, (w.rank_seq[rank], events, rank))
+                    if events:
+                        w.rank_seq[rank] += 1
+                        w.kv_seq += 1
                 if w.engine.has_work():
                     start_step(w, t)
                 else:
@@ -480,11 +492,12 @@ class Arm:
                 w = workers[b]
                 ls = w.ls
                 if ls is None:  # (cached until the engine's state or its step in flight changes)
-                    ls = w.ls = w.engine.load_stat(now_s=t)
-                sr.states[b].update_load((ls,), t)
+                    eng = w.engine
+                    ls = w.ls = tuple(eng.load_stats(t)) if type(eng) is DpEngineModel else (eng.load_stat(now_s=t),)
+                sr.states[b].update_load(ls, t)
                 if a == 0:
                     queue_samples += 1
-                    queue_sum += ls.num_waiting_reqs
+                    queue_sum += sum(x.num_waiting_reqs for x in ls)
                 push(t + hb, _HEARTBEAT, a, b)
             elif kind == _ARRIVAL:
                 i = a
@@ -497,6 +510,8 @@ class Arm:
                 rr = RouteRequest(str(i), r.prompt_len, r.output_len, bs, content_keys(toks, bs) if uses_keys else None)
                 d = sr.route(rr, t)
                 decisions[d.reason] += 1
+                if d.dp_rank is not None:  # DP attention: why this rank (mesh.routing.ranks), as the broker counts it
+                    decisions["dp_rank_" + d.detail["rank_reason"]] += 1
                 if d.degraded:
                     degraded += 1
                 if d.worker_id is None:
@@ -514,7 +529,10 @@ class Arm:
                 push(t + net, _SUBMIT, i, wi)
             elif kind == _SUBMIT:
                 w = workers[b]
-                w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t)
+                if type(w.engine) is DpEngineModel:
+                    w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t, dp_rank=tracks[a].decision.dp_rank)
+                else:
+                    w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t)
                 w.ls = None
                 if not w.stepping:
                     start_step(w, t)
@@ -553,10 +571,10 @@ class Arm:
                                 add(b.routes, t)
             elif kind == _KV:
                 w = a
-                seq, events = b
+                seq, events, rank = b
                 for prov in kv_targets:
                     kv_batches += 1
-                    if prov.apply_events(w.wid, 0, 1, seq, events, t) is not None:
+                    if prov.apply_events(w.wid, rank, 1, seq, events, t) is not None:
                         kv_resyncs += 1
         # Deliver the KV batches still in flight so provider state matches the engines at the end
         # (the metrics above do not depend on it; tests and reports of index state do).
@@ -565,7 +583,7 @@ class Arm:
             if kind == _KV:
                 for prov in kv_targets:
                     kv_batches += 1
-                    if prov.apply_events(a.wid, 0, 1, b[0], b[1], t) is not None:
+                    if prov.apply_events(a.wid, b[2], 1, b[0], b[1], t) is not None:
                         kv_resyncs += 1
         if progress is not None:
             progress(n, n)
