@@ -57,6 +57,7 @@ from mesh.index.ops import ROOT_KEY, Clear, IndexOp, Remove, Store, Stream
 from mesh.index.result import MatchResult
 from mesh.index.sequence import BatchVerdict, SeqState, Verdict, check
 from mesh.index.speculative import ApproxIndex
+from mesh.index.tiers import DEVICE_BIT, MediumBook
 from mesh.index.walk import walk_levels
 
 __all__ = ["PrefixIndex", "KeyFn"]
@@ -84,6 +85,8 @@ class _Stream:
     runs: dict[_Run, None] = field(default_factory=dict)  # ordered set of this stream's runs
     alias: dict[int, list[_Run]] = field(default_factory=dict)  # key -> extra runs holding it
     seq: SeqState = field(default_factory=SeqState)
+    # engine hash -> medium mask (mesh.index.tiers) of the blocks not held on the device alone
+    tiers: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +121,9 @@ class _Counters:
     new_epochs: int = 0
     stale_epochs: int = 0
     resets: int = 0
+    demotions: int = 0  # a block removed from one medium while another still holds it
+    tier_stores: int = 0  # a held block stored on one more medium
+    tier_misses: int = 0  # a removal from a medium the block was not on (ignored)
 
 
 class PrefixIndex:
@@ -149,6 +155,7 @@ class PrefixIndex:
         self._version = 0
         self.c = _Counters()
         self.spec = ApproxIndex(max_entries=spec_max_entries, default_ttl_s=spec_ttl_s)
+        self.media = MediumBook()
 
     def set_max_entries(self, max_entries: int | None) -> None:
         """The entry budget (None = unbounded); a smaller one takes effect at the next store."""
@@ -267,10 +274,13 @@ class PrefixIndex:
         parent_engine_hash: int | None,
         engine_hashes: Sequence[int],
         content_keys: Sequence[int],
+        medium: str | None = None,
     ) -> int:
         """Store a chain of blocks; returns how many became new entries (0 for an orphan).
 
         ``content_keys`` must be chained from ``resolve_parent_key(stream, parent_engine_hash)``.
+        ``medium``: where the engine stored them (:mod:`mesh.index.tiers`; None = the device); a
+        block already held gains that medium.
         """
         n = len(engine_hashes)
         if len(content_keys) != n:
@@ -293,6 +303,9 @@ class PrefixIndex:
             return 0
         self._version += 1
         ehmap = s.ehmap
+        bit = DEVICE_BIT if medium is None else self.media.bit(medium)
+        tiered = bit != DEVICE_BIT or bool(s.tiers)
+        prev = {e: s.tiers.get(e, DEVICE_BIT) for e in engine_hashes if e in ehmap} if tiered else None
         uniq = set(engine_hashes)
         if len(uniq) == n and ehmap.keys().isdisjoint(uniq):
             self._attach(s, prun, poff, engine_hashes, content_keys)
@@ -300,11 +313,57 @@ class PrefixIndex:
         else:
             added = self._store_slow(s, prun, poff, engine_hashes, content_keys)
         c.blocks_stored += added
+        if prev is not None:
+            self._mark_medium(s, engine_hashes, bit, prev)
         if self.spec._tails:
             self.spec.close(s.worker.worker_id, content_keys)
         if self.max_entries is not None and self.entries > self.max_entries:
             self._evict()
         return added
+
+    def _mark_medium(self, s: _Stream, ehs: Sequence[int], bit: int, prev: dict[int, int]) -> None:
+        """Record that ``ehs`` (just stored) are held on medium ``bit`` besides ``prev``'s."""
+        tiers = s.tiers
+        ehmap = s.ehmap
+        for e in ehs:
+            if e not in ehmap:
+                continue
+            p = prev.get(e)
+            m = bit if p is None else p | bit
+            if p is not None and m != p:
+                self.c.tier_stores += 1
+            if m == DEVICE_BIT:
+                tiers.pop(e, None)
+            else:
+                tiers[e] = m
+
+    def _drop_medium(self, s: _Stream, ehs: Iterable[int], bit: int) -> list[int]:
+        """Take medium ``bit`` off the held blocks ``ehs``; returns the hashes to remove outright
+        (their last medium went, or they are unknown). A block left on another medium is a
+        demotion; a block not on that medium is left alone (``tier_misses``)."""
+        tiers = s.tiers
+        ehmap = s.ehmap
+        c = self.c
+        gone: list[int] = []
+        for e in ehs:
+            if e not in ehmap:
+                gone.append(e)
+                continue
+            m = tiers.get(e, DEVICE_BIT)
+            if not m & bit:
+                c.tier_misses += 1
+                continue
+            m &= ~bit
+            if not m:
+                gone.append(e)
+                continue
+            c.demotions += 1
+            self._version += 1
+            if m == DEVICE_BIT:
+                del tiers[e]
+            else:
+                tiers[e] = m
+        return gone
 
     def _store_slow(
         self, s: _Stream, prun: _Run | None, poff: int, ehs: Sequence[int], keys: Sequence[int]
@@ -477,6 +536,10 @@ class PrefixIndex:
         ehmap = s.ehmap
         for e in gone_ehs:
             del ehmap[e]
+        if s.tiers:
+            tiers = s.tiers
+            for e in gone_ehs:
+                tiers.pop(e, None)
         self._unhold(s, run, gone_keys)
         n = len(gone_ehs)
         self.entries -= n
@@ -494,14 +557,21 @@ class PrefixIndex:
         del run.stream.runs[run]
         del self._lru[run]
 
-    def remove(self, stream: Stream, engine_hashes: Iterable[int]) -> int:
-        """Remove blocks (and everything below them in the stream); returns entries dropped."""
+    def remove(self, stream: Stream, engine_hashes: Iterable[int], medium: str | None = None) -> int:
+        """Remove blocks (and everything below them in the stream); returns entries dropped.
+
+        With ``medium`` only that medium's ownership goes: a block still held on another medium
+        stays (a demotion, :mod:`mesh.index.tiers`), a block whose last medium went is removed."""
         c = self.c
         c.removes += 1
         s = self._streams.get(stream)
         if s is None:
             c.unknown_removes += sum(1 for _ in engine_hashes)
             return 0
+        if medium is not None:
+            bit = self.media.bit(medium)
+            if bit != DEVICE_BIT or s.tiers:
+                engine_hashes = self._drop_medium(s, engine_hashes, bit)
         get = s.ehmap.get
         groups: dict[_Run, list[int]] = {}
         unknown = 0
@@ -573,6 +643,7 @@ class PrefixIndex:
         s.ehmap = {}
         s.runs = {}
         s.alias = {}
+        s.tiers = {}
         self.entries -= n
         return n
 
@@ -594,9 +665,9 @@ class PrefixIndex:
                     if len(op.token_ids) != len(op.engine_hashes) * op.block_size:
                         raise ValueError("token_ids must hold block_size tokens per engine hash")
                     keys = self.key_fn(op.token_ids, op.block_size, pk)
-                delta += self.store(stream, op.parent_engine_hash, op.engine_hashes, keys)
+                delta += self.store(stream, op.parent_engine_hash, op.engine_hashes, keys, op.medium)
             elif t is Remove:
-                delta -= self.remove(stream, op.engine_hashes)
+                delta -= self.remove(stream, op.engine_hashes, op.medium)
             elif t is Clear:
                 delta -= self.clear(stream)
             else:
@@ -677,7 +748,8 @@ class PrefixIndex:
             else:
                 self._touch(deepest)
         return MatchResult(
-            len(keys), ev, sp, self._workers, (self, self.spec), self._workers_by_id, self.spec.sorted_worker_ids
+            len(keys), ev, sp, self._workers, (self, self.spec), self._workers_by_id, self.spec.sorted_worker_ids,
+            keys=keys, media=self.media,
         )
 
     def _workers_by_id(self) -> list[_Worker]:
@@ -720,6 +792,7 @@ class PrefixIndex:
             "runs": len(self._lru),
             "max_entries": self.max_entries,
             "bytes_estimate": self._bytes_estimate(),
+            "tiered_entries": sum(len(s.tiers) for s in self._streams.values()),  # held off the device too/only
         }
         out.update({f: getattr(c, f) for f in c.__slots__})
         out["events_applied"] = c.stores + c.removes + c.clears
