@@ -198,3 +198,42 @@ def test_policy_feeds_the_tier_learner():
     assert pol.tier_learner.observations == 40
     assert pol.route_tier_weights()[1] > 0.85
     assert CacheAware(learn_tiers=False).route_tier_weights() == (1.0, 0.75, 0.25)
+
+
+# ------------------------------------------------------------------ shared indexer
+
+
+def test_indexer_reply_carries_the_tiers_and_the_policy_reads_them():
+    from mesh.indexer import indexer_pb2 as pb
+    from mesh.indexer.client import MatchView
+    from mesh.indexer.core import IndexerCore
+    from mesh.protocol import pack
+
+    core = IndexerCore(max_entries=None, block_size=BS)
+    for wid in ("a", "b"):
+        core.register_worker(wid, BS, now_s=0.0)
+    events = [KV.BlockStored((1, 2), None, tuple(TOKENS), BS, "GPU")]
+    core.apply_batch("a", 0, 1, 0, pack([KV.encode_event_map(e) for e in events]), now_s=0.0)
+    events += [KV.BlockStored((1, 2), None, tuple(TOKENS), BS, "CPU_PINNED"), KV.BlockRemoved((2,), "GPU")]
+    core.apply_batch("b", 0, 1, 0, pack([KV.encode_event_map(e) for e in events]), now_s=0.0)
+    resp = pb.MatchPrefixResponse.FromString(core.match(KEYS).SerializeToString())
+    assert [(list(lv.worker_ids), list(lv.host_blocks), list(lv.store_blocks)) for lv in resp.levels] == [
+        (["a", "b"], [0, 1], [0, 0])]
+    view = MatchView(resp)
+    assert view.lower_tier_blocks("b") == (1, 0) and view.lower_tier_blocks("a") == (0, 0)
+    rq = RouteRequest("r", prompt_tokens=9, block_size=BS, tokens=TOKENS + [9])
+    d = CacheAware().choose(rq, [ws("b"), ws("a", running=3)], view, 0.0)
+    # 8 tokens matched, 4 of them on the host: 1 + 4 x (1 - 0.75) tokens' worth to compute
+    assert d.matched_blocks == 2 and d.detail["tier_tokens"] == (4, 0) and d.detail["uncached_tokens"] == 2
+
+
+def test_indexer_reply_of_a_device_only_fleet_has_no_tier_arrays():
+    from mesh.indexer.core import IndexerCore
+    from mesh.protocol import pack
+
+    core = IndexerCore(max_entries=None, block_size=BS)
+    core.register_worker("a", BS, now_s=0.0)
+    core.apply_batch("a", 0, 1, 0, pack([KV.encode_event_map(KV.BlockStored((1, 2), None, tuple(TOKENS), BS, "GPU"))]),
+                     now_s=0.0)
+    (lv,) = core.match(KEYS).levels
+    assert list(lv.worker_ids) == ["a"] and not lv.host_blocks and not lv.store_blocks

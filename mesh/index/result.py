@@ -156,6 +156,12 @@ class MatchResult:
                 blocks = d
         return blocks
 
+    @property
+    def tiered(self) -> bool:
+        """Whether the index has seen a medium besides the device (else :meth:`lower_tier_blocks`
+        is (0, 0) for everyone)."""
+        return self._media is not None and self._media.tiered
+
     def tier_blocks(self, worker_id: str) -> tuple[int, int, int]:
         """The worker's matched blocks per tier level ``(device, host, store)``
         (:mod:`mesh.index.tiers`), each block at the fastest tier holding it; they sum to
