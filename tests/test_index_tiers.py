@@ -237,3 +237,27 @@ def test_indexer_reply_of_a_device_only_fleet_has_no_tier_arrays():
                      now_s=0.0)
     (lv,) = core.match(KEYS).levels
     assert list(lv.worker_ids) == ["a"] and not lv.host_blocks and not lv.store_blocks
+
+
+# ------------------------------------------------------------------ broker settings
+
+
+@pytest.mark.parametrize("field", ["tier_weight_host", "tier_weight_store"])
+def test_tier_weight_settings_are_validated_naming_the_field(field):
+    from mesh.config import BrokerSettings, build
+    from mesh.errors import ConfigError
+
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match=field):
+            build(BrokerSettings, {field: bad})
+
+
+def test_tier_weights_reach_the_broker_policy():
+    from brokers.main import build_broker
+    from mesh.config import BrokerSettings, build
+
+    b = build_broker(build(BrokerSettings, {"tier_weight_host": 0.9}))
+    try:
+        assert b.router.policy.tier_weights == (1.0, 0.9, 0.25)
+    finally:
+        b.close()
