@@ -261,3 +261,64 @@ def test_tier_weights_reach_the_broker_policy():
         assert b.router.policy.tier_weights == (1.0, 0.9, 0.25)
     finally:
         b.close()
+
+
+# ------------------------------------------------------------------ brute force
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_tiered_ops_match_a_brute_force_model(seed):
+    """Random stores / removals on random mediums against a per-block medium-set model: removal
+    cascades below a block only when its last medium goes (or without a medium)."""
+    import random
+
+    rng = random.Random(seed)
+    n = 24
+    parent = {i: (None if i < 3 or rng.random() < 0.1 else rng.randrange(1, i)) for i in range(1, n + 1)}
+
+    def path(i):
+        out = []
+        while i is not None:
+            out.append(i)
+            i = parent[i]
+        return out[::-1]
+
+    mediums = [None, "GPU", "CPU_PINNED", "CPU", "DISK", "STORAGE"]
+    ix = PrefixIndex(key_fn=content_keys)
+    held: dict[int, set] = {}  # the model: block -> mediums holding it
+
+    def drop(b):
+        held.pop(b, None)
+        for c in [c for c in held if parent[c] == b]:
+            drop(c)
+
+    for _ in range(80):
+        i = rng.randrange(1, n + 1)
+        med = rng.choice(mediums)
+        if rng.random() < 0.6:
+            chain = path(i)[rng.randrange(len(path(i))):]  # a segment ending at i
+            p = parent[chain[0]]
+            ix.apply(("w", 0), [Store(chain, p, token_ids=chain, block_size=1, medium=med)])
+            if p is None or p in held:
+                for b in chain:
+                    held.setdefault(b, set()).add(med or "GPU")
+        else:
+            ix.apply(("w", 0), [Remove([i], med)])
+            if i in held:
+                if med is None:
+                    drop(i)
+                elif med in held[i]:
+                    held[i].discard(med)
+                    if not held[i]:
+                        drop(i)
+        for q in range(1, n + 1):
+            pq = path(q)
+            m = ix.match(content_keys(pq, 1, 0), touch=False)
+            depth = 0
+            while depth < len(pq) and pq[depth] in held:
+                depth += 1
+            split = [0, 0, 0]
+            for b in pq[:depth]:
+                split[min(tier_level(x) for x in held[b])] += 1
+            assert (m.matched_blocks("w"), m.tier_blocks("w")) == (depth, tuple(split)), (seed, q)
+    assert ix.entries == len(held)
