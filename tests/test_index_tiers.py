@@ -322,3 +322,21 @@ def test_random_tiered_ops_match_a_brute_force_model(seed):
                 split[min(tier_level(x) for x in held[b])] += 1
             assert (m.matched_blocks("w"), m.tier_blocks("w")) == (depth, tuple(split)), (seed, q)
     assert ix.entries == len(held)
+
+
+def test_indexer_checkpoint_keeps_the_tiers():
+    from mesh.indexer.core import IndexerCore
+    from mesh.protocol import pack
+
+    core = IndexerCore(max_entries=None, block_size=BS)
+    core.register_worker("b", BS, now_s=0.0)
+    evs = [KV.BlockStored((1, 2), None, tuple(TOKENS), BS, "GPU"), KV.BlockStored((1, 2), None, tuple(TOKENS), BS, "CPU"),
+           KV.BlockRemoved((2,), "GPU")]
+    core.apply_batch("b", 0, 1, 0, pack([KV.encode_event_map(e) for e in evs]), now_s=0.0)
+    other = IndexerCore(max_entries=None, block_size=BS)
+    other.load_state(core.dump_state())
+    (lv,) = other.match(KEYS).levels
+    assert list(lv.host_blocks) == [1]
+    other.apply_batch("b", 0, 1, 1, pack([KV.encode_event_map(KV.BlockRemoved((2,), "CPU"))]), now_s=0.0)
+    (lv,) = other.match(KEYS).levels
+    assert lv.matched_blocks == 1 and not lv.host_blocks

@@ -450,7 +450,7 @@ class IndexerCore:
               "_asked_at", "coverage")
 
     #: Bumped whenever the shape of a checkpoint changes; another version's checkpoint is refused.
-    STATE_VERSION = 2
+    STATE_VERSION = 3  # 3: the index keeps KV tiers (per-stream medium masks, its MediumBook)
 
     def dump_state(self) -> bytes:
         """The whole index state as bytes (pickle: only ever loaded from a store this service
