@@ -13,6 +13,11 @@ Semantics (what ``match`` is exact against; ``tests/test_index_model.py`` holds 
 * ``remove(stream, ehs)``: each held block is dropped together with every block stored below it in
   that stream (the engine can no longer reach them through the prefix). Unknown hashes are counted.
 * ``clear(stream)``: the stream holds nothing.
+* Tiers (:mod:`mesh.index.tiers`): a block is held on a set of mediums (the engine's ``medium``;
+  None = the device). A store adds its medium to the blocks (held ones included); a removal
+  *with* a medium takes only that medium away and removes (as above) only the blocks it leaves on
+  no medium; a removal without a medium removes the blocks outright. Blocks held on the device
+  alone cost nothing extra (``_Stream.tiers`` lists only the others).
 * A worker holds content key ``k`` if any of its streams holds a block with key ``k``;
   ``match(keys)`` gives each worker the largest ``n`` with ``keys[0..n)`` all held.
 
@@ -57,7 +62,7 @@ from mesh.index.ops import ROOT_KEY, Clear, IndexOp, Remove, Store, Stream
 from mesh.index.result import MatchResult
 from mesh.index.sequence import BatchVerdict, SeqState, Verdict, check
 from mesh.index.speculative import ApproxIndex
-from mesh.index.tiers import DEVICE_BIT, MediumBook
+from mesh.index.tiers import DEVICE_BIT, MediumBook, drop_medium, mark_medium
 from mesh.index.walk import walk_levels
 
 __all__ = ["PrefixIndex", "KeyFn"]
@@ -314,56 +319,12 @@ class PrefixIndex:
             added = self._store_slow(s, prun, poff, engine_hashes, content_keys)
         c.blocks_stored += added
         if prev is not None:
-            self._mark_medium(s, engine_hashes, bit, prev)
+            c.tier_stores += mark_medium(s.tiers, s.ehmap, engine_hashes, bit, prev)
         if self.spec._tails:
             self.spec.close(s.worker.worker_id, content_keys)
         if self.max_entries is not None and self.entries > self.max_entries:
             self._evict()
         return added
-
-    def _mark_medium(self, s: _Stream, ehs: Sequence[int], bit: int, prev: dict[int, int]) -> None:
-        """Record that ``ehs`` (just stored) are held on medium ``bit`` besides ``prev``'s."""
-        tiers = s.tiers
-        ehmap = s.ehmap
-        for e in ehs:
-            if e not in ehmap:
-                continue
-            p = prev.get(e)
-            m = bit if p is None else p | bit
-            if p is not None and m != p:
-                self.c.tier_stores += 1
-            if m == DEVICE_BIT:
-                tiers.pop(e, None)
-            else:
-                tiers[e] = m
-
-    def _drop_medium(self, s: _Stream, ehs: Iterable[int], bit: int) -> list[int]:
-        """Take medium ``bit`` off the held blocks ``ehs``; returns the hashes to remove outright
-        (their last medium went, or they are unknown). A block left on another medium is a
-        demotion; a block not on that medium is left alone (``tier_misses``)."""
-        tiers = s.tiers
-        ehmap = s.ehmap
-        c = self.c
-        gone: list[int] = []
-        for e in ehs:
-            if e not in ehmap:
-                gone.append(e)
-                continue
-            m = tiers.get(e, DEVICE_BIT)
-            if not m & bit:
-                c.tier_misses += 1
-                continue
-            m &= ~bit
-            if not m:
-                gone.append(e)
-                continue
-            c.demotions += 1
-            self._version += 1
-            if m == DEVICE_BIT:
-                del tiers[e]
-            else:
-                tiers[e] = m
-        return gone
 
     def _store_slow(
         self, s: _Stream, prun: _Run | None, poff: int, ehs: Sequence[int], keys: Sequence[int]
@@ -571,7 +532,11 @@ class PrefixIndex:
         if medium is not None:
             bit = self.media.bit(medium)
             if bit != DEVICE_BIT or s.tiers:
-                engine_hashes = self._drop_medium(s, engine_hashes, bit)
+                engine_hashes, demoted, missed = drop_medium(s.tiers, s.ehmap, engine_hashes, bit)
+                c.demotions += demoted
+                c.tier_misses += missed
+                if demoted:
+                    self._version += 1  # the tiers a match reports changed
         get = s.ehmap.get
         groups: dict[_Run, list[int]] = {}
         unknown = 0

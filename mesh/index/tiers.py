@@ -26,10 +26,11 @@ Pure code: no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["DEVICE", "HOST", "STORE", "LEVELS", "DEVICE_BIT", "tier_level", "MediumBook", "path_tier_blocks"]
+__all__ = ["DEVICE", "HOST", "STORE", "LEVELS", "DEVICE_BIT", "tier_level", "MediumBook", "path_tier_blocks",
+           "mark_medium", "drop_medium"]
 
 DEVICE, HOST, STORE = 0, 1, 2
 #: Level names, index = level (metrics, docs).
@@ -126,3 +127,54 @@ def path_tier_blocks(run: Any, off: int, depth: int, tiers: Mapping[int, int], b
         r = r.parent
     counts[DEVICE] += left  # not expected (the path is depth blocks long): count as device
     return counts[0], counts[1], counts[2]
+
+
+# ---------------------------------------------------------------------- one stream's medium masks
+# ``tiers``: engine hash -> medium mask of the stream's blocks not held on the device alone;
+# ``held``: the stream's held engine hashes (its ehmap).
+
+
+def mark_medium(tiers: dict[int, int], held: Mapping[int, Any], ehs: Sequence[int], bit: int,
+                prev: Mapping[int, int]) -> int:
+    """Record that ``ehs`` (just stored) are held on medium ``bit`` besides the masks ``prev``
+    they had before the store (absent: new blocks). Returns how many held blocks gained a medium."""
+    gained = 0
+    for e in ehs:
+        if e not in held:
+            continue
+        p = prev.get(e)
+        m = bit if p is None else p | bit
+        if p is not None and m != p:
+            gained += 1
+        if m == DEVICE_BIT:
+            tiers.pop(e, None)
+        else:
+            tiers[e] = m
+    return gained
+
+
+def drop_medium(tiers: dict[int, int], held: Mapping[int, Any], ehs: Iterable[int], bit: int
+                ) -> tuple[list[int], int, int]:
+    """Take medium ``bit`` off the held blocks ``ehs``. Returns (the hashes to remove outright:
+    their last medium went, or they are unknown; demotions: blocks left on another medium;
+    misses: blocks not on that medium, left alone)."""
+    gone: list[int] = []
+    demoted = missed = 0
+    for e in ehs:
+        if e not in held:
+            gone.append(e)
+            continue
+        m = tiers.get(e, DEVICE_BIT)
+        if not m & bit:
+            missed += 1
+            continue
+        m &= ~bit
+        if not m:
+            gone.append(e)
+            continue
+        demoted += 1
+        if m == DEVICE_BIT:
+            del tiers[e]
+        else:
+            tiers[e] = m
+    return gone, demoted, missed

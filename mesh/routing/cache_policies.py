@@ -48,6 +48,13 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    (:class:`mesh.load.PrefillRateEstimate`); with SGLang's two-sample rate a one-page interval
    made a queue look 25x longer, and every margin tried lost shared_prefix (docs/routing.md).
 
+**Tiered caches** (SGLang HiCache, vLLM offloading; :mod:`mesh.index.tiers`): a matched token held
+only in an engine's host memory counts ``tier_weights[1]`` (0.75) of a device hit, one only on
+disk or a shared store ``tier_weights[2]`` (0.25), Dynamo's figures; the weighted hit is what the
+affinity threshold and the cost model see. With ``calibrate`` and ``learn_tiers`` the weights are
+learnt from the outcomes of picks that had lower-tier tokens
+(:class:`mesh.routing.calibration.TierCostLearner`).
+
 The predicted time to first token::
 
     ttft_ms(w) = theta . (1, prefill_ms, step_ms, kv_full)
