@@ -35,7 +35,8 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
     try:
         opts = {}
         if settings.policy == "cache_aware":
-            opts = {"stall_escape_ms": settings.stall_escape_ms, "stall_queue_ms": settings.stall_queue_ms}
+            opts = {"stall_escape_ms": settings.stall_escape_ms, "stall_queue_ms": settings.stall_queue_ms,
+                    "tier_weights": (1.0, settings.tier_weight_host, settings.tier_weight_store)}
         policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s, **opts)
     except ValueError as exc:
         raise ConfigError(f"policy: {exc}") from None
@@ -106,6 +107,9 @@ def _gauges(broker: Broker):
             out["mesh_cost_model"] = [({"what": k}, float(v)) for k, v in snap.items()
                                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
             out["mesh_cost_model"].append(({"what": "trusted"}, 1.0 if snap["trusted"] else 0.0))
+            tiers = getattr(broker.router.policy, "tier_learner", None)  # tier weights (mesh.index.tiers)
+            if tiers is not None:
+                out["mesh_cost_model"] += [({"what": f"tier_{k}"}, float(v)) for k, v in tiers.snapshot().items()]
         prov = broker.router.provider
         if prov is not None and hasattr(prov, "stats"):
             pst = prov.stats()

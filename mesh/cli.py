@@ -58,7 +58,7 @@ def _cmd_broker(args) -> int:
 
 # engine model fields worker-stub takes as flags (every EngineConfig field may be in [engine])
 _ENGINE_FLAGS = ["max_total_num_tokens", "page_size", "max_running_requests", "prefill_tokens_per_s", "prefill_overhead_ms",
-                 "chunked_prefill_size", "decode_base_ms", "decode_per_req_ms", "decode_log_interval"]
+                 "chunked_prefill_size", "decode_base_ms", "decode_per_req_ms", "decode_log_interval", "host_kv_tokens"]
 
 
 def _add_worker(sub) -> None:

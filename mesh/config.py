@@ -72,6 +72,10 @@ class BrokerSettings:
     stall_queue_ms: float = setting(1000.0, unit="ms", help="cache_aware: the holder queue the stall escape needs "
                                                             "(docs/routing.md: lower let short prompts leave their holders)")
     cache_prefix_provider: str = setting("radix_tree", help="prefix index source: radix_tree, approx, indexer")
+    tier_weight_host: float = setting(0.75, help="cache_aware: a matched token held only in an engine's host memory "
+                                                 "(SGLang HiCache, vLLM CPU offload) counts this much of a GPU hit; "
+                                                 "learnt from outcomes from there (docs/routing.md)")
+    tier_weight_store: float = setting(0.25, help="cache_aware: the same for a disk or shared-store tier")
     kv_indexer_endpoint: tuple[str, ...] = setting((), help="shared KV indexer http://HOST:PORT (repeat for replicas)")
     kv_indexer_query_timeout_ms: int = setting(100, unit="ms", help="deadline of one indexer query")
     kv_indexer_query_max_inflight: int = setting(32, help="concurrent indexer queries")
@@ -179,6 +183,9 @@ class BrokerSettings:
         for name in ("stall_escape_ms", "stall_queue_ms"):
             v = getattr(self, name)
             _require(math.isfinite(v) and v >= 0, name, f"must be a finite number >= 0, not {v!r}")
+        for name in ("tier_weight_host", "tier_weight_store"):
+            v = getattr(self, name)
+            _require(0 <= v <= 1, name, f"must be a number in [0, 1], not {v!r}")
         _require(self.max_worker_heartbeat_ms >= self.heartbeat_ms, "max_worker_heartbeat_ms", "must be >= heartbeat_ms")
         _require(1 <= self.max_workers <= 100_000, "max_workers", "must be in [1, 100000]")
         _require(self.max_inflight_per_client > 0, "max_inflight_per_client", "must be > 0")

@@ -42,6 +42,13 @@ and released in ``StepResult.kv_events`` after each step that carried prefill, e
 ``decode_log_interval`` decode steps, and when the engine goes idle; :meth:`drain_events` takes
 them immediately.
 
+Host tier (``host_kv_tokens`` > 0; off by default): SGLang HiCache's L2. A page evicted from the GPU
+is demoted to a bounded host pool (BlockStored ``medium="CPU_PINNED"`` before its GPU BlockRemoved;
+a full pool drops its oldest page: BlockRemoved on ``CPU_PINNED``). Admission continues the GPU
+match into the host pool: those pages are loaded back (stored on the GPU again, then removed from
+the host) at ``host_transfer_bytes_per_s`` instead of recomputed, and count as cached tokens.
+Resync snapshots list GPU pages only (the index then under-reports the host tier, never over).
+
 Page identity inside the cache is the router's content key (:func:`mesh.hashing.content_keys`), so
 prefix matching is one dict probe per prompt page; SHA-256 is computed only for new pages.
 
@@ -62,6 +69,7 @@ from __future__ import annotations
 import heapq
 import math
 import struct
+from collections import OrderedDict
 from hashlib import sha256 as _sha256
 from collections import deque
 from collections.abc import Sequence
@@ -79,6 +87,7 @@ from mesh.load import LoadStat
 __all__ = ["EngineConfig", "StepResult", "EngineModel", "output_token_id", "DpEngineModel", "DpStepResult"]
 
 _MEDIUM = "GPU"
+_HOST_MEDIUM = "CPU_PINNED"  # SGLang's StorageMedium.CPU: HiCache's host tier (mesh.index.tiers)
 _GOLDEN = 0x9E3779B1  # odd multiplier spreading consecutive positions over the vocabulary
 
 
@@ -107,6 +116,11 @@ class EngineConfig:
     admission_reserve_tokens: int = setting(128, unit="tokens",
                                             help="free KV a new request must leave after its uncached prompt")
     vocab_size: int = setting(32_000, unit="tokens", help="vocabulary of the modelled output tokens")
+    # A host KV tier (SGLang HiCache): pages evicted from the GPU are demoted to a bounded host
+    # pool, and a prompt prefix found there is loaded back at PCIe speed instead of recomputed.
+    host_kv_tokens: int = setting(0, unit="tokens", help="host-memory KV tier capacity (HiCache; 0 = no host tier)")
+    host_transfer_bytes_per_s: float = setting(25e9, unit="bytes/s",
+                                               help="host -> GPU KV load bandwidth (PCIe class) of a host-tier hit")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -119,13 +133,14 @@ class EngineConfig:
         positive = (
             "max_total_num_tokens", "page_size", "max_running_requests", "prefill_tokens_per_s",
             "chunked_prefill_size", "hbm_bytes_per_s", "decode_log_interval", "vocab_size", "kv_transfer_bytes_per_s",
+            "host_transfer_bytes_per_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         non_negative = (
             "prefill_overhead_ms", "attention_coef_ms", "decode_base_ms", "decode_per_req_ms",
-            "kv_bytes_per_token", "admission_reserve_tokens",
+            "kv_bytes_per_token", "admission_reserve_tokens", "host_kv_tokens",
         )
         for name in non_negative:
             if getattr(self, name) < 0:
@@ -250,8 +265,14 @@ class EngineModel:
         # requests it finishes are still running as far as anyone can see (load_stat(now_s=...)).
         self._finishing_until_s = float("-inf")
         self._finishing_n = 0
-        # Pending events, merged in place: ["S", hashes, parent, tokens, ns] | ["R", hashes] | ["C"].
+        # Pending events, merged in place: ["S", hashes, parent, tokens, ns] | ["R", hashes] | ["C"],
+        # and the host tier's ["SH", ...] / ["RH", hashes] (medium CPU_PINNED).
         self._pending: list[list] = [["C"]]  # SGLang resets (and announces) its cache at start
+        # The host tier (host_kv_tokens > 0): demoted pages by content key, oldest first
+        self._host: OrderedDict[int, _Page] | None = OrderedDict() if cfg.host_kv_tokens >= cfg.page_size else None
+        self._host_cap = cfg.host_kv_tokens // cfg.page_size
+        self._load_tokens = 0  # host-tier tokens loaded by admissions of the step being planned
+        self.host_hit_tokens = 0  # prompt tokens served from the host tier (reports)
 
     # ------------------------------------------------------------------ public API
 
@@ -364,6 +385,9 @@ class EngineModel:
                 prefill_ms = cfg.prefill_overhead_ms + total * 1e3 / cfg.prefill_tokens_per_s + attn * cfg.attention_coef_ms
             if xfer:
                 prefill_ms += xfer * cfg.kv_bytes_per_token / cfg.kv_transfer_bytes_per_s * 1e3
+            if self._load_tokens:  # host-tier hits admitted this step: loaded, not recomputed
+                prefill_ms += self._load_tokens * cfg.kv_bytes_per_token / cfg.host_transfer_bytes_per_s * 1e3
+                self._load_tokens = 0
             self._prefill_tokens_total += total
         duration_ms = decode_ms + prefill_ms
         res.duration_s = duration_ms / 1e3
@@ -415,6 +439,11 @@ class EngineModel:
                     out.append(BlockStored(tuple(e[1]), e[2], tuple(e[3]), ps, _MEDIUM, ns[0], cache_salt=ns[1]))
             elif k == "R":
                 out.append(BlockRemoved(tuple(e[1]), _MEDIUM))
+            elif k == "SH":
+                ns = e[4] or (None, None)
+                out.append(BlockStored(tuple(e[1]), e[2], tuple(e[3]), ps, _HOST_MEDIUM, ns[0], cache_salt=ns[1]))
+            elif k == "RH":
+                out.append(BlockRemoved(tuple(e[1]), _HOST_MEDIUM))
             else:
                 out.append(AllBlocksCleared())
         self._pending = []
@@ -441,6 +470,8 @@ class EngineModel:
         for p in self._cache.values():
             p.alive = False
         self._cache.clear()
+        if self._host is not None:
+            self._host.clear()
         self._heap.clear()
         self._pinned_pages = 0
         self._pending = [["C"]]  # earlier buffered events are moot after a clear
@@ -509,6 +540,11 @@ class EngineModel:
         return len(self._cache)
 
     @property
+    def num_host_pages(self) -> int:
+        """Pages in the host tier (0 without one)."""
+        return len(self._host) if self._host is not None else 0
+
+    @property
     def free_tokens(self) -> int:
         return self.config.max_total_num_tokens - len(self._cache) * self._ps - self._private
 
@@ -566,6 +602,8 @@ class EngineModel:
     def _evict(self, p: _Page) -> None:
         del self._cache[p.key]
         p.alive = False
+        if self._host is not None:
+            self._demote(p)
         self._note_removed(p.hash)
         parent = p.parent
         if parent is not None:
@@ -666,12 +704,15 @@ class EngineModel:
         m = self._match_len(keys, len(seq))
         cache = self._cache
         path = [cache[keys[i]] for i in range(m)]
+        loads = self._host_match(keys, m, len(seq)) if self._host else []
         gen_first = 1 if len(r.output) < r.max_new else 0  # slot of the token produced at prefill end
         need = len(seq) - m * ps + gen_first
         unpinned_in_path = sum(1 for p in path if p.ref == 0)
         reclaimable = (len(cache) - self._pinned_pages - unpinned_in_path) * ps
         if self._free() + reclaimable < need + cfg.admission_reserve_tokens:
             return False
+        for hp in loads:  # out of the host pool before evicting, so demotions cannot push them out
+            del self._host[hp.key]
         for p in path:  # pin before evicting so the matched prefix survives
             p.stamp = self._tick()
             self._pin(p)
@@ -682,8 +723,15 @@ class EngineModel:
         r.computed = m * ps
         r.kv_tokens = m * ps + need
         r.admitted = True
+        if loads:  # host-tier hits: back onto the GPU (stored there, then gone from the host)
+            self._add_pages(r, seq, m, m + len(loads))
+            self._note_host([hp.hash for hp in loads])
+            n = len(loads) * ps
+            r.computed += n
+            self._load_tokens += n
+            self.host_hit_tokens += n
         if not r.first_done:
-            r.cached_tokens = m * ps
+            r.cached_tokens = r.computed
         return True
 
     def _plan_prefill(self) -> list[tuple[_Req, int]]:
@@ -773,6 +821,40 @@ class EngineModel:
                 last[3].extend(p.tokens)
                 return
         pend.append(["S", [p.hash], parent, list(p.tokens), p.ns])
+
+    # ------------------------------------------------------------------ host tier
+
+    def _host_match(self, keys: list[int], m: int, n_tokens: int) -> list[_Page]:
+        """Host-tier pages continuing the GPU match of ``m`` pages (leaving a token to compute)."""
+        limit = min(len(keys), (n_tokens - 1) // self._ps)
+        host = self._host
+        out = []
+        i = m
+        while i < limit:
+            hp = host.get(keys[i])
+            if hp is None:
+                break
+            out.append(hp)
+            i += 1
+        return out
+
+    def _demote(self, p: _Page) -> None:
+        """An evicted GPU page moves to the host pool (its host store noted before its GPU
+        removal, as HiCache backs a page up before releasing it); a full pool drops its oldest."""
+        host = self._host
+        while len(host) >= self._host_cap:
+            _, old = host.popitem(last=False)
+            self._note_host([old.hash])
+        host[p.key] = p
+        parent = p.parent.hash if p.parent is not None else None
+        self._pending.append(["SH", [p.hash], parent, list(p.tokens), p.ns])
+
+    def _note_host(self, hashes: list[int]) -> None:
+        pend = self._pending
+        if pend and pend[-1][0] == "RH":
+            pend[-1][1].extend(hashes)
+        else:
+            pend.append(["RH", list(hashes)])
 
     def _note_removed(self, h: int) -> None:
         pend = self._pending

@@ -574,3 +574,60 @@ def test_load_stat_counts_requests_of_the_step_in_flight_until_it_ends():
     assert eng.load_stat(now_s=mid).num_running_reqs == 1
     assert eng.load_stat(now_s=res.duration_s).num_running_reqs == 0
     assert eng.load_stat().num_running_reqs == 0  # no time given: the model's own state
+
+
+# ------------------------------------------------------------------ host tier (HiCache)
+
+
+def _tiered(host_kv_tokens: int) -> EngineModel:
+    return EngineModel(EngineConfig(max_total_num_tokens=1024, page_size=16, host_kv_tokens=host_kv_tokens,
+                                    admission_reserve_tokens=16))
+
+
+def _first_token(e: EngineModel, rid: str, p: list[int], t: float) -> tuple[float, int, list]:
+    e.submit(rid, p, 1, t)
+    t, results = run_until_idle(e, t)
+    (ft,) = [x for r in results for x in r.first_tokens]
+    return t, ft[1], [ev for r in results for ev in r.kv_events] + e.drain_events()
+
+
+def test_host_tier_demotes_evicted_pages_and_loads_a_hit_instead_of_recomputing():
+    a, b = prompt(800), prompt(800, start=5000)
+    e = _tiered(4096)
+    t, _, _ = _first_token(e, "a", a + [1], 0.0)
+    t, _, evs = _first_token(e, "b", b + [1], t)  # a's pages leave the GPU for the host pool
+    host = [ev for ev in evs if type(ev) is BlockStored and ev.medium == "CPU_PINNED"]
+    gpu_gone = [h for ev in evs if type(ev) is BlockRemoved and ev.medium == "GPU" for h in ev.block_hashes]
+    demoted = [h for ev in host for h in ev.block_hashes]
+    assert demoted and set(demoted) == set(gpu_gone)  # every GPU eviction became a host store (before it)
+    assert evs.index(host[0]) < min(i for i, ev in enumerate(evs) if type(ev) is BlockRemoved)
+    e.submit("a2", a + [2], 1, t)
+    r = e.step(t)
+    cached = r.first_tokens[0][1]
+    plain = _tiered(0)
+    tp, _, _ = _first_token(plain, "a", a + [1], 0.0)
+    tp, _, _ = _first_token(plain, "b", b + [1], tp)
+    plain.submit("a2", a + [2], 1, tp)
+    rp = plain.step(tp)
+    assert cached == 800 and rp.first_tokens[0][1] < cached  # without the tier the evicted part is recomputed
+    assert e.host_hit_tokens == 16 * len(demoted) and r.duration_s < rp.duration_s  # a PCIe load beats recompute
+    evs = r.kv_events + e.drain_events()
+    back = {h for ev in evs if type(ev) is BlockStored and ev.medium == "GPU" for h in ev.block_hashes}
+    left_host = {h for ev in evs if type(ev) is BlockRemoved and ev.medium == "CPU_PINNED" for h in ev.block_hashes}
+    assert left_host == set(demoted) and left_host <= back  # promoted: stored on the GPU, then gone from the host
+
+
+def test_host_pool_is_bounded_and_drops_its_oldest():
+    e = _tiered(256)  # 16 pages
+    t = 0.0
+    for i in range(4):
+        t, _, _ = _first_token(e, f"r{i}", prompt(800, start=10_000 * (i + 1)) + [1], t)
+    assert e.num_host_pages == 16  # full, never beyond
+
+
+def test_host_tier_is_off_by_default_and_validated():
+    assert EngineConfig().host_kv_tokens == 0 and EngineModel().num_host_pages == 0
+    with pytest.raises(ConfigError, match="host_kv_tokens"):
+        EngineConfig(host_kv_tokens=-1)
+    with pytest.raises(ConfigError, match="host_transfer_bytes_per_s"):
+        EngineConfig(host_transfer_bytes_per_s=0)

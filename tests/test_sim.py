@@ -364,3 +364,15 @@ def test_sim_pd_disaggregation_completes_every_request():
     assert arm["rejected"] == 0 and arm["completed"] == arm["requests"] > 0
     assert sum(v for k, v in arm["decisions"].items() if k.startswith("decode_")) == arm["requests"]
     assert arm["hit_rate"] > 0  # the prefill leg reuses the shared system prompts
+
+
+def test_host_tier_flag_turns_on_hicache_and_raises_the_hit_rate():
+    args = argparse.ArgumentParser()
+    add_sim_parser(args.add_subparsers())
+    ns = args.parse_args(["sim", "--workload", "shared_prefix", "--host-kv-tokens", "20000"])
+    assert config_from_args(ns).engine.host_kv_tokens == 20_000
+    small = EngineConfig(max_total_num_tokens=3_000, page_size=16)
+    tiered = EngineConfig(max_total_num_tokens=3_000, page_size=16, host_kv_tokens=20_000)
+    runs = [run_sim(_cfg(workers=[2], policies=["round_robin"], engine=eng, rate=20.0, duration_s=3.0,
+                         workload_params=_small_stream(groups=8, system_tokens=1024)))["arms"][0] for eng in (small, tiered)]
+    assert runs[1]["hit_rate"] > runs[0]["hit_rate"]

@@ -20,7 +20,7 @@ from mesh.settings_fields import add_flags
 __all__ = ["add_stub_sglang_parser", "settings_from_args", "main"]
 
 _ENGINE_FLAGS = ["max_total_num_tokens", "page_size", "max_running_requests", "prefill_tokens_per_s", "prefill_overhead_ms",
-                 "chunked_prefill_size", "decode_base_ms", "decode_per_req_ms", "decode_log_interval"]
+                 "chunked_prefill_size", "decode_base_ms", "decode_per_req_ms", "decode_log_interval", "host_kv_tokens"]
 
 
 def _port_of(endpoint: str, what: str) -> int:

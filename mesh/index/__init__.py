@@ -5,7 +5,8 @@
   side index for insert-on-route.
 * :class:`ApproxIndex` -- the speculative structure alone: the ``approx`` provider that learns only
   from routing decisions, with a TTL.
-* :class:`MatchResult` -- lazy per-worker results of one match (valid until the next mutation).
+* :class:`MatchResult` -- lazy per-worker results of one match (valid until the next mutation),
+  with each worker's blocks per KV tier (:mod:`mesh.index.tiers`: device, host, store).
 * :class:`mesh.index.ingest.KvIngest` -- the KV ingest rules (sequencing, epochs, resync, the
   block-size vote) that the routers' provider and the indexer service both apply.
 * :func:`mesh.lab.bench.index_bench.run_index_bench` -- micro-benchmark (``python -m mesh.lab.bench.index_bench``).

@@ -15,7 +15,10 @@ One implementation shared by the routers' event-fed provider
   counted (``wrong_block_size``);
 * **content keys**: stores are keyed from their token ids by the index's ``key_fn``; a namespaced
   root store (a root ``BlockStored`` naming a ``lora_name`` / ``cache_salt``) chains from its
-  namespace's root key (:mod:`mesh.namespaces`).
+  namespace's root key (:mod:`mesh.namespaces`);
+* **tiers**: stores and removals carry the engine's ``medium`` (SGLang HiCache, vLLM offloading):
+  the index keeps ownership per medium, so a removal from the GPU of a block the engine keeps in
+  host memory is a demotion, not a removal (:mod:`mesh.index.tiers`).
 
 Pure code: no I/O, no clock (``now_s`` is passed in).
 """
@@ -182,9 +185,10 @@ class KvIngest:
                 root = ROOT_KEY
                 if ev.parent_block_hash is None and (ev.lora_name is not None or ev.cache_salt is not None):
                     root = event_root_key(ev.lora_name, ev.cache_salt)  # a namespaced root store
-                ops.append(Store(ev.block_hashes, ev.parent_block_hash, token_ids=ev.token_ids, block_size=bs, root_key=root))
+                ops.append(Store(ev.block_hashes, ev.parent_block_hash, token_ids=ev.token_ids, block_size=bs, root_key=root,
+                                 medium=ev.medium))
             elif t is KV.BlockRemoved:
-                ops.append(Remove(ev.block_hashes))
+                ops.append(Remove(ev.block_hashes, ev.medium))
             elif t is KV.AllBlocksCleared:
                 ops.append(Clear())
         if ops:

@@ -16,6 +16,8 @@ and ``mesh.hashing``); it takes these three operations per *stream* ``(worker_id
 
 * :class:`Remove` -- engine hashes removed from that stream (each removal also drops the blocks
   stored below it in the same stream: the engine cannot reach them any more).
+  Both carry the engine's ``medium`` (:mod:`mesh.index.tiers`): ownership is kept per medium, and
+  a removal from one medium of a block still held on another is a demotion, not a removal.
 * :class:`Clear` -- everything of that stream is gone (``AllBlocksCleared``; also the first op of
   a resync snapshot).
 
@@ -55,6 +57,7 @@ class Store:
     token_ids: Sequence[int] | None = None
     block_size: int = 0
     root_key: int = ROOT_KEY
+    medium: str | None = None  # where the blocks are stored (mesh.index.tiers; None: the device)
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,6 +65,7 @@ class Remove:
     """Blocks removed (evicted) from the stream, by engine hash; unknown hashes are counted, not errors."""
 
     engine_hashes: Sequence[int]
+    medium: str | None = None  # the tier they left (mesh.index.tiers); None: every tier
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,6 +13,11 @@ Semantics (what ``match`` is exact against; ``tests/test_index_model.py`` holds 
 * ``remove(stream, ehs)``: each held block is dropped together with every block stored below it in
   that stream (the engine can no longer reach them through the prefix). Unknown hashes are counted.
 * ``clear(stream)``: the stream holds nothing.
+* Tiers (:mod:`mesh.index.tiers`): a block is held on a set of mediums (the engine's ``medium``;
+  None = the device). A store adds its medium to the blocks (held ones included); a removal
+  *with* a medium takes only that medium away and removes (as above) only the blocks it leaves on
+  no medium; a removal without a medium removes the blocks outright. Blocks held on the device
+  alone cost nothing extra (``_Stream.tiers`` lists only the others).
 * A worker holds content key ``k`` if any of its streams holds a block with key ``k``;
   ``match(keys)`` gives each worker the largest ``n`` with ``keys[0..n)`` all held.
 
@@ -57,6 +62,7 @@ from mesh.index.ops import ROOT_KEY, Clear, IndexOp, Remove, Store, Stream
 from mesh.index.result import MatchResult
 from mesh.index.sequence import BatchVerdict, SeqState, Verdict, check
 from mesh.index.speculative import ApproxIndex
+from mesh.index.tiers import DEVICE_BIT, MediumBook, drop_medium, mark_medium
 from mesh.index.walk import walk_levels
 
 __all__ = ["PrefixIndex", "KeyFn"]
@@ -84,6 +90,8 @@ class _Stream:
     runs: dict[_Run, None] = field(default_factory=dict)  # ordered set of this stream's runs
     alias: dict[int, list[_Run]] = field(default_factory=dict)  # key -> extra runs holding it
     seq: SeqState = field(default_factory=SeqState)
+    # engine hash -> medium mask (mesh.index.tiers) of the blocks not held on the device alone
+    tiers: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +126,9 @@ class _Counters:
     new_epochs: int = 0
     stale_epochs: int = 0
     resets: int = 0
+    demotions: int = 0  # a block removed from one medium while another still holds it
+    tier_stores: int = 0  # a held block stored on one more medium
+    tier_misses: int = 0  # a removal from a medium the block was not on (ignored)
 
 
 class PrefixIndex:
@@ -149,6 +160,7 @@ class PrefixIndex:
         self._version = 0
         self.c = _Counters()
         self.spec = ApproxIndex(max_entries=spec_max_entries, default_ttl_s=spec_ttl_s)
+        self.media = MediumBook()
 
     def set_max_entries(self, max_entries: int | None) -> None:
         """The entry budget (None = unbounded); a smaller one takes effect at the next store."""
@@ -267,10 +279,13 @@ class PrefixIndex:
         parent_engine_hash: int | None,
         engine_hashes: Sequence[int],
         content_keys: Sequence[int],
+        medium: str | None = None,
     ) -> int:
         """Store a chain of blocks; returns how many became new entries (0 for an orphan).
 
         ``content_keys`` must be chained from ``resolve_parent_key(stream, parent_engine_hash)``.
+        ``medium``: where the engine stored them (:mod:`mesh.index.tiers`; None = the device); a
+        block already held gains that medium.
         """
         n = len(engine_hashes)
         if len(content_keys) != n:
@@ -293,6 +308,9 @@ class PrefixIndex:
             return 0
         self._version += 1
         ehmap = s.ehmap
+        bit = DEVICE_BIT if medium is None else self.media.bit(medium)
+        tiered = bit != DEVICE_BIT or bool(s.tiers)
+        prev = {e: s.tiers.get(e, DEVICE_BIT) for e in engine_hashes if e in ehmap} if tiered else None
         uniq = set(engine_hashes)
         if len(uniq) == n and ehmap.keys().isdisjoint(uniq):
             self._attach(s, prun, poff, engine_hashes, content_keys)
@@ -300,6 +318,8 @@ class PrefixIndex:
         else:
             added = self._store_slow(s, prun, poff, engine_hashes, content_keys)
         c.blocks_stored += added
+        if prev is not None:
+            c.tier_stores += mark_medium(s.tiers, s.ehmap, engine_hashes, bit, prev)
         if self.spec._tails:
             self.spec.close(s.worker.worker_id, content_keys)
         if self.max_entries is not None and self.entries > self.max_entries:
@@ -477,6 +497,10 @@ class PrefixIndex:
         ehmap = s.ehmap
         for e in gone_ehs:
             del ehmap[e]
+        if s.tiers:
+            tiers = s.tiers
+            for e in gone_ehs:
+                tiers.pop(e, None)
         self._unhold(s, run, gone_keys)
         n = len(gone_ehs)
         self.entries -= n
@@ -494,14 +518,25 @@ class PrefixIndex:
         del run.stream.runs[run]
         del self._lru[run]
 
-    def remove(self, stream: Stream, engine_hashes: Iterable[int]) -> int:
-        """Remove blocks (and everything below them in the stream); returns entries dropped."""
+    def remove(self, stream: Stream, engine_hashes: Iterable[int], medium: str | None = None) -> int:
+        """Remove blocks (and everything below them in the stream); returns entries dropped.
+
+        With ``medium`` only that medium's ownership goes: a block still held on another medium
+        stays (a demotion, :mod:`mesh.index.tiers`), a block whose last medium went is removed."""
         c = self.c
         c.removes += 1
         s = self._streams.get(stream)
         if s is None:
             c.unknown_removes += sum(1 for _ in engine_hashes)
             return 0
+        if medium is not None:
+            bit = self.media.bit(medium)
+            if bit != DEVICE_BIT or s.tiers:
+                engine_hashes, demoted, missed = drop_medium(s.tiers, s.ehmap, engine_hashes, bit)
+                c.demotions += demoted
+                c.tier_misses += missed
+                if demoted:
+                    self._version += 1  # the tiers a match reports changed
         get = s.ehmap.get
         groups: dict[_Run, list[int]] = {}
         unknown = 0
@@ -573,6 +608,7 @@ class PrefixIndex:
         s.ehmap = {}
         s.runs = {}
         s.alias = {}
+        s.tiers = {}
         self.entries -= n
         return n
 
@@ -594,9 +630,9 @@ class PrefixIndex:
                     if len(op.token_ids) != len(op.engine_hashes) * op.block_size:
                         raise ValueError("token_ids must hold block_size tokens per engine hash")
                     keys = self.key_fn(op.token_ids, op.block_size, pk)
-                delta += self.store(stream, op.parent_engine_hash, op.engine_hashes, keys)
+                delta += self.store(stream, op.parent_engine_hash, op.engine_hashes, keys, op.medium)
             elif t is Remove:
-                delta -= self.remove(stream, op.engine_hashes)
+                delta -= self.remove(stream, op.engine_hashes, op.medium)
             elif t is Clear:
                 delta -= self.clear(stream)
             else:
@@ -677,7 +713,8 @@ class PrefixIndex:
             else:
                 self._touch(deepest)
         return MatchResult(
-            len(keys), ev, sp, self._workers, (self, self.spec), self._workers_by_id, self.spec.sorted_worker_ids
+            len(keys), ev, sp, self._workers, (self, self.spec), self._workers_by_id, self.spec.sorted_worker_ids,
+            keys=keys, media=self.media,
         )
 
     def _workers_by_id(self) -> list[_Worker]:
@@ -720,6 +757,7 @@ class PrefixIndex:
             "runs": len(self._lru),
             "max_entries": self.max_entries,
             "bytes_estimate": self._bytes_estimate(),
+            "tiered_entries": sum(len(s.tiers) for s in self._streams.values()),  # held off the device too/only
         }
         out.update({f: getattr(c, f) for f in c.__slots__})
         out["events_applied"] = c.stores + c.removes + c.clears

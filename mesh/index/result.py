@@ -16,10 +16,11 @@ changed tables; call :meth:`MatchResult.to_dict` to keep a detached copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from mesh.errors import MeshError
+from mesh.index.tiers import path_tier_blocks
 
 __all__ = ["WorkerMatch", "MatchResult", "StaleMatchError"]
 
@@ -70,7 +71,8 @@ def _deepest(depths: list[int], holders: list[Any], who: Any, has: Any) -> int:
 class MatchResult:
     """Per-worker prefix matches of one query (see module docstring for cost and validity)."""
 
-    __slots__ = ("query_blocks", "_ed", "_eh", "_sd", "_sh", "_workers", "_guards", "_sorted_ev", "_sorted_sp")
+    __slots__ = ("query_blocks", "_ed", "_eh", "_sd", "_sh", "_workers", "_guards", "_sorted_ev", "_sorted_sp",
+                 "_keys", "_media")
 
     def __init__(
         self,
@@ -81,6 +83,9 @@ class MatchResult:
         guards: tuple[Any, ...],
         sorted_event_workers: Callable[[], list[Any]] | None = None,
         sorted_spec_workers: Callable[[], list[str]] | None = None,
+        *,
+        keys: Sequence[int] | None = None,
+        media: Any = None,
     ) -> None:
         self.query_blocks = query_blocks
         self._ed, self._eh = event_levels
@@ -91,6 +96,8 @@ class MatchResult:
         # huge tied level without scanning it.
         self._sorted_ev = sorted_event_workers
         self._sorted_sp = sorted_spec_workers
+        self._keys = keys  # the query (tier_blocks walks the matched path)
+        self._media = media  # the index's mesh.index.tiers.MediumBook
 
     # -- validity ---------------------------------------------------------------------------
     @property
@@ -162,6 +169,47 @@ class MatchResult:
             if d > blocks:
                 blocks = d
         return blocks
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the index has seen a medium besides the device (else :meth:`lower_tier_blocks`
+        is (0, 0) for everyone)."""
+        return self._media is not None and self._media.tiered
+
+    def tier_blocks(self, worker_id: str) -> tuple[int, int, int]:
+        """The worker's matched blocks per tier level ``(device, host, store)``
+        (:mod:`mesh.index.tiers`), each block at the fastest tier holding it; they sum to
+        :meth:`matched_blocks`. Speculative depth beyond the events counts as device (the worker
+        was just sent that prompt)."""
+        host, store = self.lower_tier_blocks(worker_id)
+        return self.matched_blocks(worker_id) - host - store, host, store
+
+    def lower_tier_blocks(self, worker_id: str) -> tuple[int, int]:
+        """``(host, store)``: how many of the worker's matched blocks are held only below the
+        device (:meth:`tier_blocks`). O(1) while the index has seen no medium but the device,
+        and for a worker with nothing off the device; else O(matched blocks)."""
+        media = self._media
+        if media is None or not media.tiered or not self._ed or self._workers is None or self._keys is None:
+            return 0, 0
+        self._check()
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0, 0
+        best = None  # (depth, -rank, stream): the deepest event-fed stream, lowest rank on ties
+        for rank, s in w.streams.items():
+            d = _deepest(self._ed, self._eh, s, _has_stream)
+            if d and (best is None or (d, -rank) > best[:2]):
+                best = (d, -rank, s)
+        if best is None or not best[2].tiers:
+            return 0, 0
+        d, _, s = best
+        key = self._keys[d - 1]
+        h = self._eh[next(i for i, x in enumerate(self._ed) if x >= d)]
+        run = h[s] if type(h) is dict else h
+        keys = run.keys
+        off = len(keys) - 1 if keys[-1] == key else keys.index(key)  # the run holds the key (holder table)
+        _, host, store = path_tier_blocks(run, off, d, s.tiers, media)
+        return host, store
 
     # -- rankings ---------------------------------------------------------------------------
     def _merged_levels(self) -> list[tuple[int, int, Any]]:

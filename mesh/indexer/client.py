@@ -309,7 +309,7 @@ class MatchView:
     """
 
     __slots__ = ("query_blocks", "best_blocks", "blocks_read", "matched_workers", "server_time_ns", "replica",
-                 "incomplete", "_levels", "_by_worker")
+                 "incomplete", "_levels", "_by_worker", "_tiers")
 
     def __init__(self, resp: pb.MatchPrefixResponse, replica: str = "", incomplete: bool = False) -> None:
         # incomplete: the replica restarted and its resyncs are not all in yet (routers count the
@@ -323,10 +323,19 @@ class MatchView:
         self.replica = replica
         self._levels = resp.levels
         self._by_worker: dict[str, int] | None = None
+        self._tiers: dict[str, tuple[int, int]] | None = None
 
     @property
     def empty(self) -> bool:
         return not self._levels
+
+    def lower_tier_blocks(self, worker_id: str) -> tuple[int, int]:
+        """``(host, store)`` matched blocks held only off the device (mesh.index.tiers)."""
+        t = self._tiers
+        if t is None:
+            t = self._tiers = {w: (h, s) for lvl in self._levels if lvl.host_blocks
+                               for w, h, s in zip(lvl.worker_ids, lvl.host_blocks, lvl.store_blocks)}
+        return t.get(worker_id, (0, 0))
 
     def _table(self) -> dict[str, int]:
         t = self._by_worker

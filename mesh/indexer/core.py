@@ -450,7 +450,7 @@ class IndexerCore:
               "_asked_at", "coverage")
 
     #: Bumped whenever the shape of a checkpoint changes; another version's checkpoint is refused.
-    STATE_VERSION = 2
+    STATE_VERSION = 3  # 3: the index keeps KV tiers (per-stream medium masks, its MediumBook)
 
     def dump_state(self) -> bytes:
         """The whole index state as bytes (pickle: only ever loaded from a store this service
@@ -716,6 +716,7 @@ def _match_response(m: Any, n_keys: int, max_results: int, single_rank: bool) ->
     matched = 0
     room = max_results if max_results > 0 else -1
     levels = resp.levels
+    tiered = getattr(m, "tiered", False)
     for depth, ids, ranks in _depth_groups(m, single_rank):
         matched += len(ids)
         if room == 0:
@@ -725,10 +726,21 @@ def _match_response(m: Any, n_keys: int, max_results: int, single_rank: bool) ->
         lvl = levels.add(matched_blocks=depth)
         lvl.worker_ids.extend(ids)
         lvl.dp_ranks.extend(ranks)
+        if tiered:
+            _add_tiers(lvl, m, ids)
         if room > 0:
             room -= len(ids)
     resp.matched_workers = matched
     return resp
+
+
+def _add_tiers(lvl: Any, m: Any, ids: list[str]) -> None:
+    """The level's ``host_blocks`` / ``store_blocks`` (left empty when all its workers' matches
+    are on the device)."""
+    tiers = [m.lower_tier_blocks(w) for w in ids]
+    if any(h or s for h, s in tiers):
+        lvl.host_blocks.extend(h for h, _ in tiers)
+        lvl.store_blocks.extend(s for _, s in tiers)
 
 
 def _depth_groups(m: Any, single_rank: bool):

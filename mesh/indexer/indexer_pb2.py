@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amesh/indexer/indexer.proto\x12\x0fmesh.indexer.v1\"\x94\x01\n\x13\x41pplyKvBatchRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x18\n\x0e\x65vents_msgpack\x18\x05 \x01(\x0cH\x00\x12\x18\n\x0ekv_events_body\x18\x06 \x01(\x0cH\x00\x42\t\n\x07payload\"\x96\x01\n\x12\x41pplyKvBatchResult\x12)\n\x07verdict\x18\x01 \x01(\x0e\x32\x18.mesh.indexer.v1.Verdict\x12\x0e\n\x06missed\x18\x02 \x01(\x04\x12\x15\n\rresync_needed\x18\x03 \x01(\x08\x12\x16\n\x0e\x65vents_applied\x18\x04 \x01(\r\x12\x16\n\x0e\x65vents_skipped\x18\x05 \x01(\r\"N\n\x15\x41pplyKvBatchesRequest\x12\x35\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32$.mesh.indexer.v1.ApplyKvBatchRequest\"g\n\x16\x41pplyKvBatchesResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.mesh.indexer.v1.ApplyKvBatchResult\x12\x17\n\x0fserver_instance\x18\x02 \x01(\x06\"q\n\x12MatchPrefixRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_results\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x11\n\tnamespace\x18\x05 \x01(\t\"J\n\nMatchLevel\x12\x16\n\x0ematched_blocks\x18\x01 \x01(\r\x12\x12\n\nworker_ids\x18\x02 \x03(\t\x12\x10\n\x08\x64p_ranks\x18\x03 \x03(\r\"\xee\x01\n\x13MatchPrefixResponse\x12+\n\x06levels\x18\x01 \x03(\x0b\x32\x1b.mesh.indexer.v1.MatchLevel\x12\x1a\n\x12\x62\x65st_prefix_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x62locks_read\x18\x03 \x01(\r\x12\x14\n\x0cquery_blocks\x18\x04 \x01(\r\x12\x17\n\x0fmatched_workers\x18\x05 \x01(\r\x12\x16\n\x0eserver_time_ns\x18\x06 \x01(\x04\x12\x19\n\x11uncovered_streams\x18\x07 \x01(\r\x12\x17\n\x0fserver_instance\x18\x08 \x01(\x06\"P\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x10\n\x08\x64p_ranks\x18\x03 \x03(\r\"\x18\n\x16RegisterWorkerResponse\"(\n\x13\x46orgetWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"/\n\x14\x46orgetWorkerResponse\x12\x17\n\x0f\x65ntries_dropped\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xf4\x04\n\rStatsResponse\x12\x0f\n\x07workers\x18\x01 \x01(\x04\x12\x0f\n\x07streams\x18\x02 \x01(\x04\x12\x19\n\x11untrusted_streams\x18\x03 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\x12\x15\n\runique_blocks\x18\x05 \x01(\x04\x12\x13\n\x0bmax_entries\x18\x06 \x01(\x04\x12\x16\n\x0e\x62ytes_estimate\x18\x07 \x01(\x04\x12\x18\n\x10\x62\x61tches_received\x18\x08 \x01(\x04\x12\x17\n\x0f\x62\x61tches_applied\x18\t \x01(\x04\x12\x16\n\x0e\x65vents_applied\x18\n \x01(\x04\x12\x12\n\nduplicates\x18\x0b \x01(\x04\x12\x0c\n\x04gaps\x18\x0c \x01(\x04\x12\x0f\n\x07resyncs\x18\r \x01(\x04\x12\x12\n\nnew_epochs\x18\x0e \x01(\x04\x12\x14\n\x0cstale_epochs\x18\x0f \x01(\x04\x12\x11\n\tevictions\x18\x10 \x01(\x04\x12\x0f\n\x07queries\x18\x11 \x01(\x04\x12\x14\n\x0cqueries_shed\x18\x12 \x01(\x04\x12\x17\n\x0fserver_instance\x18\x13 \x01(\x06\x12>\n\x08\x63ounters\x18\x14 \x03(\x0b\x32,.mesh.indexer.v1.StatsResponse.CountersEntry\x12\x14\n\x0cmatch_p50_us\x18\x15 \x01(\x01\x12\x14\n\x0cmatch_p99_us\x18\x16 \x01(\x01\x12\x19\n\x11uncovered_streams\x18\x17 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x18 \x01(\t\x12\r\n\x05ready\x18\x19 \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*\x90\x01\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\t\n\x05\x41PPLY\x10\x01\x12\r\n\tDUPLICATE\x10\x02\x12\x07\n\x03GAP\x10\x03\x12\r\n\tNEW_EPOCH\x10\x04\x12\x0f\n\x0bSTALE_EPOCH\x10\x05\x12\x0c\n\x08RESYNCED\x10\x06\x12\r\n\tUNTRUSTED\x10\x07\x12\x0c\n\x08REJECTED\x10\x08\x32\xa9\x04\n\x07Indexer\x12Y\n\x0c\x41pplyKvBatch\x12$.mesh.indexer.v1.ApplyKvBatchRequest\x1a#.mesh.indexer.v1.ApplyKvBatchResult\x12\x61\n\x0e\x41pplyKvBatches\x12&.mesh.indexer.v1.ApplyKvBatchesRequest\x1a\'.mesh.indexer.v1.ApplyKvBatchesResponse\x12X\n\x0bMatchPrefix\x12#.mesh.indexer.v1.MatchPrefixRequest\x1a$.mesh.indexer.v1.MatchPrefixResponse\x12\x61\n\x0eRegisterWorker\x12&.mesh.indexer.v1.RegisterWorkerRequest\x1a\'.mesh.indexer.v1.RegisterWorkerResponse\x12[\n\x0c\x46orgetWorker\x12$.mesh.indexer.v1.ForgetWorkerRequest\x1a%.mesh.indexer.v1.ForgetWorkerResponse\x12\x46\n\x05Stats\x12\x1d.mesh.indexer.v1.StatsRequest\x1a\x1e.mesh.indexer.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amesh/indexer/indexer.proto\x12\x0fmesh.indexer.v1\"\x94\x01\n\x13\x41pplyKvBatchRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x18\n\x0e\x65vents_msgpack\x18\x05 \x01(\x0cH\x00\x12\x18\n\x0ekv_events_body\x18\x06 \x01(\x0cH\x00\x42\t\n\x07payload\"\x96\x01\n\x12\x41pplyKvBatchResult\x12)\n\x07verdict\x18\x01 \x01(\x0e\x32\x18.mesh.indexer.v1.Verdict\x12\x0e\n\x06missed\x18\x02 \x01(\x04\x12\x15\n\rresync_needed\x18\x03 \x01(\x08\x12\x16\n\x0e\x65vents_applied\x18\x04 \x01(\r\x12\x16\n\x0e\x65vents_skipped\x18\x05 \x01(\r\"N\n\x15\x41pplyKvBatchesRequest\x12\x35\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32$.mesh.indexer.v1.ApplyKvBatchRequest\"g\n\x16\x41pplyKvBatchesResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.mesh.indexer.v1.ApplyKvBatchResult\x12\x17\n\x0fserver_instance\x18\x02 \x01(\x06\"q\n\x12MatchPrefixRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_results\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x11\n\tnamespace\x18\x05 \x01(\t\"u\n\nMatchLevel\x12\x16\n\x0ematched_blocks\x18\x01 \x01(\r\x12\x12\n\nworker_ids\x18\x02 \x03(\t\x12\x10\n\x08\x64p_ranks\x18\x03 \x03(\r\x12\x13\n\x0bhost_blocks\x18\x08 \x03(\r\x12\x14\n\x0cstore_blocks\x18\t \x03(\r\"\xee\x01\n\x13MatchPrefixResponse\x12+\n\x06levels\x18\x01 \x03(\x0b\x32\x1b.mesh.indexer.v1.MatchLevel\x12\x1a\n\x12\x62\x65st_prefix_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x62locks_read\x18\x03 \x01(\r\x12\x14\n\x0cquery_blocks\x18\x04 \x01(\r\x12\x17\n\x0fmatched_workers\x18\x05 \x01(\r\x12\x16\n\x0eserver_time_ns\x18\x06 \x01(\x04\x12\x19\n\x11uncovered_streams\x18\x07 \x01(\r\x12\x17\n\x0fserver_instance\x18\x08 \x01(\x06\"P\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x10\n\x08\x64p_ranks\x18\x03 \x03(\r\"\x18\n\x16RegisterWorkerResponse\"(\n\x13\x46orgetWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"/\n\x14\x46orgetWorkerResponse\x12\x17\n\x0f\x65ntries_dropped\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xf4\x04\n\rStatsResponse\x12\x0f\n\x07workers\x18\x01 \x01(\x04\x12\x0f\n\x07streams\x18\x02 \x01(\x04\x12\x19\n\x11untrusted_streams\x18\x03 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\x12\x15\n\runique_blocks\x18\x05 \x01(\x04\x12\x13\n\x0bmax_entries\x18\x06 \x01(\x04\x12\x16\n\x0e\x62ytes_estimate\x18\x07 \x01(\x04\x12\x18\n\x10\x62\x61tches_received\x18\x08 \x01(\x04\x12\x17\n\x0f\x62\x61tches_applied\x18\t \x01(\x04\x12\x16\n\x0e\x65vents_applied\x18\n \x01(\x04\x12\x12\n\nduplicates\x18\x0b \x01(\x04\x12\x0c\n\x04gaps\x18\x0c \x01(\x04\x12\x0f\n\x07resyncs\x18\r \x01(\x04\x12\x12\n\nnew_epochs\x18\x0e \x01(\x04\x12\x14\n\x0cstale_epochs\x18\x0f \x01(\x04\x12\x11\n\tevictions\x18\x10 \x01(\x04\x12\x0f\n\x07queries\x18\x11 \x01(\x04\x12\x14\n\x0cqueries_shed\x18\x12 \x01(\x04\x12\x17\n\x0fserver_instance\x18\x13 \x01(\x06\x12>\n\x08\x63ounters\x18\x14 \x03(\x0b\x32,.mesh.indexer.v1.StatsResponse.CountersEntry\x12\x14\n\x0cmatch_p50_us\x18\x15 \x01(\x01\x12\x14\n\x0cmatch_p99_us\x18\x16 \x01(\x01\x12\x19\n\x11uncovered_streams\x18\x17 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x18 \x01(\t\x12\r\n\x05ready\x18\x19 \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*\x90\x01\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\t\n\x05\x41PPLY\x10\x01\x12\r\n\tDUPLICATE\x10\x02\x12\x07\n\x03GAP\x10\x03\x12\r\n\tNEW_EPOCH\x10\x04\x12\x0f\n\x0bSTALE_EPOCH\x10\x05\x12\x0c\n\x08RESYNCED\x10\x06\x12\r\n\tUNTRUSTED\x10\x07\x12\x0c\n\x08REJECTED\x10\x08\x32\xa9\x04\n\x07Indexer\x12Y\n\x0c\x41pplyKvBatch\x12$.mesh.indexer.v1.ApplyKvBatchRequest\x1a#.mesh.indexer.v1.ApplyKvBatchResult\x12\x61\n\x0e\x41pplyKvBatches\x12&.mesh.indexer.v1.ApplyKvBatchesRequest\x1a\'.mesh.indexer.v1.ApplyKvBatchesResponse\x12X\n\x0bMatchPrefix\x12#.mesh.indexer.v1.MatchPrefixRequest\x1a$.mesh.indexer.v1.MatchPrefixResponse\x12\x61\n\x0eRegisterWorker\x12&.mesh.indexer.v1.RegisterWorkerRequest\x1a\'.mesh.indexer.v1.RegisterWorkerResponse\x12[\n\x0c\x46orgetWorker\x12$.mesh.indexer.v1.ForgetWorkerRequest\x1a%.mesh.indexer.v1.ForgetWorkerResponse\x12\x46\n\x05Stats\x12\x1d.mesh.indexer.v1.StatsRequest\x1a\x1e.mesh.indexer.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_VERDICT']._serialized_start=1815
-  _globals['_VERDICT']._serialized_end=1959
+  _globals['_VERDICT']._serialized_start=1858
+  _globals['_VERDICT']._serialized_end=2002
   _globals['_APPLYKVBATCHREQUEST']._serialized_start=48
   _globals['_APPLYKVBATCHREQUEST']._serialized_end=196
   _globals['_APPLYKVBATCHRESULT']._serialized_start=199
@@ -47,23 +47,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MATCHPREFIXREQUEST']._serialized_start=536
   _globals['_MATCHPREFIXREQUEST']._serialized_end=649
   _globals['_MATCHLEVEL']._serialized_start=651
-  _globals['_MATCHLEVEL']._serialized_end=725
-  _globals['_MATCHPREFIXRESPONSE']._serialized_start=728
-  _globals['_MATCHPREFIXRESPONSE']._serialized_end=966
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=968
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1048
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1050
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1074
-  _globals['_FORGETWORKERREQUEST']._serialized_start=1076
-  _globals['_FORGETWORKERREQUEST']._serialized_end=1116
-  _globals['_FORGETWORKERRESPONSE']._serialized_start=1118
-  _globals['_FORGETWORKERRESPONSE']._serialized_end=1165
-  _globals['_STATSREQUEST']._serialized_start=1167
-  _globals['_STATSREQUEST']._serialized_end=1181
-  _globals['_STATSRESPONSE']._serialized_start=1184
-  _globals['_STATSRESPONSE']._serialized_end=1812
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=1765
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=1812
-  _globals['_INDEXER']._serialized_start=1962
-  _globals['_INDEXER']._serialized_end=2515
+  _globals['_MATCHLEVEL']._serialized_end=768
+  _globals['_MATCHPREFIXRESPONSE']._serialized_start=771
+  _globals['_MATCHPREFIXRESPONSE']._serialized_end=1009
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1011
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1091
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1093
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1117
+  _globals['_FORGETWORKERREQUEST']._serialized_start=1119
+  _globals['_FORGETWORKERREQUEST']._serialized_end=1159
+  _globals['_FORGETWORKERRESPONSE']._serialized_start=1161
+  _globals['_FORGETWORKERRESPONSE']._serialized_end=1208
+  _globals['_STATSREQUEST']._serialized_start=1210
+  _globals['_STATSREQUEST']._serialized_end=1224
+  _globals['_STATSRESPONSE']._serialized_start=1227
+  _globals['_STATSRESPONSE']._serialized_end=1855
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=1808
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=1855
+  _globals['_INDEXER']._serialized_start=2005
+  _globals['_INDEXER']._serialized_end=2558
 # @@protoc_insertion_point(module_scope)

@@ -88,14 +88,18 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_results: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class MatchLevel(_message.Message):
-    __slots__ = ("matched_blocks", "worker_ids", "dp_ranks")
+    __slots__ = ("matched_blocks", "worker_ids", "dp_ranks", "host_blocks", "store_blocks")
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     DP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     matched_blocks: int
     worker_ids: _containers.RepeatedScalarFieldContainer[str]
     dp_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, matched_blocks: _Optional[int] = ..., worker_ids: _Optional[_Iterable[str]] = ..., dp_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    host_blocks: _containers.RepeatedScalarFieldContainer[int]
+    store_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, matched_blocks: _Optional[int] = ..., worker_ids: _Optional[_Iterable[str]] = ..., dp_ranks: _Optional[_Iterable[int]] = ..., host_blocks: _Optional[_Iterable[int]] = ..., store_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
     __slots__ = ("levels", "best_prefix_blocks", "blocks_read", "query_blocks", "matched_workers", "server_time_ns", "uncovered_streams", "server_instance")

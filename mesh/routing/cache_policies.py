@@ -48,6 +48,13 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    (:class:`mesh.load.PrefillRateEstimate`); with SGLang's two-sample rate a one-page interval
    made a queue look 25x longer, and every margin tried lost shared_prefix (docs/routing.md).
 
+**Tiered caches** (SGLang HiCache, vLLM offloading; :mod:`mesh.index.tiers`): a matched token held
+only in an engine's host memory counts ``tier_weights[1]`` (0.75) of a device hit, one only on
+disk or a shared store ``tier_weights[2]`` (0.25), Dynamo's figures; the weighted hit is what the
+affinity threshold and the cost model see. With ``calibrate`` and ``learn_tiers`` the weights are
+learnt from the outcomes of picks that had lower-tier tokens
+(:class:`mesh.routing.calibration.TierCostLearner`).
+
 The predicted time to first token::
 
     ttft_ms(w) = theta . (1, prefill_ms, step_ms, kv_full)
@@ -100,7 +107,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from mesh.routing.calibration import CalibrationSettings, TtftCalibrator
+from mesh.routing.calibration import CalibrationSettings, TierCostLearner, TtftCalibrator
 from mesh.routing.view import Decision, WorkerState
 
 try:  # xxhash is a dependency; zlib's crc32 is the fallback
@@ -180,7 +187,8 @@ class CacheAware:
                  load_slack: float = 1.0, calibrate: bool = True, calibration: CalibrationSettings | None = None,
                  cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
                  imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 200.0,
-                 stall_queue_ms: float = 1000.0) -> None:
+                 stall_queue_ms: float = 1000.0, tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
+                 learn_tiers: bool = True) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -232,6 +240,11 @@ class CacheAware:
         # the last tie-break of the miss rule: sent (default), the worker the fleet's routers have
         # sent the least prefill work so far; id: the lowest worker id, as greedy
         self.miss_sent = miss_order == "sent"
+        # a matched token held only on the host / a disk or shared store is worth this share of a
+        # device hit (Dynamo's 0.75 / 0.25); with calibrate and learn_tiers, learnt from outcomes
+        self.tier_learner = TierCostLearner(tier_weights)
+        self.tier_weights = tuple(float(v) for v in tier_weights)
+        self.learn_tiers = learn_tiers
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
@@ -331,6 +344,35 @@ class CacheAware:
         x = decision.detail.get("cost_x")
         if x is not None:
             self.calibrator.observe(x, ttft_ms, decision.detail.get("predicted_ttft_ms"))
+        tm = decision.detail.get("tier_ms")
+        if tm is not None and self.learn_tiers and self.calibrate:
+            self.tier_learner.observe(tm, decision.detail["tier_u"], ttft_ms, decision.detail.get("predicted_ttft_ms", 0.0))
+
+    def route_tier_weights(self) -> tuple[float, float, float]:
+        """The tier weights decisions use now: the learnt ones (``learn_tiers``, ``calibrate``)
+        or the configured ones."""
+        if self.calibrate and self.learn_tiers:
+            return self.tier_learner.weights(self.tier_weights[0])
+        return self.tier_weights
+
+    @staticmethod
+    def _tier_tokens(hit: int, host_blocks: int, store_blocks: int, bs: int) -> tuple[int, int]:
+        """Host and store tokens of a ``hit``-token match (a hit is capped at the prompt minus
+        one token: the cap comes off the lowest tier first)."""
+        store = min(store_blocks * bs, hit)
+        host = min(host_blocks * bs, hit - store)
+        return host, store
+
+    def _tier_detail(self, w: WorkerState, host_tok: int, store_tok: int, weights) -> dict:
+        """Decision detail of a pick with lower-tier tokens: their recompute times in ms at the
+        prediction's rate (``tier_ms``) and the costs it assumed (``tier_u``), for
+        :meth:`observe`."""
+        rate = w.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
+        cal = self.calibrator
+        scale = max(0.0, cal.theta[1]) if self.calibrate and cal.use_fit else 1.0
+        return {"tier_tokens": (host_tok, store_tok),
+                "tier_ms": (scale * 1000.0 * host_tok / rate, scale * 1000.0 * store_tok / rate),
+                "tier_u": (1.0 - weights[1], 1.0 - weights[2])}
 
     def _fits(self, w: WorkerState, prompt_tokens: int, now_s: float) -> bool:
         """False when w's fresh telemetry says the prompt would not fit beside its active KV."""
@@ -350,11 +392,21 @@ class CacheAware:
         # without cost ties the banded choice reads loads and hits only: the prediction is made
         # for the chosen worker alone (decision detail, calibration), not for every candidate
         lazy = self.affinity_threshold > 0 and (ct == "never" or (ct == "auto" and not self.calibrator.trusted))
+        # tiered caches (mesh.index.tiers): a hit held only on the host or a store counts its weight
+        lower = getattr(match, "lower_tier_blocks", None) if match is not None else None
+        tiered: dict[str, tuple[int, int, int]] = {}  # worker id -> (raw hit, host tokens, store tokens)
+        weights = self.route_tier_weights() if lower is not None else self.tier_weights
         for w in cands:
             blocks = known.get(w.worker_id)
             if blocks is None:
                 blocks = 0 if complete or match is None else match.matched_blocks(w.worker_id)
             hit = min(blocks * bs, max(0, L - 1))
+            if lower is not None and hit:
+                hb, sb = lower(w.worker_id)
+                if hb or sb:
+                    ht, st = self._tier_tokens(hit, hb, sb, bs)
+                    tiered[w.worker_id] = (hit, ht, st)
+                    hit = round(hit - (1.0 - weights[1]) * ht - (1.0 - weights[2]) * st)
             if hit > best_hit:
                 best_hit = hit
             if lazy:
@@ -384,8 +436,12 @@ class CacheAware:
             reason = "cache_hit"
         else:
             reason = "load_override"
-        return Decision(wid, reason, matched_blocks=hit // bs if bs else 0,
-                        detail={"predicted_ttft_ms": round(cost_ms, 3), "uncached_tokens": L - hit, "cost_x": x})
+        detail = {"predicted_ttft_ms": round(cost_ms, 3), "uncached_tokens": L - hit, "cost_x": x}
+        t = tiered.get(wid)
+        if t is not None:
+            hit = t[0]  # matched_blocks reports what the worker holds; the weighting is in the detail
+            detail.update(self._tier_detail(w, t[1], t[2], weights))
+        return Decision(wid, reason, matched_blocks=hit // bs if bs else 0, detail=detail)
 
     def _choose_banded(self, scored, prompt_tokens: int, now_s: float, rid: str):
         """Load first, then cache, then cost (see the module docstring): the holders of at least

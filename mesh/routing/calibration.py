@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["TtftCalibrator", "CalibrationSettings"]
+__all__ = ["TtftCalibrator", "CalibrationSettings", "TierCostLearner"]
 
 N_FEATURES = 4
 # plausible range of each fitted term: overhead ms, prefill multiplier, step multiplier, kv-full ms
@@ -184,3 +184,75 @@ class TtftCalibrator:
                 "fit_rel_err": None if self.fit_rel_err is None else round(self.fit_rel_err, 4),
                 "rel_err": None if self.rel_err is None else round(self.rel_err, 4),
                 "raw_rel_err": None if self.raw_rel_err is None else round(self.raw_rel_err, 4)}
+
+
+class TierCostLearner:
+    """Learns what a hit on a lower KV tier costs, from outcomes (``cache_aware``'s tier weights).
+
+    ``cache_aware`` credits a matched token held only on the host (or on disk / a shared store)
+    ``w`` of a device hit (:mod:`mesh.index.tiers`; Dynamo's 0.75 / 0.25 by default): such a
+    token costs ``u = 1 - w`` of its recompute time (the transfer). This learner fits ``u`` per
+    tier from the decisions whose pick had lower-tier tokens: with ``c_t`` the recompute time of
+    the tier's tokens (ms, at the prefill rate the prediction used) and ``r`` the prediction's
+    error, the tier part of the first-reply time was ``y = r + sum(u_used_t * c_t)``, and
+    ``y ~ u . c`` is a two-term least-squares fit with forgetting, pulled toward the configured
+    ``u`` by a ridge worth ``prior_weight`` typical outcomes. Outcomes without lower-tier
+    tokens teach it nothing (a fleet without tiers never moves it). The fit is used after
+    ``min_observations`` outcomes, each ``u`` kept in [0, 1] (a lower tier never beats the
+    device, nor costs more than recomputing). Pure: no I/O, no clock.
+    """
+
+    __slots__ = ("prior_u", "forget", "min_observations", "prior_weight", "_n", "_s", "observations")
+
+    def __init__(self, weights: Sequence[float], *, forget: float = 0.99, min_observations: int = 16,
+                 prior_weight: float = 4.0) -> None:
+        if len(weights) != 3 or not all(0.0 <= w <= 1.0 for w in weights):
+            raise ValueError(f"tier weights must be three numbers in [0, 1] (device, host, store), not {weights!r}")
+        self.prior_u = (1.0 - weights[1], 1.0 - weights[2])
+        self.forget = forget
+        self.min_observations = min_observations
+        self.prior_weight = prior_weight
+        self._n = 0.0  # outcomes seen, with forgetting
+        self._s = [0.0, 0.0, 0.0, 0.0, 0.0]  # sums of c_h^2, c_h c_s, c_s^2, c_h y, c_s y (forgetting)
+        self.observations = 0
+
+    def costs(self) -> tuple[float, float]:
+        """``(u_host, u_store)``: the fitted cost of a host / store token, as a share of its
+        recompute time (the configured one until ``min_observations`` outcomes)."""
+        if self.observations < self.min_observations:
+            return self.prior_u
+        hh, hs, ss, hy, sy = self._s
+        g = self.prior_weight * (hh + ss) / self._n  # prior_weight outcomes of the mean size
+        uh0, us0 = self.prior_u
+        a, b, d = hh + g, hs, ss + g
+        e, f = hy + g * uh0, sy + g * us0
+        det = a * d - b * b
+        if det <= 0.0:
+            return self.prior_u
+        uh = (e * d - b * f) / det
+        us = (a * f - b * e) / det
+        return min(1.0, max(0.0, uh)), min(1.0, max(0.0, us))
+
+    def weights(self, device: float = 1.0) -> tuple[float, float, float]:
+        """The tier weights to route by: ``(device, 1 - u_host, 1 - u_store)``."""
+        uh, us = self.costs()
+        return device, 1.0 - uh, 1.0 - us
+
+    def observe(self, tier_ms: Sequence[float], used_u: Sequence[float], actual_ms: float, predicted_ms: float) -> None:
+        """One outcome of a pick with lower-tier tokens: ``tier_ms`` their recompute times
+        ``(c_host, c_store)``, ``used_u`` the costs the prediction assumed. Bad values are ignored."""
+        ch, cs = tier_ms
+        if not (actual_ms >= 0.0) or actual_ms == float("inf") or not (ch > 0.0 or cs > 0.0):
+            return
+        y = actual_ms - predicted_ms + used_u[0] * ch + used_u[1] * cs
+        y = min(max(y, 0.0), 2.0 * (ch + cs))  # clip: one burst the router could not see is not a slow tier
+        lam = self.forget
+        s = self._s
+        for i, v in enumerate((ch * ch, ch * cs, cs * cs, ch * y, cs * y)):
+            s[i] = lam * s[i] + v
+        self._n = lam * self._n + 1.0
+        self.observations += 1
+
+    def snapshot(self) -> dict[str, float | int]:
+        uh, us = self.costs()
+        return {"host_weight": round(1.0 - uh, 4), "store_weight": round(1.0 - us, 4), "observations": self.observations}

@@ -81,6 +81,12 @@ class MergedMatch:
                     out[r] = d
         return out
 
+    def lower_tier_blocks(self, worker_id: str) -> tuple[int, int]:
+        """The event-fed view's ``(host, store)`` blocks (:mod:`mesh.index.tiers`); what only the
+        other view vouches for was just routed there, on the device."""
+        f = getattr(self.a, "lower_tier_blocks", None)
+        return f(worker_id) if f is not None else (0, 0)
+
     def top(self, k: int) -> list:
         best: dict[str, Any] = {}
         for m in (*self.a.top(k), *self.b.top(k)):
