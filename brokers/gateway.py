@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from mesh import protocol as P
 from mesh.broker_core.counters import BrokerStats
+from mesh.broker_core.status import announced_by_model
 from mesh.errors import ErrorCode
 from mesh.logs import add_log_level_arg, announce, get_logger
 from mesh.sockets import CLIENT_DEALER, make_socket
@@ -125,6 +126,11 @@ class BrokerPool:
                 if isinstance(link.catalog.get("model_name"), str):
                     name = link.catalog["model_name"]
         return served, aliases, name
+
+    def announced_tokenizers(self) -> dict[str, str]:
+        """Model -> the tokenizer its engines announced (the ``tokenizer`` of the brokers' STATUS workers)."""
+        return announced_by_model((w.get("model"), w.get("tokenizer")) for w in self.pool()
+                                  if isinstance(w.get("model"), str) and isinstance(w.get("tokenizer"), str))
 
     # ------------------------------------------------------------------ IngressBackend (brokers.ingress.backend)
     def submit(self, identity: bytes, sub: P.Submit, replies: asyncio.Queue, *, quota_key: bytes | None = None) -> None:

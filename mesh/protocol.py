@@ -75,7 +75,9 @@ READY       0x01  w->b    ``worker_id`` str, ``model`` str, ``role`` ``prefill|d
                           ``labels`` map str->str, ``block_size`` int > 0 (tokens per KV
                           page), ``max_running_requests`` int > 0, ``max_total_num_tokens``
                           int > 0, ``dp_size`` int >= 1, ``epoch`` int >= 0 (changes on every
-                          worker start), ``heartbeat_ms`` int > 0 (the worker's interval).
+                          worker start), ``heartbeat_ms`` int > 0 (the worker's interval);
+                          optional ``tokenizer`` str (the engine's tokenizer as it names it: a
+                          model id or a path; absent: unknown, e.g. byte-level simulated workers).
                           Must be the first command; a second READY on a live session is
                           answered with DISCONNECT.
 HEARTBEAT   0x02  both    w->b: ``load`` list of LoadStat tagged arrays, one per DP rank
@@ -223,6 +225,7 @@ MAX_LABELS = 16
 MAX_LABEL_KEY_BYTES = 64
 MAX_LABEL_VALUE_BYTES = 128
 MAX_STATUS_WORKERS = 1024
+MAX_TOKENIZER_ID_BYTES = 1024  # READY ``tokenizer``: a model id or a path
 MAX_TOKEN_ID = 2**32
 # A non-streamed FINAL carries every output token (and its text) back through one frame:
 # 2**18 tokens at up to 5 msgpack bytes each plus their text stays under MAX_FRAME_BYTES, so a
@@ -684,6 +687,9 @@ class Ready:
     dp_size: int
     epoch: int
     heartbeat_ms: int
+    # the engine's tokenizer identity (SGLang ``tokenizer_path``, vLLM ``/v1/models`` ``root``): a
+    # model id or a path; "" unknown (old workers, simulated workers keyed by bytes)
+    tokenizer: str = ""
 
 
 @dataclass(slots=True)
@@ -767,6 +773,8 @@ def encode_ready(r: Ready) -> list[bytes]:
         "epoch": r.epoch,
         "heartbeat_ms": r.heartbeat_ms,
     }
+    if r.tokenizer:
+        body["tokenizer"] = r.tokenizer
     return [WORKER_HEADER, _B[Cmd.READY], pack(body)]
 
 
@@ -836,6 +844,7 @@ def _parse_ready(d: dict) -> Ready:
         dp_size=_int(d, "dp_size", required=False, default=1, lo=1, hi=1024),
         epoch=_int(d, "epoch"),
         heartbeat_ms=_int(d, "heartbeat_ms", required=False, default=500, lo=1, hi=600_000),
+        tokenizer=_str(d, "tokenizer", required=False, max_bytes=MAX_TOKENIZER_ID_BYTES),
     )
 
 

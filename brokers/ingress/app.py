@@ -2,8 +2,9 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`.openai_api`), ``POST
 /generate`` (SGLang native, :mod:`.generate`), ``GET /v1/models``, ``GET /health`` (200 when at least
-one worker is routable), ``GET /readyz``, ``GET /metrics`` (Prometheus; needs the API key when one
-is set, like every path except the health probes), ``GET /workers`` and ``POST
+one worker is routable; ``text_routing``: text requests sent without their model's tokenizer, with the
+fix), ``GET /readyz``, ``GET /metrics`` (Prometheus; needs the API key when one is set, like every
+path except the health probes), ``GET /workers`` and ``POST
 /workers/{id}/drain|eject|reinstate`` (the admin API, on a broker only).
 
 The ingress talks to "a broker" only through :class:`brokers.ingress.backend.IngressBackend`.
@@ -179,7 +180,8 @@ class HttpIngress:
 
     async def health(self, request: web.Request) -> web.Response:
         n = self.backend.routable_workers()
-        return web.json_response({"status": "ok" if n else "no_workers", "workers": n}, status=200 if n else 503)
+        return web.json_response({"status": "ok" if n else "no_workers", "workers": n,
+                                  "text_routing": self.submitter.tokenizers.health()}, status=200 if n else 503)
 
     async def readyz(self, request: web.Request) -> web.Response:
         ok = self.backend.state == "serving"

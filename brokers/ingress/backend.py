@@ -33,13 +33,19 @@ class AdminCall(Protocol):
 
 
 class IngressCounters(Protocol):
-    """The counters the ingress bumps (``requests`` by error code, ``dropped`` by what)."""
+    """The counters the ingress bumps (``requests`` by error code, ``dropped`` by what, ``text_unmatched``
+    by model)."""
 
     @property
     def requests(self) -> MutableMapping[str, int]: ...
 
     @property
     def dropped(self) -> MutableMapping[str, int]: ...
+
+    @property
+    def text_unmatched(self) -> MutableMapping[str, int]:
+        """Text requests sent without their model's tokenizer to engines that key by token ids, by model."""
+        ...
 
 
 class IngressBackend(Protocol):
@@ -73,6 +79,11 @@ class IngressBackend(Protocol):
 
     def model_catalog(self) -> tuple[dict[str, int], dict[str, str], str]:
         """Served models (routable workers each), model aliases, and the fleet's name."""
+        ...
+
+    def announced_tokenizers(self) -> dict[str, str]:
+        """Model -> the tokenizer its engines announced in READY (a model id or a path); models whose
+        engines announced none (simulated workers keyed by bytes, older adapters) are absent."""
         ...
 
     def routable_workers(self) -> int:

@@ -57,10 +57,11 @@ class EngineInfo:
     max_total_num_tokens: int = 1 << 20
     incremental_streaming: bool = False
     startup_time: float | None = None
+    tokenizer: str = ""  # the engine's tokenizer as it names it (a model id or a path), announced in READY
 
     def describe(self) -> dict[str, Any]:
-        return {"model": self.model, "block_size": self.block_size, "dp_size": self.dp_size, "topic": self.topic,
-                "kv_endpoints": self.kv_endpoints, "replay_endpoints": self.replay_endpoints, "load_endpoints": self.load_endpoints}
+        return {"model": self.model, "tokenizer": self.tokenizer, "block_size": self.block_size, "dp_size": self.dp_size,
+                "topic": self.topic, "kv_endpoints": self.kv_endpoints, "replay_endpoints": self.replay_endpoints, "load_endpoints": self.load_endpoints}
 
 
 def rank_endpoint(base: str, rank: int) -> str:

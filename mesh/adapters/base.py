@@ -235,7 +235,8 @@ class Adapter:
         assert info is not None
         return Capabilities(model=info.model[:256], role=self.s.role, labels=dict(self.s.labels), block_size=info.block_size,
                             max_running_requests=max(1, info.max_running_requests),
-                            max_total_num_tokens=max(1, info.max_total_num_tokens), dp_size=info.dp_size)
+                            max_total_num_tokens=max(1, info.max_total_num_tokens), dp_size=info.dp_size,
+                            tokenizer=info.tokenizer[:P.MAX_TOKENIZER_ID_BYTES])
 
     def _open_links(self) -> None:
         """Register with every broker (the API continues the connection numbering)."""

@@ -45,6 +45,9 @@ class BrokerStats:
         # duplicate, old_epoch, restarted, gap_messages (lost), expired, rejected_<reason>,
         # decisions_peer_stale (routed on this broker's own view while a peer was stale), ...
         self.exchange: Counter[str] = Counter()
+        # text requests the HTTP ingress sent without their model's tokenizer to engines that key their
+        # cache by token ids (a byte key never matches their KV events), by model
+        self.text_unmatched: Counter[str] = Counter()
         self.degraded_decisions = 0
         self.requests_parked = 0
         self.cached_tokens = 0
@@ -82,6 +85,7 @@ class BrokerStats:
             ("kv", self.kv),
             ("loop", self.loop),
             ("exchange", self.exchange),
+            ("text_unmatched", self.text_unmatched),
         ):
             for k, v in ctr.items():
                 out[f"{prefix}.{k}"] = v
