@@ -53,6 +53,7 @@ class HttpIngress:
         self.log = get_logger(service="http")
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._prefetch: asyncio.Task | None = None  # loads the tokenizers the engines announce
         self.endpoint = ""
         paths = dict(tokenizers or {})
         templates = dict(chat_templates or {})
@@ -98,11 +99,16 @@ class HttpIngress:
 
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True)
+        self._prefetch = asyncio.create_task(self.submitter.tokenizers.prefetch_loop(), name="http-tokenizer-prefetch")
         h, p = self._server.sockets[0].getsockname()[:2]
         self.endpoint = f"http://{h}:{p}"
         return self.endpoint
 
     async def stop(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+            await asyncio.gather(self._prefetch, return_exceptions=True)
+            self._prefetch = None
         if self._server is not None:
             self._server.close()
             self._server = None

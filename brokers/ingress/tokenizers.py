@@ -5,9 +5,12 @@ names for every model (``DIR|ID``), else the one the model's engines announced i
 ``tokenizer_path``, vLLM's ``/v1/models`` ``root``; :meth:`IngressBackend.announced_tokenizers`), found
 as a folder or in the local Hugging Face cache (:func:`mesh.tokenization.resolve_model_dir`, no
 download). Flag-named tokenizers load at start (a bad one stops the start, naming it); announced ones
-load on the first request that needs them, in a thread (the loop keeps serving), once per identity,
-and run in a :class:`mesh.tokenization.TokenizerPool` as the configured ones do. A failed load is
-retried after ``retry_s``.
+load as soon as the engines announce them (:meth:`Tokenizers.prefetch_loop`), or on the first request
+that needs them, in a thread, once per identity, and run in a :class:`mesh.tokenization.TokenizerPool`
+as the configured ones do. A failed load is retried after ``retry_s``. Loading holds the interpreter
+lock while ``tokenizers`` parses the file (1-2 s for a 17 MB tokenizer.json on a busy machine): a
+broker serving HTTP stalls that long once per model, and sheds requests meanwhile (``overload_lag_ms``);
+``--tokenizer`` (loaded before the broker serves) or the gateway avoid it.
 
 Without a tokenizer, text is sent as text and the broker keys it by UTF-8 bytes, which never match the
 KV events of engines that key their cache by token ids (every engine that announces a tokenizer). Each
@@ -116,17 +119,41 @@ class Tokenizers:
         failed = self._failed.get(ident)
         if failed is not None and self._clock() < failed[0]:
             return None
+        return await asyncio.shield(self._start_load(ident))
+
+    def _start_load(self, ident: str) -> asyncio.Future:
         fut = self._loading.get(ident)
         if fut is None:
             fut = self._loading[ident] = asyncio.ensure_future(self._load(ident))
-        return await asyncio.shield(fut)
+        return fut
+
+    def prefetch(self) -> None:
+        """Start loading every announced tokenizer a request would load (call it periodically): parsing a
+        large tokenizer.json holds the interpreter lock for a second or two, better spent as the engines
+        register than inside a request."""
+        if None in self._texts:  # the flag names one for every model: announced ones are never used
+            return
+        now = self._clock()
+        for model, ident in self.backend.announced_tokenizers().items():
+            if (model not in self._texts and ident not in self._loaded and ident not in self._loading
+                    and now >= self._failed.get(ident, (0.0, ""))[0]):
+                self._start_load(ident)
+
+    async def prefetch_loop(self, period_s: float = 1.0) -> None:
+        while True:
+            try:
+                self.prefetch()
+            except Exception as exc:  # never let the loop die: requests still load on demand
+                self.log.warning("tokenizer_prefetch_failed", error=repr(exc))
+            await asyncio.sleep(period_s)
 
     async def _load(self, ident: str):
         try:
             hit = await asyncio.to_thread(self._loader, ident, None)
-        except (ConfigError, OSError, ValueError) as exc:
+        except Exception as exc:  # ConfigError: not found or malformed; anything else is logged as such
             self._failed[ident] = (self._clock() + self._retry_s, str(exc))
-            self.log.info("announced_tokenizer_not_found", tokenizer=ident, error=str(exc)[:400])
+            self.log.info("announced_tokenizer_not_loaded", tokenizer=ident, error=str(exc)[:400],
+                          retry_in_s=self._retry_s, **({} if isinstance(exc, ConfigError) else {"exception": repr(exc)}))
             return None
         finally:
             self._loading.pop(ident, None)

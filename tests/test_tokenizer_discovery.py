@@ -1,0 +1,288 @@
+"""Tokenizers found, not configured (issue 30, build step 1).
+
+Engines name their tokenizer (SGLang ``tokenizer_path`` in ``/server_info`` and ``/get_model_info``, vLLM
+``/v1/models`` ``root``); the adapters announce it in READY; the broker's HTTP ingress and the gateway load
+it from the local Hugging Face cache when no ``--tokenizer`` names the model's. The cache is built here in
+tmp_path, in the hub's own layout (``models--ORG--NAME/{refs,blobs,snapshots}``), from the tokenizer the
+tests already use (Mistral's Tekken tokenizer that ``mistral-common`` ships, converted by transformers,
+under Qwen2's ChatML template): nothing is downloaded. Without a tokenizer anywhere, text requests say so
+once per model in the log, are counted (STATUS, /metrics, /health) and ``mesh top`` shows them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from mesh import protocol as P
+from mesh.adapters.sglang import info_from_server_info, tokenizer_of
+from mesh.adapters.vllm import tokenizer_of_models
+from mesh.errors import ConfigError
+from mesh.tokenization.hub import hub_cache_dir, resolve_model_dir
+
+MODEL_ID = "acme/garden-chat"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def build_hub_cache(root: Path, model_id: str, files: Path, commit: str = COMMIT) -> Path:
+    """``files``' regular files as ``model_id`` at ``commit`` in a hub cache under ``root`` (HF_HOME):
+    content-addressed blobs, a snapshot of relative symlinks, refs/main. Returns HF_HOME."""
+    repo = root / "hub" / ("models--" + model_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    for f in files.iterdir():
+        if f.is_file():
+            data = f.read_bytes()
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    return root
+
+
+# ---------------------------------------------------------------------------- unit: cache, wire, discovery
+
+
+def test_a_model_id_resolves_through_the_local_hub_cache_and_a_missing_one_names_the_fix(tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "tokenizer.json").write_text("{}")
+    home = build_hub_cache(tmp_path / "hf", MODEL_ID, files)
+    env = {"HF_HOME": str(home)}
+    assert hub_cache_dir(env) == home / "hub"
+    assert hub_cache_dir({"HF_HUB_CACHE": "/x/y", "HF_HOME": "/z"}) == Path("/x/y")
+    d = resolve_model_dir(MODEL_ID, env)
+    assert d.name == COMMIT and (d / "tokenizer.json").read_text() == "{}"
+    assert resolve_model_dir(f"{MODEL_ID}@main", env) == d == resolve_model_dir(f"{MODEL_ID}@{COMMIT}", env)
+    assert resolve_model_dir(str(files), env) == files == resolve_model_dir(str(files / "tokenizer.json"), env)
+    # an engine on another host reports its own cache path: the same model in this host's cache
+    assert resolve_model_dir(f"/root/.cache/huggingface/hub/models--acme--garden-chat/snapshots/{COMMIT}", env) == d
+    with pytest.raises(ConfigError, match="no tokenizer.json in the local Hugging Face cache.*--tokenizer MODEL=DIR"):
+        resolve_model_dir("acme/other-model", env)
+    with pytest.raises(ConfigError, match="neither a model folder"):
+        resolve_model_dir("/no/such/folder", env)
+
+
+def test_check_tokenizers_accepts_a_cached_model_id_and_refuses_an_absent_one(tmp_path, monkeypatch):
+    from mesh.config import check_tokenizers
+
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(build_hub_cache(tmp_path / "hf", MODEL_ID, files) / "hub"))
+    check_tokenizers([MODEL_ID, f"other={MODEL_ID}"], [])
+    with pytest.raises(ConfigError, match="tokenizer: model 'acme/absent'"):
+        check_tokenizers(["acme/absent"], [])
+
+
+def test_ready_carries_the_tokenizer_and_old_readies_still_decode():
+    r = P.Ready("w", "m", "mixed", {}, 16, 8, 1000, 1, 1, 200, tokenizer=MODEL_ID)
+    got = P.decode_worker(P.encode_ready(r)[0:3])
+    assert isinstance(got, P.Ready) and got.tokenizer == MODEL_ID
+    old = P.encode_ready(P.Ready("w", "m", "mixed", {}, 16, 8, 1000, 1, 1, 200))
+    assert b"tokenizer" not in old[2]  # nothing new on the wire when there is nothing to say
+    assert P.decode_worker(old).tokenizer == ""
+    bad = P.pack({**P.unpack(old[2]), "tokenizer": 7})
+    assert isinstance(P.decode_worker([old[0], old[1], bad]), P.ProtocolError)
+
+
+def test_adapters_read_the_identity_the_way_the_engines_report_it():
+    from mesh.adapters.settings import AttachSettings
+
+    s = AttachSettings(url="http://127.0.0.1:30000", brokers=("tcp://127.0.0.1:5556",))
+    info = info_from_server_info({"page_size": 16, "model_path": MODEL_ID, "tokenizer_path": MODEL_ID}, s)
+    assert info.tokenizer == MODEL_ID and info.model == MODEL_ID
+    assert tokenizer_of({"tokenizer_path": None, "model_path": "x"}) == ""  # named none: unknown, not guessed
+    models = {"object": "list", "data": [{"id": "lora-a", "root": "/adapters/a", "parent": "served"},
+                                         {"id": "served", "root": MODEL_ID}]}
+    assert tokenizer_of_models(models, "served") == MODEL_ID
+    assert tokenizer_of_models({"data": []}, "served") == "" == tokenizer_of_models(None, "served")
+
+
+def test_the_stub_announces_its_tokenizer_as_sglang_and_vllm_do(tmp_path, tokenizer_cache):
+    pytest.importorskip("tokenizers")
+    from mesh.lab.tokenizer_builtin import build_model_dir
+    from workers_stub.sglang_server import SglangStub, StubSettings
+
+    files = build_model_dir(tmp_path / "m", tokenizer="tekken")
+    os.environ["HF_HUB_CACHE"] = str(build_hub_cache(tmp_path / "hf", MODEL_ID, files) / "hub")
+    try:
+        stub = SglangStub(StubSettings(model="garden", model_path=MODEL_ID))
+    finally:
+        del os.environ["HF_HUB_CACHE"]
+    info = stub.server_info()
+    assert (info["model_path"], info["tokenizer_path"], info["served_model_name"]) == (MODEL_ID, MODEL_ID, "garden")
+    assert stub.tokenizer is not None
+    plain = SglangStub(StubSettings()).server_info()
+    assert plain["tokenizer_path"] is None  # byte-keyed: it names no tokenizer, so nothing is announced
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, tokenizer_cache) -> Path:
+    """HF_HOME of a hub cache holding MODEL_ID: the ChatML model folder of test_http_tokenizer_path."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from mesh.lab.tokenizer_builtin import build_model_dir
+    from tests.test_http_tokenizer_path import TEMPLATE
+
+    files = build_model_dir(tmp_path_factory.mktemp("chatml"), chat_template=TEMPLATE.read_text(),
+                            extra_special_tokens=["<|im_start|>", "<|im_end|>"], tokenizer="tekken")
+    return build_hub_cache(tmp_path_factory.mktemp("hf"), MODEL_ID, files)
+
+
+def _use_cache(procs, home: Path) -> None:
+    """The processes spawned next find their Hugging Face cache under ``home`` (offline)."""
+    procs.env.update({"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": "1"})
+
+
+def _engines(procs, b, home: Path) -> list[str]:
+    """Two stub engines started like SGLang (``--model-path ORG/NAME``, the tokenizer from their cache),
+    one attached as SGLang, one as vLLM (its events in vLLM's format): each announces MODEL_ID its own way."""
+    from mesh.lab.procs import wait_for_log_event
+
+    _use_cache(procs, home)
+    fmt = [(), ("--event-format", "vllm")]
+    stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--model-path", MODEL_ID,
+                                      "--model", "garden", *fmt[i]]) for i in range(2)]
+    recs = [wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start) for p in stubs]
+    procs.spawn("a0", ["attach", "sglang", "--url", recs[0]["url"], "--broker", b.backend, "--worker-id", "a0"])
+    procs.spawn("a1", ["attach", "vllm", "--url", recs[1]["url"], "--broker", b.backend, "--worker-id", "a1",
+                       "--kv-endpoint", recs[1]["kv_endpoint"], "--replay-endpoint", recs[1]["replay_endpoint"],
+                       "--block-size", "16"])
+    return [r["url"] for r in recs]
+
+
+def _door(procs, home: Path, *, via_gateway: bool):
+    """A broker (with HTTP unless via the gateway) and the HTTP door, none given --tokenizer; the door's
+    processes see ``home`` as their Hugging Face cache. Returns (broker, door process, ready event)."""
+    _use_cache(procs, home)
+    if via_gateway:
+        b = procs.broker("b", "--policy", "cache_aware_greedy")
+        return b, procs.spawn("gw", ["gateway", "--broker", b.frontend, "--http", "127.0.0.1:0"]), "gateway_listening"
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "cache_aware_greedy")
+    return b, b, "http_listening"
+
+
+@pytest.mark.parametrize("via_gateway", [False, True], ids=["broker_http", "gateway"])
+def test_follow_up_lands_on_the_holder_with_the_announced_tokenizer_and_no_flag(procs, hub, via_gateway):
+    from mesh.client import Client
+    from mesh.lab.procs import wait_for_log_event
+    from mesh.lab.up import wait_for_workers
+    from tests.conftest import run
+    from tests.test_http_tokenizer_path import _conversations
+
+    b, door, ready = _door(procs, hub, via_gateway=via_gateway)
+    engines = _engines(procs, b, hub)
+    url = wait_for_log_event(door.log_path, ready, 30, door.popen, start=door.log_start)["url"]
+    run(wait_for_workers(b.frontend, 2), 40)
+
+    async def announced():
+        async with Client(b.frontend) as c:
+            return {w["worker_id"]: w.get("tokenizer") for w in (await c.status()).workers}
+
+    assert run(announced(), 10) == {"a0": MODEL_ID, "a1": MODEL_ID}  # SGLang's tokenizer_path, vLLM's root
+    # the door loads it as the engines register (parsing it stalls a broker's loop once: let it pass)
+    wait_for_log_event(door.log_path, "announced_tokenizer_loaded", 30, door.popen, start=door.log_start)
+    run(_until_serving(url), 30)
+    turns, hits = run(_conversations(url, b.frontend, engines), 90)
+    print(f"turns {turns} cache-hit decisions {hits}")
+    assert all(holder == w for holder, w, _ in turns), turns  # every follow-up went to the engine holding turn 1
+    assert all(cached > 150 for _, _, cached in turns), turns  # where the prefix was cached
+    assert hits == len(turns)
+    assert "--tokenizer" not in " ".join(door.popen.args)  # never named on a command line
+    log = door.log_path.read_text()
+    assert "announced_tokenizer_loaded" in log and "text_routed_without_tokenizer" not in log
+
+
+def test_without_any_tokenizer_text_is_counted_and_warned_once_with_the_fix(procs, hub, tmp_path):
+    """The engines announce MODEL_ID, but the broker's host has an empty cache: text goes out keyed by
+    bytes. One warning for the model (with the fix), every such request counted: STATUS, /metrics,
+    /health and the telemetry ``mesh top`` reads."""
+    from mesh.client import Client
+    from mesh.lab.procs import wait_for_log_event
+    from mesh.lab.up import wait_for_workers
+    from mesh.top import render
+    from tests.conftest import run
+
+    empty = tmp_path / "empty-hf"
+    (empty / "hub").mkdir(parents=True)
+    _use_cache(procs, empty)
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--telemetry", "tcp://127.0.0.1:*")
+    telemetry = wait_for_log_event(b.log_path, "broker_listening", 5, b.popen, start=b.log_start)["telemetry"]
+    _engines(procs, b, hub)
+    url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
+    run(wait_for_workers(b.frontend, 2), 40)
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, Client(b.frontend) as c:
+            for i in range(3):
+                async with s.post(url + "/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 2}) as r:
+                    assert r.status == 200, await r.text()
+            for i in range(2):
+                msgs = [{"role": "user", "content": f"question {i}"}]
+                async with s.post(url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}) as r:
+                    assert r.status == 200, await r.text()
+            async with s.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}) as r:
+                assert r.status == 200  # token ids need no tokenizer: not counted
+            async with s.get(url + "/health") as r:
+                health = await r.json()
+            async with s.get(url + "/metrics") as r:
+                metrics = await r.text()
+            return health, metrics, (await c.status()).counters
+
+    health, metrics, counters = run(go(), 60)
+    assert counters.get("text_unmatched.garden") == 5, counters
+    assert 'mesh_text_unmatched_total{model="garden"} 5.0' in metrics
+    tr = health["text_routing"]
+    assert tr["unmatched_text_requests"] == 5
+    missing = tr["models_without_tokenizer"]["garden"]
+    assert missing["tokenizer"] == MODEL_ID and "--tokenizer garden=DIR" in missing["fix"], missing
+    log = b.log_path.read_text()
+    assert log.count("text_routed_without_tokenizer") == 1, log  # once per model, however many requests
+    assert "--tokenizer garden=DIR" in log
+    # mesh top: the count and the fix under the routing table, from the broker's telemetry snapshot
+    snap = _snapshot(telemetry)
+    assert snap["text_unmatched"] == {"garden": 5}, snap
+    from rich.console import Console
+
+    con = Console(width=200, record=True)
+    con.print(render({"b": snap}, {}, []))
+    shown = con.export_text()
+    assert "garden" in shown and "5 text requests" in shown and "--tokenizer" in shown, shown
+
+
+def _snapshot(endpoint: str, timeout_s: float = 10.0) -> dict:
+    """The next ``mesh.snapshot`` a broker's telemetry stream publishes (what ``mesh top`` reads)."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"mesh.snapshot")
+    sub.connect(endpoint)
+    try:
+        assert sub.poll(int(timeout_s * 1000)), "no telemetry snapshot"
+        return P.unpack(sub.recv_multipart()[1])
+    finally:
+        sub.close()
+
+
+async def _until_serving(url: str) -> None:
+    """Until the door answers a token-id request (a broker sheds while its loop-lag average is high)."""
+    from tests.conftest import until
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async def ok() -> bool:
+            async with s.post(url + "/generate", json={"input_ids": [9, 9, 9], "sampling_params": {"max_new_tokens": 1}}) as r:
+                return r.status == 200
+
+        await until(ok, 25, "the door serving", step_s=0.2)
