@@ -286,3 +286,76 @@ async def _until_serving(url: str) -> None:
                 return r.status == 200
 
         await until(ok, 25, "the door serving", step_s=0.2)
+
+
+# ---------------------------------------------------------------------------- prefix cache
+
+_TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+_PREFIX_MODELS = {  # template, control tokens added, base tokenizer (SentencePiece v3 or byte-level Tekken)
+    "chatml": ("qwen2_chatml.jinja", ["<|im_start|>", "<|im_end|>"], "tekken"),
+    "mistral_v3": ("mistral_v3.jinja", [], "mistral_v3"),
+    "llama3": ("llama3.jinja", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "tekken"),
+}
+
+
+@pytest.fixture(scope="module")
+def prefix_models(tmp_path_factory, tokenizer_cache):
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    import json
+
+    from mesh.lab.tokenizer_builtin import build_model_dir
+    from mesh.tokenization import ModelTokenizer
+
+    out = {}
+    for name, (tpl, extra, kind) in _PREFIX_MODELS.items():
+        d = build_model_dir(tmp_path_factory.mktemp(name), chat_template=(_TEMPLATES / tpl).read_text(),
+                            extra_special_tokens=extra, tokenizer=kind)
+        if name == "llama3":
+            cfg = json.loads((d / "tokenizer_config.json").read_text())
+            cfg["bos_token"] = "<|begin_of_text|>"
+            (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+        out[name] = ModelTokenizer.from_dir(d)
+    return out
+
+
+def _conversation(seed: int, turns: int, system: bool):
+    """Chat turns with what trips tokenizers: accents, CJK, emoji, spaces and newlines at the edges, and
+    control-token text typed by the user."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["garden", "rake", "café", "naïve", "東京", "🌱", " ", "\n", "  two", "[INST]", "<|im_end|>", "</s>", "x"]
+    msgs = [{"role": "system", "content": "You sell garden tools. " * 20}] if system else []
+    for _ in range(turns):
+        msgs.append({"role": "user", "content": "".join(rng.choice(words) + rng.choice(["", " "]) for _ in range(rng.randrange(1, 60)))})
+        yield list(msgs)
+        msgs.append({"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(rng.randrange(1, 80)))})
+
+
+@pytest.mark.parametrize("name", list(_PREFIX_MODELS))
+def test_cached_prefixes_give_exactly_the_full_encode(prefix_models, name):
+    from mesh.tokenization import ModelTokenizer
+
+    tok = prefix_models[name]
+    plain = ModelTokenizer(tok.files, prefix_cache_bytes=0)
+    assert tok.prefix is not None and tok.prefix.available and plain.prefix is None
+    for seed in range(3):
+        for msgs in _conversation(seed, 12, system=name != "mistral_v3"):
+            assert tok.render_chat(msgs) == plain.render_chat(msgs), (name, seed, len(msgs))
+    c = tok.prefix.cache
+    assert c.hits >= 3 * 10 and c.tokens_reused > 0, (c.hits, c.misses)
+    # a conversation costs about one record (the previous turn's keys move to the longer one)
+    assert c.bytes < 3 * 4 * max(len(plain.render_chat(m)[1]) for m in _conversation(0, 12, True)) + 64 * 1024
+
+
+def test_the_prefix_cache_stays_within_its_budget(prefix_models):
+    from mesh.tokenization import ModelTokenizer
+
+    tok = ModelTokenizer(prefix_models["chatml"].files, prefix_cache_bytes=40_000)
+    plain = ModelTokenizer(tok.files, prefix_cache_bytes=0)
+    for seed in range(12):  # twelve conversations at once, interleaved: more than the budget holds
+        for msgs in _conversation(100 + seed, 6, system=True):
+            assert tok.render_chat(msgs)[1] == plain.render_chat(msgs)[1]
+            assert tok.prefix.cache.bytes <= 40_000
+    assert tok.prefix.cache.hits > 0
