@@ -59,9 +59,9 @@ ERROR      0x16  b->c    ``rid`` str or nil (nil when the request id was unreada
                          (an :class:`~mesh.errors.ErrorCode` value), ``message`` str.
 STATUS     0x17  c->b    empty map: ask for the broker's view of the fleet.
 STATUS_R   0x18  b->c    ``broker`` map (id, state, inflight, uptime_s; ``exchange`` with the peer
-                         exchange on), ``workers`` list of maps (worker_id, role, labels,
-                         healthy, inflight, peer_inflight, peer_prefill_tokens, load, epoch),
-                         ``counters`` map of counter name -> value.
+                         exchange on), ``workers`` list of maps (worker_id, model, tokenizer,
+                         role, labels, healthy, inflight, peer_inflight, peer_prefill_tokens,
+                         load, epoch), ``counters`` map of counter name -> value.
 =========  ====  ======  ====================================================================
 
 Exactly one terminal frame (FINAL or ERROR) reaches the client for every accepted ``rid``.

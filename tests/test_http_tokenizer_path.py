@@ -44,8 +44,17 @@ def model_dir(tmp_path_factory, tokenizer_cache) -> Path:
                            extra_special_tokens=["<|im_start|>", "<|im_end|>"], tokenizer="tekken")
 
 
-def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool = False):
+def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool = False, away: Path | None = None):
+    """``away``: a Hugging Face cache (HF_HOME) holding the model, seen only by the engines (started with
+    ``--model-path``): the tokenizer they announce is not on the broker's host."""
     extra = ("--tokenizer", str(model_dir)) if broker_tokenizer else ()
+    stub_tok = ("--tokenizer", str(model_dir))
+    if away is not None:
+        from tests.test_tokenizer_discovery import MODEL_ID
+
+        (away.parent / "empty-hub").mkdir(exist_ok=True)
+        procs.env.update({"HF_HUB_CACHE": str(away.parent / "empty-hub"), "HF_HUB_OFFLINE": "1"})
+        stub_tok = ("--model-path", MODEL_ID)
     # greedy: always the longest match, so the test sees the index, not cache_aware's load balancing
     # (which may, rightly, send a request away from a busy holder: a load_override)
     if via_gateway:  # the HTTP API and the tokenizer in `mesh gateway`, the broker without HTTP
@@ -55,8 +64,9 @@ def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool 
         b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "cache_aware_greedy", *extra)
         door, ready = b, "http_listening"
     # the two engines start while the HTTP door comes up (each process loads the model's tokenizer)
-    stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--tokenizer", str(model_dir)])
-             for i in range(2)]
+    if away is not None:
+        procs.env["HF_HUB_CACHE"] = str(away / "hub")
+    stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", *stub_tok]) for i in range(2)]
     url = wait_for_log_event(door.log_path, ready, 30, door.popen, start=door.log_start)["url"]
     engines = [wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"] for p in stubs]
     for i, e in enumerate(engines):
@@ -117,9 +127,13 @@ def test_chat_over_http_lands_on_the_cache_holder_with_the_models_tokenizer(proc
     assert hits == len(turns)
 
 
-def test_control_without_the_tokenizer_text_never_meets_the_engines_cache(procs, model_dir):
-    """What issue 14 found: keyed by bytes, the broker cannot match the engines' token-id events."""
-    url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=False)
+def test_control_without_the_tokenizer_text_never_meets_the_engines_cache(procs, model_dir, tmp_path):
+    """What issue 14 found: keyed by bytes, the broker cannot match the engines' token-id events. (Since
+    issue 30 a broker loads the tokenizer the engines announce: here it is not on the broker's host.)"""
+    from tests.test_tokenizer_discovery import MODEL_ID, build_hub_cache
+
+    away = build_hub_cache(tmp_path / "engines-hf", MODEL_ID, model_dir)
+    url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=False, away=away)
     turns, hits = run(_conversations(url, frontend, engines), 90)
     assert hits == 0, turns
 

@@ -65,7 +65,7 @@ def test_a_model_id_resolves_through_the_local_hub_cache_and_a_missing_one_names
     assert resolve_model_dir(f"/root/.cache/huggingface/hub/models--acme--garden-chat/snapshots/{COMMIT}", env) == d
     with pytest.raises(ConfigError, match="no tokenizer.json in the local Hugging Face cache.*--tokenizer MODEL=DIR"):
         resolve_model_dir("acme/other-model", env)
-    with pytest.raises(ConfigError, match="neither a model folder"):
+    with pytest.raises(ConfigError, match="does not exist .neither a model folder"):
         resolve_model_dir("/no/such/folder", env)
 
 

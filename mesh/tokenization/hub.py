@@ -94,5 +94,5 @@ def resolve_model_dir(spec: str, env: Mapping[str, str] | None = None) -> Path:
     cached = [m.group(1) for part in p.parts if (m := _CACHE_SEGMENT.fullmatch(part))]
     if cached:  # another host's cache path: the same model in this host's cache
         return _from_cache(cached[-1].replace("--", "/", 1), env)
-    raise ConfigError(f"tokenizer: {spec} is neither a model folder on this host nor a model id (ORG/NAME): "
-                      "pass --tokenizer MODEL=DIR with the model's tokenizer.json")
+    raise ConfigError(f"tokenizer: {spec} does not exist (neither a model folder on this host nor a model id "
+                      "ORG/NAME): pass --tokenizer MODEL=DIR with the model's tokenizer.json")
