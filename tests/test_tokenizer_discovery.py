@@ -11,7 +11,6 @@ once per model in the log, are counted (STATUS, /metrics, /health) and ``mesh to
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -23,28 +22,7 @@ from mesh.adapters.sglang import info_from_server_info, tokenizer_of
 from mesh.adapters.vllm import tokenizer_of_models
 from mesh.errors import ConfigError
 from mesh.tokenization.hub import hub_cache_dir, resolve_model_dir
-
-MODEL_ID = "acme/garden-chat"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def build_hub_cache(root: Path, model_id: str, files: Path, commit: str = COMMIT) -> Path:
-    """``files``' regular files as ``model_id`` at ``commit`` in a hub cache under ``root`` (HF_HOME):
-    content-addressed blobs, a snapshot of relative symlinks, refs/main. Returns HF_HOME."""
-    repo = root / "hub" / ("models--" + model_id.replace("/", "--"))
-    snap = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snap.mkdir(parents=True, exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    for f in files.iterdir():
-        if f.is_file():
-            data = f.read_bytes()
-            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-            blob.write_bytes(data)
-            (snap / f.name).symlink_to(os.path.relpath(blob, snap))
-    return root
-
+from tests.tokenizer_support import COMMIT, MODEL_ID, build_hub_cache
 
 # ---------------------------------------------------------------------------- unit: cache, wire, discovery
 
@@ -132,7 +110,7 @@ def hub(tmp_path_factory, tokenizer_cache) -> Path:
     pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
     from mesh.lab.tokenizer_builtin import build_model_dir
-    from tests.test_http_tokenizer_path import TEMPLATE
+    from tests.tokenizer_support import TEMPLATE
 
     files = build_model_dir(tmp_path_factory.mktemp("chatml"), chat_template=TEMPLATE.read_text(),
                             extra_special_tokens=["<|im_start|>", "<|im_end|>"], tokenizer="tekken")
@@ -178,7 +156,7 @@ def test_follow_up_lands_on_the_holder_with_the_announced_tokenizer_and_no_flag(
     from mesh.lab.procs import wait_for_log_event
     from mesh.lab.up import wait_for_workers
     from tests.conftest import run
-    from tests.test_http_tokenizer_path import _conversations
+    from tests.tokenizer_support import conversations
 
     b, door, ready = _door(procs, hub, via_gateway=via_gateway)
     engines = _engines(procs, b, hub)
@@ -193,7 +171,7 @@ def test_follow_up_lands_on_the_holder_with_the_announced_tokenizer_and_no_flag(
     # the door loads it as the engines register (parsing it stalls a broker's loop once: let it pass)
     wait_for_log_event(door.log_path, "announced_tokenizer_loaded", 30, door.popen, start=door.log_start)
     run(_until_serving(url), 30)
-    turns, hits = run(_conversations(url, b.frontend, engines), 90)
+    turns, hits = run(conversations(url, b.frontend, engines), 90)
     print(f"turns {turns} cache-hit decisions {hits}")
     assert all(holder == w for holder, w, _ in turns), turns  # every follow-up went to the engine holding turn 1
     assert all(cached > 150 for _, _, cached in turns), turns  # where the prefix was cached
