@@ -337,3 +337,64 @@ def test_the_prefix_cache_stays_within_its_budget(prefix_models):
             assert tok.render_chat(msgs)[1] == plain.render_chat(msgs)[1]
             assert tok.prefix.cache.bytes <= 40_000
     assert tok.prefix.cache.hits > 0
+
+
+# ---------------------------------------------------------------------------- the ingress' choice
+
+
+class _Fleet:
+    """An IngressBackend stand-in: the catalog and announcements the ingress reads, its counters."""
+
+    def __init__(self, announced: dict[str, str]) -> None:
+        from mesh.broker_core.counters import BrokerStats
+
+        self.stats = BrokerStats()
+        self.announced = announced
+
+    def model_catalog(self):
+        return {m: 1 for m in self.announced}, {"alias": "garden"}, "mesh"
+
+    def announced_tokenizers(self):
+        return dict(self.announced)
+
+
+def test_the_ingress_prefers_flags_loads_announced_tokenizers_once_and_retries_failures():
+    import asyncio
+    from types import SimpleNamespace
+
+    from brokers.ingress.tokenizers import Tokenizers
+
+    loads: list[str] = []
+    now = [0.0]
+
+    def loader(ident, template):
+        loads.append(ident)
+        if ident.startswith("absent/"):
+            raise ConfigError(f"tokenizer: model {ident!r} has no tokenizer.json in the local Hugging Face cache")
+        return (SimpleNamespace(name=f"tok:{ident}", files=SimpleNamespace(path=Path(ident))), SimpleNamespace(close=lambda: None))
+
+    async def go():
+        fleet = _Fleet({"garden": MODEL_ID, "other": "absent/model"})
+        t = Tokenizers(fleet, {"pinned": "/flag/dir"}, clock=lambda: now[0], loader=loader, retry_s=60.0)
+        assert loads == ["/flag/dir"]  # flag-named: loaded at start
+        a, b, c = await asyncio.gather(t.for_model("garden"), t.for_model("alias"), t.for_model("garden"))
+        assert a[0].name == b[0].name == c[0].name == f"tok:{MODEL_ID}" and loads.count(MODEL_ID) == 1  # once, shared
+        assert await t.for_model("other") is None and await t.for_model("other") is None
+        assert loads.count("absent/model") == 1  # a failure is not retried at once...
+        now[0] += 61.0
+        assert await t.for_model("other") is None and loads.count("absent/model") == 2  # ...but after retry_s
+        for _ in range(3):
+            t.note_text("other")
+        assert fleet.stats.text_unmatched == {"other": 3}
+        missing = t.health()["models_without_tokenizer"]
+        assert missing["other"]["unmatched"] == 3 and "--tokenizer other=DIR" in missing["other"]["fix"], missing
+        assert "no tokenizer.json" in missing["other"]["reason"] and "garden" not in missing
+        fleet.announced["sim"] = ""
+        t.note_text("sim")  # byte-keyed workers announce nothing: never counted
+        assert "sim" not in fleet.stats.text_unmatched
+        t2 = Tokenizers(fleet, {None: "/every/model"}, clock=lambda: now[0], loader=loader)
+        assert (await t2.for_model("garden"))[0].name == "tok:/every/model"  # a flag for every model wins
+        t2.prefetch()
+        assert loads.count(MODEL_ID) == 1  # and nothing announced is loaded for it
+
+    asyncio.run(go())
