@@ -10,7 +10,8 @@ the broker's decoder checks a received SUBMIT: nothing decodes it again.
 
 Prompts: with the model's tokenizer (``--tokenizer``, else the one its engines announce; see
 :mod:`.tokenizers`; needs the ``tokenizers`` package) prompts are tokenised here and routed by token
-ids; otherwise the prompt text is sent and the broker routes by a byte-level key of the text. SLO headers ``x-sgl-ttft-slo-ms`` and
+ids; otherwise the prompt text is sent and the broker routes by a byte-level key of the text (counted
+and reported when the model's engines key by token ids). SLO headers ``x-sgl-ttft-slo-ms`` and
 ``x-sgl-tps-slo`` become the request's SLO and ``x-mesh-deadline-ms`` its deadline; an invalid
 value is a 400 naming the header. Every body field is validated (400 naming the field); nothing a
 client sends produces a 500.
