@@ -688,7 +688,8 @@ class Broker:
             w["hit_rate"] = round(ct / pt, 4) if pt else 0.0
         self.telemetry.snapshot({"state": self.state, "inflight": len(core.inflight), "workers": workers,  # type: ignore[union-attr]
                                  "requests": dict(self.stats.requests), "decisions": dict(self.stats.decisions),
-                                 "degraded_decisions": self.stats.degraded_decisions})
+                                 "degraded_decisions": self.stats.degraded_decisions,
+                                 "text_unmatched": dict(self.stats.text_unmatched)})
 
     # ------------------------------------------------------------------ status
 
@@ -703,3 +704,6 @@ class Broker:
 
     def served_models(self) -> dict[str, int]:
         return self.core.status.served_models()
+
+    def announced_tokenizers(self) -> dict[str, str]:
+        return self.core.status.announced_tokenizers()

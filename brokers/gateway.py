@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from mesh import protocol as P
 from mesh.broker_core.counters import BrokerStats
+from mesh.broker_core.status import announced_by_model
 from mesh.errors import ErrorCode
 from mesh.logs import add_log_level_arg, announce, get_logger
 from mesh.sockets import CLIENT_DEALER, make_socket
@@ -136,6 +137,11 @@ class BrokerPool:
                     e = out.setdefault(a, {"parent": model, "workers": 0})
                     e["workers"] += e["parent"] == model
         return out
+
+    def announced_tokenizers(self) -> dict[str, str]:
+        """Model -> the tokenizer its engines announced (the ``tokenizer`` of the brokers' STATUS workers)."""
+        return announced_by_model((w.get("model"), w.get("tokenizer")) for w in self.pool()
+                                  if isinstance(w.get("model"), str) and isinstance(w.get("tokenizer"), str))
 
     # ------------------------------------------------------------------ IngressBackend (brokers.ingress.backend)
     def submit(self, identity: bytes, sub: P.Submit, replies: asyncio.Queue, *, quota_key: bytes | None = None) -> None:

@@ -18,6 +18,11 @@ from mesh.broker_core.counters import REQUEST_LATENCIES, BrokerStats, LatencyHis
 __all__ = ["BrokerStats", "StatsCollector", "LatencyHistogram", "GatewayCollector"]
 
 
+def _text_unmatched_family(s: BrokerStats) -> tuple:
+    return ("mesh_text_unmatched", "Text requests sent without their model's tokenizer to engines keyed by token ids "
+            "(they never match a cache)", "model", s.text_unmatched)
+
+
 def _latency_families(s: BrokerStats):
     fams = {name: HistogramMetricFamily(f"mesh_{name}_seconds", doc, labels=["model", "worker"])
             for name, (doc, _) in REQUEST_LATENCIES.items()}
@@ -36,7 +41,8 @@ class GatewayCollector(Collector):
     def collect(self):
         s = self.stats
         for name, doc, label, ctr in (("mesh_requests", "Requests by outcome", "outcome", s.requests),
-                                      ("mesh_dropped", "Messages dropped by the gateway, by what", "what", s.dropped)):
+                                      ("mesh_dropped", "Messages dropped by the gateway, by what", "what", s.dropped),
+                                      _text_unmatched_family(s)):
             fam = CounterMetricFamily(name, doc, labels=[label])
             for k, v in sorted(ctr.items()):
                 fam.add_metric([k], v)
@@ -63,6 +69,7 @@ class StatsCollector(Collector):
             ("mesh_loop", "Broker event loop stalls and load shedding", "what", s.loop),
             ("mesh_exchange", "Peer exchange messages and decisions made while a peer was stale", "what", s.exchange),
             ("mesh_lora", "LoRA requests and where they were sent (to an engine holding the adapter or not)", "what", s.lora),
+            _text_unmatched_family(s),
         ):
             fam = CounterMetricFamily(name, doc, labels=[label])
             for k, v in sorted(ctr.items()):

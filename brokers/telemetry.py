@@ -8,7 +8,8 @@ Frame layout (documented with the rest of the wire contract in :mod:`mesh.protoc
 ``mesh.snapshot`` (every ``interval_s``): ``broker_id``, ``ts`` (wall clock, for display only),
 ``state``, ``inflight``, ``workers`` (list of maps: worker_id, role, labels, healthy, inflight,
 running, waiting, kv_usage, requests, hit_rate), ``requests`` and ``decisions`` (cumulative
-counters by outcome / reason), ``degraded_decisions``.
+counters by outcome / reason), ``degraded_decisions``, ``text_unmatched`` (text requests the HTTP
+ingress sent without their model's tokenizer, by model).
 ``mesh.event``: ``broker_id``, ``ts``, ``event`` (worker_registered, worker_expired,
 worker_disconnected, worker_draining, ...) and its fields.
 

@@ -117,11 +117,13 @@ class BrokerSettings:
     trace_endpoint: str = setting("", metavar="URL", help="OTLP/HTTP traces endpoint, e.g. http://otel-collector:4318/v1/traces")
     # HTTP ingress, per model: DIR (every model) or MODEL=DIR, the model folder or its tokenizer.json;
     # chat templates overriding a folder's the same way (see model_paths)
-    tokenizer: tuple[str, ...] = setting((), metavar="[MODEL=]DIR",
-                                         help="the model folder (tokenizer.json, tokenizer_config.json) whose tokenizer "
-                                              "and chat template the HTTP ingress uses: prompts are routed and sent as "
-                                              "the model's token ids. MODEL=DIR for one model (repeatable); a plain DIR "
-                                              "for every model without its own")
+    tokenizer: tuple[str, ...] = setting((), metavar="[MODEL=]DIR|ID",
+                                         help="the model folder (tokenizer.json, tokenizer_config.json), or a model id "
+                                              "(ORG/NAME) in the local Hugging Face cache, whose tokenizer and chat "
+                                              "template the HTTP ingress uses: prompts are routed and sent as the "
+                                              "model's token ids. MODEL=DIR for one model (repeatable); a plain DIR for "
+                                              "every model without its own. Default: the tokenizer each model's "
+                                              "engines announce, from the local cache")
     chat_template: tuple[str, ...] = setting((), metavar="[MODEL=]FILE",
                                              help="a chat template file (.jinja, or .json with chat_template) instead of "
                                                   "the model folder's (MODEL=FILE for one model's)")
@@ -377,11 +379,14 @@ def model_paths(entries: tuple[str, ...] | list[str], name: str) -> dict[str | N
 
 
 def check_tokenizers(tokenizer: tuple[str, ...] | list[str], chat_template: tuple[str, ...] | list[str]) -> None:
-    """The ingress' --tokenizer / --chat-template entries (broker and gateway): paths exist, and
-    every chat template belongs to a model that has a tokenizer."""
+    """The ingress' --tokenizer / --chat-template entries (broker and gateway): tokenizers are found
+    (folders, or model ids in the local Hugging Face cache), and every chat template belongs to a
+    model that has a tokenizer."""
+    from mesh.tokenization.hub import resolve_model_dir
+
     toks = model_paths(tokenizer, "tokenizer")
-    for model, path in toks.items():
-        _require(Path(path).exists(), "tokenizer", f"{path} does not exist")
+    for path in toks.values():
+        resolve_model_dir(path)  # a folder, or a model id in the local Hugging Face cache; ConfigError naming it
     for model, path in model_paths(chat_template, "chat_template").items():
         _require(model in toks, "chat_template",
                  f"{path} needs a --tokenizer (the model folder) for {'every model' if model is None else repr(model)}")

@@ -59,9 +59,9 @@ ERROR      0x16  b->c    ``rid`` str or nil (nil when the request id was unreada
                          (an :class:`~mesh.errors.ErrorCode` value), ``message`` str.
 STATUS     0x17  c->b    empty map: ask for the broker's view of the fleet.
 STATUS_R   0x18  b->c    ``broker`` map (id, state, inflight, uptime_s; ``exchange`` with the peer
-                         exchange on), ``workers`` list of maps (worker_id, role, labels,
-                         healthy, inflight, peer_inflight, peer_prefill_tokens, load, epoch),
-                         ``counters`` map of counter name -> value.
+                         exchange on), ``workers`` list of maps (worker_id, model, tokenizer,
+                         role, labels, healthy, inflight, peer_inflight, peer_prefill_tokens,
+                         load, epoch), ``counters`` map of counter name -> value.
 =========  ====  ======  ====================================================================
 
 Exactly one terminal frame (FINAL or ERROR) reaches the client for every accepted ``rid``.
@@ -78,7 +78,9 @@ READY       0x01  w->b    ``worker_id`` str, ``model`` str, ``role`` ``prefill|d
                           worker start), ``heartbeat_ms`` int > 0 (the worker's interval).
                           Optional: ``loras`` list of str (at most ``MAX_LORAS`` LoRA adapter
                           names of 1..256 bytes, the ones loaded on the engine; absent: the
-                          worker does not report adapters).
+                          worker does not report adapters); ``tokenizer`` str (the engine's
+                          tokenizer as it names it: a model id or a path; absent: unknown, e.g.
+                          byte-level simulated workers).
                           Must be the first command; a second READY on a live session is
                           answered with DISCONNECT.
 HEARTBEAT   0x02  both    w->b: ``load`` list of LoadStat tagged arrays, one per DP rank
@@ -235,6 +237,7 @@ MAX_LABEL_VALUE_BYTES = 128
 MAX_LORAS = 256  # LoRA adapter names in one READY / HEARTBEAT
 MAX_LORA_NAME_BYTES = 256
 MAX_STATUS_WORKERS = 1024
+MAX_TOKENIZER_ID_BYTES = 1024  # READY ``tokenizer``: a model id or a path
 MAX_TOKEN_ID = 2**32
 # A non-streamed FINAL carries every output token (and its text) back through one frame:
 # 2**18 tokens at up to 5 msgpack bytes each plus their text stays under MAX_FRAME_BYTES, so a
@@ -697,6 +700,9 @@ class Ready:
     epoch: int
     heartbeat_ms: int
     loras: list[str] | None = None  # LoRA adapters loaded on the engine (None: not reported)
+    # the engine's tokenizer identity (SGLang ``tokenizer_path``, vLLM ``/v1/models`` ``root``): a
+    # model id or a path; "" unknown (old workers, simulated workers keyed by bytes)
+    tokenizer: str = ""
 
 
 @dataclass(slots=True)
@@ -785,6 +791,8 @@ def encode_ready(r: Ready) -> list[bytes]:
     }
     if r.loras is not None:
         body["loras"] = list(r.loras)
+    if r.tokenizer:
+        body["tokenizer"] = r.tokenizer
     return [WORKER_HEADER, _B[Cmd.READY], pack(body)]
 
 
@@ -874,6 +882,7 @@ def _parse_ready(d: dict) -> Ready:
         epoch=_int(d, "epoch"),
         heartbeat_ms=_int(d, "heartbeat_ms", required=False, default=500, lo=1, hi=600_000),
         loras=_loras(d),
+        tokenizer=_str(d, "tokenizer", required=False, max_bytes=MAX_TOKENIZER_ID_BYTES),
     )
 
 

@@ -8,6 +8,7 @@ import zmq
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from mesh.protocol import ProtocolError, unpack
 
@@ -35,11 +36,17 @@ def render(snapshots: dict[str, dict], rates: dict[str, float], events: list[str
         dec = ", ".join(f"{k}={v}" for k, v in sorted((snap.get("decisions") or {}).items()))
         r.add_row(bid, snap.get("state", "?"), str(snap.get("inflight", 0)), f"{rates.get(bid, 0.0):.1f}", dec,
                   str(snap.get("degraded_decisions", 0)))
+    parts = [t, r]
+    for bid, snap in sorted(snapshots.items()):  # text the HTTP ingress could not tokenise: no cache hits for it
+        for model, n in sorted((snap.get("text_unmatched") or {}).items()):
+            parts.append(Text(f"{bid}: {n} text requests for model {model} went out without its tokenizer (byte keys "
+                              f"never match its engines' cache): put its tokenizer in the local Hugging Face cache or "
+                              f"pass --tokenizer {model}=DIR", style="yellow"))
     ev = Table(title="recent events", expand=True, show_header=False)
     ev.add_column("event")
     for e in events[-6:]:
         ev.add_row(e)
-    return Group(t, r, ev)
+    return Group(*parts, ev)
 
 
 def run_top(endpoints: list[str], *, refresh_s: float = 1.0, duration_s: float | None = None) -> int:

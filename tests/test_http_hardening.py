@@ -129,6 +129,9 @@ class _FakeBroker:
     def model_catalog(self):
         return {"m": 1}, {}, "mesh"
 
+    def announced_tokenizers(self):
+        return {}
+
     def forget(self, ident) -> None:
         pass
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -27,15 +26,7 @@ from mesh.lab.procs import wait_for_log_event  # noqa: E402
 from mesh.lab.tokenizer_builtin import build_model_dir  # noqa: E402
 from mesh.lab.up import wait_for_workers  # noqa: E402
 from tests.conftest import run, until  # noqa: E402
-
-
-async def _kv_batches_at_least(c, n: int) -> bool:
-    return (await c.status()).counters.get("kv.batches", 0) >= n
-
-
-TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen2_chatml.jinja"
-SYSTEM = ("You are the support assistant of a company that sells garden tools. Answer politely, cite the order "
-          "number when you have one, never promise a delivery date, and keep answers under five sentences. ") * 4
+from tests.tokenizer_support import MODEL_ID, SYSTEM, TEMPLATE, build_hub_cache, conversations, kv_batches_at_least  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +35,15 @@ def model_dir(tmp_path_factory, tokenizer_cache) -> Path:
                            extra_special_tokens=["<|im_start|>", "<|im_end|>"], tokenizer="tekken")
 
 
-def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool = False):
+def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool = False, away: Path | None = None):
+    """``away``: a Hugging Face cache (HF_HOME) holding the model, seen only by the engines (started with
+    ``--model-path``): the tokenizer they announce is not on the broker's host."""
     extra = ("--tokenizer", str(model_dir)) if broker_tokenizer else ()
+    stub_tok = ("--tokenizer", str(model_dir))
+    if away is not None:
+        (away.parent / "empty-hub").mkdir(exist_ok=True)
+        procs.env.update({"HF_HUB_CACHE": str(away.parent / "empty-hub"), "HF_HUB_OFFLINE": "1"})
+        stub_tok = ("--model-path", MODEL_ID)
     # greedy: always the longest match, so the test sees the index, not cache_aware's load balancing
     # (which may, rightly, send a request away from a busy holder: a load_override)
     if via_gateway:  # the HTTP API and the tokenizer in `mesh gateway`, the broker without HTTP
@@ -55,8 +53,9 @@ def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool 
         b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "cache_aware_greedy", *extra)
         door, ready = b, "http_listening"
     # the two engines start while the HTTP door comes up (each process loads the model's tokenizer)
-    stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--tokenizer", str(model_dir)])
-             for i in range(2)]
+    if away is not None:
+        procs.env["HF_HUB_CACHE"] = str(away / "hub")
+    stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", *stub_tok]) for i in range(2)]
     url = wait_for_log_event(door.log_path, ready, 30, door.popen, start=door.log_start)["url"]
     engines = [wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"] for p in stubs]
     for i, e in enumerate(engines):
@@ -65,62 +64,22 @@ def _fleet(procs, model_dir: Path, *, broker_tokenizer: bool, via_gateway: bool 
     return url, b.frontend, engines
 
 
-async def _cache_hits(c) -> float:
-    return float((await c.status()).counters.get("decisions.cache_hit", 0))
-
-
-async def _conversations(url: str, frontend: str, engines: list[str], n: int = 4) -> tuple[list[tuple[str, str, int]], float]:
-    """n two-turn conversations. Turn 1 goes straight to engine k % 2 (the broker never sees it:
-    only that engine's KV events can tell the broker where the conversation is); turn 2 goes
-    through the broker. Returns (holder, worker of turn 2, cached tokens of turn 2) each, and the
-    broker's cache-hit decisions for the second turns."""
-    from mesh.client import Client
-
-    out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, Client(frontend) as c:
-        async def published() -> int:  # KV batches the engines have published so far
-            total = 0
-            for e in engines:
-                async with s.get(e + "/debug/stats") as r:
-                    total += sum(rk["next_seq"] or 0 for rk in (await r.json())["ranks"])
-            return total
-
-        batches0, published0 = (await c.status()).counters.get("kv.batches", 0), await published()
-        firsts = []
-        for k in range(n):
-            msgs = [{"role": "system", "content": f"{k}) " + SYSTEM},
-                    {"role": "user", "content": [{"type": "text", "text": f"Where is order {1000 + k}?"}]}]
-            async with s.post(engines[k % 2] + "/v1/chat/completions", json={"model": "mesh", "messages": msgs, "max_tokens": 4}) as r:
-                body = await r.json()
-                assert r.status == 200, body
-                firsts.append((msgs, body["choices"][0]["message"]["content"], f"a{k % 2}"))
-        want = batches0 + await published() - published0
-        await until(lambda: _kv_batches_at_least(c, want), 10, "every KV batch the engines published at the broker",
-                    step_s=0.02)
-        before = await _cache_hits(c)
-        for msgs, answer, holder in firsts:
-            follow = [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the invoice?"}]
-            async with s.post(url + "/v1/chat/completions", json={"model": "mesh", "messages": follow, "max_tokens": 4}) as r:
-                body = await r.json()
-                assert r.status == 200, body
-                out.append((holder, r.headers["x-mesh-worker"], body["usage"]["prompt_tokens_details"]["cached_tokens"]))
-        return out, await _cache_hits(c) - before
-
-
 @pytest.mark.parametrize("via_gateway", [False, True], ids=["broker_http", "gateway"])
 def test_chat_over_http_lands_on_the_cache_holder_with_the_models_tokenizer(procs, model_dir, via_gateway):
     url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=True, via_gateway=via_gateway)
-    turns, hits = run(_conversations(url, frontend, engines), 90)
+    turns, hits = run(conversations(url, frontend, engines), 90)
     print(f"turns {turns} cache-hit decisions {hits}")
     assert all(holder == w for holder, w, _ in turns), turns  # every follow-up went to the holder
     assert all(cached > 150 for _, _, cached in turns), turns  # and the engine had the prefix cached
     assert hits == len(turns)
 
 
-def test_control_without_the_tokenizer_text_never_meets_the_engines_cache(procs, model_dir):
-    """What issue 14 found: keyed by bytes, the broker cannot match the engines' token-id events."""
-    url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=False)
-    turns, hits = run(_conversations(url, frontend, engines), 90)
+def test_control_without_the_tokenizer_text_never_meets_the_engines_cache(procs, model_dir, tmp_path):
+    """What issue 14 found: keyed by bytes, the broker cannot match the engines' token-id events. (Since
+    issue 30 a broker loads the tokenizer the engines announce: here it is not on the broker's host.)"""
+    away = build_hub_cache(tmp_path / "engines-hf", MODEL_ID, model_dir)
+    url, frontend, engines = _fleet(procs, model_dir, broker_tokenizer=False, away=away)
+    turns, hits = run(conversations(url, frontend, engines), 90)
     assert hits == 0, turns
 
 
@@ -142,7 +101,7 @@ def test_simulated_workers_with_the_tokenizer_publish_the_models_token_ids(procs
         async with Client(b.frontend) as c:
             batches0 = (await c.status()).counters.get("kv.batches", 0)
             first = await c.generate(text=text, max_new_tokens=2, deadline_ms=10_000)
-            await until(lambda: _kv_batches_at_least(c, batches0 + 1), 10, "the worker's KV events at the broker",
+            await until(lambda: kv_batches_at_least(c, batches0 + 1), 10, "the worker's KV events at the broker",
                         step_s=0.02)
             second = await c.generate(input_ids=tok.encode(text), max_new_tokens=2, deadline_ms=10_000)
             return first, second

@@ -61,8 +61,11 @@ def add_stub_sglang_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--incremental-streaming-output", action="store_true", help="/generate streams deltas, not cumulative chunks")
     p.add_argument("--http-load-api", choices=["v1_loads", "get_load", "metrics"], default="v1_loads",
                    help="HTTP load endpoints: v1_loads (0.5.21+), get_load (/get_load + /v1/loads, 0.5.12-0.5.20), metrics (only /metrics)")
-    p.add_argument("--tokenizer", help="a model folder (tokenizer.json, tokenizer_config.json): text prompts and chat "
-                                      "messages are tokenised as the real engine would (default: UTF-8 bytes as ids)")
+    p.add_argument("--tokenizer", help="a model folder (tokenizer.json, tokenizer_config.json) or a model id in the local "
+                                      "Hugging Face cache: text prompts and chat messages are tokenised as the real engine "
+                                      "would (default: --model-path's, else UTF-8 bytes as ids)")
+    p.add_argument("--model-path", default="", help="SGLang's --model-path: a model id (ORG/NAME, from the local Hugging "
+                                                    "Face cache) or folder whose tokenizer the stub uses and announces")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-paths): /v1/models lists "
                                                                "them, /load_lora_adapter and /v1/load_lora_adapter change them")
     p.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME[=PATH]", help="LoRA adapters loaded at start (SGLang's flag)")
@@ -113,6 +116,7 @@ def settings_from_args(args: argparse.Namespace):
         fail_health=args.fail_health, incremental_streaming_output=args.incremental_streaming_output,
         http_load_api=args.http_load_api, engine=engine, log_level=args.log_level, tokenizer=args.tokenizer or "",
         enable_lora=args.enable_lora or bool(args.lora_paths), lora_paths=tuple(args.lora_paths), lora_dynamic=args.lora_dynamic,
+        model_path=args.model_path,
     )
     try:
         s.validate()

@@ -13,7 +13,10 @@ as the native simulated worker). It speaks the subset of SGLang 0.5.23 a router 
   ``stream_options.include_usage``; vLLM's ``return_token_ids`` extension), ``GET /v1/models``;
 * ``/health`` (``/health_generate``), ``/ready``, ``/ping``; ``--fail-health`` makes the health
   endpoints answer 503;
-* ``/server_info`` (``/get_server_info``) with the ``kv_events`` discovery block, ``/model_info``;
+* ``/server_info`` (``/get_server_info``) with the ``kv_events`` discovery block, ``/model_info``; both
+  name the tokenizer as SGLang does (``tokenizer_path``: ``--tokenizer``, else ``--model-path``, a folder or
+  a model id in the local Hugging Face cache; null when the stub keys text by bytes), and so does
+  ``/v1/models``' ``root`` as vLLM's does;
 * ``/v1/loads`` (JSON and ``format=prometheus``), ``/get_load`` (only with
   ``--http-load-api get_load``, emulating 0.5.12-0.5.20), ``/metrics`` with ``sglang:`` names;
 * ``/flush_cache`` (refused with 400 while requests run; publishes ``AllBlocksCleared``).
@@ -289,7 +292,8 @@ class StubSettings:
     load_tick_s: float = 0.05
     engine: EngineConfig = field(default_factory=EngineConfig)
     log_level: str = "info"
-    tokenizer: str = ""  # a model folder: text prompts and chat are tokenised as the real engine would
+    tokenizer: str = ""  # a model folder or id (SGLang --tokenizer-path): text is tokenised as the real engine would
+    model_path: str = ""  # SGLang --model-path: a model id or folder; its tokenizer unless --tokenizer names one
     # LoRA (SGLang --enable-lora / --lora-paths NAME[=PATH]): listed in /v1/models with a parent, changed
     # by /load_lora_adapter; an unknown adapter is refused, or loaded on first use with lora_dynamic.
     # Without enable_lora any lora_path is served untracked (only its cache namespace matters).
@@ -472,10 +476,13 @@ class SglangStub:
         self.startup_time = time.time()
         self._keys = itertools.count(1)
         self.tokenizer = None
-        if s.tokenizer:  # as SGLang: the engine tokenises text itself, so its KV events hold real ids
-            from mesh.tokenization import ModelTokenizer
+        # SGLang's tokenizer_path (announced in /server_info, /get_model_info and /v1/models' root): None
+        # when the stub keys text by bytes, which no tokenizer reproduces
+        self.tokenizer_path = s.tokenizer or s.model_path or None
+        if self.tokenizer_path:  # as SGLang: the engine tokenises text itself, so its KV events hold real ids
+            from mesh.tokenization import ModelTokenizer, resolve_model_dir
 
-            self.tokenizer = ModelTokenizer.from_dir(s.tokenizer)
+            self.tokenizer = ModelTokenizer.from_dir(resolve_model_dir(self.tokenizer_path))
         self._rr = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
@@ -1099,7 +1106,7 @@ class SglangStub:
         """The base model, then each loaded LoRA adapter with ``parent`` = the base and ``root`` =
         its path (SGLang ``available_models`` with --enable-lora; vLLM's list has the same shape)."""
         m = self.s.model
-        data = [{"id": m, "object": "model", "created": int(self.startup_time), "owned_by": "sglang", "root": m,
+        data = [{"id": m, "object": "model", "created": int(self.startup_time), "owned_by": "sglang", "root": self.tokenizer_path,
                  "max_model_len": self.s.engine.max_total_num_tokens}]
         data += [{"id": n, "object": "model", "created": int(self.startup_time), "owned_by": "sglang", "root": path, "parent": m,
                   "max_model_len": None} for n, path in self.loras.items()]
@@ -1170,9 +1177,9 @@ class SglangStub:
             if self.replay_base is not None:
                 kv_cfg["replay_endpoint"] = f"tcp://{host}:{self.replay_base}"
         return {
-            "model_path": s.model,
+            "model_path": s.model_path or s.model,
             "served_model_name": s.model,
-            "tokenizer_path": s.model,
+            "tokenizer_path": self.tokenizer_path,
             "host": s.host,
             "port": self.http_port,
             "page_size": cfg.page_size,
@@ -1205,7 +1212,8 @@ class SglangStub:
 
     async def h_model_info(self, request: web.Request) -> web.Response:
         m = self.s.model
-        return web.json_response({"model_path": m, "served_model_name": m, "tokenizer_path": m, "is_generation": True,
+        return web.json_response({"model_path": self.s.model_path or m, "served_model_name": m,
+                                  "tokenizer_path": self.tokenizer_path, "is_generation": True,
                                   "weight_version": "default", "disaggregation_mode": "null", "architectures": ["StubForCausalLM"]})
 
     async def h_loads(self, request: web.Request) -> web.Response:

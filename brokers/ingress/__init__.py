@@ -8,6 +8,8 @@ guarantee as ZeroMQ clients. By concern:
 * :mod:`.app`: :class:`HttpIngress`, routes, API key, lifecycle, ``/v1/models``, health, metrics,
   the admin API;
 * :mod:`.submit`: HTTP -> SUBMIT (headers, body, prompt, tokenizer, parameters, size limits);
+* :mod:`.tokenizers`: each model's tokenizer (flag-named, else the one its engines announce) and
+  the report of text sent without one;
 * :mod:`.openai_api`: ``/v1/completions`` and ``/v1/chat/completions`` bodies;
 * :mod:`.generate`: SGLang's ``/generate``;
 * :mod:`.endpoint`: what those two share (refusals, the wait for an unstreamed FINAL);

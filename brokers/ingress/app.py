@@ -2,8 +2,9 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`.openai_api`), ``POST
 /generate`` (SGLang native, :mod:`.generate`), ``GET /v1/models``, ``GET /health`` (200 when at least
-one worker is routable), ``GET /readyz``, ``GET /metrics`` (Prometheus; needs the API key when one
-is set, like every path except the health probes), ``GET /workers`` and ``POST
+one worker is routable; ``text_routing``: text requests sent without their model's tokenizer, with the
+fix), ``GET /readyz``, ``GET /metrics`` (Prometheus; needs the API key when one is set, like every
+path except the health probes), ``GET /workers`` and ``POST
 /workers/{id}/drain|eject|reinstate`` (the admin API, on a broker only).
 
 The ingress talks to "a broker" only through :class:`brokers.ingress.backend.IngressBackend`.
@@ -52,6 +53,7 @@ class HttpIngress:
         self.log = get_logger(service="http")
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._prefetch: asyncio.Task | None = None  # loads the tokenizers the engines announce
         self.endpoint = ""
         paths = dict(tokenizers or {})
         templates = dict(chat_templates or {})
@@ -97,11 +99,16 @@ class HttpIngress:
 
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True)
+        self._prefetch = asyncio.create_task(self.submitter.tokenizers.prefetch_loop(), name="http-tokenizer-prefetch")
         h, p = self._server.sockets[0].getsockname()[:2]
         self.endpoint = f"http://{h}:{p}"
         return self.endpoint
 
     async def stop(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+            await asyncio.gather(self._prefetch, return_exceptions=True)
+            self._prefetch = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -183,7 +190,8 @@ class HttpIngress:
 
     async def health(self, request: web.Request) -> web.Response:
         n = self.backend.routable_workers()
-        return web.json_response({"status": "ok" if n else "no_workers", "workers": n}, status=200 if n else 503)
+        return web.json_response({"status": "ok" if n else "no_workers", "workers": n,
+                                  "text_routing": self.submitter.tokenizers.health()}, status=200 if n else 503)
 
     async def readyz(self, request: web.Request) -> web.Response:
         ok = self.backend.state == "serving"

@@ -33,13 +33,19 @@ class AdminCall(Protocol):
 
 
 class IngressCounters(Protocol):
-    """The counters the ingress bumps (``requests`` by error code, ``dropped`` by what)."""
+    """The counters the ingress bumps (``requests`` by error code, ``dropped`` by what, ``text_unmatched``
+    by model)."""
 
     @property
     def requests(self) -> MutableMapping[str, int]: ...
 
     @property
     def dropped(self) -> MutableMapping[str, int]: ...
+
+    @property
+    def text_unmatched(self) -> MutableMapping[str, int]:
+        """Text requests sent without their model's tokenizer to engines that key by token ids, by model."""
+        ...
 
 
 class IngressBackend(Protocol):
@@ -77,6 +83,10 @@ class IngressBackend(Protocol):
 
     def lora_catalog(self) -> dict[str, dict]:
         """LoRA adapters the routable workers hold: name -> ``{"parent": base model, "workers": n}``."""
+
+    def announced_tokenizers(self) -> dict[str, str]:
+        """Model -> the tokenizer its engines announced in READY (a model id or a path); models whose
+        engines announced none (simulated workers keyed by bytes, older adapters) are absent."""
         ...
 
     def routable_workers(self) -> int:

@@ -31,7 +31,7 @@ class GenerateEndpoint(Endpoint):
             if text is not None and ids is not None:
                 raise IngressBadRequest("give either text or input_ids, not both")
             model = self.sub.model_of(body)  # a mesh extension: SGLang's /generate serves one model
-            tx = self.sub.text_for(model)
+            tx = await self.sub.text_for(model)
             prompt = await self.sub.prompt(text, ids, tx)
             params = self.sub.params(body, chat=None)
             stream = opt_bool(body, "stream")

@@ -35,7 +35,7 @@ class OpenAIEndpoints(Endpoint):
         try:
             slo, deadline_ms, body = await self.head(request)
             model = self.sub.model_of(body)
-            tx = self.sub.text_for(model)
+            tx = await self.sub.text_for(model)
             if chat:
                 prompt = await self.sub.chat_input(body.get("messages"), tx)
             else:

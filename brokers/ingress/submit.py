@@ -8,9 +8,10 @@ unless the client gave its own ``rid``), the id the broker's logs carry; the ide
 shown. The request is handed to the backend decoded (:class:`mesh.protocol.Submit`), checked as
 the broker's decoder checks a received SUBMIT: nothing decodes it again.
 
-Prompts: with ``--tokenizer FILE`` (a Hugging Face ``tokenizer.json``, needs the ``tokenizers``
-package) prompts are tokenised here and routed by token ids; otherwise the prompt text is sent
-and the broker routes by a byte-level key of the text. SLO headers ``x-sgl-ttft-slo-ms`` and
+Prompts: with the model's tokenizer (``--tokenizer``, else the one its engines announce; see
+:mod:`.tokenizers`; needs the ``tokenizers`` package) prompts are tokenised here and routed by token
+ids; otherwise the prompt text is sent and the broker routes by a byte-level key of the text (counted
+and reported when the model's engines key by token ids). SLO headers ``x-sgl-ttft-slo-ms`` and
 ``x-sgl-tps-slo`` become the request's SLO and ``x-mesh-deadline-ms`` its deadline; an invalid
 value is a 400 naming the header. Every body field is validated (400 naming the field); nothing a
 client sends produces a 500.
@@ -35,7 +36,6 @@ import json
 import math
 import re
 import secrets
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -43,11 +43,11 @@ from aiohttp import web
 
 from brokers.ingress.backend import IngressBackend
 from brokers.ingress.replies import Call
+from brokers.ingress.tokenizers import Tokenizers
 from mesh import protocol as P
 from mesh import tracing
-from mesh.errors import ConfigError, IngressBadRequest, IngressOverloaded, IngressTooLarge
+from mesh.errors import IngressBadRequest, IngressOverloaded, IngressTooLarge
 from mesh.params import ParamError, from_generate, from_openai
-from mesh.routing.lora import split_model
 
 __all__ = ["MAX_BODY_BYTES", "MAX_SUBMIT_BYTES", "QUOTA_KEY", "REQUEST_ID", "REQUEST_ID_RE", "Submitter", "opt_bool"]
 
@@ -66,23 +66,6 @@ _LOCAL_PREFIX = b"\x00http:"
 _MAX_DEADLINE_MS = 86_400_000  # the protocol's deadline_ms bound
 _MAX_MESSAGES = 10_000  # chat messages per request
 _INT_RE = re.compile(r"[0-9]{1,12}")
-
-
-def load_tokenizer(path: str, chat_template_path: str | None):
-    """``--tokenizer``: a model folder (tokenizer.json, tokenizer_config.json with its chat template)
-    or a ``tokenizer.json`` inside one. Returns (ModelTokenizer, TokenizerPool)."""
-    try:
-        from mesh.tokenization import ModelTokenizer, TokenizerPool
-        import tokenizers  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the optional extra
-        raise ConfigError("tokenizer: the 'tokenizers' extra is not installed (pip install mesh-router[tokenizers])") from exc
-    p = Path(path)
-    if p.is_file():
-        if p.name != "tokenizer.json":
-            raise ConfigError(f"tokenizer: {path} must be a model folder or its tokenizer.json")
-        p = p.parent
-    tok = ModelTokenizer.from_dir(p, chat_template_path)
-    return tok, TokenizerPool(tok, workers=2, max_queued=256)
 
 
 def opt_bool(body: dict, k: str, default: bool = False) -> bool:
@@ -128,15 +111,13 @@ class Submitter:
         self.body_timeout_s = body_timeout_s
         self.request_timeout_s = request_timeout_s
         self._ids = _SecretIds()
-        # Per model (None: every model without its own): its tokenizer and chat template
-        # (mesh.tokenization.ModelTokenizer) and the thread pool that runs them off the event
-        # loop (HF tokenizers release the GIL).
-        templates = chat_templates or {}
-        self._texts = {name: load_tokenizer(path, templates.get(name)) for name, path in (tokenizers or {}).items()}
+        # Per model: its tokenizer and chat template (mesh.tokenization.ModelTokenizer) and the thread
+        # pool that runs them off the event loop (HF tokenizers release the GIL): flag-named, else the
+        # one its engines announced (brokers.ingress.tokenizers)
+        self.tokenizers = Tokenizers(backend, tokenizers, chat_templates)
 
     def close(self) -> None:
-        for _, pool in self._texts.values():
-            pool.close()
+        self.tokenizers.close()
 
     def model_of(self, body: dict) -> str | None:
         model = body.get("model")
@@ -146,32 +127,9 @@ class Submitter:
             raise IngressBadRequest("model must be a string of 1..256 characters")
         return model
 
-    def text_for(self, model: str | None):
-        """The (tokenizer, pool) for a request's model: its own (by name or through an alias, or
-        the fleet's only model under no name), else the default one; None without any."""
-        if not self._texts:
-            return None
-        if len(self._texts) > 1 or None not in self._texts:
-            served, aliases, fleet_name = self.backend.model_catalog()
-            name = aliases.get(model, model) if model is not None else None
-            if (name is None or name == fleet_name) and len(served) == 1:
-                name = next(iter(served))
-            hit = self._texts.get(name) if name is not None else None
-            if hit is None and name is not None:  # a LoRA adapter tokenises as its base model
-                base = self.lora_base(name, served)
-                hit = self._texts.get(aliases.get(base, base)) if base is not None else None
-            if hit is not None:
-                return hit
-        return self._texts.get(None)
-
-    def lora_base(self, name: str, served: dict[str, int]) -> str | None:
-        """The base model of ``BASE:ADAPTER`` or of an adapter's own name (None: not an adapter)."""
-        if ":" in name:
-            base, adapter = split_model(name, served)
-            if adapter is not None:
-                return base
-        entry = self.backend.lora_catalog().get(name)
-        return entry["parent"] if entry else None
+    async def text_for(self, model: str | None):
+        """The (tokenizer, pool) for a request's model (see :class:`Tokenizers`), or None."""
+        return await self.tokenizers.for_model(model)
 
     def answer_model(self, model: str | None) -> str:
         """The ``model`` an answer reports: the name asked for, else the fleet's only model."""
@@ -323,6 +281,8 @@ class Submitter:
         ident = _LOCAL_PREFIX + raw[:16]  # always fresh and secret: replies are matched by identity and rid
         rid = REQUEST_ID.get() or raw[16:].hex()
         tracing.annotate(request_id=rid, model=model)
+        if tx is None and "text" in prompt:
+            self.tokenizers.note_text(model)
         body = P.submit_body(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"), params=params,
                              deadline_ms=deadline_ms, stream=stream, slo=slo, model=model,
                              traceparent=tracing.current_traceparent())

@@ -60,11 +60,12 @@ class EngineInfo:
     incremental_streaming: bool = False
     startup_time: float | None = None
     loras: list[str] | None = None  # LoRA adapters loaded on the engine (None: unknown)
+    tokenizer: str = ""  # the engine's tokenizer as it names it (a model id or a path), announced in READY
 
     def describe(self) -> dict[str, Any]:
-        return {"model": self.model, "block_size": self.block_size, "dp_size": self.dp_size, "topic": self.topic,
-                "kv_endpoints": self.kv_endpoints, "replay_endpoints": self.replay_endpoints, "load_endpoints": self.load_endpoints,
-                "loras": self.loras}
+        return {"model": self.model, "tokenizer": self.tokenizer, "block_size": self.block_size, "dp_size": self.dp_size,
+                "topic": self.topic, "kv_endpoints": self.kv_endpoints, "replay_endpoints": self.replay_endpoints,
+                "load_endpoints": self.load_endpoints, "loras": self.loras}
 
 
 def models_and_loras(d: Any) -> tuple[str | None, list[str]]:

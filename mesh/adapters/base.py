@@ -238,7 +238,8 @@ class Adapter:
         return Capabilities(model=info.model[:256], role=self.s.role, labels=dict(self.s.labels), block_size=info.block_size,
                             max_running_requests=max(1, info.max_running_requests),
                             max_total_num_tokens=max(1, info.max_total_num_tokens), dp_size=info.dp_size,
-                            loras=list(info.loras) if info.loras is not None else None)
+                            loras=list(info.loras) if info.loras is not None else None,
+                            tokenizer=info.tokenizer[:P.MAX_TOKENIZER_ID_BYTES])
 
     def _open_links(self) -> None:
         """Register with every broker (the API continues the connection numbering)."""

@@ -6,7 +6,10 @@
   ``load_endpoint_port_base``. Servers without the block (SGLang <= 0.5.17) fall back to the
   ``kv_events_config`` server arg. Every value can be overridden by a flag. Also read:
   ``served_model_name``, ``max_running_requests``, ``max_total_num_tokens``,
-  ``incremental_streaming_output``, ``startup_time`` (a change across a health outage = restart).
+  ``incremental_streaming_output``, ``startup_time`` (a change across a health outage = restart),
+  ``tokenizer_path`` (SGLang sets it to ``model_path`` unless ``--tokenizer-path`` names another; from
+  ``/get_model_info`` when ``/server_info`` lacks it): the tokenizer identity announced in READY, which
+  the brokers' HTTP ingress and the gateway load when no ``--tokenizer`` names the model's.
   LoRA adapters: ``GET /v1/models`` entries with a ``parent`` (servers run with
   ``--enable-lora``), announced to the brokers and re-read every ``--lora-refresh-ms``.
 * Requests: ``POST /generate``, with ``stream: true`` when the client streams (else one JSON
@@ -41,7 +44,7 @@ from mesh.load import LoadStat
 from mesh.openai_logprobs import LOGPROB_KEYS
 from mesh.params import REQUEST_KEYS, SAMPLING_KEYS
 
-__all__ = ["SglangBackend", "info_from_server_info", "generate_body", "SAMPLING_KEYS", "loadstat_from_v1", "loadstats_from_metrics"]
+__all__ = ["SglangBackend", "info_from_server_info", "tokenizer_of", "generate_body", "SAMPLING_KEYS", "loadstat_from_v1", "loadstats_from_metrics"]
 
 _ALIASES = {"seed": "sampling_seed", "max_tokens": None, "min_tokens": "min_new_tokens"}
 TOP_LEVEL_KEYS = REQUEST_KEYS
@@ -59,6 +62,13 @@ def _endpoint_host(block_host: Any, url_host: str) -> str:
     if not isinstance(block_host, str) or block_host in ("*", "0.0.0.0", "::", "[::]", ""):
         return url_host
     return block_host
+
+
+def tokenizer_of(d: dict[str, Any]) -> str:
+    """The tokenizer an SGLang server names in ``/server_info`` or ``/get_model_info`` (``tokenizer_path``:
+    a model id or a folder), or "" when it names none."""
+    v = d.get("tokenizer_path")
+    return v.strip() if isinstance(v, str) else ""
 
 
 def info_from_server_info(d: dict[str, Any], s: AttachSettings) -> EngineInfo:
@@ -107,7 +117,7 @@ def info_from_server_info(d: dict[str, Any], s: AttachSettings) -> EngineInfo:
         replay_endpoints=ranked(s.replay_endpoint, "replay_endpoint_port_base"),
         load_endpoints=ranked(s.load_endpoint, "load_endpoint_port_base"),
         max_running_requests=int(max_running), max_total_num_tokens=int(max_total), incremental_streaming=incremental,
-        startup_time=float(st) if isinstance(st, (int, float)) else None,
+        startup_time=float(st) if isinstance(st, (int, float)) else None, tokenizer=tokenizer_of(d),
     )
 
 
@@ -266,6 +276,10 @@ class SglangBackend(Backend):
             info.loras = await self.loras(http)  # /v1/models: adapters have a parent (with --enable-lora)
         except RequestError:
             info.loras = None
+        if not info.tokenizer:  # older servers: the model info endpoint names it
+            status, d = await self.get_json(http, "/get_model_info")
+            if status == 200 and isinstance(d, dict):
+                info.tokenizer = tokenizer_of(d)
         if info.kv_endpoints and info.kv_endpoints[0] is None:
             self.log.warning("no_kv_events", hint="start the server with --kv-events-config '{\"publisher\":\"zmq\",...}' "
                              "(or pass --kv-endpoint); without events the brokers cannot route by this worker's cache")

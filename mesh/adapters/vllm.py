@@ -3,7 +3,8 @@
 * No HTTP discovery: ``--kv-endpoint`` (rank 0; rank r = port + r) and ``--block-size`` are
   required, ``--replay-endpoint``, ``--dp-size`` (default 1) and ``--topic`` optional. The model
   name comes from ``GET /v1/models`` (the entry without a ``parent``; entries with one are LoRA
-  adapters, announced to the brokers and re-read every ``--lora-refresh-ms``); the KV capacity from ``vllm:cache_config_info``
+  adapters, announced to the brokers and re-read every ``--lora-refresh-ms``), and the tokenizer
+  announced in READY from its ``root`` (the model vLLM loaded); the KV capacity from ``vllm:cache_config_info``
   (``num_gpu_blocks x block_size``) unless ``--max-total-num-tokens`` is given.
 * Events: tagged maps with unsigned (or 32-byte ``bytes``) hashes, ``lora_name``, ``extra_keys``,
   ``group_idx`` (hybrid models: only group 0 / main attention is kept by the decoder), batch rank =
@@ -34,7 +35,7 @@ from mesh.adapters.settings import AttachSettings
 from mesh.errors import ConfigError, ErrorCode, RequestError
 from mesh.load import LoadStat
 
-__all__ = ["VllmBackend", "completions_body", "loadstats_from_vllm_metrics"]
+__all__ = ["VllmBackend", "completions_body", "loadstats_from_vllm_metrics", "tokenizer_of_models"]
 
 # mesh params (SGLang's vocabulary, mesh/params.py) -> vLLM OpenAI completions fields.
 _PARAMS = {
@@ -113,6 +114,17 @@ def _logprob_lists(lp: dict[str, Any], ids: list | None, st: StreamState) -> Non
             if isinstance(d, dict) else [] for d in tops]
 
 
+def tokenizer_of_models(d: Any, model: str) -> str:
+    """The tokenizer a vLLM server names in ``/v1/models``: the ``root`` of the served model's entry (the
+    ``--model`` it loaded, a model id or a folder; vLLM loads the tokenizer from there unless ``--tokenizer``
+    says otherwise), or "" when the answer names none."""
+    data = d.get("data") if isinstance(d, dict) else None
+    entries = [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+    entry = next((e for e in entries if e.get("id") == model), entries[0] if entries else {})
+    root = entry.get("root")
+    return root.strip() if isinstance(root, str) else ""
+
+
 def loadstats_from_vllm_metrics(text: str, info: EngineInfo) -> list[LoadStat] | None:
     per: dict[int, dict[str, float]] = {}
     cap = info.max_total_num_tokens
@@ -151,17 +163,15 @@ class VllmBackend(Backend):
         s = self.s
         model = s.model
         loras = None
+        status, d = await self.get_json(http, "/v1/models")
         if not model:
-            status, d = await self.get_json(http, "/v1/models")
             if status != 200 or not isinstance(d, dict) or not d.get("data"):
                 raise self.not_ready("/v1/models", status)  # retried by discovery
             base, loras = models_and_loras(d)  # the base model, not data[0]: LoRA entries have a parent
             model = base or "vllm"
-        else:
-            try:
-                loras = await self.loras(http)
-            except RequestError:  # the name is given: /v1/models only tells the adapters here
-                loras = None
+        elif status == 200:
+            loras = models_and_loras(d)[1]  # the name is given: /v1/models only tells the adapters here
+        tokenizer = tokenizer_of_models(d, model) if status == 200 else ""
         max_total = s.max_total_num_tokens
         if not max_total:
             try:
@@ -190,7 +200,7 @@ class VllmBackend(Backend):
         return EngineInfo(model=model, block_size=int(s.block_size or 16), dp_size=dp, topic=s.topic or "",
                           kv_endpoints=ranked(s.kv_endpoint), replay_endpoints=ranked(s.replay_endpoint),
                           load_endpoints=ranked(s.load_endpoint), max_running_requests=s.max_running_requests or 256,
-                          max_total_num_tokens=max_total, incremental_streaming=True, loras=loras)
+                          max_total_num_tokens=max_total, incremental_streaming=True, loras=loras, tokenizer=tokenizer)
 
     def request(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any]]:
         return "/v1/completions", completions_body(r, info)

@@ -46,6 +46,9 @@ class BrokerStats:
         # decisions_peer_stale (routed on this broker's own view while a peer was stale), ...
         self.exchange: Counter[str] = Counter()
         self.lora: Counter[str] = Counter()  # sent_to_holder, sent_without_adapter (mesh.routing.lora)
+        # text requests the HTTP ingress sent without their model's tokenizer to engines that key their
+        # cache by token ids (a byte key never matches their KV events), by model
+        self.text_unmatched: Counter[str] = Counter()
         self.degraded_decisions = 0
         self.requests_parked = 0
         self.cached_tokens = 0
@@ -84,6 +87,7 @@ class BrokerStats:
             ("loop", self.loop),
             ("exchange", self.exchange),
             ("lora", self.lora),
+            ("text_unmatched", self.text_unmatched),
         ):
             for k, v in ctr.items():
                 out[f"{prefix}.{k}"] = v

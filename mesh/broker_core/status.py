@@ -4,7 +4,7 @@ token counts (pure: no I/O, no clock). Reads the worker pool, intake's aliases a
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from mesh import protocol as P
 from mesh.broker_core.counters import BrokerStats
@@ -12,11 +12,22 @@ from mesh.broker_core.intake import Intake
 from mesh.broker_core.pool import SessionState, WorkerPool, WorkerSession
 from mesh.config import BrokerSettings
 
-__all__ = ["Status"]
+__all__ = ["Status", "announced_by_model"]
 
 _STATUS_CACHE_S = 0.1  # STATUS worker lists of large fleets are rebuilt at most this often
 _STATUS_CACHE_MIN_WORKERS = 256  # smaller fleets always get a fresh list
 _STATUS_MAX_LORAS = 64  # LoRA adapters listed per worker (a STATUS of 1,024 workers stays well under a frame)
+
+
+def announced_by_model(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """(model, tokenizer announced by one worker) pairs -> model -> the tokenizer most of its workers
+    announced (ties: the first by name); models whose workers announced none are absent."""
+    votes: dict[str, dict[str, int]] = {}
+    for model, tok in pairs:
+        if tok:
+            v = votes.setdefault(model, {})
+            v[tok] = v.get(tok, 0) + 1
+    return {m: max(sorted(v), key=v.__getitem__) for m, v in votes.items()}
 
 
 class Status:
@@ -80,6 +91,10 @@ class Status:
         """Model name -> routable workers serving it (models whose workers are all down are absent)."""
         return {m: n for m in self.pool.models() if (n := len(self.pool.pool(m)))}
 
+    def announced_tokenizers(self) -> dict[str, str]:
+        """Model -> the tokenizer its registered workers announced in READY (see :func:`announced_by_model`)."""
+        return announced_by_model((s.ready.model, s.ready.tokenizer) for s in self.pool.by_id.values())
+
     def workers(self, now: float) -> list[dict]:
         """One entry per registered worker (STATUS, telemetry, the admin API)."""
         return [self.worker_status(sess, now) for sess in self.pool.by_id.values()]
@@ -88,7 +103,8 @@ class Status:
         st = sess.state
         agg = st.fresh_load(now, self.s.load_freshness_s)
         return {
-            "worker_id": st.worker_id, "model": sess.ready.model, "role": st.role, "labels": st.labels,
+            "worker_id": st.worker_id, "model": sess.ready.model, "tokenizer": sess.ready.tokenizer, "role": st.role,
+            "labels": st.labels,
             "healthy": st.healthy and sess.confirmed, "state": sess.status.value,
             "inflight": st.inflight, "peer_inflight": st.peer_inflight, "peer_prefill_tokens": st.peer_prefill_tokens,
             "epoch": sess.ready.epoch, "load_distrusted": st.load_distrusted,

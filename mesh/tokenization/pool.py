@@ -26,8 +26,11 @@ from mesh.errors import ErrorCode, RetryableError
 
 from .chat import ChatTemplate
 from .model_dir import ModelFiles, load_model_dir
+from .prefix_cache import PrefixEncoder
 
-__all__ = ["ModelTokenizer", "TokenizerPool", "TokenizerBusy"]
+__all__ = ["ModelTokenizer", "TokenizerPool", "TokenizerBusy", "PREFIX_CACHE_BYTES"]
+
+PREFIX_CACHE_BYTES = 64 << 20  # per model: token ids of chat prompts' prefixes (prefix_cache.py)
 
 
 class TokenizerBusy(RetryableError):
@@ -41,11 +44,16 @@ class ModelTokenizer:
     """One model's tokenizer and chat template, with blocking calls. Thread-safe (``tokenizers.Tokenizer`` is
     immutable once loaded and the template shares no state), so a pool's threads share one instance."""
 
-    def __init__(self, files: ModelFiles, text_part_separator: str = "\n") -> None:
+    def __init__(self, files: ModelFiles, text_part_separator: str = "\n", prefix_cache_bytes: int = PREFIX_CACHE_BYTES) -> None:
         self.files = files
         self.chat_template = (ChatTemplate(files.chat_template, files.special_tokens, files.additional_special_tokens,
                                            origin=files.chat_template_source, text_part_separator=text_part_separator)
                               if files.chat_template is not None else None)
+        # chat prompts re-send their history: encode only what follows the longest cached prefix
+        written = {*files.special_tokens.values(), *files.additional_special_tokens}
+        self.prefix = (PrefixEncoder(files.tokenizer, prefix_cache_bytes,
+                                     written_by=lambda t: t in written or t in (files.chat_template or ""))
+                       if self.chat_template is not None and prefix_cache_bytes > 0 else None)
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template_file: str | Path | None = None,
@@ -76,8 +84,14 @@ class ModelTokenizer:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
     def render_chat(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """``(prompt_text, token_ids)``; the ids are encoded without special tokens (the template writes them)."""
+        """``(prompt_text, token_ids)``; the ids are encoded without special tokens (the template writes them),
+        through the prefix cache: only what follows the longest prefix seen before is encoded."""
         text = self.render(messages, add_generation_prompt)
+        if self.prefix is not None:
+            try:
+                return text, self.prefix.encode(text)
+            except TypeError:  # a lone surrogate: the plain encode names it
+                pass
         return text, self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

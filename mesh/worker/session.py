@@ -57,6 +57,7 @@ class Capabilities:
     max_total_num_tokens: int = 400_000
     dp_size: int = 1
     loras: list[str] | None = None  # LoRA adapters loaded on the engine (None: not reported)
+    tokenizer: str = ""  # the engine's tokenizer identity (READY ``tokenizer``); "" unknown
 
 
 def ready_frames(worker_id: str, epoch: int, heartbeat_ms: int, c: Capabilities) -> list[bytes]:
@@ -64,7 +65,7 @@ def ready_frames(worker_id: str, epoch: int, heartbeat_ms: int, c: Capabilities)
     return P.encode_ready(P.Ready(
         worker_id=worker_id, model=c.model, role=c.role, labels=dict(c.labels), block_size=c.block_size,
         max_running_requests=c.max_running_requests, max_total_num_tokens=c.max_total_num_tokens,
-        dp_size=c.dp_size, epoch=epoch, heartbeat_ms=heartbeat_ms, loras=c.loras,
+        dp_size=c.dp_size, epoch=epoch, heartbeat_ms=heartbeat_ms, loras=c.loras, tokenizer=c.tokenizer,
     ))
 
 
