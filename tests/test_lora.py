@@ -222,7 +222,7 @@ def test_the_gateway_lists_the_adapters_its_brokers_report():
 
 
 def test_an_adapter_is_tokenised_as_its_base_model_at_the_http_ingress():
-    from brokers.ingress.submit import Submitter
+    from brokers.ingress.tokenizers import Tokenizers
 
     class Fleet:
         def model_catalog(self):
@@ -231,10 +231,13 @@ def test_an_adapter_is_tokenised_as_its_base_model_at_the_http_ingress():
         def lora_catalog(self):
             return {"sql": {"parent": "base", "workers": 1}}
 
-    sub = Submitter(Fleet())
-    sub._texts = {"base": "T-base", "other": "T-other"}  # what --tokenizer base=DIR other=DIR loads
-    assert [sub.text_for(m) for m in ("base:sql", "sql", "fast:sql", "other", "nosuch")] == ["T-base", "T-base", "T-base", "T-other",
-                                                                                            None]
+        def announced_tokenizers(self):
+            return {}
+
+    reg = Tokenizers(Fleet())
+    reg._texts = {"base": "T-base", "other": "T-other"}  # what --tokenizer base=DIR other=DIR loads
+    got = [run(reg.for_model(m)) for m in ("base:sql", "sql", "fast:sql", "other", "nosuch")]
+    assert got == ["T-base", "T-base", "T-base", "T-other", None]
 
 
 # ----------------------------------------------------------------------------- end to end
