@@ -186,7 +186,7 @@ class Adapter:
         if self.info is not None:
             announce("adapter_stopped", worker_id=self.worker_id, counters=dict(self.counters))
         self._close_links()
-        tasks = [*self._tasks, *(self.proxy.tasks if self.proxy is not None else ()), *self._serving.values()]
+        tasks = [*self._tasks, *self._serving.values()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, self.api.aclose(), return_exceptions=True)

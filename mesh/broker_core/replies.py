@@ -164,7 +164,8 @@ class Replies:
             data = P.unpack(m.data) if m.data else {}
         except ProtocolError:
             data = {}
-        inf.prefill_bootstrap = {k: data[k] for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+        # (SGLang names its bootstrap endpoint; vLLM's prefill engine answers kv_transfer_params)
+        inf.prefill_bootstrap = {k: data[k] for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "kv_transfer_params")
                                  if isinstance(data, dict) and k in data}
         inf.phase = "decode"
         self.stats.decisions["pd_handoff"] += 1
