@@ -63,6 +63,13 @@ def add_stub_sglang_parser(subparsers) -> argparse.ArgumentParser:
                    help="HTTP load endpoints: v1_loads (0.5.21+), get_load (/get_load + /v1/loads, 0.5.12-0.5.20), metrics (only /metrics)")
     p.add_argument("--tokenizer", help="a model folder (tokenizer.json, tokenizer_config.json): text prompts and chat "
                                       "messages are tokenised as the real engine would (default: UTF-8 bytes as ids)")
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+                   help="P/D leg this server serves: SGLang's bootstrap_* on /generate, vLLM's kv_transfer_params on "
+                        "/v1/completions (the KV pull is on the HTTP port; default null = neither)")
+    p.add_argument("--pd-fault", choices=["prefill_error", "bootstrap_hang", "decode_error"], default=None,
+                   help="P/D fault to inject: the prefill leg fails, its KV handoff never completes, or the decode leg fails")
+    p.add_argument("--pd-waiting-timeout-s", type=float, default=300.0,
+                   help="a decode leg waits this long for its KV (SGLang's SGLANG_DISAGGREGATION_WAITING_TIMEOUT; default 300)")
     add_log_level_arg(p, "info")
     g = p.add_argument_group("engine model (defaults: 8B model on one H100; --page-size is SGLang's flag too)")
     add_flags(g, EngineConfig, only=_ENGINE_FLAGS)  # generated from the EngineConfig fields (help, units)
@@ -107,6 +114,7 @@ def settings_from_args(args: argparse.Namespace):
         replay_frames=args.replay_frames, buffer_steps=buffer_steps, time_scale=args.time_scale, model=args.model,
         fail_health=args.fail_health, incremental_streaming_output=args.incremental_streaming_output,
         http_load_api=args.http_load_api, engine=engine, log_level=args.log_level, tokenizer=args.tokenizer or "",
+        disaggregation_mode=args.disaggregation_mode, pd_fault=args.pd_fault or "", pd_waiting_timeout_s=args.pd_waiting_timeout_s,
     )
     try:
         s.validate()

@@ -393,7 +393,9 @@ class Adapter:
         if key in self._serving:
             return  # duplicate delivery
         self.counters["requests"] += 1
-        self._serving[key] = asyncio.create_task(self._serve(link, r, key), name=f"req-{r.rid}")
+        task = self._serving[key] = asyncio.create_task(self._serve(link, r, key), name=f"req-{r.rid}")
+        # (a CANCEL right behind its REQUEST cancels the task before it runs: its finally never does)
+        task.add_done_callback(lambda t: self._serving.pop(key, None) if self._serving.get(key) is t else None)
 
     async def _serve(self, link: BrokerLink, r: P.Request, key: tuple[int, int, int]) -> None:
         """Serve one REQUEST (:meth:`RequestProxy.serve`); a cancel ends it silently."""

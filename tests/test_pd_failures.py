@@ -1,0 +1,219 @@
+"""P/D that fails loudly (issue 30), with real processes: ``mesh broker --pd`` (bucket domains from
+configs/buckets-example.toml: prefill workers labelled ``pool=short``, decode workers
+``stage=decode``), ``mesh attach sglang|vllm`` adapters with roles, and ``mesh stub-sglang``
+engines speaking each engine's P/D wire contract (``--disaggregation-mode``, faults with
+``--pd-fault`` or ``/debug/pd_fault``; workers_stub/pd_wire.py).
+
+SGLang: a prefill leg failing, its engine killed mid-request, or its KV bootstrap never completing
+-> no request hangs: each is retried on another prefill worker or ends with one error well within
+its deadline; the counts are asserted (the broker's ``decisions.pd_prefill_failed`` against the
+faults the stubs injected). A failing decode leg is re-sent to another decode worker.
+vLLM: a P/D pair (the prefill request with ``kv_transfer_params.do_remote_decode`` and
+``max_tokens: 1``, its answer's ``kv_transfer_params`` passed to the decode request) serves chat and
+completions, streamed and not, through ``mesh broker --http``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+
+from mesh.client import Client
+from mesh.errors import ErrorCode, RequestError
+from mesh.lab.procs import wait_for_log_event
+from mesh.lab.up import wait_for_workers
+from tests.conftest import run
+
+BUCKETS = str(Path(__file__).resolve().parents[1] / "configs" / "buckets-example.toml")
+ADAPTER = ["--heartbeat-ms", "200", "--health-interval-ms", "100", "--unhealthy-after", "1", "--load-poll-ms", "200"]
+DEADLINE_MS = 30_000
+
+
+def _fleet(procs, engine: str, prefill: dict[str, list[str]], decode: dict[str, list[str]], *, stub: tuple[str, ...] = (),
+           adapter: tuple[str, ...] = (), http: bool = False):
+    """Broker + one stub and one adapter per worker; returns (broker, http url or None, {name: stub record})."""
+    b = procs.broker("b", "--heartbeat-ms", "200", "--bucket-config", BUCKETS, "--pd", "--policy", "round_robin",
+                     "--max-attempts", "6", "--retry-budget-min", "50", *(("--http", "127.0.0.1:0") if http else ()))
+    fmt = ("--event-format", "vllm") if engine == "vllm" else ()
+    roles = {**{n: "prefill" for n in prefill}, **{n: "decode" for n in decode}}
+    stubs = {n: procs.spawn(f"stub-{n}", ["stub-sglang", "--port", "0", "--time-scale", "0.05", "--disaggregation-mode", roles[n],
+                                          *fmt, *stub, *({**prefill, **decode}[n])]) for n in roles}
+    recs = {n: wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start) for n, p in stubs.items()}
+    for n, role in roles.items():
+        rec = recs[n]
+        args = ["attach", engine, "--url", rec["url"], "--broker", b.backend, "--worker-id", n, "--role", role,
+                "--label", "pool=short" if role == "prefill" else "stage=decode", *ADAPTER, *adapter]
+        if engine == "vllm":
+            args += ["--kv-endpoint", rec["kv_endpoint"], "--replay-endpoint", rec["replay_endpoint"], "--block-size", "16"]
+        elif role == "prefill":
+            args += ["--bootstrap-port", str(rec["port"])]  # the stub's bootstrap (KV pull) is on its HTTP port
+        procs.spawn(n, args)
+    run(wait_for_workers(b.frontend, len(roles)), 40)
+    url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"] if http else None
+    for n, p in stubs.items():
+        recs[n]["proc"] = p
+    return b, url, recs
+
+
+async def _pd_stats(http: aiohttp.ClientSession, rec: dict) -> dict:
+    async with http.get(rec["url"] + "/debug/stats") as r:
+        return (await r.json())["pd"]
+
+
+async def _set_fault(http: aiohttp.ClientSession, rec: dict, fault: str | None) -> None:
+    async with http.post(rec["url"] + "/debug/pd_fault", json={"fault": fault}) as r:
+        assert r.status == 200, await r.text()
+
+
+async def _requests(c: Client, n: int, seed: int, prompt_len: int = 200, max_new: int = 6) -> list[tuple[str, float, object]]:
+    """``n`` concurrent requests (every other one streamed): (outcome, seconds, result or error) each."""
+    rng = random.Random(seed)
+
+    async def one(i: int):
+        t0 = time.monotonic()
+        try:
+            ids = [rng.randrange(1, 30_000) for _ in range(prompt_len)]
+            if i % 2:
+                st = await c.submit(input_ids=ids, max_new_tokens=max_new, deadline_ms=DEADLINE_MS)
+                got = [t async for ch in st for t in ch]
+                r = await st.result()
+                assert got == r.token_ids
+            else:
+                r = await c.generate(input_ids=ids, max_new_tokens=max_new, deadline_ms=DEADLINE_MS, stream=False)
+            assert len(r.token_ids) == max_new and r.finish_reason == "length", r
+            return "ok", time.monotonic() - t0, r
+        except RequestError as e:
+            return e.code.value, time.monotonic() - t0, e
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_sglang_prefill_leg_failing_is_retried_or_ends_with_one_error(procs):
+    b, _, st = _fleet(procs, "sglang", {"pre-a": ["--pd-fault", "prefill_error"], "pre-b": []}, {"dec": []})
+
+    async def body():
+        async with Client(b.frontend) as c, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            # pre-a's prefill legs fail after their handoff: each is retried with a new pair on pre-b
+            out = await _requests(c, 8, 1)
+            assert [o for o, _, _ in out] == ["ok"] * 8, out
+            assert all(r.worker == "dec" for _, _, r in out)
+            failed = (await _pd_stats(http, st["pre-a"]))["faults"]
+            counters = (await c.status()).counters
+            assert failed >= 1 and counters.get("decisions.pd_prefill_failed", 0) == failed, (failed, counters)
+            assert counters.get("retries.worker_error", 0) >= failed  # (HTTP 500: worker_error, retried)
+            # every prefill worker failing: each request ends with one error, long before its deadline
+            await _set_fault(http, st["pre-b"], "prefill_error")
+            out = await _requests(c, 4, 2)
+            for outcome, secs, err in out:
+                assert outcome not in ("ok", ErrorCode.DEADLINE_EXCEEDED.value), (outcome, err)
+                assert secs < DEADLINE_MS / 1000 / 3, (secs, err)
+            counters = (await c.status()).counters
+            assert counters.get("decisions.pd_prefill_failed", 0) > failed
+            assert sum(counters.get(f"requests.{o}", 0) for o, _, _ in out if o != "ok") >= 4
+
+    run(body(), timeout_s=120)
+
+
+def test_sglang_prefill_engine_killed_mid_request_is_retried(procs):
+    # a slow prefill (0.4 s per 2,000-token prompt at time scale 0.05) keeps the legs on pre-a open
+    b, _, st = _fleet(procs, "sglang", {"pre-a": ["--prefill-tokens-per-s", "250"], "pre-b": []}, {"dec": []})
+
+    async def body():
+        async with Client(b.frontend) as c:
+            task = asyncio.ensure_future(_requests(c, 6, 3, prompt_len=2000))
+            await asyncio.sleep(0.2)  # every leg is out (their prefills take 0.4 s on pre-a)
+            st["pre-a"]["proc"].signal(signal.SIGKILL)
+            out = await task
+            counters = (await c.status()).counters
+        assert [o for o, _, _ in out] == ["ok"] * 6, out
+        assert all(secs < DEADLINE_MS / 1000 / 3 for _, secs, _ in out), out
+        assert counters.get("decisions.pd_prefill_failed", 0) >= 1, counters  # the legs on pre-a, told by its adapter
+
+    run(body(), timeout_s=120)
+
+
+def test_sglang_bootstrap_that_never_completes_is_bounded(procs):
+    b, _, st = _fleet(procs, "sglang", {"pre-a": ["--pd-fault", "bootstrap_hang"], "pre-b": []}, {"dec": []},
+                      adapter=("--bootstrap-timeout-s", "1.5"))
+
+    async def body():
+        async with Client(b.frontend) as c, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            out = await _requests(c, 6, 4)
+            assert [o for o, _, _ in out] == ["ok"] * 6, out
+            hung = (await _pd_stats(http, st["pre-a"]))["faults"]
+            counters = (await c.status()).counters
+            assert hung >= 1 and counters.get("decisions.pd_prefill_failed", 0) == hung, (hung, counters)
+            # the retried ones took the bootstrap timeout once, not the deadline
+            assert max(secs for _, secs, _ in out) < 1.5 * 3 + 3, out
+            await _set_fault(http, st["pre-b"], "bootstrap_hang")
+            out = await _requests(c, 2, 5)
+            for outcome, secs, err in out:
+                assert outcome == ErrorCode.WORKER_ERROR.value and "bootstrap_timeout_s" in str(err), err
+                assert secs < DEADLINE_MS / 1000 / 2, (secs, err)
+
+    run(body(), timeout_s=120)
+
+
+def test_sglang_decode_leg_failing_is_resent_to_another_decode_worker(procs):
+    b, _, st = _fleet(procs, "sglang", {"pre": []}, {"dec-a": ["--pd-fault", "decode_error"], "dec-b": []})
+
+    async def body():
+        async with Client(b.frontend) as c, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            out = await _requests(c, 6, 6)
+            failed = (await _pd_stats(http, st["dec-a"]))["faults"]
+            counters = (await c.status()).counters
+        assert [o for o, _, _ in out] == ["ok"] * 6, out
+        assert all(r.worker == "dec-b" for _, _, r in out)
+        assert failed >= 1 and counters.get("retries.worker_error", 0) == failed, (failed, counters)
+        assert counters.get("decisions.pd_prefill_failed", 0) == 0
+
+    run(body(), timeout_s=120)
+
+
+def test_vllm_pd_pair_serves_chat_and_completions(procs):
+    b, url, st = _fleet(procs, "vllm", {"pre": []}, {"dec": []}, http=True)
+    model = "stub-sglang-8b"
+
+    async def body():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+            for path, req in (("/v1/completions", {"prompt": "a disaggregated hello " * 8}),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello over P/D " * 8}]})):
+                for stream in (False, True):
+                    async with http.post(url + path, json={"model": model, "max_tokens": 5, "stream": stream, **req}) as r:
+                        assert r.status == 200, await r.text()
+                        if stream:
+                            events = [ln[6:] for ln in (await r.read()).split(b"\n") if ln.startswith(b"data: ")]
+                            assert events[-1] == b"[DONE]" and len(events) >= 3, events
+                        else:
+                            d = await r.json()
+                            choice = d["choices"][0]
+                            assert choice["finish_reason"] == "length" and d["usage"]["completion_tokens"] == 5, d
+                            assert (choice.get("text") or choice.get("message", {}).get("content"))
+            async with http.get(st["pre"]["url"] + "/debug/requests") as r:
+                pre_reqs = [q["body"] for q in await r.json() if q["path"] == "/v1/completions"]
+            async with http.get(st["dec"]["url"] + "/debug/requests") as r:
+                dec_reqs = [q["body"] for q in await r.json() if q["path"] == "/v1/completions"]
+            pd = await _pd_stats(http, st["pre"])
+        assert len(pre_reqs) == len(dec_reqs) == 4 and pd["pulls_served"] == 4, (pre_reqs, dec_reqs, pd)
+        for q in pre_reqs:  # the prefill request, as vllm-router sends it
+            assert q["kv_transfer_params"]["do_remote_decode"] is True and q["max_tokens"] == 1 and q["stream"] is False, q
+        for q in dec_reqs:  # the decode request carries what the prefill engine answered
+            ktp = q["kv_transfer_params"]
+            assert ktp["do_remote_prefill"] is True and ktp["remote_port"] == st["pre"]["port"] and ktp["remote_request_id"], ktp
+            assert q["max_tokens"] == 5
+
+    run(body(), timeout_s=120)
+
+    async def failing_prefill():
+        async with Client(b.frontend) as c, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            await _set_fault(http, st["pre"], "prefill_error")  # vLLM's prefill leg fails before any handoff
+            out = await _requests(c, 2, 7)
+            for outcome, secs, err in out:
+                assert outcome == ErrorCode.WORKER_ERROR.value and secs < DEADLINE_MS / 1000 / 3, (outcome, secs, err)
+
+    run(failing_prefill(), timeout_s=60)
