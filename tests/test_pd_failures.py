@@ -217,3 +217,62 @@ def test_vllm_pd_pair_serves_chat_and_completions(procs):
                 assert outcome == ErrorCode.WORKER_ERROR.value and secs < DEADLINE_MS / 1000 / 3, (outcome, secs, err)
 
     run(failing_prefill(), timeout_s=60)
+
+
+def test_vllm_prefill_request_and_handoff_follow_vllms_contract():
+    """The adapter's prefill request and the stub's answer against the fields read from vLLM's
+    own code (tests/data/vllm_pd_contract.json); no processes."""
+    import json
+
+    from mesh import protocol as P
+    from mesh.adapters.backend import EngineInfo
+    from mesh.adapters.settings import AttachSettings
+    from mesh.adapters.vllm import VllmBackend
+    from workers_stub.pd_wire import PdWire
+
+    contract = json.loads((Path(__file__).parent / "data" / "vllm_pd_contract.json").read_text())
+    be = VllmBackend(AttachSettings("http://127.0.0.1:8000", ("tcp://127.0.0.1:5556",), kv_endpoint="tcp://127.0.0.1:5557",
+                                    block_size=16))
+    info = EngineInfo(model="m", block_size=16, dp_size=1)
+    raw = P.encode_submit("r", input_ids=[1, 2, 3], params={"max_new_tokens": 9, "min_tokens": 4}, stream=True)[2]
+
+    def request(attempt: int, bootstrap: dict) -> P.Request:
+        return P.decode_broker_to_worker(P.encode_request(7, attempt, 5000, "r", raw, bootstrap))
+
+    r = request(1, {"mode": "prefill", "room": 3, "decode_worker": "d"})
+    path, body, handoff = be.prefill_leg(r, info)
+    assert path == "/v1/completions" and handoff is None  # the handoff follows the engine's answer
+    for k, v in contract["prefill_request"].items():
+        assert body[k] == v, (k, body[k])
+    assert "stream_options" not in body and "min_tokens" not in body and body["prompt"] == [1, 2, 3]
+
+    async def answer() -> dict:
+        pd = PdWire("prefill", None, 60.0, "127.0.0.1", lambda: 8000)
+        return await pd.offer_vllm(3, 1)
+
+    ktp = asyncio.run(answer())
+    assert sorted(ktp) == sorted(contract["prefill_answer_kv_transfer_params"])
+    assert be.prefill_handoff({"kv_transfer_params": ktp}) == {"kv_transfer_params": ktp}
+    assert be.prefill_handoff({"choices": []}) is None  # an engine without a KV connector: no handoff
+    dec = request(2, {"mode": "decode", "kv_transfer_params": ktp})
+    assert be.request(dec, info)[1]["kv_transfer_params"] == ktp  # passed to the decode engine as answered
+
+
+def test_bootstrap_timeout_is_validated_naming_the_field():
+    import pytest
+
+    from mesh.adapters.cli import settings_from_args
+    from mesh.adapters.settings import AttachSettings
+    from mesh.errors import ConfigError
+
+    assert AttachSettings("http://h:1", ("tcp://b:1",)).bootstrap_timeout_s == 30.0
+    for bad in (0.0, -1.0, float("nan"), 1e9):
+        with pytest.raises(ConfigError, match="bootstrap_timeout_s"):
+            AttachSettings("http://h:1", ("tcp://b:1",), bootstrap_timeout_s=bad).validate()
+    from mesh.cli import build_parser
+
+    for engine in ("sglang", "vllm"):  # a flag of both adapters (vLLM's prefill request is bounded too)
+        argv = ["attach", engine, "--url", "http://h:1", "--broker", "tcp://b:1", "--kv-endpoint", "tcp://h:2", "--block-size", "16"]
+        assert settings_from_args(build_parser().parse_args([*argv, "--bootstrap-timeout-s", "2.5"])).bootstrap_timeout_s == 2.5
+        with pytest.raises(ConfigError, match="bootstrap_timeout_s"):
+            settings_from_args(build_parser().parse_args([*argv, "--bootstrap-timeout-s", "0"]))

@@ -133,7 +133,8 @@ class PdWire:
         self._expire()
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(range(max(1, n_blocks))),
                 "remote_engine_id": self.engine_id, "remote_request_id": key, "remote_host": self.host,
-                "remote_port": self._port(), "tp_size": 1}
+                "remote_port": self._port(), "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": prompt_len,
+                "remote_blocks_expiry_time": None, "remote_registration_generation": 0, "transfer_mode": "pull"}
 
     def _expire(self) -> None:
         now = time.monotonic()
