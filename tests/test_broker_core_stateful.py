@@ -957,3 +957,13 @@ def test_a_prefill_failure_while_a_decode_resend_waits_turns_it_into_a_pair_retr
     p3 = req.requests[-1]
     assert p3.attempt == 3 and p3.ident in pres and p3.ident != p1.ident  # a prefill leg, not a decode re-send
     sh.finish()
+
+
+def test_a_p_d_request_ending_in_an_error_cancels_its_prefill_leg_too():
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)
+    req, p1, d2, pres, dec = _pd_handed_off(sh)
+    sh.worker(dec, P.encode_worker_error(d2.rid, 2, ErrorCode.BAD_REQUEST, "refused"))  # not retryable: the request ends
+    cancels = [(s.identity, P.decode_broker_to_worker(s.frames)) for s, _ in sh.step if s.to == TO_WORKER and s.frames[1] == _CANCEL]
+    assert [(i, c.rid, c.attempt) for i, c in cancels] == [(p1.ident, p1.rid, 1)]  # the prefill leg's attempt
+    assert isinstance(req.delivered[-1], P.ClientError)
+    sh.finish()

@@ -103,17 +103,18 @@ class RequestProxy:
         except Exception:  # the engine is unreachable or reset the connection: mapped in serve
             self.counters["prefill_leg_errors"] += 1
             raise
-        if code is None and handoff is None:
+        if code is None:  # (an engine may answer 200 with an error or an aborted request inside)
             st = StreamState()
             self.backend.parse(answer, st, self.info)
-            data = self.backend.prefill_handoff(answer)
             if st.error is not None:
                 code, msg = st.error
-            elif data is None:
-                code, msg = ErrorCode.WORKER_ERROR, (f"the prefill engine's answer carries no KV transfer parameters "
-                                                     f"(is it started for disaggregated prefill, e.g. --kv-transfer-config?)")
-            else:
-                self._send_prefill_done(link, r, st.usage, data)
+            elif handoff is None:
+                data = self.backend.prefill_handoff(answer)
+                if data is None:
+                    code, msg = ErrorCode.WORKER_ERROR, ("the prefill engine's answer carries no KV transfer parameters "
+                                                         "(is it started for disaggregated prefill, e.g. --kv-transfer-config?)")
+                else:
+                    self._send_prefill_done(link, r, st.usage, data)
         if code is not None:
             self.counters["prefill_leg_errors"] += 1
             self.log.warning("prefill_leg_failed", rid=r.rid, attempt=r.attempt, code=code.value, error=msg[:200])

@@ -297,6 +297,9 @@ class RequestTable:
     def finish_error(self, inf: Inflight, code: ErrorCode, message: str, *, cancel_worker: bool = False) -> None:
         if cancel_worker and inf.session is not None:
             self._out.to_worker(inf.session.identity, P.encode_worker_cancel(inf.rid, inf.attempt))
+        if inf.phase == "decode" and (ps := self.pool.by_id.get(inf.prefill_worker)) is not None:
+            # P/D: the prefill leg may still run (an SGLang prefill waits for a decode server to pull its KV)
+            self._out.to_worker(ps.identity, P.encode_worker_cancel(inf.rid, inf.prefill_attempt))
         self.forget(inf, "failed")
         self.stats.requests[code.value] += 1
         self._out.to_client(inf.client, P.encode_client_error(inf.client_rid, code, message))
