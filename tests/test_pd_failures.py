@@ -276,3 +276,38 @@ def test_bootstrap_timeout_is_validated_naming_the_field():
         assert settings_from_args(build_parser().parse_args([*argv, "--bootstrap-timeout-s", "2.5"])).bootstrap_timeout_s == 2.5
         with pytest.raises(ConfigError, match="bootstrap_timeout_s"):
             settings_from_args(build_parser().parse_args([*argv, "--bootstrap-timeout-s", "0"]))
+
+
+def test_a_cancel_right_behind_its_request_leaves_nothing_in_flight(procs):
+    """A P/D abort sends CANCEL right behind the decode leg's REQUEST: the adapter's task is then
+    cancelled before it ever ran. It must not stay in the in-flight table (a drain used to spin on
+    it until drain_timeout_s, and the process needed SIGKILL)."""
+    from mesh import protocol as P
+    from mesh.adapters.base import Adapter
+    from mesh.adapters.settings import AttachSettings
+    from mesh.adapters.sglang import SglangBackend
+    from tests.adapters_support import FakeBroker, start_stub
+    from tests.conftest import until
+
+    _, rec = start_stub(procs, "stub", "--time-scale", "0.05")
+
+    async def go():
+        fb = FakeBroker().start()
+        s = AttachSettings(url=rec["url"], brokers=(fb.endpoint,), worker_id="w", heartbeat_ms=100, drain_timeout_s=10.0)
+        ad = Adapter(s, SglangBackend(s))
+        await ad.start()
+        try:
+            await until(lambda: fb.readies and fb.sessions, 10, "registration")
+            raw = P.encode_submit("c", input_ids=list(range(1, 40)), params={"max_new_tokens": 50}, stream=True)[2]
+            for rid in (1, 2, 3):
+                fb.request(rid, raw)
+                fb.cancel(rid)  # in the same breath: the adapter reads both before the task runs
+            await until(lambda: ad.counters["requests_cancelled"] == 3, 10, "the cancels")
+            t0 = time.monotonic()
+            await ad.drain_and_stop()
+            assert time.monotonic() - t0 < 3.0, "the drain waited for requests that were cancelled"
+            assert not fb.finals and not fb.errors
+        finally:
+            await fb.close()
+
+    run(go(), timeout_s=60)
