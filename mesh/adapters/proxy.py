@@ -1,6 +1,7 @@
 """The request proxy: one mesh REQUEST served against the engine's HTTP API.
 
-Every outcome but a cancel ends in a FINAL or an ERROR frame on the request's :class:`ReplyLink`;
+Every outcome but a cancel ends in a FINAL or an ERROR frame on the request's :class:`ReplyLink`
+(a P/D prefill leg may send both: FINAL ``prefill_done`` at its handoff, ERROR if it fails later);
 an exception of the engine path is mapped by :func:`~mesh.adapters.engine_client.engine_error`
 into the ERROR's code. The engine is reached through an :class:`EngineTransport`
 (:class:`mesh.adapters.engine_http.EngineHttp`); what is sent and how answers are read is the
