@@ -16,18 +16,30 @@ completions, streamed and not, through ``mesh broker --http``.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
+from mesh import protocol as P
+from mesh.adapters.backend import EngineInfo
+from mesh.adapters.base import Adapter
+from mesh.adapters.cli import settings_from_args
+from mesh.adapters.settings import AttachSettings
+from mesh.adapters.sglang import SglangBackend
+from mesh.adapters.vllm import VllmBackend
+from mesh.cli import build_parser
 from mesh.client import Client
-from mesh.errors import ErrorCode, RequestError
+from mesh.errors import ConfigError, ErrorCode, RequestError
 from mesh.lab.procs import wait_for_log_event
 from mesh.lab.up import wait_for_workers
-from tests.conftest import run
+from tests.adapters_support import FakeBroker, start_stub
+from tests.conftest import run, until
+from workers_stub.pd_wire import PdWire
 
 BUCKETS = str(Path(__file__).resolve().parents[1] / "configs" / "buckets-example.toml")
 ADAPTER = ["--heartbeat-ms", "200", "--health-interval-ms", "100", "--unhealthy-after", "1", "--load-poll-ms", "200"]
@@ -124,9 +136,13 @@ def test_sglang_prefill_engine_killed_mid_request_is_retried(procs):
     b, _, st = _fleet(procs, "sglang", {"pre-a": ["--prefill-tokens-per-s", "250"], "pre-b": []}, {"dec": []})
 
     async def body():
-        async with Client(b.frontend) as c:
+        async with Client(b.frontend) as c, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             task = asyncio.ensure_future(_requests(c, 6, 3, prompt_len=2000))
-            await asyncio.sleep(0.2)  # every leg is out (their prefills take 0.4 s on pre-a)
+            # kill pre-a once it runs prefill legs (each takes 0.4 s there)
+            async def pre_a_busy() -> bool:
+                return (await _pd_stats(http, st["pre-a"]))["prefill_legs"] >= 1
+
+            await until(pre_a_busy, 20, "pre-a running prefill legs", step_s=0.02)
             st["pre-a"]["proc"].signal(signal.SIGKILL)
             out = await task
             counters = (await c.status()).counters
@@ -222,14 +238,6 @@ def test_vllm_pd_pair_serves_chat_and_completions(procs):
 def test_vllm_prefill_request_and_handoff_follow_vllms_contract():
     """The adapter's prefill request and the stub's answer against the fields read from vLLM's
     own code (tests/data/vllm_pd_contract.json); no processes."""
-    import json
-
-    from mesh import protocol as P
-    from mesh.adapters.backend import EngineInfo
-    from mesh.adapters.settings import AttachSettings
-    from mesh.adapters.vllm import VllmBackend
-    from workers_stub.pd_wire import PdWire
-
     contract = json.loads((Path(__file__).parent / "data" / "vllm_pd_contract.json").read_text())
     be = VllmBackend(AttachSettings("http://127.0.0.1:8000", ("tcp://127.0.0.1:5556",), kv_endpoint="tcp://127.0.0.1:5557",
                                     block_size=16))
@@ -259,18 +267,10 @@ def test_vllm_prefill_request_and_handoff_follow_vllms_contract():
 
 
 def test_bootstrap_timeout_is_validated_naming_the_field():
-    import pytest
-
-    from mesh.adapters.cli import settings_from_args
-    from mesh.adapters.settings import AttachSettings
-    from mesh.errors import ConfigError
-
     assert AttachSettings("http://h:1", ("tcp://b:1",)).bootstrap_timeout_s == 30.0
     for bad in (0.0, -1.0, float("nan"), 1e9):
         with pytest.raises(ConfigError, match="bootstrap_timeout_s"):
             AttachSettings("http://h:1", ("tcp://b:1",), bootstrap_timeout_s=bad).validate()
-    from mesh.cli import build_parser
-
     for engine in ("sglang", "vllm"):  # a flag of both adapters (vLLM's prefill request is bounded too)
         argv = ["attach", engine, "--url", "http://h:1", "--broker", "tcp://b:1", "--kv-endpoint", "tcp://h:2", "--block-size", "16"]
         assert settings_from_args(build_parser().parse_args([*argv, "--bootstrap-timeout-s", "2.5"])).bootstrap_timeout_s == 2.5
@@ -282,13 +282,6 @@ def test_a_cancel_right_behind_its_request_leaves_nothing_in_flight(procs):
     """A P/D abort sends CANCEL right behind the decode leg's REQUEST: the adapter's task is then
     cancelled before it ever ran. It must not stay in the in-flight table (a drain used to spin on
     it until drain_timeout_s, and the process needed SIGKILL)."""
-    from mesh import protocol as P
-    from mesh.adapters.base import Adapter
-    from mesh.adapters.settings import AttachSettings
-    from mesh.adapters.sglang import SglangBackend
-    from tests.adapters_support import FakeBroker, start_stub
-    from tests.conftest import until
-
     _, rec = start_stub(procs, "stub", "--time-scale", "0.05")
 
     async def go():
