@@ -27,17 +27,15 @@ import pytest
 
 from mesh import protocol as P
 from mesh.adapters.backend import EngineInfo
-from mesh.adapters.base import Adapter
 from mesh.adapters.cli import settings_from_args
 from mesh.adapters.settings import AttachSettings
-from mesh.adapters.sglang import SglangBackend
 from mesh.adapters.vllm import VllmBackend
 from mesh.cli import build_parser
 from mesh.client import Client
 from mesh.errors import ConfigError, ErrorCode, RequestError
 from mesh.lab.procs import wait_for_log_event
 from mesh.lab.up import wait_for_workers
-from tests.adapters_support import FakeBroker, start_stub
+from tests.adapters_support import start_attached, start_stub
 from tests.conftest import run, until
 from workers_stub.pd_wire import PdWire
 
@@ -285,12 +283,8 @@ def test_a_cancel_right_behind_its_request_leaves_nothing_in_flight(procs):
     _, rec = start_stub(procs, "stub", "--time-scale", "0.05")
 
     async def go():
-        fb = FakeBroker().start()
-        s = AttachSettings(url=rec["url"], brokers=(fb.endpoint,), worker_id="w", heartbeat_ms=100, drain_timeout_s=10.0)
-        ad = Adapter(s, SglangBackend(s))
-        await ad.start()
+        fb, ad = await start_attached(rec["url"], heartbeat_ms=100, drain_timeout_s=10.0)
         try:
-            await until(lambda: fb.readies and fb.sessions, 10, "registration")
             raw = P.encode_submit("c", input_ids=list(range(1, 40)), params={"max_new_tokens": 50}, stream=True)[2]
             for rid in (1, 2, 3):
                 fb.request(rid, raw)
