@@ -893,12 +893,12 @@ def test_tearing_down_a_clients_requests_does_not_unpark_them_into_a_second_fini
     assert r2.terminals_created + r2.forgotten == 1 and not r2.requests
 
 
-def _pd_handed_off(sh: Shell, n_prefill: int = 1, stream: bool = True):
+def _pd_handed_off(sh: Shell, n_prefill: int = 1, stream: bool = True, deadline_ms: int | None = None):
     """A P/D shell with ``n_prefill`` prefill workers (w0..) and one decode worker: one request
     handed off to its decode leg. Returns (request, prefill attempt, decode attempt, prefill idents, decode ident)."""
     pres = [sh.add_worker(i, "prefill") for i in range(n_prefill)]
     dec = sh.add_worker(n_prefill, "decode")
-    req = sh.submit(b"C0", stream, True, None)
+    req = sh.submit(b"C0", stream, True, deadline_ms)
     (p1,) = req.requests
     sh.worker(p1.ident, P.encode_worker_final(p1.rid, 1, "prefill_done", {"prompt_tokens": 3, "cached_tokens": 0}))
     d2 = req.requests[-1]
@@ -966,4 +966,33 @@ def test_a_p_d_request_ending_in_an_error_cancels_its_prefill_leg_too():
     cancels = [(s.identity, P.decode_broker_to_worker(s.frames)) for s, _ in sh.step if s.to == TO_WORKER and s.frames[1] == _CANCEL]
     assert [(i, c.rid, c.attempt) for i, c in cancels] == [(p1.ident, p1.rid, 1)]  # the prefill leg's attempt
     assert isinstance(req.delivered[-1], P.ClientError)
+    sh.finish()
+
+
+def test_a_prefill_worker_lost_after_its_handoff_retries_the_pair():
+    # (an SGLang prefill server and its adapter on a node that dies: no ERROR will ever come)
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)
+    req, p1, d2, pres, dec = _pd_handed_off(sh, n_prefill=2, deadline_ms=20_000)
+    other = next(i for i in pres if i != p1.ident)
+    sh.advance(5.0, keepalive={other, dec})  # p1's worker stops heartbeating: it expires
+    assert p1.ident not in sh.core.pool.by_identity
+    assert sh.core.stats.decisions["pd_prefill_lost"] == 1
+    p3 = req.requests[-1]
+    assert (p3.ident, p3.attempt) == (other, 3) and (d2.ident, d2.attempt) != (p3.ident, p3.attempt)
+    assert sh.atts[(dec, d2.rid, 2)].abandoned  # the decode leg was cancelled
+    sh.worker(other, P.encode_worker_final(p3.rid, 3, "prefill_done", {"prompt_tokens": 3, "cached_tokens": 0}))
+    d4 = req.requests[-1]
+    sh.worker(dec, P.encode_worker_final(d4.rid, 4, "stop", {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}))
+    assert isinstance(req.delivered[-1], P.ClientFinal)
+    sh.finish()
+
+
+def test_a_prefill_worker_that_drains_away_leaves_its_decode_legs_alone():
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)
+    req, p1, d2, pres, dec = _pd_handed_off(sh)
+    sh.worker(p1.ident, P.encode_disconnect("draining"))  # graceful: it finished its legs before leaving
+    sh.worker(p1.ident, P.encode_disconnect("bye"))
+    assert p1.ident not in sh.core.pool.by_identity and sh.core.stats.decisions["pd_prefill_lost"] == 0
+    sh.worker(dec, P.encode_worker_final(d2.rid, 2, "stop", {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}))
+    assert isinstance(req.delivered[-1], P.ClientFinal)
     sh.finish()

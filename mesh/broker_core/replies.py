@@ -173,9 +173,8 @@ class Replies:
 
     def prefill_leg_failed(self, inf: Inflight, sess: WorkerSession, m: P.WorkerError, now: float) -> None:
         """The prefill leg failed after its handoff (its engine request ended in an error, or its
-        KV bootstrap never completed): the decode leg waits for KV that will not come. Abort it and
-        retry the pair (a new prefill, a new decode) within the request's attempts, budget and
-        deadline, or end it with one error. A decode leg that already answered got its KV: it goes on."""
+        KV bootstrap never completed): the decode leg waits for KV that will not come
+        (:meth:`RequestTable.abort_pair`)."""
         self.stats.decisions["pd_prefill_failed"] += 1
         sess.last_reply_s = now
         try:
@@ -185,28 +184,7 @@ class Replies:
         if code is not ErrorCode.CANCELLED:
             self.workers.note_outcome(sess, True, now)
             self.workers.note_failure(sess, now)
-        if inf.state is RequestState.DISPATCHED and (inf.replied or inf.committed):
-            # the decode leg is producing: its KV arrived before the prefill leg failed
-            self.stats.dropped["pd_prefill_failed_after_decode"] += 1
-            return
-        message = f"prefill worker {sess.worker_id}: {m.message}"
-        self.log.warning("pd_prefill_leg_failed", request_id=inf.client_rid, worker_id=sess.worker_id, code=code.value,
-                         attempt=m.attempt, message=m.message[:200])
-        dsess = inf.session
-        if dsess is not None:  # the decode leg in flight: abort it (it was not at fault)
-            self._out.to_worker(dsess.identity, P.encode_worker_cancel(inf.rid, inf.attempt))
-        # the pair's retry excludes the prefill workers tried, not the decode ones (as send_decode,
-        # a decode worker may serve again; the router picks it by load)
-        inf.tried -= {w for w in inf.tried if (ds := self.pool.by_id.get(w)) is not None and ds.ready.role == "decode"}
-        self.table.detach(inf)
-        inf.phase = "mixed"  # the retry routes a new pair
-        inf.prefill_worker, inf.prefill_attempt, inf.prefill_usage, inf.prefill_bootstrap = "", 0, None, {}
-        if inf.state is RequestState.RETRY_WAIT:  # a decode re-send was waiting: it becomes the pair's retry
-            return
-        if not code.retryable:
-            self.table.finish_error(inf, code, message)
-            return
-        self.table.retry_or_fail(inf, code, message, now)
+        self.table.abort_pair(inf, code, f"prefill worker {sess.worker_id}: {m.message}", now)
 
     def send_decode(self, inf: Inflight, now: float) -> None:
         """Send the decode leg (to the decode worker chosen with the prefill, or another one)."""
