@@ -4,8 +4,8 @@ configs/buckets-example.toml: prefill workers labelled ``pool=short``, decode wo
 engines speaking each engine's P/D wire contract (``--disaggregation-mode``, faults with
 ``--pd-fault`` or ``/debug/pd_fault``; workers_stub/pd_wire.py).
 
-SGLang: a prefill leg failing, its engine killed mid-request, or its KV bootstrap never completing
--> no request hangs: each is retried on another prefill worker or ends with one error well within
+SGLang: a prefill leg failing, its engine (or its whole node) killed mid-request, or its KV
+bootstrap never completing -> no request hangs: each is retried on another prefill worker or ends with one error well within
 its deadline; the counts are asserted (the broker's ``decisions.pd_prefill_failed`` against the
 faults the stubs injected). A failing decode leg is re-sent to another decode worker.
 vLLM: a P/D pair (the prefill request with ``kv_transfer_params.do_remote_decode`` and
@@ -62,7 +62,7 @@ def _fleet(procs, engine: str, prefill: dict[str, list[str]], decode: dict[str, 
             args += ["--kv-endpoint", rec["kv_endpoint"], "--replay-endpoint", rec["replay_endpoint"], "--block-size", "16"]
         elif role == "prefill":
             args += ["--bootstrap-port", str(rec["port"])]  # the stub's bootstrap (KV pull) is on its HTTP port
-        procs.spawn(n, args)
+        recs[n]["adapter"] = procs.spawn(n, args)
     run(wait_for_workers(b.frontend, len(roles)), 40)
     url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"] if http else None
     for n, p in stubs.items():
@@ -147,6 +147,30 @@ def test_sglang_prefill_engine_killed_mid_request_is_retried(procs):
         assert [o for o, _, _ in out] == ["ok"] * 6, out
         assert all(secs < DEADLINE_MS / 1000 / 3 for _, secs, _ in out), out
         assert counters.get("decisions.pd_prefill_failed", 0) >= 1, counters  # the legs on pre-a, told by its adapter
+
+    run(body(), timeout_s=120)
+
+
+def test_sglang_prefill_node_lost_mid_request_is_retried(procs):
+    # the prefill server and its adapter die together (a node lost): no ERROR comes, the broker
+    # sees the worker expire and re-pairs the requests whose decode legs wait for its KV
+    b, _, st = _fleet(procs, "sglang", {"pre-a": ["--prefill-tokens-per-s", "250"], "pre-b": []}, {"dec": []})
+
+    async def body():
+        async with Client(b.frontend) as c, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            task = asyncio.ensure_future(_requests(c, 6, 8, prompt_len=2000))
+
+            async def pre_a_busy() -> bool:
+                return (await _pd_stats(http, st["pre-a"]))["prefill_legs"] >= 1
+
+            await until(pre_a_busy, 20, "pre-a running prefill legs", step_s=0.02)
+            st["pre-a"]["adapter"].signal(signal.SIGKILL)
+            st["pre-a"]["proc"].signal(signal.SIGKILL)
+            out = await task
+            counters = (await c.status()).counters
+        assert [o for o, _, _ in out] == ["ok"] * 6, out
+        assert all(secs < DEADLINE_MS / 1000 / 3 for _, secs, _ in out), out
+        assert counters.get("decisions.pd_prefill_lost", 0) >= 1, counters
 
     run(body(), timeout_s=120)
 
