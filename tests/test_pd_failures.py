@@ -129,48 +129,31 @@ def test_sglang_prefill_leg_failing_is_retried_or_ends_with_one_error(procs):
     run(body(), timeout_s=120)
 
 
-def test_sglang_prefill_engine_killed_mid_request_is_retried(procs):
+@pytest.mark.parametrize("victims,counter", [
+    (("proc",), "decisions.pd_prefill_failed"),  # the engine killed: its adapter tells the broker (an ERROR)
+    # the engine and its adapter killed together (a node lost): no ERROR comes; the broker sees
+    # the worker expire and re-pairs the requests whose decode legs wait for its KV
+    (("adapter", "proc"), "decisions.pd_prefill_lost"),
+], ids=["engine", "node"])
+def test_sglang_prefill_killed_mid_request_is_retried(procs, victims, counter):
     # a slow prefill (0.4 s per 2,000-token prompt at time scale 0.05) keeps the legs on pre-a open
     b, _, st = _fleet(procs, "sglang", {"pre-a": ["--prefill-tokens-per-s", "250"], "pre-b": []}, {"dec": []})
 
     async def body():
         async with Client(b.frontend) as c, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             task = asyncio.ensure_future(_requests(c, 6, 3, prompt_len=2000))
-            # kill pre-a once it runs prefill legs (each takes 0.4 s there)
-            async def pre_a_busy() -> bool:
-                return (await _pd_stats(http, st["pre-a"]))["prefill_legs"] >= 1
-
-            await until(pre_a_busy, 20, "pre-a running prefill legs", step_s=0.02)
-            st["pre-a"]["proc"].signal(signal.SIGKILL)
-            out = await task
-            counters = (await c.status()).counters
-        assert [o for o, _, _ in out] == ["ok"] * 6, out
-        assert all(secs < DEADLINE_MS / 1000 / 3 for _, secs, _ in out), out
-        assert counters.get("decisions.pd_prefill_failed", 0) >= 1, counters  # the legs on pre-a, told by its adapter
-
-    run(body(), timeout_s=120)
-
-
-def test_sglang_prefill_node_lost_mid_request_is_retried(procs):
-    # the prefill server and its adapter die together (a node lost): no ERROR comes, the broker
-    # sees the worker expire and re-pairs the requests whose decode legs wait for its KV
-    b, _, st = _fleet(procs, "sglang", {"pre-a": ["--prefill-tokens-per-s", "250"], "pre-b": []}, {"dec": []})
-
-    async def body():
-        async with Client(b.frontend) as c, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-            task = asyncio.ensure_future(_requests(c, 6, 8, prompt_len=2000))
 
             async def pre_a_busy() -> bool:
                 return (await _pd_stats(http, st["pre-a"]))["prefill_legs"] >= 1
 
-            await until(pre_a_busy, 20, "pre-a running prefill legs", step_s=0.02)
-            st["pre-a"]["adapter"].signal(signal.SIGKILL)
-            st["pre-a"]["proc"].signal(signal.SIGKILL)
+            await until(pre_a_busy, 20, "pre-a running prefill legs", step_s=0.02)  # then kill it
+            for v in victims:
+                st["pre-a"][v].signal(signal.SIGKILL)
             out = await task
             counters = (await c.status()).counters
         assert [o for o, _, _ in out] == ["ok"] * 6, out
         assert all(secs < DEADLINE_MS / 1000 / 3 for _, secs, _ in out), out
-        assert counters.get("decisions.pd_prefill_lost", 0) >= 1, counters
+        assert counters.get(counter, 0) >= 1, counters
 
     run(body(), timeout_s=120)
 
