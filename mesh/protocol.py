@@ -103,7 +103,9 @@ REQUEST     0x04  b->w    ``rid`` int (broker-assigned), ``attempt`` int >= 1, `
 CHUNK       0x05  w->b    ``rid``, ``attempt``, ``seq`` (contiguous from 0). Frame 3: data map.
 FINAL       0x06  w->b    ``rid``, ``attempt``, ``finish_reason`` str, ``usage`` map. Frame 3:
                           final data map.
-ERROR       0x07  w->b    ``rid``, ``attempt``, ``code`` str, ``message`` str.
+ERROR       0x07  w->b    ``rid``, ``attempt``, ``code`` str, ``message`` str. A P/D prefill
+                          leg may send it after its FINAL ``prefill_done``: the leg failed
+                          after the handoff (the broker aborts the decode leg, retries the pair).
 CANCEL      0x08  b->w    ``rid``, ``attempt``.
 DISCONNECT  0x09  both    ``reason`` str. b->w: "forget your session and send READY again".
                           w->b with reason ``draining``: stop sending new work, let in-flight

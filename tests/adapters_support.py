@@ -207,3 +207,18 @@ def http_adapter_path(procs: ProcGroup, n: int = 2, *, engine_urls: list[str] | 
                                "--heartbeat-ms", str(HB_MS)])
     run(wait_for_workers(b.frontend, len(engines)), 40)
     return url, engines
+
+
+async def start_attached(url: str, **settings: Any):
+    """A :class:`FakeBroker` and an in-process SGLang adapter (worker id ``w``) attached to the
+    server at ``url``, registered with it: (broker, adapter). The caller stops both."""
+    from mesh.adapters.base import Adapter
+    from mesh.adapters.settings import AttachSettings
+    from mesh.adapters.sglang import SglangBackend
+
+    fb = FakeBroker().start()
+    s = AttachSettings(url=url, brokers=(fb.endpoint,), worker_id="w", **settings)
+    ad = Adapter(s, SglangBackend(s))
+    await ad.start()
+    await until(lambda: fb.readies and fb.sessions, 10, "registration")
+    return fb, ad

@@ -891,3 +891,108 @@ def test_tearing_down_a_clients_requests_does_not_unpark_them_into_a_second_fini
     sh.check()
     assert not sh.core.inflight
     assert r2.terminals_created + r2.forgotten == 1 and not r2.requests
+
+
+def _pd_handed_off(sh: Shell, n_prefill: int = 1, stream: bool = True, deadline_ms: int | None = None):
+    """A P/D shell with ``n_prefill`` prefill workers (w0..) and one decode worker: one request
+    handed off to its decode leg. Returns (request, prefill attempt, decode attempt, prefill idents, decode ident)."""
+    pres = [sh.add_worker(i, "prefill") for i in range(n_prefill)]
+    dec = sh.add_worker(n_prefill, "decode")
+    req = sh.submit(b"C0", stream, True, deadline_ms)
+    (p1,) = req.requests
+    sh.worker(p1.ident, P.encode_worker_final(p1.rid, 1, "prefill_done", {"prompt_tokens": 3, "cached_tokens": 0}))
+    d2 = req.requests[-1]
+    assert d2.ident == dec and d2.attempt == 2
+    return req, p1, d2, pres, dec
+
+
+def test_a_prefill_leg_failing_after_its_handoff_aborts_the_decode_leg_and_retries_the_pair():
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)  # a pair takes two attempts
+    req, p1, d2, pres, dec = _pd_handed_off(sh, n_prefill=2)
+    sh.worker(p1.ident, P.encode_worker_error(p1.rid, 1, ErrorCode.UNAVAILABLE, "prefill engine gone"))
+    cancels = [P.decode_broker_to_worker(s.frames) for s, _ in sh.step if s.to == TO_WORKER and s.frames[1] == _CANCEL]
+    assert [(c.rid, c.attempt) for c in cancels] == [(d2.rid, 2)]  # the decode leg is aborted
+    assert sh.core.stats.decisions["pd_prefill_failed"] == 1
+    sh.advance(1.0, keepalive={*pres, dec})  # the retry's back-off
+    p3 = req.requests[-1]
+    assert p3.attempt == 3 and p3.ident != p1.ident and p3.ident in pres  # a new pair, on the other prefill worker
+    sh.worker(p3.ident, P.encode_worker_final(p3.rid, 3, "prefill_done", {"prompt_tokens": 3, "cached_tokens": 0}))
+    d4 = req.requests[-1]
+    assert (d4.ident, d4.attempt) == (dec, 4)  # the decode worker was not at fault: used again
+    sh.worker(dec, P.encode_worker_final(d4.rid, 4, "stop", {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}))
+    assert [type(d).__name__ for d in req.delivered][-1] == "ClientFinal"
+    assert all(s.state.inflight == 0 for s in sh.core.pool.by_identity.values())
+    sh.check()
+    sh.finish()
+
+
+def test_a_prefill_leg_failing_with_no_other_prefill_worker_ends_with_one_error():
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)  # a pair takes two attempts
+    req, p1, d2, pres, dec = _pd_handed_off(sh)
+    sh.worker(p1.ident, P.encode_worker_error(p1.rid, 1, ErrorCode.WORKER_ERROR, "bootstrap did not complete"))
+    sh.advance(1.0, keepalive={*pres, dec})
+    errors = [d for d in req.delivered if isinstance(d, P.ClientError)]
+    assert len(errors) == 1 and errors[0].code == "worker_error" and "bootstrap" in errors[0].message, errors
+    assert not sh.core.inflight
+    sh.finish()
+
+
+def test_a_prefill_failure_after_the_decode_leg_answered_leaves_the_decode_leg_alone():
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)  # a pair takes two attempts
+    req, p1, d2, pres, dec = _pd_handed_off(sh)
+    sh.worker(dec, P.encode_worker_chunk(d2.rid, 2, 0, {"token_ids": [5]}))  # the KV arrived: it streams
+    sh.worker(p1.ident, P.encode_worker_error(p1.rid, 1, ErrorCode.UNAVAILABLE, "prefill engine gone"))
+    assert sh.core.stats.dropped["pd_prefill_failed_after_decode"] == 1
+    sh.worker(dec, P.encode_worker_final(d2.rid, 2, "stop", {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}))
+    assert [type(d).__name__ for d in req.delivered] == ["Accepted", "ClientChunk", "ClientFinal"]
+    sh.finish()
+
+
+def test_a_prefill_failure_while_a_decode_resend_waits_turns_it_into_a_pair_retry():
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)  # a pair takes two attempts
+    req, p1, d2, pres, dec = _pd_handed_off(sh, n_prefill=2)
+    sh.worker(dec, P.encode_worker_error(d2.rid, 2, ErrorCode.WORKER_ERROR, "KV transfer failed"))  # decode re-send waits
+    sh.worker(p1.ident, P.encode_worker_error(p1.rid, 1, ErrorCode.WORKER_ERROR, "prefill failed"))
+    sh.advance(1.0, keepalive={*pres, dec})
+    p3 = req.requests[-1]
+    assert p3.attempt == 3 and p3.ident in pres and p3.ident != p1.ident  # a prefill leg, not a decode re-send
+    sh.finish()
+
+
+def test_a_p_d_request_ending_in_an_error_cancels_its_prefill_leg_too():
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)
+    req, p1, d2, pres, dec = _pd_handed_off(sh)
+    sh.worker(dec, P.encode_worker_error(d2.rid, 2, ErrorCode.BAD_REQUEST, "refused"))  # not retryable: the request ends
+    cancels = [(s.identity, P.decode_broker_to_worker(s.frames)) for s, _ in sh.step if s.to == TO_WORKER and s.frames[1] == _CANCEL]
+    assert [(i, c.rid, c.attempt) for i, c in cancels] == [(p1.ident, p1.rid, 1)]  # the prefill leg's attempt
+    assert isinstance(req.delivered[-1], P.ClientError)
+    sh.finish()
+
+
+def test_a_prefill_worker_lost_after_its_handoff_retries_the_pair():
+    # (an SGLang prefill server and its adapter on a node that dies: no ERROR will ever come)
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)
+    req, p1, d2, pres, dec = _pd_handed_off(sh, n_prefill=2, deadline_ms=20_000)
+    other = next(i for i in pres if i != p1.ident)
+    sh.advance(5.0, keepalive={other, dec})  # p1's worker stops heartbeating: it expires
+    assert p1.ident not in sh.core.pool.by_identity
+    assert sh.core.stats.decisions["pd_prefill_lost"] == 1
+    p3 = req.requests[-1]
+    assert (p3.ident, p3.attempt) == (other, 3) and (d2.ident, d2.attempt) != (p3.ident, p3.attempt)
+    assert sh.atts[(dec, d2.rid, 2)].abandoned  # the decode leg was cancelled
+    sh.worker(other, P.encode_worker_final(p3.rid, 3, "prefill_done", {"prompt_tokens": 3, "cached_tokens": 0}))
+    d4 = req.requests[-1]
+    sh.worker(dec, P.encode_worker_final(d4.rid, 4, "stop", {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}))
+    assert isinstance(req.delivered[-1], P.ClientFinal)
+    sh.finish()
+
+
+def test_a_prefill_worker_that_drains_away_leaves_its_decode_legs_alone():
+    sh = Shell(pd=True, progress_timeout_ms=0, max_attempts=6)
+    req, p1, d2, pres, dec = _pd_handed_off(sh)
+    sh.worker(p1.ident, P.encode_disconnect("draining"))  # graceful: it finished its legs before leaving
+    sh.worker(p1.ident, P.encode_disconnect("bye"))
+    assert p1.ident not in sh.core.pool.by_identity and sh.core.stats.decisions["pd_prefill_lost"] == 0
+    sh.worker(dec, P.encode_worker_final(d2.rid, 2, "stop", {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}))
+    assert isinstance(req.delivered[-1], P.ClientFinal)
+    sh.finish()

@@ -71,6 +71,13 @@ def add_stub_sglang_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME[=PATH]", help="LoRA adapters loaded at start (SGLang's flag)")
     p.add_argument("--lora-dynamic", action="store_true", help="load an unknown adapter on its first request (as vLLM's LoRA "
                                                                "resolvers do) instead of refusing it")
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+                   help="P/D leg this server serves: SGLang's bootstrap_* on /generate, vLLM's kv_transfer_params on "
+                        "/v1/completions (the KV pull is on the HTTP port; default null = neither)")
+    p.add_argument("--pd-fault", choices=["prefill_error", "bootstrap_hang", "decode_error"], default=None,
+                   help="P/D fault to inject: the prefill leg fails, its KV handoff never completes, or the decode leg fails")
+    p.add_argument("--pd-waiting-timeout-s", type=float, default=300.0,
+                   help="a decode leg waits this long for its KV (SGLang's SGLANG_DISAGGREGATION_WAITING_TIMEOUT; default 300)")
     add_log_level_arg(p, "info")
     g = p.add_argument_group("engine model (defaults: 8B model on one H100; --page-size is SGLang's flag too)")
     add_flags(g, EngineConfig, only=_ENGINE_FLAGS)  # generated from the EngineConfig fields (help, units)
@@ -117,6 +124,7 @@ def settings_from_args(args: argparse.Namespace):
         http_load_api=args.http_load_api, engine=engine, log_level=args.log_level, tokenizer=args.tokenizer or "",
         enable_lora=args.enable_lora or bool(args.lora_paths), lora_paths=tuple(args.lora_paths), lora_dynamic=args.lora_dynamic,
         model_path=args.model_path,
+        disaggregation_mode=args.disaggregation_mode, pd_fault=args.pd_fault or "", pd_waiting_timeout_s=args.pd_waiting_timeout_s,
     )
     try:
         s.validate()

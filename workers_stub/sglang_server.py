@@ -37,7 +37,12 @@ Debug endpoints (stub only): ``POST /debug/health {"ok": bool}``, ``POST /debug/
 {"rank", "count"}`` (next N batches skip the live PUB but stay replayable), ``POST
 /debug/publish_malformed {"rank", "kind": bad_msgpack|bad_events|bad_envelope}``, ``GET
 /debug/requests`` (last request bodies), ``GET /debug/stats`` (per rank: event sequence, cached
-pages, requests served and their cached tokens: which DP rank a request landed on).
+pages, requests served and their cached tokens: which DP rank a request landed on),
+``POST /debug/pd_fault {"fault"}``.
+
+Prefill/decode disaggregation (``--disaggregation-mode prefill|decode``): SGLang's bootstrap
+contract on ``/generate`` and vLLM's ``kv_transfer_params`` on ``/v1/completions``, with faults to
+inject (:mod:`workers_stub.pd_wire`).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from mesh.hashing import text_to_tokens
 from mesh.logs import announce, configure, get_logger
 from mesh.namespaces import request_event_fields
 from mesh.protocol import pack
+from workers_stub.pd_wire import PD_FAULTS, PD_MODES, PdRefused, PdWire
 from workers_stub.sglang_wire import (
     EVENT_FORMATS,
     SGLANG_LOAD_PUB,
@@ -300,8 +306,17 @@ class StubSettings:
     enable_lora: bool = False
     lora_paths: tuple[str, ...] = ()
     lora_dynamic: bool = False
+    disaggregation_mode: str = "null"  # null | prefill | decode (P/D legs: workers_stub.pd_wire)
+    pd_fault: str = ""  # "" | prefill_error | bootstrap_hang | decode_error
+    pd_waiting_timeout_s: float = 300.0  # a decode leg waits this long for its KV (SGLang's waiting timeout)
 
     def validate(self) -> None:
+        if self.disaggregation_mode not in PD_MODES:
+            raise ValueError(f"disaggregation_mode must be one of {PD_MODES}")
+        if self.pd_fault and self.pd_fault not in PD_FAULTS:
+            raise ValueError(f"pd_fault must be one of {PD_FAULTS}")
+        if not 0 < self.pd_waiting_timeout_s <= 3600:
+            raise ValueError("pd_waiting_timeout_s must be in (0, 3600]")
         if not 1 <= self.dp_size <= 64:
             raise ValueError("dp_size must be in [1, 64]")
         if self.event_format not in EVENT_FORMATS:
@@ -381,10 +396,11 @@ class _Rank:
         if events and self.kv is not None:
             self.kv.publish(events)
 
-    def submit(self, job: _Job, prompt: list[int], body: dict | None = None, lora: str | None = None) -> None:
+    def submit(self, job: _Job, prompt: list[int], body: dict | None = None, lora: str | None = None,
+               transferred: bool = False) -> None:
         _, xkey, salt = request_event_fields(body)  # lora (resolved) / extra_key / cache_salt: the cache namespace
         self.engine.submit(job.key, prompt, job.max_new, self.now(), lora_name=lora, extra_key=xkey,
-                           cache_salt=salt)  # ValueError -> 400
+                           cache_salt=salt, transferred=transferred)  # ValueError -> 400
         self.jobs[job.key] = job
         self.requests_total += 1
         self.prompt_tokens_total += len(prompt)
@@ -493,8 +509,13 @@ class SglangStub:
         # LoRA adapters loaded (name -> path) and requests served per adapter (what a test reads)
         self.loras: dict[str, str] = {n: p or f"/adapters/{n}" for n, _, p in (x.partition("=") for x in s.lora_paths)}
         self.lora_served: Counter[str] = Counter()
+        self.pd = PdWire(s.disaggregation_mode, s.pd_fault or None, s.pd_waiting_timeout_s, self._advertised_host(),
+                         lambda: self.http_port)
 
     # ------------------------------------------------------------------ lifecycle
+
+    def _advertised_host(self) -> str:
+        return "127.0.0.1" if self._zmq_host() == "*" else self.s.host
 
     def _zmq_host(self) -> str:
         h = self.s.host
@@ -542,7 +563,7 @@ class SglangStub:
 
     def describe(self) -> dict[str, Any]:
         s = self.s
-        adv = "127.0.0.1" if self._zmq_host() == "*" else s.host
+        adv = self._advertised_host()
         out: dict[str, Any] = {
             "url": f"http://{adv}:{self.http_port}",
             "port": self.http_port,
@@ -565,6 +586,7 @@ class SglangStub:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
+        await self.pd.close()
         for rk in self.ranks:
             if rk.kv is not None:
                 rk.kv.close()
@@ -613,6 +635,8 @@ class SglangStub:
         r.add_post("/debug/publish_malformed", self.h_debug_malformed)
         r.add_get("/debug/requests", lambda req: web.json_response(list(self.recent_requests)))
         r.add_get("/debug/stats", self.h_debug_stats)
+        r.add_get("/stub_pd/kv", self.h_pd_pull)
+        r.add_post("/debug/pd_fault", self.h_debug_pd_fault)
 
     # ------------------------------------------------------------------ generation core
 
@@ -655,7 +679,8 @@ class SglangStub:
         self.lora_served[adapter] += 1
         return adapter
 
-    def _start_job(self, prompt: list[int], max_new: int, rid: str | None, rank_hint: Any, body: dict | None = None) -> _Job:
+    def _start_job(self, prompt: list[int], max_new: int, rid: str | None, rank_hint: Any, body: dict | None = None,
+                   transferred: bool = False) -> _Job:
         if not prompt:
             raise HttpError(400, "The input_ids / prompt is empty")
         if type(max_new) is not int or max_new < 0:
@@ -664,7 +689,7 @@ class SglangStub:
         rk = self._pick_rank(rank_hint)
         job = _Job(next(self._keys), rid or uuid.uuid4().hex, rk.rank, len(prompt), max_new)
         try:
-            rk.submit(job, prompt, body, lora)
+            rk.submit(job, prompt, body, lora, transferred)
         except ValueError as exc:
             raise HttpError(400, str(exc)) from None
         return job
@@ -888,17 +913,57 @@ class SglangStub:
                 for job in jobs:
                     outs.append(await self._collect_generate(job, body))
                 return web.json_response(outs)
+            leg = self.pd.leg(body, openai=False)
+            if leg is not None:
+                self.pd.check_fault(leg)
+                if leg == "decode":
+                    await self.pd.pull_sglang(body)  # the prompt's KV, from the prefill server
+                else:  # the prefill server makes one token and answers once the KV was pulled
+                    sp_list[0] = {**sp_list[0], "max_new_tokens": 1}
+                    stream = False
             job = self._start_job(prompts[0], sp_list[0].get("max_new_tokens", 128), rids if type(rids) is str else None, rank_hint,
-                                  body)
+                                  body, transferred=leg == "decode")
             self._apply(job, cons[0])
         except HttpError as exc:
             return _json_error(exc.status, exc.message)
+        except PdRefused as exc:
+            return _json_error(500, str(exc))
+        if leg == "prefill":
+            return await self._prefill_generate(job, body)
         if not stream:
             try:
                 return web.json_response(await self._collect_generate(job, body))
             finally:
                 self._abandon(job)
         return await self._stream_generate(request, job, body, prompts[0])
+
+    async def _prefill_generate(self, job: _Job, body: dict) -> web.Response:
+        """SGLang's prefill leg: the answer comes once a decode server pulled the room's KV."""
+        try:
+            out = await self._collect_generate(job, body)
+        finally:
+            self._abandon(job)
+        try:
+            await self.pd.offer_and_wait(body["bootstrap_room"], job.prompt_len)
+        except PdRefused as exc:
+            return _json_error(500, str(exc))
+        return web.json_response(out)
+
+    async def h_pd_pull(self, request: web.Request) -> web.Response:
+        """A decode server pulls a handoff (the modelled KV transfer; :mod:`workers_stub.pd_wire`)."""
+        try:
+            wait_s = min(10.0, max(0.0, float(request.query.get("wait_s", "0"))))
+        except ValueError:
+            wait_s = 0.0
+        got = await self.pd.serve_pull(request.query.get("key", ""), wait_s)
+        return web.json_response(got) if got is not None else web.Response(status=404, text="no such KV handoff")
+
+    async def h_debug_pd_fault(self, request: web.Request) -> web.Response:
+        fault = (await self._debug_body(request)).get("fault")
+        if fault is not None and fault not in PD_FAULTS:
+            return _json_error(400, f"fault must be null or one of {PD_FAULTS}")
+        self.pd.fault = fault
+        return web.json_response({"fault": fault})
 
     def _gen_obj(self, job: _Job, fin, text: str, ids: list[int], body: dict, prompt: list[int] | None = None, *,
                  lp_from: int = 0, lp_inputs: bool = True) -> dict:
@@ -977,11 +1042,18 @@ class SglangStub:
             if body.get("n", 1) != 1:
                 raise HttpError(400, "the stub supports n=1 only")
             cons = self._constraint(self._openai_schema(body), self._openai_logprob_req(body, False), prompt)
+            leg = self.pd.leg(body, openai=True)  # vLLM's kv_transfer_params
+            if leg is not None:
+                self.pd.check_fault(leg)
+                if leg == "decode":
+                    await self.pd.pull_vllm(body["kv_transfer_params"])
             job = self._start_job(prompt, self._max_tokens(body, 16), None, body.get("routed_dp_rank", body.get("data_parallel_rank")),
-                                  body)
+                                  body, transferred=leg == "decode")
             self._apply(job, cons)
         except HttpError as exc:
             return _json_error(exc.status, exc.message)
+        except PdRefused as exc:
+            return _json_error(500, str(exc))
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = body.get("model") or self.s.model
@@ -997,8 +1069,11 @@ class SglangStub:
             if want_ids:
                 choice["token_ids"] = list(job.tokens)
                 choice["prompt_token_ids"] = prompt
-            return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                      "choices": [choice], "usage": self._usage(job)})
+            out = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+                   "usage": self._usage(job)}
+            if leg == "prefill":  # vLLM: where the decode engine finds the KV
+                out["kv_transfer_params"] = await self.pd.offer_vllm(job.prompt_len, -(-job.prompt_len // self.s.engine.page_size))
+            return web.json_response(out)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         resp = await self._sse_start(request)
         offset = OL.TextOffset()
@@ -1198,6 +1273,8 @@ class SglangStub:
             "max_req_input_len": cfg.max_total_num_tokens - cfg.admission_reserve_tokens,
             "startup_time": self.startup_time,
             "launch_command": "mesh stub-sglang",
+            "disaggregation_mode": s.disaggregation_mode,
+            "disaggregation_bootstrap_port": self.http_port,  # the stub's bootstrap (KV pull) is on its HTTP port
             "kv_events": self._kv_events_block(),
             "internal_states": [{"dp_rank": rk.rank, "max_total_num_tokens": cfg.max_total_num_tokens,
                                  "max_running_requests": cfg.max_running_requests,
@@ -1214,7 +1291,8 @@ class SglangStub:
         m = self.s.model
         return web.json_response({"model_path": self.s.model_path or m, "served_model_name": m,
                                   "tokenizer_path": self.tokenizer_path, "is_generation": True,
-                                  "weight_version": "default", "disaggregation_mode": "null", "architectures": ["StubForCausalLM"]})
+                                  "weight_version": "default", "disaggregation_mode": self.s.disaggregation_mode,
+                                  "architectures": ["StubForCausalLM"]})
 
     async def h_loads(self, request: web.Request) -> web.Response:
         q = request.query
@@ -1355,7 +1433,8 @@ class SglangStub:
             out.append({"rank": rk.rank, "next_seq": kv.seq if kv else None, "dropped": kv.dropped if kv else 0,
                         "replays_served": kv.replays_served if kv else 0, "cached_pages": rk.engine.num_cached_pages,
                         "requests": rk.requests_total, "cached_tokens": rk.cached_tokens_total})
-        return web.json_response({"ranks": out, "healthy": self.healthy, "lora_requests": dict(self.lora_served)})
+        return web.json_response({"ranks": out, "healthy": self.healthy, "lora_requests": dict(self.lora_served),
+                                  "pd": self.pd.counters})
 
 
 async def serve_stub(s: StubSettings) -> None:

@@ -179,8 +179,17 @@ class Backend:
         status, d = await self.get_json(http, "/v1/models")
         return models_and_loras(d)[1] if status == 200 else None
 
-    def prefill_leg(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
-        """PD prefill leg (``bootstrap.mode == "prefill"``): (path, body, FINAL data) or None if unsupported."""
+    def prefill_leg(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any], dict[str, Any] | None] | None:
+        """PD prefill leg (``bootstrap.mode == "prefill"``): (path, body, handoff) or None if
+        unsupported. ``handoff``: the FINAL ``prefill_done`` data sent at once, the engine request
+        running on until the decode server pulled the KV (SGLang's bootstrap); None: the FINAL
+        follows the engine's answer, its data made by :meth:`prefill_handoff` (vLLM's
+        ``kv_transfer_params``). Raises ValueError for a parameter the engine cannot take."""
+        return None
+
+    def prefill_handoff(self, answer: Any) -> dict[str, Any] | None:
+        """What the decode leg needs from the prefill engine's answer (FINAL ``prefill_done``
+        data), or None when the answer lacks it."""
         return None
 
     # The engine's side API (discovery, health, load): every failure leaves through engine_error.

@@ -188,7 +188,7 @@ class Adapter:
         if self.info is not None:
             announce("adapter_stopped", worker_id=self.worker_id, counters=dict(self.counters))
         self._close_links()
-        tasks = [*self._tasks, *(self.proxy.tasks if self.proxy is not None else ()), *self._serving.values()]
+        tasks = [*self._tasks, *self._serving.values()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, self.api.aclose(), return_exceptions=True)
@@ -437,7 +437,9 @@ class Adapter:
         if key in self._serving:
             return  # duplicate delivery
         self.counters["requests"] += 1
-        self._serving[key] = asyncio.create_task(self._serve(link, r, key), name=f"req-{r.rid}")
+        task = self._serving[key] = asyncio.create_task(self._serve(link, r, key), name=f"req-{r.rid}")
+        # (a CANCEL right behind its REQUEST cancels the task before it runs: its finally never does)
+        task.add_done_callback(lambda t: self._serving.pop(key, None) if self._serving.get(key) is t else None)
 
     async def _serve(self, link: BrokerLink, r: P.Request, key: tuple[int, int, int]) -> None:
         """Serve one REQUEST (:meth:`RequestProxy.serve`); a cancel ends it silently."""

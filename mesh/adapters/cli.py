@@ -43,6 +43,9 @@ _SPECS: dict[str, Spec] = {
     "incremental_streaming": Spec(help="the server runs with --incremental-streaming-output", default_text="discovered"),
     "bootstrap_host": Spec(help="PD prefill server: host of its KV bootstrap server", default_text="the --url host"),
     "bootstrap_port": Spec(help="PD prefill server: its --disaggregation-bootstrap-port"),
+    "bootstrap_timeout_s": Spec(unit="s", help="PD prefill server: its request (the prefill and the KV handoff to the "
+                                               "decode server) must end within this, else the broker is told and "
+                                               "retries the pair (SGLang's own bootstrap timeout is 300 s)"),
     # health, load, timing
     "heartbeat_ms": Spec(unit="ms", help="heartbeat interval towards brokers"),
     "liveness": Spec(help="broker heartbeats missed before reconnecting"),
@@ -73,7 +76,7 @@ _TELEMETRY = ["kv_endpoint", "replay_endpoint", "load_endpoint", "block_size", "
               "max_total_num_tokens"]
 _SGLANG_ONLY = ["incremental_streaming", "bootstrap_host", "bootstrap_port"]
 _TIMING = ["health_path", "health_interval_ms", "health_timeout_ms", "unhealthy_after", "load_poll_ms", "load_stale_ms",
-           "lora_refresh_ms", "replay_timeout_ms", "discovery_timeout_s", "heartbeat_ms", "liveness", "kv_events_to", "drain_timeout_s",
+           "lora_refresh_ms", "replay_timeout_ms", "discovery_timeout_s", "bootstrap_timeout_s", "heartbeat_ms", "liveness", "kv_events_to", "drain_timeout_s",
            "log_level", "trace_exporter", "trace_endpoint"]
 _VLLM_REQUIRED = ("kv_endpoint", "block_size")
 

@@ -1,6 +1,7 @@
 """The request proxy: one mesh REQUEST served against the engine's HTTP API.
 
-Every outcome but a cancel ends in a FINAL or an ERROR frame on the request's :class:`ReplyLink`;
+Every outcome but a cancel ends in a FINAL or an ERROR frame on the request's :class:`ReplyLink`
+(a P/D prefill leg may send both: FINAL ``prefill_done`` at its handoff, ERROR if it fails later);
 an exception of the engine path is mapped by :func:`~mesh.adapters.engine_client.engine_error`
 into the ERROR's code. The engine is reached through an :class:`EngineTransport`
 (:class:`mesh.adapters.engine_http.EngineHttp`); what is sent and how answers are read is the
@@ -61,14 +62,13 @@ class RequestProxy:
         self.counters = counters
         self.log = log
         self.on_unavailable = on_unavailable
-        self.tasks: list[asyncio.Task] = []  # prefill legs running in the background
 
     async def serve(self, link: ReplyLink, r: P.Request) -> None:
         """Serve one REQUEST; every outcome but a cancel ends in a FINAL or an ERROR frame. An
         exception of the engine path is mapped by :func:`engine_error` into the ERROR's code."""
         try:
             if (r.bootstrap or {}).get("mode") == "prefill":
-                code, msg = self._prefill_leg(link, r)
+                code, msg = await self._prefill_leg(link, r)
             else:
                 code, msg = await self._proxy(link, r)
         except Exception as exc:
@@ -82,33 +82,76 @@ class RequestProxy:
             self.counters[f"errors_{code.value}"] += 1
             link.send(P.encode_worker_error(r.rid, r.attempt, code, msg))
 
-    def _prefill_leg(self, link: ReplyLink, r: P.Request) -> tuple[ErrorCode | None, str]:
-        """PD prefill leg. A disaggregated prefill server only finishes once the decode server
-        pulls the KV, so the adapter starts the request in the background and answers the broker
-        at once with FINAL ``prefill_done`` carrying the bootstrap address for the decode leg."""
-        plan = self.backend.prefill_leg(r, self.info)
+    async def _prefill_leg(self, link: ReplyLink, r: P.Request) -> tuple[ErrorCode | None, str]:
+        """PD prefill leg. Its outcome always reaches the broker: FINAL ``prefill_done`` hands
+        the request to the decode leg, and an ERROR for this same attempt, even after that FINAL,
+        says the leg failed (the broker then aborts the decode leg and retries the pair).
+
+        SGLang (the backend's handoff is known at once): a disaggregated prefill server only
+        finishes once the decode server pulled the KV, so the FINAL with the bootstrap address goes
+        first and the engine request runs on here. vLLM (no handoff yet): the engine's answer
+        carries the ``kv_transfer_params`` the decode leg needs; the FINAL follows it. Either way
+        the engine request is bounded by ``bootstrap_timeout_s`` (and the request's deadline)."""
+        try:
+            plan = self.backend.prefill_leg(r, self.info)
+        except ValueError as exc:  # a parameter this engine has no equivalent for (vLLM): refused by name
+            self.counters["params_refused"] += 1
+            return ErrorCode.BAD_REQUEST, f"{self.backend.kind} adapter: {exc}"[:512]
         if plan is None:
             return ErrorCode.BAD_REQUEST, f"{self.backend.kind} adapter: prefill/decode disaggregation is not supported"
-        path, body, data = plan
-        task = asyncio.create_task(self._background(path, body, r.deadline_ms / 1000 if r.deadline_ms > 0 else None))
-        self.tasks.append(task)
-        task.add_done_callback(lambda t: self.tasks.remove(t) if t in self.tasks else None)
-        prompt = len(r.submit.input_ids) if r.submit.input_ids is not None else 0
-        link.send(P.encode_worker_final(r.rid, r.attempt, "prefill_done",
-                                        {"prompt_tokens": prompt, "completion_tokens": 0, "cached_tokens": 0}, data))
+        path, body, handoff = plan
         self.counters["prefill_legs"] += 1
-        return None, ""
+        if handoff is not None:
+            self._send_prefill_done(link, r, {}, handoff)
+        try:
+            code, msg, answer = await self._prefill_request(path, body, r)
+        except Exception:  # the engine is unreachable or reset the connection: mapped in serve
+            self.counters["prefill_leg_errors"] += 1
+            raise
+        if code is None:  # (an engine may answer 200 with an error or an aborted request inside)
+            st = StreamState()
+            self.backend.parse(answer, st, self.info)
+            if st.error is not None:
+                code, msg = st.error
+            elif handoff is None:
+                data = self.backend.prefill_handoff(answer)
+                if data is None:
+                    code, msg = ErrorCode.WORKER_ERROR, ("the prefill engine's answer carries no KV transfer parameters "
+                                                         "(is it started for disaggregated prefill, e.g. --kv-transfer-config?)")
+                else:
+                    self._send_prefill_done(link, r, st.usage, data)
+        if code is not None:
+            self.counters["prefill_leg_errors"] += 1
+            self.log.warning("prefill_leg_failed", rid=r.rid, attempt=r.attempt, code=code.value, error=msg[:200])
+        return code, msg
 
-    async def _background(self, path: str, body: dict[str, Any], timeout_s: float | None) -> None:
+    async def _prefill_request(self, path: str, body: dict[str, Any], r: P.Request) -> tuple[ErrorCode | None, str, Any]:
+        """The prefill leg's engine request: (None, "", answer JSON) or (code, message, None).
+        Transport errors propagate (mapped by :func:`engine_error` in :meth:`serve`)."""
+        bound_s = self.backend.s.bootstrap_timeout_s
+        deadline_s = r.deadline_ms / 1000 if r.deadline_ms > 0 else None
+        timeout_s = bound_s if deadline_s is None else min(bound_s, deadline_s)
         try:
             async with asyncio.timeout(timeout_s):
-                status, _ = await self.engine.request("POST", path, orjson.dumps(body))
-                if status != 200:
-                    self.counters["prefill_leg_errors"] += 1
-                    self.log.warning("prefill_leg_failed", status=status)
-        except Exception as exc:
-            self.counters["prefill_leg_errors"] += 1
-            self.log.warning("prefill_leg_failed", error=str(engine_error(exc, f"{self.base_url}{path}"))[:200])
+                status, raw = await self.engine.request("POST", path, orjson.dumps(body))
+        except TimeoutError:
+            if deadline_s is not None and deadline_s <= bound_s:
+                return ErrorCode.DEADLINE_EXCEEDED, "deadline passed during the prefill leg", None
+            self.counters["prefill_leg_timeouts"] += 1
+            return ErrorCode.WORKER_ERROR, (f"prefill leg did not complete within bootstrap_timeout_s={bound_s:g} "
+                                            f"(prefill or KV handoff to the decode server stuck)"), None
+        if status != 200:
+            return error_code_for_status(status), f"prefill leg: HTTP {status} from {path}: {raw[:512].decode('utf-8', 'replace')}", None
+        try:
+            return None, "", orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return ErrorCode.WORKER_ERROR, f"prefill leg: {path} answered no JSON", None
+
+    def _send_prefill_done(self, link: ReplyLink, r: P.Request, usage: dict[str, int], data: dict[str, Any]) -> None:
+        prompt = len(r.submit.input_ids) if r.submit.input_ids is not None else 0
+        link.send(P.encode_worker_final(r.rid, r.attempt, "prefill_done",
+                                        {"prompt_tokens": usage.get("prompt_tokens", prompt), "completion_tokens": 0,
+                                         "cached_tokens": usage.get("cached_tokens", 0)}, data))
 
     async def _proxy(self, link: ReplyLink, r: P.Request) -> tuple[ErrorCode | None, str]:
         """:meth:`_proxy_engine`, in a CLIENT span continuing the caller's trace when tracing is on

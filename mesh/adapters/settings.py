@@ -39,6 +39,7 @@ class AttachSettings:
     incremental_streaming: bool | None = None
     bootstrap_host: str | None = None  # PD prefill servers: host of the KV bootstrap server (default: --url host)
     bootstrap_port: int = 8998  # SGLang --disaggregation-bootstrap-port
+    bootstrap_timeout_s: float = 30.0  # PD prefill leg: its engine request (prefill + KV handoff) must end by then
     heartbeat_ms: int = 500
     liveness: int = 3
     reconnect_base_ms: float = 100.0
@@ -83,6 +84,8 @@ class AttachSettings:
                 raise ConfigError(f"{name}: must be >= 1")
         if self.lora_refresh_ms < 0:
             raise ConfigError("lora_refresh_ms: must be >= 0 (0 = read the adapters only at registration)")
+        if not (0 < self.bootstrap_timeout_s <= 3600):  # (NaN fails too)
+            raise ConfigError(f"bootstrap_timeout_s: must be in (0, 3600] seconds, got {self.bootstrap_timeout_s!r}")
         if self.kv_events_to not in ("all", "one"):
             raise ConfigError("kv_events_to: must be all or one")
         if self.health_path is not None and not self.health_path.startswith("/"):

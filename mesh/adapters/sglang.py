@@ -298,8 +298,10 @@ class SglangBackend(Backend):
 
     def prefill_leg(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any], dict[str, Any]]:
         """The prefill server gets the request with its own bootstrap address and the broker's
-        room; the same three fields go back in FINAL data for the decode leg."""
+        room; the same three fields go back in FINAL data for the decode leg, at once (the prefill
+        server's answer, unstreamed, comes when the decode server has pulled the KV)."""
         body = generate_body(r, info)
+        body["stream"] = False
         boot = {"bootstrap_host": body.get("bootstrap_host") or self.s.bootstrap_host or self.s.url_host,
                 "bootstrap_port": body.get("bootstrap_port") or self.s.bootstrap_port,
                 "bootstrap_room": body.get("bootstrap_room", r.rid)}

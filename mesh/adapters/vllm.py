@@ -13,8 +13,15 @@
 * Requests: ``POST /v1/completions`` (``prompt`` = token ids or text, ``stream: true``,
   ``stream_options.include_usage``, ``return_token_ids`` for the generated ids); chunks are
   already deltas. A LoRA request (``base:adapter``, the adapter's name or ``lora_path``) is sent
-  with ``model`` = the adapter's name. ``REQUEST.bootstrap["kv_transfer_params"]`` is passed through (vLLM's PD
-  connector field).
+  with ``model`` = the adapter's name.
+* Prefill/decode disaggregation (``role`` prefill / decode, the broker's ``--pd``), as
+  vllm-router and production-stack drive vLLM's KV connectors (NixlConnector and the like): the
+  prefill leg is the request with ``max_tokens: 1``, unstreamed, with ``kv_transfer_params``
+  ``{"do_remote_decode": true, ...}`` (:data:`PREFILL_KV_TRANSFER_PARAMS`); the engine's answer
+  carries the ``kv_transfer_params`` the decode engine needs (``do_remote_prefill``,
+  ``remote_engine_id``, ``remote_request_id``, ``remote_block_ids``, ``remote_host``,
+  ``remote_port``, ``tp_size``), sent in FINAL ``prefill_done``; the broker passes them to the
+  decode leg in ``REQUEST.bootstrap["kv_transfer_params"]``, put in the decode request as they are.
 * Load: ``/metrics`` (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc`` or v0's ``vllm:gpu_cache_usage_perc``), one LoadStat per ``engine``
   label.
@@ -35,7 +42,13 @@ from mesh.adapters.settings import AttachSettings
 from mesh.errors import ConfigError, ErrorCode, RequestError
 from mesh.load import LoadStat
 
-__all__ = ["VllmBackend", "completions_body", "loadstats_from_vllm_metrics", "tokenizer_of_models"]
+__all__ = ["VllmBackend", "completions_body", "loadstats_from_vllm_metrics", "prefill_body", "PREFILL_KV_TRANSFER_PARAMS",
+           "tokenizer_of_models"]
+
+#: The prefill request's ``kv_transfer_params`` (vLLM's examples/online_serving disaggregated
+#: proxies and vllm-router): the engine keeps the KV for a remote decode and answers where it is.
+PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                              "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 # mesh params (SGLang's vocabulary, mesh/params.py) -> vLLM OpenAI completions fields.
 _PARAMS = {
@@ -94,6 +107,16 @@ def completions_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
     body["return_token_ids"] = True
     if r.bootstrap and r.bootstrap.get("kv_transfer_params") is not None:
         body["kv_transfer_params"] = r.bootstrap["kv_transfer_params"]
+    return body
+
+
+def prefill_body(r: P.Request, info: EngineInfo) -> dict[str, Any]:
+    """The prefill leg's ``/v1/completions`` body: the request with one output token, unstreamed,
+    asking the engine to keep the KV for a remote decode. Raises :class:`UnsupportedParam`."""
+    body = completions_body(r, info)
+    body.pop("stream_options", None)
+    body.pop("min_tokens", None)  # (it cannot exceed max_tokens)
+    body.update(stream=False, max_tokens=1, kv_transfer_params=dict(PREFILL_KV_TRANSFER_PARAMS))
     return body
 
 
@@ -204,6 +227,14 @@ class VllmBackend(Backend):
 
     def request(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any]]:
         return "/v1/completions", completions_body(r, info)
+
+    def prefill_leg(self, r: P.Request, info: EngineInfo) -> tuple[str, dict[str, Any], None]:
+        """The handoff follows the engine's answer (its ``kv_transfer_params``)."""
+        return "/v1/completions", prefill_body(r, info), None
+
+    def prefill_handoff(self, answer: Any) -> dict[str, Any] | None:
+        ktp = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        return {"kv_transfer_params": ktp} if isinstance(ktp, dict) and ktp else None
 
     def parse(self, obj: Any, st: StreamState, info: EngineInfo) -> None:
         if not isinstance(obj, dict):

@@ -3,7 +3,10 @@
 The attempt fence (a reply counts only for its request's current attempt on that very session),
 streamed chunks in ``seq`` order, the FINAL (the request's one terminal reply of success),
 worker ERRORs (retry or fail), and prefill/decode disaggregation: the prefill leg's FINAL
-``prefill_done`` hands the request to its decode worker (:meth:`Replies.send_decode`). Part of the
+``prefill_done`` hands the request to its decode worker (:meth:`Replies.send_decode`); an ERROR
+the prefill worker sends later for that leg (an SGLang prefill server keeps its request until the
+decode server pulled the KV: it can still fail) aborts the decode leg and retries the pair
+(:meth:`Replies.prefill_leg_failed`). Part of the
 request table's side: it finishes and retries requests through
 :class:`~mesh.broker_core.table.RequestTable`.
 """
@@ -118,6 +121,10 @@ class Replies:
 
     def error(self, sess: WorkerSession, m: P.WorkerError, now: float) -> None:
         inf = self.table.inflight.get(m.rid)
+        if (inf is not None and inf.phase == "decode" and inf.prefill_attempt == m.attempt
+                and inf.prefill_worker == sess.worker_id and inf.session is not sess):
+            self.prefill_leg_failed(inf, sess, m, now)
+            return
         if inf is None or inf.session is not sess or inf.attempt != m.attempt:
             self.stats.dropped["stale_reply"] += 1
             return
@@ -151,16 +158,33 @@ class Replies:
         if d is not None:
             self.router.release(sess.state, d)  # prefill side only; the decode side stays booked
         inf.prefill_worker = sess.worker_id
+        inf.prefill_attempt = m.attempt
         inf.prefill_usage = m.usage
         try:  # a real SGLang prefill server names its bootstrap endpoint for the decode server
             data = P.unpack(m.data) if m.data else {}
         except ProtocolError:
             data = {}
-        inf.prefill_bootstrap = {k: data[k] for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+        # (SGLang names its bootstrap endpoint; vLLM's prefill engine answers kv_transfer_params)
+        inf.prefill_bootstrap = {k: data[k] for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "kv_transfer_params")
                                  if isinstance(data, dict) and k in data}
         inf.phase = "decode"
         self.stats.decisions["pd_handoff"] += 1
         self.send_decode(inf, now)
+
+    def prefill_leg_failed(self, inf: Inflight, sess: WorkerSession, m: P.WorkerError, now: float) -> None:
+        """The prefill leg failed after its handoff (its engine request ended in an error, or its
+        KV bootstrap never completed): the decode leg waits for KV that will not come
+        (:meth:`RequestTable.abort_pair`)."""
+        self.stats.decisions["pd_prefill_failed"] += 1
+        sess.last_reply_s = now
+        try:
+            code = ErrorCode(m.code)
+        except ValueError:
+            code = ErrorCode.WORKER_ERROR
+        if code is not ErrorCode.CANCELLED:
+            self.workers.note_outcome(sess, True, now)
+            self.workers.note_failure(sess, now)
+        self.table.abort_pair(inf, code, f"prefill worker {sess.worker_id}: {m.message}", now)
 
     def send_decode(self, inf: Inflight, now: float) -> None:
         """Send the decode leg (to the decode worker chosen with the prefill, or another one)."""

@@ -89,6 +89,7 @@ class Inflight:
     prefill_worker: str = ""
     prefill_usage: dict | None = None
     prefill_bootstrap: dict = field(default_factory=dict)
+    prefill_attempt: int = 0  # the attempt number of the prefill leg whose FINAL handed it to decode
     holds_retry_budget: bool = False
     reason: str = ""  # routing decision reason of the current attempt
     fail_cause: str = ""  # error code of the last failed attempt

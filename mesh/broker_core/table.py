@@ -270,6 +270,32 @@ class RequestTable:
         heapq.heappush(self._retries, (now + delay, inf.rid))
         self.log.info("retry_scheduled", request_id=inf.client_rid, attempt=inf.attempt, cause=code.value, delay_ms=round(delay * 1000, 2))
 
+    def abort_pair(self, inf: Inflight, code: ErrorCode, message: str, now: float, *, budgeted: bool = True) -> None:
+        """P/D: ``inf``'s prefill leg failed or was lost after its handoff, so its decode leg waits
+        for KV that will not come. Abort the decode leg and retry the pair (a new prefill, a new
+        decode) within the request's attempts, budget and deadline, or end it with one error. A
+        decode leg that already answered had its KV: it goes on (counted)."""
+        if inf.state is _R.DISPATCHED and (inf.replied or inf.committed):
+            self.stats.dropped["pd_prefill_failed_after_decode"] += 1
+            return
+        self.log.warning("pd_prefill_leg_failed", request_id=inf.client_rid, prefill_worker=inf.prefill_worker,
+                         attempt=inf.prefill_attempt, code=code.value, message=message[:200])
+        dsess = inf.session
+        if dsess is not None:  # the decode leg in flight: abort it (it was not at fault)
+            self._out.to_worker(dsess.identity, P.encode_worker_cancel(inf.rid, inf.attempt))
+        # the pair's retry excludes the prefill workers tried, not the decode ones (as a decode
+        # re-send, a decode worker may serve again; the router picks it by load)
+        inf.tried -= {w for w in inf.tried if (ds := self.pool.by_id.get(w)) is not None and ds.ready.role == "decode"}
+        self.detach(inf)
+        inf.phase = "mixed"  # the retry routes a new pair
+        inf.prefill_worker, inf.prefill_attempt, inf.prefill_usage, inf.prefill_bootstrap = "", 0, None, {}
+        if inf.state is _R.RETRY_WAIT:  # a decode re-send was waiting: it becomes the pair's retry
+            return
+        if not code.retryable:
+            self.finish_error(inf, code, message)
+            return
+        self.retry_or_fail(inf, code, message, now, budgeted=budgeted)
+
     def _run_due_retries(self, now: float) -> None:
         while self._retries and self._retries[0][0] <= now:
             _, rid = heapq.heappop(self._retries)
@@ -297,6 +323,9 @@ class RequestTable:
     def finish_error(self, inf: Inflight, code: ErrorCode, message: str, *, cancel_worker: bool = False) -> None:
         if cancel_worker and inf.session is not None:
             self._out.to_worker(inf.session.identity, P.encode_worker_cancel(inf.rid, inf.attempt))
+        if inf.phase == "decode" and (ps := self.pool.by_id.get(inf.prefill_worker)) is not None:
+            # P/D: the prefill leg may still run (an SGLang prefill waits for a decode server to pull its KV)
+            self._out.to_worker(ps.identity, P.encode_worker_cancel(inf.rid, inf.prefill_attempt))
         self.forget(inf, "failed")
         self.stats.requests[code.value] += 1
         self._out.to_client(inf.client, P.encode_client_error(inf.client_rid, code, message))
@@ -342,6 +371,12 @@ class RequestTable:
                 # third of the fleet held when one of three workers stalls (issue 12, item 9).
                 self.retry_or_fail(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost ({why})", now, budgeted=False)
         sess.inflight.clear()
+        if sess.drained_by != "worker":  # P/D: legs it prefilled whose decode leg may wait for its KV
+            # (a prefill worker that announced its leave finished its legs first)
+            for inf in [i for i in self.inflight.values() if i.phase == "decode" and i.prefill_worker == sess.worker_id]:
+                self.stats.decisions["pd_prefill_lost"] += 1
+                self.abort_pair(inf, ErrorCode.WORKER_LOST, f"prefill worker {sess.worker_id} lost ({why}) before its "
+                                f"decode leg had the KV", now, budgeted=False)
 
     def _client_gone(self, inf: Inflight, why: str = "unreachable") -> None:
         """The client's connection is gone, or it stopped reading (its pipe is at the send HWM):
