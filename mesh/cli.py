@@ -11,7 +11,7 @@ import asyncio
 import os
 import sys
 
-from mesh.cli_run import dispatch, new_parser
+from mesh.cli_run import dispatch, new_parser, positive_float, zmq_endpoint
 from mesh.config import BrokerSettings, WorkerSettings, settings_from_args
 from mesh.errors import ConfigError
 from mesh.settings_fields import add_flags
@@ -129,6 +129,10 @@ def _add_keygen(sub) -> None:
         except ConfigError as exc:
             print(f"mesh keygen: {exc}", file=sys.stderr)
             return 2
+        except OSError as exc:
+            print(f"mesh keygen: dir: cannot write keys in {a.dir!r}: {exc.strerror or exc} (give --dir a folder you can write)",
+                  file=sys.stderr)
+            return 2
         print(f"public key:  {pub}\nsecret key:  {sec}  (mode 0600, keep private)")
         return 0
 
@@ -141,8 +145,9 @@ def _add_keygen(sub) -> None:
 def _add_top(sub) -> None:
     p = sub.add_parser("top", help="live table of workers and routing from brokers' telemetry streams",
                        description="Subscribe to one or more brokers' --telemetry endpoints and show a live table.")
-    p.add_argument("--telemetry", action="append", required=True, help="broker telemetry endpoint (repeatable)")
-    p.add_argument("--duration", type=float, help="exit after this many seconds (default: until Ctrl-C)")
+    p.add_argument("--telemetry", action="append", required=True, type=zmq_endpoint,
+                   help="broker telemetry endpoint, tcp://HOST:PORT (repeatable)")
+    p.add_argument("--duration", type=positive_float, help="exit after this many seconds (default: until Ctrl-C)")
     p.set_defaults(func=lambda a: __import__("mesh.top", fromlist=["run_top"]).run_top(a.telemetry, duration_s=a.duration))
 
 

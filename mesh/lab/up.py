@@ -32,6 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from mesh.client import Client
+from mesh.errors import ConfigError
 from mesh.lab.loadgen import LoadSpec, run_load, summarize
 from mesh.lab.procs import BrokerProc, Proc, ProcGroup, wait_for_log_event
 
@@ -204,6 +205,13 @@ def start_http_path(group: ProcGroup, n: int, *, policy: str = "cache_aware", se
 def run_up(args) -> int:
     console = Console()
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="mesh-up-"))
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / ".mesh-up-check").touch()
+        (log_dir / ".mesh-up-check").unlink()
+    except OSError as exc:
+        raise ConfigError(f"log_dir: cannot write logs in {str(log_dir)!r}: {exc.strerror or exc} (give --log-dir a folder "
+                          "you can write)") from None
     group = ProcGroup(log_dir)
     main_thread = threading.current_thread() is threading.main_thread()
     old = {}
@@ -230,11 +238,40 @@ def run_up(args) -> int:
                 signal.signal(sig, h)
 
 
+def _check_free(host: str, port: int, flag: str) -> None:
+    """A fixed listening port that is taken fails ``mesh up`` before any process starts (the
+    broker would find out only after the engines, adapters and workers were started)."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, port))
+    except OSError as exc:
+        why = "is already in use: stop what listens there or" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror}):"
+        raise ConfigError(f"{flag}: {host}:{port} {why} give another port (0 = any free port)") from None
+
+
+def _check_ports(args) -> None:
+    http = getattr(args, "http", None)
+    if http:
+        host, _, port = http.rpartition(":")
+        _check_free(host, int(port), "http")
+    tel = getattr(args, "telemetry", None)
+    if tel and tel.startswith("tcp://") and not tel.endswith(":*"):
+        host, _, port = tel[6:].rpartition(":")
+        _check_free("127.0.0.1" if host == "*" else host, int(port), "telemetry")
+
+
 def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     n = args.workers
     if n < 1:
         console.print("[red]--workers must be at least 1[/]")
         return 2
+    _check_ports(args)
     ts = str(getattr(args, "time_scale", None) or 1.0)
     spec = LoadSpec(rate_rps=args.rate, duration_s=args.duration, groups=args.groups, system_tokens=args.system_tokens,
                     question_tokens=args.question_tokens, max_new_tokens=args.max_new_tokens, seed=args.seed)
