@@ -102,3 +102,34 @@ def test_up_ctrl_c_during_load_stops_every_process(tmp_path: Path):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
+
+
+def test_up_serve_is_one_consistent_fleet(tmp_path: Path):
+    """Issue 30: --serve mixed SGLang stub engines and simulated workers under one model name (the
+    simulated ones ignored response_format and stop): now every worker is an attached engine."""
+    import asyncio
+
+    from mesh.client import Client
+
+    p = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--serve", "--workers", "2", "--log-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True)
+    try:
+        frontend = None
+        for line in p.stdout:
+            if "ZeroMQ clients" in line:
+                frontend = line.split()[2]
+            if "serving" in line:
+                break
+        assert frontend is not None
+
+        async def ids() -> set[str]:
+            async with Client(frontend) as c:
+                return {w["worker_id"] for w in (await c.status()).workers}
+
+        assert run(ids(), 20) == {"stub-0", "stub-1"}
+        p.send_signal(signal.SIGINT)
+        assert p.wait(40) in (0, 130)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)

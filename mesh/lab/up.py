@@ -8,8 +8,10 @@ worker-stub`` simulated workers, for a third of the duration. Both parts offer t
 open-loop shared-prefix load (:mod:`mesh.lab.loadgen`, :mod:`mesh.lab.loadgen_http`) and print the same
 summary table; the exit code is 0 only when every request of both parts succeeded.
 
-``--serve`` starts the engines, their adapters and the simulated workers on one broker, prints
-where to point applications and keeps serving until Ctrl-C / SIGTERM.
+``--serve`` starts the engines and their adapters on one broker (one consistent fleet: every
+worker is an SGLang stub engine, which honours what the API promises; no simulated workers mixed
+in under the same model name), prints where to point applications and keeps serving until
+Ctrl-C / SIGTERM.
 
 Readiness is always an event: the broker's and engines' listening lines, then STATUS polling until
 the expected worker ids are healthy. Every process is stopped on the way out, also after Ctrl-C or
@@ -285,17 +287,15 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
             console.print("[red]mesh up drives its HTTP part with the openai package: pip install openai[/] "
                           "(or use --serve, which needs no client)")
             return 2
-    console.print(f"[bold]mesh up[/]: a broker, {n} SGLang stub engines each behind a `mesh attach sglang` adapter, "
-                  f"{n} simulated workers{' (part 2)' if not serve else ''} (logs in {log_dir})")
+    console.print(f"[bold]mesh up[/]: a broker, {n} SGLang stub engines each behind a `mesh attach sglang` adapter"
+                  f"{f', {n} simulated workers (part 2)' if not serve else ''} (logs in {log_dir})")
 
     path = start_http_path(group, n, policy=args.policy, seed=args.seed, http=http, time_scale=ts,
                            telemetry=getattr(args, "telemetry", None) or "tcp://127.0.0.1:*", wait=False)
     broker, url, tel, engine_urls, stub_ids = path.broker, path.url, path.telemetry, path.engine_urls, path.worker_ids
     engines, adapters = path.engines, path.adapters
     sim_ids = [f"worker-{i}" for i in range(n)] if n > 1 else ["worker"]
-    if serve:  # the simulated workers join the same broker (one process, cheap)
-        group.workers("worker", [broker.backend], "--time-scale", ts, "--model", DEMO_MODEL, count=n, timeout_s=_START_TIMEOUT_S)
-    asyncio.run(wait_for_workers(broker.frontend, n, _START_TIMEOUT_S, ids=set(stub_ids) | (set(sim_ids) if serve else set())))
+    asyncio.run(wait_for_workers(broker.frontend, n, _START_TIMEOUT_S, ids=set(stub_ids)))
 
     console.print(f"  OpenAI HTTP      {url}/v1   (/v1/completions, /v1/chat/completions, /generate)")
     console.print(f"  ZeroMQ clients   {broker.frontend}   (mesh.client.Client)")
@@ -304,8 +304,6 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     where = (f"{hosts.pop()} ports {', '.join(u.rsplit(':', 1)[1] for u in engine_urls)}" if len(hosts) == 1
              else ", ".join(engine_urls))
     console.print(f"  SGLang engines   {where}   (mesh stub-sglang, attached as {stub_ids[0]}..{stub_ids[-1]})")
-    if serve:
-        console.print(f"  simulated        {sim_ids[0]}..{sim_ids[-1]}   (mesh worker-stub)")
     console.print(f"  metrics          {url}/metrics")
     console.print(f"  live view        mesh top --telemetry {tel}")
     if serve:
