@@ -56,7 +56,14 @@ def test_up_runs_both_parts_and_writes_both_summaries(tmp_path: Path):
         assert p["requests"] > 0 and p["ok"] == p["requests"], (part, p)
         assert p["hit_rate"] > 0 and math.isfinite(p["ttft_p50_ms"]), (part, p)
     assert set(d["http"]["per_worker"]) == {"stub-0", "stub-1"}
-    assert sum(w["adapter_requests_ok"] for w in d["http"]["per_worker"].values()) == d["http"]["ok"]
+    # the adapters served part 1 and the baseline pass (issue 30: power_of_two on the same first prompts)
+    b = d["baseline"]
+    assert b["policy"] == "power_of_two" and b["power_of_two"]["requests"] == b["requests"] > 0
+    assert b["cache_aware"]["requests"] == b["requests"] and b["cache_aware"]["hit_rate"] > 0
+    assert sum(w["adapter_requests_ok"] for w in d["http"]["per_worker"].values()) == d["http"]["ok"] + b["power_of_two"]["ok"]
+    assert d["http"]["broker_ttft"]["count"] == d["http"]["requests"] and d["http"]["pace"]["offered_rps"] == 10
+    assert "TTFT p50 / p99 (broker's histogram)" in r.stdout and "offered / achieved rate" in r.stdout
+    assert "the hit rate in context" in r.stdout
     assert set(d["zmq"]["per_worker"]) <= {"worker-0", "worker-1"}
 
 
