@@ -202,13 +202,13 @@ def _lab(name: str):
     return add
 
 
-def _lab_missing() -> list[str]:
-    """The ``lab`` extra's modules that are not installed."""
+def _lab_missing(command: str) -> list[str]:
+    """The modules of the ``lab`` extra that ``command`` needs and that are not installed."""
     import importlib.util
 
-    from mesh.lab import REQUIRES
+    from mesh.lab import COMMAND_REQUIRES, REQUIRES
 
-    return [m for m in REQUIRES if importlib.util.find_spec(m) is None]
+    return [m for m in COMMAND_REQUIRES.get(command, REQUIRES) if importlib.util.find_spec(m) is None]
 
 
 # Every subcommand, in --help order, with the function that adds its parser. The adders import
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     # The command is the first argument ("mesh" takes no options of its own but --help): a known
     # one builds only its parser; anything else (--help, a typo) builds all, for the full usage.
     only = given[0] if given and given[0] in _COMMANDS else None
-    if only in _LAB_COMMANDS and (missing := _lab_missing()):
+    if only in _LAB_COMMANDS and (missing := _lab_missing(only)):
         from mesh.lab import EXTRA_HINT
 
         print(f"mesh {only}: needs the lab extra ({', '.join(missing)} missing): {EXTRA_HINT}", file=sys.stderr)
