@@ -101,8 +101,10 @@ def results(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     held.listen()
     busy = held.getsockname()[1]
 
+    dirs = {row: tmp_path_factory.mktemp("up") for row, _ in MISUSES}  # made here: mktemp from threads races
+
     def one(row: str) -> tuple[int, str, Path]:
-        log_dir = tmp_path_factory.mktemp("up")
+        log_dir = dirs[row]
         argv = row.replace(BUSY, str(busy)).split()
         if argv[0] == "up" and "--log-dir" not in argv:
             argv += ["--log-dir", str(log_dir)]
