@@ -140,3 +140,21 @@ def test_up_serve_is_one_consistent_fleet(tmp_path: Path):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
+
+
+def test_demo_figures_broker_histogram_and_pace():
+    """The figures the demo prints beside the client's TTFT (issue 30): the broker's own TTFT
+    histogram between two scrapes, and whether the load generator kept its schedule."""
+    from mesh.lab.loadgen import Pace
+    from mesh.lab.up import histogram_figures
+
+    def scrape(b: list[int]) -> str:
+        les = ["0.05", "0.2", "1.0", "+Inf"]
+        return "".join(f'mesh_ttft_seconds_bucket{{model="m",worker="w",le="{le}"}} {v}\n' for le, v in zip(les, b))
+
+    f = histogram_figures(scrape([5, 10, 10, 10]), scrape([55, 105, 109, 110]), "mesh_ttft_seconds")
+    assert f == {"count": 100, "p50_ms": 50.0, "p99_ms": 1000.0, "under_200ms": 0.95}
+    assert histogram_figures(scrape([1, 1, 1, 1]), scrape([1, 1, 1, 1]), "mesh_ttft_seconds") is None
+    kept = Pace(offered_rps=30, started=300, span_s=10.0, late_s=[0.001] * 300)
+    behind = Pace(offered_rps=30, started=220, span_s=10.0, late_s=[0.3] * 220)
+    assert not kept.lagging() and behind.lagging() and behind.achieved_rps == 22.0
