@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# the demo needs the product and the lab (mesh up), not the test tools: its own, smaller install
+# the demo needs the product and openai (mesh up), not the test tools nor the plotting stack: its own, smaller install
 DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test test-unit test-e2e test-bench soak bench bench-http report venv clean valkey-server
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[lab]'
+	$(PY) -m pip install -q -e '.[demo]'
 	touch $(DEMO_STAMP)
 
 venv: $(STAMP)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import random
 import sys
 from pathlib import Path
+
+import zmq
 
 from brokers.broker import Broker
 from brokers.stats import StatsCollector
@@ -178,7 +181,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
             "peers": frozenset([broker.curve.public_key]),
         }
         configure_allow_lists(auth, lists)
-    broker.bind()
+    _bind_or_explain(broker.bind, settings, ("frontend", "backend", "telemetry", "exchange"))
     reg = metrics_registry(broker)
     if settings.metrics:
         from prometheus_client import start_http_server
@@ -187,7 +190,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
         # anything else is the operator's explicit choice (and is logged).
         host, _, port = settings.metrics.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
-        server, _thread = start_http_server(int(port), addr=host, registry=reg)
+        server, _thread = _bind_or_explain(lambda: start_http_server(int(port), addr=host, registry=reg), settings, ("metrics",))
         bound = server.server_address
         if not _is_loopback(host):
             log.warning("metrics_public", host=host, note="the --metrics port has no authentication; prefer 127.0.0.1 "
@@ -211,7 +214,10 @@ async def serve_broker(settings: BrokerSettings) -> None:
                               request_timeout_s=settings.http_request_timeout_s,
                               stream_idle_timeout_s=settings.http_stream_idle_timeout_s)
         _check_fd_budget(settings, log)
-        url = await ingress.start(host.strip("[]") or "127.0.0.1", int(port))
+        try:
+            url = await ingress.start(host.strip("[]") or "127.0.0.1", int(port))
+        except OSError as exc:
+            raise ConfigError(_bind_message("http", settings.http, exc)) from None
         announce("http_listening", url=url)
     freeze_startup_heap()
     try:
@@ -224,6 +230,27 @@ async def serve_broker(settings: BrokerSettings) -> None:
         if client is not None:
             await client.aclose()
         broker.terminate()
+
+
+def _bind_message(field: str, where: str, exc: Exception) -> str:
+    """One line naming the flag and the fix, for a listening address that cannot be bound."""
+    if getattr(exc, "errno", None) == errno.EADDRINUSE:
+        return (f"{field}: {where} is already in use (another broker or program listens there): stop it or give "
+                f"--{field.replace('_', '-')} another port (port 0 / * = any free port)")
+    why = getattr(exc, "strerror", None) or str(exc)
+    return f"{field}: cannot listen on {where}: {why}"
+
+
+def _bind_or_explain(bind, settings: BrokerSettings, fields: tuple[str, ...]):
+    """Run ``bind()``; a busy or unusable address becomes a ConfigError naming its flag (which one
+    is read from the endpoint the error names)."""
+    try:
+        return bind()
+    except (zmq.ZMQError, OSError) as exc:
+        text = str(exc)
+        named = [f for f in fields if getattr(settings, f, None) and str(getattr(settings, f)) in text]
+        field = (named or list(fields))[0]
+        raise ConfigError(_bind_message(field, str(getattr(settings, field, "") or text), exc)) from None
 
 
 def _api_key(settings: BrokerSettings, log) -> str | None:

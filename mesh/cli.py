@@ -11,7 +11,7 @@ import asyncio
 import os
 import sys
 
-from mesh.cli_run import dispatch, new_parser
+from mesh.cli_run import dispatch, new_parser, positive_float, zmq_endpoint
 from mesh.config import BrokerSettings, WorkerSettings, settings_from_args
 from mesh.errors import ConfigError
 from mesh.settings_fields import add_flags
@@ -129,6 +129,10 @@ def _add_keygen(sub) -> None:
         except ConfigError as exc:
             print(f"mesh keygen: {exc}", file=sys.stderr)
             return 2
+        except OSError as exc:
+            print(f"mesh keygen: dir: cannot write keys in {a.dir!r}: {exc.strerror or exc} (give --dir a folder you can write)",
+                  file=sys.stderr)
+            return 2
         print(f"public key:  {pub}\nsecret key:  {sec}  (mode 0600, keep private)")
         return 0
 
@@ -141,8 +145,9 @@ def _add_keygen(sub) -> None:
 def _add_top(sub) -> None:
     p = sub.add_parser("top", help="live table of workers and routing from brokers' telemetry streams",
                        description="Subscribe to one or more brokers' --telemetry endpoints and show a live table.")
-    p.add_argument("--telemetry", action="append", required=True, help="broker telemetry endpoint (repeatable)")
-    p.add_argument("--duration", type=float, help="exit after this many seconds (default: until Ctrl-C)")
+    p.add_argument("--telemetry", action="append", required=True, type=zmq_endpoint,
+                   help="broker telemetry endpoint, tcp://HOST:PORT (repeatable)")
+    p.add_argument("--duration", type=positive_float, help="exit after this many seconds (default: until Ctrl-C)")
     p.set_defaults(func=lambda a: __import__("mesh.top", fromlist=["run_top"]).run_top(a.telemetry, duration_s=a.duration))
 
 
@@ -197,13 +202,13 @@ def _lab(name: str):
     return add
 
 
-def _lab_missing() -> list[str]:
-    """The ``lab`` extra's modules that are not installed."""
+def _lab_missing(command: str) -> list[str]:
+    """The modules of the ``lab`` extra that ``command`` needs and that are not installed."""
     import importlib.util
 
-    from mesh.lab import REQUIRES
+    from mesh.lab import COMMAND_REQUIRES, REQUIRES
 
-    return [m for m in REQUIRES if importlib.util.find_spec(m) is None]
+    return [m for m in COMMAND_REQUIRES.get(command, REQUIRES) if importlib.util.find_spec(m) is None]
 
 
 # Every subcommand, in --help order, with the function that adds its parser. The adders import
@@ -232,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     # The command is the first argument ("mesh" takes no options of its own but --help): a known
     # one builds only its parser; anything else (--help, a typo) builds all, for the full usage.
     only = given[0] if given and given[0] in _COMMANDS else None
-    if only in _LAB_COMMANDS and (missing := _lab_missing()):
+    if only in _LAB_COMMANDS and (missing := _lab_missing(only)):
         from mesh.lab import EXTRA_HINT
 
         print(f"mesh {only}: needs the lab extra ({', '.join(missing)} missing): {EXTRA_HINT}", file=sys.stderr)

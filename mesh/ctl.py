@@ -29,11 +29,13 @@ def add_ctl_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["workers", "drain", "eject", "reinstate"], help="what to do")
     p.add_argument("worker", nargs="?", help="the worker id (drain, eject, reinstate)")
-    p.add_argument("--url", default=os.environ.get("MESH_URL", "http://127.0.0.1:8000"),
+    from mesh.cli_run import http_url, positive_float
+
+    p.add_argument("--url", type=http_url, default=os.environ.get("MESH_URL", "http://127.0.0.1:8000"),
                    help="the broker's HTTP ingress (default $MESH_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key-file", help="file holding the broker's API key (default: $MESH_API_KEY)")
-    p.add_argument("--for-s", type=float, help="eject: seconds before the worker is reinstated by itself (default: the broker's eject_max_s)")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default 10 s)")
+    p.add_argument("--for-s", type=positive_float, help="eject: seconds before the worker is reinstated by itself (default: the broker's eject_max_s)")
+    p.add_argument("--timeout-s", type=positive_float, default=10.0, help="HTTP timeout (default 10 s)")
     p.add_argument("--json", action="store_true", help="print the broker's JSON answer instead of a table")
     p.set_defaults(func=_cmd_ctl)
     return p

@@ -49,14 +49,26 @@ def render(snapshots: dict[str, dict], rates: dict[str, float], events: list[str
     return Group(*parts, ev)
 
 
-def run_top(endpoints: list[str], *, refresh_s: float = 1.0, duration_s: float | None = None) -> int:
+#: Seconds without a message from an endpoint before ``mesh top`` says nothing is connected there.
+SILENT_AFTER_S = 3.0
+
+
+def run_top(endpoints: list[str], *, refresh_s: float = 1.0, duration_s: float | None = None,
+            silent_after_s: float = SILENT_AFTER_S) -> int:
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.RCVHWM, 1000)
-    sub.setsockopt(zmq.SUBSCRIBE, b"mesh.")
+    subs: dict[zmq.Socket, str] = {}  # one SUB per endpoint: a silent one can be named
+    poller = zmq.Poller()
     for ep in endpoints:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 1000)
+        sub.setsockopt(zmq.SUBSCRIBE, b"mesh.")
+        subs[sub] = ep
+        poller.register(sub, zmq.POLLIN)
         sub.connect(ep)
+    heard: set[str] = set()
+    told: set[str] = set()
+    t0 = time.monotonic()
     snapshots: dict[str, dict] = {}
     prev_ok: dict[str, tuple[float, int]] = {}
     rates: dict[str, float] = {}
@@ -65,7 +77,8 @@ def run_top(endpoints: list[str], *, refresh_s: float = 1.0, duration_s: float |
     try:
         with Live(render(snapshots, rates, events), refresh_per_second=4, screen=False) as live:
             while t_end is None or time.monotonic() < t_end:
-                if sub.poll(int(refresh_s * 1000)):
+                for sub, _ in poller.poll(int(refresh_s * 1000)):
+                    heard.add(subs[sub])
                     while True:
                         try:
                             topic, body = sub.recv_multipart(zmq.NOBLOCK)
@@ -89,10 +102,17 @@ def run_top(endpoints: list[str], *, refresh_s: float = 1.0, duration_s: float |
                             snapshots[bid] = d
                         elif topic == b"mesh.event":
                             events.append(f"{time.strftime('%H:%M:%S')} {bid}: {d.get('event')} {d.get('worker_id', '')}")
+                if time.monotonic() - t0 >= silent_after_s:
+                    for ep in endpoints:
+                        if ep not in heard and ep not in told:
+                            told.add(ep)
+                            events.append(f"nothing connected at {ep}: no broker publishes telemetry there "
+                                          f"(start one with --telemetry {ep}, or point mesh top at its telemetry endpoint)")
                 live.update(render(snapshots, rates, events))
     except KeyboardInterrupt:
         pass
     finally:
-        sub.close()
+        for sub in subs:
+            sub.close()
         ctx.term()
     return 0

@@ -229,3 +229,48 @@ def test_the_boundary_maps_every_engine_failure_into_the_tree(exc, cls, code) ->
     assert type(err) is cls and err.code is code and err.__cause__ is exc
     assert "http://10.0.0.7:30000/health" in str(err) and isinstance(err, MeshError)
     assert engine_error(err, "elsewhere") is err
+
+
+def test_a_prompt_beyond_the_engines_context_is_context_length_exceeded(procs) -> None:
+    """Issue 30: the stub engine's (and SGLang's) 400 for a prompt that cannot fit was reported
+    as bad_request with the engine's JSON escaped inside; it is context_length_exceeded, with the
+    engine's own sentence."""
+    from tests.adapters_support import start_stub
+
+    _, rec = start_stub(procs, "small", "--time-scale", "0.01", "--max-total-num-tokens", "512")
+
+    async def body() -> None:
+        fb = FakeBroker().start()
+        s = AttachSettings(url=rec["url"], brokers=(fb.endpoint,), worker_id="small", heartbeat_ms=100)
+        ad = Adapter(s, SglangBackend(s))
+        try:
+            await ad.start()
+            await until(lambda: fb.sessions, 10, "registration")
+            for rid, stream in ((1, False), (2, True)):
+                fb.request(rid, P.encode_submit(f"r{rid}", input_ids=list(range(1, 2001)), params={"max_new_tokens": 2},
+                                                stream=stream)[2])
+            await until(lambda: len(fb.errors) == 2, 10, "both refused")
+            for rid in (1, 2):
+                err = fb.errors[rid]
+                assert err.code == "context_length_exceeded", err
+                assert "KV capacity" in err.message and '{"' not in err.message and "HTTP 400" in err.message, err.message
+        finally:
+            await ad.close()
+            await fb.close()
+
+    run(body(), 30)
+
+
+@pytest.mark.parametrize("body,code", [
+    (b'{"object":"error","message":"The input (5000 tokens) is longer than the model\'s context length (4096 tokens).",'
+     b'"type":"BadRequestError","code":400}', "context_length_exceeded"),  # SGLang
+    (b'{"error":{"message":"This model\'s maximum context length is 4096 tokens. However, you requested 5000 tokens",'
+     b'"type":"BadRequestError","code":400}}', "context_length_exceeded"),  # vLLM
+    (b'{"error":{"message":"temperature must be >= 0","code":400}}', "bad_request"),
+    (b"plain text refusal", "bad_request"),
+])
+def test_engine_refusals_keep_the_engines_sentence(body: bytes, code: str) -> None:
+    from mesh.adapters.engine_client import engine_refusal
+
+    got, msg = engine_refusal(400, body, "/generate")
+    assert got.value == code and '{"' not in msg and msg.endswith("(HTTP 400 from /generate)"), msg

@@ -64,7 +64,8 @@ def test_proxy_incremental_stream_errors_cancel_and_metrics_load(procs):
             assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
             assert f1.finish_reason == "length" and f1.usage["completion_tokens"] == 8
             assert 2 not in fb.chunks and len(P.unpack(fb.finals[2].data)["token_ids"]) == 5
-            assert fb.errors[3].code == "bad_request" and "HTTP 400" in fb.errors[3].message
+            # beyond the KV capacity: context_length_exceeded (issue 30; it was bad_request with the engine JSON inside)
+            assert fb.errors[3].code == "context_length_exceeded" and "HTTP 400" in fb.errors[3].message
 
             # CANCEL mid-stream: the HTTP stream is closed and the server aborts the request
             fb.request(4, _submit("long", list(range(1, 40)), 100_000))

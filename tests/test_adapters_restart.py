@@ -99,11 +99,19 @@ def test_restart_seen_on_the_kv_stream_new_epoch_drops_then_rebuilds(procs):
     run(go(), 60)
 
 
-def test_restart_across_a_health_outage_is_found_by_startup_time(procs):
+def _across_an_outage(procs, seed: int, new_ports: bool) -> None:
+    """An engine restarted across a health outage (same ports, or new free KV/replay/load ports):
+    the adapter re-registers, its old blocks are gone and the new server's are indexed."""
     proc, rec = start_stub(procs, "stub", *STUB)
-    rng = random.Random(4)
+    rng = random.Random(seed)
     p1 = [rng.randrange(1, 30_000) for _ in range(512)]
     p2 = [rng.randrange(1, 30_000) for _ in range(256)]
+
+    def restart():
+        if not new_ports:
+            return _restart_stub(procs, proc, rec)
+        proc.stop(grace_s=5)
+        return start_stub(procs, "stub-2", *STUB, "--port", str(rec["port"]))  # KV, replay, load: new free ports
 
     async def go():
         fb = FakeBroker().start()
@@ -116,15 +124,32 @@ def test_restart_across_a_health_outage_is_found_by_startup_time(procs):
                 await until(lambda: fb.readies, 10, "registration")
                 await _warm(http, rec["url"], p1)
                 await until(lambda: _matched(fb, "w", p1) == 32, 10, "p1 indexed")
-                await asyncio.to_thread(_restart_stub, procs, proc, rec)
+                _, rec2 = await asyncio.to_thread(restart)
                 await until(lambda: len(fb.readies) == 2, 15, "re-registration after the outage")
-                assert fb.disconnects and ad.counters["restart_startup_time_changed"] == 1
-                assert _matched(fb, "w", p1) == 0  # the snapshot sent on re-registration holds no stale block
+                assert fb.disconnects
+                if new_ports:
+                    assert rec2["kv_port_base"] != rec["kv_port_base"]
+                    assert ad.counters["engine_endpoints_moved"] == 1 and ad.counters["restart_endpoints_moved"] == 1
+                    assert ad.relay.ranks[0].kv_endpoint.endswith(f":{rec2['kv_port_base']}")
+                else:
+                    assert ad.counters["restart_startup_time_changed"] == 1
+                    assert _matched(fb, "w", p1) == 0  # the snapshot sent on re-registration holds no stale block
                 await _warm(http, rec["url"], p2)
-                await until(lambda: _matched(fb, "w", p2) == 16, 10, "p2 indexed")
+                await until(lambda: _matched(fb, "w", p2) == 16, 10, "p2 (warmed on the restarted server) indexed")
                 assert _matched(fb, "w", p1) == 0
         finally:
             await ad.close()
             await fb.close()
 
     run(go(), 60)
+
+
+def test_restart_across_a_health_outage_is_found_by_startup_time(procs):
+    _across_an_outage(procs, 4, new_ports=False)
+
+
+def test_restart_on_new_zmq_ports_resubscribes_to_the_new_endpoints(procs):
+    """Issue 30 (a): an engine restarted on new KV/replay/load ports. The adapter used to notice
+    (``kv_publisher_restarted``), re-register and keep listening on the old ports: none of the new
+    server's KV events were relayed again."""
+    _across_an_outage(procs, 5, new_ports=True)

@@ -159,3 +159,64 @@ def test_coverage_follows_registrations_batches_gaps_and_forgets():
     other = IndexerCore()
     other.load_state(core.dump_state())
     assert other.uncovered() == [("y", 0)]
+
+
+class _StubReplica:
+    """A replica's gRPC stub, in process: ApplyKvBatches can be held in flight, and the instance
+    the replica reports (its restarts) is set by the test."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        from mesh.indexer import indexer_pb2 as pb
+
+        self.pb = pb
+        self.instance = 1
+        self.hold = asyncio.Event()
+        self.hold.set()
+        self.in_flight = asyncio.Event()
+        self.registered: list[str] = []
+        self.applied: list[int] = []
+
+    async def ApplyKvBatches(self, req, timeout=None, metadata=None):
+        self.in_flight.set()
+        await self.hold.wait()
+        self.applied.extend(b.seq for b in req.batches)
+        res = [self.pb.ApplyKvBatchResult(verdict=self.pb.APPLY) for _ in req.batches]
+        return self.pb.ApplyKvBatchesResponse(results=res, server_instance=self.instance)
+
+    async def RegisterWorker(self, req, timeout=None, metadata=None):
+        self.registered.append(req.worker_id)
+        return self.pb.RegisterWorkerResponse()
+
+    async def Stats(self, req, timeout=None, metadata=None):
+        return self.pb.StatsResponse(server_instance=self.instance)
+
+
+def test_a_replica_restarted_while_a_chunk_is_in_flight_becomes_ready_again():
+    """Issue 30 (b): the restart was seen (by the probe) while a chunk was still at the head of
+    the queue; the re-registrations and their end marker went in front of it, and popping the sent
+    chunk removed them instead: the replica stayed "re-registering" (not ready) for good."""
+
+    async def body():
+        async with IndexerClient(["http://127.0.0.1:1"], query_timeout_ms=2000, probe_interval_s=0.05, keepalive_s=0) as c:
+            stub = _StubReplica()
+            rep = c.replicas[0]
+            rep.stub = stub
+            await c.register_worker("w", 16)
+            c.forward("w", 0, 1, 0, _batch(0))
+            assert await c.flush(5)
+            await until(lambda: rep.instance == 1, 5, "the replica's instance learned")
+            stub.hold.clear()
+            stub.in_flight.clear()
+            for seq in (1, 2, 3):  # one chunk of three batches
+                c.forward("w", 0, 1, seq, _batch(seq))
+            await until(lambda: stub.in_flight.is_set(), 5, "the chunk in flight")
+            stub.instance = 2  # the replica restarted meanwhile...
+            await until(lambda: c.stats()["counters"].get("indexer_restarts_seen", 0) == 1, 5, "...and the probe saw it")
+            stub.hold.set()
+            assert await c.flush(5)
+            assert stub.applied == [0, 1, 2, 3] and stub.registered == ["w", "w"]  # the chunk once, then the registration
+            await until(lambda: c.stats()["replicas"][0]["ready"], 5, "the replica ready again")
+
+    run(body(), 30)

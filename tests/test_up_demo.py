@@ -56,7 +56,14 @@ def test_up_runs_both_parts_and_writes_both_summaries(tmp_path: Path):
         assert p["requests"] > 0 and p["ok"] == p["requests"], (part, p)
         assert p["hit_rate"] > 0 and math.isfinite(p["ttft_p50_ms"]), (part, p)
     assert set(d["http"]["per_worker"]) == {"stub-0", "stub-1"}
-    assert sum(w["adapter_requests_ok"] for w in d["http"]["per_worker"].values()) == d["http"]["ok"]
+    # the adapters served part 1 and the baseline pass (issue 30: power_of_two on the same first prompts)
+    b = d["baseline"]
+    assert b["policy"] == "power_of_two" and b["power_of_two"]["requests"] == b["requests"] > 0
+    assert b["cache_aware"]["requests"] == b["requests"] and b["cache_aware"]["hit_rate"] > 0
+    assert sum(w["adapter_requests_ok"] for w in d["http"]["per_worker"].values()) == d["http"]["ok"] + b["power_of_two"]["ok"]
+    assert d["http"]["broker_ttft"]["count"] == d["http"]["requests"] and d["http"]["pace"]["offered_rps"] == 10
+    assert "TTFT p50 / p99 (broker's histogram)" in r.stdout and "offered / achieved rate" in r.stdout
+    assert "the hit rate in context" in r.stdout
     assert set(d["zmq"]["per_worker"]) <= {"worker-0", "worker-1"}
 
 
@@ -91,7 +98,7 @@ def test_up_ctrl_c_during_load_stops_every_process(tmp_path: Path):
             if "part 1" in line:
                 break
         kids = _children(p.pid)
-        assert len(kids) == 5, (kids, lines)  # broker, 2 engines, 2 adapters
+        assert len(kids) == 6, (kids, lines)  # broker, the baseline broker (issue 30), 2 engines, 2 adapters
         p.send_signal(signal.SIGINT)
         assert p.wait(40) == 130
         try:  # reparented children are reaped by init asynchronously
@@ -102,3 +109,52 @@ def test_up_ctrl_c_during_load_stops_every_process(tmp_path: Path):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
+
+
+def test_up_serve_is_one_consistent_fleet(tmp_path: Path):
+    """Issue 30: --serve mixed SGLang stub engines and simulated workers under one model name (the
+    simulated ones ignored response_format and stop): now every worker is an attached engine."""
+    import asyncio
+
+    from mesh.client import Client
+
+    p = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--serve", "--workers", "2", "--log-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True)
+    try:
+        frontend = None
+        for line in p.stdout:
+            if "ZeroMQ clients" in line:
+                frontend = line.split()[2]
+            if "serving" in line:
+                break
+        assert frontend is not None
+
+        async def ids() -> set[str]:
+            async with Client(frontend) as c:
+                return {w["worker_id"] for w in (await c.status()).workers}
+
+        assert run(ids(), 20) == {"stub-0", "stub-1"}
+        p.send_signal(signal.SIGINT)
+        assert p.wait(40) in (0, 130)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
+
+
+def test_demo_figures_broker_histogram_and_pace():
+    """The figures the demo prints beside the client's TTFT (issue 30): the broker's own TTFT
+    histogram between two scrapes, and whether the load generator kept its schedule."""
+    from mesh.lab.loadgen import Pace
+    from mesh.lab.up import histogram_figures
+
+    def scrape(b: list[int]) -> str:
+        les = ["0.05", "0.2", "1.0", "+Inf"]
+        return "".join(f'mesh_ttft_seconds_bucket{{model="m",worker="w",le="{le}"}} {v}\n' for le, v in zip(les, b))
+
+    f = histogram_figures(scrape([5, 10, 10, 10]), scrape([55, 105, 109, 110]), "mesh_ttft_seconds")
+    assert f == {"count": 100, "p50_ms": 50.0, "p99_ms": 1000.0, "under_200ms": 0.95}
+    assert histogram_figures(scrape([1, 1, 1, 1]), scrape([1, 1, 1, 1]), "mesh_ttft_seconds") is None
+    kept = Pace(offered_rps=30, started=300, span_s=10.0, late_s=[0.001] * 300)
+    behind = Pace(offered_rps=30, started=220, span_s=10.0, late_s=[0.3] * 220)
+    assert not kept.lagging() and behind.lagging() and behind.achieved_rps == 22.0

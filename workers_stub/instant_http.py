@@ -439,13 +439,15 @@ async def serve(host: str = "127.0.0.1", port: int = 0, model: str = "instant", 
 
 
 def add_instant_engine_parser(subparsers) -> argparse.ArgumentParser:
+    from mesh.cli_run import port_number
+
     p = subparsers.add_parser(
         "instant-engine", help="an HTTP server answering SGLang's API at once (benchmark baseline, no GPU, no model)",
         description="Answer SGLang's /generate (and a minimal /v1/completions), /health, /server_info, /get_model_info, "
                     "/v1/models and /v1/loads at once: the output is the first max_new_tokens prompt ids. The readiness "
                     "line 'instant_engine_listening' names the URL.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="port (default 0 = any free port)")
+    p.add_argument("--port", type=port_number, default=0, help="port (default 0 = any free port)")
     p.add_argument("--model", "--served-model-name", dest="model", default="instant", help="served model name")
     p.set_defaults(func=_cmd_instant_engine)
     return p

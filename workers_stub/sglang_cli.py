@@ -11,6 +11,7 @@ import asyncio
 import json
 import sys
 
+from mesh.cli_run import port_number, port_or_off, positive_float, positive_int
 from mesh.logs import add_log_level_arg
 from mesh.config import build
 from mesh.engine_model import EngineConfig
@@ -40,22 +41,22 @@ def add_stub_sglang_parser(subparsers) -> argparse.ArgumentParser:
                     "Ports default to free ones; the readiness line 'sglang_stub_listening' names them.")
     p.add_argument("--config", help="TOML file; its [stub_sglang] table uses these flag names (flags win)")
     p.add_argument("--host", default="127.0.0.1", help="bind address for HTTP and ZMQ (0.0.0.0 = all; advertised as '*')")
-    p.add_argument("--port", type=int, default=30000, help="HTTP port (0 = any free port; default 30000)")
-    p.add_argument("--kv-port", type=int, default=0, help="KV event PUB port of rank 0, rank r uses +r (0 = free range)")
-    p.add_argument("--replay-port", type=int, default=0, help="replay ROUTER port of rank 0 (0 = free range, -1 = no replay)")
-    p.add_argument("--load-port", type=int, default=0, help="LoadStat PUB port of rank 0 (0 = free range, -1 = off)")
+    p.add_argument("--port", type=port_number, default=30000, help="HTTP port (0 = any free port; default 30000)")
+    p.add_argument("--kv-port", type=port_number, default=0, help="KV event PUB port of rank 0, rank r uses +r (0 = free range)")
+    p.add_argument("--replay-port", type=port_or_off, default=0, help="replay ROUTER port of rank 0 (0 = free range, -1 = no replay)")
+    p.add_argument("--load-port", type=port_or_off, default=0, help="LoadStat PUB port of rank 0 (0 = free range, -1 = off)")
     p.add_argument("--no-kv-events", action="store_true", help="publish no KV events (kv_events discovery block is null)")
     p.add_argument("--kv-events-config", help="SGLang-style JSON ({\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\","
                                               "\"replay_endpoint\":...,\"topic\":...,\"buffer_steps\":...}); overrides the port flags")
     p.add_argument("--load-publish-endpoint", help="SGLang-style off | auto | tcp://*:PORT (overrides --load-port)")
-    p.add_argument("--dp-size", type=int, default=1, help="DP ranks, each its own engine, publisher and ports (default 1)")
+    p.add_argument("--dp-size", type=positive_int, default=1, help="DP ranks, each its own engine, publisher and ports (default 1)")
     p.add_argument("--event-format", choices=["map", "array", "vllm"], default="map",
                    help="KV event encoding: map (SGLang >= 0.5.20, default), array (<= 0.5.19), vllm (vLLM 0.33 maps)")
     p.add_argument("--topic", default=None, help="ZMQ topic frame (default empty)")
     p.add_argument("--replay-frames", type=int, choices=[3, 4], default=4,
                    help="replay reply shape: 4 = [b'', topic, seq, payload] (>= 0.5.22), 3 = [b'', seq, payload] (<= 0.5.21)")
-    p.add_argument("--buffer-steps", type=int, default=None, help="replay buffer length in batches (default 10000)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled duration (0.1 = ten times faster)")
+    p.add_argument("--buffer-steps", type=positive_int, default=None, help="replay buffer length in batches (default 10000)")
+    p.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply every modelled duration (0.1 = ten times faster)")
     p.add_argument("--model", "--served-model-name", dest="model", default="stub-sglang-8b", help="served model name")
     p.add_argument("--fail-health", action="store_true", help="/health and /ready answer 503 (health gating tests)")
     p.add_argument("--incremental-streaming-output", action="store_true", help="/generate streams deltas, not cumulative chunks")

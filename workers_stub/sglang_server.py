@@ -116,6 +116,33 @@ def _token_text(t: int) -> str:
     return " " + _WORDS[t % len(_WORDS)]
 
 
+def request_stops(body: dict | None) -> tuple:
+    """The stop strings and stop token ids of a request: SGLang's ``sampling_params`` (one dict)
+    or the OpenAI body's own ``stop`` / ``stop_token_ids``."""
+    if not isinstance(body, dict):
+        return ()
+    sp = body.get("sampling_params")
+    src = sp if isinstance(sp, dict) else body
+    stop = src.get("stop")
+    strings = [stop] if isinstance(stop, str) else [x for x in stop if isinstance(x, str) and x] if isinstance(stop, list) else []
+    ids = [t for t in src.get("stop_token_ids") or () if type(t) is int] if isinstance(src.get("stop_token_ids"), list) else []
+    return (*strings, *ids)
+
+
+def stop_hit(done: list[int], new: list[int], stops: tuple) -> tuple[int, str | int] | None:
+    """(how many of ``new`` to keep, what matched) when one of ``new`` ends the output: a stop
+    token id, or the token whose text completes a stop string (it and what follows are dropped)."""
+    text = detokenize(done)
+    for i, tok in enumerate(new):
+        if tok in stops:
+            return i, tok
+        text += detokenize([tok])
+        for s in stops:
+            if type(s) is str and s in text[-(len(s) + 64):]:
+                return i, s
+    return None
+
+
 def detokenize(tokens: list[int]) -> str:
     """The stub's stand-in detokenizer: one word per token (deterministic); the ids of constrained
     (JSON) output are their JSON pieces."""
@@ -352,7 +379,7 @@ def _json_error(status: int, message: str) -> web.Response:
 
 class _Job:
     __slots__ = ("key", "rid", "rank", "prompt_len", "max_new", "queue", "cached", "tokens", "finished", "t0", "forced", "lp",
-                 "prompt")
+                 "prompt", "stops")
 
     def __init__(self, key: int, rid: str, rank: int, prompt_len: int, max_new: int) -> None:
         self.key = key
@@ -368,6 +395,7 @@ class _Job:
         self.forced: list[int] | None = None  # constrained (json_schema) output: the answer's ids
         self.lp: tuple[int, bool, int] | None = None  # return_logprob: (top_logprobs_num, text in logprobs, logprob_start_len)
         self.prompt: list[int] | None = None  # kept for input logprobs only
+        self.stops: tuple = ()  # stop strings and stop token ids (sampling params ``stop``, ``stop_token_ids``)
 
 
 class _Rank:
@@ -688,6 +716,7 @@ class SglangStub:
         lora = self._lora(body)
         rk = self._pick_rank(rank_hint)
         job = _Job(next(self._keys), rid or uuid.uuid4().hex, rk.rank, len(prompt), max_new)
+        job.stops = request_stops(body)
         try:
             rk.submit(job, prompt, body, lora, transferred)
         except ValueError as exc:
@@ -714,6 +743,12 @@ class SglangStub:
             if base + len(toks) == len(job.forced) and (fin is None or fin[0] == "length"):
                 self.ranks[job.rank].stop_early(job)  # the JSON is complete: the engine stops at EOS
                 fin = ("stop", {"cached_tokens": job.cached})
+        elif job.stops and (fin is None or fin[0] == "length"):
+            hit = stop_hit(job.tokens, toks, job.stops)
+            if hit is not None:  # the output ends before what matched, as SGLang trims it
+                toks = toks[:hit[0]]
+                self.ranks[job.rank].stop_early(job)
+                fin = ("stop", {"cached_tokens": job.cached, "matched": hit[1]})
         job.tokens.extend(toks)
         if fin is not None:
             job.finished = fin
@@ -827,7 +862,7 @@ class SglangStub:
         finish = None
         if fin is not None:
             finish = ({"type": "length", "length": job.max_new} if fin[0] == "length" else
-                      {"type": "stop", "matched": EOS_TOKEN_ID} if fin[0] == "stop" else {"type": fin[0]})
+                      {"type": "stop", "matched": fin[1].get("matched", EOS_TOKEN_ID)} if fin[0] == "stop" else {"type": fin[0]})
         return {
             "id": job.rid,
             "finish_reason": finish,

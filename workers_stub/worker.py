@@ -53,10 +53,24 @@ class _Job:
     stream: bool
     seq: int = 0
     tokens: list[int] | None = None  # collected output when not streaming
-    mode: str = "mixed"  # mixed | prefill (PD first leg: stop after the prompt) | decode
+    mode: str = "mixed"  # mixed | prefill (PD first leg: stop after the prompt) | decode | prompt_only (max_new_tokens 0)
 
 
 _TOKENIZERS: dict[str, object] = {}  # model folder -> mesh.tokenization.ModelTokenizer
+
+#: Sampling parameters a simulated worker cannot honour (its output is made up, not sampled): a
+#: request that sets one is refused by name rather than answered as if it had been applied.
+UNHONOURED_PARAMS = ("stop", "stop_regex", "stop_token_ids", "json_schema", "regex", "ebnf", "structural_tag")
+
+
+def unhonoured(params: dict | None) -> str | None:
+    """The first parameter of ``params`` the simulated worker would ignore (None: none)."""
+    if not params:
+        return None
+    for k in UNHONOURED_PARAMS:
+        if params.get(k) not in (None, [], "", ()):
+            return k
+    return None
 
 
 class SimWorker:
@@ -189,7 +203,16 @@ class SimWorker:
                 # fault injection: a broken GPU answering with errors (outlier ejection tests)
                 link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.WORKER_ERROR, "injected worker fault"))
                 return
+        bad = unhonoured(sub.params)
+        if bad is not None:
+            what = "response_format" if bad == "json_schema" else bad
+            link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.BAD_REQUEST,
+                                            f"{what}: not supported by the simulated worker (mesh worker-stub makes its output "
+                                            "up); send it to an SGLang or vLLM engine (mesh attach), or drop the parameter"))
+            return
         mode = (r.bootstrap or {}).get("mode", "mixed")
+        if mode == "mixed" and sub.max_new_tokens == 0:
+            mode = "prompt_only"  # max_new_tokens 0: the prompt is prefilled (and cached), nothing is generated
         if mode == "decode" and self.fail_transfer_every:
             self._transfers += 1
             if self._transfers % self.fail_transfer_every == 0:
@@ -200,7 +223,7 @@ class SimWorker:
         now = self._now()
         try:
             lora, xkey, salt = request_event_fields(sub.params)  # the engine's cache namespace
-            self.engine.submit(key, prompt, 1 if mode == "prefill" else max(1, sub.max_new_tokens), now,
+            self.engine.submit(key, prompt, 1 if mode in ("prefill", "prompt_only") else max(1, sub.max_new_tokens), now,
                                transferred=mode == "decode", lora_name=lora, extra_key=xkey, cache_salt=salt)
         except ValueError as exc:
             link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.BAD_REQUEST, str(exc)))
@@ -239,7 +262,7 @@ class SimWorker:
                 job = self._jobs.get(key)
                 if job is None:
                     continue
-                if job.mode == "prefill":
+                if job.mode in ("prefill", "prompt_only"):
                     continue
                 if job.stream:
                     buf = pending.setdefault(key, [])
@@ -258,6 +281,12 @@ class SimWorker:
                 if job.mode == "prefill":
                     # PD first leg: the prompt's KV is ready for the decode worker
                     job.link.send(P.encode_worker_final(job.rid, job.attempt, "prefill_done", usage, {}))
+                    self.served += 1
+                    continue
+                if job.mode == "prompt_only":
+                    usage = {**usage, "completion_tokens": 0}
+                    data = {} if job.stream else {"token_ids": [], "text": ""}
+                    job.link.send(P.encode_worker_final(job.rid, job.attempt, "length", usage, data))
                     self.served += 1
                     continue
                 if buf:

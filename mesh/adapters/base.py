@@ -78,6 +78,7 @@ class Adapter:
         self._serving: dict[tuple[int, int, int], asyncio.Task] = {}
         self._loads: list[tuple[LoadStat, float, str] | None] = []  # per rank: (stat, received at, source)
         self._tasks: list[asyncio.Task] = []
+        self._load_tasks: dict[int, asyncio.Task] = {}  # rank -> its LoadStat SUB loop
         self._stop = asyncio.Event()
         self._force = asyncio.Event()  # a second stop signal: skip the drain
         self._force_stop = False
@@ -111,7 +112,7 @@ class Adapter:
         self._loads = [None] * info.dp_size
         for r, ep in enumerate(info.load_endpoints):
             if ep is not None and r < info.dp_size:
-                self._tasks.append(asyncio.create_task(self._load_sub_loop(r, ep), name=f"load-{r}"))
+                self._start_load_sub(r, ep)
         self._tasks.append(asyncio.create_task(self._load_poll_loop(), name="load-poll"))
         self.api.start()  # heartbeats (they go out only while links are open: while the server is healthy)
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
@@ -188,11 +189,12 @@ class Adapter:
         if self.info is not None:
             announce("adapter_stopped", worker_id=self.worker_id, counters=dict(self.counters))
         self._close_links()
-        tasks = [*self._tasks, *self._serving.values()]
+        tasks = [*self._tasks, *self._load_tasks.values(), *self._serving.values()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, self.api.aclose(), return_exceptions=True)
         self._tasks.clear()
+        self._load_tasks.clear()
         if self.relay is not None:
             await self.relay.stop()
         if self.http is not None:
@@ -323,13 +325,41 @@ class Adapter:
             except Exception as exc:
                 self.log.info("restart_check_failed", error=str(engine_error(exc, f"restart check at {self.s.url}"))[:200])
                 restarted = False
-            await self.relay.verify(restarted)
+            await self.relay.verify(restarted, skip=await self._follow_endpoints())
             if self.s.lora_refresh_ms > 0:
                 await self.refresh_loras()  # a restarted engine may hold other adapters: READY tells the current ones
         self.healthy = True
         self._was_healthy = True
         self._open_links()
         announce("adapter_healthy", worker_id=self.worker_id)
+
+    async def _follow_endpoints(self) -> frozenset[int]:
+        """After an outage the engine may be back on other ZeroMQ ports (a restart picks free ones):
+        discover again and move the KV and load subscriptions there. Returns the ranks moved."""
+        info = self.info
+        assert info is not None and self.relay is not None and self.http is not None
+        try:
+            now = await self.backend.discover(self.http)
+        except Exception as exc:
+            self.log.info("rediscovery_failed", error=str(engine_error(exc, f"discovery at {self.s.url}"))[:200])
+            return frozenset()
+        moved = set()
+        for rs in self.relay.ranks:
+            r = rs.rank
+            kv = now.kv_endpoints[r] if r < len(now.kv_endpoints) else None
+            rp = now.replay_endpoints[r] if r < len(now.replay_endpoints) else None
+            if kv is not None and await self.relay.move(r, kv, rp):
+                moved.add(r)
+        for r, ep in enumerate(now.load_endpoints[:info.dp_size]):
+            old = self._load_tasks.get(r)
+            if ep is not None and r < len(info.load_endpoints) and ep != info.load_endpoints[r]:
+                if old is not None:
+                    old.cancel()
+                self._start_load_sub(r, ep)
+        info.kv_endpoints, info.replay_endpoints, info.load_endpoints = now.kv_endpoints, now.replay_endpoints, now.load_endpoints
+        if moved:
+            self.counters["engine_endpoints_moved"] += 1
+        return frozenset(moved)
 
     def _become_unhealthy(self, why: str) -> None:
         self.healthy = False
@@ -378,6 +408,11 @@ class Adapter:
         return loras
 
     # ------------------------------------------------------------------ load
+
+    def _start_load_sub(self, rank: int, endpoint: str) -> None:
+        t = asyncio.create_task(self._load_sub_loop(rank, endpoint), name=f"load-{rank}")
+        t.add_done_callback(lambda t: log_crash(self.log, t))
+        self._load_tasks[rank] = t
 
     async def _load_sub_loop(self, rank: int, endpoint: str) -> None:
         sock = make_socket(self.ctx, LOAD_SUB, connect=endpoint)

@@ -12,6 +12,8 @@ frame of the request, discovery retries what is retryable, health and load polls
 raised while talking to the engine                     becomes
 =====================================================  ==============================
 a non-200 answer (aiohttp.ClientResponseError too)     error_code_for_status(status)
+(a request's: engine_refusal; a prompt that does not   context_length_exceeded
+fit the engine's context)
 TimeoutError (a per-call timeout: connect, health)     RetryableError(unavailable)
 EngineConnectionError, aiohttp.ClientError, OSError    RetryableError(unavailable)
 (refused, reset, truncated body)
@@ -29,11 +31,12 @@ import re
 from typing import AsyncIterator
 
 import aiohttp
+import orjson
 
 from mesh.adapters.engine_http import EngineConnectionError
 from mesh.errors import ErrorCode, FatalRequestError, MeshError, RequestError, RetryableError, error_for
 
-__all__ = ["sse_events", "parse_prometheus", "error_code_for_status", "engine_error"]
+__all__ = ["sse_events", "parse_prometheus", "error_code_for_status", "engine_refusal", "engine_error"]
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -101,6 +104,34 @@ def error_code_for_status(status: int) -> ErrorCode:
     if status == 504 or status == 408:
         return ErrorCode.WORKER_ERROR
     return ErrorCode.WORKER_ERROR  # 401/403 (adapter misconfigured for this server), 500, 502, ...
+
+
+# How engines say a prompt does not fit: SGLang ("The input (N tokens) is longer than the model's
+# context length (M tokens)", "... exceeds max_req_input_len"), vLLM ("This model's maximum context
+# length is M tokens. However, you requested N tokens"), mesh's stub ("exceeds the KV capacity").
+_CONTEXT_LENGTH = re.compile(r"context length|context_length|max_req_input_len|max_model_len|exceeds the kv capacity|"
+                             r"too long for the model|maximum context", re.IGNORECASE)
+
+
+def engine_refusal(status: int, body: bytes, where: str) -> tuple[ErrorCode, str]:
+    """A non-200 answer of the request path -> (code, message). The message is the engine's own
+    (``error.message``, ``message`` or ``detail`` of its JSON body, not the JSON escaped), and a
+    prompt the engine cannot fit is ``context_length_exceeded`` whatever status carried it."""
+    text = body[:4096].decode("utf-8", "replace")
+    msg = text
+    try:
+        obj = orjson.loads(body) if body[:1] in (b"{", b"[") else None
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        inner = obj.get("error") if isinstance(obj.get("error"), dict) else obj
+        found = inner.get("message") or inner.get("detail") or obj.get("error")
+        if isinstance(found, str) and found:
+            msg = found
+    code = error_code_for_status(status)
+    if status in (400, 413, 422) and _CONTEXT_LENGTH.search(msg):
+        code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    return code, f"{msg.strip()[:400]} (HTTP {status} from {where})"
 
 
 def engine_error(exc: BaseException, where: str) -> MeshError:

@@ -249,26 +249,52 @@ class KvRelay:
         self.max_batch_tokens = max_batch_tokens
         self.log = log or get_logger(service="adapter")
         self._limiter = RateLimiter(5.0)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[int, asyncio.Task] = {}  # rank -> its loop
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         for rs in self.ranks:
-            t = asyncio.create_task(self._rank_loop(rs), name=f"kv-rank-{rs.rank}")
-            t.add_done_callback(lambda t: log_crash(self.log, t))
-            self._tasks.append(t)
+            self._start_rank(rs)
+
+    def _start_rank(self, rs: RankStream) -> None:
+        t = asyncio.create_task(self._rank_loop(rs), name=f"kv-rank-{rs.rank}")
+        t.add_done_callback(lambda t: log_crash(self.log, t))
+        self._tasks[rs.rank] = t
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        for t in self._tasks.values():
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
         for rs in self.ranks:
-            for s in (rs.sub, rs.dealer):
-                if s is not None:
-                    s.close(linger=0)
-            rs.sub = rs.dealer = None
+            self._close_sockets(rs)
+
+    @staticmethod
+    def _close_sockets(rs: RankStream) -> None:
+        for s in (rs.sub, rs.dealer):
+            if s is not None:
+                s.close(linger=0)
+        rs.sub = rs.dealer = None
+
+    async def move(self, rank: int, kv_endpoint: str, replay_endpoint: str | None) -> bool:
+        """The engine came back on other ports: a restart (new epoch, AllBlocksCleared); drop the
+        rank's sockets and subscribe (and replay from 0) at the new endpoints. False when nothing
+        changed (or no such rank)."""
+        rs = self.by_rank.get(rank)
+        if rs is None or (rs.kv_endpoint, rs.replay_endpoint) == (kv_endpoint, replay_endpoint):
+            return False
+        self.log.warning("kv_endpoints_moved", dp_rank=rank, kv_endpoint=kv_endpoint, replay_endpoint=replay_endpoint,
+                         old_kv_endpoint=rs.kv_endpoint, old_replay_endpoint=rs.replay_endpoint)
+        t = self._tasks.pop(rank, None)
+        if t is not None:
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+        self._close_sockets(rs)
+        rs.kv_endpoint, rs.replay_endpoint = kv_endpoint, replay_endpoint
+        self._restart(rs, "endpoints_moved")
+        self._start_rank(rs)
+        return True
 
     async def _rank_loop(self, rs: RankStream) -> None:
         rs.sub = make_socket(self.ctx, ENGINE_SUB, connect=rs.kv_endpoint)
@@ -417,9 +443,12 @@ class KvRelay:
         self.counters["replayed_batches"] += n
         return restarted
 
-    async def verify(self, restarted: bool) -> None:
-        """After a health outage: detect a server restart (given, or by replay timestamps)."""
+    async def verify(self, restarted: bool, skip: frozenset[int] = frozenset()) -> None:
+        """After a health outage: detect a server restart (given, or by replay timestamps); the
+        ranks in ``skip`` were already restarted by :meth:`move`."""
         for rs in self.ranks:
+            if rs.rank in skip:
+                continue
             async with rs.lock:
                 if restarted:
                     self._restart(rs, "startup_time_changed")

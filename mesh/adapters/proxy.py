@@ -20,7 +20,7 @@ import orjson
 from mesh import protocol as P
 from mesh import tracing
 from mesh.adapters.backend import Backend, EngineInfo, StreamState
-from mesh.adapters.engine_client import engine_error, error_code_for_status, sse_events
+from mesh.adapters.engine_client import engine_error, engine_refusal, sse_events
 from mesh.errors import ErrorCode, RequestError
 from mesh.openai_logprobs import LOGPROB_KEYS
 
@@ -202,7 +202,7 @@ class RequestProxy:
                 if not engine_streams:
                     status, raw = await self.engine.request("POST", path, payload, headers)
                     if status != 200:
-                        return error_code_for_status(status), f"HTTP {status} from {path}: {raw[:512].decode('utf-8', 'replace')}"
+                        return engine_refusal(status, raw, path)
                     obj = orjson.loads(raw)  # not JSON: engine_error's worker_error
                     self.backend.parse(obj, st, self.info)
                     if st.error is not None:
@@ -222,9 +222,9 @@ class RequestProxy:
                         head = b""
                         async for piece in chunks:
                             head += piece
-                            if len(head) >= 512:
+                            if len(head) >= 4096:
                                 break
-                        return error_code_for_status(status), f"HTTP {status} from {path}: {head[:512].decode('utf-8', 'replace')}"
+                        return engine_refusal(status, head, path)
                     async for data in sse_events(chunks):
                         if final_sent:
                             continue  # read to the end: the connection is then reused

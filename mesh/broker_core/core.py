@@ -203,6 +203,9 @@ class BrokerCore:
             if frames[1] == P.CLIENT_HEADER:
                 self.stats.requests[ErrorCode.BAD_REQUEST.value] += 1
                 self._out.to_client(ident, P.encode_client_error(rid, ErrorCode.BAD_REQUEST, str(msg)))
+            elif frames[1] == P.WORKER_HEADER and self._limiter.allow(("worker_on_client_port", ident), now):
+                # a worker pointed at the client port: tell it (in its own protocol), at most once a second
+                self._out.to_client(ident, P.encode_disconnect(WRONG_PORT_FOR_WORKERS))
 
     def submit(self, ident: bytes, sub: P.Submit, now: float, quota_key: bytes | None = None) -> None:
         """A decoded SUBMIT from client ``ident``; ``quota_key`` is who it counts against for
@@ -466,6 +469,10 @@ class BrokerCore:
 
 def _no_clock() -> float:
     return 0.0
+
+
+#: The DISCONNECT a worker gets when it registers on a client port (logged on its side).
+WRONG_PORT_FOR_WORKERS = "this is a broker's client port: point workers at its worker endpoint (the broker's --backend)"
 
 
 def _salvage_rid(frames: list[bytes]) -> str | None:

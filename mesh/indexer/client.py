@@ -821,12 +821,15 @@ class IndexerClient:
                 continue
             head = q[0]
             if head[0] != "b":
+                rep.sending = 1
                 try:
                     done = await self._send_control(rep, head)
                 except Exception as exc:
                     done = True
                     self.c["control_errors"] += 1
                     self.log.exception("indexer_control_failed", endpoint=rep.endpoint, error=repr(exc)[:200])
+                finally:
+                    rep.sending = 0
                 if done:
                     q.popleft()
                 continue
@@ -954,9 +957,12 @@ class IndexerClient:
         # counted degraded.
         rep.reregistering = True
         ranks = self._ranks_by_worker()
-        rep.queue.appendleft(("m", "", 0))
+        # Before any batch still queued for it, but after the items in an RPC right now: the send
+        # loop pops those (by count) when the RPC returns.
+        at = rep.sending
+        rep.queue.insert(at, ("m", "", 0))
         for wid, bs in reversed(list(self._workers.items())):
-            rep.queue.appendleft(("r", wid, bs, ranks.get(wid, ())))  # before any batch still queued for it
+            rep.queue.insert(at, ("r", wid, bs, ranks.get(wid, ())))
         for s in self._streams:
             rep.dirty[s] = "indexer_restarted"
             self._resync_at.pop(s, None)

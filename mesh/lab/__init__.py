@@ -15,3 +15,6 @@ product imports this package; ``mesh.cli`` loads the lab commands lazily.
 #: Third-party modules the lab needs beyond the product's dependencies (the ``lab`` extra).
 REQUIRES = ("matplotlib", "openai")
 EXTRA_HINT = "pip install 'mesh-router[lab]'"
+#: Commands that need less than the whole extra: ``mesh up`` only drives HTTP with openai (the
+#: ``demo`` extra, what ``make demo`` installs: no plotting stack to download).
+COMMAND_REQUIRES = {"up": ("openai",)}

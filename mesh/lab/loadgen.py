@@ -46,6 +46,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    seq: int = -1  # the request's place in the arrival order (-1: not recorded)
 
 
 def shared_prefix_prompts(spec: LoadSpec, n: int) -> list[list[int]]:
@@ -71,17 +72,42 @@ def planned_prompts(spec: LoadSpec) -> list[list[int]]:
     return shared_prefix_prompts(spec, int(spec.rate_rps * spec.duration_s * 1.5) + 10)
 
 
+@dataclass
+class Pace:
+    """How well the open loop kept its schedule: a load generator that falls behind (a busy
+    machine) offers less than asked, and its clients' latencies include their own delay."""
+
+    offered_rps: float = 0.0
+    started: int = 0
+    span_s: float = 0.0  # from the first arrival slot to the last actual start (at least the duration)
+    late_s: list[float] = field(default_factory=list)  # per start: how late it was against its slot
+
+    @property
+    def achieved_rps(self) -> float:
+        return self.started / self.span_s if self.span_s > 0 else 0.0
+
+    def late_ms(self, q: float) -> float:
+        xs = sorted(self.late_s)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else 0.0
+
+    def lagging(self) -> bool:
+        """Fell behind: under 90 % of the offered rate, or a tenth of the starts 100 ms late."""
+        return self.achieved_rps < 0.9 * self.offered_rps or self.late_ms(0.9) > 100.0
+
+
 async def open_loop(spec: LoadSpec, prompts: list, one: Callable[[Any], Awaitable[None]],
-                    progress: Callable[[float], None] | None = None) -> float:
+                    progress: Callable[[float], None] | None = None, pace: Pace | None = None) -> float:
     """Start ``one(prompts[i])`` at seeded Poisson arrivals at ``spec.rate_rps`` for
     ``spec.duration_s`` (open loop: a slow mesh never delays the next arrival), wait for every
     started request, and return the wall time (from the first arrival slot to the last reply).
-    ``progress(elapsed_s)`` is called after each arrival."""
+    ``progress(elapsed_s)`` is called after each arrival; ``pace`` records the schedule kept."""
     rng = random.Random(spec.seed + 1)
     tasks: list[asyncio.Task] = []
     t0 = time.monotonic()
     t_next = t0
     i = 0
+    if pace is not None:
+        pace.offered_rps = spec.rate_rps
     while True:
         t_next += rng.expovariate(spec.rate_rps)
         if t_next - t0 > spec.duration_s or i >= len(prompts):
@@ -89,6 +115,11 @@ async def open_loop(spec: LoadSpec, prompts: list, one: Callable[[Any], Awaitabl
         delay = t_next - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
+        if pace is not None:
+            now = time.monotonic()
+            pace.late_s.append(max(0.0, now - t_next))
+            pace.started += 1
+            pace.span_s = max(spec.duration_s, now - t0)
         tasks.append(asyncio.create_task(one(prompts[i])))
         i += 1
         if progress is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 
-from mesh.lab.loadgen import LoadSpec, Outcome, open_loop, planned_prompts
+from mesh.lab.loadgen import LoadSpec, Outcome, Pace, open_loop, planned_prompts
 
 __all__ = ["prompt_text", "run_http_load"]
 
@@ -73,19 +73,20 @@ async def _one(client, model: str, i: int, prompt: str, spec: LoadSpec, out: lis
             if chunk.usage is not None:
                 usage = chunk.usage
     except Exception as exc:  # every failure is an outcome (openai wraps most; a broken stream may not be)
-        out.append(Outcome(rid, False, code=_error_kind(exc), worker=worker, e2e_s=time.monotonic() - t0))
+        out.append(Outcome(rid, False, code=_error_kind(exc), worker=worker, e2e_s=time.monotonic() - t0, seq=i))
         return
     e2e = time.monotonic() - t0
     if usage is None:
-        out.append(Outcome(rid, False, code="no_usage", worker=worker, ttft_s=ttft, e2e_s=e2e))
+        out.append(Outcome(rid, False, code="no_usage", worker=worker, ttft_s=ttft, e2e_s=e2e, seq=i))
         return
     details = usage.prompt_tokens_details
     cached = (details.cached_tokens or 0) if details is not None else 0
     out.append(Outcome(rid, True, worker=worker, ttft_s=ttft, e2e_s=e2e, prompt_tokens=usage.prompt_tokens,
-                       cached_tokens=cached, completion_tokens=usage.completion_tokens))
+                       cached_tokens=cached, completion_tokens=usage.completion_tokens, seq=i))
 
 
-async def run_http_load(url: str, spec: LoadSpec, progress=None, *, model: str | None = None) -> tuple[list[Outcome], float]:
+async def run_http_load(url: str, spec: LoadSpec, progress=None, *, model: str | None = None,
+                        pace: Pace | None = None) -> tuple[list[Outcome], float]:
     """Drive ``spec`` at the OpenAI API under ``url`` (``url + "/v1"``); returns the outcomes and
     the wall time (until the last reply). ``model`` defaults to the first of ``GET /v1/models``.
     ``progress(elapsed_s, done)`` is called after each arrival, as in :func:`mesh.lab.loadgen.run_load`."""
@@ -98,5 +99,5 @@ async def run_http_load(url: str, spec: LoadSpec, progress=None, *, model: str |
                                   timeout=spec.deadline_ms / 1000.0 + 5.0) as client:
         if model is None:
             model = (await client.models.list()).data[0].id
-        wall = await open_loop(spec, prompts, lambda ip: _one(client, model, ip[0], ip[1], spec, out), tick)
+        wall = await open_loop(spec, prompts, lambda ip: _one(client, model, ip[0], ip[1], spec, out), tick, pace)
     return out, wall

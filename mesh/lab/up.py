@@ -8,8 +8,10 @@ worker-stub`` simulated workers, for a third of the duration. Both parts offer t
 open-loop shared-prefix load (:mod:`mesh.lab.loadgen`, :mod:`mesh.lab.loadgen_http`) and print the same
 summary table; the exit code is 0 only when every request of both parts succeeded.
 
-``--serve`` starts the engines, their adapters and the simulated workers on one broker, prints
-where to point applications and keeps serving until Ctrl-C / SIGTERM.
+``--serve`` starts the engines and their adapters on one broker (one consistent fleet: every
+worker is an SGLang stub engine, which honours what the API promises; no simulated workers mixed
+in under the same model name), prints where to point applications and keeps serving until
+Ctrl-C / SIGTERM.
 
 Readiness is always an event: the broker's and engines' listening lines, then STATUS polling until
 the expected worker ids are healthy. Every process is stopped on the way out, also after Ctrl-C or
@@ -32,7 +34,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from mesh.client import Client
-from mesh.lab.loadgen import LoadSpec, run_load, summarize
+from mesh.errors import ConfigError
+from mesh.lab.loadgen import LoadSpec, Pace, run_load, summarize
 from mesh.lab.procs import BrokerProc, Proc, ProcGroup, wait_for_log_event
 
 __all__ = ["HttpPath", "run_up", "start_http_path", "wait_for_workers"]
@@ -67,12 +70,98 @@ async def _broker_counters(frontend: str) -> dict:
 #: so requests without a model (or under ``mesh``) may go to either.
 DEMO_MODEL = "stub-sglang-8b"
 
+#: The policy of the demo's baseline pass: what the hit rate of cache-aware routing is compared with.
+BASELINE_POLICY = "power_of_two"
+
+
+def _scrape(url: str) -> str:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            return r.read().decode()
+    except OSError:
+        return ""
+
+
+def histogram_figures(before: str, after: str, name: str) -> dict | None:
+    """p50 / p99 (upper bucket bounds, ms), count and share under 200 ms of the Prometheus histogram
+    ``name`` between two scrapes (summed over its label sets). None when it saw nothing."""
+    from mesh.adapters.engine_client import parse_prometheus
+
+    def buckets(text: str) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for metric, labels, v in parse_prometheus(text):
+            if metric == name + "_bucket" and "le" in labels:
+                le = float(labels["le"])
+                out[le] = out.get(le, 0.0) + v
+        return out
+
+    b0, b1 = buckets(before), buckets(after)
+    cum = sorted((le, v - b0.get(le, 0.0)) for le, v in b1.items())
+    total = cum[-1][1] if cum else 0.0
+    if total <= 0:
+        return None
+
+    def q(x: float) -> float:
+        return next(le for le, c in cum if c >= x * total) * 1000
+
+    under = max((c for le, c in cum if le <= 0.2), default=0.0)
+    return {"count": int(total), "p50_ms": q(0.5), "p99_ms": q(0.99), "under_200ms": under / total}
+
+
+def _pace_rows(pace: Pace, ttft: dict | None) -> list[tuple[str, str]]:
+    rows = []
+    if ttft is not None:
+        rows.append(("TTFT p50 / p99 (broker's histogram)", f"<= {ttft['p50_ms']:g} / <= {ttft['p99_ms']:g} ms "
+                                                             f"({ttft['under_200ms']:.0%} under 200 ms)"))
+    rows.append(("offered / achieved rate", f"{pace.offered_rps:g} / {pace.achieved_rps:.1f} req/s"
+                                            + ("  [yellow](lagging)[/]" if pace.lagging() else "")))
+    return rows
+
+
+def _baseline_pass(path: HttpPath, spec: LoadSpec, outcomes: list, console: Console):
+    """A short pass (a third of the duration: the same seeded prompts, in the same order) through the
+    baseline broker, on flushed engine caches; returns (the main policy's summary over the same
+    first requests, the baseline's summary, how many requests)."""
+    import urllib.request
+
+    from mesh.lab.loadgen_http import run_http_load
+
+    for u in path.engine_urls:  # cold caches, as at the start of the main pass (their adapters relay the clear)
+        try:
+            urllib.request.urlopen(urllib.request.Request(u + "/flush_cache", method="POST"), timeout=5).close()
+        except OSError as exc:
+            console.print(f"[yellow]baseline: could not flush {u}: {exc}[/]")
+    short = dataclasses.replace(spec, duration_s=spec.duration_s / 3)
+    pace = Pace()
+    with _progress(console) as prog:
+        task = prog.add_task(f"baseline {BASELINE_POLICY}", total=short.duration_s, done=0)
+        out, wall = asyncio.run(run_http_load(path.baseline_url, short, pace=pace,
+                                              progress=lambda t, k: prog.update(task, completed=t, done=k)))
+    n = pace.started
+    same = [o for o in outcomes if 0 <= o.seq < n]
+    return summarize(same, wall), summarize(out, wall), n
+
+
+def _baseline_table(main, base, n: int, console: Console) -> None:
+    t = Table(title=f"the hit rate in context: the first {n} requests, cold caches, two policies", show_header=True)
+    t.add_column("metric")
+    for title in ("main policy (above)", f"{BASELINE_POLICY} (baseline)"):
+        t.add_column(title, justify="right")
+    for label, f in (("cache hit rate (tokens)", lambda s: f"{s.hit_rate:.1%}"),
+                     ("TTFT p50 / p99", lambda s: f"{s.ttft_p50_ms:.1f} / {s.ttft_p99_ms:.1f} ms"),
+                     ("E2E p50", lambda s: f"{s.e2e_p50_ms:.1f} ms"), ("ok / requests", lambda s: f"{s.ok} / {s.requests}")):
+        t.add_row(label, f(main), f(base))
+    console.print(t)
+
+
 def _retries(before: dict, after: dict) -> int:
     return sum(int(v) - int(before.get(k, 0)) for k, v in after.items() if k.startswith("retries."))
 
 
 def _table(summary, console: Console, title: str = "mesh up: summary", *, retried_label: str = "retried requests",
-           adapter_ok: dict[str, int | None] | None = None) -> None:
+           adapter_ok: dict[str, int | None] | None = None, extra: list[tuple[str, str]] | None = None) -> None:
     t = Table(title=title, show_header=True)
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -85,6 +174,7 @@ def _table(summary, console: Console, title: str = "mesh up: summary", *, retrie
         ("E2E p50", f"{summary.e2e_p50_ms:.1f} ms"),
         ("cache hit rate (tokens)", f"{summary.hit_rate:.1%}"),
         (retried_label, f"{summary.retried}"),
+        *(extra or ()),
     ]
     for k, v in rows:
         t.add_row(k, v)
@@ -105,13 +195,9 @@ def _table(summary, console: Console, title: str = "mesh up: summary", *, retrie
 
 def _metrics_excerpt(url: str) -> list[str]:
     """A few live lines of the broker's Prometheus endpoint (what a scraper sees)."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError as exc:
-        return [f"(metrics unavailable: {exc})"]
+    text = _scrape(url)
+    if not text:
+        return ["(metrics unavailable)"]
     keep = ("mesh_requests_total", "mesh_decisions_total", "mesh_routed_cached_tokens_total", "mesh_routed_prompt_tokens_total",
             "mesh_decision_latency_seconds_count", "mesh_retries_total")
     return [line for line in text.splitlines() if line.startswith(keep)]
@@ -175,11 +261,13 @@ class HttpPath:
     engine_urls: list[str]
     adapters: list[Proc]
     worker_ids: list[str]  # adapter i attaches engine i as worker_ids[i]
+    baseline: BrokerProc | None = None  # a second broker (another policy) the same adapters attach to
+    baseline_url: str = ""
 
 
 def start_http_path(group: ProcGroup, n: int, *, policy: str = "cache_aware", seed: int = 0, http: str = "127.0.0.1:0",
                     time_scale: str = "1.0", telemetry: str = "tcp://127.0.0.1:*", wait: bool = True,
-                    timeout_s: float = _START_TIMEOUT_S) -> HttpPath:
+                    timeout_s: float = _START_TIMEOUT_S, baseline_policy: str | None = None) -> HttpPath:
     """Start ``mesh broker --http``, ``n`` ``mesh stub-sglang --port 0`` engines and one ``mesh attach
     sglang --worker-id stub-<i>`` adapter per engine in ``group``. The engines start while the
     broker does; each adapter starts once its engine's ``sglang_stub_listening`` line names its
@@ -190,20 +278,35 @@ def start_http_path(group: ProcGroup, n: int, *, policy: str = "cache_aware", se
                           timeout_s=timeout_s)
     url = wait_for_log_event(broker.log_path, "http_listening", timeout_s, broker.popen, start=broker.log_start)["url"]
     tel = wait_for_log_event(broker.log_path, "broker_listening", 5, start=broker.log_start)["telemetry"]
+    base, base_url, backends = None, "", ["--broker", broker.backend]
+    if baseline_policy is not None:  # the adapters register with both; each broker routes its own clients
+        base = group.broker("broker-baseline", "--policy", baseline_policy, "--seed", str(seed), "--http", "127.0.0.1:0",
+                            timeout_s=timeout_s)
+        base_url = wait_for_log_event(base.log_path, "http_listening", timeout_s, base.popen, start=base.log_start)["url"]
+        backends += ["--broker", base.backend]
     ids = [f"stub-{i}" for i in range(n)]
     engine_urls, adapters = [], []
     for i, p in enumerate(engines):
         engine_urls.append(wait_for_log_event(p.log_path, "sglang_stub_listening", timeout_s, p.popen, start=p.log_start)["url"])
-        adapters.append(group._spawn(f"adapter-{i}", ["attach", "sglang", "--url", engine_urls[-1], "--broker", broker.backend,
+        adapters.append(group._spawn(f"adapter-{i}", ["attach", "sglang", "--url", engine_urls[-1], *backends,
                                                       "--worker-id", ids[i]]))
     if wait:
         asyncio.run(wait_for_workers(broker.frontend, n, timeout_s, ids=set(ids)))
-    return HttpPath(broker, url, tel, engines, engine_urls, adapters, ids)
+        if base is not None:
+            asyncio.run(wait_for_workers(base.frontend, n, timeout_s, ids=set(ids)))
+    return HttpPath(broker, url, tel, engines, engine_urls, adapters, ids, base, base_url)
 
 
 def run_up(args) -> int:
     console = Console()
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="mesh-up-"))
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / ".mesh-up-check").touch()
+        (log_dir / ".mesh-up-check").unlink()
+    except OSError as exc:
+        raise ConfigError(f"log_dir: cannot write logs in {str(log_dir)!r}: {exc.strerror or exc} (give --log-dir a folder "
+                          "you can write)") from None
     group = ProcGroup(log_dir)
     main_thread = threading.current_thread() is threading.main_thread()
     old = {}
@@ -230,11 +333,40 @@ def run_up(args) -> int:
                 signal.signal(sig, h)
 
 
+def _check_free(host: str, port: int, flag: str) -> None:
+    """A fixed listening port that is taken fails ``mesh up`` before any process starts (the
+    broker would find out only after the engines, adapters and workers were started)."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, port))
+    except OSError as exc:
+        why = "is already in use: stop what listens there or" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror}):"
+        raise ConfigError(f"{flag}: {host}:{port} {why} give another port (0 = any free port)") from None
+
+
+def _check_ports(args) -> None:
+    http = getattr(args, "http", None)
+    if http:
+        host, _, port = http.rpartition(":")
+        _check_free(host, int(port), "http")
+    tel = getattr(args, "telemetry", None)
+    if tel and tel.startswith("tcp://") and not tel.endswith(":*"):
+        host, _, port = tel[6:].rpartition(":")
+        _check_free("127.0.0.1" if host == "*" else host, int(port), "telemetry")
+
+
 def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     n = args.workers
     if n < 1:
         console.print("[red]--workers must be at least 1[/]")
         return 2
+    _check_ports(args)
     ts = str(getattr(args, "time_scale", None) or 1.0)
     spec = LoadSpec(rate_rps=args.rate, duration_s=args.duration, groups=args.groups, system_tokens=args.system_tokens,
                     question_tokens=args.question_tokens, max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -248,17 +380,19 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
             console.print("[red]mesh up drives its HTTP part with the openai package: pip install openai[/] "
                           "(or use --serve, which needs no client)")
             return 2
-    console.print(f"[bold]mesh up[/]: a broker, {n} SGLang stub engines each behind a `mesh attach sglang` adapter, "
-                  f"{n} simulated workers{' (part 2)' if not serve else ''} (logs in {log_dir})")
+    console.print(f"[bold]mesh up[/]: a broker, {n} SGLang stub engines each behind a `mesh attach sglang` adapter"
+                  f"{f', {n} simulated workers (part 2)' if not serve else ''} (logs in {log_dir})")
 
+    baseline = BASELINE_POLICY if not serve and args.policy != BASELINE_POLICY else None
     path = start_http_path(group, n, policy=args.policy, seed=args.seed, http=http, time_scale=ts,
-                           telemetry=getattr(args, "telemetry", None) or "tcp://127.0.0.1:*", wait=False)
+                           telemetry=getattr(args, "telemetry", None) or "tcp://127.0.0.1:*", wait=False,
+                           baseline_policy=baseline)
     broker, url, tel, engine_urls, stub_ids = path.broker, path.url, path.telemetry, path.engine_urls, path.worker_ids
     engines, adapters = path.engines, path.adapters
     sim_ids = [f"worker-{i}" for i in range(n)] if n > 1 else ["worker"]
-    if serve:  # the simulated workers join the same broker (one process, cheap)
-        group.workers("worker", [broker.backend], "--time-scale", ts, "--model", DEMO_MODEL, count=n, timeout_s=_START_TIMEOUT_S)
-    asyncio.run(wait_for_workers(broker.frontend, n, _START_TIMEOUT_S, ids=set(stub_ids) | (set(sim_ids) if serve else set())))
+    asyncio.run(wait_for_workers(broker.frontend, n, _START_TIMEOUT_S, ids=set(stub_ids)))
+    if path.baseline is not None:
+        asyncio.run(wait_for_workers(path.baseline.frontend, n, _START_TIMEOUT_S, ids=set(stub_ids)))
 
     console.print(f"  OpenAI HTTP      {url}/v1   (/v1/completions, /v1/chat/completions, /generate)")
     console.print(f"  ZeroMQ clients   {broker.frontend}   (mesh.client.Client)")
@@ -267,8 +401,6 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     where = (f"{hosts.pop()} ports {', '.join(u.rsplit(':', 1)[1] for u in engine_urls)}" if len(hosts) == 1
              else ", ".join(engine_urls))
     console.print(f"  SGLang engines   {where}   (mesh stub-sglang, attached as {stub_ids[0]}..{stub_ids[-1]})")
-    if serve:
-        console.print(f"  simulated        {sim_ids[0]}..{sim_ids[-1]}   (mesh worker-stub)")
     console.print(f"  metrics          {url}/metrics")
     console.print(f"  live view        mesh top --telemetry {tel}")
     if serve:
@@ -287,16 +419,29 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
     console.print(f"policy {args.policy}; {n} engines (time scale {ts}); streaming /v1/completions at {spec.rate_rps:g} req/s "
                   f"for {spec.duration_s:g} s")
     before = asyncio.run(_broker_counters(broker.frontend))
+    metrics_before = _scrape(url)
+    pace = Pace()
     with _progress(console) as prog:
         task = prog.add_task("part 1 HTTP", total=spec.duration_s, done=0)
-        outcomes, wall = asyncio.run(run_http_load(url, spec, progress=lambda t, k: prog.update(task, completed=t, done=k)))
+        outcomes, wall = asyncio.run(run_http_load(url, spec, progress=lambda t, k: prog.update(task, completed=t, done=k),
+                                                   pace=pace))
     http_summary = summarize(outcomes, wall)
     http_summary.retried = _retries(before, asyncio.run(_broker_counters(broker.frontend)))
+    broker_ttft = histogram_figures(metrics_before, _scrape(url), "mesh_ttft_seconds")
+    base = None
+    if path.baseline is not None:  # the same first prompts, cold caches again, routed by the baseline policy
+        base = _baseline_pass(path, spec, outcomes, console)
     _stop_procs(adapters)  # adapters first: they DISCONNECT and report their counters, then the engines
     adapter_ok = _adapter_ok(adapters, stub_ids)
     _stop_procs(engines)
     _table(http_summary, console, "part 1: HTTP path summary", retried_label="retries (broker STATUS)",
-           adapter_ok=adapter_ok)
+           adapter_ok=adapter_ok, extra=_pace_rows(pace, broker_ttft))
+    if pace.lagging():
+        console.print(f"[yellow]warning[/]: the load generator fell behind ({pace.achieved_rps:.1f} of {pace.offered_rps:g} "
+                      f"req/s started; 90 % of starts within {pace.late_ms(0.9):.0f} ms of their slot): the client's TTFT "
+                      "includes its own delay on this busy machine; the broker's histogram above is what the mesh added")
+    if base is not None:
+        _baseline_table(*base, console)
 
     # ---- part 2: ZeroMQ clients -> the same broker -> simulated workers
     console.rule("[bold]part 2: the ZeroMQ client path[/]")
@@ -320,6 +465,13 @@ def _run(args, console: Console, group: ProcGroup, log_dir: Path) -> int:
         for wid, k in adapter_ok.items():
             http_d["per_worker"].setdefault(wid, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_rate": 0.0})
             http_d["per_worker"][wid]["adapter_requests_ok"] = k
-        Path(args.json).write_text(json.dumps({"http": http_d, "zmq": zmq_summary.as_dict()}, indent=2, default=str))
+        http_d["broker_ttft"] = broker_ttft
+        http_d["pace"] = {"offered_rps": pace.offered_rps, "achieved_rps": round(pace.achieved_rps, 2),
+                          "late_p90_ms": round(pace.late_ms(0.9), 1), "lagging": pace.lagging()}
+        out = {"http": http_d, "zmq": zmq_summary.as_dict()}
+        if base is not None:
+            out["baseline"] = {"policy": BASELINE_POLICY, "requests": base[2],
+                               args.policy: base[0].as_dict(), BASELINE_POLICY: base[1].as_dict()}
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     ok = all(s.requests > 0 and s.ok == s.requests for s in (http_summary, zmq_summary))
     return 0 if ok else 1

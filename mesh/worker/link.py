@@ -42,10 +42,27 @@ from mesh.worker.session import LinkSession, Send
 
 __all__ = ["BrokerLink"]
 
-_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 # The link's loop waking this much later than it asked to means the process itself stalled: the
 # lateness is not counted as broker silence (scheduling jitter below it is ignored).
 _STALL_CREDIT_AFTER_S = 0.05
+
+
+_REFUSAL_LOG_EVERY_S = 30.0
+# DISCONNECTs that are the protocol's ordinary re-registration, not a refusal of this worker.
+_NOT_A_REFUSAL = frozenset({"not registered; send READY", "expired", "broker_shutdown", "duplicate READY"})
+
+
+def _refusal_hint(reason: str) -> str:
+    if "CURVE handshake" in reason:
+        return ("add this worker's public key to the broker's --curve-allow-workers file, and check --curve-server-key "
+                "is the broker's public key")
+    if "CURVE key" in reason:
+        return ("the broker's --curve-allow-workers file binds this worker's key to other worker ids: register with the "
+                "id the key is listed for, or list the key for this id")
+    if "client port" in reason:
+        return "--broker names the broker's client (frontend) endpoint; workers connect to its --backend endpoint"
+    return "the broker refused this worker's READY; see the reason"
 
 
 class BrokerLink:
@@ -86,6 +103,7 @@ class BrokerLink:
         self._mon_sync: zmq.Socket | None = None
         self.send_failures = 0
         self._closed = False
+        self._refusal: tuple[str, float] = ("", 0.0)  # the last refusal logged and when
         # receive-loop wake-up machinery (set while _serve runs)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -289,17 +307,33 @@ class BrokerLink:
             except zmq.Again:
                 return
             try:
-                event = parse_monitor_message(frames)["event"]
+                m = parse_monitor_message(frames)
+                event = m["event"]
             except (ValueError, KeyError, IndexError):
                 continue
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._do(self.session.on_handshake())
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # ZAP said no (the status code is its value)
+                self._refused(f"CURVE handshake refused (ZAP status {m.get('value')}): the broker does not allow this "
+                              "worker's key")
+
+    def _refused(self, reason: str) -> None:
+        """The broker answered our READY with DISCONNECT: say why here, on the refused side (the
+        first time, then at most every ``_REFUSAL_LOG_EVERY_S`` while it goes on)."""
+        if reason in _NOT_A_REFUSAL:
+            return
+        now = time.monotonic()
+        if reason != self._refusal[0] or now - self._refusal[1] >= _REFUSAL_LOG_EVERY_S:
+            self._refusal = (reason, now)
+            self.log.warning("broker_refused_registration", reason=reason, hint=_refusal_hint(reason))
 
     def _handle(self, frames: list[bytes]) -> None:
         msg = P.decode_broker_to_worker(frames)
         was_registered = self.session.registered
         reply, lost = self.session.on_message(msg)
         if lost is not None:
+            if not was_registered and type(msg) is P.Disconnect:
+                self._refused(msg.reason)  # type: ignore[union-attr]
             # The broker forgot us (restart, expiry, or protocol violation): start a new session.
             self.on_session_lost(self, lost)
             self._do(reply)  # if the pipe just went away, READY follows the next handshake

@@ -4,6 +4,10 @@ every ``mesh`` invocation). The benchmark itself is :mod:`mesh.lab.bench.http_be
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from mesh.cli_run import nonneg_float, positive_float, positive_int, writable_file
+from mesh.errors import ConfigError
 
 __all__ = ["add_bench_http_parser"]
 
@@ -38,21 +42,21 @@ def add_bench_http_parser(bsub) -> argparse.ArgumentParser:
                     "the targets (PASS/MISS; a miss does not fail the command, a broken arm does).")
     p.add_argument("--arms", type=_arms, default=None, help=f"comma-separated arms (default: all available: {','.join(_ARMS)})")
     p.add_argument("--concurrency", type=_ints, default=[1, 64], help="comma-separated connection counts (default 1,64)")
-    p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per cell (default 8; wrk rounds to whole seconds)")
-    p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds before each cell (default 1)")
+    p.add_argument("--seconds", type=positive_float, default=8.0, help="measured seconds per cell (default 8; wrk rounds to whole seconds)")
+    p.add_argument("--warmup", type=nonneg_float, default=1.0, help="warm-up seconds before each cell (default 1)")
     p.add_argument("--path", default="/generate", choices=["/generate", "/v1/completions", "/v1/chat/completions"],
                    help="endpoint to load (default /generate; arms that do not serve it are skipped)")
     p.add_argument("--stream", action="store_true", help="streamed requests (SSE) instead of one JSON answer")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="output tokens per request (default 8)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=8, help="output tokens per request (default 8)")
     p.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto",
                    help="load generator: wrk (when on PATH, the default) or the built-in Python one")
     p.add_argument("--broker-policy", help="the broker's --policy in the broker arms (default: the broker's default)")
     p.add_argument("--tokenizer", help="a model folder, or 'builtin' (the Tekken tokenizer mistral-common ships): adds the "
                                       "arm broker_zmq_tokenized, broker_zmq with the broker tokenising every prompt")
-    p.add_argument("--prompt-tokens", type=int, help="prompt length in tokens (of --tokenizer; words without one); "
+    p.add_argument("--prompt-tokens", type=positive_int, help="prompt length in tokens (of --tokenizer; words without one); "
                                                      "default a 43-byte sentence")
     p.add_argument("--log-dir", help="keep the processes' logs here (default: a temporary directory)")
-    p.add_argument("--json", help="write every figure to this JSON file")
+    p.add_argument("--json", type=writable_file, help="write every figure to this JSON file")
     p.set_defaults(func=_cmd_bench_http)
     return p
 
@@ -64,6 +68,8 @@ def _cmd_bench_http(args) -> int:
     from mesh.lab.bench.http_bench import ALL_ARMS, print_results, run_http_bench, sglang_router_available
     from mesh.lab.bench.report import write_json
 
+    if args.tokenizer not in (None, "builtin") and not Path(args.tokenizer).is_dir():
+        raise ConfigError(f"tokenizer: no model folder {args.tokenizer!r} (give a folder holding tokenizer.json, or 'builtin')")
     arms = args.arms or [a for a in ALL_ARMS if (a != "sglang_router" or sglang_router_available())
                          and (a != "broker_zmq_tokenized" or args.tokenizer)]
     if args.arms is None and "sglang_router" not in arms:

@@ -9,6 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mesh.cli_run import http_url as http_url_arg, positive_float, positive_int, writable_file, zmq_endpoint
+from mesh.errors import ConfigError
+
 __all__ = ["add_fuzz_parser", "run_cli"]
 
 _DESC = """\
@@ -29,23 +32,23 @@ Without --broker-frontend/--broker-backend it starts its own broker and simulate
 def add_fuzz_parser(sub) -> None:
     p = sub.add_parser("fuzz", help="protocol-aware fuzzer for a broker (ZeroMQ ports, optional HTTP ingress)",
                        description=_DESC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--broker-frontend", help="client endpoint of the broker under test (default: start one)")
-    p.add_argument("--broker-backend", help="worker endpoint of the broker under test (default: start one)")
+    p.add_argument("--broker-frontend", type=zmq_endpoint, help="client endpoint of the broker under test (default: start one)")
+    p.add_argument("--broker-backend", type=zmq_endpoint, help="worker endpoint of the broker under test (default: start one)")
     p.add_argument("--broker-pid", type=int, help="pid of the broker under test (liveness and RSS; known when started here)")
-    p.add_argument("--seconds", type=float, default=10.0, help="fuzzing time, paced then unpaced (default 10)")
+    p.add_argument("--seconds", type=positive_float, default=10.0, help="fuzzing time, paced then unpaced (default 10)")
     p.add_argument("--seed", type=int, default=None, help="seed (default: random, printed); the same seed sends the same cases")
-    p.add_argument("--peers", type=int, default=4, help="fuzzing peers per port (default 4: 2 registered + 2 junk workers, 4 clients)")
-    p.add_argument("--paced-rate", type=float, default=200.0, help="frames per second per peer in the paced phase (default 200)")
+    p.add_argument("--peers", type=positive_int, default=4, help="fuzzing peers per port (default 4: 2 registered + 2 junk workers, 4 clients)")
+    p.add_argument("--paced-rate", type=positive_float, default=200.0, help="frames per second per peer in the paced phase (default 200)")
     p.add_argument("--paced-share", type=float, default=0.5, help="share of --seconds spent paced; the rest is unpaced (default 0.5)")
     p.add_argument("--unpaced-max-frames", type=int, default=50_000, help="frames per peer bound of the unpaced phase (default 50000)")
     p.add_argument("--no-zero-ids", dest="zero_ids", action="store_false", help="no ROUTING_IDs beginning with 0x00")
     p.add_argument("--only", choices=["client", "worker"], help="fuzz only this path (the other path's peers stay valid)")
     p.add_argument("--real-requests", type=int, default=5, help="real requests sent after fuzzing (default 5)")
     p.add_argument("--http", action="store_true", help="also fuzz the HTTP ingress (started here with --http, or give --http-url)")
-    p.add_argument("--http-url", help="base URL of the HTTP ingress under test")
-    p.add_argument("--http-seconds", type=float, default=None, help="HTTP fuzzing time (default: --seconds / 2)")
+    p.add_argument("--http-url", type=http_url_arg, help="base URL of the HTTP ingress under test")
+    p.add_argument("--http-seconds", type=positive_float, default=None, help="HTTP fuzzing time (default: --seconds / 2)")
     p.add_argument("--log-dir", help="logs of the processes started here (default: a temporary directory)")
-    p.add_argument("--json", help="write the JSON summary to this file")
+    p.add_argument("--json", type=writable_file, help="write the JSON summary to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_cli)
 
@@ -58,14 +61,14 @@ def run_cli(args) -> int:
 
     from mesh.lab.fuzz.runner import FuzzConfig, run_fuzz
 
+    if (args.broker_frontend is None) != (args.broker_backend is None):
+        raise ConfigError("broker_frontend: give both --broker-frontend and --broker-backend, or neither")
     console = Console(stderr=True)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     console.print(f"mesh fuzz: seed {seed}")
     group = None
     frontend, backend, pid, log = args.broker_frontend, args.broker_backend, args.broker_pid, None
     http_url = args.http_url
-    if (frontend is None) != (backend is None):
-        raise SystemExit("mesh fuzz: give both --broker-frontend and --broker-backend, or neither")
     if frontend is None:
         from mesh.lab.procs import ProcGroup
 
