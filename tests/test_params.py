@@ -4,7 +4,6 @@ adapter and ``mesh stub-sglang``, reading what the engine received)."""
 
 from __future__ import annotations
 
-import asyncio
 
 import aiohttp
 import pytest

@@ -44,6 +44,7 @@ def test_a_lab_command_without_the_lab_extra_names_it_in_one_line(monkeypatch, c
     from mesh.cli import main
 
     monkeypatch.setattr(mesh.lab, "REQUIRES", ("no_such_module_for_this_test",))
+    monkeypatch.setattr(mesh.lab, "COMMAND_REQUIRES", {"up": ("no_such_module_for_this_test",)})
     for cmd in ("sim", "bench", "fuzz", "up"):
         assert main([cmd, "--help"]) == 2
         err = capsys.readouterr().err

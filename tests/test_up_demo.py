@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from mesh.lab.loadgen import LoadSpec, summarize
@@ -97,6 +98,8 @@ def test_up_ctrl_c_during_load_stops_every_process(tmp_path: Path):
             lines.append(line)
             if "part 1" in line:
                 break
+        # keep reading: a demo writing into a full pipe nobody reads would never reach its exit
+        threading.Thread(target=p.stdout.read, daemon=True).start()
         kids = _children(p.pid)
         assert len(kids) == 6, (kids, lines)  # broker, the baseline broker (issue 30), 2 engines, 2 adapters
         p.send_signal(signal.SIGINT)
@@ -114,7 +117,6 @@ def test_up_ctrl_c_during_load_stops_every_process(tmp_path: Path):
 def test_up_serve_is_one_consistent_fleet(tmp_path: Path):
     """Issue 30: --serve mixed SGLang stub engines and simulated workers under one model name (the
     simulated ones ignored response_format and stop): now every worker is an attached engine."""
-    import asyncio
 
     from mesh.client import Client
 

@@ -20,7 +20,7 @@ import orjson
 from mesh import protocol as P
 from mesh import tracing
 from mesh.adapters.backend import Backend, EngineInfo, StreamState
-from mesh.adapters.engine_client import engine_error, engine_refusal, sse_events
+from mesh.adapters.engine_client import engine_error, engine_refusal, error_code_for_status, sse_events
 from mesh.errors import ErrorCode, RequestError
 from mesh.openai_logprobs import LOGPROB_KEYS
 

@@ -12,7 +12,7 @@ from mesh.errors import ConfigError
 from mesh.logs import add_log_level_arg
 from mesh.settings_fields import add_flags, setting
 
-__all__ = ["IndexerSettings", "add_indexer_parser", "add_bench_parser", "indexer_settings", "indexer_token"]
+__all__ = ["IndexerSettings", "add_indexer_parser", "indexer_settings", "indexer_token"]
 
 @dataclass(frozen=True, slots=True)
 class IndexerSettings:

@@ -17,4 +17,4 @@ REQUIRES = ("matplotlib", "openai")
 EXTRA_HINT = "pip install 'mesh-router[lab]'"
 #: Commands that need less than the whole extra: ``mesh up`` only drives HTTP with openai (the
 #: ``demo`` extra, what ``make demo`` installs: no plotting stack to download).
-COMMAND_REQUIRES = {"up": ("openai",)}
+COMMAND_REQUIRES = {"up": ("openai",), "report": ()}  # mesh report reads JSON and writes markdown
