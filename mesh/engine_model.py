@@ -59,7 +59,7 @@ as SGLang keeps LoRA adapters, extra keys and salts apart. Its page hashes are s
 folded into that seed, a simplification of SGLang's hash namespacing) and its BlockStored events
 carry ``lora_name`` / ``cache_salt`` as SGLang's do (no ``extra_key``: SGLang publishes none).
 
-DP attention (:class:`DpEngineModel`, only for a worker with ``dp_size`` > 1): ``dp_size`` of these
+DP attention (:class:`mesh.engine_dp.DpEngineModel`, only for a worker with ``dp_size`` > 1): ``dp_size`` of these
 models behind one worker, each rank its own KV cache, batch, event stream and LoadStat, stepped in
 lockstep; a request goes to the rank the router named (``routed_dp_rank``) or the least busy one.
 """
@@ -67,105 +67,25 @@ lockstep; a request goes to the rank the router named (``routed_dp_rank``) or th
 from __future__ import annotations
 
 import heapq
-import math
 import struct
 from collections import OrderedDict
 from hashlib import sha256 as _sha256
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
 
 import xxhash
 
-from mesh.errors import ConfigError
-from mesh.settings_fields import setting
 from mesh.hashing import ROOT_KEY, content_keys
 from mesh.namespaces import make_namespace, namespace_root_key
 from mesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from mesh.load import LoadStat
+from mesh.engine_config import EngineConfig, StepResult
 
-__all__ = ["EngineConfig", "StepResult", "EngineModel", "output_token_id", "DpEngineModel", "DpStepResult"]
+__all__ = ["EngineConfig", "StepResult", "EngineModel", "output_token_id"]
 
 _MEDIUM = "GPU"
 _HOST_MEDIUM = "CPU_PINNED"  # SGLang's StorageMedium.CPU: HiCache's host tier (mesh.index.tiers)
 _GOLDEN = 0x9E3779B1  # odd multiplier spreading consecutive positions over the vocabulary
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Timing and memory model of one DP rank. Every number is a parameter; defaults: 8B on H100."""
-
-    max_total_num_tokens: int = setting(400_000, unit="tokens", help="KV cache capacity")
-    page_size: int = setting(16, unit="tokens", help="tokens per KV page (block)")
-    max_running_requests: int = setting(256, help="requests in the running batch at most")
-    prefill_tokens_per_s: float = setting(25_000.0, unit="tokens/s", help="prefill throughput")
-    prefill_overhead_ms: float = setting(5.0, unit="ms", help="fixed cost of one prefill step")
-    attention_coef_ms: float = setting(4e-9, unit="ms/token^2",
-                                       help="extra prefill ms = chunk * (context_before + chunk) * this")
-    chunked_prefill_size: int = setting(8192, unit="tokens", help="prefill chunk size")
-    decode_base_ms: float = setting(7.0, unit="ms", help="fixed cost of one decode step")
-    decode_per_req_ms: float = setting(0.02, unit="ms", help="decode step cost per running request")
-    kv_bytes_per_token: int = setting(131_072, unit="bytes", help="KV cache bytes per token")
-    hbm_bytes_per_s: float = setting(2.3e12, unit="bytes/s", help="HBM bandwidth")
-    decode_log_interval: int = setting(40, unit="decode steps", help="KV event flush cadence (SGLang's default)")
-    kv_transfer_bytes_per_s: float = setting(25e9, unit="bytes/s",
-                                             help="PD: KV transfer bandwidth prefill -> decode (RDMA class)")
-    # Free KV a new request must leave after its uncached prompt: headroom for the first decode
-    # tokens of the running batch, so admission does not immediately force a retraction. Small on
-    # purpose (SGLang over-commits decode and retracts); 128 tokens = 0.03 % of the default KV.
-    admission_reserve_tokens: int = setting(128, unit="tokens",
-                                            help="free KV a new request must leave after its uncached prompt")
-    vocab_size: int = setting(32_000, unit="tokens", help="vocabulary of the modelled output tokens")
-    # A host KV tier (SGLang HiCache): pages evicted from the GPU are demoted to a bounded host
-    # pool, and a prompt prefix found there is loaded back at PCIe speed instead of recomputed.
-    host_kv_tokens: int = setting(0, unit="tokens", help="host-memory KV tier capacity (HiCache; 0 = no host tier)")
-    host_transfer_bytes_per_s: float = setting(25e9, unit="bytes/s",
-                                               help="host -> GPU KV load bandwidth (PCIe class) of a host-tier hit")
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type in ("int", int):
-                if type(v) is not int:
-                    raise ConfigError(f"{f.name} must be an int, got {v!r}")
-            elif type(v) not in (int, float) or not math.isfinite(v):
-                raise ConfigError(f"{f.name} must be a finite number, got {v!r}")
-        positive = (
-            "max_total_num_tokens", "page_size", "max_running_requests", "prefill_tokens_per_s",
-            "chunked_prefill_size", "hbm_bytes_per_s", "decode_log_interval", "vocab_size", "kv_transfer_bytes_per_s",
-            "host_transfer_bytes_per_s",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        non_negative = (
-            "prefill_overhead_ms", "attention_coef_ms", "decode_base_ms", "decode_per_req_ms",
-            "kv_bytes_per_token", "admission_reserve_tokens", "host_kv_tokens",
-        )
-        for name in non_negative:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.page_size > self.max_total_num_tokens:
-            raise ConfigError("page_size must be <= max_total_num_tokens")
-        if self.admission_reserve_tokens >= self.max_total_num_tokens:
-            raise ConfigError("admission_reserve_tokens must be < max_total_num_tokens")
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What one scheduler iteration produced; everything happens at ``now_s + duration_s``.
-
-    ``first_tokens``: (rid, cached_tokens, prompt_tokens) for requests whose first output token
-    was produced (their TTFT point; the token itself is also in ``tokens``). ``tokens``: (rid,
-    token_id) in emission order. ``finished``: (rid, "length", usage) with usage = prompt_tokens,
-    completion_tokens, cached_tokens. ``kv_events``: events released by the flush cadence.
-    """
-
-    duration_s: float
-    first_tokens: list[tuple[object, int, int]] = field(default_factory=list)
-    tokens: list[tuple[object, int]] = field(default_factory=list)
-    finished: list[tuple[object, str, dict[str, int]]] = field(default_factory=list)
-    kv_events: list[KvEvent] = field(default_factory=list)
 
 
 def _namespace_seed(lora_name: str | None, extra_key: str | None, cache_salt: str | None) -> bytes:
@@ -862,102 +782,3 @@ class EngineModel:
             pend[-1][1].append(h)
         else:
             pend.append(["R", [h]])
-
-
-
-# ---------------------------------------------------------------------- DP attention
-
-
-@dataclass(slots=True)
-class DpStepResult(StepResult):
-    """A :class:`StepResult` of all ranks of a :class:`DpEngineModel`: ``kv_events`` stays empty
-    and ``rank_kv_events`` holds ``(dp_rank, events)`` per rank that released events (each rank
-    is its own stream: ``(worker, rank)`` in the index)."""
-
-    rank_kv_events: list[tuple[int, list[KvEvent]]] = field(default_factory=list)
-
-
-class DpEngineModel:
-    """A server with data-parallel attention: ``dp_size`` :class:`EngineModel` ranks behind one
-    worker, each with its own KV cache, batch, KV event stream and LoadStat (SGLang ``--dp-size``
-    with ``--enable-dp-attention``). The ranks step in lockstep (their attention runs apart, the
-    MoE layers together, so a step lasts as long as the slowest rank's); outputs of every rank
-    appear at the step's end.
-
-    :meth:`submit` takes ``dp_rank`` (the router's choice, SGLang's ``routed_dp_rank``); without
-    one the request goes to the rank with the fewest running + waiting requests (lowest rank on
-    ties), as SGLang's DP controller balances by queue. Same driving interface as
-    :class:`EngineModel` (``submit``/``cancel``/``step``/``has_work``), plus :meth:`load_stats`
-    (one LoadStat per rank) and :meth:`rank_of`.
-    """
-
-    def __init__(self, config: EngineConfig | None = None, dp_size: int = 2) -> None:
-        if type(dp_size) is not int or not 1 <= dp_size <= 1024:
-            raise ConfigError(f"dp_size must be an int in [1, 1024], got {dp_size!r}")
-        self.config = config or EngineConfig()
-        self.ranks = [EngineModel(self.config) for _ in range(dp_size)]
-        self._rank_of: dict[object, int] = {}
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.ranks)
-
-    def rank_of(self, rid: object) -> int | None:
-        """The rank serving ``rid`` (None once it finished or was cancelled)."""
-        return self._rank_of.get(rid)
-
-    def submit(self, rid: object, prompt: Sequence[int], max_new_tokens: int, now_s: float, *,
-               dp_rank: int | None = None, **kw) -> int:
-        """Queue a request on ``dp_rank`` (or the least busy rank); returns the rank. Raises
-        ValueError for a rank out of range (SGLang answers 400) and as :meth:`EngineModel.submit`."""
-        if rid in self._rank_of:
-            raise ValueError(f"duplicate rid {rid!r}")
-        n = len(self.ranks)
-        if dp_rank is None:
-            dp_rank = min(range(n), key=lambda r: (self.ranks[r].num_running + self.ranks[r].num_waiting, r))
-        elif type(dp_rank) is not int or not 0 <= dp_rank < n:
-            raise ValueError(f"dp_rank {dp_rank!r} out of range [0, {n})")
-        self.ranks[dp_rank].submit(rid, prompt, max_new_tokens, now_s, **kw)
-        self._rank_of[rid] = dp_rank
-        return dp_rank
-
-    def cancel(self, rid: object) -> bool:
-        r = self._rank_of.pop(rid, None)
-        return r is not None and self.ranks[r].cancel(rid)
-
-    def has_work(self) -> bool:
-        return bool(self._rank_of)
-
-    @property
-    def num_running(self) -> int:
-        return sum(e.num_running for e in self.ranks)
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(e.num_waiting for e in self.ranks)
-
-    def step(self, now_s: float) -> DpStepResult:
-        """One lockstep iteration of every rank (an idle rank only releases buffered events)."""
-        out = DpStepResult(0.0)
-        for r, eng in enumerate(self.ranks):
-            res = eng.step(now_s)
-            out.duration_s = max(out.duration_s, res.duration_s)
-            out.first_tokens += res.first_tokens
-            out.tokens += res.tokens
-            out.finished += res.finished
-            if res.kv_events:
-                out.rank_kv_events.append((r, res.kv_events))
-        for rid, _reason, _usage in out.finished:
-            self._rank_of.pop(rid, None)
-        for eng in self.ranks:  # every rank's outputs appear at the lockstep's end
-            if eng._finishing_n:
-                eng._finishing_until_s = now_s + out.duration_s
-        return out
-
-    def load_stats(self, now_s: float | None = None) -> list[LoadStat]:
-        """One LoadStat per rank (``attn_dp_rank`` set), as the ranks publish them."""
-        return [eng.load_stat(r, now_s) for r, eng in enumerate(self.ranks)]
-
-    def peek_cached_tokens(self, prompt: Sequence[int], namespace: str | None = None) -> list[int]:
-        """Per rank, the tokens of ``prompt`` its cache holds (no side effects)."""
-        return [eng.peek_cached_tokens(prompt, namespace) for eng in self.ranks]

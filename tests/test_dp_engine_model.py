@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.engine_model import DpEngineModel, EngineConfig, EngineModel
+from mesh.engine_dp import DpEngineModel
+from mesh.engine_model import EngineConfig, EngineModel
 from mesh.kv_events import AllBlocksCleared, BlockStored
 
 PROMPT = list(range(1, 257))  # 16 pages

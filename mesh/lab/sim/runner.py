@@ -80,7 +80,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from mesh.engine_model import DpEngineModel, DpStepResult, EngineConfig, EngineModel
+from mesh.engine_dp import DpEngineModel, DpStepResult
+from mesh.engine_model import EngineConfig, EngineModel
 from mesh.errors import ConfigError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex
@@ -144,7 +145,7 @@ class SimConfig:
     lifecycle: str = "fast"
     faults: str | None = None  # mesh.lab.sim.core_arm.parse_faults: "kill=2/min,pause=4/min,..."
     broker_options: dict[str, Any] = field(default_factory=dict)  # BrokerSettings fields for core arms
-    # DP-attention ranks per worker (mesh.engine_model.DpEngineModel: a KV cache, batch, event
+    # DP-attention ranks per worker (mesh.engine_dp.DpEngineModel: a KV cache, batch, event
     # stream and LoadStat per rank; the routers pick the rank, mesh.routing.ranks); fast arms only
     dp_size: int = 1
 
