@@ -350,3 +350,13 @@ def test_stall_escape_leaves_a_holder_stuck_behind_a_huge_prefill_and_only_then(
     for bad in ({"stall_escape_ms": -1}, {"stall_queue_ms": float("nan")}, {"stall_queue_ms": -5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             CacheAware(**bad)
+
+
+def test_a_candidate_holding_the_prefix_is_seen_when_workers_outside_the_candidates_match_deeper():
+    """The ranking read for a small fleet is the match's top len(candidates): workers that are not
+    candidates (tried, drained, another bucket, without the LoRA adapter) but match deeper crowd it,
+    and a candidate that holds the prefix read as holding none."""
+    pool = [ws("b"), ws("c")]
+    m = FakeMatch({"x1": 128, "x2": 128, "b": 120}, 128)  # x1, x2: not candidates
+    d = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always").choose(req(), pool, m, 0.1)
+    assert (d.worker_id, d.reason, d.matched_blocks) == ("b", "cache_hit", 120)

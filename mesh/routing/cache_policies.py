@@ -255,8 +255,14 @@ class CacheAware:
         per-worker lookup for every candidate."""
         n = len(candidates)
         if n <= self.full_scan_max:
-            known = {m.worker_id: m.blocks for m in match.top(n)} if match is not None else {}
-            return list(candidates), known, True
+            if match is None:
+                return list(candidates), {}, True
+            ids = {w.worker_id for w in candidates}
+            top = match.top(n)
+            known = {m.worker_id: m.blocks for m in top if m.worker_id in ids}
+            # complete only when the ranking named no worker outside the candidates (tried,
+            # drained, another bucket): else a candidate it crowded out is looked up, not read as 0
+            return list(candidates), known, len(known) == len(top)
         chosen: dict[str, WorkerState] = {}
         known = {}
         if match is not None:
