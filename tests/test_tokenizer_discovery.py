@@ -40,7 +40,7 @@ def test_a_model_id_resolves_through_the_local_hub_cache_and_a_missing_one_names
     assert resolve_model_dir(f"{MODEL_ID}@main", env) == d == resolve_model_dir(f"{MODEL_ID}@{COMMIT}", env)
     assert resolve_model_dir(str(files), env) == files == resolve_model_dir(str(files / "tokenizer.json"), env)
     # an engine on another host reports its own cache path: the same model in this host's cache
-    assert resolve_model_dir(f"/root/.cache/huggingface/hub/models--acme--garden-chat/snapshots/{COMMIT}", env) == d
+    assert resolve_model_dir(f"/engine-host-cache/hub/models--acme--garden-chat/snapshots/{COMMIT}", env) == d
     with pytest.raises(ConfigError, match="no tokenizer.json in the local Hugging Face cache.*--tokenizer MODEL=DIR"):
         resolve_model_dir("acme/other-model", env)
     with pytest.raises(ConfigError, match="does not exist .neither a model folder"):
