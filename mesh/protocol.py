@@ -331,8 +331,8 @@ def _str(d: dict, k: str, *, required: bool = True, max_bytes: int = 4096, defau
         return default
     if type(v) is not str:
         raise ProtocolError("bad_field", f"{k} must be a string, got {type(v).__name__}")
-    if len(v) > max_bytes:
-        raise ProtocolError("bad_field", f"{k} longer than {max_bytes}")
+    if len(v) > max_bytes or (len(v) * 4 > max_bytes and len(v.encode("utf-8", "surrogatepass")) > max_bytes):
+        raise ProtocolError("bad_field", f"{k} longer than {max_bytes} bytes")
     return v
 
 

@@ -340,3 +340,13 @@ def test_indexer_checkpoint_keeps_the_tiers():
     other.apply_batch("b", 0, 1, 1, pack([KV.encode_event_map(KV.BlockRemoved((2,), "CPU"))]), now_s=0.0)
     (lv,) = other.match(KEYS).levels
     assert lv.matched_blocks == 1 and not lv.host_blocks
+
+
+def test_endless_made_up_medium_names_cost_no_memory_past_the_cap():
+    """A worker may send any ``medium`` string: past the cap every new one shares the overflow
+    bit and is not remembered (the table stayed at 100,000 entries before)."""
+    from mesh.index.tiers import MAX_MEDIUMS, MediumBook
+
+    book = MediumBook()
+    bits = {book.bit(f"made-up-{i}") for i in range(10_000)}
+    assert len(book._bits) <= MAX_MEDIUMS + 2 and len(bits) <= MAX_MEDIUMS + 1

@@ -44,8 +44,11 @@ def load_tokenizer(path: str, chat_template_path: str | None):
         import tokenizers  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the optional extra
         raise ConfigError("tokenizer: the 'tokenizers' extra is not installed (pip install mesh-router[tokenizers])") from exc
-    p = Path(path)
-    if p.is_file() and p.name != "tokenizer.json":
+    try:
+        not_a_tokenizer = Path(path).is_file() and Path(path).name != "tokenizer.json"
+    except (OSError, ValueError):  # too long a name, a NUL byte: resolve_model_dir says why
+        not_a_tokenizer = False
+    if not_a_tokenizer:
         raise ConfigError(f"tokenizer: {path} must be a model folder or its tokenizer.json")
     tok = ModelTokenizer.from_dir(resolve_model_dir(path), chat_template_path)
     return tok, TokenizerPool(tok, workers=2, max_queued=256)

@@ -81,7 +81,7 @@ class MediumBook:
             if not self._overflow_bit:
                 self._overflow_bit = 1 << MAX_MEDIUMS
                 self._level_of_bit[self._overflow_bit] = STORE
-            b = self._overflow_bit
+            return self._overflow_bit  # not remembered: a peer's endless new names cost no memory
         else:
             b = 1 << len(self._level_of_bit)
             self._level_of_bit[b] = level

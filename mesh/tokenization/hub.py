@@ -55,12 +55,19 @@ def download_hint(model_id: str) -> str:
             "(on a host with network; then copy the cache here), or pass --tokenizer MODEL=DIR")
 
 
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a ref name or commit: one path segment, no ".."
+
+
 def _snapshot(repo: Path, revision: str | None) -> Path | None:
     snaps = repo / "snapshots"
     if revision is not None or (repo / "refs" / "main").is_file():
         rev = revision or "main"
+        if not _SEGMENT.fullmatch(rev) or ".." in rev:  # a peer-announced id must not walk out of the cache
+            return None
         ref = repo / "refs" / rev
-        commit = ref.read_text(encoding="utf-8").strip() if ref.is_file() else rev
+        commit = ref.read_text(encoding="utf-8", errors="replace")[:128].strip() if ref.is_file() else rev
+        if not _SEGMENT.fullmatch(commit) or ".." in commit:
+            return None
         d = snaps / commit
         return d if (d / "tokenizer.json").is_file() else None
     found = [d for d in snaps.iterdir() if (d / "tokenizer.json").is_file()] if snaps.is_dir() else []
@@ -81,6 +88,14 @@ def _from_cache(model_id: str, env: Mapping[str, str] | None) -> Path:
 
 def resolve_model_dir(spec: str, env: Mapping[str, str] | None = None) -> Path:
     """The folder holding ``spec``'s tokenizer.json (see the module docstring). Raises ConfigError."""
+    try:
+        return _resolve_model_dir(spec, env)
+    except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte, ...
+        raise ConfigError(f"tokenizer: {spec[:200]!r} cannot be a model folder or id ({type(exc).__name__}: "
+                          f"{str(exc)[:120]}): pass --tokenizer MODEL=DIR with the model's tokenizer.json") from None
+
+
+def _resolve_model_dir(spec: str, env: Mapping[str, str] | None) -> Path:
     spec = spec.strip()
     if not spec:
         raise ConfigError("tokenizer: empty model name or folder")
