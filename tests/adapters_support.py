@@ -193,18 +193,19 @@ HB_MS = 1000  # a stall would last about one heartbeat (the worker link's poll t
 
 
 def http_adapter_path(procs: ProcGroup, n: int = 2, *, engine_urls: list[str] | None = None, time_scale: str = "0.001",
-          broker_args: tuple[str, ...] = ()):
+          broker_args: tuple[str, ...] = (), heartbeat_ms: int = HB_MS):
     """The HTTP path with real processes: ``mesh broker --http`` + ``n`` adapters, each attached to
     a ``mesh stub-sglang`` it starts (or to ``engine_urls``); returns (HTTP url, engine urls)."""
     engines = list(engine_urls or [])
     # the engines need nothing of the broker: they start while it does
     stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", time_scale]) for i in range(n - len(engines))]
-    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "round_robin", "--heartbeat-ms", str(HB_MS), *broker_args)
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "round_robin", "--heartbeat-ms", str(heartbeat_ms),
+                     "--max-worker-heartbeat-ms", str(max(heartbeat_ms, 2000)), *broker_args)
     url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"]
     engines += [wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"] for p in stubs]
     for i, e in enumerate(engines):
         procs.spawn(f"a{i}", ["attach", "sglang", "--url", e, "--broker", b.backend, "--worker-id", f"a{i}",
-                               "--heartbeat-ms", str(HB_MS)])
+                               "--heartbeat-ms", str(heartbeat_ms)])
     run(wait_for_workers(b.frontend, len(engines)), 40)
     return url, engines
 

@@ -21,7 +21,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.adapters_support import HB_MS, http_adapter_path
+from tests.adapters_support import http_adapter_path
 from tests.conftest import run, until
 
 async def _sse(resp: aiohttp.ClientResponse) -> list[bytes]:
@@ -29,8 +29,13 @@ async def _sse(resp: aiohttp.ClientResponse) -> list[bytes]:
     return [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
 
 
+# A stall lasts about one heartbeat (the link's poll timeout): with a long heartbeat the stall is
+# seconds, far above what a busy machine (2 cores, 3x oversubscribed) adds to a healthy p99.
+STALL_HB_MS = 5000
+
+
 def test_concurrent_requests_through_real_adapters_do_not_stall(procs):
-    url, _ = http_adapter_path(procs)
+    url, _ = http_adapter_path(procs, heartbeat_ms=STALL_HB_MS)
 
     async def body() -> list[float]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
@@ -52,7 +57,7 @@ def test_concurrent_requests_through_real_adapters_do_not_stall(procs):
     lat = run(body(), 90)
     p50, p99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99) - 1]
     print(f"32 loops x 12 requests through 2 adapters: p50 {p50 * 1000:.1f} ms p99 {p99 * 1000:.1f} ms max {lat[-1] * 1000:.1f} ms")
-    assert p99 < 0.3 * HB_MS / 1000 + 0.1, (p50, p99, lat[-5:])
+    assert p99 < 0.3 * STALL_HB_MS / 1000, (p50, p99, lat[-5:])
 
 
 def test_generate_answers_keep_the_engines_fields_and_events(procs):
@@ -211,7 +216,7 @@ def test_a_request_past_its_deadline_is_a_504_and_the_engine_is_freed(procs):
                 err = orjson.loads(await r.read())["error"]
             took = time.monotonic() - t0
             assert r.status == 504 and err["code"] == "deadline_exceeded", (r.status, err)
-            assert 0.35 < took < 3.0, took
+            assert 0.35 < took < 10.0, took  # unbounded, 2,000 modelled tokens take far longer
 
             async def idle() -> bool:
                 async with s.get(engines[0] + "/v1/loads?include=core") as resp:
@@ -282,7 +287,7 @@ def test_a_stream_without_output_for_the_idle_timeout_ends_with_an_error_and_fre
             assert orjson.loads(events[0])["output_ids"] == [97]
             err = orjson.loads(events[1])["error"]
             assert err["code"] == "deadline_exceeded" and "no output for 1 s" in err["message"], err
-            assert 0.9 < took < 5, took
+            assert 0.9 < took < 15, took  # the engine stalls for ever: only the idle timeout ends it
             await until(lambda: seen["aborted"], 10, "the engine request abandoned", step_s=0.05)
 
     run(body(), 60)

@@ -402,7 +402,7 @@ def test_ghost_workers_and_streams_are_bounded_expire_and_do_not_slow_ingest(pro
             cs = await counters(st)
             assert cs["service_refused_max_workers"] == 2 and cs["service_refused_max_ranks"] == 18
 
-            cs = await until(lambda: _expired(st), 20, "the ghosts' expiry")
+            cs = await until(lambda: _expired(st), 90, "the ghosts' expiry")  # budgeted passes: slow on a busy machine
             assert cs["ghost_streams"] == 0 and cs["service_ghost_streams_expired"] == 63
             assert cs["tracked_workers"] == cs["workers"] == 2 * rounds * n_real + 1  # the real workers stay
             assert cs["tracked_streams"] == 2 * rounds * n_real + 1
@@ -413,7 +413,7 @@ def test_ghost_workers_and_streams_are_bounded_expire_and_do_not_slow_ingest(pro
             assert v is not None and v.matched_blocks("post0-7") == len(w.query_keys()[0])
             assert await code_of(st.RegisterWorker(extra, metadata=md(owner="attacker"), timeout=5)) == grpc.StatusCode.OK
 
-    run(body(), 40)
+    run(body(), 180)
 
 
 async def _expired(st: pb_grpc.IndexerStub) -> dict[str, int] | None:
