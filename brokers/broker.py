@@ -511,6 +511,9 @@ class Broker:
     def routable_workers(self) -> int:
         return len(self.core.pool.pool())
 
+    def prompt_token_cap(self) -> int:
+        return self.core.intake.fleet_capacity()
+
     def admin(self, action: str, worker_id: str = "", for_s: float | None = None) -> asyncio.Future:
         """An operator's action, run by the pump (it owns the core): ``list`` (every worker's
         status), or ``drain`` / ``eject`` / ``reinstate`` one worker (see BrokerCore.admin). The

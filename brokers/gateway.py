@@ -109,6 +109,10 @@ class BrokerPool:
     def routable_workers(self) -> int:
         return len(self.pool())
 
+    def prompt_token_cap(self) -> int:
+        caps = [w.get("kv_capacity_tokens") for w in self.pool()]
+        return max((c for c in caps if type(c) is int and c > 0), default=0)
+
     def model_catalog(self) -> tuple[dict[str, int], dict[str, str], str]:
         """Served models (routable workers each, over the connected brokers), aliases and the
         fleet's name, as the brokers report them (see ``Broker.model_catalog``)."""

@@ -173,6 +173,14 @@ class IngressTooLarge(FatalRequestError):
         super().__init__(ErrorCode.TOO_LARGE, message)
 
 
+class IngressContextTooLong(FatalRequestError):
+    """``context_length_exceeded`` from the HTTP front door, before any tokenising: the text has more
+    characters than the largest context times the longest token of the model's vocabulary."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message)
+
+
 class IngressOverloaded(RetryableError):
     """``overloaded`` from the HTTP front door: its tokenizer pool is full (retry later)."""
 

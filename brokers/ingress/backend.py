@@ -92,3 +92,8 @@ class IngressBackend(Protocol):
     def routable_workers(self) -> int:
         """How many workers can take requests now (``/health``)."""
         ...
+
+    def prompt_token_cap(self) -> int:
+        """The most KV tokens any registered worker can hold (0 while none is known): the ingress
+        refuses text that cannot fit it before tokenising."""
+        ...

@@ -24,7 +24,7 @@ from aiohttp import web
 from brokers.ingress.backend import IngressBackend, IngressCounters, ReplySink
 from mesh import protocol as P
 from mesh import tracing
-from mesh.errors import ErrorCode, IngressBadRequest, IngressOverloaded, IngressTooLarge, RequestError
+from mesh.errors import ErrorCode, IngressBadRequest, IngressContextTooLong, IngressOverloaded, IngressTooLarge, RequestError
 
 __all__ = ["Call", "ReplyStream", "dumps", "error_response", "json_response", "mesh_error_response", "refusal_response", "REFUSALS",
            "detok", "mesh_headers", "status_of", "FIRST_OUTPUT_WAIT_S", "RETRY_AFTER_S"]
@@ -68,6 +68,9 @@ def refusal_response(stats: IngressCounters, exc: RequestError) -> web.Response:
     if isinstance(exc, IngressOverloaded):
         stats.requests[ErrorCode.OVERLOADED.value] += 1
         return mesh_error_response(ErrorCode.OVERLOADED.value, exc.message)
+    if isinstance(exc, IngressContextTooLong):
+        stats.requests[ErrorCode.CONTEXT_LENGTH_EXCEEDED.value] += 1
+        return mesh_error_response(ErrorCode.CONTEXT_LENGTH_EXCEEDED.value, exc.message)
     if isinstance(exc, IngressTooLarge):
         stats.requests[ErrorCode.TOO_LARGE.value] += 1
         resp = error_response(413, exc.message, ErrorCode.TOO_LARGE.value)
@@ -81,7 +84,7 @@ def refusal_response(stats: IngressCounters, exc: RequestError) -> web.Response:
 
 
 #: What the endpoints catch around turning a request into a SUBMIT (see :func:`refusal_response`).
-REFUSALS = (IngressBadRequest, IngressTooLarge, IngressOverloaded)
+REFUSALS = (IngressBadRequest, IngressTooLarge, IngressOverloaded, IngressContextTooLong)
 
 
 def status_of(code: str) -> int:

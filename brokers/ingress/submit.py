@@ -46,7 +46,7 @@ from brokers.ingress.replies import Call
 from brokers.ingress.tokenizers import Tokenizers
 from mesh import protocol as P
 from mesh import tracing
-from mesh.errors import IngressBadRequest, IngressOverloaded, IngressTooLarge
+from mesh.errors import IngressBadRequest, IngressContextTooLong, IngressOverloaded, IngressTooLarge
 from mesh.params import ParamError, from_generate, from_openai
 
 __all__ = ["MAX_BODY_BYTES", "MAX_SUBMIT_BYTES", "QUOTA_KEY", "REQUEST_ID", "REQUEST_ID_RE", "Submitter", "opt_bool"]
@@ -81,6 +81,21 @@ def token_ids(v: Any, name: str) -> list[int]:
     if type(v) is not list or not v or not all(type(t) is int and 0 <= t < P.MAX_TOKEN_ID for t in v):
         raise IngressBadRequest(f"{name} must be a non-empty list of integer token ids in [0, 2**32)")
     return v
+
+
+def _content_chars(msgs: list) -> int:
+    """Characters of text in chat messages (string contents, text parts and tool-call arguments): the
+    rendered prompt holds at least these."""
+    n = 0
+    for m in msgs:
+        if not isinstance(m, dict):
+            continue
+        c = m.get("content")
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            n += sum(len(p["text"]) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
 
 
 class _SecretIds:
@@ -130,6 +145,15 @@ class Submitter:
     async def text_for(self, model: str | None):
         """The (tokenizer, pool) for a request's model (see :class:`Tokenizers`), or None."""
         return await self.tokenizers.for_model(model)
+
+    def _fits(self, n_chars: int, tx) -> None:
+        """Refuse, before tokenising, text that cannot fit the largest context: ``n_chars`` characters
+        are at least ``n_chars / max_token_chars`` tokens. Bounds the tokenizer CPU one request costs."""
+        cap = self.backend.prompt_token_cap()
+        if cap and n_chars > cap * tx[0].max_token_chars:
+            self.backend.stats.dropped["prompt_over_context_chars"] += 1
+            raise IngressContextTooLong(f"prompt of {n_chars} characters is more than {cap} tokens (the largest worker's "
+                                        f"capacity) with this model's tokenizer (at most {tx[0].max_token_chars} characters a token)")
 
     def answer_model(self, model: str | None) -> str:
         """The ``model`` an answer reports: the name asked for, else the fleet's only model."""
@@ -204,7 +228,8 @@ class Submitter:
         if not isinstance(text, str) or not text:
             raise IngressBadRequest("prompt must be a non-empty string or a list of token ids")
         if tx is not None:
-            return {"input_ids": await self._tokenize(tx[1].encode, text)}
+            self._fits(len(text), tx)
+            return {"input_ids": await self._tokenize(tx[1].encode, text, client=QUOTA_KEY.get())}
         return {"text": text}
 
     def params(self, body: dict, *, chat: bool | None) -> dict[str, Any]:
@@ -215,13 +240,13 @@ class Submitter:
         except ParamError as exc:
             raise IngressBadRequest(str(exc)) from None
 
-    async def _tokenize(self, fn, *args) -> list[int]:
+    async def _tokenize(self, fn, *args, client=None) -> list[int]:
         """Run a pool call; what the tokenizer or template refuses is a 400 naming why, a full pool
         a 429 (``overloaded``, retry later)."""
         from mesh.tokenization import TokenizerBusy
 
         try:
-            out = await fn(*args)
+            out = await fn(*args, client=client)
         except TokenizerBusy as exc:
             self.backend.stats.dropped["tokenizer_busy"] += 1
             raise IngressOverloaded(str(exc)) from None
@@ -242,7 +267,8 @@ class Submitter:
             raise IngressBadRequest("messages must be a non-empty list")
         if len(msgs) > _MAX_MESSAGES:
             raise IngressTooLarge(f"messages holds {len(msgs)} entries; the limit is {_MAX_MESSAGES}")
-        return {"input_ids": await self._tokenize(tx[1].render_chat, msgs)}
+        self._fits(_content_chars(msgs), tx)
+        return {"input_ids": await self._tokenize(tx[1].render_chat, msgs, client=QUOTA_KEY.get())}
 
     def _chat_prompt(self, msgs: Any) -> str:
         if type(msgs) is not list or not msgs:

@@ -36,6 +36,9 @@ __all__ = ["Tokenizers", "load_tokenizer"]
 _ANNOUNCED_TTL_S = 1.0  # how long the fleet's announced tokenizers are reused before asking the backend again
 
 
+TOKENIZER_THREADS = 2
+
+
 def load_tokenizer(path: str, chat_template_path: str | None):
     """A model folder, its ``tokenizer.json``, or a model id in the local Hugging Face cache ->
     (ModelTokenizer, TokenizerPool). Raises ConfigError naming what is missing."""
@@ -51,7 +54,11 @@ def load_tokenizer(path: str, chat_template_path: str | None):
     if not_a_tokenizer:
         raise ConfigError(f"tokenizer: {path} must be a model folder or its tokenizer.json")
     tok = ModelTokenizer.from_dir(resolve_model_dir(path), chat_template_path)
-    return tok, TokenizerPool(tok, workers=2, max_queued=256)
+    tok.max_token_chars  # noqa: B018 -- measured here, in the loader's thread, not on the loop's first request
+    # Fair shares: one client (the HTTP peer, or its tenant) runs on at most one of the two threads and
+    # queues at most 32 jobs, so a flood of long prompts leaves the other thread to everyone else.
+    return tok, TokenizerPool(tok, workers=TOKENIZER_THREADS, max_queued=256, max_queued_per_client=32,
+                              max_running_per_client=TOKENIZER_THREADS - 1)
 
 
 class Tokenizers:

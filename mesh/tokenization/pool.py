@@ -11,13 +11,21 @@ Contract:
   loop; a cancelled caller's job is dropped if it has not started (it finishes, unseen, if it has).
 - At most ``workers + max_queued`` jobs are admitted at once; past that a call raises ``TokenizerBusy``
   (``RetryableError``, code ``overloaded``: HTTP 429) at once instead of queueing without bound.
+- Clients share the threads fairly (see :class:`TokenizerPool`): a flood from one client waits in its own
+  queue and is refused past its own bound, while another client's job takes the next free thread.
+- ``ModelTokenizer.max_token_chars``: no token of the vocabulary covers more characters of text, so a text
+  of ``n`` characters has at least ``n / max_token_chars`` tokens: the ingress refuses, before any work,
+  text that cannot fit the largest context.
 - ``close()`` is idempotent, drops queued jobs and refuses new ones (``RuntimeError``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
+from collections import deque
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
@@ -54,6 +62,13 @@ class ModelTokenizer:
         self.prefix = (PrefixEncoder(files.tokenizer, prefix_cache_bytes,
                                      written_by=lambda t: t in written or t in (files.chat_template or ""))
                        if self.chat_template is not None and prefix_cache_bytes > 0 else None)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token of this vocabulary stands for (the longest piece: byte-level
+        pieces spell one character per byte, SentencePiece pieces one per character, added tokens their text)."""
+        vocab = self.files.tokenizer.get_vocab(with_added_tokens=True)
+        return max((len(piece) for piece in vocab), default=1) or 1
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template_file: str | Path | None = None,
@@ -98,10 +113,38 @@ class ModelTokenizer:
         return self.files.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-class TokenizerPool:
-    """``workers`` threads tokenizing for one ``ModelTokenizer``; see the module docstring for the contract."""
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
-    def __init__(self, tokenizer: ModelTokenizer, workers: int = 2, max_queued: int = 64) -> None:
+
+class _Job:
+    __slots__ = ("client", "fn", "args", "future", "loop")
+
+    def __init__(self, client: Hashable, fn: Any, args: tuple, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        self.client = client
+        self.fn = fn
+        self.args = args
+        self.future = future
+        self.loop = loop
+
+
+class TokenizerPool:
+    """``workers`` threads tokenizing for one ``ModelTokenizer``; see the module docstring for the contract.
+
+    Fair between clients: jobs wait in one queue per client (``client=`` of :meth:`encode` /
+    :meth:`render_chat`: the HTTP peer or tenant) and the threads take them round robin over the
+    clients, so one client's long prompts delay another's by at most the jobs already running.
+    ``max_running_per_client`` keeps threads free for others (``workers - 1`` leaves one to every
+    other client while one floods); ``max_queued_per_client`` refuses a client's excess at once
+    (``TokenizerBusy``) before it fills the shared queue. Both default to no limit beyond the pool's."""
+
+    def __init__(self, tokenizer: ModelTokenizer, workers: int = 2, max_queued: int = 64, *,
+                 max_queued_per_client: int | None = None, max_running_per_client: int | None = None) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
         if max_queued < 0:
@@ -109,42 +152,125 @@ class TokenizerPool:
         self.tokenizer = tokenizer
         self.workers = workers
         self.max_queued = max_queued
+        self.max_queued_per_client = max_queued if max_queued_per_client is None else max(0, max_queued_per_client)
+        self.max_running_per_client = workers if max_running_per_client is None else max(1, min(workers, max_running_per_client))
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mesh-tokenizer")
         self._lock = threading.Lock()
-        self._admitted = 0  # jobs submitted and not yet finished or cancelled (queued + running)
+        self._waiting: dict[Hashable, deque[_Job]] = {}  # per client
+        self._running: dict[Hashable, int] = {}
+        self._running_total = 0
+        self._queued_total = 0
+        self._served: dict[Hashable, int] = {}  # client -> the turn its latest job started at
+        self._turn = 0
         self._closed = False
 
     @property
     def admitted(self) -> int:
-        return self._admitted
+        """Jobs admitted and not yet finished or cancelled (queued + running)."""
+        return self._queued_total + self._running_total
 
-    def _release(self, _fut: Any) -> None:
-        with self._lock:
-            self._admitted -= 1
-
-    async def _run(self, fn: Any, *args: Any) -> Any:
+    async def _run(self, fn: Any, *args: Any, client: Hashable = None) -> Any:
+        loop = asyncio.get_running_loop()
+        job = _Job(client, fn, args, loop.create_future(), loop)
         with self._lock:
             if self._closed:
                 raise RuntimeError("tokenizer pool is closed")
-            if self._admitted >= self.workers + self.max_queued:
-                raise TokenizerBusy(f"tokenizer pool full: {self._admitted - self.workers} jobs waiting "
-                                    f"(limit {self.max_queued})")
-            self._admitted += 1
+            blocked = self._running_total >= self.workers or self._running.get(client, 0) >= self.max_running_per_client
+            if blocked and self._queued_total >= self.max_queued:
+                raise TokenizerBusy(f"tokenizer pool full: {self._queued_total} jobs waiting (limit {self.max_queued})")
+            mine = self._waiting.get(client)
+            if mine is not None and len(mine) >= self.max_queued_per_client:
+                raise TokenizerBusy(f"tokenizer share full: {len(mine)} of this client's jobs waiting "
+                                    f"(limit {self.max_queued_per_client} per client)")
+            self._waiting.setdefault(client, deque()).append(job)
+            self._queued_total += 1
+            started = self._pump_locked()
+        self._watch(started)
         try:
-            cf = self._executor.submit(fn, *args)
-        except BaseException:
-            self._release(None)
+            return await job.future
+        except asyncio.CancelledError:
+            with self._lock:
+                q = self._waiting.get(client)
+                if q is not None and job in q:  # not started: drop it (a running one finishes unseen)
+                    q.remove(job)
+                    self._queued_total -= 1
+                    if not q:
+                        del self._waiting[client]
+                        self._forget_idle(client)
             raise
-        cf.add_done_callback(self._release)  # runs on completion and on cancellation alike
-        return await asyncio.wrap_future(cf)
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._run(self.tokenizer.encode, text, add_special_tokens)
+    def _watch(self, started: list) -> None:
+        """Outside the lock: a job that is already done calls back at once, in this thread."""
+        for job, cf in started:
+            cf.add_done_callback(lambda f, job=job: self._finished(job, f))
 
-    async def render_chat(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def _pump_locked(self) -> list:
+        """Start waiting jobs on free threads (lock held): each time, the eligible client served longest
+        ago (never served first), so clients take turns whatever their queues hold. Returns the (job,
+        concurrent future) pairs started, for :meth:`_watch`."""
+        out: list = []
+        while self._running_total < self.workers and not self._closed:
+            best = None
+            for client in self._waiting:
+                if self._running.get(client, 0) < self.max_running_per_client:
+                    turn = self._served.get(client, -1)
+                    if best is None or turn < best[0]:
+                        best = (turn, client)
+            if best is None:
+                break
+            client = best[1]
+            q = self._waiting[client]
+            job = q.popleft()
+            if not q:
+                del self._waiting[client]
+            self._queued_total -= 1
+            self._turn += 1
+            self._served[client] = self._turn
+            self._running[client] = self._running.get(client, 0) + 1
+            self._running_total += 1
+            try:
+                cf = self._executor.submit(job.fn, *job.args)
+            except BaseException as exc:  # shut down under us
+                self._done_locked(job)
+                job.loop.call_soon_threadsafe(_settle, job.future, None, exc)
+                continue
+            out.append((job, cf))
+        return out
+
+    def _done_locked(self, job: _Job) -> None:
+        self._running_total -= 1
+        n = self._running[job.client] - 1
+        if n:
+            self._running[job.client] = n
+        else:
+            del self._running[job.client]
+            self._forget_idle(job.client)
+
+    def _forget_idle(self, client: Hashable) -> None:
+        """A client with nothing waiting or running keeps no state (its next job counts as never served)."""
+        if client not in self._waiting and client not in self._running:
+            self._served.pop(client, None)
+
+    def _finished(self, job: _Job, cf: Any) -> None:
+        """Executor callback (a worker thread, or the caller on cancellation)."""
+        with self._lock:
+            self._done_locked(job)
+            started = self._pump_locked()
+        self._watch(started)
+        exc = cf.exception() if not cf.cancelled() else asyncio.CancelledError()
+        try:
+            job.loop.call_soon_threadsafe(_settle, job.future, None if exc else cf.result(), exc)
+        except RuntimeError:  # the caller's loop is closed: nobody waits for this answer
+            pass
+
+    async def encode(self, text: str, add_special_tokens: bool = True, *, client: Hashable = None) -> list[int]:
+        return await self._run(self.tokenizer.encode, text, add_special_tokens, client=client)
+
+    async def render_chat(self, messages: Iterable[Any], add_generation_prompt: bool = True, *,
+                          client: Hashable = None) -> tuple[str, list[int]]:
         # copy the outer list now: the caller may mutate it while the job waits
         return await self._run(self.tokenizer.render_chat, list(messages) if isinstance(messages, (list, tuple)) else messages,
-                               add_generation_prompt)
+                               add_generation_prompt, client=client)
 
     def close(self) -> None:
         """Drop queued jobs, refuse new ones, let running ones finish in the background. Idempotent."""
@@ -152,6 +278,14 @@ class TokenizerPool:
             if self._closed:
                 return
             self._closed = True
+            dropped = [job for q in self._waiting.values() for job in q]
+            self._waiting.clear()
+            self._queued_total = 0
+        for job in dropped:
+            try:
+                job.loop.call_soon_threadsafe(_settle, job.future, None, RuntimeError("tokenizer pool is closed"))
+            except RuntimeError:
+                pass
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "TokenizerPool":
