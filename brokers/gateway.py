@@ -290,7 +290,8 @@ async def serve_gateway(brokers: list[str], http: str, **ingress_kw: Any) -> Non
 
 
 #: BrokerSettings fields that configure the HTTP ingress, here as in ``mesh broker --http``
-_INGRESS_FIELDS = ("tokenizer", "chat_template", "http_max_connections", "http_header_timeout_s", "http_idle_timeout_s",
+_INGRESS_FIELDS = ("tokenizer", "chat_template", "http_max_connections", "http_max_connections_per_address",
+                   "http_max_body_bytes_per_address", "http_header_timeout_s", "http_idle_timeout_s",
                    "http_body_timeout_s", "http_request_timeout_s", "http_stream_idle_timeout_s", "trace_exporter",
                    "trace_endpoint")
 
@@ -347,6 +348,8 @@ def _cmd_gateway(args) -> int:
     aio.run(serve_gateway(
         args.broker, args.http, api_key=key, tokenizers=model_paths(ingress.tokenizer, "tokenizer"),
         chat_templates=model_paths(ingress.chat_template, "chat_template"), max_connections=ingress.http_max_connections,
+        max_connections_per_address=ingress.http_max_connections_per_address,
+        max_body_bytes_per_address=ingress.http_max_body_bytes_per_address,
         header_timeout_s=ingress.http_header_timeout_s, idle_timeout_s=ingress.http_idle_timeout_s,
         body_timeout_s=ingress.http_body_timeout_s, request_timeout_s=ingress.http_request_timeout_s,
         stream_idle_timeout_s=ingress.http_stream_idle_timeout_s))

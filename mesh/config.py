@@ -100,6 +100,12 @@ class BrokerSettings:
                                          "excludes --api-key)")
     http_max_connections: int = setting(512, help="concurrent HTTP connections; beyond it head-waiting/idle ones are "
                                                   "evicted, else 503")
+    http_max_connections_per_address: int = setting(128, help="HTTP connections one peer address may hold (0 = no "
+                                                              "bound; set 0 behind a reverse proxy, which every "
+                                                              "client shares)")
+    http_max_body_bytes_per_address: int = setting(32 << 20, unit="bytes", help="request body bytes one peer address "
+                                                   "may have in running requests; past it a POST is refused (429) "
+                                                   "before its body is read (0 = no bound)")
     http_header_timeout_s: float = setting(10.0, unit="s", help="time to receive a complete request head")
     http_idle_timeout_s: float = setting(60.0, unit="s", help="idle keep-alive HTTP connections are closed after this")
     http_body_timeout_s: float = setting(30.0, unit="s", help="time to receive a request body or drain a streamed write")
@@ -219,6 +225,8 @@ class BrokerSettings:
                 raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from None
             _require(key_ok, "api_key_file", f"{self.api_key_file} is empty")
         _require(self.http_max_connections >= 1, "http_max_connections", "must be >= 1")
+        _require(self.http_max_body_bytes_per_address >= 0, "http_max_body_bytes_per_address", "must be >= 0 (0: no bound)")
+        _require(self.http_max_connections_per_address >= 0, "http_max_connections_per_address", "must be >= 0 (0: no bound)")
         check_tokenizers(self.tokenizer, self.chat_template)
         _require(0 < len(self.model_name) <= 256, "model_name", "must be 1..256 characters")
         for a in self.model_alias:

@@ -23,7 +23,7 @@ from brokers.ingress.backend import IngressBackend
 from brokers.ingress.generate import GenerateEndpoint
 from brokers.ingress.guard import ConnGuard, GuardedConnection
 from brokers.ingress.openai_api import OpenAIEndpoints
-from brokers.ingress.replies import ReplyStream, error_response, json_response
+from brokers.ingress.replies import ReplyStream, error_response, json_response, mesh_error_response
 from brokers.ingress.submit import MAX_BODY_BYTES, QUOTA_KEY, REQUEST_ID, REQUEST_ID_RE, Submitter
 from mesh import tracing
 from mesh.errors import ErrorCode
@@ -43,13 +43,16 @@ class HttpIngress:
                  chat_template_path: str | None = None, tokenizers: dict[str | None, str] | None = None,
                  chat_templates: dict[str | None, str] | None = None, metrics_registry=None, max_connections: int = 512, header_timeout_s: float = 10.0,
                  idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128,
-                 request_timeout_s: float = 1800.0, stream_idle_timeout_s: float = 300.0) -> None:
+                 request_timeout_s: float = 1800.0, stream_idle_timeout_s: float = 300.0, max_connections_per_address: int = 0,
+                 max_body_bytes_per_address: int = 0) -> None:
         self.backend = backend
         self._key = api_key.encode() if api_key else None
         self.metrics_registry = metrics_registry
         self.idle_timeout_s = idle_timeout_s
         self.backlog = max(1, min(backlog, max_connections))
-        self.guard = ConnGuard(backend.stats, max_connections, header_timeout_s)
+        self.guard = ConnGuard(backend.stats, max_connections, header_timeout_s, max_connections_per_address)
+        self.body_budget = max_body_bytes_per_address  # 0: no bound (see _within_body_budget)
+        self._body_bytes: dict[str, int] = {}  # peer address -> bytes of bodies of its running requests
         self.log = get_logger(service="http")
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -158,7 +161,9 @@ class HttpIngress:
                 if not hmac.compare_digest(got, b"Bearer " + self._key):
                     self.backend.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
                     return error_response(401, "missing or invalid API key", "unauthorized", "authentication_error")
-            return await handler(request)
+            if request.method != "POST" or not self.body_budget:
+                return await handler(request)
+            return await self._within_body_budget(request, handler)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -170,6 +175,31 @@ class HttpIngress:
             self.backend.stats.dropped["http_handler_exception"] += 1
             self.log.exception("http_handler_failed", path=request.path, error=repr(exc))
             return error_response(500, "internal error", ErrorCode.INTERNAL.value, "server_error")
+
+    async def _within_body_budget(self, request: web.Request, handler):
+        """One peer address has at most ``body_budget`` bytes of request bodies in its running requests: past
+        it a POST is refused (429) from its head, before its body is read, parsed or tokenised, and its
+        connection closed (the unread body is not worth reading). Bounds the front-door work one client's
+        flood of large prompts can take from the others."""
+        peer = request.remote or "?"
+        n = request.content_length if request.content_length is not None else MAX_BODY_BYTES
+        held = self._body_bytes.get(peer, 0)
+        if held and held + n > self.body_budget:
+            self.backend.stats.dropped["http_body_budget_refused"] += 1
+            self.backend.stats.requests[ErrorCode.OVERLOADED.value] += 1
+            resp = mesh_error_response(ErrorCode.OVERLOADED.value, f"this address has {held} bytes of request bodies in "
+                                       f"flight (limit {self.body_budget}); retry when they are answered")
+            resp.force_close()
+            return resp
+        self._body_bytes[peer] = held + n
+        try:
+            return await handler(request)
+        finally:
+            left = self._body_bytes[peer] - n
+            if left:
+                self._body_bytes[peer] = left
+            else:
+                del self._body_bytes[peer]
 
     # ------------------------------------------------------------------ simple endpoints
     async def models(self, request: web.Request) -> web.Response:

@@ -8,6 +8,12 @@ timeout). When the limit is reached, a new connection evicts the connection that
 longest for its request head, else the longest-idle kept-alive one; when every connection is busy
 with a request, the new one gets a 503 and is closed. The listen backlog is bounded too, so the
 ingress holds at most ``max_connections + backlog`` descriptors however many connections arrive.
+
+One peer address holds at most ``max_per_address`` of those connections (0: no bound): past it, its
+own head-waiting or idle connection is evicted, else its new one gets the 503. A client holding
+hundreds of streams it never reads can then take no more than its share of the slots (and the
+streamed-write drain timeout of the replies ends those streams). Behind a reverse proxy every client
+shares the proxy's address: bound connections at the proxy and set the per-address bound to 0.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ class GuardedConnection(asyncio.Protocol):
     """Wraps aiohttp's RequestHandler for one connection (public protocol API only) and tracks
     where the connection is: waiting for a request head, busy with a request, or idle."""
 
-    __slots__ = ("guard", "inner", "transport", "state", "since", "timer", "refused")
+    __slots__ = ("guard", "inner", "transport", "state", "since", "timer", "refused", "peer")
 
     def __init__(self, guard: "ConnGuard", inner: asyncio.Protocol) -> None:
         self.guard = guard
@@ -37,10 +43,13 @@ class GuardedConnection(asyncio.Protocol):
         self.since = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.refused = False
+        self.peer = ""
 
     # asyncio protocol interface
     def connection_made(self, transport) -> None:
         self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         if not self.guard.admit(self):
             self.refused = True
             transport.write(_REFUSED_RESPONSE)
@@ -87,14 +96,24 @@ _REFUSED_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: applica
 
 
 class ConnGuard:
-    def __init__(self, stats: IngressCounters, max_connections: int, header_timeout_s: float) -> None:
+    def __init__(self, stats: IngressCounters, max_connections: int, header_timeout_s: float, max_per_address: int = 0) -> None:
         self.stats = stats
         self.max_connections = max_connections
+        self.max_per_address = max_per_address
         self.header_timeout_s = header_timeout_s
         self.conns: dict[GuardedConnection, None] = {}
+        self.by_peer: dict[str, int] = {}  # open connections by peer address
         self.peak = 0
 
     def admit(self, c: GuardedConnection) -> bool:
+        if self.max_per_address and self.by_peer.get(c.peer, 0) >= self.max_per_address:
+            victim = self._victim(c.peer)
+            if victim is None:
+                self.stats.dropped["http_conn_refused_per_address"] += 1
+                return False
+            self.stats.dropped["http_conn_evicted_per_address"] += 1
+            self.forget(victim)
+            victim.close()
         if len(self.conns) >= self.max_connections:
             victim = self._victim()
             if victim is None:
@@ -104,13 +123,15 @@ class ConnGuard:
             self.forget(victim)
             victim.close()
         self.conns[c] = None
+        self.by_peer[c.peer] = self.by_peer.get(c.peer, 0) + 1
         self.peak = max(self.peak, len(self.conns))
         return True
 
-    def _victim(self) -> GuardedConnection | None:
+    def _victim(self, peer: str | None = None) -> GuardedConnection | None:
+        """The connection to evict (of ``peer`` only, when given): waiting for a head first, then the longest idle."""
         best = None
         for c in self.conns:
-            if c.state == "busy":
+            if c.state == "busy" or (peer is not None and c.peer != peer):
                 continue
             key = (c.state != "head", c.since)  # waiting for a head first, then the longest idle
             if best is None or key < best[0]:
@@ -146,7 +167,12 @@ class ConnGuard:
         if c.timer is not None:
             c.timer.cancel()
             c.timer = None
-        self.conns.pop(c, None)
+        if self.conns.pop(c, 0) is None:  # was open: its peer's count goes down once
+            n = self.by_peer[c.peer] - 1
+            if n:
+                self.by_peer[c.peer] = n
+            else:
+                del self.by_peer[c.peer]
 
     def close_all(self) -> None:
         for c in list(self.conns):

@@ -1,0 +1,153 @@
+"""Attacks on the HTTP front doors' shared work (issue 32, "front doors"), from another address than the
+legitimate client's (the attacker binds 127.0.0.2: loopback answers the whole 127/8):
+
+- a flood of 2 MiB prompts to tokenise: the attacker's jobs wait in its own queue of the tokenizer pool and
+  run on at most one of its two threads, its excess is refused (429) at once; the legitimate client's chat
+  requests keep being served;
+- hundreds of streams that are never read: the attacker holds at most its per-address share of the HTTP
+  connections; the legitimate client's connections are admitted and served.
+
+Outcomes are asserted (every legitimate request served); the latency ratios are printed (they are
+targets of ``mesh bench``, not of a test on a shared machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+pytest.importorskip("mistral_common")
+
+from mesh.lab.procs import wait_for_log_event  # noqa: E402
+from mesh.lab.tokenizer_builtin import build_model_dir  # noqa: E402
+from mesh.lab.up import wait_for_workers  # noqa: E402
+from tests.conftest import run  # noqa: E402
+
+ATTACKER = "127.0.0.2"
+
+
+def _attacker_reachable() -> bool:
+    import socket
+
+    s = socket.socket()
+    try:
+        s.bind((ATTACKER, 0))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+pytestmark = pytest.mark.skipif(not _attacker_reachable(), reason="127.0.0.2 is not a local address here")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_cache) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("tok"), tokenizer="mistral_v3")
+
+
+def _door(procs, model_dir: Path, gateway: bool, *extra: str) -> str:
+    tok = ("--tokenizer", str(model_dir))
+    if gateway:
+        b = procs.broker("b", "--max-inflight-per-client", "100000")
+        door, ready = procs.spawn("gw", ["gateway", "--broker", b.frontend, "--http", "127.0.0.1:0", *tok, *extra]), "gateway_listening"
+    else:
+        b = procs.broker("b", "--http", "127.0.0.1:0", *tok, *extra)
+        door, ready = b, "http_listening"
+    procs.workers("w", [b.backend], "--count", "2", "--time-scale", "0.01")
+    run(wait_for_workers(b.frontend, 2), 30)
+    url = wait_for_log_event(door.log_path, ready, 30, door.popen, start=door.log_start)["url"]
+    return url.replace("0.0.0.0", "127.0.0.1")
+
+
+async def _legit(url: str, n: int) -> list[float]:
+    """``n`` chat requests one after another (a user's turns): their latencies; each must be a 200."""
+    lats = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        for i in range(n):
+            t0 = time.monotonic()
+            async with s.post(url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": f"turn {i}: what is the capital of France?"}],
+                    "max_tokens": 4}) as r:
+                body = await r.read()
+                assert r.status == 200, (r.status, body[:300])
+            lats.append(time.monotonic() - t0)
+    return lats
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("gateway", [False, True], ids=["broker", "gateway"])
+def test_a_tokenizer_flood_from_one_address_leaves_the_others_served(procs, model_dir, gateway):
+    url = _door(procs, model_dir, gateway)
+    digits = "7" * (2 * 1024 * 1024 - 4096)  # a body just under the 2 MiB limit, the slowest text to tokenise
+    outcomes: dict[int, int] = {}
+
+    async def attacker(stop: asyncio.Event) -> None:
+        conn = aiohttp.TCPConnector(local_addr=(ATTACKER, 0), limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as s:
+            async def one_conn() -> None:
+                while not stop.is_set():
+                    async with s.post(url + "/v1/completions", data=json.dumps({"prompt": digits, "max_tokens": 1}),
+                                      headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                        outcomes[r.status] = outcomes.get(r.status, 0) + 1
+
+            await asyncio.gather(*(one_conn() for _ in range(40)), return_exceptions=True)
+
+    async def body() -> tuple[list[float], list[float]]:
+        base = await _legit(url, 20)
+        stop = asyncio.Event()
+        att = asyncio.create_task(attacker(stop))
+        await asyncio.sleep(2.0)  # the flood under way (the attacker's requests are queued or refused)
+        under = await _legit(url, 20)
+        stop.set()
+        att.cancel()  # its connections close: the door drops their requests
+        await asyncio.gather(att, return_exceptions=True)
+        return base, under
+
+    base, under = run(body(), 300)
+    p50_base, p50_under = statistics.median(base), statistics.median(under)
+    print(f"\nlegitimate p50 {p50_base * 1000:.0f} ms alone, {p50_under * 1000:.0f} ms beside 40 flooding connections "
+          f"({p50_under / p50_base:.1f}x); attacker's answers by status {outcomes}")
+    assert outcomes.get(429, 0) > 0, outcomes  # the attacker's excess is refused, not queued without bound
+    assert set(outcomes) <= {200, 429, 400}, outcomes
+
+
+@pytest.mark.parametrize("gateway", [False, True], ids=["broker", "gateway"])
+def test_streams_never_read_take_only_their_addresss_share(procs, model_dir, gateway):
+    url = _door(procs, model_dir, gateway, "--http-max-connections", "64", "--http-max-connections-per-address", "16")
+
+    async def body() -> tuple[int, int]:
+        conn = aiohttp.TCPConnector(local_addr=(ATTACKER, 0), limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+            held, refused = [], 0
+            for i in range(60):  # streams it opens and never reads
+                try:
+                    r = await s.post(url + "/generate", json={"input_ids": [i + 1] * 8, "stream": True,
+                                                              "sampling_params": {"max_new_tokens": 4000}})
+                except aiohttp.ClientError:
+                    refused += 1
+                    continue
+                if r.status == 200:
+                    held.append(r)
+                else:
+                    refused += 1
+                    r.release()
+            lats = await _legit(url, 10)  # the legitimate client is admitted and served meanwhile
+            for r in held:
+                r.close()
+            return len(held), refused, lats
+
+    held, refused, lats = run(body(), 180)
+    print(f"\nattacker held {held} streams, {refused} refused; legitimate p50 {statistics.median(lats) * 1000:.0f} ms")
+    assert held <= 16 and refused >= 44, (held, refused)
