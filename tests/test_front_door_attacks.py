@@ -151,3 +151,51 @@ def test_streams_never_read_take_only_their_addresss_share(procs, model_dir, gat
     held, refused, lats = run(body(), 180)
     print(f"\nattacker held {held} streams, {refused} refused; legitimate p50 {statistics.median(lats) * 1000:.0f} ms")
     assert held <= 16 and refused >= 44, (held, refused)
+
+
+def _inflight(frontend: str):
+    from mesh.client import Client
+
+    async def q() -> int:
+        async with Client(frontend) as c:
+            st = await c.status()
+        return sum(int(w.get("inflight", 0) or 0) for w in st.workers)
+    return q
+
+
+@pytest.mark.parametrize("gateway", [False, True], ids=["broker", "gateway"])
+def test_streams_of_clients_that_vanish_are_cancelled_at_once(procs, model_dir, gateway):
+    """30 long streams whose client goes away after the first chunk: the broker's workers are freed
+    (their in-flight count back to 0) long before the streams would have ended (4,000 tokens each at
+    the workers' modelled speed: minutes)."""
+    tok = ("--tokenizer", str(model_dir))
+    if gateway:
+        b = procs.broker("b")
+        door, ready = procs.spawn("gw", ["gateway", "--broker", b.frontend, "--http", "127.0.0.1:0", *tok]), "gateway_listening"
+    else:
+        b = procs.broker("b", "--http", "127.0.0.1:0", *tok)
+        door, ready = b, "http_listening"
+    procs.workers("w", [b.backend], "--count", "2", "--time-scale", "1.0")
+    run(wait_for_workers(b.frontend, 2), 30)
+    url = wait_for_log_event(door.log_path, ready, 30, door.popen, start=door.log_start)["url"]
+    inflight = _inflight(b.frontend)
+
+    async def body() -> list[int]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def one(i: int) -> None:
+                async with s.post(url + "/generate", json={"input_ids": [i + 1] * 16, "stream": True,
+                                                           "sampling_params": {"max_new_tokens": 4000}}) as r:
+                    assert r.status == 200
+                    await r.content.readline()  # the first chunk: the stream runs; then the client vanishes
+
+            await asyncio.gather(*(one(i) for i in range(30)))
+        seen = [await inflight()]
+        t_end = time.monotonic() + 30
+        while seen[-1] and time.monotonic() < t_end:
+            await asyncio.sleep(0.2)
+            seen.append(await inflight())
+        return seen
+
+    seen = run(body(), 90)
+    print(f"\nin flight after the clients left: {seen[:3]} ... {seen[-1]} ({len(seen)} looks)")
+    assert seen[-1] == 0, seen
