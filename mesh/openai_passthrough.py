@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["PASSTHROUGH_FIELDS", "PASSTHROUGH_ENDPOINTS", "passthrough_reason", "routing_text", "render_chat_text",
+__all__ = ["NO_ENGINE_MESSAGE", "PASSTHROUGH_FIELDS", "PASSTHROUGH_ENDPOINTS", "passthrough_reason", "routing_text", "render_chat_text",
            "template_tools", "template_messages", "template_kwargs"]
 
 #: chat / completions fields mesh does not render: their presence sends the request through
@@ -36,6 +36,10 @@ PASSTHROUGH_ENDPOINTS = ("/v1/responses", "/v1/embeddings", "/v1/rerank", "/v1/s
 _RESERVED_TEMPLATE_KW = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})
 _MAX_TEMPLATE_KW = 32
 _MAX_KEY_CHARS = 1 << 20  # routing needs a prefix: longer inputs are keyed by their first MiB
+_MAX_MESSAGES = 10_000
+#: what simulated workers (no engine behind them) answer a pass-through request with (bad_request)
+NO_ENGINE_MESSAGE = ("pass-through (tools, reasoning options, n > 1, Responses, embeddings, rerank, score) needs an engine: "
+                     "this simulated worker has none; use mesh attach in front of SGLang or vLLM (or mesh stub-sglang)")
 
 
 def passthrough_reason(body: dict[str, Any], *, chat: bool) -> str | None:
@@ -145,6 +149,8 @@ def render_chat_text(msgs: Any, tools: list[Any] | None) -> str:
     its tool calls, then ``assistant:``. Raises ValueError naming a malformed message."""
     if type(msgs) is not list or not msgs:
         raise ValueError("messages: must be a non-empty list")
+    if len(msgs) > _MAX_MESSAGES:
+        raise ValueError(f"messages: at most {_MAX_MESSAGES} entries")
     parts = [f"tools: {json.dumps(tools, sort_keys=True, ensure_ascii=False)}\n"] if tools else []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
