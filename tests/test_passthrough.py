@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -202,31 +203,43 @@ def test_hostile_passthrough_inputs(fleet):
     run(body(), 90)
 
 
-async def agent_loop(urls: list[str], sessions: int = 4, turns: int = 6) -> list[list[tuple[str, int]]]:
+async def agent_loop(urls: list[str], sessions: int = 4, turns: int = 6, *, first_urls: list[str] | None = None,
+                     after_first=None) -> list[list[tuple[str, int]]]:
     """``sessions`` agents at once, each ``turns`` turns of tool call + tool result; turn t goes to
-    ``urls[t % len(urls)]``. Returns per session the (worker, cached tokens) of each turn."""
+    ``urls[t % len(urls)]`` (turn 0 of session k to ``first_urls[k]`` when given, then ``after_first``
+    is awaited). Returns per session the (worker, cached tokens) of each turn ("" when the answer
+    named no worker: an engine asked directly)."""
     from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall
 
-    clients = [_client(u) for u in urls]
+    clients = {u: _client(u) for u in {*urls, *(first_urls or ())}}
+    convs = [[{"role": "system", "content": f"[{k}] {SYSTEM}"}, {"role": "user", "content": f"Where is order {k}00?"}]
+             for k in range(sessions)]
+    out: list[list[tuple[str, int]]] = [[] for _ in range(sessions)]
 
-    async def session(k: int) -> list[tuple[str, int]]:
-        msgs = [{"role": "system", "content": f"[{k}] {SYSTEM}"}, {"role": "user", "content": f"Where is order {k}00?"}]
-        out = []
-        for t in range(turns):
-            raw = await clients[t % len(clients)].chat.completions.with_raw_response.create(model=MODEL, messages=msgs, tools=TOOLS)
-            r = raw.parse()
-            assert isinstance(r, ChatCompletion)
-            call = r.choices[0].message.tool_calls[0]
-            assert isinstance(call, ChatCompletionMessageToolCall)
-            out.append((raw.headers["x-mesh-worker"], r.usage.prompt_tokens_details.cached_tokens))
-            msgs += [r.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"turn": t, "status": "in transit"})}]
-        return out
+    async def turn(k: int, t: int) -> None:
+        u = first_urls[k] if first_urls is not None and t == 0 else urls[t % len(urls)]
+        msgs = convs[k]
+        raw = await clients[u].chat.completions.with_raw_response.create(model=MODEL, messages=msgs, tools=TOOLS)
+        r = raw.parse()
+        assert isinstance(r, ChatCompletion)
+        call = r.choices[0].message.tool_calls[0]
+        assert isinstance(call, ChatCompletionMessageToolCall)
+        out[k].append((raw.headers.get("x-mesh-worker", ""), r.usage.prompt_tokens_details.cached_tokens))
+        msgs += [r.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"turn": t, "status": "in transit"})}]
+
+    async def rest(k: int) -> None:
+        for t in range(1, turns):
+            await turn(k, t)
 
     try:
-        return list(await asyncio.gather(*(session(k) for k in range(sessions))))
+        await asyncio.gather(*(turn(k, 0) for k in range(sessions)))
+        if after_first is not None:
+            await after_first()
+        await asyncio.gather(*(rest(k) for k in range(sessions)))
+        return out
     finally:
-        for c in clients:
+        for c in clients.values():
             await c.close()
 
 
@@ -269,3 +282,55 @@ def test_agent_loop_alternating_between_two_brokers_with_the_exchange(tmp_path):
         check_agent_turns(results)
     finally:
         group.stop_all()
+
+
+TOOLS_TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen2_5_tools.jinja"
+
+
+@pytest.mark.e2e
+def test_the_routing_key_is_the_models_chat_template_with_the_tools(procs, tokenizer_cache, tmp_path):
+    """With the model's tokenizer and a chat template that renders tools (Qwen2.5's), the front door
+    keys an agent's turn by the prompt the engine caches: turn 1 of each session goes straight to an
+    engine (the broker never sees it, only that engine's KV events can say where the session is),
+    and every later turn through the broker lands on that engine as a cache hit."""
+    for mod in ("tokenizers", "jinja2", "mistral_common"):
+        pytest.importorskip(mod)
+    from mesh.lab.tokenizer_builtin import build_model_dir
+    from mesh.client import Client
+    from tests.tokenizer_support import kv_batches_at_least
+
+    model_dir = build_model_dir(tmp_path / "qwen-tools", chat_template=TOOLS_TEMPLATE.read_text(),
+                                extra_special_tokens=["<|im_start|>", "<|im_end|>"], tokenizer="tekken")
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--policy", "cache_aware_greedy", "--tokenizer", str(model_dir))
+    url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
+    stubs = [procs.spawn(f"stub{i}", ["stub-sglang", "--port", "0", "--time-scale", "0.001", "--tokenizer", str(model_dir)])
+             for i in range(2)]
+    engines = [wait_for_log_event(p.log_path, "sglang_stub_listening", 30, p.popen, start=p.log_start)["url"] for p in stubs]
+    for i, e in enumerate(engines):
+        procs.spawn(f"a{i}", ["attach", "sglang", "--url", e, "--broker", b.backend, "--worker-id", f"a{i}"])
+    run(wait_for_workers(b.frontend, 2), 40)
+
+    async def published() -> int:
+        async with aiohttp.ClientSession() as s:
+            total = 0
+            for e in engines:
+                async with s.get(e + "/debug/stats") as r:
+                    total += sum(rk["next_seq"] or 0 for rk in (await r.json())["ranks"])
+            return total
+
+    async def body():
+        async with Client(b.frontend) as c:
+            async def kv_at_broker() -> None:
+                want = await published()
+                await until(lambda: kv_batches_at_least(c, want), 10, "the engines' KV events at the broker", step_s=0.02)
+
+            hits0 = (await c.status()).counters.get("decisions.cache_hit", 0)
+            results = await agent_loop([url], first_urls=[engines[k % 2] for k in range(4)], after_first=kv_at_broker)
+            return results, (await c.status()).counters.get("decisions.cache_hit", 0) - hits0
+
+    results, hits = run(body(), 120)
+    print("agent turns with the model's template (worker, cached tokens):", results, "cache-hit decisions", hits)
+    for k, turns in enumerate(results):
+        assert {w for w, _ in turns[1:]} == {f"a{k % 2}"}, (k, turns)  # where turn 1 was: found by its KV events
+        assert all(cached > 0 for _, cached in turns[1:]), turns
+    assert hits >= 4 * 5
