@@ -19,7 +19,7 @@ from brokers.ingress.submit import opt_bool
 from mesh import openai_logprobs as OL
 from mesh import openai_passthrough as OP
 from mesh import protocol as P
-from mesh.errors import ErrorCode, IngressBadRequest
+from mesh.errors import IngressBadRequest
 
 __all__ = ["OpenAIEndpoints"]
 
@@ -105,8 +105,7 @@ class OpenAIEndpoints(Endpoint):
             if m is None:
                 m = await self.streams.next_output(call)
                 if m is None:
-                    await self.streams.sse(resp, {"error": {"message": self.streams.timeout_message(call), "type": "server_error",
-                                                     "code": ErrorCode.DEADLINE_EXCEEDED.value}})
+                    await self.streams.sse_timeout(resp, call)
                     break
             if isinstance(m, P.ClientChunk):
                 await content(detok(m.data, call.tok), m.data)

@@ -170,8 +170,7 @@ class PassthroughEndpoints(Endpoint):
         while True:
             m = await self.streams.next_output(call)
             if m is None:
-                await self.streams.sse(resp, {"error": {"message": self.streams.timeout_message(call), "type": "server_error",
-                                                 "code": ErrorCode.DEADLINE_EXCEEDED.value}})
+                await self.streams.sse_timeout(resp, call)
                 break
             if isinstance(m, P.ClientError):
                 await self.streams.sse(resp, {"error": {"message": m.message, "type": "server_error", "code": m.code}})
