@@ -75,7 +75,8 @@ Pass-through answers (a SUBMIT with ``passthrough``): the engine's HTTP answer r
 maps (frame 3) of CHUNKs and the FINAL, byte for byte: ``raw`` bin (a piece of the engine's body,
 at most ``MAX_PASSTHROUGH_PIECE_BYTES``), and on the first of them ``status`` int (100..599) and
 ``content_type`` str (the engine's, at most 256 printable ASCII bytes); ``token_ids`` is empty. An
-unstreamed answer, or one the engine refused (any status), is one FINAL holding all of it. Read
+unstreamed answer, or one the engine refused (any status), is one FINAL holding all of it; a
+refusal's ``finish_reason`` is ``http_<status>`` (``REFUSED_PREFIX``). Read
 them with :func:`passthrough_reply` (never raises). A worker that does not know ``passthrough``
 answers without ``status``: the front door answers 502 then.
 
@@ -242,6 +243,7 @@ __all__ = [
     "MAX_PASSTHROUGH_PIECE_BYTES",
     "PassthroughReply",
     "passthrough_reply",
+    "REFUSED_PREFIX",
 ]
 
 CLIENT_HEADER = b"MESHC1"
@@ -282,6 +284,7 @@ PASSTHROUGH_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/r
 MAX_PASSTHROUGH_BODY_BYTES = MAX_FRAME_BYTES // 2
 MAX_PASSTHROUGH_PIECE_BYTES = 1 << 20
 MAX_CONTENT_TYPE_BYTES = 256
+REFUSED_PREFIX = "http_"  # finish_reason of a pass-through FINAL the engine refused: http_<status>
 
 ROLES = ("prefill", "decode", "mixed")
 DRAINING = "draining"  # DISCONNECT reason: graceful worker drain

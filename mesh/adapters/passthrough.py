@@ -167,7 +167,7 @@ class PassthroughProxy:
             self.counters["passthrough_engine_refused"] += 1
             self.log.info("passthrough_engine_refused", rid=r.rid, path=path, status=status)
         usage = usage or {"prompt_tokens": r.submit.prompt_len, "completion_tokens": 0, "cached_tokens": 0}
-        link.send(P.encode_worker_final(r.rid, r.attempt, "stop" if status == 200 else f"http_{status}", usage,
+        link.send(P.encode_worker_final(r.rid, r.attempt, "stop" if status == 200 else f"{P.REFUSED_PREFIX}{status}", usage,
                                         {"token_ids": [], "raw": raw, **(head or {})}))
         self.counters["requests_ok"] += 1
         return None, ""
