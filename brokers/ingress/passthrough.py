@@ -30,6 +30,7 @@ from mesh.errors import ErrorCode, IngressBadRequest, IngressTooLarge
 __all__ = ["PassthroughEndpoints", "MAX_ANSWER_BYTES"]
 
 MAX_ANSWER_BYTES = 256 * 1024 * 1024  # an unstreamed answer is held whole before it is sent
+_NO_OUTPUT = frozenset({"/v1/embeddings", "/v1/rerank", "/v1/score"})
 
 
 class PassthroughEndpoints(Endpoint):
@@ -102,7 +103,9 @@ class PassthroughEndpoints(Endpoint):
                 raise IngressTooLarge(f"request body of {len(raw)} bytes exceeds the pass-through limit of "
                                       f"{P.MAX_PASSTHROUGH_BODY_BYTES}")
             stream = opt_bool(body, "stream")
-            mt = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
+            # the broker's estimate of the work: what the client allows the engine to generate (one
+            # position for the endpoints that generate nothing)
+            mt = 1 if path in _NO_OUTPUT else body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
             params = {"max_new_tokens": mt} if type(mt) is int and 0 <= mt <= P.MAX_NEW_TOKENS else {}
             call = self.sub.submit(prompt, stream=True, slo=slo, deadline_ms=self.sub.lifetime_ms(deadline_ms, stream),
                                    params=params, model=model, tx=tx,
