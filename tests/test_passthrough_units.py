@@ -214,3 +214,15 @@ def test_a_large_answer_goes_in_bounded_pieces():
     got = link.replies()
     assert all(len(P.unpack(m.data)["raw"]) <= P.MAX_PASSTHROUGH_PIECE_BYTES for m in got)
     assert b"".join(P.unpack(m.data)["raw"] for m in got) == big and isinstance(got[-1], P.WorkerFinal)
+
+
+def test_a_prefill_leg_refuses_a_passthrough_request_by_name():
+    engine = FakeEngine(200, "application/json", [b"{}"])
+    proxy, _ = _proxy(SglangBackend, engine)
+    req = _request(b"{}")
+    req.bootstrap = {"mode": "prefill", "room": 1}
+    link = Link()
+    run(proxy.serve(link, req), 10)
+    (err,) = link.replies()
+    assert isinstance(err, P.WorkerError) and err.code == "bad_request" and "prefill/decode" in err.message
+    assert not engine.sent

@@ -29,9 +29,13 @@ from mesh import protocol as P
 from mesh.adapters.backend import EngineInfo
 from mesh.errors import ErrorCode
 
-__all__ = ["PassthroughProxy", "PassthroughTransport", "usage_of", "engine_body"]
+__all__ = ["PASSTHROUGH_NOT_DISAGGREGATED", "PassthroughProxy", "PassthroughTransport", "usage_of", "engine_body"]
 
 _SSE = "text/event-stream"
+#: a prefill/decode pair cannot serve a pass-through request: the engines' OpenAI servers take no
+#: KV handoff (the prefill leg refuses it, bad_request)
+PASSTHROUGH_NOT_DISAGGREGATED = ("pass-through requests (tools, reasoning options, n > 1, Responses, embeddings, rerank, "
+                                 "score) are not served by prefill/decode pairs: route them to mixed workers")
 
 
 class PassthroughTransport(Protocol):

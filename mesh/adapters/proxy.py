@@ -21,7 +21,7 @@ from mesh import protocol as P
 from mesh import tracing
 from mesh.adapters.backend import Backend, EngineInfo, StreamState
 from mesh.adapters.engine_client import engine_error, engine_refusal, error_code_for_status, sse_events
-from mesh.adapters.passthrough import PassthroughProxy
+from mesh.adapters.passthrough import PASSTHROUGH_NOT_DISAGGREGATED, PassthroughProxy
 from mesh.errors import ErrorCode, RequestError
 from mesh.openai_logprobs import LOGPROB_KEYS
 
@@ -70,7 +70,9 @@ class RequestProxy:
         """Serve one REQUEST; every outcome but a cancel ends in a FINAL or an ERROR frame. An
         exception of the engine path is mapped by :func:`engine_error` into the ERROR's code."""
         try:
-            if (r.bootstrap or {}).get("mode") == "prefill":
+            if (r.bootstrap or {}).get("mode") == "prefill" and r.submit.passthrough is not None:
+                code, msg = ErrorCode.BAD_REQUEST, PASSTHROUGH_NOT_DISAGGREGATED
+            elif (r.bootstrap or {}).get("mode") == "prefill":
                 code, msg = await self._prefill_leg(link, r)
             else:
                 code, msg = await self._proxy(link, r)
