@@ -11,6 +11,8 @@ as the native simulated worker). It speaks the subset of SGLang 0.5.23 a router 
   ``bootstrap_*`` fields (accepted and recorded);
 * ``POST /v1/completions`` and ``/v1/chat/completions`` (OpenAI chunk deltas, usage chunk with
   ``stream_options.include_usage``; vLLM's ``return_token_ids`` extension), ``GET /v1/models``;
+* tool calls (Hermes ``<tool_call>``), ``<think>`` reasoning, ``n`` > 1 on chat, and ``POST
+  /v1/embeddings``, ``/v1/responses``, ``/v1/rerank``, ``/v1/score``: :mod:`workers_stub.openai_extras`;
 * ``/health`` (``/health_generate``), ``/ready``, ``/ping``; ``--fail-health`` makes the health
   endpoints answer 503;
 * ``/server_info`` (``/get_server_info``) with the ``kv_events`` discovery block, ``/model_info``; both
