@@ -189,6 +189,12 @@ def test_hostile_passthrough_inputs(fleet):
             async with s.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                                                  "tools": TOOLS, "chat_template_kwargs": {"messages": []}}) as r:
                 assert r.status == 400 and "chat_template_kwargs" in (await r.json())["error"]["message"]
+            for path, body, says in (("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 9},
+                                      "n must be"),
+                                     ("/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": 0}, "dimensions"),
+                                     ("/v1/embeddings", {"model": MODEL, "input": "x", "encoding_format": "hex"}, "encoding_format")):
+                async with s.post(url + path, json=body) as r:  # the engine's own 400s, passed through
+                    assert r.status == 400 and says in (await r.json())["error"]["message"], (path, body)
             async with s.post(url + "/v1/files", json={}) as r:
                 assert r.status in (404, 405)
             # a flood: every request answered by the engine (or refused as overload), none lost, no 5xx

@@ -297,7 +297,8 @@ class OpenAIExtras:
             inp = [inp]
         if type(inp) is not list or not inp:
             return _error(400, "input must be a non-empty string or list")
-        dim = body.get("dimensions") or 16
+        dim = body.get("dimensions")
+        dim = 16 if dim is None else dim
         if type(dim) is not int or not 1 <= dim <= _MAX_EMBED_DIM:
             return _error(400, f"dimensions must be an integer in [1, {_MAX_EMBED_DIM}]")
         fmt = body.get("encoding_format") or "float"
