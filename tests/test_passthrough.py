@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from mesh import protocol as P
 from mesh.lab.procs import ProcGroup, wait_for_log_event
 from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
@@ -340,3 +342,36 @@ def test_the_routing_key_is_the_models_chat_template_with_the_tools(procs, token
         assert {w for w, _ in turns[1:]} == {f"a{k % 2}"}, (k, turns)  # where turn 1 was: found by its KV events
         assert all(cached > 0 for _, cached in turns[1:]), turns
     assert hits >= 4 * 5
+
+
+def test_a_hostile_client_cannot_slip_a_passthrough_past_the_broker(fleet):
+    """Over ZeroMQ, a SUBMIT whose ``passthrough`` names a path off the allow-list, a body too big or
+    of the wrong type, is refused at the broker's decode boundary (counted), a flood of them too,
+    and the broker keeps serving pass-through requests."""
+    from tests.abuse_peers import raw_dealer, status
+
+    bad = [{"path": "/v1/files", "body": b"{}"}, {"path": "/health", "method": "GET", "body": b""}, {"path": "/v1/embeddings", "body": "{}"},
+           {"path": "/v1/embeddings", "body": b"x" * (P.MAX_PASSTHROUGH_BODY_BYTES + 1)}, "/v1/embeddings", [1, 2]]
+
+    async def body():
+        before = (await status(fleet["frontend"])).counters
+        s = raw_dealer(fleet["frontend"])
+        try:
+            for i in range(200):  # a flood of them
+                await s.send_multipart(P.encode_submit(f"r{i}", text="x", passthrough=bad[i % len(bad)]))
+            codes = []
+            for _ in range(200):
+                m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), 10))
+                codes.append(getattr(m, "code", type(m).__name__))
+        finally:
+            s.close()
+        after = (await status(fleet["frontend"])).counters
+        async with _client(fleet["broker"]) as c:  # and it still serves
+            e = await c.embeddings.create(model=MODEL, input="still here")
+        return codes, before, after, e
+
+    codes, before, after, e = run(body(), 60)
+    assert set(codes) == {"bad_request"}, Counter(codes)
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    assert sum(v for k, v in grew.items() if "bad_field" in k) >= 200, grew
+    assert len(e.data[0].embedding) == 16
