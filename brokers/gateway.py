@@ -218,7 +218,7 @@ class BrokerPool:
             else:
                 self.stats.observe_latency("inter_token", tm[1], tm[2], now - tm[4])
             tm[4] = now
-        elif t is P.ClientFinal:
+        elif t is P.ClientFinal and not m.finish_reason.startswith(P.REFUSED_PREFIX):  # an engine's refusal: no latency
             tm[2] = m.worker
             if not tm[3]:
                 self.stats.observe_latency("ttft", tm[1], tm[2], now - tm[0])

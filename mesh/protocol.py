@@ -35,8 +35,13 @@ SUBMIT     0x11  c->b    ``rid`` str (1..256 bytes, unique among the client's in
                          ``idempotent`` bool (default true; false forbids re-dispatch once sent
                          to a worker); ``slo`` map (``ttft_ms`` int > 0, ``tps`` float > 0),
                          optional; ``model`` str (1..256 bytes, optional: the served model or an
-                         alias; routed only to workers that serve it). The broker forwards this
-                         body verbatim as REQUEST frame 3.
+                         alias; routed only to workers that serve it). Optional ``passthrough``
+                         map: ``path`` str (one of ``PASSTHROUGH_PATHS``), ``method`` ``"POST"``,
+                         ``body`` bin (at most ``MAX_PASSTHROUGH_BODY_BYTES``): the client's own
+                         HTTP body, which the worker sends to its engine's OpenAI-compatible
+                         ``path`` unchanged (``input_ids``/``text`` are then only the routing
+                         key); its answer comes back as pass-through data maps (below). The
+                         broker forwards this body verbatim as REQUEST frame 3.
 CANCEL     0x12  c->b    ``rid``.
 ACCEPTED   0x13  b->c    ``rid``, ``worker`` str, ``reason`` str (routing decision reason),
                          ``attempt`` int. Sent for *streaming* requests when dispatched (again
@@ -65,6 +70,15 @@ STATUS_R   0x18  b->c    ``broker`` map (id, state, inflight, uptime_s; ``exchan
 =========  ====  ======  ====================================================================
 
 Exactly one terminal frame (FINAL or ERROR) reaches the client for every accepted ``rid``.
+
+Pass-through answers (a SUBMIT with ``passthrough``): the engine's HTTP answer rides in the data
+maps (frame 3) of CHUNKs and the FINAL, byte for byte: ``raw`` bin (a piece of the engine's body,
+at most ``MAX_PASSTHROUGH_PIECE_BYTES``), and on the first of them ``status`` int (100..599) and
+``content_type`` str (the engine's, at most 256 printable ASCII bytes); ``token_ids`` is empty. An
+unstreamed answer, or one the engine refused (any status), is one FINAL holding all of it; a
+refusal's ``finish_reason`` is ``http_<status>`` (``REFUSED_PREFIX``). Read
+them with :func:`passthrough_reply` (never raises). A worker that does not know ``passthrough``
+answers without ``status``: the front door answers 502 then.
 
 Commands on the worker path
 ---------------------------
@@ -224,6 +238,12 @@ __all__ = [
     "decode_exchange",
     "pack",
     "unpack",
+    "PASSTHROUGH_PATHS",
+    "MAX_PASSTHROUGH_BODY_BYTES",
+    "MAX_PASSTHROUGH_PIECE_BYTES",
+    "PassthroughReply",
+    "passthrough_reply",
+    "REFUSED_PREFIX",
 ]
 
 CLIENT_HEADER = b"MESHC1"
@@ -256,6 +276,15 @@ MAX_PEER_SENT_TOKENS = 1 << 62
 MAX_EXCHANGE_ROUTES = 1024  # prompts routed per message: with 64 anchors each, under 1 MiB
 MAX_ROUTE_ANCHORS = 64
 _U64 = (1 << 64) - 1
+
+# Pass-through (SUBMIT ``passthrough``): the engine endpoints a worker may be asked to call, and
+# the bounds of the body it forwards and of each answer piece it sends back.
+PASSTHROUGH_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+                               "/v1/rerank", "/v1/score"})
+MAX_PASSTHROUGH_BODY_BYTES = MAX_FRAME_BYTES // 2
+MAX_PASSTHROUGH_PIECE_BYTES = 1 << 20
+MAX_CONTENT_TYPE_BYTES = 256
+REFUSED_PREFIX = "http_"  # finish_reason of a pass-through FINAL the engine refused: http_<status>
 
 ROLES = ("prefill", "decode", "mixed")
 DRAINING = "draining"  # DISCONNECT reason: graceful worker drain
@@ -420,6 +449,8 @@ class Submit:
     # W3C trace context of the caller's span (HTTP front door): adapters continue the trace to
     # the engine. A malformed one is ignored, as W3C asks, never a reason to refuse a request.
     traceparent: str | None = None
+    # pass-through (SUBMIT ``passthrough``): ``{"path", "method", "body"}``, checked; None: mesh renders
+    passthrough: dict[str, Any] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -495,6 +526,7 @@ def submit_body(
     slo: dict[str, Any] | None = None,
     model: str | None = None,
     traceparent: str | None = None,
+    passthrough: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The SUBMIT body (frame 2 before packing) :func:`encode_submit` sends."""
     body: dict[str, Any] = {"rid": rid, "params": params or {}, "stream": stream, "idempotent": idempotent}
@@ -510,6 +542,8 @@ def submit_body(
         body["deadline_ms"] = deadline_ms
     if slo:
         body["slo"] = slo
+    if passthrough is not None:
+        body["passthrough"] = passthrough
     return body
 
 
@@ -624,7 +658,53 @@ def _submit_of(d: dict[str, Any], raw: bytes) -> Submit:
         packed=packed,
         model=_str(d, "model", required=False, max_bytes=256) or None,
         traceparent=_traceparent(d.get("traceparent")),
+        passthrough=_passthrough(d.get("passthrough")),
     )
+
+
+def _passthrough(v: Any) -> dict[str, Any] | None:
+    """SUBMIT ``passthrough``: None when absent; else a checked ``{"path", "method", "body"}``."""
+    if v is None:
+        return None
+    if type(v) is not dict:
+        raise ProtocolError("bad_field", f"passthrough must be a map, got {type(v).__name__}")
+    path, method, body = v.get("path"), v.get("method", "POST"), v.get("body")
+    if type(path) is not str or path not in PASSTHROUGH_PATHS:
+        raise ProtocolError("bad_field", f"passthrough.path must be one of {sorted(PASSTHROUGH_PATHS)}")
+    if method != "POST":
+        raise ProtocolError("bad_field", "passthrough.method must be POST")
+    if type(body) is not bytes:
+        raise ProtocolError("bad_field", f"passthrough.body must be bytes, got {type(body).__name__}")
+    if len(body) > MAX_PASSTHROUGH_BODY_BYTES:
+        raise ProtocolError("bad_field", f"passthrough.body longer than {MAX_PASSTHROUGH_BODY_BYTES} bytes")
+    return {"path": path, "method": method, "body": body}
+
+
+@dataclass(slots=True)
+class PassthroughReply:
+    """One pass-through data map read: the engine's status and content type (None on a later
+    piece) and a piece of its body."""
+
+    status: int | None
+    content_type: str | None
+    raw: bytes
+
+
+def passthrough_reply(data: Any) -> PassthroughReply | None:
+    """A CHUNK's or FINAL's data map as a pass-through answer piece, or None when it is not one
+    (no ``raw`` bytes, or a ``status`` / ``content_type`` out of bounds). Never raises."""
+    if type(data) is not dict:
+        return None
+    raw = data.get("raw")
+    if type(raw) is not bytes:
+        return None
+    status, ctype = data.get("status"), data.get("content_type")
+    if status is not None and (type(status) is not int or not 100 <= status <= 599):
+        return None
+    if ctype is not None and (type(ctype) is not str or len(ctype) > MAX_CONTENT_TYPE_BYTES
+                              or not (ctype.isascii() and ctype.isprintable())):
+        return None
+    return PassthroughReply(status, ctype, raw)
 
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")

@@ -25,9 +25,10 @@ import zmq
 from mesh import protocol as P
 from mesh.config import WorkerSettings
 from mesh.discovery import is_dns
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, ErrorCode
 from mesh.gc_tuning import freeze_startup_heap
 from mesh.logs import announce
+from mesh.openai_passthrough import NO_ENGINE_MESSAGE
 from mesh.retry import RetryPolicy
 from mesh.sockets import WORKER_DEALER, ReadyPoller, SocketSpec, make_socket, recv_frames, send_frames
 from mesh.worker import Capabilities, LinkSession, Send, new_epoch, ready_frames
@@ -185,7 +186,9 @@ class InstantFleet:
                 break
             heard = True
             msg = P.decode_broker_to_worker(frames)
-            if type(msg) is P.Request:
+            if type(msg) is P.Request and msg.submit.passthrough is not None:  # no engine to pass it to
+                _try_send(sk, P.encode_worker_error(msg.rid, msg.attempt, ErrorCode.BAD_REQUEST, NO_ENGINE_MESSAGE))
+            elif type(msg) is P.Request:
                 out, usage = instant_answer(msg.submit)
                 _try_send(sk, P.encode_worker_final(msg.rid, msg.attempt, "length", usage, {"token_ids": out}))
                 self.requests += 1

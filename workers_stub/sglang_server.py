@@ -11,6 +11,8 @@ as the native simulated worker). It speaks the subset of SGLang 0.5.23 a router 
   ``bootstrap_*`` fields (accepted and recorded);
 * ``POST /v1/completions`` and ``/v1/chat/completions`` (OpenAI chunk deltas, usage chunk with
   ``stream_options.include_usage``; vLLM's ``return_token_ids`` extension), ``GET /v1/models``;
+* tool calls (Hermes ``<tool_call>``), ``<think>`` reasoning, ``n`` > 1 on chat, and ``POST
+  /v1/embeddings``, ``/v1/responses``, ``/v1/rerank``, ``/v1/score``: :mod:`workers_stub.openai_extras`;
 * ``/health`` (``/health_generate``), ``/ready``, ``/ping``; ``--fail-health`` makes the health
   endpoints answer 503;
 * ``/server_info`` (``/get_server_info``) with the ``kv_events`` discovery block, ``/model_info``; both
@@ -68,11 +70,13 @@ from aiohttp import web
 
 from mesh import kv_events as KV
 from mesh import openai_logprobs as OL
+from mesh import openai_passthrough as OP
 from mesh.engine_model import EngineConfig, EngineModel
 from mesh.hashing import text_to_tokens
 from mesh.logs import announce, configure, get_logger
 from mesh.namespaces import request_event_fields
 from mesh.protocol import pack
+from workers_stub.openai_extras import HttpError, OpenAIExtras
 from workers_stub.pd_wire import PD_FAULTS, PD_MODES, PdRefused, PdWire
 from workers_stub.sglang_wire import (
     EVENT_FORMATS,
@@ -361,13 +365,6 @@ class StubSettings:
                 raise ValueError(f"lora_paths: {spec!r} is not NAME[=PATH]")
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 def _err_body(status: int, message: str) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
                       "code": status, "retryable": status >= 500}}
@@ -539,6 +536,7 @@ class SglangStub:
         self.lora_served: Counter[str] = Counter()
         self.pd = PdWire(s.disaggregation_mode, s.pd_fault or None, s.pd_waiting_timeout_s, self._advertised_host(),
                          lambda: self.http_port)
+        self.extras = OpenAIExtras(self)  # tool calls, reasoning, n > 1, Responses, embeddings, rerank, score
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -638,6 +636,7 @@ class SglangStub:
         r.add_post("/v1/completions", self.h_completions)
         r.add_post("/v1/chat/completions", self.h_chat)
         r.add_get("/v1/models", self.h_models)
+        self.extras.install(app)
         for path in ("/load_lora_adapter", "/v1/load_lora_adapter"):
             r.add_post(path, self.h_load_lora)
         for path in ("/unload_lora_adapter", "/v1/unload_lora_adapter"):
@@ -1142,11 +1141,23 @@ class SglangStub:
         msgs = body.get("messages")
         if type(msgs) is not list or not msgs:
             raise HttpError(400, "messages must be a non-empty list")
+        # what mesh passes through (tools, reasoning options, n > 1) is rendered with its tools, as the
+        # engine renders it: the prefix an agent's next turn finds in the cache
+        through = OP.passthrough_reason(body, chat=True) is not None
         if self.tokenizer is not None and self.tokenizer.files.chat_template is not None:
             try:
+                if through:
+                    tools = OP.template_tools(body)
+                    kw = {**OP.template_kwargs(body), **({"tools": tools} if tools else {})}
+                    return self.tokenizer.render_chat(OP.template_messages(msgs), True, kw or None)[1]
                 return self.tokenizer.render_chat(msgs)[1]
             except (ValueError, TypeError) as exc:
                 raise HttpError(400, f"messages: {exc}") from None
+        if through:
+            try:
+                return text_to_tokens(OP.render_chat_text(OP.template_messages(msgs), OP.template_tools(body)))
+            except ValueError as exc:
+                raise HttpError(400, str(exc)) from None
         parts = []
         for m in msgs:
             if type(m) is not dict or type(m.get("role")) is not str:
@@ -1164,6 +1175,8 @@ class SglangStub:
             self.traceparents.append(tp[:64])
         try:
             body = await self._body(request)
+            if self.extras.handles_chat(body):
+                return await self.extras.chat(request, body)
             prompt = self._chat_prompt(body)
             cons = self._constraint(self._openai_schema(body), self._openai_logprob_req(body, True), prompt)
             job = self._start_job(prompt, self._max_tokens(body, 128), body.get("rid") if type(body.get("rid")) is str else None,
@@ -1211,6 +1224,49 @@ class SglangStub:
         finally:
             self._abandon(job)
         return resp
+
+    # ------------------------------------------------------------------ for workers_stub.openai_extras
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        return self._chat_prompt(body)
+
+    def max_tokens(self, body: dict, default: int) -> int:
+        return self._max_tokens(body, default)
+
+    def start_job(self, prompt: list[int], max_new: int, body: dict) -> _Job:
+        rid = body.get("rid")
+        return self._start_job(prompt, max_new, rid if type(rid) is str else None,
+                               body.get("routed_dp_rank", body.get("data_parallel_rank")), body)
+
+    async def next_tokens(self, job: _Job) -> tuple[list[int], tuple[str, dict] | None]:
+        return await self._next(job)
+
+    async def collect(self, job: _Job) -> str:
+        """The job's whole output text, once it finished."""
+        while job.finished is None:
+            await self._next(job)
+        return detokenize(job.tokens)
+
+    def abandon(self, job: _Job) -> None:
+        self._abandon(job)
+
+    def record(self, path: str, body: Any) -> None:
+        self._record(path, body)
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text)
+
+    async def sse_start(self, request: web.Request) -> web.StreamResponse:
+        return await self._sse_start(request)
+
+    @staticmethod
+    def forced_ids(text: str) -> list[int]:
+        """The ids that spell ``text`` (ASCII) as output (:func:`tokenize_constrained`)."""
+        return tokenize_constrained(text)
+
+    @staticmethod
+    def text_of(tokens: list[int]) -> str:
+        return detokenize(tokens)
 
     async def h_models(self, request: web.Request) -> web.Response:
         """The base model, then each loaded LoRA adapter with ``parent`` = the base and ``root`` =

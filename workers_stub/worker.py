@@ -29,6 +29,7 @@ from mesh.errors import ErrorCode
 from mesh.hashing import text_to_tokens
 from mesh.logs import get_logger
 from mesh.namespaces import request_event_fields
+from mesh.openai_passthrough import NO_ENGINE_MESSAGE
 from mesh.sockets import CurveKeys
 from mesh.worker import BrokerLink, Capabilities, WorkerAPI
 
@@ -203,6 +204,9 @@ class SimWorker:
                 # fault injection: a broken GPU answering with errors (outlier ejection tests)
                 link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.WORKER_ERROR, "injected worker fault"))
                 return
+        if sub.passthrough is not None:  # the engine's own OpenAI server would serve it: there is none here
+            link.send(P.encode_worker_error(r.rid, r.attempt, ErrorCode.BAD_REQUEST, NO_ENGINE_MESSAGE))
+            return
         bad = unhonoured(sub.params)
         if bad is not None:
             what = "response_format" if bad == "json_schema" else bad

@@ -11,6 +11,8 @@ guarantee as ZeroMQ clients. By concern:
 * :mod:`.tokenizers`: each model's tokenizer (flag-named, else the one its engines announce) and
   the report of text sent without one;
 * :mod:`.openai_api`: ``/v1/completions`` and ``/v1/chat/completions`` bodies;
+* :mod:`.passthrough`: what goes to the engine's own OpenAI server (tools, reasoning, ``n`` > 1,
+  Responses, embeddings, rerank, score);
 * :mod:`.generate`: SGLang's ``/generate``;
 * :mod:`.endpoint`: what those two share (refusals, the wait for an unstreamed FINAL);
 * :mod:`.replies`: one request's replies, JSON errors, SSE streaming;

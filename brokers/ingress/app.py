@@ -1,7 +1,8 @@
 """The HTTP ingress (aiohttp): routes, API key, lifecycle, and the simple and admin endpoints.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`.openai_api`), ``POST
-/generate`` (SGLang native, :mod:`.generate`), ``GET /v1/models``, ``GET /health`` (200 when at least
+/v1/responses``, ``/v1/embeddings``, ``/v1/rerank``, ``/v1/score`` (to the engine, :mod:`.passthrough`), ``POST
+/generate`` (SGLang native, :mod:`.generate`), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (200 when at least
 one worker is routable; ``text_routing``: text requests sent without their model's tokenizer, with the
 fix), ``GET /readyz``, ``GET /metrics`` (Prometheus; needs the API key when one is set, like every
 path except the health probes), ``GET /workers`` and ``POST
@@ -75,6 +76,11 @@ class HttpIngress:
             web.post("/v1/chat/completions", openai.chat_completions),
             web.post("/generate", generate.generate),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id}", self.model),
+            web.post("/v1/responses", openai.passthrough.responses),
+            web.post("/v1/embeddings", openai.passthrough.embeddings),
+            web.post("/v1/rerank", openai.passthrough.rerank),
+            web.post("/v1/score", openai.passthrough.score),
             web.get("/health", self.health),
             web.get("/healthz", self.health),
             web.get("/readyz", self.readyz),
@@ -206,6 +212,18 @@ class HttpIngress:
         """The models that have routable workers, their aliases, the fleet's name while it
         serves one model, and the LoRA adapters those workers hold (each is a name requests may
         use; ``BASE:ADAPTER`` works too)."""
+        return json_response({"object": "list", "data": self._model_entries()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: one entry of :meth:`models`, or 404 in OpenAI's shape."""
+        mid = request.match_info["model_id"]
+        for e in self._model_entries():
+            if e["id"] == mid:
+                return json_response(e)
+        return json_response({"error": {"message": f"The model `{mid[:256]}` does not exist.", "type": "invalid_request_error",
+                                         "param": None, "code": "model_not_found"}}, status=404)
+
+    def _model_entries(self) -> list[dict]:
         served, aliases, fleet_name = self.backend.model_catalog()
         ids = sorted(served)
         ids += sorted(a for a, target in aliases.items() if target in served and a not in served)
@@ -216,7 +234,7 @@ class HttpIngress:
         # LoRA adapters as the engines list them: their own id, ``parent`` = the base model
         data += [{"id": a, "object": "model", "created": 0, "owned_by": "mesh", "root": a, "parent": e["parent"]}
                  for a, e in sorted(self.backend.lora_catalog().items()) if a not in served]
-        return json_response({"object": "list", "data": data})
+        return data
 
     async def health(self, request: web.Request) -> web.Response:
         n = self.backend.routable_workers()

@@ -13,17 +13,24 @@ import time
 from aiohttp import web
 
 from brokers.ingress.endpoint import Endpoint
+from brokers.ingress.passthrough import PassthroughEndpoints
 from brokers.ingress.replies import REFUSALS, Call, detok, json_response, mesh_headers, status_of
 from brokers.ingress.submit import opt_bool
 from mesh import openai_logprobs as OL
+from mesh import openai_passthrough as OP
 from mesh import protocol as P
-from mesh.errors import ErrorCode, IngressBadRequest
+from mesh.errors import IngressBadRequest
 
 __all__ = ["OpenAIEndpoints"]
 
 
 class OpenAIEndpoints(Endpoint):
-    """The completions and chat completions handlers."""
+    """The completions and chat completions handlers; what mesh does not render goes through
+    :attr:`passthrough` to the engine (:mod:`.passthrough`)."""
+
+    def __init__(self, submitter, streams) -> None:
+        super().__init__(submitter, streams)
+        self.passthrough = PassthroughEndpoints(submitter, streams)
 
     async def completions(self, request: web.Request):
         return await self._serve(request, chat=False)
@@ -34,6 +41,8 @@ class OpenAIEndpoints(Endpoint):
     async def _serve(self, request: web.Request, *, chat: bool):
         try:
             slo, deadline_ms, body = await self.head(request)
+            if OP.passthrough_reason(body, chat=chat) is not None:  # tools, reasoning, n > 1: the engine renders
+                return await self.passthrough.openai(request, body, slo, deadline_ms, chat=chat)
             model = self.sub.model_of(body)
             tx = await self.sub.text_for(model)
             if chat:
@@ -96,8 +105,7 @@ class OpenAIEndpoints(Endpoint):
             if m is None:
                 m = await self.streams.next_output(call)
                 if m is None:
-                    await self.streams.sse(resp, {"error": {"message": self.streams.timeout_message(call), "type": "server_error",
-                                                     "code": ErrorCode.DEADLINE_EXCEEDED.value}})
+                    await self.streams.sse_timeout(resp, call)
                     break
             if isinstance(m, P.ClientChunk):
                 await content(detok(m.data, call.tok), m.data)

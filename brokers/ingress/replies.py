@@ -264,6 +264,11 @@ class ReplyStream:
     async def sse(self, resp: web.StreamResponse, obj: dict) -> None:
         await self.write(resp, b"data: " + dumps(obj) + b"\n\n")
 
+    async def sse_timeout(self, resp: web.StreamResponse, call: Call) -> None:
+        """The in-band SSE error of a stream that got no output in time (:meth:`timeout_message`)."""
+        await self.sse(resp, {"error": {"message": self.timeout_message(call), "type": "server_error",
+                                        "code": ErrorCode.DEADLINE_EXCEEDED.value}})
+
     async def begin(self, request: web.Request, call: Call) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **mesh_headers(call, call.worker)})

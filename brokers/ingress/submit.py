@@ -258,16 +258,20 @@ class Submitter:
             raise
         return out[1] if isinstance(out, tuple) else out
 
-    async def chat_input(self, msgs: Any, tx=None) -> dict[str, Any]:
+    async def chat_input(self, msgs: Any, tx=None, *, template_kwargs: dict[str, Any] | None = None,
+                         fallback_text: str | None = None) -> dict[str, Any]:
         """Chat messages -> the prompt: rendered by the model's chat template and tokenised (off the
-        loop) when the ingress has the model's tokenizer, else the plain-text fallback below."""
+        loop) when the ingress has the model's tokenizer, else the plain-text fallback below (or
+        ``fallback_text``). ``template_kwargs``: what the template sees besides the messages (tools)."""
         if tx is None or tx[0].files.chat_template is None:
-            return await self.prompt(self._chat_prompt(msgs), None, tx)
+            return await self.prompt(self._chat_prompt(msgs) if fallback_text is None else fallback_text, None, tx)
         if type(msgs) is not list or not msgs:
             raise IngressBadRequest("messages must be a non-empty list")
         if len(msgs) > _MAX_MESSAGES:
             raise IngressTooLarge(f"messages holds {len(msgs)} entries; the limit is {_MAX_MESSAGES}")
         self._fits(_content_chars(msgs), tx)
+        if template_kwargs:
+            return {"input_ids": await self._tokenize(tx[1].render_chat, msgs, True, template_kwargs, client=QUOTA_KEY.get())}
         return {"input_ids": await self._tokenize(tx[1].render_chat, msgs, client=QUOTA_KEY.get())}
 
     def _chat_prompt(self, msgs: Any) -> str:
@@ -299,7 +303,7 @@ class Submitter:
 
 
     def submit(self, prompt: dict[str, Any], *, stream: bool, slo, deadline_ms: int,
-                params: dict[str, Any], model: str | None = None, tx=None) -> Call:
+                params: dict[str, Any], model: str | None = None, tx=None, passthrough: dict[str, Any] | None = None) -> Call:
         """Build the SUBMIT and check it (its encoded size, and the broker decoder's own checks, so
         the broker never answers an unreadable rid); the backend takes it decoded. Raises
         IngressBadRequest or IngressTooLarge."""
@@ -311,7 +315,7 @@ class Submitter:
             self.tokenizers.note_text(model)
         body = P.submit_body(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"), params=params,
                              deadline_ms=deadline_ms, stream=stream, slo=slo, model=model,
-                             traceparent=tracing.current_traceparent())
+                             traceparent=tracing.current_traceparent(), passthrough=passthrough)
         try:
             packed = P.pack(body)  # what a worker gets as REQUEST frame 3, verbatim
         except (UnicodeEncodeError, ValueError, OverflowError, TypeError):  # lone surrogates in a string, ...

@@ -47,7 +47,7 @@ class _Conn(asyncio.Protocol):
     """One TCP connection; parses one response at a time."""
 
     __slots__ = ("pool", "transport", "parser", "status", "body", "chunks", "streaming", "done", "error", "waiter",
-                 "got_bytes", "body_bytes", "idle_since", "reused", "paused", "keep_alive", "framed")
+                 "got_bytes", "body_bytes", "idle_since", "reused", "paused", "keep_alive", "framed", "content_type")
 
     def __init__(self, pool: "EngineHttp") -> None:
         self.pool = pool
@@ -67,6 +67,7 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.keep_alive = False
         self.framed = False  # the response has a Content-Length or is chunked (else: ends at EOF)
+        self.content_type = ""  # the response's Content-Type (pass-through answers carry it on)
 
     # ---------------------------------------------------------------- asyncio protocol
     def connection_made(self, transport) -> None:
@@ -91,7 +92,9 @@ class _Conn(asyncio.Protocol):
 
     # ---------------------------------------------------------------- httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) in (14, 17):
+        if len(name) == 12 and name.lower() == b"content-type":
+            self.content_type = value[:256].decode("latin-1")
+        elif len(name) in (14, 17):
             n = name.lower()
             if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
                 self.framed = True
@@ -152,6 +155,7 @@ class _Conn(asyncio.Protocol):
         self.body_bytes = 0
         self.keep_alive = False
         self.framed = False
+        self.content_type = ""
         assert self.transport is not None
         self.transport.write(head + body if len(body) < 16384 else head)
         if len(body) >= 16384:
@@ -314,10 +318,16 @@ class EngineHttp:
     @asynccontextmanager
     async def stream(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None):
         """``async with client.stream(...) as (status, chunks)``: body pieces as they arrive."""
+        async with self.stream_with_type(method, path, body, headers) as (status, _, chunks):
+            yield status, chunks
+
+    @asynccontextmanager
+    async def stream_with_type(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None):
+        """As :meth:`stream`, with the response's Content-Type: ``(status, content_type, chunks)``."""
         c, status = await self._start(method, path, body, headers, True)
         ok = False
         try:
-            yield status, c.iter_chunks()
+            yield status, c.content_type, c.iter_chunks()
             ok = c.done and c.error is None
         finally:
             if ok:

@@ -21,6 +21,7 @@ from mesh import protocol as P
 from mesh import tracing
 from mesh.adapters.backend import Backend, EngineInfo, StreamState
 from mesh.adapters.engine_client import engine_error, engine_refusal, error_code_for_status, sse_events
+from mesh.adapters.passthrough import PASSTHROUGH_NOT_DISAGGREGATED, PassthroughProxy
 from mesh.errors import ErrorCode, RequestError
 from mesh.openai_logprobs import LOGPROB_KEYS
 
@@ -62,12 +63,16 @@ class RequestProxy:
         self.counters = counters
         self.log = log
         self.on_unavailable = on_unavailable
+        # what mesh does not render goes to the engine's own OpenAI endpoint (mesh.adapters.passthrough)
+        self.passthrough = PassthroughProxy(engine, info, url=url, counters=counters, log=log)  # type: ignore[arg-type]
 
     async def serve(self, link: ReplyLink, r: P.Request) -> None:
         """Serve one REQUEST; every outcome but a cancel ends in a FINAL or an ERROR frame. An
         exception of the engine path is mapped by :func:`engine_error` into the ERROR's code."""
         try:
-            if (r.bootstrap or {}).get("mode") == "prefill":
+            if (r.bootstrap or {}).get("mode") == "prefill" and r.submit.passthrough is not None:
+                code, msg = ErrorCode.BAD_REQUEST, PASSTHROUGH_NOT_DISAGGREGATED
+            elif (r.bootstrap or {}).get("mode") == "prefill":
                 code, msg = await self._prefill_leg(link, r)
             else:
                 code, msg = await self._proxy(link, r)
@@ -184,6 +189,8 @@ class RequestProxy:
         sub = r.submit
         if r.dp_rank is not None:  # DP attention: the header vLLM and SGLang's OpenAI endpoints read
             headers = {**(headers or {}), DP_RANK_HEADER: str(r.dp_rank)}
+        if sub.passthrough is not None:
+            return await self.passthrough.serve(link, r, headers)
         try:
             path, body = self.backend.request(r, self.info)
         except ValueError as exc:  # a parameter this engine has no equivalent for (vLLM): refused by name

@@ -92,16 +92,19 @@ class ModelTokenizer:
                 raise ValueError(f"prompt holds text that is not valid Unicode ({exc.reason} at {exc.start})") from None
             raise
 
-    def render(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Iterable[Any], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
+        """``template_kwargs``: what the template sees besides the messages (``tools``, a request's
+        ``chat_template_kwargs``)."""
         if self.chat_template is None:
             raise ValueError(f"model {self.files.path} has no chat template (tokenizer_config.json 'chat_template', "
                              "chat_template.jinja or --chat-template FILE)")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
 
-    def render_chat(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def render_chat(self, messages: Iterable[Any], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
         """``(prompt_text, token_ids)``; the ids are encoded without special tokens (the template writes them),
         through the prefix cache: only what follows the longest prefix seen before is encoded."""
-        text = self.render(messages, add_generation_prompt)
+        text = self.render(messages, add_generation_prompt, template_kwargs)
         if self.prefix is not None:
             try:
                 return text, self.prefix.encode(text)
@@ -266,11 +269,11 @@ class TokenizerPool:
     async def encode(self, text: str, add_special_tokens: bool = True, *, client: Hashable = None) -> list[int]:
         return await self._run(self.tokenizer.encode, text, add_special_tokens, client=client)
 
-    async def render_chat(self, messages: Iterable[Any], add_generation_prompt: bool = True, *,
-                          client: Hashable = None) -> tuple[str, list[int]]:
+    async def render_chat(self, messages: Iterable[Any], add_generation_prompt: bool = True,
+                          template_kwargs: dict[str, Any] | None = None, *, client: Hashable = None) -> tuple[str, list[int]]:
         # copy the outer list now: the caller may mutate it while the job waits
         return await self._run(self.tokenizer.render_chat, list(messages) if isinstance(messages, (list, tuple)) else messages,
-                               add_generation_prompt, client=client)
+                               add_generation_prompt, template_kwargs, client=client)
 
     def close(self) -> None:
         """Drop queued jobs, refuse new ones, let running ones finish in the background. Idempotent."""
