@@ -74,7 +74,9 @@ def _router(settings: BrokerSettings, policy, provider, rng):
 
     buckets = load_bucket_config(settings.bucket_config) if settings.bucket_config else None
     return make_router(policy, provider, buckets=buckets, pd=settings.pd, rng=rng, freshness_s=settings.load_freshness_s,
-                       global_cache_winner=settings.global_cache_winner, decode_policy=settings.decode_policy)
+                       global_cache_winner=settings.global_cache_winner, decode_policy=settings.decode_policy,
+                       session_affinity=settings.session_affinity, session_ttl_s=settings.session_ttl_s,
+                       session_table_size=settings.session_table_size, session_peers=max(1, len(settings.peer)))
 
 
 def _gauges(broker: Broker):
