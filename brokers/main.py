@@ -214,7 +214,8 @@ async def serve_broker(settings: BrokerSettings) -> None:
                               max_connections=settings.http_max_connections, header_timeout_s=settings.http_header_timeout_s,
                               idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s,
                               request_timeout_s=settings.http_request_timeout_s,
-                              stream_idle_timeout_s=settings.http_stream_idle_timeout_s)
+                              stream_idle_timeout_s=settings.http_stream_idle_timeout_s,
+                              session_sources=settings.session_sources() if settings.session_affinity != "off" else ())
         _check_fd_budget(settings, log)
         try:
             url = await ingress.start(host.strip("[]") or "127.0.0.1", int(port))

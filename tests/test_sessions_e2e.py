@@ -1,0 +1,136 @@
+"""Session affinity through real broker processes (mesh.routing.sessions).
+
+One broker, three simulated workers, ``round_robin``: requests without a session rotate over the
+workers, yet every turn of a session (each with a different prompt, so no prefix keeps them
+together) lands on its session's worker, over ZeroMQ (``session`` in SUBMIT) and over HTTP
+(``x-session-id``, ``prompt_cache_key``, ``user``). Malformed and oversized session keys are
+refused naming the field; a flood of unique sessions leaves the table bounded (evictions
+counted). Two brokers exchanging pins: turns alternating between them stay on one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import zmq
+import zmq.asyncio
+
+from mesh import protocol as P
+from mesh.client import Client
+from mesh.lab.procs import wait_for_log_event
+from mesh.lab.up import wait_for_workers
+from tests.conftest import free_port, run, until
+
+FAST = ["--heartbeat-ms", "200", "--policy", "round_robin"]
+
+
+async def _status(endpoint: str):
+    async with Client(endpoint) as c:
+        return await c.status()
+
+
+def _prompt(session: int, turn: int) -> list[int]:
+    return [1000 * session + 37 * turn + k for k in range(1, 40)]  # a different prompt every turn
+
+
+def test_turns_of_a_session_stay_on_one_worker_zmq_and_http(procs):
+    b = procs.broker("b", *FAST, "--http", "127.0.0.1:0", "--session-table-size", "64")
+    url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen, start=b.log_start)["url"]
+    procs.workers("w", [b.backend], "--instant", count=3)
+
+    async def body():
+        await wait_for_workers(b.frontend, 3)
+        async with Client(b.frontend) as c:
+            # without a session, round robin spreads consecutive requests over every worker
+            plain = [await c.generate(input_ids=_prompt(99, t), max_new_tokens=2) for t in range(6)]
+            assert len({r.worker for r in plain}) == 3
+            # 4 sessions x 5 turns, interleaved: each session keeps its worker
+            where: dict[int, set[str]] = {s: set() for s in range(4)}
+            for t in range(5):
+                for s in range(4):
+                    r = await c.generate(input_ids=_prompt(s, t), max_new_tokens=2, session=f"agent-{s}")
+                    where[s].add(r.worker)
+            assert all(len(ws) == 1 for ws in where.values()), where
+            assert len(set().union(*where.values())) >= 2  # the sessions themselves were spread
+
+        # hostile: an oversized or mistyped session key is refused at the decode boundary
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(b.frontend)
+        try:
+            for i, bad in enumerate(("s" * 300, 12, "")):
+                body_ = P.submit_body(f"bad-{i}", input_ids=[1, 2, 3])
+                body_["session"] = bad
+                await sock.send_multipart([P.CLIENT_HEADER, bytes([P.Cmd.C_SUBMIT]), P.pack(body_)])
+                m = P.decode_client_reply(await asyncio.wait_for(sock.recv_multipart(), 10.0))
+                assert isinstance(m, P.ClientError) and m.code == "bad_request" and "session" in m.message, m
+        finally:
+            sock.close(linger=0)
+
+        async with aiohttp.ClientSession() as http:
+            async def chat(turn: int, **kw):
+                headers = kw.pop("headers", {})
+                payload = {"model": "mesh", "messages": [{"role": "user", "content": f"turn {turn} {kw}"}],
+                           "max_tokens": 2, **kw}
+                async with http.post(f"{url}/v1/chat/completions", json=payload, headers=headers) as r:
+                    return r.status, r.headers.get("x-mesh-worker"), await r.json()
+
+            for how in ({"headers": {"x-session-id": "http-a"}}, {"prompt_cache_key": "http-b"}, {"user": "http-c"}):
+                got = set()
+                for t in range(4):
+                    status, worker, js = await chat(t, **how)
+                    assert status == 200, js
+                    got.add(worker)
+                assert len(got) == 1, (how, got)
+            status, _, js = await chat(0, headers={"x-session-id": "h" * 300})
+            assert status == 400 and "x-session-id" in js["error"]["message"], js
+            status, _, js = await chat(0, user=["not", "a", "string"])
+            assert status == 400 and "user" in js["error"]["message"], js
+
+        # a flood of unique sessions: the table stays within --session-table-size, evictions counted
+        async with Client(b.frontend) as c:
+            await asyncio.gather(*(c.generate(input_ids=[7, 8, i], max_new_tokens=1, session=f"flood-{i}")
+                                   for i in range(200)))
+        cnt = (await _status(b.frontend)).counters
+        assert cnt.get("sessions.hit", 0) >= 4 * 4 + 3 * 3, cnt
+        assert cnt.get("sessions.evicted", 0) >= 200 + 4 + 3 - 64, cnt
+
+    run(body(), 120.0)
+
+
+def test_turns_alternating_between_two_brokers_stay_on_one_worker(procs):
+    pa, pb = free_port(), free_port()
+    ea, eb = f"tcp://127.0.0.1:{pa}", f"tcp://127.0.0.1:{pb}"
+    a = procs.broker("a", *FAST, "--exchange", ea, "--peer", eb)
+    b = procs.broker("b", *FAST, "--exchange", eb, "--peer", ea)
+    procs.workers("w", [a.backend, b.backend], "--instant", count=3)
+
+    async def fresh(ep: str):
+        return (await _status(ep)).broker["exchange"]["fresh"] >= 1
+
+    async def body():
+        await wait_for_workers(a.frontend, 3)
+        await wait_for_workers(b.frontend, 3)
+        await until(lambda: fresh(a.frontend), 10.0, "B fresh at A")
+        await until(lambda: fresh(b.frontend), 10.0, "A fresh at B")
+        async with Client(a.frontend) as ca, Client(b.frontend) as cb:
+            where: dict[int, list[str]] = {s: [] for s in range(3)}
+            for t in range(6):
+                for s in range(3):
+                    r = await (ca if t % 2 == 0 else cb).generate(input_ids=_prompt(s, t), max_new_tokens=2,
+                                                                 session=f"x-{s}")
+                    where[s].append(r.worker)
+                other = b.frontend if t % 2 == 0 else a.frontend
+
+                async def applied(ep=other, n=3 * (t // 2 + 1)):  # this turn's pins reached the other broker
+                    return (await _status(ep)).counters.get("sessions.remote_applied", 0) >= n
+
+                await until(applied, 10.0, f"turn {t}'s pins applied at the other broker")
+            assert all(len(set(ws)) == 1 for ws in where.values()), where
+        ca_c = (await _status(a.frontend)).counters
+        cb_c = (await _status(b.frontend)).counters
+        assert ca_c.get("sessions.hit", 0) + cb_c.get("sessions.hit", 0) == 3 * 5, (ca_c, cb_c)
+        assert ca_c.get("sessions.new", 0) + cb_c.get("sessions.new", 0) == 3, (ca_c, cb_c)
+
+    run(body(), 120.0)
