@@ -281,3 +281,45 @@ def test_settings_validated_naming_the_field():
                       (dict(session_key_sources="user,user"), "session_key_sources")):
         with pytest.raises(ConfigError, match=field):
             BrokerSettings(**kw).validate()
+
+
+# --------------------------------------------------------------------------- the broker core
+
+
+class _NullLog:
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def _core_route(core, client: bytes, rid: str, now: float, session: str | None, ids: list[int]) -> str:
+    """Submit through the core; answer it at once; returns the worker id that served it."""
+    core.client_frames([client, *P.encode_submit(rid, input_ids=ids, params={"max_new_tokens": 1}, stream=False,
+                                                 session=session)], now)
+    reqs = [s for s in core.out if s.to == 0]  # TO_WORKER
+    core.out.clear()
+    assert len(reqs) == 1, reqs
+    m = P.decode_broker_to_worker(reqs[0].frames)
+    assert m.submit.session == session
+    ident = reqs[0].identity
+    core.worker_frames([ident, *P.encode_worker_final(m.rid, m.attempt, "length", {"completion_tokens": 1})], now)
+    core.out.clear()
+    return core.pool.by_identity[ident].worker_id
+
+
+def test_broker_core_keeps_a_sessions_turns_on_one_worker_and_counts():
+    from mesh.broker_core import BrokerCore
+
+    s = BrokerSettings(policy="round_robin")
+    core = BrokerCore(s, make_router(RoundRobin(), session_affinity="soft"), log=_NullLog())
+    core.start(0.0)
+    for w in range(3):
+        ident = f"W{w}".encode()
+        core.worker_frames([ident, *P.encode_ready(P.Ready(f"w{w}", "m", "mixed", {}, 16, 256, 400_000, 1, 0, 500))], 0.0)
+        core.worker_frames([ident, *P.encode_heartbeat()], 0.0)
+    core.out.clear()
+    plain = {_core_route(core, b"c", f"p{i}", 0.1, None, [9, 9, i]) for i in range(3)}
+    assert len(plain) == 3  # round robin: no session, every worker in turn
+    served = {_core_route(core, b"c", f"s{i}", 0.2 + i, "agent", [i, i + 1, i + 2]) for i in range(6)}
+    assert len(served) == 1
+    flat = core.stats.flat()
+    assert flat["sessions.new"] == 1 and flat["sessions.hit"] == 5
