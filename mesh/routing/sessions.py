@@ -155,15 +155,7 @@ class SessionTable:
 
     def pin(self, h: int, worker_id: str, now_s: float) -> None:
         """This router sent session ``h`` to ``worker_id`` at ``now_s`` (a new pin or a use)."""
-        p = self._pins.get(h)
-        if p is None:
-            self._make_room()
-            self._pins[h] = _Pin(worker_id, now_s, None)
-        else:
-            if p.origin is not None:
-                self._by_origin[p.origin] -= 1
-            p.worker_id, p.last_s, p.origin = worker_id, now_s, None
-            self._pins.move_to_end(h)
+        self._put(h, self._pins.get(h), worker_id, now_s, None)
         if self.listener is not None:
             self.listener(h, worker_id, now_s)
 
@@ -200,21 +192,26 @@ class SessionTable:
             if (p is None or p.origin != peer) and self._by_origin[peer] >= self.peer_share:
                 self.stats["remote_over_share"] += 1
                 continue
-            if p is None:
-                self._make_room()
-                self._pins[h] = _Pin(wid, last_s, peer)
-            else:
-                if p.origin is not None:
-                    self._by_origin[p.origin] -= 1
-                p.worker_id, p.last_s, p.origin = wid, last_s, peer
-                self._pins.move_to_end(h)
-            self._by_origin[peer] += 1
+            self._put(h, p, wid, last_s, peer)
             applied += 1
         self.stats["remote_applied"] += applied
         return applied
 
     def remote_entries(self, peer: str) -> int:
         return self._by_origin[peer]
+
+    def _put(self, h: int, p: _Pin | None, worker_id: str, last_s: float, origin: str | None) -> None:
+        """Pin ``h`` (whose entry is ``p``, or None) to ``worker_id``, most recently used."""
+        if p is None:
+            self._make_room()
+            self._pins[h] = _Pin(worker_id, last_s, origin)
+        else:
+            if p.origin is not None:
+                self._by_origin[p.origin] -= 1
+            p.worker_id, p.last_s, p.origin = worker_id, last_s, origin
+            self._pins.move_to_end(h)
+        if origin is not None:
+            self._by_origin[origin] += 1
 
     def _make_room(self) -> None:
         while len(self._pins) >= self.max_size:
