@@ -134,3 +134,44 @@ def test_turns_alternating_between_two_brokers_stay_on_one_worker(procs):
         assert ca_c.get("sessions.new", 0) + cb_c.get("sessions.new", 0) == 3, (ca_c, cb_c)
 
     run(body(), 120.0)
+
+
+def test_a_peer_flooding_pins_gets_no_more_than_its_share(procs):
+    """A peer (a plain PUB speaking the exchange) sends thousands of distinct pins and malformed
+    ones: the broker applies at most its share of the table (size / (peers + 1)), counts the rest
+    and the malformed messages, and its own sessions keep their workers."""
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    b = procs.broker("b", *FAST, "--exchange", "tcp://127.0.0.1:*", "--peer", f"tcp://127.0.0.1:{port}",
+                     "--session-table-size", "1000")
+    procs.workers("w", [b.backend], "--instant", count=2)
+
+    async def body():
+        await wait_for_workers(b.frontend, 2)
+        async with Client(b.frontend) as c:
+            mine = {s: (await c.generate(input_ids=_prompt(s, 0), max_new_tokens=1, session=f"own-{s}")).worker
+                    for s in range(4)}
+            seq = 0
+
+            async def flooded():
+                nonlocal seq
+                seq += 1
+                pins = [(seq * 10_000 + i, "w-0", 0) for i in range(P.MAX_EXCHANGE_SESSIONS)]
+                await pub.send_multipart(P.encode_peer_load(P.PeerLoad("evil", 1, seq, True, [], 1000, [], pins)))
+                bad = P.encode_peer_load(P.PeerLoad("evil", 1, 0, True, []))
+                body_ = P.unpack(bad[2])
+                body_["sessions"] = [[1, "w-0", 0]] * (P.MAX_EXCHANGE_SESSIONS + 1)
+                await pub.send_multipart([bad[0], bad[1], P.pack(body_)])
+                cnt = (await _status(b.frontend)).counters
+                return cnt if cnt.get("sessions.remote_over_share", 0) > 0 and \
+                    cnt.get("exchange.rejected_too_many_sessions", 0) > 0 else None
+
+            cnt = await until(flooded, 20.0, "the flood is bounded and counted", step_s=0.05)
+            assert cnt["sessions.remote_applied"] <= 1000 // 2, cnt
+            for s in range(4):  # the broker's own sessions were not pushed out
+                r = await c.generate(input_ids=_prompt(s, 1), max_new_tokens=1, session=f"own-{s}")
+                assert r.worker == mine[s]
+
+    run(body(), 120.0)
