@@ -323,3 +323,26 @@ def test_broker_core_keeps_a_sessions_turns_on_one_worker_and_counts():
     assert len(served) == 1
     flat = core.stats.flat()
     assert flat["sessions.new"] == 1 and flat["sessions.hit"] == 5
+
+
+def test_broker_core_hard_mode_fails_a_turn_whose_worker_is_gone_clearly():
+    from mesh.broker_core import BrokerCore
+
+    core = BrokerCore(BrokerSettings(), make_router(RoundRobin(), session_affinity="hard"), log=_NullLog())
+    core.start(0.0)
+    for w in range(2):
+        ident = f"W{w}".encode()
+        core.worker_frames([ident, *P.encode_ready(P.Ready(f"w{w}", "m", "mixed", {}, 16, 256, 400_000, 1, 0, 500))], 0.0)
+        core.worker_frames([ident, *P.encode_heartbeat()], 0.0)
+    core.out.clear()
+    wid = _core_route(core, b"c", "t0", 0.1, "stateful", [1, 2, 3])
+    core.worker_frames([next(i for i, s in core.pool.by_identity.items() if s.worker_id == wid),
+                        *P.encode_disconnect("bye")], 0.2)
+    core.out.clear()
+    core.client_frames([b"c", *P.encode_submit("t1", input_ids=[4, 5, 6], stream=False, session="stateful")], 0.3)
+    errs = [P.decode_client_reply(s.frames) for s in core.out if s.to == 1]
+    assert len(errs) == 1 and isinstance(errs[0], P.ClientError), errs
+    assert errs[0].code == "no_worker" and "gone" in errs[0].message and wid in errs[0].message
+    core.out.clear()
+    assert _core_route(core, b"c", "t2", 0.4, "stateful", [7, 8, 9]) != wid  # the next turn starts a new pin
+    assert core.stats.flat()["sessions.hard_gone"] == 1
