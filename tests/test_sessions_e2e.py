@@ -83,6 +83,13 @@ def test_turns_of_a_session_stay_on_one_worker_zmq_and_http(procs):
                     assert status == 200, js
                     got.add(worker)
                 assert len(got) == 1, (how, got)
+            got = set()
+            for t in range(4):  # SGLang's /generate with session_params
+                async with http.post(f"{url}/generate", json={"text": f"turn {t}", "sampling_params": {"max_new_tokens": 2},
+                                                              "session_params": {"id": "gen-d"}}) as r:
+                    assert r.status == 200, await r.text()
+                    got.add(r.headers.get("x-mesh-worker"))
+            assert len(got) == 1, got
             status, _, js = await chat(0, headers={"x-session-id": "h" * 300})
             assert status == 400 and "x-session-id" in js["error"]["message"], js
             status, _, js = await chat(0, user=["not", "a", "string"])
