@@ -346,3 +346,13 @@ def test_broker_core_hard_mode_fails_a_turn_whose_worker_is_gone_clearly():
     core.out.clear()
     assert _core_route(core, b"c", "t2", 0.4, "stateful", [7, 8, 9]) != wid  # the next turn starts a new pin
     assert core.stats.flat()["sessions.hard_gone"] == 1
+
+
+def test_pd_router_given_a_prefill_pin_repins_to_the_decode_worker_and_releases():
+    sr = make_router(PowerOfTwo(rng=random.Random(1)), pd=True, rng=random.Random(2), session_affinity="hard")
+    pool = _pool(2, "prefill", "p") + _pool(2, "decode", "d")
+    sr.table.apply_remote("peer", [(session_hash("s1"), "p1", 0)], 0.0)  # a mixed-mode peer's idea of a pin
+    d = sr.route(_req(0), pool, 0.0)
+    assert d.decode_worker_id is not None and d.detail["session"] == "repin_refused"
+    assert sr.table.get(session_hash("s1"), 0.0) == d.decode_worker_id
+    assert sum(w.inflight for w in pool) == 2  # the refused attempt's bookkeeping was undone

@@ -292,15 +292,17 @@ class SessionRouter:
                 return self._route_and_pin(req, pool, now_s, exclude, h, "repin_imbalance")
         others = {w.worker_id for w in pool if w.role == role and w is not pinned}
         d = self.inner.route(req, pool, now_s, others.union(exclude) if exclude else others)
-        if d.worker_id is not None and _sticky(d) == wid:
-            table.pin(h, wid, now_s)
-            table.stats["hit"] += 1
-            d.detail["session"] = "hit"
-            return d
-        if d.worker_id is not None:  # pragma: no cover - the others were excluded
+        if d.worker_id is not None:
+            if _sticky(d) == wid:
+                table.pin(h, wid, now_s)
+                table.stats["hit"] += 1
+                d.detail["session"] = "hit"
+                return d
+            # pinned at the other stage (a P/D router's pin names the decode worker; one of a
+            # peer routing mixed workers named a prefill one): undo, and pin this router's way
             self._release(d, pool)
-        if d.reason == "bad_slo" or self.mode == "hard":
-            return d
+        elif d.reason == "bad_slo" or self.mode == "hard":
+            return d  # hard: the pinned worker's bucket cannot take this request
         return self._route_and_pin(req, pool, now_s, exclude, h, "repin_refused")
 
     def _route_and_pin(self, req, pool, now_s: float, exclude, h: int, why: str) -> Decision:
