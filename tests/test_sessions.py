@@ -291,6 +291,18 @@ class _NullLog:
         return lambda *a, **k: None
 
 
+def _core(core_cls, mode: str, n: int):
+    """A broker core with round robin in session mode ``mode`` and ``n`` confirmed workers."""
+    core = core_cls(BrokerSettings(policy="round_robin"), make_router(RoundRobin(), session_affinity=mode), log=_NullLog())
+    core.start(0.0)
+    for w in range(n):
+        ident = f"W{w}".encode()
+        core.worker_frames([ident, *P.encode_ready(P.Ready(f"w{w}", "m", "mixed", {}, 16, 256, 400_000, 1, 0, 500))], 0.0)
+        core.worker_frames([ident, *P.encode_heartbeat()], 0.0)
+    core.out.clear()
+    return core
+
+
 def _core_route(core, client: bytes, rid: str, now: float, session: str | None, ids: list[int]) -> str:
     """Submit through the core; answer it at once; returns the worker id that served it."""
     core.client_frames([client, *P.encode_submit(rid, input_ids=ids, params={"max_new_tokens": 1}, stream=False,
@@ -309,14 +321,7 @@ def _core_route(core, client: bytes, rid: str, now: float, session: str | None, 
 def test_broker_core_keeps_a_sessions_turns_on_one_worker_and_counts():
     from mesh.broker_core import BrokerCore
 
-    s = BrokerSettings(policy="round_robin")
-    core = BrokerCore(s, make_router(RoundRobin(), session_affinity="soft"), log=_NullLog())
-    core.start(0.0)
-    for w in range(3):
-        ident = f"W{w}".encode()
-        core.worker_frames([ident, *P.encode_ready(P.Ready(f"w{w}", "m", "mixed", {}, 16, 256, 400_000, 1, 0, 500))], 0.0)
-        core.worker_frames([ident, *P.encode_heartbeat()], 0.0)
-    core.out.clear()
+    core = _core(BrokerCore, "soft", 3)
     plain = {_core_route(core, b"c", f"p{i}", 0.1, None, [9, 9, i]) for i in range(3)}
     assert len(plain) == 3  # round robin: no session, every worker in turn
     served = {_core_route(core, b"c", f"s{i}", 0.2 + i, "agent", [i, i + 1, i + 2]) for i in range(6)}
@@ -328,13 +333,7 @@ def test_broker_core_keeps_a_sessions_turns_on_one_worker_and_counts():
 def test_broker_core_hard_mode_fails_a_turn_whose_worker_is_gone_clearly():
     from mesh.broker_core import BrokerCore
 
-    core = BrokerCore(BrokerSettings(), make_router(RoundRobin(), session_affinity="hard"), log=_NullLog())
-    core.start(0.0)
-    for w in range(2):
-        ident = f"W{w}".encode()
-        core.worker_frames([ident, *P.encode_ready(P.Ready(f"w{w}", "m", "mixed", {}, 16, 256, 400_000, 1, 0, 500))], 0.0)
-        core.worker_frames([ident, *P.encode_heartbeat()], 0.0)
-    core.out.clear()
+    core = _core(BrokerCore, "hard", 2)
     wid = _core_route(core, b"c", "t0", 0.1, "stateful", [1, 2, 3])
     core.worker_frames([next(i for i, s in core.pool.by_identity.items() if s.worker_id == wid),
                         *P.encode_disconnect("bye")], 0.2)
