@@ -675,7 +675,11 @@ class Broker:
         return self.exchange is not None and self.exchange.degraded
 
     def _status_extra(self, now: float) -> dict:
-        return {"exchange": self.exchange.status(now)} if self.exchange is not None else {}
+        out = {"exchange": self.exchange.status(now)} if self.exchange is not None else {}
+        sessions = getattr(self.router, "session_table", None)
+        if sessions is not None:  # session affinity: the mode and how many sessions are pinned now
+            out["sessions"] = {"mode": self.router.mode, "pinned": len(sessions), "max": sessions.max_size}
+        return out
 
     # ------------------------------------------------------------------ telemetry
 

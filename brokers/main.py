@@ -100,6 +100,9 @@ def _gauges(broker: Broker):
         out["mesh_broker_inflight"].append(({"broker_id": broker.broker_id}, float(broker.inflight_count)))
         out["mesh_broker_retries_in_flight"].append(({"broker_id": broker.broker_id}, float(broker.budget.active)))
         out.setdefault("mesh_broker_parked", []).append(({"broker_id": broker.broker_id}, float(broker.parked_count)))
+        sessions = getattr(broker.router, "session_table", None)
+        if sessions is not None:  # sessions pinned now (mesh.routing.sessions; bounded by --session-table-size)
+            out.setdefault("mesh_sessions_pinned", []).append(({"broker_id": broker.broker_id}, float(len(sessions))))
         if broker.exchange is not None:
             out["mesh_exchange_peers"] = [({"state": k}, float(v)) for k, v in broker.exchange.peer_counts().items()]
             out["mesh_exchange_degraded"] = [({"broker_id": broker.broker_id}, 1.0 if broker.exchange.degraded else 0.0)]

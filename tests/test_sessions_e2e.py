@@ -99,9 +99,16 @@ def test_turns_of_a_session_stay_on_one_worker_zmq_and_http(procs):
         async with Client(b.frontend) as c:
             await asyncio.gather(*(c.generate(input_ids=[7, 8, i], max_new_tokens=1, session=f"flood-{i}")
                                    for i in range(200)))
-        cnt = (await _status(b.frontend)).counters
+        st = await _status(b.frontend)
+        assert st.broker["sessions"] == {"mode": "soft", "pinned": 64, "max": 64}, st.broker
+        cnt = st.counters
         assert cnt.get("sessions.hit", 0) >= 4 * 4 + 3 * 3, cnt
         assert cnt.get("sessions.evicted", 0) >= 200 + 4 + 3 - 64, cnt
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/metrics") as r:
+                text = await r.text()
+        assert 'mesh_sessions_total{what="hit"}' in text and 'mesh_sessions_total{what="evicted"}' in text
+        assert 'mesh_sessions_pinned{broker_id="b"} 64.0' in text
 
     run(body(), 120.0)
 
