@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -120,14 +121,11 @@ def test_turns_alternating_between_two_brokers_stay_on_one_worker(procs):
     b = procs.broker("b", *FAST, "--exchange", eb, "--peer", ea)
     procs.workers("w", [a.backend, b.backend], "--instant", count=3)
 
-    async def fresh(ep: str):
-        return (await _status(ep)).broker["exchange"]["fresh"] >= 1
-
     async def body():
         await wait_for_workers(a.frontend, 3)
         await wait_for_workers(b.frontend, 3)
-        await until(lambda: fresh(a.frontend), 10.0, "B fresh at A")
-        await until(lambda: fresh(b.frontend), 10.0, "A fresh at B")
+        await until(lambda: _fresh_peer(a.frontend), 10.0, "B fresh at A")
+        await until(lambda: _fresh_peer(b.frontend), 10.0, "A fresh at B")
         async with Client(a.frontend) as ca, Client(b.frontend) as cb:
             where: dict[int, list[str]] = {s: [] for s in range(3)}
             for t in range(6):
@@ -189,3 +187,60 @@ def test_a_peer_flooding_pins_gets_no_more_than_its_share(procs):
                 assert r.worker == mine[s]
 
     run(body(), 120.0)
+
+
+def test_an_agent_loop_through_the_gateway_keeps_each_session_on_one_worker(procs):
+    """The official ``openai`` client through ``mesh gateway`` (round robin over two brokers that
+    exchange pins): every turn of a session (``user``, ``prompt_cache_key`` or ``x-session-id``)
+    is answered by its session's worker, whichever broker carried it."""
+    openai = pytest.importorskip("openai")
+    pa, pb = free_port(), free_port()
+    ea, eb = f"tcp://127.0.0.1:{pa}", f"tcp://127.0.0.1:{pb}"
+    a = procs.broker("a", *FAST, "--exchange", ea, "--peer", eb)
+    b = procs.broker("b", *FAST, "--exchange", eb, "--peer", ea)
+    procs.workers("w", [a.backend, b.backend], "--instant", count=3)
+    args = ["gateway", "--http", "127.0.0.1:0", "--broker", a.frontend, "--broker", b.frontend]
+    gw = procs.spawn("gw", args)
+    url = wait_for_log_event(gw.log_path, "gateway_listening", 30, gw.popen, start=gw.log_start)["url"]
+
+    async def body():
+        await wait_for_workers(a.frontend, 3)
+        await wait_for_workers(b.frontend, 3)
+        for ep in (a.frontend, b.frontend):
+            await until(lambda ep=ep: _fresh_peer(ep), 10.0, "the peer is fresh")
+        async with aiohttp.ClientSession() as s:
+            async def healthy() -> bool:
+                async with s.get(url + "/health") as r:
+                    return r.status == 200 and (await r.json())["workers"] == 3
+            await until(healthy, 20, "the gateway sees the workers")
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=20)
+        how = [{"user": "agent-0"}, {"extra_body": {"prompt_cache_key": "agent-1"}},
+               {"extra_headers": {"x-session-id": "agent-2"}}, {"user": "agent-3"}]
+        where: dict[int, set[str]] = {s: set() for s in range(len(how))}
+        history: dict[int, list] = {s: [] for s in range(len(how))}
+        for turn in range(6):
+            for s, kw in enumerate(how):
+                history[s].append({"role": "user", "content": f"session {s} turn {turn}: call the tool"})
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="mesh", messages=history[s], max_tokens=2, **kw)
+                r = raw.parse()
+                assert r.choices[0].finish_reason == "length"
+                history[s].append({"role": "assistant", "content": r.choices[0].message.content or ""})
+                where[s].add(raw.headers["x-mesh-worker"])
+            # the pins of this round are known to both brokers before the next round
+            async def both_know(n=len(how)):
+                ca = (await _status(a.frontend)).broker["sessions"]["pinned"]
+                cb = (await _status(b.frontend)).broker["sessions"]["pinned"]
+                return ca >= n and cb >= n
+            await until(both_know, 10.0, "both brokers hold every session's pin")
+        assert all(len(ws) == 1 for ws in where.values()), where
+        hits = 0
+        for ep in (a.frontend, b.frontend):
+            hits += (await _status(ep)).counters.get("sessions.hit", 0)
+        assert hits == len(how) * 5
+
+    run(body(), 120.0)
+
+
+async def _fresh_peer(ep: str) -> bool:
+    return (await _status(ep)).broker["exchange"]["fresh"] >= 1
