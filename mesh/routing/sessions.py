@@ -287,10 +287,13 @@ class SessionRouter:
         role = pinned.role
         if self.mode == "soft":
             fr = self.freshness_s
-            lo = min(w.pressure(now_s, fr) for w in pool if w.role == role and w.worker_id not in exclude)
-            if over_imbalance_bound(pinned.pressure(now_s, fr), lo, self.balance_abs_threshold, self.balance_rel_threshold):
-                return self._route_and_pin(req, pool, now_s, exclude, h, "repin_imbalance")
-        others = {w.worker_id for w in pool if w.role == role and w is not pinned}
+            mine = pinned.pressure(now_s, fr)
+            # (no worker's load is below 0: under the absolute bound the scan cannot find an imbalance)
+            if mine > self.balance_abs_threshold:
+                lo = min(w.pressure(now_s, fr) for w in pool if w.role == role and w.worker_id not in exclude)
+                if over_imbalance_bound(mine, lo, self.balance_abs_threshold, self.balance_rel_threshold):
+                    return self._route_and_pin(req, pool, now_s, exclude, h, "repin_imbalance")
+        others = {w.worker_id for w in pool if w.role == role and w is not pinned}  # excluded for this turn
         d = self.inner.route(req, pool, now_s, others.union(exclude) if exclude else others)
         if d.worker_id is not None:
             if _sticky(d) == wid:
