@@ -195,6 +195,10 @@ class Broker:
                                          on_reject=lambda err: self._reject("exchange", err, b""), curve=self.curve,
                                          on_routes=getattr(self.router.provider, "add_peer_routes", None))
             self.exchange_endpoint = self.exchange.endpoint
+            sessions = getattr(self.router, "session_table", None)
+            if sessions is not None:  # session pins travel both ways (mesh.routing.sessions)
+                sessions.listener = self.exchange.publisher.note_session
+                self.exchange.on_sessions = sessions.apply_remote
             if self.s.exchange_routes and hasattr(self.router.provider, "add_peer_routes"):
                 # the provider's insert-on-route guesses go to the peers with the next message
                 self.router.provider.route_listener = self.exchange.publisher.note_route
@@ -674,7 +678,11 @@ class Broker:
         return self.exchange is not None and self.exchange.degraded
 
     def _status_extra(self, now: float) -> dict:
-        return {"exchange": self.exchange.status(now)} if self.exchange is not None else {}
+        out = {"exchange": self.exchange.status(now)} if self.exchange is not None else {}
+        sessions = getattr(self.router, "session_table", None)
+        if sessions is not None:  # session affinity: the mode and how many sessions are pinned now
+            out["sessions"] = {"mode": self.router.mode, "pinned": len(sessions), "max": sessions.max_size}
+        return out
 
     # ------------------------------------------------------------------ telemetry
 

@@ -74,7 +74,9 @@ def _router(settings: BrokerSettings, policy, provider, rng):
 
     buckets = load_bucket_config(settings.bucket_config) if settings.bucket_config else None
     return make_router(policy, provider, buckets=buckets, pd=settings.pd, rng=rng, freshness_s=settings.load_freshness_s,
-                       global_cache_winner=settings.global_cache_winner, decode_policy=settings.decode_policy)
+                       global_cache_winner=settings.global_cache_winner, decode_policy=settings.decode_policy,
+                       session_affinity=settings.session_affinity, session_ttl_s=settings.session_ttl_s,
+                       session_table_size=settings.session_table_size, session_peers=max(1, len(settings.peer)))
 
 
 def _gauges(broker: Broker):
@@ -98,6 +100,9 @@ def _gauges(broker: Broker):
         out["mesh_broker_inflight"].append(({"broker_id": broker.broker_id}, float(broker.inflight_count)))
         out["mesh_broker_retries_in_flight"].append(({"broker_id": broker.broker_id}, float(broker.budget.active)))
         out.setdefault("mesh_broker_parked", []).append(({"broker_id": broker.broker_id}, float(broker.parked_count)))
+        sessions = getattr(broker.router, "session_table", None)
+        if sessions is not None:  # sessions pinned now (mesh.routing.sessions; bounded by --session-table-size)
+            out.setdefault("mesh_sessions_pinned", []).append(({"broker_id": broker.broker_id}, float(len(sessions))))
         if broker.exchange is not None:
             out["mesh_exchange_peers"] = [({"state": k}, float(v)) for k, v in broker.exchange.peer_counts().items()]
             out["mesh_exchange_degraded"] = [({"broker_id": broker.broker_id}, 1.0 if broker.exchange.degraded else 0.0)]
@@ -214,7 +219,8 @@ async def serve_broker(settings: BrokerSettings) -> None:
                               max_body_bytes_per_address=settings.http_max_body_bytes_per_address,
                               idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s,
                               request_timeout_s=settings.http_request_timeout_s,
-                              stream_idle_timeout_s=settings.http_stream_idle_timeout_s)
+                              stream_idle_timeout_s=settings.http_stream_idle_timeout_s,
+                              session_sources=settings.session_sources() if settings.session_affinity != "off" else ())
         _check_fd_budget(settings, log)
         try:
             url = await ingress.start(host.strip("[]") or "127.0.0.1", int(port))

@@ -84,6 +84,8 @@ class PeerExchange:
         self.log = log
         self.on_reject = on_reject
         self.on_routes = on_routes  # peers' routed prompts go to the provider (mesh.index.peer_routes)
+        # peers' session pins go to the session table (mesh.routing.sessions): (peer, pins, now_s)
+        self.on_sessions: Callable[[str, list[tuple[int, str, int]], float], int] | None = None
         pub_spec, sub_spec = EXCHANGE_PUB, EXCHANGE_SUB
         if curve is not None:
             pub_spec = EXCHANGE_PUB.with_curve(curve, b"peers")
@@ -123,6 +125,9 @@ class PeerExchange:
         if outcome == "applied" and m.routes and self.on_routes is not None:
             self.on_routes(m.routes, now_s)
             self.stats["routes_received"] += len(m.routes)
+        if outcome == "applied" and m.sessions and self.on_sessions is not None:
+            self.on_sessions(m.broker, m.sessions, now_s)
+            self.stats["sessions_received"] += len(m.sessions)
         if outcome == "self" and not self._self_seen:
             # one --peer endpoint is another address of this broker: it is not a peer to wait for
             self._self_seen = True

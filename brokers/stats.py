@@ -69,6 +69,8 @@ class StatsCollector(Collector):
             ("mesh_loop", "Broker event loop stalls and load shedding", "what", s.loop),
             ("mesh_exchange", "Peer exchange messages and decisions made while a peer was stale", "what", s.exchange),
             ("mesh_lora", "LoRA requests and where they were sent (to an engine holding the adapter or not)", "what", s.lora),
+            ("mesh_sessions", "Session affinity: hits, new pins, re-pins by cause, evictions, peers' pins applied",
+             "what", s.sessions),
             _text_unmatched_family(s),
         ):
             fam = CounterMetricFamily(name, doc, labels=[label])

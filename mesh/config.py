@@ -90,6 +90,17 @@ class BrokerSettings:
                                         help="keep cache winners inside their bucket")
     decode_policy: str = setting("power_of_two", choices=("power_of_two", "legacy_host_affinity"),
                                  help="how --pd picks the decode worker")
+    # Session affinity (mesh/routing/sessions.py, docs/routing.md "Sessions")
+    session_affinity: str = setting("soft", choices=("off", "soft", "hard"),
+                                    help="turns of a session (x-session-id, prompt_cache_key, user, SGLang "
+                                         "session_params, or a SUBMIT's session) stick to one worker: soft while it "
+                                         "is routable and within the policy's imbalance bound, hard always (engines "
+                                         "that keep session state; a turn whose worker is gone fails)")
+    session_ttl_s: float = setting(600.0, unit="s", help="a session's pin is forgotten this long after its last turn")
+    session_table_size: int = setting(100_000, help="sessions remembered at most (least recently used evicted)")
+    session_key_sources: str = setting("header,prompt_cache_key,user,session_params", metavar="LIST",
+                                       help="where the HTTP ingress takes a session key from, in this order "
+                                            "(comma-separated: header, prompt_cache_key, user, session_params)")
     metrics: str = setting("", default_text="off", help="HOST:PORT for the Prometheus /metrics endpoint (no "
                                                        "authentication: an empty HOST, as in :9100, binds 127.0.0.1 only)")
     http: str = setting("", default_text="off", help="HOST:PORT of the OpenAI-compatible HTTP ingress (port 0 = any "
@@ -181,6 +192,16 @@ class BrokerSettings:
                  "must be power_of_two or legacy_host_affinity")
         if self.bucket_config:
             _require(Path(self.bucket_config).is_file(), "bucket_config", f"{self.bucket_config} does not exist")
+        _require(self.session_affinity in ("off", "soft", "hard"), "session_affinity", "must be off, soft or hard")
+        _require(math.isfinite(self.session_ttl_s) and 0 < self.session_ttl_s <= 7 * 86_400, "session_ttl_s",
+                 "must be a number of seconds in (0, 604800]")
+        _require(type(self.session_table_size) is int and 1 <= self.session_table_size <= 10_000_000,
+                 "session_table_size", "must be an integer in [1, 10000000]")
+        srcs = self.session_sources()
+        _require(all(x in ("header", "prompt_cache_key", "user", "session_params") for x in srcs)
+                 and len(set(srcs)) == len(srcs), "session_key_sources",
+                 f"must list distinct sources among header, prompt_cache_key, user, session_params, got "
+                 f"{self.session_key_sources[:80]!r}")
         _require(self.max_parked >= 0, "max_parked", "must be >= 0")
         _require(self.max_inflight_per_worker >= 0, "max_inflight_per_worker", "must be >= 0")
         _require(self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0")
@@ -265,6 +286,10 @@ class BrokerSettings:
                  "exchange_interval_ms", "must be in [0, 1000]")
         _require(math.isfinite(self.exchange_stale_ms) and 3 * self.exchange_interval_ms < self.exchange_stale_ms <= 600_000,
                  "exchange_stale_ms", "must be more than 3 x exchange_interval_ms and at most 600000")
+
+    def session_sources(self) -> tuple[str, ...]:
+        """``session_key_sources`` as a tuple (empty: the ingress takes no session keys)."""
+        return tuple(x.strip() for x in self.session_key_sources.split(",") if x.strip())
 
     def aliases(self) -> dict[str, str]:
         """``model_alias`` as a map (validated: each entry is ALIAS=MODEL)."""

@@ -38,7 +38,7 @@ REQUEST_KEYS = frozenset({
     "extra_key", "cache_salt", "priority", "routing_key", "session_params", "session_id", "routed_dp_rank",
     "return_prompt_token_ids", "return_hidden_states",
 })
-OPENAI_NO_OPS = frozenset({"user", "metadata", "store", "service_tier"})
+OPENAI_NO_OPS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key"})  # user, prompt_cache_key: session keys
 # /generate fields the ingress itself reads
 _GENERATE_OWN = frozenset({"text", "input_ids", "sampling_params", "stream", "rid", "model"})  # model: a mesh extension
 _OPENAI_OWN = frozenset({"model", "prompt", "messages", "stream", "stream_options"})

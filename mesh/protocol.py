@@ -40,7 +40,9 @@ SUBMIT     0x11  c->b    ``rid`` str (1..256 bytes, unique among the client's in
                          ``body`` bin (at most ``MAX_PASSTHROUGH_BODY_BYTES``): the client's own
                          HTTP body, which the worker sends to its engine's OpenAI-compatible
                          ``path`` unchanged (``input_ids``/``text`` are then only the routing
-                         key); its answer comes back as pass-through data maps (below). The
+                         key); its answer comes back as pass-through data maps (below).
+                         ``session`` str (1..256 bytes, optional: the session key, turns of one
+                         session stick to one worker, see :mod:`mesh.routing.sessions`). The
                          broker forwards this body verbatim as REQUEST frame 3.
 CANCEL     0x12  c->b    ``rid``.
 ACCEPTED   0x13  b->c    ``rid``, ``worker`` str, ``reason`` str (routing decision reason),
@@ -159,7 +161,11 @@ PEER_LOAD   0x21  ``broker`` str (1..256 bytes, the sender's broker id), ``epoch
                   ``[worker_id str (1..256 bytes), pages int (1..2**31-1), anchors]``:
                   prompts the sender routed there since its last message, each as its
                   full-page count and 1..``MAX_ROUTE_ANCHORS`` content keys (ints
-                  0..2**64-1, :func:`mesh.index.peer_routes.route_anchors`).
+                  0..2**64-1, :func:`mesh.index.peer_routes.route_anchors`);
+                  ``sessions`` (optional) list of at most ``MAX_EXCHANGE_SESSIONS`` arrays
+                  ``[session_hash int (0..2**64-1), worker_id str (1..256 bytes), age_ms int
+                  (0..2**31-1)]``: session pins the sender made or used since its last
+                  message, and how long ago (:mod:`mesh.routing.sessions`).
 ==========  ====  ===================================================================
 
 Figures are the sender's own *absolute* values per worker: requests it has in flight there,
@@ -275,6 +281,9 @@ MAX_PEER_PREFILL_TOKENS = 1 << 40
 MAX_PEER_SENT_TOKENS = 1 << 62
 MAX_EXCHANGE_ROUTES = 1024  # prompts routed per message: with 64 anchors each, under 1 MiB
 MAX_ROUTE_ANCHORS = 64
+MAX_SESSION_BYTES = 256  # a SUBMIT's ``session`` key
+MAX_EXCHANGE_SESSIONS = 512  # session pins per exchange message (~140 KiB at most)
+MAX_SESSION_AGE_MS = 2**31 - 1
 _U64 = (1 << 64) - 1
 
 # Pass-through (SUBMIT ``passthrough``): the engine endpoints a worker may be asked to call, and
@@ -451,6 +460,7 @@ class Submit:
     traceparent: str | None = None
     # pass-through (SUBMIT ``passthrough``): ``{"path", "method", "body"}``, checked; None: mesh renders
     passthrough: dict[str, Any] | None = None
+    session: str | None = None  # the session key (turns of one session stick to one worker)
 
     @property
     def prompt_len(self) -> int:
@@ -527,6 +537,7 @@ def submit_body(
     model: str | None = None,
     traceparent: str | None = None,
     passthrough: dict[str, Any] | None = None,
+    session: str | None = None,
 ) -> dict[str, Any]:
     """The SUBMIT body (frame 2 before packing) :func:`encode_submit` sends."""
     body: dict[str, Any] = {"rid": rid, "params": params or {}, "stream": stream, "idempotent": idempotent}
@@ -544,6 +555,8 @@ def submit_body(
         body["slo"] = slo
     if passthrough is not None:
         body["passthrough"] = passthrough
+    if session is not None:
+        body["session"] = session
     return body
 
 
@@ -659,6 +672,7 @@ def _submit_of(d: dict[str, Any], raw: bytes) -> Submit:
         model=_str(d, "model", required=False, max_bytes=256) or None,
         traceparent=_traceparent(d.get("traceparent")),
         passthrough=_passthrough(d.get("passthrough")),
+        session=_session(d),
     )
 
 
@@ -705,6 +719,16 @@ def passthrough_reply(data: Any) -> PassthroughReply | None:
                               or not (ctype.isascii() and ctype.isprintable())):
         return None
     return PassthroughReply(status, ctype, raw)
+
+
+def _session(d: dict[str, Any]) -> str | None:
+    """The optional ``session`` key: a non-empty string of at most MAX_SESSION_BYTES bytes."""
+    if d.get("session") is None:
+        return None
+    v = _str(d, "session", max_bytes=MAX_SESSION_BYTES)
+    if not v:
+        raise ProtocolError("bad_field", "session must be a non-empty string")
+    return v
 
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
@@ -1074,6 +1098,7 @@ class PeerLoad:
     workers: list[tuple[str, int, int, int]]
     full_ms: int = 1000
     routes: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    sessions: list[tuple[int, str, int]] = field(default_factory=list)  # (session hash, worker_id, age_ms)
 
 
 def encode_peer_load(m: PeerLoad) -> list[bytes]:
@@ -1081,6 +1106,8 @@ def encode_peer_load(m: PeerLoad) -> list[bytes]:
             "workers": [list(w) for w in m.workers]}
     if m.routes:
         body["routes"] = [[w, n, list(a)] for w, n, a in m.routes]
+    if m.sessions:
+        body["sessions"] = [[h, w, a] for h, w, a in m.sessions]
     return [EXCHANGE_HEADER, _X_PEER_LOAD_B, pack(body)]
 
 
@@ -1088,7 +1115,7 @@ def decode_exchange(frames: list[bytes]) -> PeerLoad | ProtocolError:
     """Decode a peer exchange message. Never raises: returns a PeerLoad or a ProtocolError whose
     ``reason`` is the metric label (``bad_frame_count``, ``bad_header``, ``unknown_command``,
     ``too_large``, ``bad_msgpack``, ``bad_body``, ``bad_field``, ``too_many_workers``,
-    ``duplicate_worker``, ``too_many_routes``)."""
+    ``duplicate_worker``, ``too_many_routes``, ``too_many_sessions``)."""
     try:
         if len(frames) != 3:
             raise ProtocolError("bad_frame_count", f"{len(frames)} frames")
@@ -1148,8 +1175,31 @@ def decode_exchange(frames: list[bytes]) -> PeerLoad | ProtocolError:
                         or not all(type(k) is int and 0 <= k <= _U64 for k in anchors)):
                     raise ProtocolError("bad_field", f"a route's anchors must be 1..{MAX_ROUTE_ANCHORS} ints 0..2**64-1")
                 routes.append((wid, pages, anchors))
-        return PeerLoad(broker, epoch, seq, full, out, full_ms, routes)
+        return PeerLoad(broker, epoch, seq, full, out, full_ms, routes, _exchange_sessions(d.get("sessions")))
     except ProtocolError as exc:
         return exc
     except Exception as exc:
         return ProtocolError("internal_decode_error", repr(exc))
+
+
+def _exchange_sessions(ss: Any) -> list[tuple[int, str, int]]:
+    """A PEER_LOAD's optional ``sessions``: at most MAX_EXCHANGE_SESSIONS ``[hash, worker_id, age_ms]``."""
+    if ss is None:
+        return []
+    if type(ss) is not list:
+        raise ProtocolError("bad_field", "sessions must be a list")
+    if len(ss) > MAX_EXCHANGE_SESSIONS:
+        raise ProtocolError("too_many_sessions", f"{len(ss)} sessions (max {MAX_EXCHANGE_SESSIONS})")
+    out: list[tuple[int, str, int]] = []
+    for e in ss:
+        if type(e) is not list or len(e) != 3:
+            raise ProtocolError("bad_field", "a session pin is [session_hash, worker_id, age_ms]")
+        h, wid, age = e
+        if type(h) is not int or not 0 <= h <= _U64:
+            raise ProtocolError("bad_field", "a session pin's hash must be an int 0..2**64-1")
+        if type(wid) is not str or not wid or len(wid) > 256 or len(wid.encode("utf-8", "surrogatepass")) > 256:
+            raise ProtocolError("bad_field", "a session pin's worker_id must be a string of 1..256 bytes")
+        if type(age) is not int or not 0 <= age <= MAX_SESSION_AGE_MS:
+            raise ProtocolError("bad_field", f"a session pin's age_ms must be an int 0..{MAX_SESSION_AGE_MS}")
+        out.append((h, wid, age))
+    return out

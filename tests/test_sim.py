@@ -376,3 +376,22 @@ def test_host_tier_flag_turns_on_hicache_and_raises_the_hit_rate():
     runs = [run_sim(_cfg(workers=[2], policies=["round_robin"], engine=eng, rate=20.0, duration_s=3.0,
                          workload_params=_small_stream(groups=8, system_tokens=1024)))["arms"][0] for eng in (small, tiered)]
     assert runs[1]["hit_rate"] > runs[0]["hit_rate"]
+
+
+def test_sim_session_affinity_keeps_conversations_on_their_worker_across_routers():
+    """Two routers picked at random per turn, a load-only policy: with the sessions shared over the
+    exchange, every later turn of a conversation finds its worker (hits) and the hit rate rises."""
+    reps = {}
+    for mode in ("off", "soft"):
+        cfg = SimConfig(workload="conversation", workers=[4], routers=[2], router_pick="random", policies=["power_of_two"],
+                        providers=["none"], seed=1, rate=4.0, max_requests=200, duration_s=None, exchange=True,
+                        session_affinity=mode)
+        reps[mode] = run_sim(cfg)["arms"][0]
+    off, soft = reps["off"], reps["soft"]
+    assert off["sessions"] == {}
+    s = soft["sessions"]
+    assert s["new"] + s["hit"] == 200 and s["hit"] > 50 and s["remote_applied"] > 0
+    assert not any(k.startswith("repin") for k in s)
+    assert soft["hit_rate"] > 1.5 * off["hit_rate"]
+    with pytest.raises(ConfigError, match="session_affinity"):
+        _cfg(session_affinity="sticky").validate()

@@ -45,7 +45,7 @@ class HttpIngress:
                  chat_templates: dict[str | None, str] | None = None, metrics_registry=None, max_connections: int = 512, header_timeout_s: float = 10.0,
                  idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128,
                  request_timeout_s: float = 1800.0, stream_idle_timeout_s: float = 300.0, max_connections_per_address: int = 0,
-                 max_body_bytes_per_address: int = 0) -> None:
+                 max_body_bytes_per_address: int = 0, session_sources: tuple[str, ...] | None = None) -> None:
         self.backend = backend
         self._key = api_key.encode() if api_key else None
         self.metrics_registry = metrics_registry
@@ -66,7 +66,8 @@ class HttpIngress:
         if chat_template_path:
             templates[None] = chat_template_path
         self.submitter = Submitter(backend, model=model, tokenizers=paths, chat_templates=templates, body_timeout_s=body_timeout_s,
-                                   request_timeout_s=request_timeout_s)
+                                   request_timeout_s=request_timeout_s,
+                                   **({} if session_sources is None else {"session_sources": session_sources}))
         streams = ReplyStream(backend.stats, stream_idle_timeout_s=stream_idle_timeout_s, body_timeout_s=body_timeout_s)
         openai = OpenAIEndpoints(self.submitter, streams)
         generate = GenerateEndpoint(self.submitter, streams)

@@ -39,7 +39,7 @@ class GenerateEndpoint(Endpoint):
             if user_rid is not None and (not isinstance(user_rid, str) or not 0 < len(user_rid) <= P.MAX_RID_BYTES):
                 raise IngressBadRequest(f"rid must be a string of 1..{P.MAX_RID_BYTES} characters")
             call = self.sub.submit(prompt, stream=stream, slo=slo, deadline_ms=self.sub.lifetime_ms(deadline_ms, stream),
-                                   params=params, model=model, tx=tx)
+                                   params=params, model=model, tx=tx, session=self.sub.session_of(request, body))
         except REFUSALS as exc:
             return self.refused(exc)
         try:

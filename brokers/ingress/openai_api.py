@@ -61,7 +61,7 @@ class OpenAIEndpoints(Endpoint):
             include_usage = opt_bool(so or {}, "include_usage")
             params = self.sub.params(body, chat=chat)
             call = self.sub.submit(prompt, stream=stream, slo=slo, deadline_ms=self.sub.lifetime_ms(deadline_ms, stream),
-                                   params=params, model=model, tx=tx)
+                                   params=params, model=model, tx=tx, session=self.sub.session_of(request, body))
         except REFUSALS as exc:
             return self.refused(exc)
         try:

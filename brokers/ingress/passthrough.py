@@ -109,7 +109,8 @@ class PassthroughEndpoints(Endpoint):
             params = {"max_new_tokens": mt} if type(mt) is int and 0 <= mt <= P.MAX_NEW_TOKENS else {}
             call = self.sub.submit(prompt, stream=True, slo=slo, deadline_ms=self.sub.lifetime_ms(deadline_ms, stream),
                                    params=params, model=model, tx=tx,
-                                   passthrough={"path": path, "method": "POST", "body": raw})
+                                   passthrough={"path": path, "method": "POST", "body": raw},
+                                   session=self.sub.session_of(request, body))
         except REFUSALS as exc:
             return self.refused(exc)
         try:

@@ -48,6 +48,7 @@ from mesh import protocol as P
 from mesh import tracing
 from mesh.errors import IngressBadRequest, IngressContextTooLong, IngressOverloaded, IngressTooLarge
 from mesh.params import ParamError, from_generate, from_openai
+from mesh.routing.sessions import SESSION_HEADER, SOURCES, SessionKeyError, session_key
 
 __all__ = ["MAX_BODY_BYTES", "MAX_SUBMIT_BYTES", "QUOTA_KEY", "REQUEST_ID", "REQUEST_ID_RE", "Submitter", "opt_bool"]
 
@@ -120,8 +121,9 @@ class Submitter:
 
     def __init__(self, backend: IngressBackend, *, model: str = "mesh", tokenizers: dict[str | None, str] | None = None,
                  chat_templates: dict[str | None, str] | None = None, body_timeout_s: float = 30.0,
-                 request_timeout_s: float = 1800.0) -> None:
+                 request_timeout_s: float = 1800.0, session_sources: tuple[str, ...] = SOURCES) -> None:
         self.backend = backend
+        self.session_sources = session_sources  # where session keys come from (mesh.routing.sessions)
         self.model = model
         self.body_timeout_s = body_timeout_s
         self.request_timeout_s = request_timeout_s
@@ -141,6 +143,16 @@ class Submitter:
         if not isinstance(model, str) or not 0 < len(model) <= 256:
             raise IngressBadRequest("model must be a string of 1..256 characters")
         return model
+
+    def session_of(self, request: web.Request, body: dict) -> str | None:
+        """The request's session key (``x-session-id``, ``prompt_cache_key``, ``user`` or
+        ``session_params.id``, as configured); a malformed one is a 400 naming where it came from."""
+        if not self.session_sources:
+            return None
+        try:
+            return session_key(request.headers.get(SESSION_HEADER), body, self.session_sources)
+        except SessionKeyError as exc:
+            raise IngressBadRequest(str(exc)) from None
 
     async def text_for(self, model: str | None):
         """The (tokenizer, pool) for a request's model (see :class:`Tokenizers`), or None."""
@@ -303,7 +315,8 @@ class Submitter:
 
 
     def submit(self, prompt: dict[str, Any], *, stream: bool, slo, deadline_ms: int,
-                params: dict[str, Any], model: str | None = None, tx=None, passthrough: dict[str, Any] | None = None) -> Call:
+                params: dict[str, Any], model: str | None = None, tx=None, passthrough: dict[str, Any] | None = None,
+               session: str | None = None) -> Call:
         """Build the SUBMIT and check it (its encoded size, and the broker decoder's own checks, so
         the broker never answers an unreadable rid); the backend takes it decoded. Raises
         IngressBadRequest or IngressTooLarge."""
@@ -315,7 +328,7 @@ class Submitter:
             self.tokenizers.note_text(model)
         body = P.submit_body(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"), params=params,
                              deadline_ms=deadline_ms, stream=stream, slo=slo, model=model,
-                             traceparent=tracing.current_traceparent(), passthrough=passthrough)
+                             traceparent=tracing.current_traceparent(), passthrough=passthrough, session=session)
         try:
             packed = P.pack(body)  # what a worker gets as REQUEST frame 3, verbatim
         except (UnicodeEncodeError, ValueError, OverflowError, TypeError):  # lone surrogates in a string, ...

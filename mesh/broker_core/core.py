@@ -100,6 +100,9 @@ class BrokerCore:
         self.perf = perf if perf is not None else _no_clock  # the shell hands it time.perf_counter
         self.view_degraded = view_degraded
         self.async_provider = bool(getattr(router.provider, "is_async", False))
+        sessions = getattr(router, "session_table", None)
+        if sessions is not None:  # session affinity counts into the broker's counters (mesh_sessions)
+            sessions.stats = self.stats.sessions
         self._limiter = RateLimiter(1.0)
         outbox = Outbox()
         self.out: list[Send] = outbox.sends  # drained in place by the shell (see sends.deliver)
@@ -295,7 +298,8 @@ class BrokerCore:
                 table.finish_error(inf, code, f"no other worker after {inf.attempt} attempt(s); last: {inf.fail_cause or 'failed'}"
                                    + (f": {inf.fail_message}" if inf.fail_message else ""))
             else:
-                table.finish_error(inf, ErrorCode.NO_WORKER, "no routable worker" if not pool else decision.reason)
+                table.finish_error(inf, ErrorCode.NO_WORKER, "no routable worker" if not pool
+                                   else decision.detail.get("session_error", decision.reason))
             return
         self.stats.decisions[decision.reason] += 1
         if lora is not None:

@@ -46,6 +46,9 @@ class BrokerStats:
         # decisions_peer_stale (routed on this broker's own view while a peer was stale), ...
         self.exchange: Counter[str] = Counter()
         self.lora: Counter[str] = Counter()  # sent_to_holder, sent_without_adapter (mesh.routing.lora)
+        # session affinity (mesh.routing.sessions): new, hit, repin_<why>, hard_gone, hard_busy, evicted,
+        # expired, remote_applied, remote_stale, remote_over_share
+        self.sessions: Counter[str] = Counter()
         # text requests the HTTP ingress sent without their model's tokenizer to engines that key their
         # cache by token ids (a byte key never matches their KV events), by model
         self.text_unmatched: Counter[str] = Counter()
@@ -87,6 +90,7 @@ class BrokerStats:
             ("loop", self.loop),
             ("exchange", self.exchange),
             ("lora", self.lora),
+            ("sessions", self.sessions),
             ("text_unmatched", self.text_unmatched),
         ):
             for k, v in ctr.items():

@@ -183,4 +183,5 @@ class Intake:
             tps_slo=sub.tps_slo,
             namespace=make_namespace(self.lora_of(sub, inf.model), (sub.params or {}).get("extra_key"),
                                      (sub.params or {}).get("cache_salt")),
+            session=sub.session,
         )

@@ -10,6 +10,7 @@ import random
 from typing import TYPE_CHECKING
 
 from mesh.routing.router import PrefixProvider, Router
+from mesh.routing.sessions import SessionRouter, with_sessions
 
 if TYPE_CHECKING:
     from mesh.routing.bucket_router import BucketRouter
@@ -21,13 +22,18 @@ __all__ = ["make_router"]
 
 def make_router(policy: Policy, provider: PrefixProvider | None = None, *, buckets: BucketConfig | None = None,
                 pd: bool = False, rng: random.Random | None = None, freshness_s: float = 5.0,
-                global_cache_winner: bool = True, decode_policy: str = "power_of_two") -> Router | BucketRouter:
+                global_cache_winner: bool = True, decode_policy: str = "power_of_two",
+                session_affinity: str = "off", session_ttl_s: float = 600.0, session_table_size: int = 100_000,
+                session_peers: int = 1) -> Router | BucketRouter | SessionRouter:
     """Buckets or P/D: the bucket router (admission, two passes, the decode pick); otherwise the
     plain Router (``rng``, ``freshness_s``, ``global_cache_winner`` and ``decode_policy`` are the
-    bucket router's)."""
+    bucket router's). ``session_affinity`` soft or hard wraps it in the session stage
+    (:mod:`mesh.routing.sessions`; ``session_peers``: routers sharing pins over the exchange)."""
     if buckets is None and not pd:
-        return Router(policy, provider)
-    from mesh.routing.bucket_router import BucketRouter
+        router: Router | BucketRouter = Router(policy, provider)
+    else:
+        from mesh.routing.bucket_router import BucketRouter
 
-    return BucketRouter(buckets, policy, provider, rng=rng, freshness_s=freshness_s, pd=pd,
-                        global_cache_winner=global_cache_winner, decode_policy=decode_policy)
+        router = BucketRouter(buckets, policy, provider, rng=rng, freshness_s=freshness_s, pd=pd,
+                              global_cache_winner=global_cache_winner, decode_policy=decode_policy)
+    return with_sessions(router, session_affinity, session_ttl_s, session_table_size, peers=session_peers)

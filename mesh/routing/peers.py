@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from mesh.index.peer_routes import route_anchors
-from mesh.protocol import MAX_EXCHANGE_ROUTES, MAX_EXCHANGE_WORKERS, PeerLoad
+from mesh.protocol import MAX_EXCHANGE_ROUTES, MAX_EXCHANGE_SESSIONS, MAX_EXCHANGE_WORKERS, MAX_SESSION_AGE_MS, PeerLoad
 from mesh.routing.view import WorkerState
 
 __all__ = ["PeerMerge", "PeerPublisher", "PeerChange", "apply_changes"]
@@ -244,6 +244,8 @@ class PeerPublisher:
         # prompts routed since the last message (note_route): at most one message's worth is
         # kept, the oldest dropped first (counted): they are guesses with a TTL of seconds
         self.routes: deque[tuple[str, int, list[int]]] = deque()
+        # session pins made or used since the last message (note_session): hash -> (worker, last use)
+        self.sessions: dict[int, tuple[str, float]] = {}
         self.epoch = epoch
         self.interval_s = interval_s
         self.full_interval_s = full_interval_s
@@ -266,8 +268,19 @@ class PeerPublisher:
             self.stats["routes_dropped"] += 1
         routes.append((worker_id, len(keys), route_anchors(keys)))
 
+    def note_session(self, h: int, worker_id: str, last_s: float) -> None:
+        """This router pinned (or used the pin of) session hash ``h`` to ``worker_id`` at
+        ``last_s``: tell the peers with the next message (:mod:`mesh.routing.sessions`). At most
+        one message's worth is kept, the oldest dropped first (counted ``sessions_dropped``)."""
+        s = self.sessions
+        s.pop(h, None)
+        if len(s) >= MAX_EXCHANGE_SESSIONS:
+            del s[next(iter(s))]
+            self.stats["sessions_dropped"] += 1
+        s[h] = (worker_id, last_s)
+
     def next_due(self) -> float:
-        if self.dirty or self.routes:
+        if self.dirty or self.routes or self.sessions:
             return min(self._next_full_s, self._last_s + self.interval_s)
         return self._next_full_s
 
@@ -287,7 +300,7 @@ class PeerPublisher:
             self.dirty.clear()
             full = True
             self._next_full_s = now_s + self.full_interval_s
-        elif (self.dirty or self.routes) and now_s >= self._last_s + self.interval_s:
+        elif (self.dirty or self.routes or self.sessions) and now_s >= self._last_s + self.interval_s:
             entries = []
             dirty = self.dirty
             while dirty and len(entries) < self.max_workers:
@@ -311,5 +324,8 @@ class PeerPublisher:
         routes = list(self.routes)
         self.routes.clear()
         self.stats["routes_sent"] += len(routes)
+        sessions = [(h, w, min(MAX_SESSION_AGE_MS, max(0, round((now_s - t) * 1000)))) for h, (w, t) in self.sessions.items()]
+        self.sessions.clear()
+        self.stats["sessions_sent"] += len(sessions)
         return PeerLoad(self.broker_id, self.epoch, self.seq, full, entries, max(1, min(600_000, round(self.full_interval_s * 1000))),
-                        routes)
+                        routes, sessions)

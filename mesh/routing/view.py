@@ -272,6 +272,7 @@ class RouteRequest:
     packed: Any = None  # tokens as array('I') or little-endian uint32 bytes, when the caller has them
     extra: dict[str, Any] = field(default_factory=dict)
     namespace: str | None = None  # cache namespace (mesh.namespaces): blocks of other namespaces never match
+    session: str | None = None  # session key: its turns stick to one worker (mesh.routing.sessions)
 
 
 @dataclass(slots=True)

@@ -648,7 +648,8 @@ def http_case(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], str]
     elif m == "missing_field":
         body.pop(k)
     elif m == "extra_field":
-        body[r.choice(["stream_options", "temperature", "top_p", "stop", "rid", "input_ids", "n", "logprobs"])] = \
+        body[r.choice(["stream_options", "temperature", "top_p", "stop", "rid", "input_ids", "n", "logprobs",
+                       "user", "prompt_cache_key", "session_params"])] = \
             r.choice([None, 1, "s", [], {}, [None], {"include_usage": True}, 2**70, -1, "x" * 100])
     elif m == "huge_int":
         body[k] = r.choice([2**63, 2**64, 2**70, 10**30])
@@ -671,7 +672,7 @@ def http_case(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], str]
     elif m == "bad_json":
         raw = r.choice([b"{", b"{'a':1}", b"\xff\xfe", b'{"a":}', b"{}}"])
     elif m == "bad_header":
-        headers[r.choice(["x-mesh-deadline-ms", "x-sgl-ttft-slo-ms", "x-sgl-tps-slo"])] = \
+        headers[r.choice(["x-mesh-deadline-ms", "x-sgl-ttft-slo-ms", "x-sgl-tps-slo", "x-session-id"])] = \
             r.choice(["soon", "-1", "0", "1e3", "nan", "9" * 5000, "1", "inf", " 5 "])
     elif m == "huge_number":
         raw = b'{"' + k.encode() + b'":' + b"9" * r.choice([30, 5000]) + b"}"

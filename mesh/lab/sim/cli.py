@@ -99,6 +99,11 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --buckets: keep cache winners inside their bucket, as the broker's flag does")
     f.add_argument("--decode-policy", choices=["power_of_two", "legacy_host_affinity"], default="power_of_two",
                    help="with --pd: how the decode worker is picked, as the broker's flag does (default power_of_two)")
+    f.add_argument("--session-affinity", choices=["off", "soft", "hard"], default="off",
+                   help="conversation turns stick to their session's worker, as the broker's --session-affinity "
+                        "(default off here: arms compare policies alone)")
+    f.add_argument("--session-ttl-s", type=float, default=600.0, help="as the broker's --session-ttl-s")
+    f.add_argument("--session-table-size", type=int, default=100_000, help="as the broker's --session-table-size")
     lc = p.add_argument_group("broker lifecycle and faults (the broker's own BrokerCore in virtual time)")
     lc.add_argument("--lifecycle", choices=["fast", "core"], default="fast",
                     help="fast: routing only (Router.route/release); core: every router is the broker's BrokerCore "
@@ -133,7 +138,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
 _SINGLE_RUN_ONLY = ("policy", "policy_option", "provider", "routers", "workers", "router_pick", "no_dedupe",
                     "time_scale", "rate", "duration_s", "seed", "heartbeat_ms", "event_delay_ms", "net_ms", "load_freshness_s", "ttft_slo_ms",
                     "buckets", "global_cache_winner", "decode_policy", "pd", "exchange", "exchange_delay_ms", "exchange_interval_ms", "exchange_routes", "config",
-                    "dp_size")
+                    "dp_size", "session_affinity", "session_ttl_s", "session_table_size")
 
 
 def _check_matrix_args(args: argparse.Namespace) -> None:
@@ -187,6 +192,7 @@ def config_from_args(args: argparse.Namespace):
         global_cache_winner=args.global_cache_winner, decode_policy=args.decode_policy,
         exchange=args.exchange, exchange_delay_ms=args.exchange_delay_ms, exchange_interval_ms=args.exchange_interval_ms,
         exchange_routes=args.exchange_routes, dp_size=args.dp_size,
+        session_affinity=args.session_affinity, session_ttl_s=args.session_ttl_s, session_table_size=args.session_table_size,
         lifecycle=args.lifecycle, faults=args.faults, policy_params=_policy_params(getattr(args, "policy_option", [])),
     )
     cfg.validate()

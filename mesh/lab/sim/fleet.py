@@ -62,7 +62,9 @@ def make_router(cfg, pol, prov, index: int):
     bcfg = load_bucket_config(cfg.buckets) if cfg.buckets else None
     return factory.make_router(pol, prov, buckets=bcfg, pd=cfg.pd is not None,
                                rng=random.Random(seed_key(0xB0C, cfg.seed, index)), freshness_s=cfg.load_freshness_s,
-                               global_cache_winner=cfg.global_cache_winner, decode_policy=cfg.decode_policy)
+                               global_cache_winner=cfg.global_cache_winner, decode_policy=cfg.decode_policy,
+                               session_affinity=cfg.session_affinity, session_ttl_s=cfg.session_ttl_s,
+                               session_table_size=cfg.session_table_size)
 
 
 def worker_ids(n: int, tag: str = "") -> list[str]:

@@ -74,6 +74,7 @@ give identical results.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -148,6 +149,11 @@ class SimConfig:
     # DP-attention ranks per worker (mesh.engine_dp.DpEngineModel: a KV cache, batch, event
     # stream and LoadStat per rank; the routers pick the rank, mesh.routing.ranks); fast arms only
     dp_size: int = 1
+    # session affinity (mesh.routing.sessions), as the broker's --session-affinity: conversation turns
+    # carry their session; off by default here so that arms compare policies alone
+    session_affinity: str = "off"
+    session_ttl_s: float = 600.0
+    session_table_size: int = 100_000
 
     def validate(self, *, source: bool = True) -> None:
         """Raise ConfigError on a bad setting (``source``: also check trace/workload)."""
@@ -161,6 +167,12 @@ class SimConfig:
                 raise ConfigError(f"{name} must be >= 0")
         if not self.exchange_full_ms > 0:
             raise ConfigError("exchange_full_ms must be > 0")
+        if self.session_affinity not in ("off", "soft", "hard"):
+            raise ConfigError(f"session_affinity must be off, soft or hard, not {self.session_affinity!r}")
+        if not (math.isfinite(self.session_ttl_s) and self.session_ttl_s > 0):
+            raise ConfigError("session_ttl_s must be > 0")
+        if not (type(self.session_table_size) is int and self.session_table_size >= 1):
+            raise ConfigError("session_table_size must be an integer >= 1")
         if self.router_pick not in ROUTER_PICKS:
             raise ConfigError(f"router_pick must be one of {', '.join(ROUTER_PICKS)}")
         if not self.policies or not self.providers or not self.routers or not self.workers:
@@ -295,6 +307,9 @@ class SimRouter:
         self.merge = PeerMerge(name, stale_s=max(3.0, 3 * full_s))
         for st in self.states:
             st.exchange_dirty = self.publisher.dirty
+        sessions = getattr(self.router, "session_table", None)
+        if sessions is not None:  # session pins travel as the broker's do
+            sessions.listener = self.publisher.note_session
         prov = self.router.provider
         if routes and prov is not None and hasattr(prov, "add_peer_routes"):
             prov.route_listener = self.publisher.note_route  # its insert-on-route guesses, shared
@@ -508,7 +523,8 @@ class Arm:
                 ri = pick_rng.randrange(n_routers) if pick_rng is not None else i % n_routers
                 sr = routers[ri]
                 toks = wl.prompt(r)
-                rr = RouteRequest(str(i), r.prompt_len, r.output_len, bs, content_keys(toks, bs) if uses_keys else None)
+                rr = RouteRequest(str(i), r.prompt_len, r.output_len, bs, content_keys(toks, bs) if uses_keys else None,
+                                  session=None if r.session is None else str(r.session))
                 d = sr.route(rr, t)
                 decisions[d.reason] += 1
                 if d.dp_rank is not None:  # DP attention: why this rank (mesh.routing.ranks), as the broker counts it
@@ -566,6 +582,8 @@ class Arm:
                     if sr.index != a:
                         outcome, changes = sr.merge.apply(b, t)  # type: ignore[union-attr]
                         x_applied += apply_changes(changes, sr.by_id.get)
+                        if outcome == "applied" and b.sessions and hasattr(sr.router, "session_table"):
+                            sr.router.session_table.apply_remote(b.broker, b.sessions, t)
                         if outcome == "applied" and b.routes and sr.router.provider is not None:
                             add = getattr(sr.router.provider, "add_peer_routes", None)
                             if add is not None:
@@ -642,6 +660,7 @@ class Arm:
             "exchange_messages": x_msgs,
             "exchange_entries": x_entries,
             "exchange_applied": x_applied,
+            "sessions": _session_stats(routers),
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "sim_span_s": _r(span),
@@ -649,6 +668,16 @@ class Arm:
             "engine_steps": sum(w.steps for w in workers),
             "events": q.popped,
         }
+
+
+def _session_stats(routers: Sequence[SimRouter]) -> dict[str, int]:
+    """The session stage's counters summed over the routers (empty with session affinity off)."""
+    total: Counter[str] = Counter()
+    for sr in routers:
+        table = getattr(sr.router, "session_table", None)
+        if table is not None:
+            total.update(table.stats)
+    return dict(sorted(total.items()))
 
 
 def _prediction_error(done: list[_Track], net_ms: float, routers: Sequence[SimRouter] = ()) -> dict[str, Any] | None:

@@ -113,6 +113,7 @@ class SimRequest:
     prompt_len: int
     output_len: int
     segments: tuple[Segment, ...]
+    session: int | None = None  # the conversation it is a turn of (session affinity, mesh.routing.sessions)
 
 
 @dataclass(slots=True)
@@ -420,7 +421,7 @@ def _conversation(seed: int, rate: float, duration_s: float | None, limit: int |
         msg, o, _ = sess[k]
         segs = h + ((0, seed_key(_NS_CONV_MSG, seed, sid, k), msg, msg),)
         n = sum(sg[3] for sg in segs)
-        out[i] = SimRequest(i, at, n, o, segs)
+        out[i] = SimRequest(i, at, n, o, segs, session=sid)
         history[sid] = segs + (((1, i, o, o),) if o else ())
     return out
 
