@@ -70,6 +70,10 @@ class StatsCollector(Collector):
             ("mesh_exchange", "Peer exchange messages and decisions made while a peer was stale", "what", s.exchange),
             ("mesh_lora", "LoRA requests and where they were sent (to an engine holding the adapter or not)", "what", s.lora),
             _text_unmatched_family(s),
+            ("mesh_migrations", "Streams continued on another worker after theirs was lost mid-stream, by cause", "cause",
+             s.migrations),
+            ("mesh_migration_refused", "Streams lost mid-stream that could not be continued (ended worker_lost), by reason",
+             "reason", s.migration_refused),
         ):
             fam = CounterMetricFamily(name, doc, labels=[label])
             for k, v in sorted(ctr.items()):
