@@ -1,4 +1,4 @@
-"""Streams that survive a dying worker (issue 31 item 4), with real processes.
+"""Streams that survive a dying worker or broker (issue 31 item 4), with real processes.
 
 Default run: one broker, two simulated ZMQ workers; the worker a stream is on is SIGKILLed after
 its first chunk: the stream completes on the other one, with every token once and one FINAL.
@@ -7,7 +7,8 @@ its first chunk: the stream completes on the other one, with every token once an
 issue 31 -- SIGKILL an SGLang engine (stub-sglang behind ``mesh attach``) in the middle of 50
 streams, and separately SIGKILL its adapter: no stream that another worker could continue is
 broken, exactly one terminal per stream, chunks contiguous by seq and no token repeated or skipped
-(each stream's tokens add up to its ``max_new_tokens``).
+(each stream's tokens add up to its ``max_new_tokens``); and ``mesh gateway`` in front of two brokers,
+one SIGKILLed under 60 requests: none lost.
 """
 
 from __future__ import annotations
@@ -119,3 +120,60 @@ def test_sigkill_an_engine_or_its_adapter_in_the_middle_of_50_streams(procs, kil
         assert not any(k.startswith("migration_refused.") for k in counters), counters
 
     run(body(), timeout_s=180)
+
+
+@pytest.mark.soak
+def test_a_gateway_with_one_of_two_brokers_sigkilled_loses_no_request(procs):
+    """Issue 31's gateway target: 40 streams and 20 unstreamed requests through ``mesh gateway`` in
+    front of two brokers, one SIGKILLed while they run: 0 requests lost (those that had not started
+    were resubmitted, the streams that had continued), every stream whole."""
+    import aiohttp
+
+    from mesh.lab.procs import wait_for_log_event
+
+    brokers = [procs.broker(f"b{i}", *FAST, "--policy", "round_robin") for i in range(2)]
+    procs.workers("w", [b.backend for b in brokers], "--decode-base-ms", "20", count=2)
+    for b in brokers:
+        run(wait_for_workers(b.frontend, 2), 40)
+    gw = procs.spawn("gw", ["gateway", "--http", "127.0.0.1:0", *(x for b in brokers for x in ("--broker", b.frontend))])
+    url = wait_for_log_event(gw.log_path, "gateway_listening", 30, gw.popen, start=gw.log_start)["url"]
+    max_tokens = 40
+
+    async def one(s: aiohttp.ClientSession, i: int, stream: bool, streaming: asyncio.Event) -> tuple[int, str]:
+        req = {"model": "mesh", "prompt": f"request {i} " * 8, "max_tokens": max_tokens, "stream": stream}
+        if stream:
+            req["stream_options"] = {"include_usage": True}
+        async with s.post(url + "/v1/completions", json=req) as r:
+            if r.status != 200:
+                return r.status, await r.text()
+            if not stream:
+                usage = (await r.json())["usage"]
+                return 200, "" if usage["completion_tokens"] == max_tokens else f"usage {usage}"
+            completion, error = None, ""
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    streaming.set()
+                    ev = __import__("json").loads(line[6:])
+                    error = error or str(ev.get("error") or "")
+                    if ev.get("usage"):
+                        completion = ev["usage"]["completion_tokens"]
+            return 200, error or ("" if completion == max_tokens else f"completion_tokens {completion}")
+
+    async def body():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def healthy() -> bool:
+                async with s.get(url + "/health") as r:
+                    return r.status == 200 and (await r.json())["workers"] == 2
+            await until(healthy, 20, "the gateway sees the workers")
+            streaming = asyncio.Event()
+            tasks = [asyncio.create_task(one(s, i, i % 3 != 0, streaming)) for i in range(60)]
+            await asyncio.wait_for(streaming.wait(), 30)
+            brokers[0].signal(signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+            async with s.get(url + "/metrics") as r:
+                metrics = await r.text()
+        bad = [(i, st, why) for i, (st, why) in enumerate(results) if st != 200 or why]
+        assert not bad, bad
+        assert 'mesh_migrations_total{cause="gateway_' in metrics, metrics
+
+    run(body(), 120)
