@@ -924,6 +924,25 @@ def test_a_continuation_that_fails_before_its_first_chunk_is_another_migration()
     sh.finish()
 
 
+@pytest.mark.parametrize("chunks, reason", [
+    ([{"token_ids": "many"}], "no_token_ids"),
+    ([{"text": "words but no ids"}], "no_token_ids"),
+    ([{"token_ids": [2**40]}], "bad_chunk"),
+    ([{"token_ids": [1]}] * 6, "too_many_chunks"),  # more chunks than max_new_tokens (4): a flood, not kept
+])
+def test_hostile_chunks_from_a_lost_worker_end_the_stream_with_worker_lost(chunks, reason):
+    sh = Shell(progress_timeout_ms=0)
+    w0, w1 = sh.add_worker(0), sh.add_worker(1)
+    req = sh.submit(b"C0", True, True, None)
+    (att,) = req.requests
+    for i, c in enumerate(chunks):
+        sh.worker(att.ident, P.encode_worker_chunk(att.rid, 1, i, c))
+    sh.worker(att.ident, P.encode_worker_error(att.rid, 1, "worker_lost", "engine died"))
+    assert req.delivered[-1].code == "worker_lost" and f"not continued: {reason}" in req.delivered[-1].message
+    assert sh.core.stats.migration_refused == {reason: 1} and len(req.requests) == 1
+    sh.finish()
+
+
 def test_a_retry_drops_the_first_attempts_late_replies_as_stale():
     sh = Shell(progress_timeout_ms=0)
     sh.add_worker(0)

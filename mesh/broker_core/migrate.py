@@ -22,7 +22,8 @@ and, at the loss, :func:`continuation`:
   (the engine would miss a stop string straddling the cut), or where the chunks carried no text;
 * ``no_token_ids``: the chunks carried no token ids (the count to deduct is unknown);
 * ``exhausted``: every token was already streamed (the engine died before its FINAL);
-* ``bad_chunk``: a chunk that cannot be read back.
+* ``bad_chunk``: a chunk that cannot be read back (not a map, token ids out of range);
+* ``too_many_chunks``: more chunks than ``max_new_tokens`` (a flooding worker; they are not kept).
 """
 
 from __future__ import annotations

@@ -90,7 +90,10 @@ class Replies:
             (sess.lat.get("inter_token") or sess.histogram("inter_token", self.stats)).observe(now - inf.last_chunk_s)
         inf.last_chunk_s = now
         if inf.streamed is not None:  # kept to continue it elsewhere if its worker is lost
-            inf.streamed.append(m.data)
+            if len(inf.streamed) > inf.submit.max_new_tokens:  # more chunks than tokens: a worker flooding it
+                inf.streamed, inf.unmigratable = None, "too_many_chunks"
+            else:
+                inf.streamed.append(m.data)
         seq = inf.chunks_sent
         inf.chunks_sent += 1
         self._out.to_client(inf.client, P.encode_client_chunk(inf.client_rid, seq, m.data), Receipt.CHUNK, inf)
