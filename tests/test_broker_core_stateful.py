@@ -891,6 +891,19 @@ def test_stop_strings_the_stream_cannot_straddle_still_continue():
     sh.finish()
 
 
+def test_a_lost_stream_with_no_other_worker_still_ends_with_worker_lost():
+    sh = Shell(progress_timeout_ms=0, park_timeout_s=0.0)
+    w0 = sh.add_worker(0)
+    req = sh.submit(b"C0", True, True, None)
+    (att,) = req.requests
+    sh.worker(att.ident, P.encode_worker_chunk(att.rid, 1, 0, {"token_ids": [7]}))
+    sh.down[(TO_WORKER, w0)] = "unreachable"
+    sh.advance(2.0)
+    assert req.delivered[-1].code == "worker_lost", req.delivered[-1]
+    assert len(req.requests) == 1
+    sh.finish()
+
+
 def test_migrations_per_request_are_bounded():
     sh = Shell(progress_timeout_ms=0, max_migrations=1)
     w2 = sh.add_worker(2)

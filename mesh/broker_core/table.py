@@ -284,6 +284,7 @@ class RequestTable:
         the prompt plus the tokens streamed so far (:mod:`mesh.broker_core.migrate`; at most
         ``max_migrations`` times, counted ``migrations``) or end it with ``code`` (counted
         ``migration_refused`` by reason)."""
+        inf.fail_cause, inf.fail_message = code.value, message[:400]  # (what it ends with if no other worker takes it)
         why = inf.unmigratable or ("limit" if inf.migrations >= self.s.max_migrations else "")
         if not why and now >= inf.deadline_s:
             why = "deadline"
