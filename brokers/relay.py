@@ -54,7 +54,10 @@ class Relay:
         t = type(m)
         if t is P.ClientChunk:
             if self.chunks is not None and len(frames) == 4:
-                self.chunks.append(frames[3])
+                if len(self.chunks) > self.sub.max_new_tokens:  # more chunks than tokens: not kept (as the broker)
+                    self.chunks, self.unmigratable = None, "too_many_chunks"
+                else:
+                    self.chunks.append(frames[3])
             seq = self.sent
             self.sent += 1
             if m.seq != seq:  # (a continued stream: its new broker counts from 0)

@@ -174,6 +174,11 @@ def test_relay_resubmissions_are_bounded_and_hostile_chunks_never_raise():
     flood = _relay()
     for i in range(1000):  # a flood of chunks: each relayed once, renumbered after a move
         flood.relayed(P.ClientChunk("r", i, {}), P.encode_client_chunk("r", i, P.pack({"token_ids": []})))
-    assert flood.sent == 1000 and not isinstance(flood.resubmission(100.0), str)
-    out = flood.relayed(P.ClientChunk("r", 0, {}), P.encode_client_chunk("r", 0, P.pack({"token_ids": [5]})))
-    assert P.decode_client_reply(out).seq == 1000
+    assert flood.sent == 1000 and flood.chunks is None  # (not kept past max_new_tokens)
+    assert flood.resubmission(100.0) == "too_many_chunks"
+    r = _relay()
+    for i in range(3):
+        r.relayed(P.ClientChunk("r", i, {}), P.encode_client_chunk("r", i, P.pack({"token_ids": [i]})))
+    assert not isinstance(r.resubmission(100.0), str) and r.sub.input_ids == [1, 2, 0, 1, 2]
+    out = r.relayed(P.ClientChunk("r", 0, {}), P.encode_client_chunk("r", 0, P.pack({"token_ids": [5]})))
+    assert P.decode_client_reply(out).seq == 3  # renumbered after the chunks already relayed
