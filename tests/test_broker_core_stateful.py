@@ -291,7 +291,7 @@ class Shell:
                     self.by_rid[m.rid] = req
                 assert req.rid == m.rid
                 if req.committed_attempt is not None:  # only a continuation of its stream (inv 3)
-                    self._check_continuation(req, m)
+                    self._check_continuation(req, m, s.ref.migrations)
                 assert 1 <= m.attempt <= self.s.max_attempts + req.migrations, f"{key}: attempt {m.attempt}"
                 assert all(a.attempt < m.attempt for a in req.requests), f"{key}: attempt {m.attempt} not increasing"
                 if not req.idempotent:
@@ -340,10 +340,13 @@ class Shell:
             assert req.requests and req.requests[-1].attempt == m.attempt
         return m
 
-    def _check_continuation(self, req: Req, m: P.Request) -> None:
-        """A REQUEST after a chunk was streamed: a migration, with exactly the tokens streamed so far."""
+    def _check_continuation(self, req: Req, m: P.Request, migrations: int) -> None:
+        """A REQUEST after a chunk was streamed: a migration (or the same one again, to another
+        worker, when its REQUEST could not be delivered), with exactly the tokens streamed so far."""
         assert req.stream and req.idempotent, f"{req.key}: attempt {m.attempt} after a chunk was streamed (inv 3)"
-        req.migrations += 1
+        assert migrations == req.migrations + 1 or (migrations == req.migrations and not req.requests[-1].delivered), \
+            f"{req.key}: attempt {m.attempt}, migration {migrations} after {req.migrations} (inv 3)"
+        req.migrations = migrations
         assert req.migrations <= self.s.max_migrations, f"{req.key}: migration {req.migrations} (inv 3)"
         streamed = [t for d in req.created if isinstance(d, P.ClientChunk) for t in d.data["token_ids"]]
         if isinstance(req.prompt, str):  # a text prompt continues with the text streamed

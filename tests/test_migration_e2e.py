@@ -54,14 +54,16 @@ def test_a_stream_whose_worker_is_killed_after_its_first_chunk_completes_on_the_
     run(body(), timeout_s=60)
 
 
-async def _streams(frontend: str, n: int, max_new: int, started, *, prompt_len: int = 64):
+async def _streams(frontend: str, n: int, max_new: int, started, victim: str, *, prompt_len: int = 64):
     """``n`` streams on one raw DEALER: every frame per rid; ``started`` is awaited once a third
-    of them streamed (it kills something); returns (terminals by rid, chunks by rid)."""
+    of them streamed, among them one on worker ``victim`` (it kills that worker); returns
+    (terminals by rid, chunks by rid)."""
     ctx = zmq.asyncio.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.connect(frontend)
     terminals: dict[str, list] = {}
     chunks: dict[str, list] = {}
+    on: dict[str, str] = {}  # rid -> the worker its ACCEPTED named
     try:
         for i in range(n):
             await s.send_multipart(P.encode_submit(f"s{i}", input_ids=[(i * 7 + k) % 1000 + 1 for k in range(prompt_len)],
@@ -73,9 +75,11 @@ async def _streams(frontend: str, n: int, max_new: int, started, *, prompt_len: 
             except TimeoutError:
                 break  # (all terminals in and quiet for a second: a late duplicate would have shown)
             m = P.decode_client_reply(frames)
-            if isinstance(m, P.ClientChunk):
+            if isinstance(m, P.Accepted):
+                on[m.rid] = m.worker
+            elif isinstance(m, P.ClientChunk):
                 chunks.setdefault(m.rid, []).append(m)
-                if not fired and len(chunks) >= n // 3:
+                if not fired and len(chunks) >= n // 3 and any(on.get(rid) == victim for rid in chunks):
                     fired = True
                     await started()
             elif isinstance(m, (P.ClientFinal, P.ClientError)):
@@ -106,13 +110,13 @@ def test_sigkill_an_engine_or_its_adapter_in_the_middle_of_50_streams(procs, kil
                            ("b", "sglang", stubs["stub-b"]["url"], [b.backend], tuple(FAST_ADAPTER))])
     run(wait_for_workers(b.frontend, 2))
     victim = next(p for p in procs.procs if p.name == ("stub-a" if kill == "engine" else "a"))
-    n, max_new = 50, 60
+    n, max_new = 50, 100
 
     async def body():
         async def killed():
             victim.signal(signal.SIGKILL)
 
-        terminals, chunks = await _streams(b.frontend, n, max_new, killed)
+        terminals, chunks = await _streams(b.frontend, n, max_new, killed, "a")
         _check_streams(terminals, chunks, n, max_new)
         async with Client(b.frontend) as c:
             counters = (await c.status()).counters
