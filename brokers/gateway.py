@@ -10,9 +10,11 @@ gateway's descriptors and CPU, never a broker's sockets.
 needs from "a broker": ``submit`` / ``cancel`` / ``forget`` (replies, found by their rid, land in
 the request's queue as the frames a broker sends a client), ``stats`` (counters),
 ``routable_workers`` and ``model_catalog`` (from the brokers' STATUS) and ``state``; it has no
-admin API. Requests go round robin over the brokers whose connection is up; a request whose broker
-connection drops gets ``unavailable`` at once (the client may resubmit), as
-:class:`mesh.client.Client` does.
+admin API. Requests go round robin over the brokers whose connection is up. A request whose broker
+connection drops (or that its broker answers ``unavailable``, or ``worker_lost`` before any output)
+moves to another broker as :class:`mesh.client.Client` resubmits it; one that streamed output
+continues there from the tokens so far (:mod:`brokers.relay`); it gets ``unavailable`` only when
+it cannot move (no other broker up, not idempotent, resubmissions or deadline spent; counted).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from brokers.relay import Relay
 from mesh import protocol as P
 from mesh.broker_core.counters import BrokerStats
 from mesh.broker_core.status import announced_by_model
@@ -55,6 +58,7 @@ class BrokerPool:
     """Remote brokers, seen through the interface the HTTP ingress uses (see the module docstring)."""
 
     admin = None  # the admin API (/workers) is the brokers' own
+    default_deadline_ms = 30_000  # a request without a deadline: the brokers' default (--default-deadline-ms)
 
     def __init__(self, endpoints: list[str], ctx: zmq.asyncio.Context | None = None) -> None:
         if not endpoints:
@@ -69,6 +73,7 @@ class BrokerPool:
         self._rr = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}  # rid -> the request's reply queue
         self._by_ident: dict[bytes, tuple[str, _Link]] = {}
+        self._relays: dict[str, Relay] = {}  # rid -> what it takes to move it to another broker
         self._tasks: list[asyncio.Task] = []
         self.log = get_logger(service="gateway")
 
@@ -159,6 +164,7 @@ class BrokerPool:
         self._queues[rid] = replies
         self._timing[rid] = [time.monotonic(), sub.model or "", "", 0.0, 0.0]
         self._by_ident[identity] = (rid, link)
+        self._relays[rid] = Relay.of(identity, sub, link, time.monotonic(), self.default_deadline_ms)
         link.pending.add(rid)
         try:
             link.sock.send_multipart(P.submit_frames(sub), flags=zmq.NOBLOCK, copy=False)
@@ -183,7 +189,37 @@ class BrokerPool:
     def _drop(self, rid: str, link: _Link) -> None:
         self._queues.pop(rid, None)
         self._timing.pop(rid, None)
+        relay = self._relays.pop(rid, None)
         link.pending.discard(rid)
+        if relay is not None:
+            relay.link.pending.discard(rid)
+
+    def _move(self, rid: str, why: str) -> bool:
+        """Resubmit (or continue) request ``rid`` on another broker that is up (see
+        :mod:`brokers.relay`); False when it cannot move (counted ``migration_refused``)."""
+        relay = self._relays.get(rid)
+        if relay is None:
+            return False
+        others = [link for link in self._links if link.up and link is not relay.link]
+        r = relay.resubmission(time.monotonic()) if others else "no_other_broker"
+        if isinstance(r, str):
+            self.stats.migration_refused[r] += 1
+            return False
+        sub, continued = r
+        old, link = relay.link, others[next(self._rr) % len(others)]
+        old.pending.discard(rid)
+        relay.link = link
+        link.pending.add(rid)
+        self._by_ident[relay.ident] = (rid, link)
+        try:
+            link.sock.send_multipart(P.submit_frames(sub), flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            self.stats.dropped["gateway_send_failed"] += 1
+            return False
+        self.stats.migrations["gateway_continued" if continued else "gateway_resubmitted"] += 1
+        self.log.info("gateway_request_moved", request_id=rid, why=why, continued=continued, from_broker=old.endpoint,
+                      to_broker=link.endpoint, produced_tokens=relay.produced)
+        return True
 
     # ------------------------------------------------------------------ links
     async def _receive(self, link: _Link) -> None:
@@ -199,6 +235,14 @@ class BrokerPool:
             if q is None:
                 self.stats.dropped["gateway_unknown_reply"] += 1
                 continue
+            relay = self._relays.get(rid)
+            if relay is not None:
+                if relay.link is not link:  # a reply of the broker it moved away from
+                    self.stats.dropped["gateway_stale_reply"] += 1
+                    continue
+                if isinstance(m, P.ClientError) and relay.may_move(m.code) and self._move(rid, m.code):
+                    continue
+                frames = relay.relayed(m, frames)
             q.put_nowait(frames)
             tm = self._timing.get(rid)
             if tm is not None:
@@ -240,7 +284,7 @@ class BrokerPool:
                 self.log.warning("gateway_broker_lost", broker=link.endpoint, inflight=len(link.pending))
                 for rid in list(link.pending):
                     q = self._queues.get(rid)
-                    if q is not None:
+                    if q is not None and not self._move(rid, "broker_lost"):
                         q.put_nowait(P.encode_client_error(rid, ErrorCode.UNAVAILABLE,
                                                            f"broker connection lost ({link.endpoint}) before the reply"))
                 link.pending.clear()

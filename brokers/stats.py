@@ -42,7 +42,11 @@ class GatewayCollector(Collector):
         s = self.stats
         for name, doc, label, ctr in (("mesh_requests", "Requests by outcome", "outcome", s.requests),
                                       ("mesh_dropped", "Messages dropped by the gateway, by what", "what", s.dropped),
-                                      _text_unmatched_family(s)):
+                                      _text_unmatched_family(s),
+                                      ("mesh_migrations", "Requests moved to another broker (resubmitted, or continued from "
+                                       "the tokens so far)", "cause", s.migrations),
+                                      ("mesh_migration_refused", "Requests that could not move to another broker, by reason",
+                                       "reason", s.migration_refused)):
             fam = CounterMetricFamily(name, doc, labels=[label])
             for k, v in sorted(ctr.items()):
                 fam.add_metric([k], v)
@@ -72,6 +76,10 @@ class StatsCollector(Collector):
             ("mesh_sessions", "Session affinity: hits, new pins, re-pins by cause, evictions, peers' pins applied",
              "what", s.sessions),
             _text_unmatched_family(s),
+            ("mesh_migrations", "Streams continued on another worker after theirs was lost mid-stream, by cause", "cause",
+             s.migrations),
+            ("mesh_migration_refused", "Streams lost mid-stream that could not be continued (ended worker_lost), by reason",
+             "reason", s.migration_refused),
         ):
             fam = CounterMetricFamily(name, doc, labels=[label])
             for k, v in sorted(ctr.items()):

@@ -45,6 +45,8 @@ class BrokerSettings:
     retry_cap_ms: float = setting(250.0, unit="ms", help="retry back-off cap")
     retry_budget_ratio: float = setting(0.2, help="concurrent retries allowed per in-flight request")
     retry_budget_min: int = setting(3, help="concurrent retries always allowed")
+    max_migrations: int = setting(2, help="times a stream whose worker is lost mid-stream continues on another worker "
+                                          "(prompt + tokens so far; 0 = end it with worker_lost)")
     max_inflight: int = setting(100_000, help="requests in flight before new ones get 'overloaded'")
     park_timeout_s: float = setting(2.0, unit="s", help="how long a request waits for a routable worker (startup, restart)")
     max_parked: int = setting(10_000, help="requests that may wait for a worker at once; more get no_worker at once")
@@ -186,6 +188,7 @@ class BrokerSettings:
         _require(0 < self.retry_base_ms <= self.retry_cap_ms, "retry_base_ms", "must be > 0 and <= retry_cap_ms")
         _require(0 <= self.retry_budget_ratio <= 1, "retry_budget_ratio", "must be in [0, 1]")
         _require(self.retry_budget_min >= 0, "retry_budget_min", "must be >= 0")
+        _require(0 <= self.max_migrations <= 10, "max_migrations", "must be in [0, 10]")
         _require(self.max_inflight > 0, "max_inflight", "must be > 0")
         _require(self.park_timeout_s >= 0, "park_timeout_s", "must be >= 0")
         _require(self.decode_policy in ("power_of_two", "legacy_host_affinity"), "decode_policy",

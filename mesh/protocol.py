@@ -48,7 +48,10 @@ CANCEL     0x12  c->b    ``rid``.
 ACCEPTED   0x13  b->c    ``rid``, ``worker`` str, ``reason`` str (routing decision reason),
                          ``attempt`` int. Sent for *streaming* requests when dispatched (again
                          on retry); a non-streaming request learns the same from its FINAL.
-CHUNK      0x14  b->c    ``rid``, ``seq`` int (0, 1, 2, ... contiguous per request).
+                         (Also mid-stream: a stream continued on another worker after its
+                         worker was lost, :mod:`mesh.broker_core.migrate`.)
+CHUNK      0x14  b->c    ``rid``, ``seq`` int (0, 1, 2, ... contiguous per request, also
+                         across a continuation on another worker).
                          Frame 3: the worker's chunk data, a msgpack map
                          (``token_ids`` list[int], optional ``text`` str, optional
                          ``meta_info`` map: the engine's own per-event metadata, passed

@@ -17,9 +17,13 @@ far past every deadline):
    end unless its client was unreachable or slow (then at most one was attempted and the core
    forgot it); a refused submit gets exactly one ERROR and nothing else;
 2. a client's chunks of a request arrive as seq 0, 1, 2 ...; no frame after the terminal one;
-3. no REQUEST with a higher attempt once a chunk of the request was streamed; a non-idempotent
-   request is sent again only when no earlier REQUEST of it was delivered; attempts increase and
-   never exceed ``max_attempts``; no REQUEST to a worker that announced it is draining;
+3. no REQUEST with a higher attempt once a chunk of the request was streamed, unless it continues
+   the stream (issue 31, migration: at most ``max_migrations`` times, its prompt is the original
+   one plus exactly the token ids streamed so far, its ``max_new_tokens`` reduced by their
+   number, and its chunks go on with the next seq: no token repeated or skipped); a
+   non-idempotent request is sent again only when no earlier REQUEST of it was delivered;
+   attempts increase and never exceed ``max_attempts`` (plus the migrations); no REQUEST to a
+   worker that announced it is draining;
 4. the retry budget: ``budget.active`` is the number of requests holding it, never above what
    :class:`~mesh.retry.RetryBudget` allows at the peak in-flight count, and 0 when idle;
 5. a reply (CHUNK/FINAL/ERROR) for an attempt that is not current reaches no client and is
@@ -116,6 +120,8 @@ class Req:
     delivered: list = field(default_factory=list)  # ... and those that went out
     terminals_created: int = 0
     committed_attempt: int | None = None  # the attempt current when its first chunk was made
+    prompt: list | str = field(default_factory=list)  # its input_ids (or text)
+    migrations: int = 0  # REQUESTs that continued its stream on another worker
     requests: list = field(default_factory=list)  # Att of every REQUEST made for it
 
     @property
@@ -212,17 +218,19 @@ class Shell:
                 self.flush()
 
     def submit(self, client: bytes, stream: bool, idempotent: bool, deadline_ms: int | None, n: int = 3,
-               rid: str | None = None) -> Req | None:
+               rid: str | None = None, params: dict | None = None, **body) -> Req | None:
         """A SUBMIT (a new client rid unless ``rid`` is given: a duplicate of an open one)."""
         dup = rid is not None
         if not dup:
             self.rid_seq += 1
             rid = f"r{self.rid_seq}"
         key = (client, rid)
-        frames = P.encode_submit(rid, input_ids=list(range(1, n + 1)), params={"max_new_tokens": 4}, stream=stream,
-                                 idempotent=idempotent, deadline_ms=deadline_ms)
+        b = {**P.submit_body(rid, input_ids=list(range(1, n + 1)), params={"max_new_tokens": 4, **(params or {})},
+                             stream=stream, idempotent=idempotent, deadline_ms=deadline_ms), **body}
+        frames = [P.CLIENT_HEADER, bytes([P.Cmd.C_SUBMIT]), P.pack(b)]
         if not dup:
-            req = self.reqs[key] = Req(key, stream, idempotent, impaired=(TO_CLIENT, client) in self.down)
+            req = self.reqs[key] = Req(key, stream, idempotent, impaired=(TO_CLIENT, client) in self.down,
+                                       prompt=list(range(1, n + 1)))
         self.peak_inflight = max(self.peak_inflight, len(self.core.inflight) + 1)
         self.step = []
         self.dup_key, self.dup_errors = (key if dup else None), 0
@@ -282,8 +290,9 @@ class Shell:
                     req.rid = m.rid
                     self.by_rid[m.rid] = req
                 assert req.rid == m.rid
-                assert req.committed_attempt is None, f"{key}: attempt {m.attempt} after a chunk was streamed (inv 3)"
-                assert 1 <= m.attempt <= self.s.max_attempts, f"{key}: attempt {m.attempt}"
+                if req.committed_attempt is not None:  # only a continuation of its stream (inv 3)
+                    self._check_continuation(req, m, s.ref.migrations)
+                assert 1 <= m.attempt <= self.s.max_attempts + req.migrations, f"{key}: attempt {m.attempt}"
                 assert all(a.attempt < m.attempt for a in req.requests), f"{key}: attempt {m.attempt} not increasing"
                 if not req.idempotent:
                     assert not any(a.delivered for a in req.requests), f"{key}: non-idempotent request sent twice"
@@ -330,6 +339,22 @@ class Shell:
             assert req.stream, f"{key}: ACCEPTED for a non-streamed request"
             assert req.requests and req.requests[-1].attempt == m.attempt
         return m
+
+    def _check_continuation(self, req: Req, m: P.Request, migrations: int) -> None:
+        """A REQUEST after a chunk was streamed: a migration (or the same one again, to another
+        worker, when its REQUEST could not be delivered), with exactly the tokens streamed so far."""
+        assert req.stream and req.idempotent, f"{req.key}: attempt {m.attempt} after a chunk was streamed (inv 3)"
+        assert migrations == req.migrations + 1 or (migrations == req.migrations and not req.requests[-1].delivered), \
+            f"{req.key}: attempt {m.attempt}, migration {migrations} after {req.migrations} (inv 3)"
+        req.migrations = migrations
+        assert req.migrations <= self.s.max_migrations, f"{req.key}: migration {req.migrations} (inv 3)"
+        streamed = [t for d in req.created if isinstance(d, P.ClientChunk) for t in d.data["token_ids"]]
+        if isinstance(req.prompt, str):  # a text prompt continues with the text streamed
+            text = "".join(d.data.get("text", "") for d in req.created if isinstance(d, P.ClientChunk))
+            assert m.submit.text == req.prompt + text, f"{req.key}: continued with {m.submit.text!r} (inv 3)"
+        else:
+            assert m.submit.input_ids == req.prompt + streamed, f"{req.key}: continued with {m.submit.input_ids} (inv 3)"
+        assert m.submit.max_new_tokens == 4 - len(streamed) > 0, f"{req.key}: max_new_tokens {m.submit.max_new_tokens}"
 
     def _delivered(self, s, dec) -> None:
         if s.to == TO_WORKER:
@@ -444,6 +469,7 @@ CONFIGS = st.fixed_dictionaries({
     "eject_after_failures": st.sampled_from([1, 3, 5]),
     "default_deadline_ms": st.sampled_from([800, 3000]),
     "drain_timeout_s": st.sampled_from([0.5, 3.0]),
+    "max_migrations": st.sampled_from([0, 1, 2]),
 })
 WORKERS = st.integers(0, N_WORKERS - 1)
 CLIENTS = st.integers(0, N_CLIENTS - 1)
@@ -565,7 +591,9 @@ class BrokerCoreMachine(RuleBasedStateMachine):
         sh, core = self.sh, self.sh.core
         cur = sh.is_current(a.ident, a.rid, a.attempt)
         inf = core.inflight.get(a.rid)
-        expect_seq = inf.chunks_sent if inf is not None else None
+        # the worker's seq counts from 0 per attempt; a continued stream's client seq goes on
+        expect_seq = inf.chunks_sent - inf.seq_base if inf is not None else None
+        client_seq = inf.chunks_sent if inf is not None else None
         registered = a.ident in core.pool.by_identity
         stale0 = core.stats.dropped["stale_reply"]
         ooo0 = core.stats.dropped["chunk_out_of_order"]
@@ -582,7 +610,7 @@ class BrokerCoreMachine(RuleBasedStateMachine):
         if kind == "chunk":
             chunks = sh.made_for(a.key, P.ClientChunk)
             if seq == expect_seq and req.stream:
-                assert [c.seq for c in chunks] == [seq], f"chunk {seq} of {a}: {chunks}"
+                assert [c.seq for c in chunks] == [client_seq], f"chunk {seq} of {a}: {chunks}"
             else:
                 assert not chunks
                 if seq != expect_seq and req.stream:  # (a non-streamed request's chunks are not forwarded, nor checked)
@@ -605,7 +633,7 @@ class BrokerCoreMachine(RuleBasedStateMachine):
         if a is None:
             return
         seq = {"next": a.next_seq, "skip": a.next_seq + 1, "repeat": max(0, a.next_seq - 1)}[mode]
-        self._reply(a, P.encode_worker_chunk(a.rid, a.attempt, seq, {"token_ids": [seq]}), "chunk", seq=seq)
+        self._reply(a, P.encode_worker_chunk(a.rid, a.attempt, seq, {"token_ids": [100 * a.attempt + seq]}), "chunk", seq=seq)
         if mode == "next":
             a.next_seq += 1
 
@@ -633,7 +661,8 @@ class BrokerCoreMachine(RuleBasedStateMachine):
             self._reply(a, P.encode_worker_final(a.rid, a.attempt, "length", USAGE, {"token_ids": [2]}), "final")
             a.answered = True
         else:
-            self._reply(a, P.encode_worker_chunk(a.rid, a.attempt, a.next_seq, {"token_ids": [a.next_seq]}), "chunk", seq=a.next_seq)
+            self._reply(a, P.encode_worker_chunk(a.rid, a.attempt, a.next_seq, {"token_ids": [100 * a.attempt + a.next_seq]}),
+                        "chunk", seq=a.next_seq)
             a.next_seq += 1
 
     @rule(w=WORKERS, rid=st.integers(1, 12), attempt=st.integers(1, 5), kind=st.sampled_from(["chunk", "final", "error"]))
@@ -665,6 +694,26 @@ class BrokerCoreMachine(RuleBasedStateMachine):
         """Its connection is gone: every send to it fails unreachable (the next heartbeat removes it)."""
         if go:
             self.sh.down[(TO_WORKER, self.ident(w))] = "unreachable"
+
+    @rule(pick=PICK, how=st.sampled_from(["worker_lost", "worker_error", "dies"]))
+    def stream_loses_its_worker(self, pick, how):
+        """The migration path weighted up (issue 31): a current attempt that streamed output
+        loses its worker (its engine failed, or its connection is gone)."""
+        sh = self.sh
+        live = [a for k, a in sorted(sh.atts.items()) if sh.is_current(*k) and self.alive(a.ident) and sh.reqs[a.key].stream]
+        if not live:
+            return
+        a = live[pick % len(live)]
+        self._reply(a, P.encode_worker_chunk(a.rid, a.attempt, a.next_seq, {"token_ids": [100 * a.attempt + a.next_seq]}),
+                    "chunk", seq=a.next_seq)  # (it streams first)
+        a.next_seq += 1
+        if not sh.is_current(a.ident, a.rid, a.attempt):  # its client could not take the chunk
+            return
+        if how == "dies":
+            sh.down[(TO_WORKER, a.ident)] = "unreachable"
+        else:
+            self._reply(a, P.encode_worker_error(a.rid, a.attempt, how, "engine died mid-stream"), "error", code=how)
+            a.answered = True
 
     @rule(w=WORKERS, on=st.booleans())
     def worker_congested(self, w, on):
@@ -739,7 +788,7 @@ def _client_frames(sh: Shell, key: Key) -> list:
 
 
 def test_worker_lost_after_the_first_chunk_fails_the_request_with_worker_lost():
-    sh = Shell(progress_timeout_ms=0)
+    sh = Shell(progress_timeout_ms=0, max_migrations=0)  # (issue 31: with migrations on, it continues: below)
     w0, w1 = sh.add_worker(0), sh.add_worker(1)
     req = sh.submit(b"C0", True, True, None)
     (att,) = req.requests
@@ -754,6 +803,159 @@ def test_worker_lost_after_the_first_chunk_fails_the_request_with_worker_lost():
     assert req.delivered[-1].code == "worker_lost"
     assert len(req.requests) == 1  # committed: never re-dispatched
     assert sh.core.stats.workers["connection_lost"] == 1
+    sh.finish()
+
+
+def _stream_then_lose(sh: Shell, params: dict | None = None, how: str = "dies", **body):
+    """Two workers; a stream whose first worker sends one chunk ([7]) and is then lost (``how``:
+    its connection dies, or its adapter reports that the engine failed mid-stream)."""
+    w0, w1 = sh.add_worker(0), sh.add_worker(1)
+    req = sh.submit(b"C0", True, True, None, params=params, **body)
+    (att,) = req.requests
+    sh.worker(att.ident, P.encode_worker_chunk(att.rid, att.attempt, 0, {"token_ids": [7], "text": " seven"}))
+    if how == "dies":
+        sh.down[(TO_WORKER, att.ident)] = "unreachable"
+        sh.advance(0.6, keepalive={w0, w1} - {att.ident})  # its next heartbeat fails: removed
+    else:
+        sh.worker(att.ident, P.encode_worker_error(att.rid, att.attempt, how, "engine connection reset mid-stream"))
+        sh.advance(0.01, keepalive={w0, w1})
+    sh.check()
+    return req, att, ({w0, w1} - {att.ident}).pop()
+
+
+@pytest.mark.parametrize("how", ["dies", "worker_error", "unavailable", "worker_lost"])
+def test_a_stream_whose_worker_is_lost_mid_stream_continues_on_another_worker(how):
+    sh = Shell(progress_timeout_ms=0)
+    req, first, other = _stream_then_lose(sh, how=how)
+    second = req.requests[-1]
+    assert len(req.requests) == 2 and second.ident == other and second.delivered
+    sent = sh.atts[(second.ident, second.rid, second.attempt)]
+    assert sent.attempt == 2
+    m = [d for s, d in sh.step if isinstance(d, P.Request)] or None
+    inf = sh.core.inflight[second.rid]
+    assert inf.submit.input_ids == [1, 2, 3, 7] and inf.submit.max_new_tokens == 3  # prompt + tokens so far
+    assert sh.core.stats.migrations[how if how != "dies" else "worker_lost"] == 1
+    # the new worker counts its chunks from 0; the client's stream goes on at seq 1
+    sh.worker(other, P.encode_worker_chunk(second.rid, 2, 0, {"token_ids": [8]}))
+    sh.worker(first.ident, P.encode_worker_chunk(first.rid, 1, 1, {"token_ids": [9]}))  # the lost attempt: stale
+    sh.worker(other, P.encode_worker_final(second.rid, 2, "length", {"prompt_tokens": 4, "completion_tokens": 3,
+                                                                       "cached_tokens": 3}, {"token_ids": [10]}))
+    frames = _client_frames(sh, req.key)
+    assert [type(d).__name__ for d in frames] == ["Accepted", "ClientChunk", "Accepted", "ClientChunk", "ClientFinal"]
+    assert [d.seq for d in frames if isinstance(d, P.ClientChunk)] == [0, 1]
+    assert [d.data["token_ids"] for d in frames if isinstance(d, P.ClientChunk)] == [[7], [8]]
+    assert frames[-1].usage == {"prompt_tokens": 3, "completion_tokens": 4, "cached_tokens": 3}  # as the client asked
+    assert m is None or all(d.submit.input_ids == [1, 2, 3, 7] for d in m)
+    sh.check()
+    sh.finish()
+
+
+def test_a_text_prompt_continues_with_the_text_streamed_so_far():
+    sh = Shell(progress_timeout_ms=0)
+    w0, w1 = sh.add_worker(0), sh.add_worker(1)
+    frames = P.encode_submit("t1", text="hello", params={"max_new_tokens": 4}, stream=True)
+    sh.reqs[(b"C0", "t1")] = req = Req((b"C0", "t1"), True, True, prompt="hello")
+    sh.step = []
+    sh.core.client_frames([b"C0", *frames], sh.now)
+    req.accepted = True
+    sh.flush()
+    (att,) = req.requests
+    sh.worker(att.ident, P.encode_worker_chunk(att.rid, 1, 0, {"token_ids": [7], "text": " seven"}))
+    sh.worker(att.ident, P.encode_worker_error(att.rid, 1, "worker_lost", "engine died"))
+    sh.advance(0.01, keepalive={w0, w1})
+    inf = sh.core.inflight[att.rid]
+    assert inf.submit.text == "hello seven" and inf.submit.input_ids is None and inf.submit.max_new_tokens == 3
+
+
+@pytest.mark.parametrize("params, body, reason", [
+    ({"json_schema": '{"type": "object"}'}, {}, "constrained"),
+    ({"regex": "[a-z]+"}, {}, "constrained"),
+    ({"ebnf": "root ::= 'a'"}, {}, "constrained"),
+    ({"n": 2}, {}, "n"),
+    ({"frequency_penalty": 0.5}, {}, "penalties"),
+    ({"stop": ["seven up"]}, {}, "stop_strings"),  # the text so far (" seven") may be the start of a stop string
+    ({"max_new_tokens": 1}, {}, "exhausted"),
+    ({}, {"passthrough": {"path": "/v1/responses"}}, "passthrough"),
+])
+def test_a_stream_that_cannot_be_continued_exactly_ends_with_worker_lost(params, body, reason):
+    sh = Shell(progress_timeout_ms=0)
+    req, _, _ = _stream_then_lose(sh, params, **body)
+    assert len(req.requests) == 1
+    assert isinstance(req.delivered[-1], P.ClientError) and req.delivered[-1].code == "worker_lost"
+    assert f"not continued: {reason}" in req.delivered[-1].message
+    assert sh.core.stats.migration_refused == {reason: 1} and not sh.core.stats.migrations
+    sh.finish()
+
+
+def test_stop_strings_the_stream_cannot_straddle_still_continue():
+    sh = Shell(progress_timeout_ms=0)
+    req, _, _ = _stream_then_lose(sh, {"stop": ["</answer>"]})
+    assert len(req.requests) == 2 and sh.core.stats.migrations["worker_lost"] == 1
+    sh.finish()
+
+
+def test_a_lost_stream_with_no_other_worker_still_ends_with_worker_lost():
+    sh = Shell(progress_timeout_ms=0, park_timeout_s=0.0)
+    w0 = sh.add_worker(0)
+    req = sh.submit(b"C0", True, True, None)
+    (att,) = req.requests
+    sh.worker(att.ident, P.encode_worker_chunk(att.rid, 1, 0, {"token_ids": [7]}))
+    sh.down[(TO_WORKER, w0)] = "unreachable"
+    sh.advance(2.0)
+    assert req.delivered[-1].code == "worker_lost", req.delivered[-1]
+    assert len(req.requests) == 1
+    sh.finish()
+
+
+def test_migrations_per_request_are_bounded():
+    sh = Shell(progress_timeout_ms=0, max_migrations=1)
+    w2 = sh.add_worker(2)
+    req, _, other = _stream_then_lose(sh)
+    second = req.requests[-1]
+    sh.worker(other, P.encode_worker_chunk(second.rid, 2, 0, {"token_ids": [8]}))
+    sh.worker(other, P.encode_worker_error(second.rid, 2, "worker_lost", "engine died again"))
+    sh.check()
+    assert len(req.requests) == 2  # w2 was free, but the one migration is spent
+    assert req.delivered[-1].code == "worker_lost" and "not continued: limit" in req.delivered[-1].message
+    assert sh.core.stats.migration_refused["limit"] == 1 and sh.core.stats.migrations["worker_lost"] == 1
+    assert [d.seq for d in req.delivered if isinstance(d, P.ClientChunk)] == [0, 1]
+    assert w2 not in {a.ident for a in req.requests}
+    sh.finish()
+
+
+def test_a_continuation_that_fails_before_its_first_chunk_is_another_migration():
+    sh = Shell(progress_timeout_ms=0)
+    sh.add_worker(2)
+    req, _, other = _stream_then_lose(sh)
+    second = req.requests[-1]
+    sh.worker(other, P.encode_worker_error(second.rid, 2, "unavailable", "engine restarting"))
+    sh.advance(0.01, keepalive={worker_ident(w, 0, 0) for w in range(3)})
+    third = req.requests[-1]
+    assert third.attempt == 3 and third.ident == worker_ident(2, 0, 0)
+    assert sh.core.inflight[third.rid].submit.input_ids == [1, 2, 3, 7]  # nothing more was streamed
+    sh.worker(third.ident, P.encode_worker_chunk(third.rid, 3, 0, {"token_ids": [8]}))
+    sh.worker(third.ident, P.encode_worker_final(third.rid, 3, "length", USAGE))
+    assert [d.seq for d in req.delivered if isinstance(d, P.ClientChunk)] == [0, 1]
+    assert isinstance(req.delivered[-1], P.ClientFinal)
+    sh.finish()
+
+
+@pytest.mark.parametrize("chunks, reason", [
+    ([{"token_ids": "many"}], "no_token_ids"),
+    ([{"text": "words but no ids"}], "no_token_ids"),
+    ([{"token_ids": [2**40]}], "bad_chunk"),
+    ([{"token_ids": [1]}] * 6, "too_many_chunks"),  # more chunks than max_new_tokens (4): a flood, not kept
+])
+def test_hostile_chunks_from_a_lost_worker_end_the_stream_with_worker_lost(chunks, reason):
+    sh = Shell(progress_timeout_ms=0)
+    w0, w1 = sh.add_worker(0), sh.add_worker(1)
+    req = sh.submit(b"C0", True, True, None)
+    (att,) = req.requests
+    for i, c in enumerate(chunks):
+        sh.worker(att.ident, P.encode_worker_chunk(att.rid, 1, i, c))
+    sh.worker(att.ident, P.encode_worker_error(att.rid, 1, "worker_lost", "engine died"))
+    assert req.delivered[-1].code == "worker_lost" and f"not continued: {reason}" in req.delivered[-1].message
+    assert sh.core.stats.migration_refused == {reason: 1} and len(req.requests) == 1
     sh.finish()
 
 

@@ -52,6 +52,10 @@ class BrokerStats:
         # text requests the HTTP ingress sent without their model's tokenizer to engines that key their
         # cache by token ids (a byte key never matches their KV events), by model
         self.text_unmatched: Counter[str] = Counter()
+        # streams continued on another worker after theirs was lost mid-stream, by the loss's
+        # code; and those that could not be (ended worker_lost), by reason (mesh.broker_core.migrate)
+        self.migrations: Counter[str] = Counter()
+        self.migration_refused: Counter[str] = Counter()
         self.degraded_decisions = 0
         self.requests_parked = 0
         self.cached_tokens = 0
@@ -92,6 +96,8 @@ class BrokerStats:
             ("lora", self.lora),
             ("sessions", self.sessions),
             ("text_unmatched", self.text_unmatched),
+            ("migrations", self.migrations),
+            ("migration_refused", self.migration_refused),
         ):
             for k, v in ctr.items():
                 out[f"{prefix}.{k}"] = v

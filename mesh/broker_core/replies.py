@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from mesh import protocol as P
+from mesh.broker_core import migrate
 from mesh.broker_core.counters import BrokerStats
 from mesh.broker_core.pool import WorkerPool, WorkerSession
 from mesh.broker_core.requests import Inflight, RequestState, move
@@ -76,10 +77,11 @@ class Replies:
                 inf.first_token_s = now
                 (sess.lat.get("ttft") or sess.histogram("ttft", self.stats)).observe(now - inf.accepted_s)
             return
-        if m.seq != inf.chunks_sent:
+        if m.seq != inf.chunks_sent - inf.seq_base:  # (a continued stream's attempt counts from 0 again)
             self.stats.dropped["chunk_out_of_order"] += 1
             if self._limiter.allow(("chunk_seq", sess.worker_id), now):
-                self.log.warning("chunk_out_of_order", request_id=inf.client_rid, worker_id=sess.worker_id, expected=inf.chunks_sent, got=m.seq)
+                self.log.warning("chunk_out_of_order", request_id=inf.client_rid, worker_id=sess.worker_id,
+                                 expected=inf.chunks_sent - inf.seq_base, got=m.seq)
             return
         if not inf.first_token_s:
             inf.first_token_s = now
@@ -87,8 +89,14 @@ class Replies:
         else:
             (sess.lat.get("inter_token") or sess.histogram("inter_token", self.stats)).observe(now - inf.last_chunk_s)
         inf.last_chunk_s = now
+        if inf.streamed is not None:  # kept to continue it elsewhere if its worker is lost
+            if len(inf.streamed) > inf.submit.max_new_tokens:  # more chunks than tokens: a worker flooding it
+                inf.streamed, inf.unmigratable = None, "too_many_chunks"
+            else:
+                inf.streamed.append(m.data)
+        seq = inf.chunks_sent
         inf.chunks_sent += 1
-        self._out.to_client(inf.client, P.encode_client_chunk(inf.client_rid, m.seq, m.data), Receipt.CHUNK, inf)
+        self._out.to_client(inf.client, P.encode_client_chunk(inf.client_rid, seq, m.data), Receipt.CHUNK, inf)
 
     def final(self, sess: WorkerSession, m: P.WorkerFinal, now: float) -> None:
         inf = self._current(sess, m, now)
@@ -102,6 +110,8 @@ class Replies:
             # the client sees the prompt accounting of the prefill leg (where the cache hit was)
             m.usage = {**m.usage, "prompt_tokens": inf.prefill_usage.get("prompt_tokens", m.usage.get("prompt_tokens")),
                        "cached_tokens": inf.prefill_usage.get("cached_tokens", 0)}
+        if inf.produced:  # a continued stream: its earlier tokens were sent to this worker as prompt
+            m.usage = migrate.continued_usage(m.usage, inf.produced)
         self.table.forget(inf, "answered")
         sess.failures = 0
         self.workers.note_outcome(sess, False, now)

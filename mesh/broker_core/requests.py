@@ -9,6 +9,8 @@ Request states, and every move between them with what triggers it (:data:`REQUES
     DISPATCHED | RETRY_WAIT ---decode_leg---> DISPATCHED (P/D: prefill done, or the decode leg again)
     any live state ---no_worker | saturated---> PARKED (no routable worker / all at their cap)
     DISPATCHED ---attempt_failed---> RETRY_WAIT (nothing streamed; the back-off runs)
+    DISPATCHED ---migrate---> RETRY_WAIT (its worker was lost mid-stream: it continues on another,
+        :mod:`mesh.broker_core.migrate`)
     DISPATCHED ---answered---> DONE (its FINAL)
     any live state ---failed | client_gone---> DONE (its ERROR, or nobody reads it any more)
 
@@ -46,6 +48,7 @@ REQUEST_TRANSITIONS: frozenset[tuple[RequestState, RequestState, str]] = frozens
     (_R.DISPATCHED, _R.DISPATCHED, "decode_leg"), (_R.RETRY_WAIT, _R.DISPATCHED, "decode_leg"),
     *((f, _R.PARKED, why) for f in _LIVE for why in ("no_worker", "saturated")),
     (_R.DISPATCHED, _R.RETRY_WAIT, "attempt_failed"),
+    (_R.DISPATCHED, _R.RETRY_WAIT, "migrate"),
     (_R.DISPATCHED, _R.DONE, "answered"),
     *((f, _R.DONE, why) for f in _LIVE for why in ("failed", "client_gone")),
 })
@@ -101,6 +104,15 @@ class Inflight:
     accepted_s: float = 0.0  # when the SUBMIT was accepted (latency histograms)
     first_token_s: float = 0.0  # when its first output arrived (0: not yet)
     last_chunk_s: float = 0.0  # when its last streamed chunk arrived
+    # migration (mesh.broker_core.migrate): why it cannot be continued on another worker ("" : it
+    # can), the CHUNK payloads streamed by the current attempt (kept only when it can), how often
+    # it was continued, the client seq its current attempt's seq 0 maps to, and the tokens streamed
+    # before the current attempt (sent to it as prompt)
+    unmigratable: str = ""
+    streamed: list | None = None
+    migrations: int = 0
+    seq_base: int = 0
+    produced: int = 0
 
     @property
     def committed(self) -> bool:

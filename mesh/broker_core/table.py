@@ -19,6 +19,7 @@ import itertools
 from typing import Any, Callable
 
 from mesh import protocol as P
+from mesh.broker_core import migrate
 from mesh.broker_core.counters import BrokerStats
 from mesh.broker_core.intake import Intake
 from mesh.broker_core.pool import WorkerPool, WorkerSession
@@ -75,6 +76,10 @@ class RequestTable:
         self.inflight[rid] = inf
         self.by_client[(ident, sub.rid)] = rid
         inf.quota = quota
+        if sub.stream:  # only a stream commits output before its end (a migration's precondition)
+            inf.unmigratable = migrate.refusal(sub) or "" if self.s.max_migrations else "disabled"
+            if not inf.unmigratable:
+                inf.streamed = []
         self.intake.admit(quota)
         heapq.heappush(self.deadlines, (inf.deadline_s, rid))
         return inf
@@ -254,8 +259,11 @@ class RequestTable:
             inf.phase = "mixed"
         inf.fail_cause = code.value
         inf.fail_message = message[:400]
+        if inf.committed:  # it streamed output: continue it on another worker, or end it
+            self.migrate_or_fail(inf, code, message, now)
+            return
         remaining = inf.deadline_s - now
-        if inf.committed or not inf.submit.idempotent or not self.retry.should_retry(inf.attempt, remaining):
+        if not inf.submit.idempotent or not self.retry.should_retry(inf.attempt - inf.migrations, remaining):
             self.finish_error(inf, code, message)
             return
         if budgeted and not inf.holds_retry_budget:
@@ -269,6 +277,36 @@ class RequestTable:
         move(inf, _R.RETRY_WAIT, "attempt_failed")
         heapq.heappush(self._retries, (now + delay, inf.rid))
         self.log.info("retry_scheduled", request_id=inf.client_rid, attempt=inf.attempt, cause=code.value, delay_ms=round(delay * 1000, 2))
+
+    def migrate_or_fail(self, inf: Inflight, code: ErrorCode, message: str, now: float) -> None:
+        """``inf`` streamed output, then its attempt failed with ``code`` (its worker was lost or
+        its engine failed mid-stream; the caller detached it): continue it on another worker with
+        the prompt plus the tokens streamed so far (:mod:`mesh.broker_core.migrate`; at most
+        ``max_migrations`` times, counted ``migrations``) or end it with ``code`` (counted
+        ``migration_refused`` by reason)."""
+        inf.fail_cause, inf.fail_message = code.value, message[:400]  # (what it ends with if no other worker takes it)
+        why = inf.unmigratable or ("limit" if inf.migrations >= self.s.max_migrations else "")
+        if not why and now >= inf.deadline_s:
+            why = "deadline"
+        cont = why or migrate.continuation(inf.submit, inf.streamed or [])
+        if isinstance(cont, str):
+            self.stats.migration_refused[cont] += 1
+            self.finish_error(inf, code, f"{message} (not continued: {cont})")
+            return
+        if inf.phase == "decode" and (ps := self.pool.by_id.get(inf.prefill_worker)) is not None:
+            self._out.to_worker(ps.identity, P.encode_worker_cancel(inf.rid, inf.prefill_attempt))
+        inf.phase = "mixed"  # a P/D request continues as a new pair
+        inf.prefill_worker, inf.prefill_attempt, inf.prefill_usage, inf.prefill_bootstrap = "", 0, None, {}
+        inf.submit, produced = cont
+        inf.produced += produced
+        inf.migrations += 1
+        inf.seq_base = inf.chunks_sent
+        inf.streamed = []
+        self.stats.migrations[code.value] += 1
+        self.log.info("request_migrated", request_id=inf.client_rid, cause=code.value, migration=inf.migrations,
+                      produced_tokens=inf.produced, remaining_tokens=inf.submit.max_new_tokens, message=message[:200])
+        move(inf, _R.RETRY_WAIT, "migrate")
+        heapq.heappush(self._retries, (now, inf.rid))
 
     def abort_pair(self, inf: Inflight, code: ErrorCode, message: str, now: float, *, budgeted: bool = True) -> None:
         """P/D: ``inf``'s prefill leg failed or was lost after its handoff, so its decode leg waits
@@ -357,14 +395,15 @@ class RequestTable:
                 self.finish_error(inf, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", cancel_worker=True)
 
     def orphan(self, sess: WorkerSession, now: float, why: str) -> None:
-        """Requests on a lost session: retry those with nothing streamed, fail the others."""
+        """Requests on a lost session: retry those with nothing streamed, continue the others on
+        another worker (:meth:`migrate_or_fail`) or fail them."""
         for rid in list(sess.inflight):
             inf = self.inflight.get(rid)
             if inf is None:
                 continue
             if inf.committed:
                 self.detach(inf)
-                self.finish_error(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost mid-stream ({why})")
+                self.migrate_or_fail(inf, ErrorCode.WORKER_LOST, f"worker {sess.worker_id} lost mid-stream ({why})", now)
             else:
                 # Not budgeted: a lost worker's requests are each retried at most max_attempts
                 # times anyway, and the budget (sized for retry storms) would fail the requests a
@@ -404,7 +443,7 @@ class RequestTable:
             # Unreachable or full worker: it is failing; try another one right away.
             self.detach(inf)
             self.stats.retries["send_failed"] += 1
-            if inf.attempt >= self.s.max_attempts:
+            if inf.attempt - inf.migrations >= self.s.max_attempts:
                 self.finish_error(inf, ErrorCode.UNAVAILABLE, "could not deliver the request to any worker")
             else:
                 self._dispatch(inf, now)
