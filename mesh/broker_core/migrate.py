@@ -74,6 +74,8 @@ def _straddles(text: str, stops: list[str]) -> bool:
 def continuation(sub: P.Submit, chunks: list[bytes]) -> tuple[P.Submit, int] | str:
     """The request that continues ``sub`` after ``chunks`` (the CHUNK payloads streamed since it
     was sent) and how many tokens those held; or why it cannot be (a refusal reason)."""
+    if sub.passthrough is not None:
+        return "passthrough"
     ids: list[int] = []
     texts: list[str] = []
     try:
@@ -90,8 +92,6 @@ def continuation(sub: P.Submit, chunks: list[bytes]) -> tuple[P.Submit, int] | s
         return "bad_chunk"
     if not isinstance(body, dict):
         return "bad_chunk"
-    if body.get("passthrough") is not None:
-        return "passthrough"
     if not ids:  # nothing more since it was sent (or continued): the same request again
         return "no_token_ids" if any(texts) else (sub, 0)
     produced = len(ids)
