@@ -875,7 +875,7 @@ def test_a_text_prompt_continues_with_the_text_streamed_so_far():
     ({"frequency_penalty": 0.5}, {}, "penalties"),
     ({"stop": ["seven up"]}, {}, "stop_strings"),  # the text so far (" seven") may be the start of a stop string
     ({"max_new_tokens": 1}, {}, "exhausted"),
-    ({}, {"passthrough": {"path": "/v1/responses"}}, "passthrough"),
+    ({}, {"passthrough": {"path": "/v1/responses", "method": "POST", "body": b"{}"}}, "passthrough"),
 ])
 def test_a_stream_that_cannot_be_continued_exactly_ends_with_worker_lost(params, body, reason):
     sh = Shell(progress_timeout_ms=0)

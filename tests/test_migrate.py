@@ -64,7 +64,7 @@ def test_a_continuation_is_the_prompt_plus_the_tokens_streamed_with_fewer_new_to
     ([b"\xc1"], {}, {}, "bad_chunk"),
     ([_chunk([-1])], {}, {}, "bad_chunk"),
     ([_chunk(["a"])], {}, {}, "bad_chunk"),
-    ([_chunk([1])], {}, {"passthrough": {"path": "/v1/responses"}}, "passthrough"),
+    ([_chunk([1])], {}, {"passthrough": {"path": "/v1/responses", "method": "POST", "body": b"{}"}}, "passthrough"),
 ])
 def test_a_continuation_that_would_not_be_exact_is_refused_by_name(chunks, params, body, reason):
     assert migrate.continuation(_sub(params=params, **body), chunks) == reason
