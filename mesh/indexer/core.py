@@ -50,7 +50,7 @@ from mesh.logs import RateLimiter, get_logger
 from mesh.stats import percentile
 
 __all__ = ["IndexerCore", "ApplyOutcome", "Limits", "Refused", "REJECTED", "check_registration", "DEFAULT_MAX_ENTRIES",
-           "DEFAULT_WORKER_TTL_S", "MAX_MESSAGE_BYTES", "MAX_OWNER_CHARS"]
+           "DEFAULT_WORKER_TTL_S", "MAX_MESSAGE_BYTES", "MAX_OWNER_CHARS", "MAX_MATCH_IDS"]
 
 #: Default entry budget: ~10 M (block, stream) entries, a few GB of Python objects at most.
 DEFAULT_MAX_ENTRIES = 10_000_000
@@ -59,6 +59,9 @@ DEFAULT_WORKER_TTL_S = 900.0
 #: Default gRPC message cap (both ways). A bigger batch is refused before it is read; brokers
 #: drop (and count) batches above it instead of sending them.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+#: Token ids (or block keys) one MatchPrefix may carry: the largest context a model takes (1M
+#: tokens; a key per block is never more). One 8M-id query cost 14 s of handler time.
+MAX_MATCH_IDS = 1 << 20
 #: The longest owner id (``x-mesh-owner``) a caller may give.
 MAX_OWNER_CHARS = 128
 _MAX_WORKER_ID_CHARS = 256
@@ -84,9 +87,11 @@ class Limits:
     max_streams: int = 131_072
     ghost_ttl_s: float = 60.0  # 0 = ghosts are kept until the worker TTL
     owner_ttl_s: float = DEFAULT_WORKER_TTL_S  # 0 = ownership never lapses
+    max_match_ids: int = MAX_MATCH_IDS  # token ids or block keys in one MatchPrefix
 
     def validate(self) -> None:
-        for name in ("max_message_bytes", "max_batch_events", "max_workers", "max_ranks_per_worker", "max_streams"):
+        for name in ("max_message_bytes", "max_batch_events", "max_workers", "max_ranks_per_worker", "max_streams",
+                     "max_match_ids"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")
         if self.max_message_bytes < 64 << 10:
