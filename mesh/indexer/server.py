@@ -258,7 +258,7 @@ class IndexerService(pb_grpc.IndexerServicer):
             keys = list(request.keys)
             if not keys and len(request.token_ids):
                 try:
-                    keys = await _content_keys(list(request.token_ids), request.block_size,
+                    keys = await content_keys_sliced(list(request.token_ids), request.block_size,
                                                namespace_root_key(request.namespace or None))
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids/block_size: {exc}")
@@ -333,7 +333,7 @@ class IndexerService(pb_grpc.IndexerServicer):
         )
 
 
-async def _content_keys(tokens: list[int], block_size: int, root: int) -> list[int]:
+async def content_keys_sliced(tokens: list[int], block_size: int, root: int) -> list[int]:
     """content_keys of a long prompt in slices, yielding to the loop between them (queries and
     applies of other callers go on while one caller's long prompt is hashed)."""
     if block_size < 1 or len(tokens) <= _HASH_SLICE_TOKENS:

@@ -1,0 +1,142 @@
+"""Issue 32: writers of the Valkey store without the indexer token, against real replicas.
+
+Each test is an attack that worked before: forged ``forget`` entries wiped the index, a forged
+``apply`` made the index claim a worker held a prompt it never computed, a genuine entry copied
+back into the log undid a forget, one forged checkpoint (bad signature, trim mark ahead) froze
+every running replica silently and stopped new ones from starting. Targets: 0 forged entries
+applied, no replica frozen, no start stopped; each rejection counted and logged by name.
+"""
+
+from __future__ import annotations
+
+import grpc
+import msgpack
+import pytest
+import redis
+
+from mesh.indexer import indexer_pb2 as pb
+from mesh.indexer import indexer_pb2_grpc as pb_grpc
+from mesh.lab.procs import wait_for_log_event
+
+from conftest import run, until
+from test_indexer_valkey import BS, _batch, _keys, _replica, valkey  # noqa: F401 (the fixture)
+
+TOKEN = "the-indexer-token"
+MD = (("authorization", f"Bearer {TOKEN}"), ("x-mesh-owner", "broker-a"))
+LOG, CKPT = "mesh:indexer:log", "mesh:indexer:checkpoint"
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    p = tmp_path / "token"
+    p.write_text(TOKEN + "\n")
+    return str(p)
+
+
+async def _apply(s, seq: int, worker: str = "w"):
+    return await s.ApplyKvBatch(pb.ApplyKvBatchRequest(worker_id=worker, dp_rank=0, epoch=1, seq=seq,
+                                                       events_msgpack=_batch(seq)), timeout=5, metadata=MD)
+
+
+async def _held(s, n: int) -> dict[str, int]:
+    r = await s.MatchPrefix(pb.MatchPrefixRequest(keys=_keys(n), block_size=BS), timeout=5, metadata=MD)
+    return {w: lv.matched_blocks for lv in r.levels for w in lv.worker_ids}
+
+
+async def _counters(s) -> dict[str, int]:
+    return dict((await s.Stats(pb.StatsRequest(), timeout=5, metadata=MD)).counters)
+
+
+def test_forged_and_replayed_entries_are_never_applied(procs, valkey, token_file):
+    _, url, _ = valkey
+    r1, ep = _replica(procs, "r1", url, 0, "--token-file", token_file)
+    rc = redis.Redis.from_url(url)
+
+    async def body():
+        async with grpc.aio.insecure_channel(ep.split("//")[1]) as ch:
+            s = pb_grpc.IndexerStub(ch)
+            for seq in range(3):
+                await _apply(s, seq)
+            await _apply(s, 0, worker="gone")
+            await s.ForgetWorker(pb.ForgetWorkerRequest(worker_id="gone"), timeout=5, metadata=MD)
+            assert await _held(s, 3) == {"w": 3}
+            genuine = [f for _, f in rc.xrange(LOG)]
+            origin = msgpack.unpackb(genuine[0][b"o"])[0]
+            # the attacks of the issue: a forged forget (unsigned, and with a made-up signature),
+            # a forged apply claiming "evil" holds the prompt, and every genuine entry copied back
+            # (the apply of the forgotten worker "gone" among them)
+            forget = msgpack.packb([origin, 10**6, 0, "forget", "w", ""])
+            apply = msgpack.packb([origin, 10**6 + 1, 0, "apply", "evil", 0, 1, 0, _batch(0), ""])
+            rc.xadd(LOG, {b"o": forget})
+            rc.xadd(LOG, {b"o": forget, b"m": b"\0" * 32})
+            rc.xadd(LOG, {b"o": apply, b"m": b"x"})
+            for f in genuine:
+                rc.xadd(LOG, f)
+            await _apply(s, 3)  # a genuine entry after them: the tail went past them
+            assert await _held(s, 4) == {"w": 4}
+            c = await _counters(s)
+            assert c["service_log_bad_entries_unsigned"] == 1 and c["service_log_bad_entries_bad_signature"] == 2
+            assert c["service_log_bad_entries_replayed"] == len(genuine)
+            assert (await s.Stats(pb.StatsRequest(), timeout=5, metadata=MD)).ready
+
+    run(body(), 60)
+    assert "indexer_log_entry_rejected" in r1.log_path.read_text()
+    # a replica started now replays the same log and refuses the same entries
+    _, ep2 = _replica(procs, "late", url, 0, "--token-file", token_file)
+
+    async def late():
+        async with grpc.aio.insecure_channel(ep2.split("//")[1]) as ch:
+            s = pb_grpc.IndexerStub(ch)
+            assert await _held(s, 4) == {"w": 4}
+
+    run(late(), 30)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_forged_checkpoint_freezes_no_replica_and_stops_no_start(procs, valkey, token_file, signed):
+    _, url, _ = valkey
+    auth = ("--token-file", token_file) if signed else ()
+    r1, ep = _replica(procs, "r1", url, 0, *auth)
+    rc = redis.Redis.from_url(url)
+
+    async def body(endpoint, first_seq: int, n: int):
+        async with grpc.aio.insecure_channel(endpoint.split("//")[1]) as ch:
+            s = pb_grpc.IndexerStub(ch)
+            for seq in range(first_seq, first_seq + n):
+                await _apply(s, seq)
+
+            async def holds():
+                return (await _held(s, first_seq + n)).get("w") == first_seq + n
+
+            await until(holds, 10, "the replica applies what follows")
+            return await _counters(s)
+
+    run(body(ep, 0, 2), 30)
+    # the checkpoint of the issue: ahead of the log, trim mark ahead, a made-up signature (with a
+    # token) or none (without), and a state record that is garbage
+    rc.hset(CKPT, mapping={b"id": b"99999999999999-0", b"trimmed": b"99999999999998-0", b"data": b"\xc1",
+                           b"guard": b"", b"mac": b"\0" * 32})
+    c = run(body(ep, 2, 3), 30)  # the running replica is not frozen
+    assert c["service_checkpoints_rejected"] == 1
+    late, ep2 = _replica(procs, "late", url, 0, *auth)  # a new replica starts
+    rec = wait_for_log_event(late.log_path, "indexer_checkpoint_rejected", 10, late.popen, start=late.log_start)
+    assert rec["reason"] == ("bad_signature" if signed else "ahead_of_the_log")
+    run(body(ep2, 5, 1), 30)  # and serves: rebuilt from the log, follows it
+    assert "Traceback" not in r1.log_path.read_text() + late.log_path.read_text()
+
+
+def test_no_token_no_store_and_the_password_file_is_validated(procs, valkey, tmp_path):
+    _, url, _ = valkey
+    p = procs.spawn("nosign", ["indexer", "--listen", "127.0.0.1:0", "--backend", "valkey", "--valkey-url", url])
+    assert p.popen.wait(30) == 2
+    out = p.log_path.read_text()
+    assert "token_file" in out and "--insecure-store" in out and "Traceback" not in out
+    for i, content in enumerate((None, "", "two words", "x" * 5000)):
+        f = tmp_path / f"pw{i}"
+        if content is not None:
+            f.write_text(content)
+        p = procs.spawn(f"pw{i}", ["indexer", "--listen", "127.0.0.1:0", "--backend", "valkey", "--valkey-url", url,
+                                   "--insecure-store", "--valkey-password-file", str(f)])
+        assert p.popen.wait(30) == 2
+        out = p.log_path.read_text()
+        assert "valkey_password_file" in out and "Traceback" not in out
