@@ -140,3 +140,22 @@ def test_no_token_no_store_and_the_password_file_is_validated(procs, valkey, tmp
         assert p.popen.wait(30) == 2
         out = p.log_path.read_text()
         assert "valkey_password_file" in out and "Traceback" not in out
+
+
+def test_the_deploy_files_run_valkey_with_a_password_and_sign_with_a_token():
+    """Issue 32: the compose file ran Valkey without a password (and the indexer without a token)."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent / "deploy"
+    compose = yaml.safe_load((root / "compose.yaml").read_text())["services"]
+    assert "--requirepass" in " ".join(compose["valkey"]["command"])
+    k8s = (root / "k8s" / "mesh.yaml").read_text()
+    assert "--requirepass" in k8s and "MESH_VALKEY_PASSWORD" in k8s
+    for name, svc in compose.items():
+        argv = svc.get("command", [])
+        if argv[:1] == ["indexer"] and "valkey" in argv:
+            assert "--token-file" in argv and "--valkey-password-file" in argv and "--insecure-store" not in argv, name
+        if argv[:1] == ["broker"]:
+            assert "--kv-indexer-token-file" in argv, name
