@@ -344,6 +344,7 @@ def test_a_checkpoint_signed_with_another_token_is_rejected_and_the_replica_star
             st = await pb_grpc.IndexerStub(ch).Stats(pb.StatsRequest(), timeout=5,
                                                      metadata=(("authorization", "Bearer token-two"),))
             assert st.entries == 0 and st.counters["service_checkpoints_rejected"] == 1
+            assert st.store_rejected.startswith(("checkpoint", "log entry"))
             assert st.counters["service_log_bad_entries_bad_signature"] >= 1
 
     run(check(), 30)

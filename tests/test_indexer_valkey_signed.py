@@ -77,7 +77,8 @@ def test_forged_and_replayed_entries_are_never_applied(procs, valkey, token_file
             c = await _counters(s)
             assert c["service_log_bad_entries_unsigned"] == 1 and c["service_log_bad_entries_bad_signature"] == 2
             assert c["service_log_bad_entries_replayed"] == len(genuine)
-            assert (await s.Stats(pb.StatsRequest(), timeout=5, metadata=MD)).ready
+            st = await s.Stats(pb.StatsRequest(), timeout=5, metadata=MD)
+            assert st.ready and st.store_rejected == "log entry: replayed"
 
     run(body(), 60)
     assert "indexer_log_entry_rejected" in r1.log_path.read_text()

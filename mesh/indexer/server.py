@@ -20,8 +20,14 @@ Hostile or broken peers (see ``Limits``):
   PERMISSION_DENIED, counted as ``permission_denied``. The owner changing the block size is an
   explicit reset (the worker's blocks and streams are dropped; ``block_size_resets``). Ownership
   lapses after ``owner_ttl_s`` without the owner registering or forwarding for that worker (a
-  broker that went away for good). Owner ids are asserted by token holders: they separate
-  well-behaved brokers, they do not authenticate them individually;
+  broker that went away for good). With a token, owner ids are asserted by token holders: they
+  separate well-behaved brokers, they do not authenticate them individually. Without a token
+  anyone may claim any id, so the owner is the claim *and* the caller's address (``peer_host``:
+  IP without port): a caller elsewhere claiming the owner's id is refused (a broker that moves to
+  another address regains its workers once the old ownership lapses);
+* **bounded queries**: a MatchPrefix of more than ``max_match_ids`` token ids or keys is refused
+  (INVALID_ARGUMENT, ``refused_match_ids``) before any work; token ids are hashed in slices that
+  yield to the loop;
 * **bounded work per call**: gRPC refuses messages above ``max_message_bytes``
   (RESOURCE_EXHAUSTED before any handler runs); a batch of more than ``max_batch_events`` events
   is refused; an allowed big batch is decoded and applied in slices, yielding to the event loop
@@ -135,7 +141,8 @@ class IndexerService(pb_grpc.IndexerServicer):
             self.core.c["became_ready" if ready else "became_not_ready"] += 1
             self.log.info("indexer_readiness", ready=ready, uncovered_streams=self.core.uncovered_streams,
                           uncovered=[f"{w}/{r}" for w, r in self.core.uncovered(4)],
-                          tail="n/a" if self.shared is None else ("caught_up" if self.shared.ready else "lost"))
+                          tail="n/a" if self.shared is None else ("caught_up" if self.shared.ready else "lost"),
+                          store_rejected=self.shared.last_rejection if self.shared is not None else "")
             if self.on_health is not None:
                 self.on_health(ready)
 
@@ -330,6 +337,7 @@ class IndexerService(pb_grpc.IndexerServicer):
             server_instance=self.core.instance, counters=ints,
             match_p50_us=s["match_p50_us"], match_p99_us=s["match_p99_us"],
             uncovered_streams=self.core.uncovered_streams, backend=self.backend, ready=self.ready,
+            store_rejected=self.shared.last_rejection if self.shared is not None else "",
         )
 
 
@@ -487,7 +495,7 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
     if not token:
         log.warning("indexer_unauthenticated",
                     note="no --token-file (or MESH_INDEXER_TOKEN): anyone reaching the port may apply, register "
-                         "and forget workers")
+                         "and forget workers (a worker's owner is its x-mesh-owner claim AND the caller's address)")
     elif scheme == "http":
         log.warning("indexer_token_in_cleartext", note="the bearer token travels unencrypted; serve TLS (--tls-cert)")
     await server.start()
