@@ -65,20 +65,21 @@ def test_forged_and_replayed_entries_are_never_applied(procs, valkey, token_file
             # the attacks of the issue: a forged forget (unsigned, and with a made-up signature),
             # a forged apply claiming "evil" holds the prompt, and every genuine entry copied back
             # (the apply of the forgotten worker "gone" among them)
-            forget = msgpack.packb([origin, 10**6, 0, "forget", "w", ""])
+            forget = msgpack.packb([origin, 10**6, 0, "forget", "w", "broker-a"])
             apply = msgpack.packb([origin, 10**6 + 1, 0, "apply", "evil", 0, 1, 0, _batch(0), ""])
-            rc.xadd(LOG, {b"o": forget})
-            rc.xadd(LOG, {b"o": forget, b"m": b"\0" * 32})
-            rc.xadd(LOG, {b"o": apply, b"m": b"x"})
             for f in genuine:
                 rc.xadd(LOG, f)
+            rc.xadd(LOG, {b"o": forget})
+            rc.xadd(LOG, {b"o": msgpack.packb([origin, "forget", "w", "broker-a"])})  # the entry shape before issue 32
+            rc.xadd(LOG, {b"o": forget, b"m": b"\0" * 32})
+            rc.xadd(LOG, {b"o": apply, b"m": b"x"})
             await _apply(s, 3)  # a genuine entry after them: the tail went past them
             assert await _held(s, 4) == {"w": 4}
             c = await _counters(s)
-            assert c["service_log_bad_entries_unsigned"] == 1 and c["service_log_bad_entries_bad_signature"] == 2
+            assert c["service_log_bad_entries_unsigned"] == 2 and c["service_log_bad_entries_bad_signature"] == 2
             assert c["service_log_bad_entries_replayed"] == len(genuine)
             st = await s.Stats(pb.StatsRequest(), timeout=5, metadata=MD)
-            assert st.ready and st.store_rejected == "log entry: replayed"
+            assert st.ready and st.store_rejected == "log entry: bad_signature"
 
     run(body(), 60)
     assert "indexer_log_entry_rejected" in r1.log_path.read_text()
