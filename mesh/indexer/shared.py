@@ -399,6 +399,10 @@ class SharedState:
         if h is None:
             return None
         eid, trimmed, data, guard = (h.get(k, b"") for k in (b"id", b"trimmed", b"data", b"guard"))
+        if b"guard" not in h:  # written before STATE_VERSION 4 (a pickle, signed the old way or not at all)
+            self._rejected_mark = (h.get(b"trimmed") or b"0-0", h.get(b"id"), h.get(b"mac"))
+            self._incompatible(eid, f"written by an indexer before state version {self.core.STATE_VERSION}")
+            return None
         why = self.signer.check_checkpoint(self.state_id, eid, trimmed, data, guard, h.get(b"mac"))
         if not why:
             ek, tk = parse_id(eid), parse_id(trimmed or b"0-0")
@@ -430,13 +434,16 @@ class SharedState:
             self.core.reset_state()
             self.guard = ReplayGuard()
             self.last_id = b"0-0"
-            self.c["checkpoints_incompatible"] += 1
-            self.last_rejection = "checkpoint: incompatible"
-            self.log.warning("indexer_checkpoint_incompatible", upto=eid.decode(), error=str(exc)[:200],
-                             note="skipped: rebuilding from the log; workers resync what its trimmed part held")
+            self._incompatible(eid, str(exc))
             return False
         self.last_id = eid
         return True
+
+    def _incompatible(self, eid: bytes, error: str) -> None:
+        self.c["checkpoints_incompatible"] += 1
+        self.last_rejection = "checkpoint: incompatible"
+        self.log.warning("indexer_checkpoint_incompatible", upto=eid[:41].decode(errors="replace"), error=error[:200],
+                         note="skipped: rebuilding from the log; workers resync what its trimmed part held")
 
     def _set_ready(self, ready: bool) -> None:
         if ready != self.ready:
