@@ -85,3 +85,41 @@ def test_long_prompts_are_hashed_in_slices_to_the_same_keys() -> None:
     toks = [random.Random(3).randrange(1, 50_000) for _ in range(200_003)]
     for bs in (1, 16, 48_000):
         assert run(content_keys_sliced(toks, bs, 7), 30) == content_keys(toks, bs, 7)
+
+
+def test_a_bad_max_match_ids_is_refused_naming_it(tmp_path) -> None:
+    import re
+    import subprocess
+    import sys
+
+    for bad in ("0", "-5", "many"):  # the field (max_match_ids) or its flag (--max-match-ids) is named
+        p = subprocess.run([sys.executable, "-m", "mesh.cli", "indexer", "--max-match-ids", bad],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and re.search("max.match.ids", p.stderr) and "Traceback" not in p.stderr
+
+
+def test_the_replay_guard_refuses_repeats_and_stale_entries_and_round_trips() -> None:
+    import pytest
+
+    from mesh.indexer.signing import MAX_SKEW_MS, LogSigner, ReplayGuard
+
+    g = ReplayGuard()
+    t = 1_000_000_000
+    assert [g.check(7, n, t, t + 5) for n in (1, 3, 2)] == ["", "", ""]  # out of order within the window: fine
+    assert g.check(7, 2, t, t + 6) == "replayed"
+    assert g.check(8, 1, t - MAX_SKEW_MS - 1, t) == "stale"  # a replay of an entry older than the skew
+    assert g.check(7, 3 - 10_000, t, t) == "replayed"  # far below the window
+    for n in range(4, 20_000):  # a flood from one origin keeps the guard bounded
+        assert g.check(7, n, t, t) == ""
+    assert len(g.origins[7][2]) <= 2 * 4096
+    h = ReplayGuard()
+    h.load(g.dump())
+    assert h.check(7, 19_999, t, t) == "replayed" and h.check(7, 20_000, t, t) == ""
+    g.prune(t + 3 * MAX_SKEW_MS)
+    assert not g.origins
+    with pytest.raises((TypeError, ValueError)):
+        h.load(b"\x91\x94\xa1x\x01\x02\x90")  # a string where an origin belongs
+    s = LogSigner(b"k" * 32)
+    assert s.check_entry(1, b"p", s.entry_mac(1, b"p")) == ""
+    assert s.check_entry(2, b"p", s.entry_mac(1, b"p")) == "bad_signature"  # another state: not replayable into it
+    assert s.check_entry(1, b"p", b"") == "unsigned" and LogSigner(None).check_entry(1, b"p", b"") == ""
