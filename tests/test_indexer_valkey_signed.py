@@ -16,6 +16,7 @@ import redis
 
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer import indexer_pb2_grpc as pb_grpc
+from mesh.indexer.shared import parse_id
 from mesh.lab.procs import wait_for_log_event
 
 from conftest import run, until
@@ -165,3 +166,42 @@ def test_the_deploy_files_run_valkey_with_a_password_and_sign_with_a_token():
             assert "--token-file" in argv and "--valkey-password-file" in argv and "--insecure-store" not in argv, name
         if argv[:1] == ["broker"]:
             assert "--kv-indexer-token-file" in argv, name
+
+
+def test_a_signed_checkpoint_loads_and_carries_the_replay_guard(procs, valkey, token_file):
+    """A replica that starts from a signed checkpoint refuses the same replays as one that saw
+    every entry (the guard is part of the checkpoint): the replicas never disagree."""
+    _, url, _ = valkey
+    r1, ep = _replica(procs, "r1", url, 0, "--token-file", token_file, "--checkpoint-every", "5")
+    rc = redis.Redis.from_url(url)
+
+    async def body():
+        async with grpc.aio.insecure_channel(ep.split("//")[1]) as ch:
+            s = pb_grpc.IndexerStub(ch)
+            await _apply(s, 0, worker="gone")
+            for seq in range(12):
+                await _apply(s, seq)
+            await s.ForgetWorker(pb.ForgetWorkerRequest(worker_id="gone"), timeout=5, metadata=MD)
+
+    run(body(), 30)
+    wait_for_log_event(r1.log_path, "indexer_checkpoint_written", 10, r1.popen, start=r1.log_start)
+    late, ep2 = _replica(procs, "late", url, 0, "--token-file", token_file)
+    wait_for_log_event(late.log_path, "indexer_checkpoint_loaded", 10, late.popen, start=late.log_start)
+    ck_id = rc.hget(CKPT, "id")
+    covered = [f for eid, f in rc.xrange(LOG) if parse_id(eid) <= parse_id(ck_id)]  # the late replica never read them
+    assert covered
+    for f in covered:
+        rc.xadd(LOG, f)
+
+    async def check(endpoint):
+        async with grpc.aio.insecure_channel(endpoint.split("//")[1]) as ch:
+            s = pb_grpc.IndexerStub(ch)
+
+            async def caught_up():
+                return (await _counters(s)).get("service_log_bad_entries_replayed", 0) == len(covered)
+
+            await until(caught_up, 10, "every replay refused")
+            assert await _held(s, 12) == {"w": 12}
+
+    run(check(ep), 30)
+    run(check(ep2), 30)
