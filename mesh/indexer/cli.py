@@ -52,7 +52,7 @@ class IndexerSettings:
     valkey_prefix: str = setting("mesh:indexer", help="key prefix of the shared state in Valkey (one per index)")
     checkpoint_every: int = setting(20_000, unit="log entries",
                                     help="--backend valkey: write a checkpoint (and trim the log) after this many entries")
-    valkey_password_file: str | None = setting(None, default_text="the URL's, else $MESH_VALKEY_PASSWORD",
+    valkey_password_file: str | None = setting(None, default_text="$MESH_VALKEY_PASSWORD (a password in the URL wins)",
                                                help="file holding the Valkey password (AUTH, requirepass); kept out "
                                                     "of the command line and the logs")
     insecure_store: bool = setting(False, help="--backend valkey without a token: run with UNSIGNED log entries and "
