@@ -205,3 +205,28 @@ def test_a_signed_checkpoint_loads_and_carries_the_replay_guard(procs, valkey, t
 
     run(check(ep), 30)
     run(check(ep2), 30)
+
+
+def test_the_password_file_opens_a_valkey_with_requirepass(procs, tmp_path, token_file):
+    from mesh.lab.bench.indexer_bench import start_valkey_process, valkey_server_binary
+
+    if valkey_server_binary() is None:
+        pytest.skip("no valkey-server/redis-server on PATH")
+    d = tmp_path / "vk"
+    d.mkdir()
+    vp, url = start_valkey_process(d, password="s3cret-from-a-file")
+    try:
+        pw = tmp_path / "valkey-password"
+        pw.write_text("s3cret-from-a-file\n")
+        r, ep = _replica(procs, "pw", url, 0, "--token-file", token_file, "--valkey-password-file", str(pw))
+
+        async def body():
+            async with grpc.aio.insecure_channel(ep.split("//")[1]) as ch:
+                await _apply(pb_grpc.IndexerStub(ch), 0)
+                assert await _held(pb_grpc.IndexerStub(ch), 1) == {"w": 1}
+
+        run(body(), 30)
+        assert "s3cret" not in r.log_path.read_text()
+    finally:
+        vp.kill()
+        vp.wait(5)
