@@ -193,11 +193,11 @@ class ValkeyLog:
         from redis.exceptions import ResponseError
 
         try:
-            info = await self.r.xinfo_stream(self.k_log)
-        except ResponseError:  # no such key: nothing was ever appended
-            return b"0-0"
-        except Exception as exc:
-            return await self._do("XINFO", _raise(exc))
+            info = await self._do("XINFO", self.r.xinfo_stream(self.k_log))
+        except StoreUnavailable as exc:
+            if isinstance(exc.__cause__, ResponseError):  # no such key: nothing was ever appended
+                return b"0-0"
+            raise
         last = info.get("last-generated-id") or info.get(b"last-generated-id") or b"0-0"
         return last if isinstance(last, bytes) else str(last).encode()
 
@@ -225,10 +225,6 @@ class ValkeyLog:
 
     async def log_length(self) -> int:
         return int(await self._do("XLEN", self.r.xlen(self.k_log)))
-
-
-async def _raise(exc: BaseException) -> Any:
-    raise exc
 
 
 @dataclass(slots=True)
