@@ -230,3 +230,34 @@ def test_the_password_file_opens_a_valkey_with_requirepass(procs, tmp_path, toke
     finally:
         vp.kill()
         vp.wait(5)
+
+
+def test_a_signed_checkpoint_that_does_not_load_is_skipped_once_and_rebuilt_from_the_log(procs, valkey, token_file):
+    """A token holder of another version (or a bug) wrote a checkpoint that verifies but does not
+    load: a starting replica rebuilds from the log, and does not reload it on every read."""
+    from mesh.indexer.signing import LogSigner, mac_key_from_token
+
+    _, url, _ = valkey
+    r1, ep = _replica(procs, "r1", url, 0, "--token-file", token_file)
+    rc = redis.Redis.from_url(url)
+
+    async def body(endpoint, first: int, n: int):
+        async with grpc.aio.insecure_channel(endpoint.split("//")[1]) as ch:
+            s = pb_grpc.IndexerStub(ch)
+            for seq in range(first, first + n):
+                await _apply(s, seq)
+            assert await _held(s, first + n) == {"w": first + n}
+            return await _counters(s)
+
+    run(body(ep, 0, 3), 30)
+    last = rc.xrevrange(LOG, count=1)[0][0]
+    first = rc.xrange(LOG, count=1)[0][0]  # a trim mark above 0-0: the tail checks it on every read
+    sid = int(rc.get("mesh:indexer:state"))
+    signer = LogSigner(mac_key_from_token(TOKEN))
+    for data, guard in ((b"\xc1", b""), (msgpack.packb({"state_version": 99}), b"\xc1")):
+        rc.hset(CKPT, mapping={b"id": last, b"trimmed": first, b"data": data, b"guard": guard,
+                               b"mac": signer.checkpoint_mac(sid, last, first, data, guard)})
+        late, ep2 = _replica(procs, f"late{len(data)}", url, 0, "--token-file", token_file)
+        wait_for_log_event(late.log_path, "indexer_checkpoint_incompatible", 10, late.popen, start=late.log_start)
+        c = run(body(ep2, 3 if len(data) == 1 else 4, 1), 30)
+        assert c["service_checkpoints_incompatible"] == 1 and c.get("service_checkpoints_rejected", 0) == 0

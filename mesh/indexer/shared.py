@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from mesh.errors import CheckpointError, ConfigError, MeshError
+from mesh.errors import ConfigError, MeshError
 from mesh.indexer.signing import LogSigner, ReplayGuard
 from mesh.logs import RateLimiter, get_logger
 from mesh.retry import RetryPolicy
@@ -267,6 +267,7 @@ class SharedState:
         self._rl = RateLimiter(5.0)
         self._checkpointing: asyncio.Task | None = None
         self._rejected_mark: tuple | None = None  # the checkpoint mark last rejected (not reloaded again)
+        self._mark: tuple | None = None  # the mark of the checkpoint last read
         self.last_rejection = ""  # what was last refused from the store (Stats, readiness log)
 
     # ------------------------------------------------------------------ writing
@@ -385,7 +386,7 @@ class SharedState:
         self.log.warning("indexer_tail_behind_trim", last=self.last_id.decode(), checkpoint=ck[0].decode(),
                          note="entries this replica had not read were trimmed: reloading the checkpoint")
         async with self.svc.mutex:
-            self._adopt_checkpoint(*ck)
+            self._adopt_checkpoint(*ck)  # not loadable: rebuilt from the log, and this mark is not retried
         return True
 
     async def _good_checkpoint(self) -> tuple[bytes, bytes, bytes] | None:
@@ -395,8 +396,9 @@ class SharedState:
         if h is None:
             return None
         eid, trimmed, data, guard = (h.get(k, b"") for k in (b"id", b"trimmed", b"data", b"guard"))
+        self._mark = (h.get(b"trimmed") or b"0-0", h.get(b"id"), h.get(b"mac"))  # as read() shows it
         if b"guard" not in h:  # written before STATE_VERSION 4 (a pickle, signed the old way or not at all)
-            self._rejected_mark = (h.get(b"trimmed") or b"0-0", h.get(b"id"), h.get(b"mac"))
+            self._rejected_mark = self._mark
             self._incompatible(eid, f"written by an indexer before state version {self.core.STATE_VERSION}")
             return None
         why = self.signer.check_checkpoint(self.state_id, eid, trimmed, data, guard, h.get(b"mac"))
@@ -407,7 +409,7 @@ class SharedState:
             elif ek > _id_key(await self.vlog.last_log_id()):
                 why = "ahead_of_the_log"
         if why:
-            self._rejected_mark = (h.get(b"trimmed") or b"0-0", h.get(b"id"), h.get(b"mac"))  # counted once
+            self._rejected_mark = self._mark  # counted once, not reloaded on every read
             self.c["checkpoints_rejected"] += 1
             self.c[f"checkpoints_rejected_{why}"] += 1
             self.last_rejection = f"checkpoint: {why}"
@@ -426,10 +428,11 @@ class SharedState:
         try:
             self.core.load_state(blob)
             self.guard.load(guard)
-        except (CheckpointError, ValueError, TypeError) as exc:
+        except Exception as exc:  # CheckpointError, or a replay guard record that does not decode
             self.core.reset_state()
             self.guard = ReplayGuard()
             self.last_id = b"0-0"
+            self._rejected_mark = self._mark  # rebuilt from the log: not reloaded again
             self._incompatible(eid, str(exc))
             return False
         self.last_id = eid
