@@ -421,6 +421,17 @@ def test_a_password_comes_from_the_environment_and_never_reaches_a_log(procs, tm
 
         run(body(), 30)
         assert "hunter2" not in ok.log_path.read_text()
+        # issue 32: or from --valkey-password-file (the environment's is gone)
+        procs.env.pop("MESH_VALKEY_PASSWORD", None)
+        (tmp_path / "pw").write_text("hunter2-secret\n")
+        ok, ep2 = _replica(procs, "ok-file", url, 0, "--valkey-password-file", str(tmp_path / "pw"))
+
+        async def via_file():
+            async with grpc.aio.insecure_channel(ep2.split("//")[1]) as ch:
+                assert (await _apply(pb_grpc.IndexerStub(ch), 0, "w2")).verdict in (pb.APPLY, pb.RESYNCED, pb.NEW_EPOCH)
+
+        run(via_file(), 30)
+        assert "hunter2" not in ok.log_path.read_text()
     finally:
         procs.env.pop("MESH_VALKEY_PASSWORD", None)
         vp.kill()

@@ -48,6 +48,20 @@ async def _counters(s) -> dict[str, int]:
     return dict((await s.Stats(pb.StatsRequest(), timeout=5, metadata=MD)).counters)
 
 
+async def _apply_until_held(endpoint: str, first: int, n: int) -> dict[str, int]:
+    """Batches ``first..first+n`` through ``endpoint``, then its counters once it holds them all."""
+    async with grpc.aio.insecure_channel(endpoint.split("//")[1]) as ch:
+        s = pb_grpc.IndexerStub(ch)
+        for seq in range(first, first + n):
+            await _apply(s, seq)
+
+        async def holds():
+            return (await _held(s, first + n)).get("w") == first + n
+
+        await until(holds, 10, "the replica applies what follows")
+        return await _counters(s)
+
+
 def test_forged_and_replayed_entries_are_never_applied(procs, valkey, token_file):
     _, url, _ = valkey
     r1, ep = _replica(procs, "r1", url, 0, "--token-file", token_file)
@@ -106,29 +120,17 @@ def test_a_forged_checkpoint_freezes_no_replica_and_stops_no_start(procs, valkey
     r1, ep = _replica(procs, "r1", url, 0, *auth)
     rc = redis.Redis.from_url(url)
 
-    async def body(endpoint, first_seq: int, n: int):
-        async with grpc.aio.insecure_channel(endpoint.split("//")[1]) as ch:
-            s = pb_grpc.IndexerStub(ch)
-            for seq in range(first_seq, first_seq + n):
-                await _apply(s, seq)
-
-            async def holds():
-                return (await _held(s, first_seq + n)).get("w") == first_seq + n
-
-            await until(holds, 10, "the replica applies what follows")
-            return await _counters(s)
-
-    run(body(ep, 0, 2), 30)
+    run(_apply_until_held(ep, 0, 2), 30)
     # the checkpoint of the issue: ahead of the log, trim mark ahead, a made-up signature (with a
     # token) or none (without), and a state record that is garbage
     rc.hset(CKPT, mapping={b"id": b"99999999999999-0", b"trimmed": b"99999999999998-0", b"data": b"\xc1",
                            b"guard": b"", b"mac": b"\0" * 32})
-    c = run(body(ep, 2, 3), 30)  # the running replica is not frozen
+    c = run(_apply_until_held(ep, 2, 3), 30)  # the running replica is not frozen
     assert c["service_checkpoints_rejected"] == 1
     late, ep2 = _replica(procs, "late", url, 0, *auth)  # a new replica starts
     rec = wait_for_log_event(late.log_path, "indexer_checkpoint_rejected", 10, late.popen, start=late.log_start)
     assert rec["reason"] == ("bad_signature" if signed else "ahead_of_the_log")
-    run(body(ep2, 5, 1), 30)  # and serves: rebuilt from the log, follows it
+    run(_apply_until_held(ep2, 5, 1), 30)  # and serves: rebuilt from the log, follows it
     assert "Traceback" not in r1.log_path.read_text() + late.log_path.read_text()
 
 
@@ -207,31 +209,6 @@ def test_a_signed_checkpoint_loads_and_carries_the_replay_guard(procs, valkey, t
     run(check(ep2), 30)
 
 
-def test_the_password_file_opens_a_valkey_with_requirepass(procs, tmp_path, token_file):
-    from mesh.lab.bench.indexer_bench import start_valkey_process, valkey_server_binary
-
-    if valkey_server_binary() is None:
-        pytest.skip("no valkey-server/redis-server on PATH")
-    d = tmp_path / "vk"
-    d.mkdir()
-    vp, url = start_valkey_process(d, password="s3cret-from-a-file")
-    try:
-        pw = tmp_path / "valkey-password"
-        pw.write_text("s3cret-from-a-file\n")
-        r, ep = _replica(procs, "pw", url, 0, "--token-file", token_file, "--valkey-password-file", str(pw))
-
-        async def body():
-            async with grpc.aio.insecure_channel(ep.split("//")[1]) as ch:
-                await _apply(pb_grpc.IndexerStub(ch), 0)
-                assert await _held(pb_grpc.IndexerStub(ch), 1) == {"w": 1}
-
-        run(body(), 30)
-        assert "s3cret" not in r.log_path.read_text()
-    finally:
-        vp.kill()
-        vp.wait(5)
-
-
 def test_a_signed_checkpoint_that_does_not_load_is_skipped_once_and_rebuilt_from_the_log(procs, valkey, token_file):
     """A token holder of another version (or a bug) wrote a checkpoint that verifies but does not
     load: a starting replica rebuilds from the log, and does not reload it on every read."""
@@ -241,15 +218,7 @@ def test_a_signed_checkpoint_that_does_not_load_is_skipped_once_and_rebuilt_from
     r1, ep = _replica(procs, "r1", url, 0, "--token-file", token_file)
     rc = redis.Redis.from_url(url)
 
-    async def body(endpoint, first: int, n: int):
-        async with grpc.aio.insecure_channel(endpoint.split("//")[1]) as ch:
-            s = pb_grpc.IndexerStub(ch)
-            for seq in range(first, first + n):
-                await _apply(s, seq)
-            assert await _held(s, first + n) == {"w": first + n}
-            return await _counters(s)
-
-    run(body(ep, 0, 3), 30)
+    run(_apply_until_held(ep, 0, 3), 30)
     last = rc.xrevrange(LOG, count=1)[0][0]
     first = rc.xrange(LOG, count=1)[0][0]  # a trim mark above 0-0: the tail checks it on every read
     sid = int(rc.get("mesh:indexer:state"))
@@ -259,5 +228,5 @@ def test_a_signed_checkpoint_that_does_not_load_is_skipped_once_and_rebuilt_from
                                b"mac": signer.checkpoint_mac(sid, last, first, data, guard)})
         late, ep2 = _replica(procs, f"late{len(data)}", url, 0, "--token-file", token_file)
         wait_for_log_event(late.log_path, "indexer_checkpoint_incompatible", 10, late.popen, start=late.log_start)
-        c = run(body(ep2, 3 if len(data) == 1 else 4, 1), 30)
+        c = run(_apply_until_held(ep2, 3 if len(data) == 1 else 4, 1), 30)
         assert c["service_checkpoints_incompatible"] == 1 and c.get("service_checkpoints_rejected", 0) == 0
