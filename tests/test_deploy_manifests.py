@@ -73,6 +73,8 @@ def test_manifest_command_lines_parse_and_validate(where, argv, monkeypatch, tmp
 
         if args.token_file:
             args.token_file = str(token)
+        if args.valkey_password_file:  # issue 32: the manifests give Valkey's password as a secret file
+            args.valkey_password_file = str(token)
         indexer_settings(args)
     elif cmd == "stub-sglang":
         from workers_stub.sglang_cli import settings_from_args as stub_settings

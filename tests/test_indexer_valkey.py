@@ -58,8 +58,11 @@ def valkey(tmp_path):
 
 
 def _replica(procs, name: str, url: str, port: int = 0, *extra: str):
+    # without a token the backend runs only with --insecure-store (issue 32; the signed store is
+    # tested in test_indexer_valkey_signed.py)
+    unsigned = () if "--token-file" in extra else ("--insecure-store",)
     p = procs.spawn(name, ["indexer", "--listen", f"127.0.0.1:{port}", "--backend", "valkey", "--valkey-url", url,
-                           "--log-level", "info", *extra])
+                           "--log-level", "info", *unsigned, *extra])
     rec = wait_for_log_event(p.log_path, "indexer_listening", 30, p.popen, start=p.log_start)
     return p, rec["endpoint"]
 
@@ -312,7 +315,10 @@ async def _instance_changed(s, first: int) -> bool:
         return False
 
 
-def test_a_checkpoint_signed_with_another_token_is_refused(procs, valkey, tmp_path):
+def test_a_checkpoint_signed_with_another_token_is_rejected_and_the_replica_starts_without_it(procs, valkey, tmp_path):
+    """Issue 32 changed this: a checkpoint that does not verify (another token, or forged) no
+    longer stops a start (a forger could stop every new replica so); it is rejected, counted and
+    logged naming the token, and so is every entry the other token signed."""
     _, url, _ = valkey
     t1, t2 = tmp_path / "t1", tmp_path / "t2"
     t1.write_text("token-one\n")
@@ -329,11 +335,20 @@ def test_a_checkpoint_signed_with_another_token_is_refused(procs, valkey, tmp_pa
 
     run(body(), 30)
     wait_for_log_event(r1.log_path, "indexer_checkpoint_written", 10, r1.popen, start=r1.log_start)
-    bad = procs.spawn("r2", ["indexer", "--listen", "127.0.0.1:0", "--backend", "valkey", "--valkey-url", url,
-                             "--token-file", str(t2)])
-    code = bad.popen.wait(30)
-    out = bad.log_path.read_text()
-    assert code != 0 and "token_file" in out and "Traceback" not in out
+    other, ep2 = _replica(procs, "r2", url, 0, "--token-file", str(t2))
+    rec = wait_for_log_event(other.log_path, "indexer_checkpoint_rejected", 10, other.popen, start=other.log_start)
+    assert rec["reason"] == "bad_signature" and "token-file" in rec["note"]
+
+    async def check():
+        async with grpc.aio.insecure_channel(ep2.split("//")[1]) as ch:
+            st = await pb_grpc.IndexerStub(ch).Stats(pb.StatsRequest(), timeout=5,
+                                                     metadata=(("authorization", "Bearer token-two"),))
+            assert st.entries == 0 and st.counters["service_checkpoints_rejected"] == 1
+            assert st.store_rejected.startswith(("checkpoint", "log entry"))
+            assert st.counters["service_log_bad_entries_bad_signature"] >= 1
+
+    run(check(), 30)
+    assert "Traceback" not in other.log_path.read_text()
 
 
 def test_backend_flags_are_validated(procs):
@@ -389,12 +404,13 @@ def test_a_password_comes_from_the_environment_and_never_reaches_a_log(procs, tm
     d.mkdir()
     vp, url = start_valkey_process(d, password="hunter2-secret")
     try:
-        bad = procs.spawn("nopass", ["indexer", "--listen", "127.0.0.1:0", "--backend", "valkey", "--valkey-url", url])
+        bad = procs.spawn("nopass", ["indexer", "--listen", "127.0.0.1:0", "--backend", "valkey", "--valkey-url", url,
+                                     "--insecure-store"])
         assert bad.popen.wait(30) == 2
         out = bad.log_path.read_text()
         assert "valkey_url" in out and "Traceback" not in out
         wrong = procs.spawn("wrong", ["indexer", "--listen", "127.0.0.1:0", "--backend", "valkey", "--valkey-url",
-                                      url.replace("unix://", "unix://:hunter2-secret-not@")])
+                                      url.replace("unix://", "unix://:hunter2-secret-not@"), "--insecure-store"])
         assert wrong.popen.wait(30) == 2 and "hunter2" not in wrong.log_path.read_text()
         procs.env["MESH_VALKEY_PASSWORD"] = "hunter2-secret"
         ok, ep = _replica(procs, "ok", url)
@@ -404,6 +420,17 @@ def test_a_password_comes_from_the_environment_and_never_reaches_a_log(procs, tm
                 assert (await _apply(pb_grpc.IndexerStub(ch), 0)).verdict in (pb.APPLY, pb.RESYNCED, pb.NEW_EPOCH)
 
         run(body(), 30)
+        assert "hunter2" not in ok.log_path.read_text()
+        # issue 32: or from --valkey-password-file (the environment's is gone)
+        procs.env.pop("MESH_VALKEY_PASSWORD", None)
+        (tmp_path / "pw").write_text("hunter2-secret\n")
+        ok, ep2 = _replica(procs, "ok-file", url, 0, "--valkey-password-file", str(tmp_path / "pw"))
+
+        async def via_file():
+            async with grpc.aio.insecure_channel(ep2.split("//")[1]) as ch:
+                assert (await _apply(pb_grpc.IndexerStub(ch), 0, "w2")).verdict in (pb.APPLY, pb.RESYNCED, pb.NEW_EPOCH)
+
+        run(via_file(), 30)
         assert "hunter2" not in ok.log_path.read_text()
     finally:
         procs.env.pop("MESH_VALKEY_PASSWORD", None)

@@ -9,6 +9,9 @@
 * :mod:`mesh.indexer.client` -- :class:`~mesh.indexer.client.IndexerClient`, what a broker uses:
   prefix queries with a deadline, bounded concurrency, replica failover and a circuit breaker
   (``None`` = degraded, never an exception), and ordered at-least-once event forwarding;
+* :mod:`mesh.indexer.shared` -- ``--backend valkey``: replicas sharing one state (a log and
+  checkpoints in Valkey); :mod:`mesh.indexer.state` -- the checkpoint's explicit msgpack record;
+  :mod:`mesh.indexer.signing` -- HMAC signatures of entries and checkpoints, the replay guard;
 * :mod:`mesh.lab.bench.indexer_bench` -- ``mesh bench indexer``.
 
 Imports nothing heavy at package import: ``from mesh.indexer.client import IndexerClient``.

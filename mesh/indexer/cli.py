@@ -52,6 +52,14 @@ class IndexerSettings:
     valkey_prefix: str = setting("mesh:indexer", help="key prefix of the shared state in Valkey (one per index)")
     checkpoint_every: int = setting(20_000, unit="log entries",
                                     help="--backend valkey: write a checkpoint (and trim the log) after this many entries")
+    valkey_password_file: str | None = setting(None, default_text="$MESH_VALKEY_PASSWORD (a password in the URL wins)",
+                                               help="file holding the Valkey password (AUTH, requirepass); kept out "
+                                                    "of the command line and the logs")
+    insecure_store: bool = setting(False, help="--backend valkey without a token: run with UNSIGNED log entries and "
+                                               "checkpoints (anyone who can write the store can forge them); refused "
+                                               "without this flag")
+    max_match_ids: int = setting(1 << 20, help="token ids (or block keys) one MatchPrefix may carry; more: "
+                                                "INVALID_ARGUMENT (the largest context a model takes, 1M tokens)")
 
     def validate(self) -> None:
         from mesh.indexer.core import Limits
@@ -85,13 +93,33 @@ class IndexerSettings:
                 import redis  # noqa: F401
             except ImportError:
                 raise ConfigError("backend: valkey needs the redis package (pip install 'mesh-router[valkey]')") from None
+        if self.valkey_password_file is not None:
+            valkey_password(self.valkey_password_file)
         if self.checkpoint_every < 1:
             raise ConfigError("checkpoint_every: must be >= 1")
         if not self.valkey_prefix or any(ch.isspace() for ch in self.valkey_prefix):
             raise ConfigError("valkey_prefix: must be one non-empty word")
 
 
-_LIMITS = ("max_message_bytes", "max_batch_events", "max_workers", "max_ranks_per_worker", "max_streams", "ghost_ttl_s")
+_LIMITS = ("max_message_bytes", "max_batch_events", "max_workers", "max_ranks_per_worker", "max_streams", "ghost_ttl_s",
+           "max_match_ids")
+
+
+def valkey_password(path: str) -> str:
+    """The password in ``--valkey-password-file``: one printable word (ConfigError naming the field)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"valkey_password_file: cannot read {path!r}: {exc.strerror}") from None
+    if len(raw) > 4096:
+        raise ConfigError("valkey_password_file: at most 4096 bytes")
+    try:
+        pw = raw.decode().strip()
+    except UnicodeDecodeError:
+        raise ConfigError("valkey_password_file: must be UTF-8 text") from None
+    if not pw or any(ch.isspace() for ch in pw) or not pw.isprintable():
+        raise ConfigError("valkey_password_file: must hold one printable word")
+    return pw
 
 
 def add_indexer_parser(subparsers) -> argparse.ArgumentParser:
@@ -151,4 +179,5 @@ def _cmd_indexer(args) -> int:
                       token=indexer_token(v), limits=limits, worker_ttl_s=float(v["worker_ttl_s"]),
                       query_delay_ms=args.fault_query_delay_ms, metrics=v["metrics"], backend=v["backend"],
                       valkey_url=v["valkey_url"], valkey_prefix=v["valkey_prefix"],
-                      checkpoint_every=v["checkpoint_every"])
+                      checkpoint_every=v["checkpoint_every"], insecure_store=v["insecure_store"],
+                      valkey_password=valkey_password(v["valkey_password_file"]) if v["valkey_password_file"] else None)

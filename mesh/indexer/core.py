@@ -30,7 +30,6 @@ Ownership, bounded state and ghosts: see ``Limits`` and :mod:`mesh.indexer.serve
 from __future__ import annotations
 
 import os
-import pickle
 from collections import Counter, deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -41,14 +40,17 @@ from mesh.stats import LatencyHistogram
 from mesh.errors import CheckpointError, ConfigError, ProtocolError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex, Verdict
+from mesh.index.sequence import SeqState
+from mesh.index.tiers import DEVICE_BIT, MAX_MEDIUMS
 from mesh.index.ingest import CountingBlockSizeVote, KvIngest
 from mesh.indexer import indexer_pb2 as pb
 from mesh.indexer.payload import decode_payload, event_slices
+from mesh.indexer.state import STATE_VERSION, WorkerRec, decode_state, encode_state
 from mesh.logs import RateLimiter, get_logger
 from mesh.stats import percentile
 
 __all__ = ["IndexerCore", "ApplyOutcome", "Limits", "Refused", "REJECTED", "check_registration", "DEFAULT_MAX_ENTRIES",
-           "DEFAULT_WORKER_TTL_S", "MAX_MESSAGE_BYTES", "MAX_OWNER_CHARS"]
+           "DEFAULT_WORKER_TTL_S", "MAX_MESSAGE_BYTES", "MAX_OWNER_CHARS", "MAX_MATCH_IDS"]
 
 #: Default entry budget: ~10 M (block, stream) entries, a few GB of Python objects at most.
 DEFAULT_MAX_ENTRIES = 10_000_000
@@ -57,6 +59,9 @@ DEFAULT_WORKER_TTL_S = 900.0
 #: Default gRPC message cap (both ways). A bigger batch is refused before it is read; brokers
 #: drop (and count) batches above it instead of sending them.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+#: Token ids (or block keys) one MatchPrefix may carry: the largest context a model takes (1M
+#: tokens; a key per block is never more). One 8M-id query cost 14 s of handler time.
+MAX_MATCH_IDS = 1 << 20
 #: The longest owner id (``x-mesh-owner``) a caller may give.
 MAX_OWNER_CHARS = 128
 _MAX_WORKER_ID_CHARS = 256
@@ -82,9 +87,11 @@ class Limits:
     max_streams: int = 131_072
     ghost_ttl_s: float = 60.0  # 0 = ghosts are kept until the worker TTL
     owner_ttl_s: float = DEFAULT_WORKER_TTL_S  # 0 = ownership never lapses
+    max_match_ids: int = MAX_MATCH_IDS  # token ids or block keys in one MatchPrefix
 
     def validate(self) -> None:
-        for name in ("max_message_bytes", "max_batch_events", "max_workers", "max_ranks_per_worker", "max_streams"):
+        for name in ("max_message_bytes", "max_batch_events", "max_workers", "max_ranks_per_worker", "max_streams",
+                     "max_match_ids"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")
         if self.max_message_bytes < 64 << 10:
@@ -134,18 +141,44 @@ class _VerdictIndex(PrefixIndex):
         s.worker.streams.pop(stream[1], None)
         return True
 
+    def export_streams(self) -> tuple[list, list[str]]:
+        """Every stream as plain lists (the state record, :mod:`mesh.indexer.state`): sequencing,
+        runs parents first, tier masks; and the medium names in bit order."""
+        out = []
+        for (wid, rank), s in self._streams.items():
+            runs = []
+            todo = [r for r in s.runs if r.parent is None]
+            for r in todo:  # grows while walked: breadth first, parents before their branches
+                if r.ehs:
+                    runs.append([None if r.parent is None else r.parent.ehs[r.poff], r.ehs, r.keys])
+                todo.extend(r.branches or ())
+            q = s.seq
+            out.append([wid, rank, q.epoch, q.last_seq, q.max_seen, q.trusted, runs, list(s.tiers.items())])
+        return out, list(self.media.mediums())
 
-@dataclass(slots=True, eq=False)
-class _WorkerRec:
-    """What the service knows about one worker besides its index entries."""
-
-    first_seen: float
-    last_seen: float
-    block_size: int | None = None  # None: neither registered nor seen storing a block
-    owner: str = ""  # "" = unowned (auto-registered from events, or registered anonymously)
-    owner_seen: float = 0.0  # last registration/forward of this worker by its owner
-    ranks: set[int] = field(default_factory=set)  # streams admitted (counted against the bounds)
-    active: bool = False  # some batch got a block into the index: not a ghost
+    def import_streams(self, streams: list, media: list[str]) -> None:
+        """Rebuild the streams :meth:`export_streams` listed into this (empty) index; raises
+        TypeError/ValueError on a malformed list (the caller discards this index then)."""
+        bits = {self.media.bit(m) for m in media}
+        allowed = DEVICE_BIT | sum(bits - {DEVICE_BIT})
+        if len(bits - {DEVICE_BIT}) >= MAX_MEDIUMS - 1:  # full: later names share the overflow bit
+            allowed |= self.media.bit("\0overflow")
+        for wid, rank, epoch, last_seq, max_seen, trusted, runs, tiers in streams:
+            if type(wid) is not str or type(rank) is not int:
+                raise TypeError("stream: (worker id, rank) expected")
+            stream = (wid, rank)
+            s = self._stream(stream)
+            for parent, ehs, keys in runs:
+                if (parent is not None and type(parent) is not int) or not all(type(x) is int for x in (*ehs, *keys)):
+                    raise TypeError(f"stream {wid}/{rank}: engine hashes and keys must be ints")
+                self.store(stream, parent, ehs, keys)
+            if not all(type(x) is int for x in (epoch, max_seen)) or (last_seq is not None and type(last_seq) is not int):
+                raise TypeError(f"stream {wid}/{rank}: epoch and seqs must be ints")
+            s.seq = SeqState(epoch, last_seq, max_seen, bool(trusted))
+            for eh, mask in tiers:
+                if type(eh) is not int or type(mask) is not int or mask <= 0 or mask & ~allowed:
+                    raise TypeError(f"stream {wid}/{rank}: tier masks must be positive ints of known mediums")
+                s.tiers[eh] = mask
 
 
 @dataclass(slots=True, frozen=True)
@@ -259,7 +292,7 @@ class IndexerCore:
         self.ingest = KvIngest(self.index, vote=CountingBlockSizeVote(block_size))
         self.instance = int.from_bytes(os.urandom(8), "little")
         self._known: set[tuple[str, int]] = set()  # streams this server has applied a batch of
-        self._w: dict[str, _WorkerRec] = {}
+        self._w: dict[str, WorkerRec] = {}
         self._n_streams = 0
         self._ranked_streams = 0  # admitted streams with dp_rank > 0 (0 enables the fast level path)
         # Ghost candidates in first-seen order (dicts keep insertion order): expiry pops the front.
@@ -300,11 +333,11 @@ class IndexerCore:
             return "refused_max_streams"
         return ""
 
-    def _admit(self, worker_id: str, dp_rank: int | None, now: float) -> _WorkerRec:
+    def _admit(self, worker_id: str, dp_rank: int | None, now: float) -> WorkerRec:
         """Create the worker/stream records (the caller checked :meth:`_admission_refusal`)."""
         rec = self._w.get(worker_id)
         if rec is None:
-            rec = self._w[worker_id] = _WorkerRec(first_seen=now, last_seen=now)
+            rec = self._w[worker_id] = WorkerRec(first_seen=now, last_seen=now)
             self._ghosts[worker_id] = now
         if dp_rank is not None and dp_rank not in rec.ranks:
             rec.ranks.add(dp_rank)
@@ -315,7 +348,7 @@ class IndexerCore:
                 self._ghost_streams[(worker_id, dp_rank)] = now
         return rec
 
-    def _mark_active(self, worker_id: str, rec: _WorkerRec, stream: tuple[str, int]) -> None:
+    def _mark_active(self, worker_id: str, rec: WorkerRec, stream: tuple[str, int]) -> None:
         self._ghost_streams.pop(stream, None)
         if not rec.active:
             rec.active = True
@@ -325,7 +358,7 @@ class IndexerCore:
                 if s != stream and self.index.stream_entries(s) == 0:
                     self._ghost_streams[s] = rec.first_seen
 
-    def _owns(self, rec: _WorkerRec, owner: str, now: float) -> bool:
+    def _owns(self, rec: WorkerRec, owner: str, now: float) -> bool:
         """May ``owner`` change or forget this worker? (unowned or lapsed: anyone may)"""
         if not rec.owner or rec.owner == owner:
             return True
@@ -449,28 +482,22 @@ class IndexerCore:
     _STATE = ("index", "ingest", "_known", "_w", "_n_streams", "_ranked_streams", "_ghosts", "_ghost_streams",
               "_asked_at", "coverage")
 
-    #: Bumped whenever the shape of a checkpoint changes; another version's checkpoint is refused.
-    STATE_VERSION = 3  # 3: the index keeps KV tiers (per-stream medium masks, its MediumBook)
+    #: The version of the state record (:mod:`mesh.indexer.state`); another version's is refused.
+    STATE_VERSION = STATE_VERSION
 
     def dump_state(self) -> bytes:
-        """The whole index state as bytes (pickle: only ever loaded from a store this service
-        trusts, and signed by :mod:`mesh.indexer.shared` before it leaves the process)."""
-        st = {k: getattr(self, k) for k in self._STATE}
-        st["state_version"] = self.STATE_VERSION
-        return pickle.dumps(st, protocol=5)
+        """The whole index state as an explicit msgpack record (:mod:`mesh.indexer.state`; no
+        pickle), signed by :mod:`mesh.indexer.shared` before it leaves the process."""
+        return encode_state({k: getattr(self, k) for k in self._STATE})
 
     def load_state(self, blob: bytes) -> None:
         """Replace the state with one :meth:`dump_state` made (this server's limits stay). A
-        checkpoint of another version raises :class:`CheckpointError` and changes nothing."""
-        try:
-            st = pickle.loads(blob)  # noqa: S301 -- signed checkpoint of our own state (see dump_state)
-        except Exception as exc:  # classes another version named (moved, renamed, removed)
-            raise CheckpointError(f"unreadable checkpoint ({type(exc).__name__}: {str(exc)[:120]})") from exc
-        version = st.get("state_version") if isinstance(st, dict) else None
-        if version != self.STATE_VERSION or any(k not in st for k in self._STATE):
-            raise CheckpointError(f"checkpoint version {version!r}, this indexer reads {self.STATE_VERSION}")
+        record of another version, or malformed, raises :class:`CheckpointError` and changes nothing."""
+        fresh = IndexerCore(max_entries=None, block_size=self.ingest.vote.default,
+                            resync_retry_s=self.resync_retry_s, limits=self.limits)
+        parts = decode_state(blob, {k: getattr(fresh, k) for k in self._STATE})
         for k in self._STATE:
-            setattr(self, k, st[k])
+            setattr(self, k, parts[k])
         self.index.set_max_entries(self.limits_max_entries)
 
     def reset_state(self) -> None:
@@ -516,7 +543,7 @@ class IndexerCore:
         self.c["resyncs_asked"] += 1
         return True
 
-    def _set_block_size(self, worker_id: str, rec: _WorkerRec, block_size: int) -> None:
+    def _set_block_size(self, worker_id: str, rec: WorkerRec, block_size: int) -> None:
         rec.block_size = block_size
         self.ingest.add_worker(worker_id, block_size)
 
@@ -561,7 +588,7 @@ class IndexerCore:
                 self.c["expected_ranks_refused"] += 1
         self.c["workers_registered"] += 1
 
-    def _reset_worker(self, worker_id: str, rec: _WorkerRec, block_size: int) -> None:
+    def _reset_worker(self, worker_id: str, rec: WorkerRec, block_size: int) -> None:
         """The owner changed the worker's block size: drop its blocks and streams (a resync follows)."""
         dropped = self.index.worker_entries(worker_id)
         old = rec.block_size
@@ -571,7 +598,7 @@ class IndexerCore:
         self.log.warning("indexer_block_size_reset", worker_id=worker_id[:64], old=old, new=block_size,
                          entries_dropped=dropped)
 
-    def _drop_streams(self, worker_id: str, rec: _WorkerRec) -> None:
+    def _drop_streams(self, worker_id: str, rec: WorkerRec) -> None:
         for r in rec.ranks:
             s = (worker_id, r)
             self._known.discard(s)
@@ -609,7 +636,7 @@ class IndexerCore:
         self.c["workers_forgotten"] += 1
         return n
 
-    def _deny(self, what: str, worker_id: str, owner: str, rec: _WorkerRec) -> None:
+    def _deny(self, what: str, worker_id: str, owner: str, rec: WorkerRec) -> None:
         self.c["permission_denied"] += 1
         self.c[f"permission_denied_{what}"] += 1
         if self._rl.allow(("denied", what, owner)):

@@ -152,7 +152,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("workers", "streams", "untrusted_streams", "entries", "unique_blocks", "max_entries", "bytes_estimate", "batches_received", "batches_applied", "events_applied", "duplicates", "gaps", "resyncs", "new_epochs", "stale_epochs", "evictions", "queries", "queries_shed", "server_instance", "counters", "match_p50_us", "match_p99_us", "uncovered_streams", "backend", "ready")
+    __slots__ = ("workers", "streams", "untrusted_streams", "entries", "unique_blocks", "max_entries", "bytes_estimate", "batches_received", "batches_applied", "events_applied", "duplicates", "gaps", "resyncs", "new_epochs", "stale_epochs", "evictions", "queries", "queries_shed", "server_instance", "counters", "match_p50_us", "match_p99_us", "uncovered_streams", "backend", "ready", "store_rejected")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class StatsResponse(_message.Message):
     UNCOVERED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    STORE_REJECTED_FIELD_NUMBER: _ClassVar[int]
     workers: int
     streams: int
     untrusted_streams: int
@@ -210,4 +211,5 @@ class StatsResponse(_message.Message):
     uncovered_streams: int
     backend: str
     ready: bool
-    def __init__(self, workers: _Optional[int] = ..., streams: _Optional[int] = ..., untrusted_streams: _Optional[int] = ..., entries: _Optional[int] = ..., unique_blocks: _Optional[int] = ..., max_entries: _Optional[int] = ..., bytes_estimate: _Optional[int] = ..., batches_received: _Optional[int] = ..., batches_applied: _Optional[int] = ..., events_applied: _Optional[int] = ..., duplicates: _Optional[int] = ..., gaps: _Optional[int] = ..., resyncs: _Optional[int] = ..., new_epochs: _Optional[int] = ..., stale_epochs: _Optional[int] = ..., evictions: _Optional[int] = ..., queries: _Optional[int] = ..., queries_shed: _Optional[int] = ..., server_instance: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., match_p50_us: _Optional[float] = ..., match_p99_us: _Optional[float] = ..., uncovered_streams: _Optional[int] = ..., backend: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
+    store_rejected: str
+    def __init__(self, workers: _Optional[int] = ..., streams: _Optional[int] = ..., untrusted_streams: _Optional[int] = ..., entries: _Optional[int] = ..., unique_blocks: _Optional[int] = ..., max_entries: _Optional[int] = ..., bytes_estimate: _Optional[int] = ..., batches_received: _Optional[int] = ..., batches_applied: _Optional[int] = ..., events_applied: _Optional[int] = ..., duplicates: _Optional[int] = ..., gaps: _Optional[int] = ..., resyncs: _Optional[int] = ..., new_epochs: _Optional[int] = ..., stale_epochs: _Optional[int] = ..., evictions: _Optional[int] = ..., queries: _Optional[int] = ..., queries_shed: _Optional[int] = ..., server_instance: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., match_p50_us: _Optional[float] = ..., match_p99_us: _Optional[float] = ..., uncovered_streams: _Optional[int] = ..., backend: _Optional[str] = ..., ready: _Optional[bool] = ..., store_rejected: _Optional[str] = ...) -> None: ...

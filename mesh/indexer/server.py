@@ -20,8 +20,14 @@ Hostile or broken peers (see ``Limits``):
   PERMISSION_DENIED, counted as ``permission_denied``. The owner changing the block size is an
   explicit reset (the worker's blocks and streams are dropped; ``block_size_resets``). Ownership
   lapses after ``owner_ttl_s`` without the owner registering or forwarding for that worker (a
-  broker that went away for good). Owner ids are asserted by token holders: they separate
-  well-behaved brokers, they do not authenticate them individually;
+  broker that went away for good). With a token, owner ids are asserted by token holders: they
+  separate well-behaved brokers, they do not authenticate them individually. Without a token
+  anyone may claim any id, so the owner is the claim *and* the caller's address (``peer_host``:
+  IP without port): a caller elsewhere claiming the owner's id is refused (a broker that moves to
+  another address regains its workers once the old ownership lapses);
+* **bounded queries**: a MatchPrefix of more than ``max_match_ids`` token ids or keys is refused
+  (INVALID_ARGUMENT, ``refused_match_ids``) before any work; token ids are hashed in slices that
+  yield to the loop;
 * **bounded work per call**: gRPC refuses messages above ``max_message_bytes``
   (RESOURCE_EXHAUSTED before any handler runs); a batch of more than ``max_batch_events`` events
   is refused; an allowed big batch is decoded and applied in slices, yielding to the event loop
@@ -80,6 +86,7 @@ _APPLY_SLICE_NS = 4_000_000  # yield to queries after this much apply work in on
 # a big apply took ~25 ms (p99 ~80 ms) instead of ~5 ms. Cost: ~1/9 of apply throughput.
 _YIELD_S = 0.0005
 _EXPIRE_SLICE = 256  # workers/streams expired between two yields
+_HASH_SLICE_TOKENS = 65_536  # prompt tokens hashed between two yields (MatchPrefix by token ids)
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
@@ -91,6 +98,15 @@ def _owner_of(context: Any) -> str:
         if md.key == OWNER_METADATA:
             return md.value if isinstance(md.value, str) else ""
     return ""
+
+
+def peer_host(peer: str) -> str:
+    """The caller's address without its port (``ipv4:10.0.0.5:41234`` -> ``ipv4:10.0.0.5``;
+    ``unix:`` peers as they are): what a caller cannot choose, unlike its ``x-mesh-owner``."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host, sep, port = peer.rpartition(":")
+        return host if sep and port.isdigit() else peer
+    return peer
 
 
 class IndexerService(pb_grpc.IndexerServicer):
@@ -113,6 +129,9 @@ class IndexerService(pb_grpc.IndexerServicer):
         self.backend = "memory"
         self.ready = True  # what the health service says (coverage, and the shared log's tail)
         self.on_health: Any = None  # called with the new readiness when it changes
+        # Without a token anyone may claim any x-mesh-owner: ownership is then bound to the
+        # claim *and* the caller's address (set by serve() when no token is configured).
+        self.owners_by_address = False
 
     def update_health(self) -> None:
         """Recompute readiness: every expected stream covered (and, shared, the tail caught up)."""
@@ -122,7 +141,8 @@ class IndexerService(pb_grpc.IndexerServicer):
             self.core.c["became_ready" if ready else "became_not_ready"] += 1
             self.log.info("indexer_readiness", ready=ready, uncovered_streams=self.core.uncovered_streams,
                           uncovered=[f"{w}/{r}" for w, r in self.core.uncovered(4)],
-                          tail="n/a" if self.shared is None else ("caught_up" if self.shared.ready else "lost"))
+                          tail="n/a" if self.shared is None else ("caught_up" if self.shared.ready else "lost"),
+                          store_rejected=self.shared.last_rejection if self.shared is not None else "")
             if self.on_health is not None:
                 self.on_health(ready)
 
@@ -140,6 +160,8 @@ class IndexerService(pb_grpc.IndexerServicer):
         if len(owner) > MAX_OWNER_CHARS:
             self.core.c["refused_owner"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{OWNER_METADATA}: at most {MAX_OWNER_CHARS} characters")
+        if owner and self.owners_by_address:
+            owner = f"{owner}@{peer_host(context.peer() or '')[:80]}"
         return owner
 
     async def _run(self, steps: Generator[None, None, ApplyOutcome]) -> ApplyOutcome:
@@ -232,14 +254,19 @@ class IndexerService(pb_grpc.IndexerServicer):
                                 f"more than {self.max_inflight_queries} prefix queries in flight")
         self.inflight_queries += 1
         try:
+            n_ids = max(len(request.keys), len(request.token_ids))
+            if n_ids > self.core.limits.max_match_ids:  # refused before any work on them
+                c["refused_match_ids"] += 1
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"keys/token_ids: {n_ids} ids, at most "
+                                    f"{self.core.limits.max_match_ids} (max_match_ids)")
             # Yield once so RPCs that arrived together are all admitted (or shed) before any runs.
             await asyncio.sleep(self.query_delay_s)
             t0 = time.perf_counter_ns()
             keys = list(request.keys)
             if not keys and len(request.token_ids):
                 try:
-                    keys = content_keys(list(request.token_ids), request.block_size,
-                                        namespace_root_key(request.namespace or None))
+                    keys = await content_keys_sliced(list(request.token_ids), request.block_size,
+                                               namespace_root_key(request.namespace or None))
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids/block_size: {exc}")
             resp = self.core.match(keys, request.max_results)
@@ -310,7 +337,22 @@ class IndexerService(pb_grpc.IndexerServicer):
             server_instance=self.core.instance, counters=ints,
             match_p50_us=s["match_p50_us"], match_p99_us=s["match_p99_us"],
             uncovered_streams=self.core.uncovered_streams, backend=self.backend, ready=self.ready,
+            store_rejected=self.shared.last_rejection if self.shared is not None else "",
         )
+
+
+async def content_keys_sliced(tokens: list[int], block_size: int, root: int) -> list[int]:
+    """content_keys of a long prompt in slices, yielding to the loop between them (queries and
+    applies of other callers go on while one caller's long prompt is hashed)."""
+    if block_size < 1 or len(tokens) <= _HASH_SLICE_TOKENS:
+        return content_keys(tokens, block_size, root)
+    step = max(1, _HASH_SLICE_TOKENS // block_size) * block_size
+    keys: list[int] = []
+    for i in range(0, len(tokens), step):
+        if i:
+            await asyncio.sleep(0)
+        keys += content_keys(tokens[i:i + step], block_size, keys[-1] if keys else root)
+    return keys
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
@@ -374,7 +416,8 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
                 query_delay_ms: float = 0.0, worker_ttl_s: float = DEFAULT_WORKER_TTL_S,
                 stop: asyncio.Event | None = None, ready: Any = None, metrics: str | None = None,
                 backend: str = "memory", valkey_url: str | None = None, valkey_prefix: str | None = None,
-                checkpoint_every: int = 20_000) -> None:
+                checkpoint_every: int = 20_000, insecure_store: bool = False,
+                valkey_password: str | None = None) -> None:
     """Run the indexer until ``stop`` is set, then shut down gracefully (health NOT_SERVING first).
 
     ``token``: the bearer token every Indexer RPC must carry (None = unauthenticated, logged as
@@ -401,21 +444,29 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
         raise ConfigError("valkey_url: --backend valkey needs --valkey-url redis://HOST:PORT[/DB]")
     if checkpoint_every < 1:
         raise ConfigError("checkpoint_every: must be >= 1")
+    if backend == "valkey" and not token and not insecure_store:
+        raise ConfigError("token_file: --backend valkey signs every log entry and checkpoint with a key derived from "
+                          "the token; without --token-file (or MESH_INDEXER_TOKEN) anyone who can write to the store "
+                          "could forge them: give a token, or --insecure-store to run unsigned on a private store")
     limits = limits or Limits()
     core = IndexerCore(max_entries=max_entries, block_size=block_size, limits=limits)
     svc = IndexerService(core, max_inflight_queries=max_inflight_queries, query_delay_ms=query_delay_ms)
+    svc.owners_by_address = not token
     shared = None
     if backend == "valkey":
-        from mesh.indexer.shared import DEFAULT_PREFIX, SharedState, StoreUnavailable, ValkeyLog, mac_key_from_token
+        from mesh.indexer.shared import DEFAULT_PREFIX, SharedState, StoreUnavailable, ValkeyLog
+        from mesh.indexer.signing import mac_key_from_token
 
-        vlog = ValkeyLog(valkey_url, valkey_prefix or DEFAULT_PREFIX, mac_key=mac_key_from_token(token))
+        vlog = ValkeyLog(valkey_url, valkey_prefix or DEFAULT_PREFIX, mac_key=mac_key_from_token(token),
+                         password=valkey_password)
         shared = SharedState(svc, vlog, checkpoint_every=checkpoint_every, worker_ttl_s=worker_ttl_s,
                              ghost_ttl_s=limits.ghost_ttl_s)
         svc.shared, svc.backend, svc.ready = shared, "valkey", False
         if token is None:
-            svc.log.warning("indexer_checkpoint_unsigned",
-                            note="no token: checkpoints in Valkey are unsigned pickles; whoever can write to that "
-                                 "Valkey can run code in this indexer (keep it private, or set --token-file)")
+            svc.log.warning("indexer_store_unsigned", insecure_store=True,
+                            note="--insecure-store: log entries and checkpoints in Valkey are NOT signed; whoever can "
+                                 "write to that Valkey can forget workers, forge KV holdings (misroute prompts) and "
+                                 "rewrite the state (keep it private, or set --token-file)")
         try:
             await shared.start()
         except StoreUnavailable as exc:
@@ -444,7 +495,7 @@ async def serve(listen: str, *, max_entries: int | None = DEFAULT_MAX_ENTRIES, m
     if not token:
         log.warning("indexer_unauthenticated",
                     note="no --token-file (or MESH_INDEXER_TOKEN): anyone reaching the port may apply, register "
-                         "and forget workers")
+                         "and forget workers (a worker's owner is its x-mesh-owner claim AND the caller's address)")
     elif scheme == "http":
         log.warning("indexer_token_in_cleartext", note="the bearer token travels unencrypted; serve TLS (--tls-cert)")
     await server.start()

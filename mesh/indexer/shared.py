@@ -18,10 +18,16 @@ included) comes back with it, without asking any broker for anything:
   with a TTL) writes its whole state with the id of the last entry it covers to
   ``{prefix}:checkpoint`` and trims the log to the *previous* checkpoint (a replica a little
   behind can still read on). A starting replica loads the checkpoint and replays the log after it
-  before its port opens. Checkpoints are pickles signed with HMAC-SHA256 under a key derived from
-  the bearer token; without a token they are unsigned and the server says so at startup
-  (``indexer_checkpoint_unsigned``): then anyone who can write to Valkey can run code in the
-  replicas, so keep that Valkey private.
+  before its port opens. A checkpoint is an explicit msgpack record (:mod:`mesh.indexer.state`),
+  never a pickle.
+* **Signed.** Every entry and checkpoint is signed (HMAC-SHA256, :mod:`mesh.indexer.signing`)
+  under a key derived from the bearer token, and checked before it is applied; a signed entry
+  copied back into the log is refused too (the replay guard). Whatever does not verify (a writer
+  of the store without the token) is skipped, counted (``log_bad_entries_<reason>``,
+  ``checkpoints_rejected``), logged (``indexer_log_entry_rejected``,
+  ``indexer_checkpoint_rejected``) and shown in Stats; it never stops a replica nor its start: a
+  rejected checkpoint means a rebuild from the log. Without a token nothing can be checked, so
+  the backend refuses to start unless ``--insecure-store`` says so (``indexer_store_unsigned``).
 * **One state id.** ``{prefix}:state`` names the state (random, set by the first replica): it is
   every replica's ``server_instance``, before and after restarts, so brokers see no restart and
   resync nothing. If it changes (Valkey flushed or replaced), replicas drop their copy and follow
@@ -41,8 +47,6 @@ resync later), queries go on from the local copy, health is NOT_SERVING until th
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import os
 import time
 from dataclasses import dataclass
@@ -50,11 +54,12 @@ from typing import Any, Callable
 
 import msgpack
 
-from mesh.errors import CheckpointError, ConfigError, MeshError
+from mesh.errors import ConfigError, MeshError
+from mesh.indexer.signing import LogSigner, ReplayGuard
 from mesh.logs import RateLimiter, get_logger
 from mesh.retry import RetryPolicy
 
-__all__ = ["ValkeyLog", "SharedState", "StoreUnavailable", "parse_valkey_url", "DEFAULT_PREFIX", "PASSWORD_ENV"]
+__all__ = ["ValkeyLog", "SharedState", "StoreUnavailable", "parse_valkey_url", "parse_id", "DEFAULT_PREFIX", "PASSWORD_ENV"]
 
 DEFAULT_PREFIX = "mesh:indexer"
 #: Environment variable holding the Valkey password (AUTH), instead of redis://:PASSWORD@HOST.
@@ -100,13 +105,23 @@ def _id_key(entry_id: bytes) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def parse_id(entry_id: Any) -> tuple[int, int] | None:
+    """A stream id read from a field anyone may have written: its sort key, None if not an id."""
+    if not isinstance(entry_id, bytes) or len(entry_id) > 41:
+        return None
+    ms, sep, seq = entry_id.partition(b"-")
+    if not ms.isdigit() or not seq.isdigit() or not sep:
+        return None
+    return int(ms), int(seq)
+
+
 class ValkeyLog:
     """The Valkey keys of one shared state (``prefix``) and the few commands used on them.
 
     Every failure is raised as :class:`StoreUnavailable` naming the command."""
 
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, mac_key: bytes | None = None,
-                 timeout_s: float = 2.0) -> None:
+                 timeout_s: float = 2.0, password: str | None = None) -> None:
         import redis.asyncio as aioredis
 
         url = parse_valkey_url(url)
@@ -116,10 +131,11 @@ class ValkeyLog:
         self.k_state = f"{prefix}:state"
         self.k_ckpt = f"{prefix}:checkpoint"
         self.k_lock = f"{prefix}:checkpoint-lock"
-        self.mac_key = mac_key
+        self.signer = LogSigner(mac_key)
         # Two clients: the tail's XREAD BLOCK holds its connection for up to _BLOCK_MS.
-        # a password from the environment keeps it off the command line (ps, manifests)
-        auth = {"password": os.environ[PASSWORD_ENV]} if os.environ.get(PASSWORD_ENV) else {}
+        # a password from a file or the environment keeps it off the command line (ps, manifests)
+        password = password or os.environ.get(PASSWORD_ENV) or None
+        auth = {"password": password} if password else {}
         self.r = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **auth)
         self.tail = aioredis.Redis.from_url(url, socket_timeout=timeout_s + _BLOCK_MS / 1000,
                                             socket_connect_timeout=timeout_s, **auth)
@@ -147,55 +163,62 @@ class ValkeyLog:
             raise StoreUnavailable(f"valkey {self.url}: {self.k_state} vanished")
         return int(v)
 
-    async def append(self, payloads: list[bytes]) -> list[bytes]:
-        """XADD each payload (one round trip); their entry ids, in order."""
+    async def append(self, entries: list[tuple[bytes, bytes]]) -> list[bytes]:
+        """XADD each (payload, signature) (one round trip); their entry ids, in order."""
         pipe = self.r.pipeline(transaction=False)
-        for p in payloads:
-            pipe.xadd(self.k_log, {b"o": p})
+        for p, mac in entries:
+            pipe.xadd(self.k_log, {b"o": p, b"m": mac} if mac else {b"o": p})
         return await self._do("XADD", pipe.execute())
 
-    async def read(self, after: bytes, *, block_ms: int | None) -> tuple[list[tuple[bytes, bytes]], bytes]:
-        """Entries after ``after`` (at most ``_READ_COUNT``), waiting up to ``block_ms`` for one, and
-        the trim point read just after them (one round trip). Trims only move forward, so when
-        ``after`` is not below that point no entry after ``after`` was trimmed before the read:
-        XREAD itself would skip trimmed entries without a word."""
+    async def read(self, after: bytes, *, block_ms: int | None) -> tuple[list[tuple[bytes, bytes, bytes]], tuple]:
+        """Entries ``(id, payload, signature)`` after ``after`` (at most ``_READ_COUNT``), waiting up
+        to ``block_ms`` for one, and the checkpoint's mark ``(trim point, id, signature)`` read
+        just after them (one round trip). Trims only move forward, so when ``after`` is not below
+        that point no entry after ``after`` was trimmed before the read: XREAD itself would skip
+        trimmed entries without a word. (The mark is as written: it may be forged.)"""
         pipe = self.tail.pipeline(transaction=False)
         pipe.xread({self.k_log: after}, count=_READ_COUNT, block=block_ms)
-        pipe.hget(self.k_ckpt, b"trimmed")
-        res, trimmed = await self._do("XREAD", pipe.execute())
-        entries = [(eid, fields.get(b"o", b"")) for eid, fields in res[0][1]] if res else []
-        return entries, trimmed or b"0-0"
+        pipe.hmget(self.k_ckpt, [b"trimmed", b"id", b"mac"])
+        res, mark = await self._do("XREAD", pipe.execute())
+        entries = [(eid, fields.get(b"o", b""), fields.get(b"m", b"")) for eid, fields in res[0][1]] if res else []
+        return entries, (mark[0] or b"0-0", mark[1], mark[2])
 
-    def _mac(self, entry_id: bytes, data: bytes) -> bytes:
-        return hmac.new(self.mac_key or b"", entry_id + b"\0" + data, hashlib.sha256).digest()
-
-    async def load_checkpoint(self) -> tuple[bytes, bytes] | None:
-        """(id of the last entry it covers, state bytes); None when there is none. A checkpoint
-        whose signature does not verify raises ConfigError (wrong token, or tampering)."""
+    async def load_checkpoint(self) -> dict[bytes, bytes] | None:
+        """The checkpoint's fields as written (unchecked); None when there is none."""
         h = await self._do("HGETALL checkpoint", self.r.hgetall(self.k_ckpt))
-        if not h or b"id" not in h or b"data" not in h:
-            return None
-        eid, data = h[b"id"], h[b"data"]
-        if self.mac_key is not None and not hmac.compare_digest(h.get(b"mac", b""), self._mac(eid, data)):
-            raise ConfigError(f"token_file: the checkpoint in {self.k_ckpt} is not signed with this indexer's "
-                              "token (another token, or written by someone else)")
-        return eid, data
+        return h or None
 
-    async def save_checkpoint(self, upto: bytes, data: bytes) -> bool:
+    async def last_log_id(self) -> bytes:
+        """The id of the newest entry the log ever had (``0-0`` without a log)."""
+        from redis.exceptions import ResponseError
+
+        try:
+            info = await self._do("XINFO", self.r.xinfo_stream(self.k_log))
+        except StoreUnavailable as exc:
+            if isinstance(exc.__cause__, ResponseError):  # no such key: nothing was ever appended
+                return b"0-0"
+            raise
+        last = info.get("last-generated-id") or info.get(b"last-generated-id") or b"0-0"
+        return last if isinstance(last, bytes) else str(last).encode()
+
+    async def save_checkpoint(self, state_id: int, upto: bytes, data: bytes, guard: bytes) -> bool:
         """Write a checkpoint covering entries up to ``upto``, then trim the log below the
         previous one. False when another replica holds the checkpoint lock."""
         if not await self._do("SET lock", self.r.set(self.k_lock, b"1", nx=True, px=_LOCK_TTL_MS)):
             return False
         try:
             prev = await self._do("HGET checkpoint", self.r.hget(self.k_ckpt, b"id"))
-            if prev is not None and _id_key(prev) >= _id_key(upto):
+            pk = parse_id(prev)
+            if pk is not None and pk >= _id_key(upto) and pk <= _id_key(await self.last_log_id()):
                 return False  # someone wrote a newer one meanwhile
-            # trimmed: entries below it are gone; a replica whose tail is behind it reloads this checkpoint
+            # trimmed: entries below it are gone; a replica whose tail is behind it reloads this
+            # checkpoint. A previous id that is garbage or ahead of the log (forged) trims nothing.
+            trimmed = prev if pk is not None and pk < _id_key(upto) else b"0-0"
             await self._do("HSET checkpoint", self.r.hset(self.k_ckpt, mapping={
-                b"id": upto, b"data": data, b"mac": self._mac(upto, data), b"t": str(time.time()).encode(),
-                b"trimmed": prev if prev is not None else b"0-0"}))
-            if prev is not None:
-                await self._do("XTRIM", self.r.xtrim(self.k_log, minid=prev, approximate=False))
+                b"id": upto, b"data": data, b"guard": guard, b"trimmed": trimmed, b"t": str(time.time()).encode(),
+                b"mac": self.signer.checkpoint_mac(state_id, upto, trimmed, data, guard)}))
+            if trimmed != b"0-0":
+                await self._do("XTRIM", self.r.xtrim(self.k_log, minid=trimmed, approximate=False))
             return True
         finally:
             await self._do("DEL lock", self.r.delete(self.k_lock))
@@ -215,7 +238,8 @@ class SharedState:
     ``submit(op)`` appends and returns what applying the entry gave (an ApplyOutcome, an int, or
     the exception the core raised, returned, not raised). ``start()`` loads the checkpoint and
     replays to the end of the log; ``run()`` tails it until cancelled. ``on_ready(bool)`` is
-    called when the tail is caught up / has lost Valkey.
+    called when the tail is caught up / has lost Valkey. Entries and checkpoints that do not
+    verify are skipped, counted and logged (see the module docstring), never fatal.
     """
 
     def __init__(self, svc: Any, log: ValkeyLog, *, checkpoint_every: int = 20_000, worker_ttl_s: float = 0.0,
@@ -223,11 +247,14 @@ class SharedState:
         self.svc = svc
         self.core = svc.core
         self.vlog = log
+        self.signer = log.signer
+        self.guard = ReplayGuard()
         self.checkpoint_every = checkpoint_every
         self.worker_ttl_s = worker_ttl_s
         self.ghost_ttl_s = ghost_ttl_s
         self.on_ready = on_ready
         self.origin = int.from_bytes(os.urandom(8), "little")
+        self.next_n = 0  # this process's entry counter (the replay guard's per-origin sequence)
         self.last_id = b"0-0"
         self.state_id = 0
         self.ready = False
@@ -239,12 +266,20 @@ class SharedState:
         self.log = get_logger(service="indexer", backend="valkey")
         self._rl = RateLimiter(5.0)
         self._checkpointing: asyncio.Task | None = None
+        self._rejected_mark: tuple | None = None  # the checkpoint mark last rejected (not reloaded again)
+        self._mark: tuple | None = None  # the mark of the checkpoint last read
+        self.last_rejection = ""  # what was last refused from the store (Stats, readiness log)
 
     # ------------------------------------------------------------------ writing
     async def submit(self, ops: list[tuple]) -> list[Any]:
         """Append ``ops`` (one round trip) and wait until this replica has applied them."""
-        payloads = [msgpack.packb([self.origin, *op], use_bin_type=True) for op in ops]
-        ids = await self.vlog.append(payloads)
+        entries = []
+        t_ms = int(time.time() * 1000)
+        for op in ops:
+            self.next_n += 1
+            p = msgpack.packb([self.origin, self.next_n, t_ms, *op], use_bin_type=True)
+            entries.append((p, self.signer.entry_mac(self.state_id, p)))
+        ids = await self.vlog.append(entries)
         self.c["log_appended"] += len(ids)
         out: list[Any] = []
         for eid in ids:
@@ -265,17 +300,17 @@ class SharedState:
 
     # ------------------------------------------------------------------ following
     async def start(self) -> None:
-        """Load the state: id, checkpoint, then the log to its end (raises StoreUnavailable)."""
+        """Load the state: id, checkpoint, then the log to its end (raises StoreUnavailable only)."""
         self.state_id = await self.vlog.state_id()
         self.core.instance = self.state_id
-        ck = await self.vlog.load_checkpoint()
+        ck = await self._good_checkpoint()
         if ck is not None and self._adopt_checkpoint(*ck):
             self.c["checkpoints_loaded"] += 1
             self.log.info("indexer_checkpoint_loaded", upto=ck[0].decode(), bytes=len(ck[1]))
         n = 0
         while True:
-            batch, trimmed = await self.vlog.read(self.last_id, block_ms=None)
-            if await self._behind_trim(trimmed):
+            batch, mark = await self.vlog.read(self.last_id, block_ms=None)
+            if await self._behind_trim(mark):
                 continue
             if not batch:
                 break
@@ -286,15 +321,16 @@ class SharedState:
     async def run(self) -> None:
         """Tail the log until cancelled; on Valkey errors retry with the project's jittered
         back-off, without an attempt cap (a replica follows its store for as long as it lives,
-        as a worker follows its brokers), not ready meanwhile."""
+        as a worker follows its brokers), not ready meanwhile. Any other error is logged and
+        retried the same way: the tail never ends silently."""
         failures = 0
         last_state_check = time.monotonic()
         while True:
             try:
-                batch, trimmed = await self.vlog.read(self.last_id, block_ms=_BLOCK_MS)
+                batch, mark = await self.vlog.read(self.last_id, block_ms=_BLOCK_MS)
                 # Checked before the batch is applied: after a pause (SIGSTOP, a partition) the
                 # batch may lie beyond a trim, or belong to a replaced state.
-                if await self._behind_trim(trimmed):
+                if await self._behind_trim(mark):
                     continue  # read again from where the reload left the tail
                 if time.monotonic() - last_state_check >= 1.0:
                     last_state_check = time.monotonic()
@@ -305,13 +341,16 @@ class SharedState:
                 if not self.ready:
                     self._set_ready(True)
                 failures = 0
-            except StoreUnavailable as exc:
-                self.c["log_read_errors"] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # StoreUnavailable, or a bug: either way the tail goes on
+                self.c["log_read_errors" if isinstance(exc, StoreUnavailable) else "tail_errors"] += 1
                 self._set_ready(False)
                 failures += 1
                 delay_s = _RECONNECT.delay_s(failures)
-                if self._rl.allow("read"):
-                    self.log.warning("indexer_valkey_unavailable", error=str(exc)[:300], retry_in_s=round(delay_s, 3))
+                if self._rl.allow(type(exc).__name__):
+                    event = "indexer_valkey_unavailable" if isinstance(exc, StoreUnavailable) else "indexer_tail_error"
+                    self.log.warning(event, error=str(exc)[:300] or repr(exc), retry_in_s=round(delay_s, 3))
                 await asyncio.sleep(delay_s)  # the back-off before reading a store that is down again
 
     async def _check_state_id(self) -> bool:
@@ -326,41 +365,84 @@ class SharedState:
             self.core.reset_state()
             self.core.instance = self.state_id = sid
             self.last_id = b"0-0"
+            self.guard = ReplayGuard()
         for fut in self.waiters.values():
             if not fut.done():
                 fut.set_result(StoreUnavailable("the shared state was replaced"))
         return True
 
-    async def _behind_trim(self, trimmed: bytes) -> bool:
+    async def _behind_trim(self, mark: tuple) -> bool:
         """A tail behind the trim point (a replica paused, or cut off from Valkey, over two
         checkpoints) may have missed entries: reload the checkpoint and go on from there. True
-        when it did."""
-        if _id_key(self.last_id) >= _id_key(trimmed):
+        when it did. A mark that does not verify (or the same one rejected before) changes nothing."""
+        trimmed = parse_id(mark[0])
+        if trimmed is None or _id_key(self.last_id) >= trimmed or mark == self._rejected_mark:
             return False
-        ck = await self.vlog.load_checkpoint()
+        ck = await self._good_checkpoint()
         if ck is None or _id_key(ck[0]) <= _id_key(self.last_id):
+            self._rejected_mark = mark  # not reloaded on every read
             return False
         self.c["checkpoint_reloads"] += 1
         self.log.warning("indexer_tail_behind_trim", last=self.last_id.decode(), checkpoint=ck[0].decode(),
                          note="entries this replica had not read were trimmed: reloading the checkpoint")
         async with self.svc.mutex:
-            self._adopt_checkpoint(*ck)
+            self._adopt_checkpoint(*ck)  # not loadable: rebuilt from the log, and this mark is not retried
         return True
 
-    def _adopt_checkpoint(self, eid: bytes, blob: bytes) -> bool:
-        """Load a checkpoint and follow the log from it. One another version wrote (a rolling
-        upgrade) is not fatal: the index starts empty at that point and the streams it missed
-        are resynced by their workers, as after any gap. True when the checkpoint was loaded."""
-        self.last_id = eid
+    async def _good_checkpoint(self) -> tuple[bytes, bytes, bytes] | None:
+        """The checkpoint ``(id, state record, replay guard)`` if there is one and it verifies;
+        else None, and a rejected one is counted, logged and reported."""
+        h = await self.vlog.load_checkpoint()
+        if h is None:
+            return None
+        eid, trimmed, data, guard = (h.get(k, b"") for k in (b"id", b"trimmed", b"data", b"guard"))
+        self._mark = (h.get(b"trimmed") or b"0-0", h.get(b"id"), h.get(b"mac"))  # as read() shows it
+        if b"guard" not in h:  # written before STATE_VERSION 4 (a pickle, signed the old way or not at all)
+            self._rejected_mark = self._mark
+            self._incompatible(eid, f"written by an indexer before state version {self.core.STATE_VERSION}")
+            return None
+        why = self.signer.check_checkpoint(self.state_id, eid, trimmed, data, guard, h.get(b"mac"))
+        if not why:
+            ek, tk = parse_id(eid), parse_id(trimmed or b"0-0")
+            if ek is None or tk is None or tk > ek:
+                why = "malformed_ids"
+            elif ek > _id_key(await self.vlog.last_log_id()):
+                why = "ahead_of_the_log"
+        if why:
+            self._rejected_mark = self._mark  # counted once, not reloaded on every read
+            self.c["checkpoints_rejected"] += 1
+            self.c[f"checkpoints_rejected_{why}"] += 1
+            self.last_rejection = f"checkpoint: {why}"
+            if self._rl.allow(("ckpt", why)):
+                self.log.error("indexer_checkpoint_rejected", reason=why, upto=eid[:41].decode(errors="replace"),
+                               note="not loaded: rebuilding from the log (another --token-file, or a writer of the "
+                                    "store without the token)")
+            return None
+        return eid, data, guard
+
+    def _adopt_checkpoint(self, eid: bytes, blob: bytes, guard: bytes) -> bool:
+        """Load a verified checkpoint and follow the log from it. One another version wrote (a
+        rolling upgrade) is skipped: the replica rebuilds from the start of the log, and the
+        streams the trimmed part held are resynced by their workers, as after any gap. True when
+        the checkpoint was loaded."""
         try:
             self.core.load_state(blob)
-            return True
-        except CheckpointError as exc:
+            self.guard.load(guard)
+        except Exception as exc:  # CheckpointError, or a replay guard record that does not decode
             self.core.reset_state()
-            self.c["checkpoints_incompatible"] += 1
-            self.log.warning("indexer_checkpoint_incompatible", upto=eid.decode(), error=str(exc),
-                             note="starting from an empty index at the checkpoint; workers resync what it missed")
+            self.guard = ReplayGuard()
+            self.last_id = b"0-0"
+            self._rejected_mark = self._mark  # rebuilt from the log: not reloaded again
+            self._incompatible(eid, str(exc))
             return False
+        self.last_id = eid
+        return True
+
+    def _incompatible(self, eid: bytes, error: str) -> None:
+        self.c["checkpoints_incompatible"] += 1
+        self.last_rejection = "checkpoint: incompatible"
+        self.log.warning("indexer_checkpoint_incompatible", upto=eid[:41].decode(errors="replace"), error=error[:200],
+                         note="skipped: rebuilding from the log; workers resync what its trimmed part held")
 
     def _set_ready(self, ready: bool) -> None:
         if ready != self.ready:
@@ -369,19 +451,47 @@ class SharedState:
                 self.on_ready(ready)
             self.svc.update_health()
 
-    async def _apply_entries(self, batch: list[tuple[bytes, bytes]]) -> int:
+    def _verify(self, eid: bytes, payload: bytes, mac: bytes) -> tuple[str, list | None]:
+        """("", decoded entry) when the entry is this indexer's own and new, else (reason, entry or None)."""
+        why = self.signer.check_entry(self.state_id, payload, mac)
+        if why:
+            return why, None
+        try:
+            entry = msgpack.unpackb(payload, raw=False)
+            origin, n, t_ms, kind = entry[:4]
+            if not all(type(x) is int for x in (origin, n, t_ms)) or type(kind) is not str:
+                raise TypeError("origin, n and t_ms must be ints, kind a string")
+        except Exception:
+            return "malformed", None
+        if self.signer.key is not None:
+            why = self.guard.check(origin, n, t_ms, _id_key(eid)[0])
+        return why, entry
+
+    def _reject(self, eid: bytes, why: str, entry: list | None) -> Any:
+        self.c["log_bad_entries"] += 1
+        self.c[f"log_bad_entries_{why}"] += 1
+        self.last_rejection = f"log entry: {why}"
+        if self._rl.allow(("bad", why)):
+            skew = {"skew_ms": _id_key(eid)[0] - entry[2]} if why == "stale" and entry else {}
+            self.log.warning("indexer_log_entry_rejected", id=eid.decode(), reason=why, **skew,
+                             note="skipped: not signed with this indexer's token, or a replay")
+        return StoreUnavailable(f"log entry {eid.decode()} was refused ({why})")
+
+    async def _apply_entries(self, batch: list[tuple[bytes, bytes, bytes]]) -> int:
         svc = self.svc
-        for eid, payload in batch:
-            t = entry_time_s(eid)
-            try:
-                origin, kind, *args = msgpack.unpackb(payload, raw=False)
-                async with svc.mutex:
-                    res = await self._apply_one(kind, args, t)
-            except Exception as exc:  # a bad entry (a foreign writer?) is skipped and counted, never fatal
-                self.c["log_bad_entries"] += 1
-                if self._rl.allow("bad"):
-                    self.log.warning("indexer_log_bad_entry", id=eid.decode(), error=repr(exc)[:200])
-                origin, res = None, StoreUnavailable(f"log entry {eid.decode()} could not be applied: {exc!r}")
+        for eid, payload, mac in batch:
+            why, entry = self._verify(eid, payload, mac)
+            origin = entry[0] if entry is not None else None
+            if why:
+                res = self._reject(eid, why, entry)
+            else:
+                t = entry_time_s(eid)
+                try:
+                    async with svc.mutex:
+                        res = await self._apply_one(entry[3], entry[4:], t)
+                except Exception:  # a bad entry (a foreign writer?) is skipped and counted, never fatal
+                    res = self._reject(eid, "malformed", entry)
+                self._maybe_expire(t)  # on the times of entries that verified only
             self.last_id = eid
             self.c["log_applied"] += 1
             if origin == self.origin:
@@ -393,12 +503,12 @@ class SharedState:
                     if len(self.results) >= 10_000:  # submitters that timed out never collect theirs
                         self.results.clear()
                     self.results[eid] = res
-            self._maybe_expire(t)
             self.since_checkpoint += 1
         if self.since_checkpoint >= self.checkpoint_every and (self._checkpointing is None or self._checkpointing.done()):
             self.since_checkpoint = 0
-            blob = self.core.dump_state()  # on the loop, between entries: a consistent cut at last_id
-            self._checkpointing = asyncio.create_task(self._save(self.last_id, blob))
+            # on the loop, between entries: a consistent cut at last_id
+            blob, guard = self.core.dump_state(), self.guard.dump()
+            self._checkpointing = asyncio.create_task(self._save(self.last_id, blob, guard))
         svc.update_health()  # other replicas' entries change coverage too
         return len(batch)
 
@@ -423,6 +533,7 @@ class SharedState:
         if t - self.last_expiry_s < _EXPIRE_PERIOD_S:
             return
         self.last_expiry_s = t
+        self.guard.prune(int(t * 1000))
         core = self.core
         if self.worker_ttl_s > 0:
             gone = core.expire_workers(t, self.worker_ttl_s)
@@ -431,9 +542,9 @@ class SharedState:
         if self.ghost_ttl_s > 0:
             core.expire_ghosts(t, self.ghost_ttl_s)
 
-    async def _save(self, upto: bytes, blob: bytes) -> None:
+    async def _save(self, upto: bytes, blob: bytes, guard: bytes) -> None:
         try:
-            if await self.vlog.save_checkpoint(upto, blob):
+            if await self.vlog.save_checkpoint(self.state_id, upto, blob, guard):
                 self.c["checkpoints_written"] += 1
                 self.log.info("indexer_checkpoint_written", upto=upto.decode(), bytes=len(blob))
         except StoreUnavailable as exc:
@@ -442,11 +553,6 @@ class SharedState:
 
     def stats(self) -> dict[str, Any]:
         return {"log_last_id": self.last_id.decode(), "ready": self.ready, "state_id": self.state_id,
-                "waiting_submits": len(self.waiters)}
+                "waiting_submits": len(self.waiters), "last_rejection": self.last_rejection}
 
 
-def mac_key_from_token(token: str | None) -> bytes | None:
-    """The checkpoint signing key: derived from the bearer token (None without one)."""
-    if not token:
-        return None
-    return hashlib.sha256(b"mesh-indexer-checkpoint\0" + token.encode()).digest()
