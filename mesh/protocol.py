@@ -420,6 +420,11 @@ class Submit:
     # W3C trace context of the caller's span (HTTP front door): adapters continue the trace to
     # the engine. A malformed one is ignored, as W3C asks, never a reason to refuse a request.
     traceparent: str | None = None
+    # Tenants (mesh/tenants.py): the tenant an authenticating front door stamped (trusted only from
+    # an in-process client; a ZeroMQ client's is replaced by its connection's tenant) and the
+    # priority band asked for (index into PRIORITIES; clamped to the tenant's ceiling by the broker)
+    tenant: str | None = None
+    priority: int | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -495,6 +500,8 @@ def submit_body(
     slo: dict[str, Any] | None = None,
     model: str | None = None,
     traceparent: str | None = None,
+    tenant: str | None = None,
+    priority: str | None = None,
 ) -> dict[str, Any]:
     """The SUBMIT body (frame 2 before packing) :func:`encode_submit` sends."""
     body: dict[str, Any] = {"rid": rid, "params": params or {}, "stream": stream, "idempotent": idempotent}
@@ -510,6 +517,10 @@ def submit_body(
         body["deadline_ms"] = deadline_ms
     if slo:
         body["slo"] = slo
+    if tenant is not None:
+        body["tenant"] = tenant
+    if priority is not None:
+        body["priority"] = priority
     return body
 
 
@@ -624,7 +635,21 @@ def _submit_of(d: dict[str, Any], raw: bytes) -> Submit:
         packed=packed,
         model=_str(d, "model", required=False, max_bytes=256) or None,
         traceparent=_traceparent(d.get("traceparent")),
+        tenant=_str(d, "tenant", required=False, max_bytes=64) or None,
+        priority=_priority(d.get("priority")),
     )
+
+
+#: Priority bands of a SUBMIT's ``priority``, highest first (mesh.tenants).
+PRIORITIES = ("critical", "high", "normal", "low")
+
+
+def _priority(v: Any) -> int | None:
+    if v is None:
+        return None
+    if type(v) is str and v in PRIORITIES:
+        return PRIORITIES.index(v)
+    raise ProtocolError("bad_field", f"priority must be one of {', '.join(PRIORITIES)}")
 
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")

@@ -49,6 +49,10 @@ class BrokerStats:
         # text requests the HTTP ingress sent without their model's tokenizer to engines that key their
         # cache by token ids (a byte key never matches their KV events), by model
         self.text_unmatched: Counter[str] = Counter()
+        # per tenant (names come from the keys file only: bounded): (tenant, what) with what in
+        # admitted, rejected_429 (its in-flight or tokens-per-minute limit), and its queue waits
+        self.tenants: Counter[tuple[str, str]] = Counter()
+        self.tenant_queue: dict[str, LatencyHistogram] = {}
         self.degraded_decisions = 0
         self.requests_parked = 0
         self.cached_tokens = 0
@@ -68,6 +72,12 @@ class BrokerStats:
 
     def observe_latency(self, name: str, model: str, worker: str, v_s: float) -> None:
         self.histogram(name, model, worker).observe(v_s)
+
+    def tenant_queue_wait(self, tenant: str, wait_s: float) -> None:
+        h = self.tenant_queue.get(tenant)
+        if h is None:
+            h = self.tenant_queue[tenant] = LatencyHistogram(_QUEUE_BUCKETS_S)
+        h.observe(wait_s)
 
     def forget_worker(self, worker: str) -> None:
         """Drop a departed worker's latency series (bounded label sets as workers come and go)."""
@@ -93,6 +103,8 @@ class BrokerStats:
                 out[f"{prefix}.{k}"] = v
         for (path, reason), v in self.frames_rejected.items():
             out[f"frames_rejected.{path}.{reason}"] = v
+        for (tenant, what), v in self.tenants.items():
+            out[f"tenants.{tenant}.{what}"] = v
         out["degraded_decisions"] = self.degraded_decisions
         out["requests_parked"] = self.requests_parked
         out["cached_tokens"] = self.cached_tokens

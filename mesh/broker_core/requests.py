@@ -101,6 +101,10 @@ class Inflight:
     accepted_s: float = 0.0  # when the SUBMIT was accepted (latency histograms)
     first_token_s: float = 0.0  # when its first output arrived (0: not yet)
     last_chunk_s: float = 0.0  # when its last streamed chunk arrived
+    tenant: str = ""  # whose request it is (mesh.tenants; quotas, fair shares, metrics)
+    band: int = 2  # its priority band (0 critical .. 3 low), clamped to its tenant's ceiling
+    weight: float = 1.0  # its tenant's share within the band
+    parked_s: float | None = None  # when it first waited in the park queue (aging)
 
     @property
     def committed(self) -> bool:
