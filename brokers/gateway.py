@@ -305,6 +305,7 @@ def add_gateway_parser(subparsers):
                    help="a broker's client endpoint, tcp://HOST:PORT (repeatable)")
     p.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
     p.add_argument("--api-key-file", help="file holding the key clients must send as Authorization: Bearer KEY")
+    p.add_argument("--keys-file", default="", metavar="PATH", help="TOML file mapping API keys to tenants (docs/operations.md)")
     # the ingress settings the gateway shares with mesh broker --http: same fields, help and checks
     add_flags(p, BrokerSettings, only=_INGRESS_FIELDS)
     add_log_level_arg(p, "info")
@@ -336,12 +337,15 @@ def _cmd_gateway(args) -> int:
             raise ConfigError(f"api_key_file: cannot read {args.api_key_file}: {exc}") from None
         if not key:
             raise ConfigError(f"api_key_file: {args.api_key_file} is empty")
+    from brokers.keys_file import load_key_ring
+
+    keys = load_key_ring(args.keys_file, key)
     configure(args.log_level)
     from mesh.tracing import configure_tracing
 
     configure_tracing(ingress.trace_exporter, ingress.trace_endpoint, service="mesh-gateway")
     aio.run(serve_gateway(
-        args.broker, args.http, api_key=key, tokenizers=model_paths(ingress.tokenizer, "tokenizer"),
+        args.broker, args.http, api_key=key, keys=keys, tokenizers=model_paths(ingress.tokenizer, "tokenizer"),
         chat_templates=model_paths(ingress.chat_template, "chat_template"), max_connections=ingress.http_max_connections,
         header_timeout_s=ingress.http_header_timeout_s, idle_timeout_s=ingress.http_idle_timeout_s,
         body_timeout_s=ingress.http_body_timeout_s, request_timeout_s=ingress.http_request_timeout_s,

@@ -160,6 +160,9 @@ async def serve_broker(settings: BrokerSettings) -> None:
     log = get_logger(service="broker")
     bound_malloc_retention()  # before the ZeroMQ context starts its I/O threads
     broker = build_broker(settings)
+    keys = _key_ring(settings, log)
+    if keys is not None:
+        broker.core.intake.tenants = keys
     auth = None
     if broker.curve is not None:
         from zmq.auth.asyncio import AsyncioAuthenticator
@@ -205,7 +208,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
         from brokers.ingress import HttpIngress
 
         host, _, port = settings.http.rpartition(":")
-        ingress = HttpIngress(broker, model=settings.model_name, api_key=_api_key(settings, log),
+        ingress = HttpIngress(broker, model=settings.model_name, api_key=_api_key(settings, log), keys=keys,
                               tokenizers=model_paths(settings.tokenizer, "tokenizer"),
                               chat_templates=model_paths(settings.chat_template, "chat_template"),
                               metrics_registry=reg,
@@ -219,6 +222,8 @@ async def serve_broker(settings: BrokerSettings) -> None:
         except OSError as exc:
             raise ConfigError(_bind_message("http", settings.http, exc)) from None
         announce("http_listening", url=url)
+    if settings.keys_file:
+        _reload_keys_on_sighup(settings, broker, ingress, log)
     freeze_startup_heap()
     try:
         await broker.run()
@@ -265,6 +270,35 @@ def _api_key(settings: BrokerSettings, log) -> str | None:
     if settings.api_key and any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv):
         log.warning("api_key_on_command_line", note="--api-key is visible in the process list; use --api-key-file or MESH_API_KEY")
     return settings.api_key or None
+
+
+def _key_ring(settings: BrokerSettings, log):
+    """The tenants and keys (--keys-file, --api-key, --admin-key-file; brokers.keys_file), or None."""
+    from brokers.keys_file import load_key_ring, read_secret
+
+    admin = read_secret(settings.admin_key_file, "admin_key_file") if settings.admin_key_file else None
+    api_key = _api_key(settings, log) if settings.http else None
+    return load_key_ring(settings.keys_file, api_key, admin)
+
+
+def _reload_keys_on_sighup(settings: BrokerSettings, broker, ingress, log) -> None:
+    """SIGHUP reads the keys file again: a valid one replaces the tenants and keys at once (requests
+    in flight keep their tenant); an invalid one is logged and the old keys stay."""
+    import asyncio
+    import signal
+
+    def reload() -> None:
+        try:
+            ring = _key_ring(settings, log)
+        except ConfigError as exc:
+            log.error("keys_reload_failed", error=str(exc))
+            return
+        broker.core.intake.tenants = ring
+        if ingress is not None:
+            ingress.keys = ring
+        log.info("keys_reloaded", tenants=len(ring.tenants), keys=len(ring.digests))
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
 
 
 def _is_loopback(host: str) -> bool:

@@ -164,8 +164,12 @@ class BrokerSettings:
                                                       "limits, admin right (reloaded on SIGHUP)")
     admin_key_file: str = setting("", metavar="PATH", help="file holding a key for the admin API only (/workers, "
                                                            "mesh ctl); inference keys never open it")
-    park_aging_s: float = setting(2.0, unit="s", help="a waiting request rises one priority band per this much "
-                                                      "waiting, so low never starves (0 = strict bands)")
+    trust_client_tenant: bool = setting(False, help="take the tenant and priority ZeroMQ clients stamp on their "
+                                                    "requests (a mesh gateway with a keys file); needs "
+                                                    "--curve-allow-clients, else any client could claim any tenant")
+    park_aging_s: float = setting(5.0, unit="s", help="priority aging: a request of band B (0 critical .. 3 low) "
+                                                      "waits in the park queue as if it had arrived B x this later, "
+                                                      "so low never starves (0 = strict bands)")
     log_level: str = setting("info", add=add_log_level_arg)
 
     def validate(self) -> None:
@@ -246,6 +250,9 @@ class BrokerSettings:
             if v:
                 host, sep, port = v.rpartition(":")
                 _require(bool(sep) and port.isdigit() and int(port) < 65536, name, f"must be HOST:PORT, got {v!r}")
+        if self.trust_client_tenant and not self.curve_allow_clients:
+            raise ConfigError("trust_client_tenant: needs --curve-allow-clients (only listed clients, e.g. your gateways, "
+                              "may then stamp tenants)")
         if (self.curve_allow_workers or self.curve_allow_clients) and not self.curve_secret:
             raise ConfigError("curve_secret: allow-lists need the broker's --curve-secret")
         for name in ("curve_allow_workers", "curve_allow_clients"):

@@ -190,7 +190,8 @@ class BrokerCore:
             return
         msg = P.decode_client(frames[1:])
         if isinstance(msg, P.Submit):
-            if not local and msg.tenant is not None:  # a ZeroMQ client runs as its connection's tenant
+            if not local and msg.tenant is not None and not self.s.trust_client_tenant:
+                # a ZeroMQ client runs as the ZeroMQ clients' tenant (a trusted gateway's stamp is kept)
                 self.stats.tenants[(self.intake.tenants.zmq_tenant, "tenant_field_ignored")] += 1
                 msg.tenant = None
             self.submit(ident, msg, now, quota_key)
