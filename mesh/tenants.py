@@ -124,14 +124,9 @@ def parse_keys(text: str | bytes, source: str = "keys file") -> KeyRing:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    for k in doc:
-        if k not in _TOP_FIELDS:
-            raise ConfigError(f"{source}: unknown field {k!r}; fields: {', '.join(_TOP_FIELDS)}")
-    entries = doc.get("tenant", [])
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise ConfigError(f"{source}: tenant must be an array of tables ([[tenant]])")
-    if len(entries) > MAX_TENANTS:
-        raise ConfigError(f"{source}: {len(entries)} tenants; the limit is {MAX_TENANTS}")
+    _known(doc, _TOP_FIELDS, source)
+    entries = _bounded_list(doc.get("tenant", []), dict, f"{source}: tenant", "an array of tables ([[tenant]])",
+                            MAX_TENANTS, "tenants")
     ring = KeyRing(tenants={}, digests={})
     for i, e in enumerate(entries):
         t, digests = _tenant(e, f"{source}: tenant[{i}]")
@@ -159,9 +154,7 @@ def _tenant(e: dict[str, Any], where: str) -> tuple[Tenant, list[bytes]]:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ConfigError(f"{where}: name: required, 1..64 of A-Z a-z 0-9 . _ -")
     where = f"{where} {name!r}"
-    for k in e:
-        if k not in _TENANT_FIELDS:
-            raise ConfigError(f"{where}: unknown field {k!r}; fields: {', '.join(_TENANT_FIELDS)}")
+    _known(e, _TENANT_FIELDS, where)
     prio = band_of(e.get("priority", "normal"))
     if prio is None or type(e.get("priority", "normal")) is not str:
         raise ConfigError(f"{where}: priority: must be one of {', '.join(BANDS)}, got {e.get('priority')!r}")
@@ -177,11 +170,7 @@ def _tenant(e: dict[str, Any], where: str) -> tuple[Tenant, list[bytes]]:
     admin = e.get("admin", False)
     if type(admin) is not bool:
         raise ConfigError(f"{where}: admin: must be true or false")
-    keys = e.get("keys", [])
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise ConfigError(f"{where}: keys: must be a list of strings")
-    if len(keys) > MAX_KEYS_PER_TENANT:
-        raise ConfigError(f"{where}: keys: {len(keys)} keys; the limit is {MAX_KEYS_PER_TENANT}")
+    keys = _bounded_list(e.get("keys", []), str, f"{where}: keys", "a list of strings", MAX_KEYS_PER_TENANT, "keys")
     digests = []
     for j, k in enumerate(keys):
         if k.startswith("sha256:"):
@@ -193,6 +182,20 @@ def _tenant(e: dict[str, Any], where: str) -> tuple[Tenant, list[bytes]]:
         else:
             digests.append(key_digest(k))
     return Tenant(name, prio, float(weight), limits["max_inflight"], limits["tokens_per_min"], admin), digests
+
+
+def _known(d: dict[str, Any], fields: tuple[str, ...], where: str) -> None:
+    for k in d:
+        if k not in fields:
+            raise ConfigError(f"{where}: unknown field {k!r}; fields: {', '.join(fields)}")
+
+
+def _bounded_list(v: Any, item: type, where: str, what: str, limit: int, noun: str) -> list:
+    if not isinstance(v, list) or not all(isinstance(x, item) for x in v):
+        raise ConfigError(f"{where}: must be {what}")
+    if len(v) > limit:
+        raise ConfigError(f"{where}: {len(v)} {noun}; the limit is {limit}")
+    return v
 
 
 class TokenBucket:

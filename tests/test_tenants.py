@@ -343,3 +343,52 @@ def test_per_tenant_metrics_are_exported():
     got = {tuple(x.labels.values()): x.value for x in fams["mesh_tenant_requests"].samples}
     assert got[("chat", "admitted")] == 3 and got[("chat", "rejected_429")] == 2
     assert any(x.labels.get("tenant") == "chat" for x in fams["mesh_tenant_queue_wait_seconds"].samples)
+
+
+# ---------------------------------------------------------------- the shell: --keys-file, --api-key, --admin-key-file
+def test_key_ring_from_flags_keeps_the_old_single_key_and_sets_admin_apart(tmp_path):
+    from brokers.keys_file import load_key_ring
+
+    assert load_key_ring() is None  # no keys at all: no authentication, as before
+    legacy = load_key_ring(api_key="only-key-0123456789")
+    assert legacy.lookup("only-key-0123456789").admin  # the old --api-key still opens the admin API
+    split = load_key_ring(api_key="only-key-0123456789", admin_key="admin-key-0123456789")
+    assert not split.lookup("only-key-0123456789").admin and split.lookup("admin-key-0123456789").admin
+    kf = tmp_path / "keys.toml"
+    kf.write_text(KEYS)
+    ring = load_key_ring(str(kf), "only-key-0123456789")
+    assert not ring.lookup("only-key-0123456789").admin and ring.lookup("chat-key-0123456789").name == "chat"
+
+
+def test_key_ring_errors_name_the_flag(tmp_path):
+    from brokers.keys_file import load_key_ring, read_secret
+
+    kf = tmp_path / "keys.toml"
+    kf.write_text(KEYS)
+    with pytest.raises(ConfigError, match="api_key: .*also a key of tenant 'chat'"):
+        load_key_ring(str(kf), "chat-key-0123456789")
+    with pytest.raises(ConfigError, match="admin_key_file"):
+        load_key_ring(str(kf), None, "ops-key-0123456789ab")
+    with pytest.raises(ConfigError, match="keys_file: cannot read"):
+        load_key_ring(str(tmp_path / "missing.toml"))
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (3 << 20))
+    with pytest.raises(ConfigError, match=r"keys_file .*big.toml: .*limit"):
+        load_key_ring(str(big))
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="admin_key_file: .* is empty"):
+        read_secret(str(empty), "admin_key_file")
+    for field in ("keys_file", "admin_key_file"):
+        with pytest.raises(ConfigError, match=field):
+            build(BrokerSettings, {field: str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="park_aging_s"):
+        build(BrokerSettings, {"park_aging_s": -1.0})
+
+
+def test_retry_after_header_carries_the_seconds_the_refusal_names():
+    from brokers.ingress.replies import mesh_error_response
+
+    r = mesh_error_response("rate_limited", "tenant 'a' is over its 60 tokens per minute; retry after 46 s")
+    assert r.status == 429 and r.headers["Retry-After"] == "46"
+    assert mesh_error_response("overloaded", "broker in-flight limit reached").headers["Retry-After"] == "1"

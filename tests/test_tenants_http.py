@@ -9,6 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
+from mesh.client import Client
 from mesh.lab.procs import wait_for_log_event
 from mesh.lab.up import wait_for_workers
 
@@ -24,6 +25,11 @@ keys = ["chat-key-0123456789"]
 name = "batch"
 priority = "low"
 keys = ["batch-key-0123456789"]
+
+[[tenant]]
+name = "metered"
+tokens_per_min = 60
+keys = ["metered-key-0123456789"]
 
 [[tenant]]
 name = "solo"
@@ -43,7 +49,7 @@ def tenant_mesh(procs, tmp_path):
     url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen)["url"]
     procs.workers("w", [b.backend], count=1)
     run(wait_for_workers(b.frontend, 1))
-    return url
+    return url, b.frontend
 
 
 def _h(key: str, **extra: str) -> dict[str, str]:
@@ -59,7 +65,7 @@ async def _complete(s: aiohttp.ClientSession, url: str, key: str, n: int, done: 
 
 
 def test_keys_admin_right_and_priority_header(tenant_mesh):
-    url = tenant_mesh
+    url, frontend = tenant_mesh
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -76,12 +82,23 @@ def test_keys_admin_right_and_priority_header(tenant_mesh):
                 assert r.status == 400 and "x-mesh-priority" in (await r.json())["error"]["message"]
             done: list = []
             assert await _complete(s, url, "batch-key-0123456789", 2, done, "b", **{"x-mesh-priority": "critical"}) == 200
+            assert await _complete(s, url, "metered-key-0123456789", 40, done, "m1") == 200
+            async with s.post(f"{url}/v1/completions", headers=_h("metered-key-0123456789"),
+                              json={"prompt": "again", "max_tokens": 40}) as r:  # over 60 tokens a minute
+                assert r.status == 429 and int(r.headers["Retry-After"]) > 1, r.headers
+                assert "tokens per minute" in (await r.json())["error"]["message"]
+            async with s.get(f"{url}/metrics", headers=_h(ADMIN)) as r:
+                text = await r.text()
+            assert 'mesh_tenant_requests_total{tenant="metered",what="rejected_429"} 1.0' in text
+            assert 'mesh_tenant_queue_wait_seconds_count{tenant="batch"}' in text
+        async with Client(frontend) as c:  # a ZeroMQ client: the default tenant, its priority clamped
+            assert (await c.generate(input_ids=[5, 6, 7], max_new_tokens=1, priority="critical", deadline_ms=20_000)).worker
 
     run(go())
 
 
 def test_a_higher_band_is_served_first_and_a_tenant_limit_is_a_429(tenant_mesh):
-    url = tenant_mesh
+    url, _ = tenant_mesh
 
     async def go():
         async with aiohttp.ClientSession() as s:
