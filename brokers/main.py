@@ -162,7 +162,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
     broker = build_broker(settings)
     keys = _key_ring(settings, log)
     if keys is not None:
-        broker.core.intake.tenants = keys
+        _use_keys(settings, broker, keys)
     auth = None
     if broker.curve is not None:
         from zmq.auth.asyncio import AsyncioAuthenticator
@@ -281,6 +281,18 @@ def _key_ring(settings: BrokerSettings, log):
     return load_key_ring(settings.keys_file, api_key, admin)
 
 
+def _use_keys(settings: BrokerSettings, broker, keys) -> None:
+    """The broker's tenants, and the tenants of ZeroMQ clients' CURVE keys (the keys file's curve_keys)."""
+    by_key = None
+    if keys.curve_names:
+        if not settings.curve_allow_clients:
+            raise ConfigError("keys_file: curve_keys needs --curve-allow-clients (the directory of the clients' keys)")
+        from mesh.security import allowed_key_names
+
+        by_key = keys.curve_tenants(allowed_key_names(settings.curve_allow_clients, "curve_allow_clients"))
+    broker.core.intake.tenants, broker.client_tenants = keys, by_key
+
+
 def _reload_keys_on_sighup(settings: BrokerSettings, broker, ingress, log) -> None:
     """SIGHUP reads the keys file again: a valid one replaces the tenants and keys at once (requests
     in flight keep their tenant); an invalid one is logged and the old keys stay."""
@@ -290,10 +302,10 @@ def _reload_keys_on_sighup(settings: BrokerSettings, broker, ingress, log) -> No
     def reload() -> None:
         try:
             ring = _key_ring(settings, log)
+            _use_keys(settings, broker, ring)
         except ConfigError as exc:
             log.error("keys_reload_failed", error=str(exc))
             return
-        broker.core.intake.tenants = ring
         if ingress is not None:
             ingress.keys = ring
         log.info("keys_reloaded", tenants=len(ring.tenants), keys=len(ring.digests))

@@ -13,6 +13,7 @@ keys to tenants::
     tokens_per_min = 2_000_000       # prompt + max_new tokens per minute, a token bucket (0 = no limit)
     admin = false                    # may use the admin API (/workers actions, mesh ctl)
     keys = ["sha256:9f86d08...", "sk-plain-key"]   # sha256:HEX (preferred) or the key itself
+    curve_keys = ["app-1"]           # ZeroMQ clients whose CURVE key is NAME.key in --curve-allow-clients
 
 Only SHA-256 digests are kept in memory; a presented key is hashed and its digest looked up. Admin is a right of its own: an inference key never implies it.
 Every error is a :class:`~mesh.errors.ConfigError` naming the entry (``tenant[2] 'chat'``) and
@@ -45,7 +46,7 @@ MAX_TENANTS = 1024  # tenants name metric labels: bounded
 MAX_KEYS_PER_TENANT = 1024
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
-_TENANT_FIELDS = ("name", "priority", "weight", "max_inflight", "tokens_per_min", "admin", "keys")
+_TENANT_FIELDS = ("name", "priority", "weight", "max_inflight", "tokens_per_min", "admin", "keys", "curve_keys")
 _TOP_FIELDS = ("zmq_tenant", "tenant")
 
 
@@ -90,12 +91,22 @@ class KeyRing:
     tenants: dict[str, Tenant] = field(default_factory=lambda: {DEFAULT_TENANT.name: DEFAULT_TENANT})
     digests: dict[bytes, str] = field(default_factory=dict)
     zmq_tenant: str = DEFAULT_TENANT.name
+    curve_names: dict[str, str] = field(default_factory=dict)  # CURVE key name (NAME.key) -> tenant name
 
     def lookup(self, key: str | bytes) -> Tenant | None:
         """The tenant of an API key, or None. Only digests are stored and compared: a lookup's
         timing tells about the SHA-256 of the key presented, nothing about a stored key."""
         name = self.digests.get(key_digest(key))
         return None if name is None else self.tenants[name]
+
+    def curve_tenants(self, key_names: dict[bytes, str], source: str = "keys_file") -> dict[bytes, str]:
+        """CURVE public key -> tenant name, from the client allow-list's ``public key -> key name``;
+        a ConfigError when a ``curve_keys`` name is not in the allow-list."""
+        listed = set(key_names.values())
+        for name, tenant in self.curve_names.items():
+            if name not in listed:
+                raise ConfigError(f"{source}: tenant {tenant!r}: curve_keys: no {name}.key in --curve-allow-clients")
+        return {pub: self.curve_names[n] for pub, n in key_names.items() if n in self.curve_names}
 
     def get(self, name: str | None) -> Tenant:
         """A tenant by name; an unknown name (or None) is the ZeroMQ clients' tenant."""
@@ -129,7 +140,7 @@ def parse_keys(text: str | bytes, source: str = "keys file") -> KeyRing:
                             MAX_TENANTS, "tenants")
     ring = KeyRing(tenants={}, digests={})
     for i, e in enumerate(entries):
-        t, digests = _tenant(e, f"{source}: tenant[{i}]")
+        t, digests, curve = _tenant(e, f"{source}: tenant[{i}]")
         where = f"{source}: tenant[{i}] {t.name!r}"
         if t.name in ring.tenants:
             raise ConfigError(f"{where}: name: duplicates another tenant's name")
@@ -138,6 +149,10 @@ def parse_keys(text: str | bytes, source: str = "keys file") -> KeyRing:
             if d in ring.digests:
                 raise ConfigError(f"{where}: keys[{j}]: duplicate key (also a key of tenant {ring.digests[d]!r})")
             ring.digests[d] = t.name
+        for j, n in enumerate(curve):
+            if n in ring.curve_names:
+                raise ConfigError(f"{where}: curve_keys[{j}]: {n!r} is also a key of tenant {ring.curve_names[n]!r}")
+            ring.curve_names[n] = t.name
     zt = doc.get("zmq_tenant", DEFAULT_TENANT.name)
     if not isinstance(zt, str) or not _NAME_RE.fullmatch(zt):
         raise ConfigError(f"{source}: zmq_tenant: must be a tenant name (1..64 of A-Z a-z 0-9 . _ -)")
@@ -149,7 +164,7 @@ def parse_keys(text: str | bytes, source: str = "keys file") -> KeyRing:
     return ring
 
 
-def _tenant(e: dict[str, Any], where: str) -> tuple[Tenant, list[bytes]]:
+def _tenant(e: dict[str, Any], where: str) -> tuple[Tenant, list[bytes], list[str]]:
     name = e.get("name")
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ConfigError(f"{where}: name: required, 1..64 of A-Z a-z 0-9 . _ -")
@@ -181,7 +196,11 @@ def _tenant(e: dict[str, Any], where: str) -> tuple[Tenant, list[bytes]]:
             raise ConfigError(f"{where}: keys[{j}]: a key is 16..512 printable characters without surrounding spaces")
         else:
             digests.append(key_digest(k))
-    return Tenant(name, prio, float(weight), limits["max_inflight"], limits["tokens_per_min"], admin), digests
+    curve = _bounded_list(e.get("curve_keys", []), str, f"{where}: curve_keys", "a list of key names", MAX_KEYS_PER_TENANT, "keys")
+    for j, n in enumerate(curve):
+        if not _NAME_RE.fullmatch(n):
+            raise ConfigError(f"{where}: curve_keys[{j}]: a key name (NAME of NAME.key: 1..64 of A-Z a-z 0-9 . _ -)")
+    return Tenant(name, prio, float(weight), limits["max_inflight"], limits["tokens_per_min"], admin), digests, curve
 
 
 def _known(d: dict[str, Any], fields: tuple[str, ...], where: str) -> None:

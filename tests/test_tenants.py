@@ -392,3 +392,19 @@ def test_retry_after_header_carries_the_seconds_the_refusal_names():
     r = mesh_error_response("rate_limited", "tenant 'a' is over its 60 tokens per minute; retry after 46 s")
     assert r.status == 429 and r.headers["Retry-After"] == "46"
     assert mesh_error_response("overloaded", "broker in-flight limit reached").headers["Retry-After"] == "1"
+
+
+def test_curve_keys_map_zeromq_clients_to_tenants():
+    ring = parse_keys(KEYS.replace('name = "batch"\n', 'name = "batch"\ncurve_keys = ["app-1"]\n'))
+    assert ring.curve_tenants({b"PUB1": "app-1", b"PUB2": "other"}) == {b"PUB1": "batch"}
+    with pytest.raises(ConfigError, match="no app-1.key in --curve-allow-clients"):
+        ring.curve_tenants({b"PUB2": "other"})
+    for bad, msg in (('curve_keys = ["a b"]', "curve_keys\\[0\\]"), ('curve_keys = "x"', "curve_keys")):
+        with pytest.raises(ConfigError, match=msg):
+            parse_keys(f'[[tenant]]\nname = "t"\n{bad}')
+    with pytest.raises(ConfigError, match="also a key of tenant 'a'"):
+        parse_keys('[[tenant]]\nname = "a"\ncurve_keys = ["k"]\n[[tenant]]\nname = "b"\ncurve_keys = ["k"]')
+    core = _core(ring)
+    frames = P.encode_submit("z1", input_ids=[1, 2], params={"max_new_tokens": 4})
+    core.client_frames([b"Z", *frames], 0.0, tenant="batch")  # the shell found the key's tenant
+    assert next(iter(core.inflight.values())).tenant == "batch"

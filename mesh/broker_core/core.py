@@ -171,8 +171,10 @@ class BrokerCore:
             self.log.warning("frame_rejected", path=path, reason=err.reason, detail=err.detail[:200], peer=peer.hex()[:32])
 
     # ------------------------------------------------------------------ client path
-    def client_frames(self, frames: list[bytes], now: float, quota_key: bytes | None = None, *, local: bool = False) -> None:
+    def client_frames(self, frames: list[bytes], now: float, quota_key: bytes | None = None, *, local: bool = False,
+                      tenant: str | None = None) -> None:
         """``[identity, *message frames]`` from a client (decoded here; never raises on bad input).
+        ``tenant``: the one its connection's CURVE key maps to (None: the ZeroMQ clients' tenant).
 
         ``local``: an in-process (HTTP) client, whose identities start with a zero byte and are
         longer than 5 bytes. From a socket such an identity is refused and counted, never
@@ -190,10 +192,11 @@ class BrokerCore:
             return
         msg = P.decode_client(frames[1:])
         if isinstance(msg, P.Submit):
-            if not local and msg.tenant is not None and not self.s.trust_client_tenant:
-                # a ZeroMQ client runs as the ZeroMQ clients' tenant (a trusted gateway's stamp is kept)
-                self.stats.tenants[(self.intake.tenants.zmq_tenant, "tenant_field_ignored")] += 1
-                msg.tenant = None
+            if not local and not (self.s.trust_client_tenant and msg.tenant is not None):
+                # a ZeroMQ client runs as its key's tenant, else the ZeroMQ clients' (a trusted gateway's stamp is kept)
+                if msg.tenant is not None and msg.tenant != tenant:
+                    self.stats.tenants[(tenant or self.intake.tenants.zmq_tenant, "tenant_field_ignored")] += 1
+                msg.tenant = tenant
             self.submit(ident, msg, now, quota_key)
         elif isinstance(msg, P.Cancel):
             self.table.cancel(ident, msg.rid)
