@@ -5,6 +5,8 @@ a higher band over a lower one that waited longer (outcomes, not timings)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import aiohttp
 import pytest
@@ -49,7 +51,7 @@ def tenant_mesh(procs, tmp_path):
     url = wait_for_log_event(b.log_path, "http_listening", 20, b.popen)["url"]
     procs.workers("w", [b.backend], count=1)
     run(wait_for_workers(b.frontend, 1))
-    return url, b.frontend
+    return url, b.frontend, b, kf
 
 
 def _h(key: str, **extra: str) -> dict[str, str]:
@@ -66,7 +68,7 @@ async def _complete(s: aiohttp.ClientSession, url: str, key: str, n: int, done: 
 
 def test_tenants_over_http(tenant_mesh):
     """One broker for every check (each real-process start costs seconds on a loaded host)."""
-    url, frontend = tenant_mesh
+    url, frontend, broker, keys_file = tenant_mesh
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -112,5 +114,18 @@ def test_tenants_over_http(tenant_mesh):
             assert 'mesh_tenant_queue_wait_seconds_count{tenant="batch"} 3.0' in text
         async with Client(frontend) as c:  # a ZeroMQ client: the default tenant, its priority clamped
             assert (await c.generate(input_ids=[5, 6, 7], max_new_tokens=1, priority="critical", deadline_ms=20_000)).worker
+
+        # SIGHUP reads the keys file again: a new key works, a removed one is refused; a broken file keeps the keys
+        keys_file.write_text(KEYS.replace("chat-key-0123456789", "chat-key-rotated-0123"))
+        os.kill(broker.popen.pid, signal.SIGHUP)
+        wait_for_log_event(broker.log_path, "keys_reloaded", 20, broker.popen)
+        async with aiohttp.ClientSession() as s:
+            assert await _complete(s, url, "chat-key-rotated-0123", 1, [], "rotated") == 200
+            async with s.get(f"{url}/v1/models", headers=_h("chat-key-0123456789")) as r:
+                assert r.status == 401
+            keys_file.write_text('[[tenant]]\nname = "x"\npriority = "urgent"\n')
+            os.kill(broker.popen.pid, signal.SIGHUP)
+            wait_for_log_event(broker.log_path, "keys_reload_failed", 20, broker.popen)
+            assert await _complete(s, url, "chat-key-rotated-0123", 1, [], "kept") == 200
 
     run(go(), timeout_s=120)
