@@ -408,3 +408,24 @@ def test_curve_keys_map_zeromq_clients_to_tenants():
     frames = P.encode_submit("z1", input_ids=[1, 2], params={"max_new_tokens": 4})
     core.client_frames([b"Z", *frames], 0.0, tenant="batch")  # the shell found the key's tenant
     assert next(iter(core.inflight.values())).tenant == "batch"
+
+
+HOSTILE = [None, "", "x" * 64, "x" * 65, "é" * 33, "\ud800", "\x00", 0, -1, 2**70, 1.5, float("nan"), True, [], ["low"], {},
+           {"a": 1}, b"low", b"\xff" * 10_000, "low" * 100_000, "critical", "LOW", " low"]
+
+
+def test_the_decoder_never_raises_on_hostile_tenant_and_priority():
+    ok = 0
+    for tenant in HOSTILE:
+        for prio in HOSTILE:
+            body = {**P.submit_body("r", input_ids=[1]), "tenant": tenant, "priority": prio}
+            try:
+                raw = P.pack(body)
+            except (ValueError, TypeError, OverflowError, UnicodeEncodeError):
+                continue  # not encodable as msgpack: never reaches the broker
+            m = P.decode_client([P.CLIENT_HEADER, bytes([P.Cmd.C_SUBMIT]), raw])
+            assert isinstance(m, (P.Submit, P.ProtocolError)), (tenant, prio, m)
+            if isinstance(m, P.Submit):
+                ok += 1
+                assert m.priority in (None, 0, 1, 2, 3) and (m.tenant is None or len(m.tenant.encode()) <= 64)
+    assert ok >= 4
