@@ -429,3 +429,19 @@ def test_the_decoder_never_raises_on_hostile_tenant_and_priority():
                 ok += 1
                 assert m.priority in (None, 0, 1, 2, 3) and (m.tenant is None or len(m.tenant.encode()) <= 64)
     assert ok >= 4
+
+
+def test_a_full_park_queue_evicts_the_flooding_tenants_newest_place():
+    core = _core(parse_keys(KEYS), max_parked=4, max_inflight_per_client=1000)
+    _local(core, "busy", "internal")
+    for i in range(4):
+        _local(core, f"b{i}", "batch")  # the queue is full of batch
+    _, errors = _sent(core)
+    assert not errors
+    _local(core, "quiet", "internal")  # another tenant still gets a place: batch's newest gives it up
+    _, errors = _sent(core)
+    assert list(errors) == ["b3"] and errors["b3"][0] == ErrorCode.OVERLOADED.value
+    assert core.stats.dropped["park_queue_evicted"] == 1
+    _local(core, "b4", "batch")  # the flooding tenant itself is refused, not given another's place
+    assert list(_sent(core)[1]) == ["b4"] and core.stats.dropped["park_queue_full"] == 1
+    assert sorted(core.inflight[r].client_rid for r in core.parked) == ["b0", "b1", "b2", "quiet"]

@@ -114,6 +114,18 @@ class ParkQueue:
         self.remove(rid)
         return rid
 
+    def evictable(self, tenant: str) -> int | None:
+        """The queue is full and a request of ``tenant`` wants in: the newest, lowest-band request
+        of the tenant holding the most places, when that tenant holds at least two more than
+        ``tenant`` (a flood gives up its own places, never a quiet tenant's); else None."""
+        if not self._backlog:
+            return None
+        top = max(self._backlog, key=self._backlog.__getitem__)
+        if top == tenant or self._backlog[top] < self._backlog.get(tenant, 0) + 2:
+            return None
+        band = max(b for b, t in self._queues if t == top)
+        return next(reversed(self._queues[(band, top)]))
+
     def drain(self, now: float) -> list[int]:
         """Every parked request, in the order they would be served; the queue is left empty."""
         out = []

@@ -203,8 +203,12 @@ class RequestTable:
         Returns False when it cannot wait (queue full, or its wait is over)."""
         if inf.parked_until_s is None:
             if len(self.parked) >= self.s.max_parked:
-                self.stats.dropped["park_queue_full"] += 1
-                return False
+                victim = self.inflight.get(self.parked.evictable(inf.tenant))  # type: ignore[arg-type]
+                if victim is None:
+                    self.stats.dropped["park_queue_full"] += 1
+                    return False
+                self.stats.dropped["park_queue_evicted"] += 1  # a flooding tenant gives up its newest place
+                self.finish_error(victim, ErrorCode.OVERLOADED, "the wait queue is full and this tenant holds the most of it")
             wait_s = self.s.queue_timeout_s if saturated else self.s.park_timeout_s
             inf.parked_until_s = min(inf.deadline_s, now + wait_s)
         elif now >= inf.parked_until_s:
