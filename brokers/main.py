@@ -160,7 +160,8 @@ async def serve_broker(settings: BrokerSettings) -> None:
     log = get_logger(service="broker")
     bound_malloc_retention()  # before the ZeroMQ context starts its I/O threads
     broker = build_broker(settings)
-    keys = _key_ring(settings, log)
+    api_key = _api_key(settings, log) if settings.http else None
+    keys = _key_ring(settings, api_key)
     if keys is not None:
         _use_keys(settings, broker, keys)
     auth = None
@@ -208,7 +209,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
         from brokers.ingress import HttpIngress
 
         host, _, port = settings.http.rpartition(":")
-        ingress = HttpIngress(broker, model=settings.model_name, api_key=_api_key(settings, log), keys=keys,
+        ingress = HttpIngress(broker, model=settings.model_name, api_key=api_key, keys=keys,
                               tokenizers=model_paths(settings.tokenizer, "tokenizer"),
                               chat_templates=model_paths(settings.chat_template, "chat_template"),
                               metrics_registry=reg,
@@ -223,7 +224,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
             raise ConfigError(_bind_message("http", settings.http, exc)) from None
         announce("http_listening", url=url)
     if settings.keys_file:
-        _reload_keys_on_sighup(settings, broker, ingress, log)
+        _reload_keys_on_sighup(settings, broker, ingress, api_key, log)
     freeze_startup_heap()
     try:
         await broker.run()
@@ -272,12 +273,11 @@ def _api_key(settings: BrokerSettings, log) -> str | None:
     return settings.api_key or None
 
 
-def _key_ring(settings: BrokerSettings, log):
+def _key_ring(settings: BrokerSettings, api_key: str | None):
     """The tenants and keys (--keys-file, --api-key, --admin-key-file; brokers.keys_file), or None."""
     from brokers.keys_file import load_key_ring, read_secret
 
     admin = read_secret(settings.admin_key_file, "admin_key_file") if settings.admin_key_file else None
-    api_key = _api_key(settings, log) if settings.http else None
     return load_key_ring(settings.keys_file, api_key, admin)
 
 
@@ -293,7 +293,7 @@ def _use_keys(settings: BrokerSettings, broker, keys) -> None:
     broker.core.intake.tenants, broker.client_tenants = keys, by_key
 
 
-def _reload_keys_on_sighup(settings: BrokerSettings, broker, ingress, log) -> None:
+def _reload_keys_on_sighup(settings: BrokerSettings, broker, ingress, api_key: str | None, log) -> None:
     """SIGHUP reads the keys file again: a valid one replaces the tenants and keys at once (requests
     in flight keep their tenant); an invalid one is logged and the old keys stay."""
     import asyncio
@@ -301,7 +301,7 @@ def _reload_keys_on_sighup(settings: BrokerSettings, broker, ingress, log) -> No
 
     def reload() -> None:
         try:
-            ring = _key_ring(settings, log)
+            ring = _key_ring(settings, api_key)
             _use_keys(settings, broker, ring)
         except ConfigError as exc:
             log.error("keys_reload_failed", error=str(exc))
