@@ -98,6 +98,12 @@ def _gauges(broker: Broker):
         out["mesh_broker_inflight"].append(({"broker_id": broker.broker_id}, float(broker.inflight_count)))
         out["mesh_broker_retries_in_flight"].append(({"broker_id": broker.broker_id}, float(broker.budget.active)))
         out.setdefault("mesh_broker_parked", []).append(({"broker_id": broker.broker_id}, float(broker.parked_count)))
+        try:  # (read from the metrics thread: a queue that changes meanwhile is skipped this scrape)
+            waiting = broker.core.parked.waiting()
+        except RuntimeError:
+            waiting = {}
+        if waiting:
+            out["mesh_tenant_parked"] = [({"tenant": t, "band": b}, float(n)) for (t, b), n in sorted(waiting.items())]
         if broker.exchange is not None:
             out["mesh_exchange_peers"] = [({"state": k}, float(v)) for k, v in broker.exchange.peer_counts().items()]
             out["mesh_exchange_degraded"] = [({"broker_id": broker.broker_id}, 1.0 if broker.exchange.degraded else 0.0)]

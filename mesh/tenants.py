@@ -72,10 +72,6 @@ class Tenant:
     tokens_per_min: int = 0  # 0: no limit
     admin: bool = False
 
-    @property
-    def band(self) -> str:
-        return BANDS[self.priority]
-
     def clamp(self, asked: int | None) -> int:
         """The band a request asking for ``asked`` gets: never above the tenant's ceiling."""
         return self.priority if asked is None else max(self.priority, asked)

@@ -445,3 +445,21 @@ def test_a_full_park_queue_evicts_the_flooding_tenants_newest_place():
     _local(core, "b4", "batch")  # the flooding tenant itself is refused, not given another's place
     assert list(_sent(core)[1]) == ["b4"] and core.stats.dropped["park_queue_full"] == 1
     assert sorted(core.inflight[r].client_rid for r in core.parked) == ["b0", "b1", "b2", "quiet"]
+
+
+def test_parked_requests_per_tenant_and_band_are_a_gauge():
+    from brokers.main import _gauges
+
+    core = _core(parse_keys(KEYS))
+    _local(core, "busy", "internal")
+    for i in range(2):
+        _local(core, f"low{i}", "batch")
+    _local(core, "hi", "chat", "critical")
+
+    class _B:  # the broker's face _gauges reads
+        registry, broker_id, inflight_count, parked_count, exchange = core.pool, "b", 4, 3, None
+        s, budget = core.s, core.budget
+
+    _B.core, _B.router = core, core.router
+    got = _gauges(_B)()["mesh_tenant_parked"]
+    assert got == [({"tenant": "batch", "band": "low"}, 2.0), ({"tenant": "chat", "band": "high"}, 1.0)]
