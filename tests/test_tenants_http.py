@@ -129,3 +129,42 @@ def test_tenants_over_http(tenant_mesh):
             assert await _complete(s, url, "chat-key-rotated-0123", 1, [], "kept") == 200
 
     run(go(), timeout_s=120)
+
+
+def test_tenants_through_a_gateway_that_brokers_trust_over_curve(procs, tmp_path):
+    """mesh gateway --keys-file stamps the key's tenant; a broker with --trust-client-tenant takes it
+    from the gateway's CURVE-listed connection (and the clamped priority), counted per tenant."""
+    from mesh.security import client_keys, keygen
+
+    keys, allow = tmp_path / "curve", tmp_path / "allow-c"
+    keygen(keys, "broker")
+    pub, _ = keygen(keys, "gw")
+    allow.mkdir()
+    (allow / pub.name).write_bytes(pub.read_bytes())
+    kf = tmp_path / "keys.toml"
+    kf.write_text(KEYS)
+    b = procs.broker("b", "--curve-secret", str(keys / "broker.key_secret"), "--curve-allow-clients", str(allow),
+                     "--trust-client-tenant", "--keys-file", str(kf), "--heartbeat-ms", "200")
+    procs.workers("w", [b.backend], "--curve-secret", str(keys / "gw.key_secret"), "--curve-server-key",
+                  str(keys / "broker.key"), count=1)
+    gw = procs.spawn("gw", ["gateway", "--http", "127.0.0.1:0", "--broker", b.frontend, "--keys-file", str(kf),
+                            "--curve-secret", str(keys / "gw.key_secret"), "--curve-server-key", str(keys / "broker.key")])
+    url = wait_for_log_event(gw.log_path, "gateway_listening", 30, gw.popen, start=gw.log_start)["url"]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/v1/completions", headers=_h("wrong-key-0123456789"), json={"prompt": "x"}) as r:
+                assert r.status == 401
+            for _ in range(100):  # the gateway's connection and the worker come up
+                async with s.post(f"{url}/v1/completions", headers=_h("chat-key-0123456789"),
+                                  json={"prompt": "hello", "max_tokens": 1}) as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            assert r.status == 200
+            assert await _complete(s, url, "batch-key-0123456789", 1, [], "b", **{"x-mesh-priority": "critical"}) == 200
+        async with Client(b.frontend, curve=client_keys(keys / "gw.key_secret", keys / "broker.key")) as c:
+            counters = (await c.status()).counters
+        assert counters.get("tenants.chat.admitted", 0) >= 1 and counters.get("tenants.batch.admitted") == 1, counters
+
+    run(go(), timeout_s=90)
