@@ -88,6 +88,8 @@ class Broker:
         self.router = router
         self.curve = curve
         self.worker_keys = worker_keys
+        # z85 CURVE public key -> tenant (the keys file's curve_keys; None: every ZeroMQ client is zmq_tenant)
+        self.client_tenants: dict[bytes, str] | None = None
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         self.broker_id = settings.broker_id or f"broker-{os.getpid()}"
@@ -351,13 +353,18 @@ class Broker:
         self._front_first = first_front = not self._front_first
         with_user = self.worker_keys is not None
         on_client, on_worker = self.core.client_frames, self.core.worker_frames
+        tenants = self.client_tenants
+        if tenants is not None:  # the tenant of the client's CURVE key
+            def on_client(frames, now, key, _cf=self.core.client_frames):
+                _cf(frames, now, tenant=tenants.get(key or b""))
+        client_user = tenants is not None
         while busy:
             if first_front:
-                busy = (self._drain(front, on_client, budget_end)
+                busy = (self._drain(front, on_client, budget_end, with_user=client_user)
                         | self._drain(back, on_worker, budget_end, with_user=with_user))
             else:
                 busy = (self._drain(back, on_worker, budget_end, with_user=with_user)
-                        | self._drain(front, on_client, budget_end))
+                        | self._drain(front, on_client, budget_end, with_user=client_user))
             if self._xs is not None:
                 busy |= self._drain(self._xs, self._on_exchange_frames, budget_end)
             if busy and time.monotonic() >= budget_end:

@@ -60,11 +60,12 @@ class BrokerPool:
     admin = None  # the admin API (/workers) is the brokers' own
     default_deadline_ms = 30_000  # a request without a deadline: the brokers' default (--default-deadline-ms)
 
-    def __init__(self, endpoints: list[str], ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, endpoints: list[str], ctx: zmq.asyncio.Context | None = None, curve=None) -> None:
         if not endpoints:
             raise ValueError("at least one broker endpoint is required")
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.endpoints = list(endpoints)
+        self.curve = curve  # mesh.security.CurveKeys: CURVE to the brokers (--curve-secret, --curve-server-key)
         self.stats = BrokerStats()  # requests, dropped and the latency histograms (brokers.stats.GatewayCollector)
         # rid -> [accepted at (monotonic s), model, worker, first output at, last chunk at]: the
         # latencies the gateway observes on the replies it relays
@@ -80,7 +81,7 @@ class BrokerPool:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         for ep in self.endpoints:
-            sock = make_socket(self.ctx, CLIENT_DEALER)
+            sock = make_socket(self.ctx, CLIENT_DEALER.with_curve(self.curve))
             mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)  # before connect
             sock.connect(ep)
             link = _Link(ep, sock, mon)
@@ -302,7 +303,7 @@ class BrokerPool:
                 self._ask_status(link)
 
 
-async def serve_gateway(brokers: list[str], http: str, **ingress_kw: Any) -> None:
+async def serve_gateway(brokers: list[str], http: str, curve=None, **ingress_kw: Any) -> None:
     """Run the gateway until SIGINT/SIGTERM: connect to ``brokers``, serve HTTP on ``http``."""
     from brokers.ingress import HttpIngress
 
@@ -310,7 +311,7 @@ async def serve_gateway(brokers: list[str], http: str, **ingress_kw: Any) -> Non
 
     from brokers.stats import GatewayCollector
 
-    pool = BrokerPool(brokers)
+    pool = BrokerPool(brokers, curve=curve)
     pool.start()
     registry = CollectorRegistry()
     registry.register(GatewayCollector(pool.stats))
@@ -354,6 +355,11 @@ def add_gateway_parser(subparsers):
                    help="a broker's client endpoint, tcp://HOST:PORT (repeatable)")
     p.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
     p.add_argument("--api-key-file", help="file holding the key clients must send as Authorization: Bearer KEY")
+    p.add_argument("--keys-file", default="", metavar="PATH", help="TOML file mapping API keys to tenants (docs/operations.md); "
+                   "brokers take the tenants the gateway stamps with --trust-client-tenant")
+    p.add_argument("--curve-secret", default="", metavar="PATH", help="this gateway's certificate (.key_secret from mesh "
+                   "keygen): CURVE to the brokers")
+    p.add_argument("--curve-server-key", default="", metavar="PATH", help="the brokers' public key (with --curve-secret)")
     # the ingress settings the gateway shares with mesh broker --http: same fields, help and checks
     add_flags(p, BrokerSettings, only=_INGRESS_FIELDS)
     add_log_level_arg(p, "info")
@@ -385,12 +391,22 @@ def _cmd_gateway(args) -> int:
             raise ConfigError(f"api_key_file: cannot read {args.api_key_file}: {exc}") from None
         if not key:
             raise ConfigError(f"api_key_file: {args.api_key_file} is empty")
+    from brokers.keys_file import load_key_ring
+
+    keys = load_key_ring(args.keys_file, key)
+    curve = None
+    if args.curve_secret or args.curve_server_key:
+        if not (args.curve_secret and args.curve_server_key):
+            raise ConfigError("curve_secret: --curve-secret and --curve-server-key go together")
+        from mesh.security import client_keys
+
+        curve = client_keys(args.curve_secret, args.curve_server_key)
     configure(args.log_level)
     from mesh.tracing import configure_tracing
 
     configure_tracing(ingress.trace_exporter, ingress.trace_endpoint, service="mesh-gateway")
     aio.run(serve_gateway(
-        args.broker, args.http, api_key=key, tokenizers=model_paths(ingress.tokenizer, "tokenizer"),
+        args.broker, args.http, curve=curve, api_key=key, keys=keys, tokenizers=model_paths(ingress.tokenizer, "tokenizer"),
         chat_templates=model_paths(ingress.chat_template, "chat_template"), max_connections=ingress.http_max_connections,
         max_connections_per_address=ingress.http_max_connections_per_address,
         max_body_bytes_per_address=ingress.http_max_body_bytes_per_address,

@@ -103,6 +103,12 @@ def _gauges(broker: Broker):
         sessions = getattr(broker.router, "session_table", None)
         if sessions is not None:  # sessions pinned now (mesh.routing.sessions; bounded by --session-table-size)
             out.setdefault("mesh_sessions_pinned", []).append(({"broker_id": broker.broker_id}, float(len(sessions))))
+        try:  # (read from the metrics thread: a queue that changes meanwhile is skipped this scrape)
+            waiting = broker.core.parked.waiting()
+        except RuntimeError:
+            waiting = {}
+        if waiting:
+            out["mesh_tenant_parked"] = [({"tenant": t, "band": b}, float(n)) for (t, b), n in sorted(waiting.items())]
         if broker.exchange is not None:
             out["mesh_exchange_peers"] = [({"state": k}, float(v)) for k, v in broker.exchange.peer_counts().items()]
             out["mesh_exchange_degraded"] = [({"broker_id": broker.broker_id}, 1.0 if broker.exchange.degraded else 0.0)]
@@ -165,6 +171,10 @@ async def serve_broker(settings: BrokerSettings) -> None:
     log = get_logger(service="broker")
     bound_malloc_retention()  # before the ZeroMQ context starts its I/O threads
     broker = build_broker(settings)
+    api_key = _api_key(settings, log) if settings.http else None
+    keys = _key_ring(settings, api_key)
+    if keys is not None:
+        _use_keys(settings, broker, keys)
     auth = None
     if broker.curve is not None:
         from zmq.auth.asyncio import AsyncioAuthenticator
@@ -210,7 +220,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
         from brokers.ingress import HttpIngress
 
         host, _, port = settings.http.rpartition(":")
-        ingress = HttpIngress(broker, model=settings.model_name, api_key=_api_key(settings, log),
+        ingress = HttpIngress(broker, model=settings.model_name, api_key=api_key, keys=keys,
                               tokenizers=model_paths(settings.tokenizer, "tokenizer"),
                               chat_templates=model_paths(settings.chat_template, "chat_template"),
                               metrics_registry=reg,
@@ -227,6 +237,8 @@ async def serve_broker(settings: BrokerSettings) -> None:
         except OSError as exc:
             raise ConfigError(_bind_message("http", settings.http, exc)) from None
         announce("http_listening", url=url)
+    if settings.keys_file:
+        _reload_keys_on_sighup(settings, broker, ingress, api_key, log)
     freeze_startup_heap()
     try:
         await broker.run()
@@ -273,6 +285,46 @@ def _api_key(settings: BrokerSettings, log) -> str | None:
     if settings.api_key and any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv):
         log.warning("api_key_on_command_line", note="--api-key is visible in the process list; use --api-key-file or MESH_API_KEY")
     return settings.api_key or None
+
+
+def _key_ring(settings: BrokerSettings, api_key: str | None):
+    """The tenants and keys (--keys-file, --api-key, --admin-key-file; brokers.keys_file), or None."""
+    from brokers.keys_file import load_key_ring, read_secret
+
+    admin = read_secret(settings.admin_key_file, "admin_key_file") if settings.admin_key_file else None
+    return load_key_ring(settings.keys_file, api_key, admin)
+
+
+def _use_keys(settings: BrokerSettings, broker, keys) -> None:
+    """The broker's tenants, and the tenants of ZeroMQ clients' CURVE keys (the keys file's curve_keys)."""
+    by_key = None
+    if keys.curve_names:
+        if not settings.curve_allow_clients:
+            raise ConfigError("keys_file: curve_keys needs --curve-allow-clients (the directory of the clients' keys)")
+        from mesh.security import allowed_key_names
+
+        by_key = keys.curve_tenants(allowed_key_names(settings.curve_allow_clients, "curve_allow_clients"))
+    broker.core.intake.tenants, broker.client_tenants = keys, by_key
+
+
+def _reload_keys_on_sighup(settings: BrokerSettings, broker, ingress, api_key: str | None, log) -> None:
+    """SIGHUP reads the keys file again: a valid one replaces the tenants and keys at once (requests
+    in flight keep their tenant); an invalid one is logged and the old keys stay."""
+    import asyncio
+    import signal
+
+    def reload() -> None:
+        try:
+            ring = _key_ring(settings, api_key)
+            _use_keys(settings, broker, ring)
+        except ConfigError as exc:
+            log.error("keys_reload_failed", error=str(exc))
+            return
+        if ingress is not None:
+            ingress.keys = ring
+        log.info("keys_reloaded", tenants=len(ring.tenants), keys=len(ring.digests))
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
 
 
 def _is_loopback(host: str) -> bool:

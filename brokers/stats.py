@@ -31,6 +31,20 @@ def _latency_families(s: BrokerStats):
     return fams.values()
 
 
+def _tenant_families(s: BrokerStats):
+    """Per tenant (names from the keys file only): admitted, rejected_429, ... and queue waits."""
+    fam = CounterMetricFamily("mesh_tenant_requests", "Requests per tenant: admitted, rejected_429 (its limits), "
+                              "tenant_field_ignored (a ZeroMQ client's stamp)", labels=["tenant", "what"])
+    for (tenant, what), v in sorted(s.tenants.items()):
+        fam.add_metric([tenant, what], v)
+    yield fam
+    h = HistogramMetricFamily("mesh_tenant_queue_wait_seconds", "SUBMIT accepted -> first attempt sent, per tenant",
+                              labels=["tenant"])
+    for tenant, hist in sorted(s.tenant_queue.items()):
+        h.add_metric([tenant], buckets=hist.buckets(), sum_value=hist.sum_s)
+    yield h
+
+
 class GatewayCollector(Collector):
     """The gateway's /metrics: its request outcomes, drops, and the latency histograms it observes
     on the replies it relays (TTFT, inter-token, end-to-end, by model and worker)."""
@@ -98,6 +112,7 @@ class StatsCollector(Collector):
         h = s.loop_lag
         yield HistogramMetricFamily("mesh_loop_lag_seconds", "Broker pump lateness plus duration", buckets=h.buckets(), sum_value=h.sum_s)
         yield from _latency_families(s)
+        yield from _tenant_families(s)
         by_name: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
         for name, samples in self.gauges().items():
             by_name[name].extend(samples)

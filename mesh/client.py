@@ -464,11 +464,13 @@ class Client:
         slo: dict[str, Any] | None = None,
         rid: str | None = None,
         model: str | None = None,
+        priority: str | None = None,
         _avoid: _Link | None = None,
         session: str | None = None,
     ) -> Stream:
         """Send one request; returns its :class:`Stream` at once (before any reply). ``session``:
         a session key (1..256 bytes), the turns of one session stick to one worker.
+        ``priority``: critical, high, normal or low (the broker clamps it to the tenant's ceiling).
         ``_avoid`` is internal (:meth:`generate`): a broker not to use if another is up."""
         if self._state != "open":  # before picking a link: an unopened client has none
             raise ClientStateError(f"client is {self._state}; use it inside 'async with Client(...)'")
@@ -478,7 +480,8 @@ class Client:
         p = dict(params or {})
         p["max_new_tokens"] = max_new_tokens
         frames = P.encode_submit(rid, input_ids=input_ids, text=text, params=p, deadline_ms=budget_ms,
-                                 stream=stream, idempotent=idempotent, slo=slo, model=model, session=session)
+                                 stream=stream, idempotent=idempotent, slo=slo, model=model, session=session,
+                                 priority=priority)
         if not self._links:  # dns+tcp:// brokers only, none resolved yet: wait for one, as for a connection
             try:
                 await asyncio.wait_for(self._some_link(), max(0.0, st.deadline_s - time.monotonic()))

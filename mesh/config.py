@@ -178,6 +178,17 @@ class BrokerSettings:
     curve_allow_workers: str = setting("", help="directory of worker public keys allowed to register")
     curve_allow_clients: str = setting("", help="directory of client public keys allowed to submit")
     seed: int | None = setting(None, default_text="random", help="seed the routing RNG (deterministic decisions)")
+    # Tenants and priorities (mesh/tenants.py, docs/operations.md "Tenants and priorities")
+    keys_file: str = setting("", metavar="PATH", help="TOML file mapping API keys to tenants: priority band, weight, "
+                                                      "limits, admin right (reloaded on SIGHUP)")
+    admin_key_file: str = setting("", metavar="PATH", help="file holding a key for the admin API only (/workers, "
+                                                           "mesh ctl); inference keys never open it")
+    trust_client_tenant: bool = setting(False, help="take the tenant and priority ZeroMQ clients stamp on their "
+                                                    "requests (a mesh gateway with a keys file); needs "
+                                                    "--curve-allow-clients, else any client could claim any tenant")
+    park_aging_s: float = setting(5.0, unit="s", help="priority aging: a request of band B (0 critical .. 3 low) "
+                                                      "waits in the park queue as if it had arrived B x this later, "
+                                                      "so low never starves (0 = strict bands)")
     log_level: str = setting("info", add=add_log_level_arg)
 
     def validate(self) -> None:
@@ -208,6 +219,10 @@ class BrokerSettings:
         _require(self.max_parked >= 0, "max_parked", "must be >= 0")
         _require(self.max_inflight_per_worker >= 0, "max_inflight_per_worker", "must be >= 0")
         _require(self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0")
+        _require(math.isfinite(self.park_aging_s) and self.park_aging_s >= 0, "park_aging_s", "must be a finite number >= 0")
+        for name in ("keys_file", "admin_key_file"):
+            if getattr(self, name):
+                _require(Path(getattr(self, name)).is_file(), name, f"{getattr(self, name)} does not exist")
         _require(self.eject_after_failures >= 1, "eject_after_failures", "must be >= 1")
         _require(0 < self.eject_base_s <= self.eject_max_s, "eject_base_s", "must be > 0 and <= eject_max_s")
         _require(0 <= self.max_ejected_ratio <= 1, "max_ejected_ratio", "must be in [0, 1]")
@@ -267,6 +282,9 @@ class BrokerSettings:
             if v:
                 host, sep, port = v.rpartition(":")
                 _require(bool(sep) and port.isdigit() and int(port) < 65536, name, f"must be HOST:PORT, got {v!r}")
+        if self.trust_client_tenant and not self.curve_allow_clients:
+            raise ConfigError("trust_client_tenant: needs --curve-allow-clients (only listed clients, e.g. your gateways, "
+                              "may then stamp tenants)")
         if (self.curve_allow_workers or self.curve_allow_clients) and not self.curve_secret:
             raise ConfigError("curve_secret: allow-lists need the broker's --curve-secret")
         for name in ("curve_allow_workers", "curve_allow_clients"):

@@ -464,6 +464,11 @@ class Submit:
     # pass-through (SUBMIT ``passthrough``): ``{"path", "method", "body"}``, checked; None: mesh renders
     passthrough: dict[str, Any] | None = None
     session: str | None = None  # the session key (turns of one session stick to one worker)
+    # Tenants (mesh/tenants.py): the tenant an authenticating front door stamped (trusted only from
+    # an in-process client; a ZeroMQ client's is replaced by its connection's tenant) and the
+    # priority band asked for (index into PRIORITIES; clamped to the tenant's ceiling by the broker)
+    tenant: str | None = None
+    priority: int | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -541,6 +546,8 @@ def submit_body(
     traceparent: str | None = None,
     passthrough: dict[str, Any] | None = None,
     session: str | None = None,
+    tenant: str | None = None,
+    priority: str | None = None,
 ) -> dict[str, Any]:
     """The SUBMIT body (frame 2 before packing) :func:`encode_submit` sends."""
     body: dict[str, Any] = {"rid": rid, "params": params or {}, "stream": stream, "idempotent": idempotent}
@@ -560,6 +567,10 @@ def submit_body(
         body["passthrough"] = passthrough
     if session is not None:
         body["session"] = session
+    if tenant is not None:
+        body["tenant"] = tenant
+    if priority is not None:
+        body["priority"] = priority
     return body
 
 
@@ -676,6 +687,8 @@ def _submit_of(d: dict[str, Any], raw: bytes) -> Submit:
         traceparent=_traceparent(d.get("traceparent")),
         passthrough=_passthrough(d.get("passthrough")),
         session=_session(d),
+        tenant=_str(d, "tenant", required=False, max_bytes=64) or None,
+        priority=_priority(d.get("priority")),
     )
 
 
@@ -732,6 +745,18 @@ def _session(d: dict[str, Any]) -> str | None:
     if not v:
         raise ProtocolError("bad_field", "session must be a non-empty string")
     return v
+
+
+#: Priority bands of a SUBMIT's ``priority``, highest first (mesh.tenants).
+PRIORITIES = ("critical", "high", "normal", "low")
+
+
+def _priority(v: Any) -> int | None:
+    if v is None:
+        return None
+    if type(v) is str and v in PRIORITIES:
+        return PRIORITIES.index(v)
+    raise ProtocolError("bad_field", f"priority must be one of {', '.join(PRIORITIES)}")
 
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")

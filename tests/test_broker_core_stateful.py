@@ -52,6 +52,7 @@ from mesh.broker_core import TO_CLIENT, TO_WORKER, BrokerCore, RequestState, Ses
 from mesh.config import BrokerSettings, build
 from mesh.errors import ErrorCode
 from mesh.routing.router import Router, make_policy
+from mesh.tenants import parse_keys
 
 _REQUEST = bytes([P.Cmd.REQUEST])
 _CANCEL = bytes([P.Cmd.CANCEL])
@@ -142,6 +143,12 @@ class Att:
     sess: object = None  # the core session it was delivered to
 
 
+#: Tenants of the clients C0..C2 (the shell maps a connection to its tenant): three ceilings and
+#: weights, one with an in-flight limit of its own; requests ask for every band in turn.
+TENANTS = parse_keys('[[tenant]]\nname = "C0"\npriority = "critical"\n[[tenant]]\nname = "C1"\nweight = 3.0\n'
+                     'max_inflight = 3\n[[tenant]]\nname = "C2"\npriority = "low"\n')
+
+
 def worker_ident(w: int, epoch: int, conn: int) -> bytes:
     return f"W{w}/{epoch}/{conn}".encode()
 
@@ -160,6 +167,7 @@ class Shell:
         else:
             router = Router(make_policy("power_of_two", rng=random.Random(0)), None)
         self.core = BrokerCore(self.s, router, log=_NullLog())
+        self.core.intake.tenants = TENANTS  # clients C0..C2 run as tenants of three bands (issue 31)
         self.now = T0
         self.core.start(T0)
         self.down: dict[tuple[int, bytes], str] = {}  # (TO_*, identity) -> why its sends fail
@@ -226,7 +234,8 @@ class Shell:
             rid = f"r{self.rid_seq}"
         key = (client, rid)
         b = {**P.submit_body(rid, input_ids=list(range(1, n + 1)), params={"max_new_tokens": 4, **(params or {})},
-                             stream=stream, idempotent=idempotent, deadline_ms=deadline_ms), **body}
+                             stream=stream, idempotent=idempotent, deadline_ms=deadline_ms,
+                             priority=P.PRIORITIES[self.rid_seq % 4]), **body}
         frames = [P.CLIENT_HEADER, bytes([P.Cmd.C_SUBMIT]), P.pack(b)]
         if not dup:
             req = self.reqs[key] = Req(key, stream, idempotent, impaired=(TO_CLIENT, client) in self.down,
@@ -235,7 +244,7 @@ class Shell:
         self.step = []
         self.dup_key, self.dup_errors = (key if dup else None), 0
         HEAP_GUARD.left = PUSHES_PER_CALL
-        self.core.client_frames([client, *frames], self.now)
+        self.core.client_frames([client, *frames], self.now, tenant=client.decode(errors="replace"))
         kept = any(i.client == client and i.client_rid == rid for i in self.core.inflight.values())
         if not dup:
             req.accepted = kept
@@ -465,6 +474,7 @@ CONFIGS = st.fixed_dictionaries({
     "park_timeout_s": st.sampled_from([0.0, 0.3, 1.0, 1.0]),
     "queue_timeout_s": st.sampled_from([0.0, 0.3, 1.0]),
     "max_parked": st.sampled_from([0, 2, 1000]),
+    "park_aging_s": st.sampled_from([0.0, 0.2, 5.0]),
     "progress_timeout_ms": st.sampled_from([0, 300, 1500]),
     "eject_after_failures": st.sampled_from([1, 3, 5]),
     "default_deadline_ms": st.sampled_from([800, 3000]),

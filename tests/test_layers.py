@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CORES = ("mesh/protocol.py", "mesh/hashing.py", "mesh/kv_events.py", "mesh/index/", "mesh/routing/", "mesh/engine_model.py", "mesh/engine_config.py", "mesh/engine_dp.py",
          "mesh/broker_core/", "mesh/load.py", "mesh/params.py", "mesh/stats.py", "mesh/errors.py", "mesh/namespaces.py",
-         "mesh/openai_logprobs.py", "mesh/worker/session.py")
+         "mesh/openai_logprobs.py", "mesh/worker/session.py", "mesh/tenants.py")
 SHELL_ONLY = {"zmq", "grpc", "asyncio", "aiohttp", "time", "socket"}
 #: file -> (module it may import anyway, why); empty: every core takes `now` (or a clock callable) from its shell
 KNOWN: dict[str, tuple[str, str]] = {}

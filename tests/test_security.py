@@ -97,3 +97,36 @@ def test_one_allow_list_guards_its_own_side_only(procs, tmp_path, listed):
                 assert ei.value.code.value == "deadline_exceeded"
 
     run(body(), timeout_s=60)
+
+
+def test_a_clients_curve_key_names_its_tenant(procs, tmp_path):
+    """The keys file's curve_keys: a listed ZeroMQ client runs as its key's tenant, another as zmq_tenant;
+    neither can pick its tenant with the SUBMIT's own field."""
+    keys, allowed_c = tmp_path / "keys", tmp_path / "allow-c"
+    keygen(keys, "broker")
+    allowed_c.mkdir()
+    for name in ("app", "other"):
+        pub, _ = keygen(keys, name)
+        (allowed_c / pub.name).write_bytes(pub.read_bytes())
+    kf = tmp_path / "keys.toml"
+    kf.write_text('[[tenant]]\nname = "chat"\npriority = "high"\ncurve_keys = ["app"]\n')
+    b = procs.broker("b", "--curve-secret", str(keys / "broker.key_secret"), "--curve-allow-clients", str(allowed_c),
+                     "--keys-file", str(kf), "--heartbeat-ms", "200")
+    procs.workers("w", [b.backend], "--curve-secret", str(keys / "app.key_secret"),
+                  "--curve-server-key", str(keys / "broker.key"), count=1)
+
+    async def body():
+        async with Client(b.frontend, curve=client_keys(keys / "app.key_secret", keys / "broker.key")) as c:
+            await until(lambda: _routable(c), 20, "the worker registered", step_s=0.05)
+            for _ in range(3):
+                await c.generate(input_ids=[1, 2, 3], max_new_tokens=1, deadline_ms=5000)
+        async with Client(b.frontend, curve=client_keys(keys / "other.key_secret", keys / "broker.key")) as c:
+            await c.generate(input_ids=[1, 2, 3], max_new_tokens=1, deadline_ms=5000)
+            counters = (await c.status()).counters
+        assert counters.get("tenants.chat.admitted") == 3 and counters.get("tenants.default.admitted") == 1, counters
+
+    run(body(), timeout_s=60)
+
+
+async def _routable(c):
+    return any(w.get("state") == "routable" for w in (await c.status()).workers) or None

@@ -8,13 +8,16 @@ fix), ``GET /readyz``, ``GET /metrics`` (Prometheus; needs the API key when one 
 path except the health probes), ``GET /workers`` and ``POST
 /workers/{id}/drain|eject|reinstate`` (the admin API, on a broker only).
 
+Keys (:mod:`brokers.keys_file`): with a keys file every key names a tenant, stamped on the request
+(its priority band: the header ``x-mesh-priority``, clamped by the broker to the tenant's ceiling);
+the admin API needs a key whose tenant has the admin right (403 for an inference key).
+
 The ingress talks to "a broker" only through :class:`brokers.ingress.backend.IngressBackend`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import json
 
@@ -25,10 +28,13 @@ from brokers.ingress.generate import GenerateEndpoint
 from brokers.ingress.guard import ConnGuard, GuardedConnection
 from brokers.ingress.openai_api import OpenAIEndpoints
 from brokers.ingress.replies import ReplyStream, error_response, json_response, mesh_error_response
-from brokers.ingress.submit import MAX_BODY_BYTES, QUOTA_KEY, REQUEST_ID, REQUEST_ID_RE, Submitter
+from brokers.ingress.submit import MAX_BODY_BYTES, PRIORITY, QUOTA_KEY, REQUEST_ID, REQUEST_ID_RE, TENANT, Submitter
+from brokers.keys_file import load_key_ring
+from mesh import protocol as P
 from mesh import tracing
 from mesh.errors import ErrorCode
 from mesh.logs import get_logger
+from mesh.tenants import KeyRing
 
 __all__ = ["HttpIngress"]
 
@@ -45,9 +51,12 @@ class HttpIngress:
                  chat_templates: dict[str | None, str] | None = None, metrics_registry=None, max_connections: int = 512, header_timeout_s: float = 10.0,
                  idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128,
                  request_timeout_s: float = 1800.0, stream_idle_timeout_s: float = 300.0, max_connections_per_address: int = 0,
-                 max_body_bytes_per_address: int = 0, session_sources: tuple[str, ...] | None = None) -> None:
+                 max_body_bytes_per_address: int = 0, session_sources: tuple[str, ...] | None = None,
+                 keys: KeyRing | None = None) -> None:
         self.backend = backend
         self._key = api_key.encode() if api_key else None
+        # who may call (brokers.keys_file): None, no authentication; the shell may swap it (SIGHUP)
+        self.keys = keys if keys is not None else load_key_ring(api_key=api_key)
         self.metrics_registry = metrics_registry
         self.idle_timeout_s = idle_timeout_s
         self.backlog = max(1, min(backlog, max_connections))
@@ -163,11 +172,21 @@ class HttpIngress:
 
     async def _handle(self, request: web.Request, handler):
         try:
-            if self._key and request.path not in ("/health", "/healthz", "/readyz"):
-                got = request.headers.get("Authorization", "").encode("utf-8", "replace")
-                if not hmac.compare_digest(got, b"Bearer " + self._key):
+            keys = self.keys
+            TENANT.set(None)  # (a kept-alive connection's handlers may share a context: set both every time)
+            prio = request.headers.get("x-mesh-priority")
+            PRIORITY.set(prio if prio in P.PRIORITIES else None)
+            if keys is not None and request.path not in ("/health", "/healthz", "/readyz"):
+                got = request.headers.get("Authorization", "")
+                tenant = keys.lookup(got[7:]) if got[:7] == "Bearer " else None
+                if tenant is None:
                     self.backend.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
                     return error_response(401, "missing or invalid API key", "unauthorized", "authentication_error")
+                TENANT.set(tenant)
+            if prio is not None and prio not in P.PRIORITIES:
+                self.backend.stats.requests[ErrorCode.BAD_REQUEST.value] += 1
+                return error_response(400, f"x-mesh-priority must be one of {', '.join(P.PRIORITIES)}",
+                                      ErrorCode.BAD_REQUEST.value)
             if request.method != "POST" or not self.body_budget:
                 return await handler(request)
             return await self._within_body_budget(request, handler)
@@ -247,12 +266,25 @@ class HttpIngress:
         return web.json_response({"ready": ok, "state": self.backend.state}, status=200 if ok else 503)
 
     # ------------------------------------------------------------------ admin API
+    def _not_admin(self) -> web.Response | None:
+        """403 when keys are required and the caller's is no admin key (admin is a right of its own)."""
+        if self.keys is None:
+            return None
+        t = TENANT.get()
+        if t is not None and t.admin:
+            return None
+        self.backend.stats.requests["forbidden"] += 1
+        return error_response(403, "the admin API needs an admin key (--admin-key-file, or admin = true in the keys file)",
+                              "forbidden", "permission_error")
+
     async def workers(self, request: web.Request) -> web.Response:
         """Every registered worker: its state (registered, routable, ejected, draining), load,
-        in-flight requests and KV capacity (behind the API key when one is set)."""
+        in-flight requests and KV capacity (behind an admin key when keys are set)."""
         admin = self.backend.admin
         if admin is None:
             return _no_admin()
+        if (refused := self._not_admin()) is not None:
+            return refused
         workers = await asyncio.wait_for(admin("list"), 10)
         return json_response({"object": "list", "data": workers})
 
@@ -262,9 +294,11 @@ class HttpIngress:
         admin = self.backend.admin
         if admin is None:
             return _no_admin()
-        if self._key is None and not is_loopback(request.remote):
+        if self.keys is None and not is_loopback(request.remote):
             self.backend.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
             return error_response(403, "worker actions need --api-key (or a loopback client)", "unauthorized", "authentication_error")
+        if (refused := self._not_admin()) is not None:
+            return refused
         action = request.match_info["action"]
         if action not in ("drain", "eject", "reinstate"):
             return error_response(404, f"unknown action {action!r}: drain, eject or reinstate", "not_found")

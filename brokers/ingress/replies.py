@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
@@ -57,8 +58,17 @@ def mesh_error_response(code: str, message: str) -> web.Response:
     except ValueError:
         ec = ErrorCode.INTERNAL
     etype = "invalid_request_error" if ec.http_status < 500 else "server_error"
-    headers = {"Retry-After": RETRY_AFTER_S} if ec in (ErrorCode.OVERLOADED, ErrorCode.RATE_LIMITED) else None
+    headers = {"Retry-After": _retry_after(message)} if ec in (ErrorCode.OVERLOADED, ErrorCode.RATE_LIMITED) else None
     return error_response(ec.http_status, message, ec.value, etype, headers)
+
+
+_RETRY_AFTER_RE = re.compile(r"retry after ([0-9]{1,6}) s$")
+
+
+def _retry_after(message: str) -> str:
+    """The seconds a refusal's message names (a tenant's limits: ``...; retry after N s``), else 1."""
+    m = _RETRY_AFTER_RE.search(message)
+    return m.group(1) if m else RETRY_AFTER_S
 
 
 def refusal_response(stats: IngressCounters, exc: RequestError) -> web.Response:

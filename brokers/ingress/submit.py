@@ -50,7 +50,8 @@ from mesh.errors import IngressBadRequest, IngressContextTooLong, IngressOverloa
 from mesh.params import ParamError, from_generate, from_openai
 from mesh.routing.sessions import SESSION_HEADER, SOURCES, SessionKeyError, session_key
 
-__all__ = ["MAX_BODY_BYTES", "MAX_SUBMIT_BYTES", "QUOTA_KEY", "REQUEST_ID", "REQUEST_ID_RE", "Submitter", "opt_bool"]
+__all__ = ["MAX_BODY_BYTES", "MAX_SUBMIT_BYTES", "PRIORITY", "QUOTA_KEY", "REQUEST_ID", "REQUEST_ID_RE", "TENANT", "Submitter",
+           "opt_bool"]
 
 # The quota key of the HTTP request being handled (its peer address): every HTTP request has its
 # own random local identity, so the broker's per-client in-flight quota counts by this instead.
@@ -59,6 +60,10 @@ QUOTA_KEY: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("mesh_h
 # engine (logs, the engine's rid) and in the reply's headers.
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("mesh_http_request_id", default=None)
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:@+=-]{1,128}")
+# The caller's tenant (its API key's, mesh.tenants) and the priority band it asked for (header
+# x-mesh-priority, validated): stamped on the SUBMIT; the broker clamps the band to the tenant's ceiling.
+TENANT: contextvars.ContextVar[Any] = contextvars.ContextVar("mesh_http_tenant", default=None)
+PRIORITY: contextvars.ContextVar[str | None] = contextvars.ContextVar("mesh_http_priority", default=None)
 
 MAX_BODY_BYTES = P.MAX_FRAME_BYTES // 2
 # The SUBMIT body becomes REQUEST frame 3 verbatim; keep a small margin under the frame cap.
@@ -326,9 +331,11 @@ class Submitter:
         tracing.annotate(request_id=rid, model=model)
         if tx is None and "text" in prompt:
             self.tokenizers.note_text(model)
+        tenant = TENANT.get()
         body = P.submit_body(rid, input_ids=prompt.get("input_ids"), text=prompt.get("text"), params=params,
                              deadline_ms=deadline_ms, stream=stream, slo=slo, model=model,
-                             traceparent=tracing.current_traceparent(), passthrough=passthrough, session=session)
+                             traceparent=tracing.current_traceparent(), passthrough=passthrough, session=session,
+                             tenant=tenant.name if tenant is not None else None, priority=PRIORITY.get())
         try:
             packed = P.pack(body)  # what a worker gets as REQUEST frame 3, verbatim
         except (UnicodeEncodeError, ValueError, OverflowError, TypeError):  # lone surrogates in a string, ...

@@ -174,8 +174,10 @@ class BrokerCore:
             self.log.warning("frame_rejected", path=path, reason=err.reason, detail=err.detail[:200], peer=peer.hex()[:32])
 
     # ------------------------------------------------------------------ client path
-    def client_frames(self, frames: list[bytes], now: float, quota_key: bytes | None = None, *, local: bool = False) -> None:
+    def client_frames(self, frames: list[bytes], now: float, quota_key: bytes | None = None, *, local: bool = False,
+                      tenant: str | None = None) -> None:
         """``[identity, *message frames]`` from a client (decoded here; never raises on bad input).
+        ``tenant``: the one its connection's CURVE key maps to (None: the ZeroMQ clients' tenant).
 
         ``local``: an in-process (HTTP) client, whose identities start with a zero byte and are
         longer than 5 bytes. From a socket such an identity is refused and counted, never
@@ -193,6 +195,11 @@ class BrokerCore:
             return
         msg = P.decode_client(frames[1:])
         if isinstance(msg, P.Submit):
+            if not local and not (self.s.trust_client_tenant and msg.tenant is not None):
+                # a ZeroMQ client runs as its key's tenant, else the ZeroMQ clients' (a trusted gateway's stamp is kept)
+                if msg.tenant is not None and msg.tenant != tenant:
+                    self.stats.tenants[(tenant or self.intake.tenants.zmq_tenant, "tenant_field_ignored")] += 1
+                msg.tenant = tenant
             self.submit(ident, msg, now, quota_key)
         elif isinstance(msg, P.Cancel):
             self.table.cancel(ident, msg.rid)
@@ -222,12 +229,17 @@ class BrokerCore:
             refusal = (ErrorCode.OVERLOADED, "broker in-flight limit reached")
         else:
             refusal = self.intake.refusal(quota_key if quota_key is not None else ident, sub, self.loop_lag_s)
+        tenant = self.intake.tenant_of(sub)
+        if refusal is None:
+            refusal = self.intake.tenant_refusal(tenant, sub, now)
         if refusal is not None:
             code, message = refusal
             self.stats.requests[code.value] += 1
             self._out.to_client(ident, P.encode_client_error(sub.rid, code, message))
             return
         inf = self.table.add(ident, sub, now, quota_key if quota_key is not None else ident)
+        inf.tenant, inf.band, inf.weight = tenant.name, sub.priority, tenant.weight
+        self.intake.ledger.admit(tenant.name)
         if self.async_provider:
             if self.table.prepare_route(inf):
                 move(inf, _R.PREFETCHING, "prefix_match")
@@ -332,6 +344,7 @@ class BrokerCore:
         table.watch_progress(inf, now)
         if inf.attempt == 1:
             (sess.lat.get("queue") or sess.histogram("queue", self.stats)).observe(now - inf.accepted_s)
+            self.stats.tenant_queue_wait(inf.tenant, now - inf.accepted_s)
         sent = self._out.to_worker(sess.identity, frames, Receipt.DISPATCH, inf, inf.attempt)
         if inf.submit.stream:
             self._out.to_client(inf.client, P.encode_accepted(inf.client_rid, sess.worker_id, decision.reason, inf.attempt), when=sent)

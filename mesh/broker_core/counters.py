@@ -56,6 +56,10 @@ class BrokerStats:
         # code; and those that could not be (ended worker_lost), by reason (mesh.broker_core.migrate)
         self.migrations: Counter[str] = Counter()
         self.migration_refused: Counter[str] = Counter()
+        # per tenant (names come from the keys file only: bounded): (tenant, what) with what in
+        # admitted, rejected_429 (its in-flight or tokens-per-minute limit), and its queue waits
+        self.tenants: Counter[tuple[str, str]] = Counter()
+        self.tenant_queue: dict[str, LatencyHistogram] = {}
         self.degraded_decisions = 0
         self.requests_parked = 0
         self.cached_tokens = 0
@@ -75,6 +79,12 @@ class BrokerStats:
 
     def observe_latency(self, name: str, model: str, worker: str, v_s: float) -> None:
         self.histogram(name, model, worker).observe(v_s)
+
+    def tenant_queue_wait(self, tenant: str, wait_s: float) -> None:
+        h = self.tenant_queue.get(tenant)
+        if h is None:
+            h = self.tenant_queue[tenant] = LatencyHistogram(_QUEUE_BUCKETS_S)
+        h.observe(wait_s)
 
     def forget_worker(self, worker: str) -> None:
         """Drop a departed worker's latency series (bounded label sets as workers come and go)."""
@@ -103,6 +113,8 @@ class BrokerStats:
                 out[f"{prefix}.{k}"] = v
         for (path, reason), v in self.frames_rejected.items():
             out[f"frames_rejected.{path}.{reason}"] = v
+        for (tenant, what), v in self.tenants.items():
+            out[f"tenants.{tenant}.{what}"] = v
         out["degraded_decisions"] = self.degraded_decisions
         out["requests_parked"] = self.requests_parked
         out["cached_tokens"] = self.cached_tokens

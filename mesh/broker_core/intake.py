@@ -9,6 +9,7 @@ request leaves it.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from mesh import protocol as P
@@ -21,6 +22,7 @@ from mesh.hashing import text_to_tokens
 from mesh.namespaces import make_namespace
 from mesh.routing.lora import holders_only, request_lora, split_model
 from mesh.routing.view import RouteRequest, WorkerState
+from mesh.tenants import KeyRing, Tenant, TenantLedger
 
 __all__ = ["Intake", "MAX_KEY_TOKENS"]
 
@@ -38,6 +40,8 @@ class Intake:
         self.aliases = settings.aliases()  # --model-alias: name -> served model
         self._cap_version = -1  # pool version the fleet capacity was computed at
         self._cap_tokens: dict[str | None, int] = {}  # model (None: all) -> largest KV capacity
+        self.tenants = KeyRing()  # the keys file's tenants (the shell sets it; SIGHUP reloads it)
+        self.ledger = TenantLedger()  # per tenant: in flight, tokens per minute
 
     def admit(self, quota: bytes) -> None:
         self.quotas[quota] += 1
@@ -60,6 +64,23 @@ class Intake:
             self.stats.loop["shed"] += 1
             return ErrorCode.OVERLOADED, f"broker overloaded (event loop lag {loop_lag_s * 1000:.0f} ms)"
         return None  # the prompt's length is checked where it is routed (RequestTable.prepare_route)
+
+    def tenant_of(self, sub: P.Submit) -> Tenant:
+        """The tenant a SUBMIT runs as (its stamp, else the ZeroMQ clients' tenant) and its band
+        (``sub.priority`` clamped to the tenant's ceiling) written back into ``sub``."""
+        t = self.tenants.get(sub.tenant)
+        sub.priority = t.clamp(sub.priority)
+        return t
+
+    def tenant_refusal(self, t: Tenant, sub: P.Submit, now: float) -> tuple[ErrorCode, str] | None:
+        """``rate_limited`` when the tenant is at its in-flight limit or over its tokens per
+        minute (prompt + max_new tokens); the message ends with ``retry after N s``."""
+        why = self.ledger.refusal(t, sub.prompt_len + sub.max_new_tokens, now)
+        if why is None:
+            self.stats.tenants[(t.name, "admitted")] += 1
+            return None
+        self.stats.tenants[(t.name, "rejected_429")] += 1
+        return ErrorCode.RATE_LIMITED, f"{why[0]}; retry after {max(1, math.ceil(why[1]))} s"
 
     def fleet_capacity(self, model: str | None = None) -> int:
         """The most KV tokens any registered worker (of ``model``) can hold (0 while none is registered)."""

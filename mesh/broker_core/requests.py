@@ -113,6 +113,10 @@ class Inflight:
     migrations: int = 0
     seq_base: int = 0
     produced: int = 0
+    tenant: str = ""  # whose request it is (mesh.tenants; quotas, fair shares, metrics)
+    band: int = 2  # its priority band (0 critical .. 3 low), clamped to its tenant's ceiling
+    weight: float = 1.0  # its tenant's share within the band
+    parked_s: float | None = None  # when it first waited in the park queue (aging)
 
     @property
     def committed(self) -> bool:

@@ -8,7 +8,7 @@ reads the worker pool and tells :class:`~mesh.broker_core.workers.Workers` how a
 (outlier ejection); it never registers or removes a session: a removed session's requests are
 handed to :meth:`RequestTable.orphan`. Routing an attempt is the facade's
 (:meth:`BrokerCore._dispatch`), handed in as ``dispatch``: a parked or retried request is routed
-through it, and so is the oldest parked one when a finished request frees a worker slot.
+through it, and so is the parked one served next when a finished request frees a worker slot.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from mesh import protocol as P
 from mesh.broker_core import migrate
 from mesh.broker_core.counters import BrokerStats
 from mesh.broker_core.intake import Intake
+from mesh.broker_core.park import ParkQueue
 from mesh.broker_core.pool import WorkerPool, WorkerSession
 from mesh.broker_core.requests import Inflight, RequestState, move
 from mesh.broker_core.sends import Outbox, Receipt, Send
@@ -61,7 +62,7 @@ class RequestTable:
         self.by_client: dict[tuple[bytes, str], int] = {}
         self._rid_seq = itertools.count(1)
         self.deadlines: list[tuple[float, int]] = []
-        self.parked: dict[int, None] = {}  # requests waiting for a routable worker (insertion order)
+        self.parked = ParkQueue(settings.park_aging_s)  # requests waiting for a worker (bands, fair shares)
         self._park_timers: list[tuple[float, int]] = []
         self._retries: list[tuple[float, int]] = []
         self._progress: list[tuple[float, int, int]] = []  # (due_s, rid, attempt): no-progress checks
@@ -201,29 +202,35 @@ class RequestTable:
 
     def park(self, inf: Inflight, now: float, *, saturated: bool = False) -> bool:
         """Hold a request while no worker is routable (``park_timeout_s``) or every worker is at
-        its in-flight cap (``queue_timeout_s``), in one bounded FIFO queue.
+        its in-flight cap (``queue_timeout_s``), in one bounded queue served by priority band
+        with aging and fair shares between tenants (:class:`~mesh.broker_core.park.ParkQueue`).
 
         Returns False when it cannot wait (queue full, or its wait is over)."""
         if inf.parked_until_s is None:
             if len(self.parked) >= self.s.max_parked:
-                self.stats.dropped["park_queue_full"] += 1
-                return False
+                victim = self.inflight.get(self.parked.evictable(inf.tenant))  # type: ignore[arg-type]
+                if victim is None:
+                    self.stats.dropped["park_queue_full"] += 1
+                    return False
+                self.stats.dropped["park_queue_evicted"] += 1  # a flooding tenant gives up its newest place
+                self.finish_error(victim, ErrorCode.OVERLOADED, "the wait queue is full and this tenant holds the most of it")
             wait_s = self.s.queue_timeout_s if saturated else self.s.park_timeout_s
             inf.parked_until_s = min(inf.deadline_s, now + wait_s)
         elif now >= inf.parked_until_s:
             return False
         move(inf, _R.PARKED, "saturated" if saturated else "no_worker")
-        self.parked[inf.rid] = None
+        if inf.parked_s is None:
+            inf.parked_s = now
+        self.parked.push(inf.rid, now, inf.band, inf.tenant, inf.weight, inf.parked_s)
         heapq.heappush(self._park_timers, (inf.parked_until_s, inf.rid))
         self.stats.requests_parked += 1
         return True
 
     def _unpark_one(self, now: float) -> None:
-        """A worker slot freed: give it to the oldest waiting request (FIFO)."""
+        """A worker slot freed: give it to the request the park queue serves next."""
         while self.parked:
-            rid = next(iter(self.parked))
-            del self.parked[rid]
-            inf = self.inflight.get(rid)
+            rid = self.parked.pop(now)
+            inf = self.inflight.get(rid)  # type: ignore[arg-type]
             if inf is not None:
                 self._dispatch(inf, now)
                 return
@@ -233,14 +240,12 @@ class RequestTable:
         if expired_only:
             while self._park_timers and self._park_timers[0][0] <= now:
                 _, rid = heapq.heappop(self._park_timers)
-                if self.parked.pop(rid, 0) is None:  # still parked
+                if self.parked.remove(rid):  # still parked
                     inf = self.inflight.get(rid)
                     if inf is not None:
                         self._dispatch(inf, now)
             return
-        parked = list(self.parked)
-        self.parked.clear()
-        for rid in parked:
+        for rid in self.parked.drain(now):
             inf = self.inflight.get(rid)
             if inf is not None:
                 self._dispatch(inf, now)
@@ -345,7 +350,7 @@ class RequestTable:
     # ------------------------------------------------------------------ terminal frames
     def forget(self, inf: Inflight, why: str) -> None:
         """``inf`` is DONE (``why``: answered, failed or client_gone): out of the table."""
-        self.parked.pop(inf.rid, None)
+        self.parked.remove(inf.rid)
         freed = inf.session is not None
         self.detach(inf)
         move(inf, _R.DONE, why)
@@ -354,6 +359,8 @@ class RequestTable:
         self.inflight.pop(inf.rid, None)
         if self.by_client.pop((inf.client, inf.client_rid), None) is not None:
             self.intake.release(inf.quota)
+            if inf.tenant:
+                self.intake.ledger.release(inf.tenant)
         if inf.holds_retry_budget:
             self.budget.release()
             inf.holds_retry_budget = False

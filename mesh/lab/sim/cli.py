@@ -49,6 +49,13 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--matrix", metavar="FILE",
                      help="run a quality matrix (e.g. configs/quality-matrix.toml): cells of workload, load, workers "
                           "and routers, every policy per cell on one stream, per-cell verdicts (see mesh/lab/sim/matrix.py)")
+    src.add_argument("--fairness", action="store_true",
+                     help="tenants and priority bands through the broker's core (mesh/lab/sim/fairness.py): the "
+                          "fairness targets (a 10x flood vs another tenant's p95 queue wait; high vs low band under "
+                          "overload), or your own --tenant workload; uses --workers, --duration-s, --seed, --json")
+    p.add_argument("--tenant", action="append", default=[], metavar="NAME:BAND:WEIGHT:SHARE",
+                   help="with --fairness: a tenant offering SHARE of the fleet's capacity in BAND (critical, high, "
+                        "normal, low) with WEIGHT in its band (repeatable)")
     a = p.add_argument_group("arms")
     a.add_argument("--policy", type=_csv(str), default=["power_of_two"], help="comma-separated policies (default power_of_two)")
     a.add_argument("--provider", type=_csv(str), default=["radix_tree"],
@@ -228,6 +235,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
         _check_matrix_args(args)
         return cmd_matrix(args)
+    if getattr(args, "fairness", False):
+        return _cmd_fairness(args)
+    if getattr(args, "tenant", None):
+        raise ConfigError("tenant: --tenant needs --fairness")
     if getattr(args, "seeds", None) or getattr(args, "reuse_calibration", None) or getattr(args, "cells", None):
         raise ConfigError("--seeds, --cells and --reuse-calibration need --matrix")
     cfg = config_from_args(args)
@@ -277,6 +288,37 @@ def cmd_sim(args: argparse.Namespace) -> int:
         write_plot(report, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _cmd_fairness(args: argparse.Namespace) -> int:
+    """``mesh sim --fairness``: the two fairness checks (exit 1 when one fails), or one --tenant workload."""
+    from mesh.lab.sim.fairness import fairness_checks, parse_tenant, run_fairness
+
+    kw = dict(workers=args.workers[0], duration_s=args.duration_s, seed=args.seed)
+    if args.tenant:
+        loads = [parse_tenant(t) for t in args.tenant]
+        if len({t.name for t in loads}) != len(loads):
+            raise ConfigError("tenant: two --tenant options name the same tenant")
+        report: dict = {"run": run_fairness(loads, **kw)}
+        rows = [("run", report["run"])]
+        ok = True
+    else:
+        report = fairness_checks(**kw)
+        rows = [("flood: without", report["flood"]["without"]), ("flood: with", report["flood"]["with"]),
+                ("bands", report["bands"]["run"])]
+        ok = report["flood"]["pass"] and report["bands"]["pass"]
+    for label, run in rows:
+        for name, t in sorted(run["tenants"].items()):
+            print(f"{label:15} {name:10} offered {t['offered']:7} served {t['served']:7} refused {t['refused']:7} "
+                  f"wait p50 {t['wait_p50_s'] * 1000:9.1f} ms  p95 {t['wait_p95_s'] * 1000:9.1f} ms")
+    for check in ("flood", "bands"):
+        if check in report:
+            c = report[check]
+            print(f"{check}: p95 ratio {c['p95_ratio']:.3f} (target <= {c['max']}): {'PASS' if c['pass'] else 'FAIL'}")
+    if args.json:
+        Path(args.json).write_text(dumps_report(report))
+        print(f"wrote {args.json}")
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
