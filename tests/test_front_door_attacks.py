@@ -120,7 +120,7 @@ def test_a_tokenizer_flood_from_one_address_leaves_the_others_served(procs, mode
     print(f"\nlegitimate p50 {p50_base * 1000:.0f} ms alone, {p50_under * 1000:.0f} ms beside 40 flooding connections "
           f"({p50_under / p50_base:.1f}x); attacker's answers by status {outcomes}")
     assert outcomes.get(429, 0) > 0, outcomes  # the attacker's excess is refused, not queued without bound
-    assert set(outcomes) <= {200, 429, 400}, outcomes
+    assert set(outcomes) <= {200, 400, 413, 429}, outcomes  # 413: its tokens make a SUBMIT over the frame limit
 
 
 @pytest.mark.parametrize("gateway", [False, True], ids=["broker", "gateway"])
