@@ -313,5 +313,7 @@ class SimWorker:
             self._send_kv(events)
 
     def _send_kv(self, events: list[KV.KvEvent]) -> None:
-        """Send one KV_EVENTS batch (the API fans it out to the brokers)."""
-        self.api.publish_kv([KV.encode_event_map(e) for e in events])
+        """Send ``events`` as KV_EVENTS batches of at most ``MAX_KV_BATCH_BLOCKS`` blocks (brokers
+        refuse larger ones; the API fans each out to the brokers)."""
+        for chunk in KV.split_events(events, 1 << 62, 1 << 62, max_blocks=P.MAX_KV_BATCH_BLOCKS) or [[]]:
+            self.api.publish_kv([KV.encode_event_map(e) for e in chunk])
