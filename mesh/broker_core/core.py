@@ -403,6 +403,9 @@ class BrokerCore:
                 # The same registration again (a worker that missed our first heartbeat, or one
                 # that re-sent READY after a stall): acknowledge it, keep its requests and index.
                 self.stats.workers["ready_repeated"] += 1
+                if sess.draining and sess.drained_by == "worker":  # it drained itself and is back (DNS: issue 32)
+                    self.pool.undrain(sess)
+                    self.stats.workers["undrained_by_worker"] += 1
                 self._out.to_worker(ident, P.encode_heartbeat())
                 return
             # A different identity on a live session is a protocol violation: make it start over.

@@ -1,0 +1,153 @@
+"""Hostile DNS answers (issue 32): a name resolving to 400 addresses, and one whose answer drops
+the real broker every other refresh. No real DNS: the resolver is injected and the test drives
+its answers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import zmq.asyncio
+
+from mesh.client import Client
+from mesh.config import WorkerSettings, build
+from mesh.discovery import MAX_FOLLOWED, LinkBudget, choose_endpoints, endpoints_for, link_budget
+from mesh.worker import Capabilities, WorkerAPI
+from tests.conftest import free_port, run, until
+from workers_stub.worker import SimWorker
+
+REAL_IP = "127.0.9.9"  # sorts after every decoy below
+DECOYS = [f"127.0.{1 + i // 250}.{1 + i % 250}" for i in range(399)]  # nothing listens there
+
+
+class Answers:
+    """A resolver whose answer the test sets (``answer``: a list, or a callable returning one)."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    async def resolve(self, name: str) -> list[str] | None:
+        self.calls += 1
+        return list(self.answer() if callable(self.answer) else self.answer)
+
+
+# --------------------------------------------------------------------------- pure choice
+
+def test_choose_endpoints_bounds_dedups_and_keeps_the_healthy():
+    eps = endpoints_for(5555, DECOYS + [REAL_IP])
+    assert len(choose_endpoints(eps + eps, {}, 64, random.Random(1))) == 64  # de-duplicated, bounded
+    small = eps[:10]
+    assert choose_endpoints(small + small, {}, 64) == small  # a small answer: all of it
+    healthy = {e: True for e in eps[100:110]}
+    chosen = choose_endpoints(eps, healthy, 64, random.Random(2))
+    assert set(healthy) <= set(chosen) and len(chosen) == 64
+
+
+def test_a_large_answer_is_walked_through_until_the_live_broker_is_found():
+    """Not the first N sorted: the broker sorting last is reached within a few refreshes, because
+    the slots of links that never became healthy rotate to addresses not tried yet."""
+    eps = endpoints_for(5555, DECOYS + [REAL_IP])
+    real = eps[-1]
+    assert real.startswith(f"tcp://{REAL_IP}")
+    rng = random.Random(3)
+    linked: dict[str, bool] = {}
+    for rounds in range(1, 20):
+        chosen = choose_endpoints(eps, linked, MAX_FOLLOWED, rng)
+        if real in chosen:
+            break
+        linked = {e: False for e in chosen} | {e: False for e in linked}  # tried, none healthy
+    assert real in chosen and rounds <= -(-len(eps) // MAX_FOLLOWED) + 1
+
+
+def test_link_budget_is_one_per_context_and_refuses_past_capacity():
+    ctx = zmq.asyncio.Context()
+    try:
+        b = link_budget(ctx, 1023)
+        assert link_budget(ctx, 1023) is b and b.capacity * 3 + 64 <= 1023
+    finally:
+        ctx.term()
+    small = LinkBudget(2)
+    assert small.take() and small.take() and not small.take() and small.refused == 1
+    small.give()
+    assert small.take()
+
+
+# --------------------------------------------------------------------------- real broker
+
+def test_a_400_address_answer_kills_no_link_and_the_broker_sorting_last_registers(procs):
+    """Before: one link per address, 3 sockets each, past libzmq's 1,023 per context: link
+    tasks died (EMFILE) and the worker never registered with the real broker (sorting last)."""
+    port = free_port(REAL_IP)
+    b = procs.broker("b", "--heartbeat-ms", "200", frontend=f"tcp://{REAL_IP}:*", backend=f"tcp://{REAL_IP}:{port}")
+    resolver = Answers(DECOYS + [REAL_IP])
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        api = WorkerAPI(ctx, [f"dns+tcp://brokers.test:{port}"], "w400", lambda: Capabilities(model="m"),
+                        on_message=lambda link, msg: None, on_session_lost=lambda link, why: None, load=lambda: [],
+                        heartbeat_ms=200, discovery_refresh_s=0.2, resolver=resolver)
+        api.connect()
+        try:
+            real = f"tcp://{REAL_IP}:{port}"
+            await until(lambda: any(lk.endpoint == real and lk.registered for lk in api.links), 30,
+                        "registered with the broker that sorts last")
+            await asyncio.sleep(0.5)  # a few more refreshes: the healthy link stays
+            assert any(lk.endpoint == real and lk.registered for lk in api.links)
+            dead = [t for t in api._link_tasks if t.done() and not t.cancelled() and t.exception() is not None]
+            assert dead == [], dead[:3]
+            assert len(api.links) <= MAX_FOLLOWED
+            assert api.discovery_stats["links_refused"] == 0
+            async with Client(b.frontend) as c:
+                st = await c.status()
+            assert "w400" in {w["worker_id"] for w in st.workers}
+        finally:
+            await api.aclose(say_goodbye=False)
+            ctx.destroy(linger=0)
+
+    run(body(), 60)
+
+
+def test_an_answer_that_drops_the_broker_every_other_refresh_fails_no_request(procs):
+    """Before: the worker said goodbye whenever the broker left the answer: 16 % of requests
+    failed mid-stream. Now the link is drained (streams finish) and undrained when it comes
+    back."""
+    port = free_port("127.0.0.1")
+    b = procs.broker("b", "--heartbeat-ms", "200", backend=f"tcp://127.0.0.1:{port}")
+    flip = {"n": 0}
+
+    def answer():
+        flip["n"] += 1
+        return ["127.0.0.1"] if flip["n"] % 2 else []
+
+    settings = build(WorkerSettings, {"brokers": (f"dns+tcp://brokers.test:{port}",), "heartbeat_ms": 200,
+                                      "discovery_refresh_s": 0.1, "time_scale": 1.0})
+
+    async def body():
+        w = SimWorker(settings, "flappy", resolver=Answers(answer))
+        task = asyncio.create_task(w.run())
+        try:
+            async with Client(b.frontend) as c:
+                await until(lambda: c.status(), 20, "broker up")
+
+                async def one(i: int):
+                    r = await c.generate(input_ids=[1, 2, i], max_new_tokens=96, deadline_ms=30_000, stream=True)
+                    return r.finish_reason
+
+                results = await asyncio.gather(*(one(i) for i in range(24)), return_exceptions=True)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed == [], failed[:3]
+        assert flip["n"] >= 6  # the answer flapped while they ran
+        assert w.api.discovery_stats["drained"] >= 1 and w.api.discovery_stats["undrained"] >= 1, w.api.discovery_stats
+
+    run(body(), 90)
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_max_followed_is_respected(limit):
+    eps = endpoints_for(1, [f"10.0.0.{i}" for i in range(1, 20)])
+    assert len(choose_endpoints(eps, {}, limit)) == limit
