@@ -151,3 +151,47 @@ def test_an_answer_that_drops_the_broker_every_other_refresh_fails_no_request(pr
 def test_max_followed_is_respected(limit):
     eps = endpoints_for(1, [f"10.0.0.{i}" for i in range(1, 20)])
     assert len(choose_endpoints(eps, {}, limit)) == limit
+
+
+# --------------------------------------------------------------------------- hostile inputs
+
+def test_too_many_adapter_brokers_is_a_config_error_naming_the_field():
+    from mesh.adapters.settings import AttachSettings
+    from mesh.errors import ConfigError
+
+    ok = AttachSettings(url="http://10.1.2.3:30000", brokers=tuple(f"tcp://10.0.0.{i}:5556" for i in range(1, 65)) * 2)
+    ok.validate()  # 64 distinct (each given twice): fine
+    bad = AttachSettings(url="http://10.1.2.3:30000", brokers=tuple(f"tcp://10.0.{i // 200}.{i % 200 + 1}:5556" for i in range(65)))
+    with pytest.raises(ConfigError, match="brokers"):
+        bad.validate()
+
+
+def test_a_worker_that_drained_itself_is_undrained_by_its_repeated_ready():
+    """What a worker sends when a broker it drained (it left the DNS answer) comes back."""
+    from brokers.main import build_broker
+    from mesh import protocol as P
+    from mesh.config import BrokerSettings
+
+    core = build_broker(build(BrokerSettings, {"policy": "power_of_two"})).core
+    core.start(100.0)
+    ready = P.encode_ready(P.Ready("w", "m", "mixed", {}, 16, 256, 400_000, 1, 1, 500))
+    core.worker_frames([b"id", *ready], 100.0)
+    core.worker_frames([b"id", *P.encode_heartbeat()], 100.0)
+    sess = core.pool.by_id["w"]
+    core.worker_frames([b"id", *P.encode_disconnect(P.DRAINING)], 100.1)
+    assert sess.draining
+    core.worker_frames([b"id", *ready], 100.2)
+    assert not sess.draining and core.stats.flat()["workers.undrained_by_worker"] == 1
+    core.admin("drain", "w", 100.3)  # an operator's drain is not undone by the worker
+    core.worker_frames([b"id", *ready], 100.4)
+    assert sess.draining
+
+
+def test_worker_api_dedups_its_broker_list():
+    ctx = zmq.asyncio.Context()
+    try:
+        api = WorkerAPI(ctx, ["tcp://127.0.0.1:1"] * 300, "w", lambda: Capabilities(model="m"), on_message=lambda *a: None,
+                        on_session_lost=lambda *a: None, load=lambda: [])
+        assert api.brokers == ("tcp://127.0.0.1:1",)
+    finally:
+        ctx.term()

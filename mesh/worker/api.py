@@ -82,7 +82,7 @@ class WorkerAPI:
         max_followed: int = MAX_FOLLOWED,
     ) -> None:
         self.ctx = ctx
-        self.brokers = tuple(brokers)
+        self.brokers = tuple(dict.fromkeys(brokers))  # de-duplicated: one link per endpoint
         self.discovery_refresh_s = discovery_refresh_s
         self.resolver = resolver or Resolver()
         self.discovered: dict[str, list[str]] = {}  # dns+tcp spec -> the endpoints followed after its last answer
