@@ -59,6 +59,7 @@ __all__ = [
     "decode_event",
     "decode_events",
     "split_events",
+    "event_blocks",
     "decode_batch",
     "encode_event_map",
     "encode_event_array",
@@ -455,6 +456,12 @@ def encode_batch(
     if dp_rank is not None:
         body.append(dp_rank)
     return pack(body)
+
+
+def event_blocks(events: list[KvEvent]) -> int:
+    """The blocks ``events`` name, each event at least 1 (the unit of
+    :func:`mesh.protocol.kv_block_count`, for decoded events)."""
+    return sum(len(getattr(e, "block_hashes", ())) or 1 for e in events)
 
 
 def split_events(events: list[KvEvent], max_tokens: int, max_hashes: int = 16_384,

@@ -145,7 +145,7 @@ def test_kv_from_an_unregistered_peer_is_not_decoded():
 def test_split_events_bounds_blocks_and_keeps_chains():
     ev = KV.BlockStored(tuple(range(1, 11)), None, tuple(range(10 * 4)), 4)
     parts = KV.split_events([KV.AllBlocksCleared(), ev, KV.BlockRemoved(tuple(range(7)))], max_tokens=1 << 30, max_blocks=4)
-    counts = [sum(len(getattr(e, "block_hashes", ())) or 1 for e in p) for p in parts]
+    counts = [KV.event_blocks(p) for p in parts]
     assert max(counts) <= 4 and sum(counts) == 1 + 10 + 7
     stored = [e for p in parts for e in p if type(e) is KV.BlockStored]
     assert [h for e in stored for h in e.block_hashes] == list(range(1, 11))

@@ -454,7 +454,7 @@ class KvRelay:
         ids, a large ``max_batch_tokens``) is split in halves by blocks instead."""
         wire = [KV.encode_event_map(e) for e in chunk]
         frames = P.encode_kv_events(rs.rank, rs.epoch, rs.mesh_seq, ts, wire)
-        blocks = sum(len(getattr(e, "block_hashes", ())) or 1 for e in chunk)
+        blocks = KV.event_blocks(chunk)
         if len(frames[2]) > P.MAX_KV_BATCH_BYTES and blocks > 1:
             self.counters["relay_resplit"] += 1
             for part in split_events(chunk, self.max_batch_tokens, max_blocks=blocks // 2):

@@ -220,7 +220,7 @@ class KvIngest:
                 if bs is None:
                     break
                 self.apply(stream, piece, bs)
-            yield sum(len(getattr(e, "block_hashes", ())) or 1 for e in piece)
+            yield KV.event_blocks(piece)
         return why
 
     def _pieces(self, raw: list, step_blocks: int):
