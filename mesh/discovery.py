@@ -23,8 +23,10 @@ context, 261 link tasks died and the real broker, sorting last, was never reache
   sample at a time until its live brokers are found;
 * every follower on one ZeroMQ context shares its socket budget (:func:`link_budget`): a link
   that does not fit is not opened (counted, logged), it never dies trying;
-* a broker that left the answer is drained, not dropped: no new work, its streams finish, and
-  the link closes only when it really fails (a name whose answer flaps loses no request).
+* a broker that left the answer is not dropped: its link stays as it is, and if the broker is
+  still missing after :data:`DRAIN_AFTER_REFRESHES` refreshes the link is drained (no new work,
+  its streams finish); it closes only when it really fails (a name whose answer flaps loses no
+  request, and does not drain a fleet at every flap).
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ from typing import Any, Iterable, Mapping
 
 from mesh.errors import ConfigError
 
-__all__ = ["DNS_SCHEME", "MAX_FOLLOWED", "LINK_SOCKETS", "is_dns", "parse_dns", "endpoints_for", "Resolver",
+__all__ = ["DNS_SCHEME", "MAX_FOLLOWED", "DRAIN_AFTER_REFRESHES", "LINK_SOCKETS", "is_dns", "parse_dns", "endpoints_for", "Resolver",
            "check_endpoint", "choose_endpoints", "LinkBudget", "link_budget"]
 
 DNS_SCHEME = "dns+tcp://"
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 MAX_FOLLOWED = 64  # addresses of one dns+tcp:// name followed at a time
+DRAIN_AFTER_REFRESHES = 3  # a linked broker missing from this many answers in a row is drained
 LINK_SOCKETS = 3  # ZeroMQ sockets one broker link holds (its DEALER, the monitor's pair)
 _RESERVED_SOCKETS = 64  # of a context's MAX_SOCKETS, left to everything that is not a broker link
 

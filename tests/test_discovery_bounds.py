@@ -111,15 +111,18 @@ def test_a_400_address_answer_kills_no_link_and_the_broker_sorting_last_register
 
 def test_an_answer_that_drops_the_broker_every_other_refresh_fails_no_request(procs):
     """Before: the worker said goodbye whenever the broker left the answer: 16 % of requests
-    failed mid-stream. Now the link is drained (streams finish) and undrained when it comes
-    back."""
+    failed mid-stream. Now a flapping answer changes nothing (no drain: the fleet is not drained
+    at every flap); a broker gone for ``DRAIN_AFTER_REFRESHES`` answers is drained, its stream
+    finishes there, and it is undrained when it comes back."""
     port = free_port("127.0.0.1")
     b = procs.broker("b", "--heartbeat-ms", "200", backend=f"tcp://127.0.0.1:{port}")
-    flip = {"n": 0}
+    state = {"n": 0, "mode": "flap"}
 
     def answer():
-        flip["n"] += 1
-        return ["127.0.0.1"] if flip["n"] % 2 else []
+        state["n"] += 1
+        if state["mode"] == "gone":
+            return []
+        return ["127.0.0.1"] if state["mode"] == "back" or state["n"] % 2 else []
 
     settings = build(WorkerSettings, {"brokers": (f"dns+tcp://brokers.test:{port}",), "heartbeat_ms": 200,
                                       "discovery_refresh_s": 0.1, "time_scale": 1.0})
@@ -129,21 +132,31 @@ def test_an_answer_that_drops_the_broker_every_other_refresh_fails_no_request(pr
         task = asyncio.create_task(w.run())
         try:
             async with Client(b.frontend) as c:
-                await until(lambda: c.status(), 20, "broker up")
 
-                async def one(i: int):
-                    r = await c.generate(input_ids=[1, 2, i], max_new_tokens=96, deadline_ms=30_000, stream=True)
-                    return r.finish_reason
+                async def one(i: int, n: int = 96):
+                    r = await c.generate(input_ids=[1, 2, i], max_new_tokens=n, deadline_ms=30_000, stream=True)
+                    assert len(r.token_ids) == n
+                    return r
 
                 results: list = []
-                while flip["n"] < 10:  # rounds of streams until the answer flapped under them several times
+                while state["n"] < 10:  # rounds of streams until the answer flapped under them several times
                     results += await asyncio.gather(*(one(len(results) + i) for i in range(8)), return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                assert failed == [], failed[:3]
+                assert w.api.discovery_stats["drained"] == 0, w.api.discovery_stats
+                # gone for good: drained while a long stream runs on it, which still finishes
+                long = asyncio.create_task(one(999, 400))
+                await until(lambda: w.api.links and c.open_streams, 10, "the long stream under way")
+                state["mode"] = "gone"
+                await until(lambda: w.api.discovery_stats["drained"] == 1, 20, "drained once gone for good")
+                assert (await long).finish_reason == "length"
+                state["mode"] = "back"
+                await until(lambda: w.api.discovery_stats["undrained"] == 1, 20, "undrained when back")
+                await until(lambda: c.status(), 5, "status")
+                assert (await one(1000, 4)).worker == "flappy"
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        assert failed == [], failed[:3]
-        assert w.api.discovery_stats["drained"] >= 1 and w.api.discovery_stats["undrained"] >= 1, w.api.discovery_stats
 
     run(body(), 90)
 
@@ -196,3 +209,33 @@ def test_worker_api_dedups_its_broker_list():
         assert api.brokers == ("tcp://127.0.0.1:1",)
     finally:
         ctx.term()
+
+
+def test_a_client_following_a_flapping_answer_fails_no_stream(procs):
+    """The client side of a flapping answer: a stream under way on a broker that left the answer
+    finishes there (before: failed ``unavailable`` mid-stream); what has not streamed yet is
+    resubmitted as before."""
+    port = free_port("127.0.0.1")
+    b = procs.broker("b", "--heartbeat-ms", "200", frontend=f"tcp://127.0.0.1:{port}")
+    procs.workers("w", [b.backend], "--heartbeat-ms", "200", count=1)
+    flip = {"n": 0}
+
+    def answer():
+        flip["n"] += 1
+        return ["127.0.0.1"] if flip["n"] % 2 else []
+
+    async def body():
+        async with Client(f"dns+tcp://brokers.test:{port}", discovery_refresh_s=0.1, resolver=Answers(answer)) as c:
+
+            async def one(i: int):
+                r = await c.generate(input_ids=[1, 2, i], max_new_tokens=64, deadline_ms=30_000, stream=True)
+                assert len(r.token_ids) == 64
+                return r
+
+            results: list = []
+            while flip["n"] < 10:
+                results += await asyncio.gather(*(one(len(results) + i) for i in range(8)), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed == [], failed[:3]
+
+    run(body(), 90)

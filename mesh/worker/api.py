@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 import zmq.asyncio
 
 from mesh import protocol as P
-from mesh.discovery import MAX_FOLLOWED, Resolver, choose_endpoints, endpoints_for, is_dns, link_budget, parse_dns
+from mesh.discovery import DRAIN_AFTER_REFRESHES, MAX_FOLLOWED, Resolver, choose_endpoints, endpoints_for, is_dns, link_budget, parse_dns
 from mesh.load import LoadStat
 from mesh.logs import get_logger
 from mesh.retry import RetryPolicy
@@ -54,7 +54,8 @@ class WorkerAPI:
     A ``dns+tcp://NAME:PORT`` broker is every address NAME resolves to, re-resolved every
     ``discovery_refresh_s`` through ``resolver`` (:mod:`mesh.discovery`): links open to brokers
     that appear, at most ``max_followed`` per name and within the context's shared link budget;
-    a broker that left the answer is drained (no new work, its streams finish) and its link
+    a broker that left the answer keeps its link as it is, and one still gone after
+    ``DRAIN_AFTER_REFRESHES`` refreshes is drained (no new work, its streams finish); its link
     closes only when it really fails; one that comes back is undrained (READY again).
     ``discovery_stats`` counts ``links_refused`` (no room in the budget), ``drained``,
     ``undrained``, ``rotated_out`` and ``retired``.
@@ -90,6 +91,7 @@ class WorkerAPI:
         self.discovery_stats: Counter[str] = Counter()
         self._budget = link_budget(ctx, ctx.get(zmq.MAX_SOCKETS))
         self._retiring: set[str] = set()  # endpoints of links drained because their broker left the answer
+        self._absent: dict[str, int] = {}  # linked endpoints gone from the answer -> refreshes since
         self._rng = random.Random()
         self.worker_id = worker_id
         self.capabilities = capabilities
@@ -149,6 +151,7 @@ class WorkerAPI:
 
     def _close_link(self, ep: str, *, say_goodbye: bool = True) -> None:
         self._retiring.discard(ep)
+        self._absent.pop(ep, None)
         for link in [lk for lk in self.links if lk.endpoint == ep]:
             self._conn_no[ep] = link.conn_no
             link.close(say_goodbye=say_goodbye)
@@ -193,12 +196,14 @@ class WorkerAPI:
     async def refresh_discovery(self) -> None:
         """Resolve every ``dns+tcp://`` broker now; open and close links to match (a failed
         resolution keeps the last set: a DNS outage must not disconnect a fleet)."""
+        answered = True
         for spec in self.brokers:
             if not is_dns(spec):
                 continue
             name, port = parse_dns(spec)
             addrs = await self.resolver.resolve(name)
             if addrs is None:
+                answered = False
                 self.log.warning("discovery_failed", broker=spec, kept=len(self.discovered.get(spec, ())))
                 continue
             answer = endpoints_for(port, addrs)
@@ -212,10 +217,29 @@ class WorkerAPI:
             if not self._connected:
                 continue  # disconnected on purpose: connect() opens them
             keep = {e for s in self.brokers for e in (self.discovered.get(s, ()) if is_dns(s) else (s,))}
+            in_answer = set(answer)
             for e in set(old) - keep:  # first: their room in the budget goes to the new ones
-                self._drain_link(e)
+                if e in in_answer:
+                    self._drain_link(e)  # rotated out of the sample
+                else:
+                    self._absent.setdefault(e, 0)  # gone from the answer: drained if it stays away
             for e in new:
                 self._follow(e)
+        if answered:  # (an outage is no answer: it counts nobody absent)
+            self._count_absent()
+
+    def _count_absent(self) -> None:
+        """Once per refresh: links whose broker is back forget their absence; one missing from
+        ``DRAIN_AFTER_REFRESHES`` answers in a row is drained (a flapping answer drains nothing)."""
+        keep = {e for s in self.brokers for e in (self.discovered.get(s, ()) if is_dns(s) else (s,))}
+        for e in list(self._absent):
+            if e in keep:
+                del self._absent[e]
+                continue
+            self._absent[e] += 1
+            if self._absent[e] >= DRAIN_AFTER_REFRESHES:
+                del self._absent[e]
+                self._drain_link(e)
 
     async def _discovery_loop(self) -> None:
         while True:
@@ -232,6 +256,7 @@ class WorkerAPI:
             self._budget.give()
         self.links = []
         self._retiring.clear()
+        self._absent.clear()
         self._link_tasks = [t for t in self._link_tasks if not t.done()]
 
     def drain(self) -> None:
