@@ -239,3 +239,26 @@ def test_a_client_following_a_flapping_answer_fails_no_stream(procs):
         assert failed == [], failed[:3]
 
     run(body(), 90)
+
+
+def test_an_answer_that_is_not_addresses_keeps_the_worker_following():
+    """A hostile or broken resolver (names, garbage, a huge answer of one address repeated): the
+    discovery task survives, counts it, and follows the next good answer."""
+    answers = iter([["not-an-ip", "127.0.0.1"], ["127.0.0.1"] * 10_000, ["127.0.0.2"]])
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        api = WorkerAPI(ctx, ["dns+tcp://brokers.test:1"], "w", lambda: Capabilities(model="m"), on_message=lambda *a: None,
+                        on_session_lost=lambda *a: None, load=lambda: [], discovery_refresh_s=0.05,
+                        resolver=Answers(lambda: next(answers, ["127.0.0.2"])))
+        api.connect()
+        try:
+            await until(lambda: api.discovered.get("dns+tcp://brokers.test:1") == ["tcp://127.0.0.2:1"], 10, "the good answer")
+            assert api.discovery_stats["refresh_failed"] == 1
+            assert not api._dns_task.done()
+            assert [lk.endpoint for lk in api.links] == ["tcp://127.0.0.2:1"]  # (the other never registered: closed)
+        finally:
+            await api.aclose(say_goodbye=False)
+            ctx.destroy(linger=0)
+
+    run(body(), 30)

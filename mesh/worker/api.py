@@ -58,7 +58,8 @@ class WorkerAPI:
     ``DRAIN_AFTER_REFRESHES`` refreshes is drained (no new work, its streams finish); its link
     closes only when it really fails; one that comes back is undrained (READY again).
     ``discovery_stats`` counts ``links_refused`` (no room in the budget), ``drained``,
-    ``undrained``, ``rotated_out`` and ``retired``.
+    ``undrained``, ``rotated_out``, ``retired`` and ``refresh_failed`` (an answer that is not
+    addresses: the last set is kept).
     """
 
     def __init__(
@@ -218,9 +219,10 @@ class WorkerAPI:
                 continue  # disconnected on purpose: connect() opens them
             keep = {e for s in self.brokers for e in (self.discovered.get(s, ()) if is_dns(s) else (s,))}
             in_answer = set(answer)
+            registered = {lk.endpoint for lk in self.links if lk.registered}
             for e in set(old) - keep:  # first: their room in the budget goes to the new ones
-                if e in in_answer:
-                    self._drain_link(e)  # rotated out of the sample
+                if e in in_answer or e not in registered:
+                    self._drain_link(e)  # rotated out of the sample, or never registered (holds nothing): closed
                 else:
                     self._absent.setdefault(e, 0)  # gone from the answer: drained if it stays away
             for e in new:
@@ -243,7 +245,11 @@ class WorkerAPI:
 
     async def _discovery_loop(self) -> None:
         while True:
-            await self.refresh_discovery()
+            try:
+                await self.refresh_discovery()
+            except Exception as exc:  # noqa: BLE001 - an odd answer (not an address) must not stop the following
+                self.discovery_stats["refresh_failed"] += 1
+                self.log.error("discovery_refresh_failed", error=repr(exc)[:300])
             await asyncio.sleep(self.discovery_refresh_s)
 
     def disconnect(self, *, say_goodbye: bool = True) -> None:
