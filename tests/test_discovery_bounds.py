@@ -262,3 +262,16 @@ def test_an_answer_that_is_not_addresses_keeps_the_worker_following():
             ctx.destroy(linger=0)
 
     run(body(), 30)
+
+
+def test_a_worker_that_is_leaving_is_not_undrained_by_a_broker_coming_back():
+    ctx = zmq.asyncio.Context()
+    try:
+        api = WorkerAPI(ctx, ["dns+tcp://brokers.test:1"], "w", lambda: Capabilities(model="m"), on_message=lambda *a: None,
+                        on_session_lost=lambda *a: None, load=lambda: [])
+        api._retiring.add("tcp://127.0.0.2:1")  # drained when its broker left the answer
+        api.drain()  # then the worker starts leaving
+        api._follow("tcp://127.0.0.2:1")  # the broker is back in the answer
+        assert api.discovery_stats["undrained"] == 0 and "tcp://127.0.0.2:1" in api._retiring
+    finally:
+        ctx.term()

@@ -94,6 +94,7 @@ class WorkerAPI:
         self._retiring: set[str] = set()  # endpoints of links drained because their broker left the answer
         self._absent: dict[str, int] = {}  # linked endpoints gone from the answer -> refreshes since
         self._rng = random.Random()
+        self._draining = False  # drain() was called: no broker is undrained any more
         self.worker_id = worker_id
         self.capabilities = capabilities
         self.on_message = on_message
@@ -150,12 +151,13 @@ class WorkerAPI:
         self.links.append(link)
         self._link_tasks.append(self._task(link.run(), f"link-{ep}"))
 
-    def _close_link(self, ep: str, *, say_goodbye: bool = True) -> None:
+    def _close_link(self, ep: str) -> None:
+        """Close the link to ``ep`` without a goodbye (it holds nothing, or its broker is gone)."""
         self._retiring.discard(ep)
         self._absent.pop(ep, None)
         for link in [lk for lk in self.links if lk.endpoint == ep]:
             self._conn_no[ep] = link.conn_no
-            link.close(say_goodbye=say_goodbye)
+            link.close(say_goodbye=False)
             self.links.remove(link)
             self._budget.give()
 
@@ -166,7 +168,7 @@ class WorkerAPI:
         if link.endpoint in self._retiring and link in self.links:
             self.discovery_stats["retired"] += 1
             self.log.info("broker_link_retired", broker=link.endpoint, reason=why)
-            self._close_link(link.endpoint, say_goodbye=False)
+            self._close_link(link.endpoint)
 
     def _drain_link(self, ep: str) -> None:
         """The broker at ``ep`` left the answer: a registered link is drained (no new work, its
@@ -177,7 +179,7 @@ class WorkerAPI:
             return
         if not link.registered:
             self.discovery_stats["rotated_out"] += 1
-            self._close_link(ep, say_goodbye=False)
+            self._close_link(ep)
             return
         self._retiring.add(ep)
         self.discovery_stats["drained"] += 1
@@ -186,6 +188,8 @@ class WorkerAPI:
     def _follow(self, ep: str) -> None:
         """``ep`` is in the followed set: open its link, or undrain it (it came back)."""
         if ep in self._retiring:
+            if self._draining:
+                return  # leaving: stays drained
             self._retiring.discard(ep)
             self.discovery_stats["undrained"] += 1
             for link in self.links:
@@ -217,7 +221,7 @@ class WorkerAPI:
             self.discovered[spec] = new
             if not self._connected:
                 continue  # disconnected on purpose: connect() opens them
-            keep = {e for s in self.brokers for e in (self.discovered.get(s, ()) if is_dns(s) else (s,))}
+            keep = self._followed()
             in_answer = set(answer)
             registered = {lk.endpoint for lk in self.links if lk.registered}
             for e in set(old) - keep:  # first: their room in the budget goes to the new ones
@@ -230,10 +234,14 @@ class WorkerAPI:
         if answered:  # (an outage is no answer: it counts nobody absent)
             self._count_absent()
 
+    def _followed(self) -> set[str]:
+        """Every endpoint followed now: the fixed ones and the last choice of each name."""
+        return {e for s in self.brokers for e in (self.discovered.get(s, ()) if is_dns(s) else (s,))}
+
     def _count_absent(self) -> None:
         """Once per refresh: links whose broker is back forget their absence; one missing from
         ``DRAIN_AFTER_REFRESHES`` answers in a row is drained (a flapping answer drains nothing)."""
-        keep = {e for s in self.brokers for e in (self.discovered.get(s, ()) if is_dns(s) else (s,))}
+        keep = self._followed()
         for e in list(self._absent):
             if e in keep:
                 del self._absent[e]
@@ -266,7 +274,9 @@ class WorkerAPI:
         self._link_tasks = [t for t in self._link_tasks if not t.done()]
 
     def drain(self) -> None:
-        """Tell every broker this worker is draining: no new requests, in-flight ones finish."""
+        """Tell every broker this worker is draining: no new requests, in-flight ones finish
+        (for good: a broker that comes back in a DNS answer is not undrained)."""
+        self._draining = True
         self.broadcast(P.encode_disconnect(P.DRAINING))
 
     def broadcast(self, frames: list[bytes]) -> int:
