@@ -186,3 +186,13 @@ def test_the_relay_resplits_a_batch_whose_body_is_too_large():
     assert all(isinstance(m, P.KvEventsMsg) for m in sent), sent[:1]
     assert relay.counters["relay_resplit"] >= 1
     assert sum(m.blocks for m in sent) == n + 1
+
+
+def test_a_queued_batch_of_a_worker_that_left_is_not_applied():
+    core = _core()
+    _kv(core, "flood", _batch(0, 1, 4, 2048))
+    core.worker_frames([b"flood", *P.encode_disconnect("worker_shutdown")], 100.1)
+    while core.kv_backlog:
+        _turn(core)
+    st = core.kv.kv_sink.index.stats()
+    assert st["entries"] == 0 and st["streams"] == 0, st

@@ -211,6 +211,8 @@ class KvIngest:
         why, first = None, True
         for piece in self._pieces(raw, step_blocks):
             if first:
+                if self.worker_block_size(worker_id) is None:
+                    break  # it left while the batch waited: no stream for a worker that is gone
                 first = False
                 why, applied = self.apply_batch(worker_id, dp_rank, epoch, seq, piece, now_s)
                 if not applied:
