@@ -184,6 +184,7 @@ _LOST_DRAIN_S = 0.2  # on a drop, replies already queued are read for at most th
 _OTHER_LINK_WAIT_S = 2.5
 # A link closed because its broker left DNS: queued CANCELs for its requests get this long to go.
 _RETIRE_LINGER_MS = 200
+_RETIRE_POLL_S = 0.05  # a retiring link with streams under way: how often it looks whether they ended
 
 
 @dataclass(eq=False)
@@ -330,9 +331,10 @@ class Client:
                 self._open_link(e)
             gone |= set(old) - set(new)
         keep = {e for s in self.endpoints for e in (self._discovered.get(s, ()) if is_dns(s) else (s,))}
-        retire = [link for link in self._links if link.endpoint in gone - keep]
-        if retire:
-            await asyncio.gather(*(self._retire(link) for link in retire))
+        for link in [link for link in self._links if link.endpoint in gone - keep]:
+            self._links.remove(link)  # no new requests there from now on
+            self._retiring.add(link)
+            self._tasks.append(asyncio.create_task(self._retire(link), name=f"mesh-client-retire-{link.endpoint}"))
 
     async def _discovery_loop(self) -> None:
         while True:
@@ -344,16 +346,21 @@ class Client:
             await asyncio.sleep(self.discovery_refresh_s)
 
     async def _retire(self, link: _Link) -> None:
-        """Close a link whose broker left DNS. New requests stop going there at once; replies
-        already queued are delivered; every request it still holds ends as on a lost connection
-        (``unavailable``: :meth:`generate` resubmits it elsewhere) and the broker, which may well
-        be alive (scaled down, draining), is sent a CANCEL for it."""
-        if link not in self._links:
-            return
-        self._links.remove(link)
-        self._retiring.add(link)
+        """Close a link whose broker left DNS (already out of the links: new requests stop going
+        there at once). Replies already queued are delivered; a request that has not streamed
+        yet ends as on a lost connection (``unavailable``: :meth:`generate` resubmits it
+        elsewhere) and the broker, which may well be alive (scaled down, draining), is sent a
+        CANCEL for it; a stream under way finishes where it is (a flapping answer must not cut
+        streams, issue 32) unless the connection drops or its deadline passes."""
         await self._drain_replies(link)
-        rids = self._fail_pending(link, f"broker {link.endpoint} left DNS before the reply")
+        why = f"broker {link.endpoint} left DNS before the reply"
+        started = {rid for rid in link.pending if (st := self._streams.get(rid)) is not None and st.chunks}
+        rids = self._fail_pending(link, why, keep=started)
+        if started:
+            t_end = max(self._streams[rid].deadline_s for rid in started) + _GRACE_S
+            while link.pending and link.up and self._state == "open" and time.monotonic() < t_end:
+                await asyncio.sleep(_RETIRE_POLL_S)
+            rids += self._fail_pending(link, why)
         for rid in rids:
             try:
                 send_frames(link.sock, P.encode_cancel(rid))
@@ -362,7 +369,8 @@ class Client:
         for t in link._tasks:
             t.cancel()
         await asyncio.gather(*link._tasks, return_exceptions=True)
-        self._tasks = [t for t in self._tasks if t not in link._tasks]
+        me = asyncio.current_task()
+        self._tasks = [t for t in self._tasks if t not in link._tasks and t is not me]
         self._close_sockets(link, linger_ms=_RETIRE_LINGER_MS if rids else 0)
         self._retiring.discard(link)
 
@@ -630,17 +638,18 @@ class Client:
         while link.pending and link.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < t_end:
             await asyncio.sleep(0.001)
 
-    def _fail_pending(self, link: _Link, why: str) -> list[str]:
-        """End every request ``link`` still holds with ``unavailable`` (resubmittable); their rids."""
+    def _fail_pending(self, link: _Link, why: str, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """End every request ``link`` still holds (but those in ``keep``) with ``unavailable``
+        (resubmittable); their rids."""
         failed = []
-        for rid in list(link.pending):
+        for rid in [r for r in link.pending if r not in keep]:
             st = self._streams.get(rid)
             self._forget(rid)
             if st is not None and not st._done:
                 self.lost_requests += 1
                 st._fail(error_for(ErrorCode.UNAVAILABLE, why, rid))
                 failed.append(rid)
-        link.pending.clear()
+        link.pending.intersection_update(keep)
         return failed
 
 

@@ -58,6 +58,8 @@ __all__ = [
     "EventBatch",
     "decode_event",
     "decode_events",
+    "split_events",
+    "event_blocks",
     "decode_batch",
     "encode_event_map",
     "encode_event_array",
@@ -454,3 +456,73 @@ def encode_batch(
     if dp_rank is not None:
         body.append(dp_rank)
     return pack(body)
+
+
+def event_blocks(events: list[KvEvent]) -> int:
+    """The blocks ``events`` name, each event at least 1 (the unit of
+    :func:`mesh.protocol.kv_block_count`, for decoded events)."""
+    return sum(len(getattr(e, "block_hashes", ())) or 1 for e in events)
+
+
+def split_events(events: list[KvEvent], max_tokens: int, max_hashes: int = 16_384,
+                 max_blocks: int | None = None) -> list[list[KvEvent]]:
+    """Cut an event list into batches of at most ``max_tokens`` stored tokens and, given
+    ``max_blocks``, at most that many blocks (each event counts its hashes, at least 1: the
+    unit of :func:`mesh.protocol.kv_block_count`); order kept.
+
+    A BlockStored larger than the budget is split into consecutive BlockStored events (the
+    parent of each piece is the last hash of the previous one); long BlockRemoved lists are split
+    at ``max_hashes`` (and at the block budget).
+    """
+    cap = max_blocks if max_blocks is not None else 1 << 62
+    out: list[list[KvEvent]] = []
+    cur: list[KvEvent] = []
+    used = 0
+    nb = 0  # blocks in cur
+
+    def room_blocks() -> int:
+        nonlocal cur, used, nb
+        if nb >= cap:
+            out.append(cur)
+            cur, used, nb = [], 0, 0
+        return cap - nb
+
+    for ev in events:
+        t = type(ev)
+        if t is BlockStored:
+            bs = ev.block_size
+            per = max(1, min(max_tokens // bs, max_hashes, cap))
+            hashes, toks, parent = ev.block_hashes, ev.token_ids, ev.parent_block_hash
+            i = 0
+            while i < len(hashes):
+                room = max(0, min((max_tokens - used) // bs, cap - nb))
+                if room == 0:
+                    out.append(cur)
+                    cur, used, nb = [], 0, 0
+                    room = per
+                n = min(room, per, len(hashes) - i)
+                last_piece = i + n >= len(hashes)
+                piece = BlockStored(hashes[i:i + n], parent, toks[i * bs:(i + n) * bs], bs, ev.medium, ev.lora_name,
+                                    ev.lookahead_token_id if last_piece else None, ev.cache_salt)
+                if n == len(hashes):
+                    piece = ev
+                cur.append(piece)
+                used += n * bs
+                nb += n
+                parent = hashes[i + n - 1]
+                i += n
+        elif t is BlockRemoved and len(ev.block_hashes) > min(max_hashes, cap - nb):
+            hs = ev.block_hashes
+            i = 0
+            while i < len(hs):
+                n = min(max_hashes, room_blocks(), len(hs) - i)
+                cur.append(BlockRemoved(hs[i:i + n], ev.medium))
+                nb += n
+                i += n
+        else:
+            room_blocks()
+            cur.append(ev)
+            nb += max(1, len(ev.block_hashes)) if t is BlockRemoved else 1
+    if cur:
+        out.append(cur)
+    return out

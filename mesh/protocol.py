@@ -109,7 +109,11 @@ HEARTBEAT   0x02  both    w->b: ``load`` list of LoadStat tagged arrays, one per
 KV_EVENTS   0x03  w->b    ``dp_rank`` int, ``epoch`` int, ``seq`` int >= 0 (per (worker,
                           rank), +1 per batch), ``ts`` float, ``events`` list of SGLang
                           tagged-map events (``BlockStored`` / ``BlockRemoved`` /
-                          ``AllBlocksCleared``, :mod:`mesh.kv_events`).
+                          ``AllBlocksCleared``, :mod:`mesh.kv_events`). At most
+                          ``MAX_KV_BATCH_BLOCKS`` blocks (each event counts its hashes, at
+                          least 1) in a body of at most ``MAX_KV_BATCH_BYTES``; a larger batch
+                          is refused at decode (``kv_batch_too_large``, counted; the body is
+                          not unpacked when its bytes are over): senders slice by blocks.
 REQUEST     0x04  b->w    ``rid`` int (broker-assigned), ``attempt`` int >= 1, ``deadline_ms``
                           int > 0 (remaining budget), ``client_rid`` str (for logs),
                           ``bootstrap`` map or nil (prefill/decode handoff); optional ``lora``
@@ -242,6 +246,9 @@ __all__ = [
     "MAX_EXCHANGE_BYTES",
     "MAX_EXCHANGE_ROUTES",
     "MAX_ROUTE_ANCHORS",
+    "MAX_KV_BATCH_BLOCKS",
+    "MAX_KV_BATCH_BYTES",
+    "kv_block_count",
     "PeerLoad",
     "encode_peer_load",
     "decode_exchange",
@@ -287,6 +294,11 @@ MAX_ROUTE_ANCHORS = 64
 MAX_SESSION_BYTES = 256  # a SUBMIT's ``session`` key
 MAX_EXCHANGE_SESSIONS = 512  # session pins per exchange message (~140 KiB at most)
 MAX_SESSION_AGE_MS = 2**31 - 1
+# KV_EVENTS: the largest batch a worker may send (larger ones cost the broker's loop, and so every
+# other client, time in one piece). 8,192 blocks of 16 tokens at up to 5 msgpack
+# bytes each stay under MAX_KV_BATCH_BYTES; the adapter's relay and the stub slice by blocks.
+MAX_KV_BATCH_BLOCKS = 8192
+MAX_KV_BATCH_BYTES = 1024 * 1024
 _U64 = (1 << 64) - 1
 
 # Pass-through (SUBMIT ``passthrough``): the engine endpoints a worker may be asked to call, and
@@ -853,6 +865,7 @@ class KvEventsMsg:
     ts: float
     events: list[Any]  # raw SGLang map-form events; decoded by mesh.kv_events
     raw: bytes  # the body as received (forwarded to an external indexer verbatim)
+    blocks: int = 0  # what the batch costs: its blocks (:func:`kv_block_count`), set at decode
 
 
 @dataclass(slots=True)
@@ -1020,6 +1033,17 @@ def _parse_ready(d: dict) -> Ready:
     )
 
 
+def kv_block_count(events: list) -> int:
+    """The blocks a list of wire KV events names: each event its ``block_hashes`` (map form) or
+    position 1 (array form), and at least 1 (an ``AllBlocksCleared``, a malformed event).
+    The unit of KV work: batches are bounded, sliced and budgeted by it. Never raises."""
+    n = 0
+    for ev in events:
+        hs = ev.get("block_hashes") if type(ev) is dict else ev[1] if type(ev) is list and len(ev) > 1 else None
+        n += max(1, len(hs)) if type(hs) is list else 1
+    return n
+
+
 def decode_worker(frames: list[bytes]):
     """Decode what a worker sent to the broker (identity stripped). Never raises.
 
@@ -1048,6 +1072,8 @@ def decode_worker(frames: list[bytes]):
             return WorkerFinal(rid, attempt, _str(d, "finish_reason", max_bytes=256), _usage(d), data)
         if n != 3:
             raise ProtocolError("bad_frame_count", f"{n} frames for {cmd.name}")
+        if cmd is Cmd.KV_EVENTS and len(body) > MAX_KV_BATCH_BYTES:  # refused before unpacking it
+            raise ProtocolError("kv_batch_too_large", f"KV_EVENTS body of {len(body)} bytes > {MAX_KV_BATCH_BYTES}")
         d = _map(unpack(body))
         if cmd is Cmd.HEARTBEAT:
             load = d.get("load")
@@ -1061,8 +1087,11 @@ def decode_worker(frames: list[bytes]):
             events = d.get("events")
             if type(events) is not list:
                 raise ProtocolError("bad_field", "events must be a list")
+            blocks = kv_block_count(events)
+            if blocks > MAX_KV_BATCH_BLOCKS:
+                raise ProtocolError("kv_batch_too_large", f"KV_EVENTS of {blocks} blocks > {MAX_KV_BATCH_BLOCKS}")
             return KvEventsMsg(
-                _int(d, "dp_rank", hi=1023), _int(d, "epoch"), _int(d, "seq"), _float(d, "ts", required=False), events, body
+                _int(d, "dp_rank", hi=1023), _int(d, "epoch"), _int(d, "seq"), _float(d, "ts", required=False), events, body, blocks
             )
         if cmd is Cmd.READY:
             return _parse_ready(d)

@@ -111,7 +111,9 @@ def test_kv_flood_then_close_does_not_kill_the_broker_nor_expire_healthy_workers
         assert r.finish_reason == "length"
         st = await until(lambda: _kv_done(b.frontend), timeout_s=40, what="KV backlog processed")
         c = st.counters
-        assert c.get("workers.expired", 0) == 0, c  # the real worker was never expired
+        # the real worker was never expired (the attacker, gone silent, may be: with oversize
+        # batches refused at decode since issue 32 the broker gets there in time)
+        assert c.get("workers.expired", 0) <= 1, c
         assert c.get("workers.registered") == 2, c  # nor re-registered (flapping)
         assert (await _one(b.frontend)).worker == "w"
 
@@ -133,8 +135,10 @@ async def _until_served(frontend: str, timeout_s: float = 20.0):
 
 
 async def _kv_done(frontend: str):
+    """All ten batches handled: applied, or (issue 32: over MAX_KV_BATCH_BLOCKS) refused at decode."""
     st = await status(frontend)
-    return st if st.counters.get("kv.batches", 0) >= 10 else None
+    c = st.counters
+    return st if c.get("kv.batches", 0) + c.get("frames_rejected.worker.kv_batch_too_large", 0) >= 10 else None
 
 
 # --------------------------------------------------------------------------- 2. injection

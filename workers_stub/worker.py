@@ -24,6 +24,7 @@ import zmq.asyncio
 from mesh import kv_events as KV
 from mesh import protocol as P
 from mesh.config import WorkerSettings
+from mesh.discovery import Resolver
 from mesh.engine_model import EngineConfig, EngineModel
 from mesh.errors import ErrorCode
 from mesh.hashing import text_to_tokens
@@ -89,6 +90,7 @@ class SimWorker:
         stream_interval: int = 1,
         fail_transfer_every: int = 0,
         fail_requests_every: int = 0,
+        resolver: Resolver | None = None,
     ) -> None:
         self.s = settings
         self.worker_id = worker_id
@@ -118,7 +120,8 @@ class SimWorker:
                              on_session_lost=self._on_session_lost, load=lambda: [self.engine.load_stat(now_s=self._now())],
                              heartbeat_ms=settings.heartbeat_ms, liveness=settings.liveness,
                              reconnect_base_ms=settings.reconnect_base_ms, reconnect_cap_ms=settings.reconnect_cap_ms,
-                             curve=curve, kv_events_to=kv_events_to, discovery_refresh_s=settings.discovery_refresh_s)
+                             curve=curve, kv_events_to=kv_events_to, discovery_refresh_s=settings.discovery_refresh_s,
+                             resolver=resolver)
         self.served = 0
 
     @property
@@ -317,5 +320,7 @@ class SimWorker:
             self._send_kv(events)
 
     def _send_kv(self, events: list[KV.KvEvent]) -> None:
-        """Send one KV_EVENTS batch (the API fans it out to the brokers)."""
-        self.api.publish_kv([KV.encode_event_map(e) for e in events])
+        """Send ``events`` as KV_EVENTS batches of at most ``MAX_KV_BATCH_BLOCKS`` blocks (brokers
+        refuse larger ones; the API fans each out to the brokers)."""
+        for chunk in KV.split_events(events, 1 << 62, 1 << 62, max_blocks=P.MAX_KV_BATCH_BLOCKS) or [[]]:
+            self.api.publish_kv([KV.encode_event_map(e) for e in chunk])

@@ -28,7 +28,8 @@ KV events (``worker-telemetry.md`` §1-§6, §15-§16), per DP rank (:class:`KvR
   cache state (as far as the server's replay buffer reaches).
 * Relayed batches carry the adapter's own per-rank ``seq`` (contiguous per epoch) and tagged-map
   events (:func:`mesh.kv_events.encode_event_map`), split so no batch exceeds
-  ``max_batch_tokens`` tokens.
+  ``max_batch_tokens`` tokens nor :data:`mesh.protocol.MAX_KV_BATCH_BLOCKS` blocks (brokers
+  refuse larger ones), and halved again if its body would still pass ``MAX_KV_BATCH_BYTES``.
 
 Mirror and resync: the adapter keeps a :class:`BlockMirror` per rank (engine hash -> parent and
 tokens, built from the events it relayed). A broker RESYNC for rank r, and every (re)registration
@@ -48,6 +49,7 @@ import zmq.asyncio
 
 from mesh import kv_events as KV
 from mesh import protocol as P
+from mesh.kv_events import split_events
 from mesh.errors import ProtocolError
 from mesh.logs import RateLimiter, get_logger
 from mesh.sockets import SocketSpec, make_socket, recv_frames, socket_readable
@@ -74,50 +76,6 @@ class KvSend(Protocol):
     """The relay's way out: deliver one encoded KV_EVENTS message of ``rank`` to the brokers."""
 
     def __call__(self, rank: int, frames: list[bytes]) -> None: ...
-
-
-def split_events(events: list[KV.KvEvent], max_tokens: int, max_hashes: int = 16_384) -> list[list[KV.KvEvent]]:
-    """Cut an event list into batches of at most ``max_tokens`` stored tokens (order kept).
-
-    A BlockStored larger than the budget is split into consecutive BlockStored events (the
-    parent of each piece is the last hash of the previous one); long BlockRemoved lists are split
-    at ``max_hashes``.
-    """
-    out: list[list[KV.KvEvent]] = []
-    cur: list[KV.KvEvent] = []
-    used = 0
-    for ev in events:
-        t = type(ev)
-        if t is KV.BlockStored:
-            bs = ev.block_size
-            per = max(1, min(max_tokens // bs, max_hashes))
-            hashes, toks, parent = ev.block_hashes, ev.token_ids, ev.parent_block_hash
-            i = 0
-            while i < len(hashes):
-                room = max(0, (max_tokens - used) // bs)
-                if room == 0:
-                    out.append(cur)
-                    cur, used = [], 0
-                    room = per
-                n = min(room, per, len(hashes) - i)
-                last_piece = i + n >= len(hashes)
-                piece = KV.BlockStored(hashes[i:i + n], parent, toks[i * bs:(i + n) * bs], bs, ev.medium, ev.lora_name,
-                                       ev.lookahead_token_id if last_piece else None, ev.cache_salt)
-                if n == len(hashes):
-                    piece = ev
-                cur.append(piece)
-                used += n * bs
-                parent = hashes[i + n - 1]
-                i += n
-        elif t is KV.BlockRemoved and len(ev.block_hashes) > max_hashes:
-            hs = ev.block_hashes
-            for i in range(0, len(hs), max_hashes):
-                cur.append(KV.BlockRemoved(hs[i:i + max_hashes], ev.medium))
-        else:
-            cur.append(ev)
-    if cur:
-        out.append(cur)
-    return out
 
 
 class BlockMirror:
@@ -488,13 +446,24 @@ class KvRelay:
             self._relay(rs, batch.ts, events)
 
     def _relay(self, rs: RankStream, ts: float, events: list[KV.KvEvent]) -> None:
-        for chunk in split_events(events, self.max_batch_tokens):
-            wire = [KV.encode_event_map(e) for e in chunk]
-            frames = P.encode_kv_events(rs.rank, rs.epoch, rs.mesh_seq, ts, wire)
-            rs.mesh_seq += 1
-            self.counters["relayed_batches"] += 1
-            self.counters["relayed_events"] += len(chunk)
-            self.send(rs.rank, frames)
+        for chunk in split_events(events, self.max_batch_tokens, max_blocks=P.MAX_KV_BATCH_BLOCKS):
+            self._relay_chunk(rs, ts, chunk)
+
+    def _relay_chunk(self, rs: RankStream, ts: float, chunk: list[KV.KvEvent]) -> None:
+        """Send one chunk as the next batch; a body over ``MAX_KV_BATCH_BYTES`` (long token
+        ids, a large ``max_batch_tokens``) is split in halves by blocks instead."""
+        wire = [KV.encode_event_map(e) for e in chunk]
+        frames = P.encode_kv_events(rs.rank, rs.epoch, rs.mesh_seq, ts, wire)
+        blocks = KV.event_blocks(chunk)
+        if len(frames[2]) > P.MAX_KV_BATCH_BYTES and blocks > 1:
+            self.counters["relay_resplit"] += 1
+            for part in split_events(chunk, self.max_batch_tokens, max_blocks=blocks // 2):
+                self._relay_chunk(rs, ts, part)
+            return
+        rs.mesh_seq += 1
+        self.counters["relayed_batches"] += 1
+        self.counters["relayed_events"] += len(chunk)
+        self.send(rs.rank, frames)
 
     def _lost(self, rs: RankStream, why: str, **kw) -> None:
         self.counters["history_lost"] += 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from mesh import protocol as P
-from mesh.discovery import check_endpoint
+from mesh.discovery import MAX_FOLLOWED, check_endpoint
 from mesh.errors import ConfigError
 
 __all__ = ["AttachSettings"]
@@ -68,6 +68,8 @@ class AttachSettings:
             raise ConfigError("brokers: at least one --broker endpoint is required")
         for b in self.brokers:
             check_endpoint(b, "brokers")  # a ZeroMQ endpoint, or dns+tcp://NAME:PORT (mesh.discovery)
+        if len(set(self.brokers)) > MAX_FOLLOWED:  # each is a link (3 sockets): bounded like a DNS answer
+            raise ConfigError(f"brokers: at most {MAX_FOLLOWED} distinct --broker endpoints, got {len(set(self.brokers))}")
         if self.role not in P.ROLES:
             raise ConfigError(f"role: must be one of {P.ROLES}")
         for name in ("kv_endpoint", "replay_endpoint", "load_endpoint"):

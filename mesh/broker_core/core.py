@@ -60,6 +60,7 @@ from mesh.routing.view import WorkerState
 __all__ = ["BrokerCore"]
 
 _R = RequestState
+_KV_EVENTS_CMD = bytes([P.Cmd.KV_EVENTS])
 
 
 class BrokerCore:
@@ -358,11 +359,29 @@ class BrokerCore:
             self.stats.frames_rejected[("worker", "bad_frame_count")] += 1
             return
         ident = frames[0]
+        if len(frames) == 4 and frames[2] == _KV_EVENTS_CMD:  # KV work is budgeted before it is decoded
+            sess = self.pool.by_identity.get(ident)
+            if sess is None:
+                self._unregistered(ident, now)
+                return
+            self._alive(sess, now)  # any inbound message is liveness, a refused batch too
+            if not self.kv.admit(sess, now):
+                return
         msg = P.decode_worker(frames[1:])
         if isinstance(msg, ProtocolError):
             self._reject("worker", msg, ident)
             return
         self.worker_message(ident, msg, now, peer_key)
+
+    def _alive(self, sess: WorkerSession, now: float) -> None:
+        sess.expiry_s = now + self.workers.expiry_s(sess)
+        sess.last_seen_s = now
+
+    def _unregistered(self, ident: bytes, now: float) -> None:
+        """Unknown peer (e.g. we restarted and its TCP connection came back): ask it to re-register."""
+        self.stats.frames_rejected[("worker", "unregistered_peer")] += 1
+        if self._limiter.allow(("unregistered_reply", ident), now):  # at most once a second per peer
+            self._out.to_worker(ident, P.encode_disconnect("not registered; send READY"))
 
     def worker_message(self, ident: bytes, msg: Any, now: float, peer_key: bytes | None = None) -> None:
         """A decoded worker message (the simulator's workers hand these over without encoding)."""
@@ -372,13 +391,9 @@ class BrokerCore:
             if isinstance(msg, P.Ready):
                 self._on_ready(ident, msg, now, peer_key)
             elif not isinstance(msg, P.Disconnect):
-                # Unknown peer (e.g. we restarted and its TCP connection came back): ask it to re-register.
-                self.stats.frames_rejected[("worker", "unregistered_peer")] += 1
-                if self._limiter.allow(("unregistered_reply", ident), now):  # at most once a second per peer
-                    self._out.to_worker(ident, P.encode_disconnect("not registered; send READY"))
+                self._unregistered(ident, now)
             return
-        sess.expiry_s = now + self.workers.expiry_s(sess)
-        sess.last_seen_s = now
+        self._alive(sess, now)
         t = type(msg)
         if sess.status is SessionState.REGISTERED and t is not P.Disconnect:
             self.workers.confirm(sess)  # (a first message that says goodbye confirms nothing)
@@ -405,6 +420,9 @@ class BrokerCore:
                 # The same registration again (a worker that missed our first heartbeat, or one
                 # that re-sent READY after a stall): acknowledge it, keep its requests and index.
                 self.stats.workers["ready_repeated"] += 1
+                if sess.draining and sess.drained_by == "worker":  # it drained itself and is back (DNS: issue 32)
+                    self.pool.undrain(sess)
+                    self.stats.workers["undrained_by_worker"] += 1
                 self._out.to_worker(ident, P.encode_heartbeat())
                 return
             # A different identity on a live session is a protocol violation: make it start over.

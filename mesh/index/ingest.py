@@ -18,7 +18,11 @@ One implementation shared by the routers' event-fed provider
   namespace's root key (:mod:`mesh.namespaces`);
 * **tiers**: stores and removals carry the engine's ``medium`` (SGLang HiCache, vLLM offloading):
   the index keeps ownership per medium, so a removal from the GPU of a block the engine keeps in
-  host memory is a demotion, not a removal (:mod:`mesh.index.tiers`).
+  host memory is a demotion, not a removal (:mod:`mesh.index.tiers`);
+* **slices by blocks**: a large batch is applied in slices of at most N blocks
+  (:meth:`KvIngest.batch_slices`; an event longer than N is cut, parents chained), so the cost of
+  one slice is bounded whatever the batch's shape (issue 32: slicing by events let a few huge
+  events through in one go).
 
 Pure code: no I/O, no clock (``now_s`` is passed in).
 """
@@ -26,9 +30,10 @@ Pure code: no I/O, no clock (``now_s`` is passed in).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Generator, Sequence
 
 from mesh import kv_events as KV
+from mesh.protocol import kv_block_count
 from mesh.hashing import ROOT_KEY
 from mesh.index.ops import Clear, Remove, Store
 from mesh.index.prefix import PrefixIndex
@@ -193,6 +198,50 @@ class KvIngest:
                 ops.append(Clear())
         if ops:
             self.index.apply(stream, ops)
+
+    def batch_slices(self, worker_id: str, dp_rank: int, epoch: int, seq: int, raw: list, now_s: float,
+                     step_blocks: int) -> Generator[int, None, str | None]:
+        """:meth:`apply_batch` for a wire batch ``raw``, in slices of at most ``step_blocks``
+        blocks: a generator whose every step applies one slice and yields its blocks; it
+        returns the resync reason (or None). The first slice decides, as for a whole batch,
+        whether the batch is applied (sequence check); matches in between see a partly applied
+        batch, which only under-reports. A worker that left meanwhile ends it (its entries are
+        gone: they are not re-added)."""
+        stream = (worker_id, dp_rank)
+        why, first = None, True
+        for piece in self._pieces(raw, step_blocks):
+            if first:
+                if self.worker_block_size(worker_id) is None:
+                    break  # it left while the batch waited: no stream for a worker that is gone
+                first = False
+                why, applied = self.apply_batch(worker_id, dp_rank, epoch, seq, piece, now_s)
+                if not applied:
+                    break
+            else:
+                bs = self.worker_block_size(worker_id)
+                if bs is None:
+                    break
+                self.apply(stream, piece, bs)
+            yield KV.event_blocks(piece)
+        return why
+
+    def _pieces(self, raw: list, step_blocks: int):
+        """Decoded events of ``raw`` in lists of at most ``step_blocks`` blocks (at least one
+        list: an empty batch is still sequenced). Each group of wire events is decoded only
+        when its turn comes."""
+        if not raw:
+            yield []
+            return
+        group: list = []
+        n = 0
+        for ev in raw:
+            k = kv_block_count([ev])
+            if group and n + k > step_blocks:
+                yield from KV.split_events(self.decode(group), 1 << 62, 1 << 62, max_blocks=step_blocks)
+                group, n = [], 0
+            group.append(ev)
+            n += k
+        yield from KV.split_events(self.decode(group), 1 << 62, 1 << 62, max_blocks=step_blocks) or [[]]
 
     def decode(self, raw: list) -> list[KV.KvEvent]:
         """Wire events -> events (tolerantly: what cannot be decoded is counted as ``skipped_<reason>``)."""

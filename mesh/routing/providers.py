@@ -219,21 +219,10 @@ class LocalIndexProvider(PeerRouteSharing):
         return [(msg.dp_rank, why)] if why else []
 
     def kv_slices(self, worker_id: str, msg, now_s: float = 0.0, step: int = 1024):
-        """:meth:`on_kv_events` in slices of ``step`` events: a generator that yields between
-        slices (so a broker can serve and heartbeat while a 4 MB batch is applied) and returns
-        the resync requests. The first slice decides, as for a whole batch, whether the batch
-        is applied (sequence check); matches in between see a partly applied batch, which only
-        under-reports."""
-        raw = msg.events
-        ingest = self.ingest
-        why, applied = ingest.apply_batch(worker_id, msg.dp_rank, msg.epoch, msg.seq, ingest.decode(raw[:step]), now_s)
-        stream = (worker_id, msg.dp_rank)
-        for start in range(step, len(raw) if applied else 0, step):
-            yield
-            bs = ingest.worker_block_size(worker_id)
-            if bs is None:
-                break  # the worker left meanwhile: its entries are gone, do not re-add them
-            ingest.apply(stream, ingest.decode(raw[start:start + step]), bs)
+        """:meth:`on_kv_events` in slices of at most ``step`` blocks
+        (:meth:`KvIngest.batch_slices`): a generator that yields each slice's blocks (so a broker
+        can serve and heartbeat while a big batch is applied) and returns the resync requests."""
+        why = yield from self.ingest.batch_slices(worker_id, msg.dp_rank, msg.epoch, msg.seq, msg.events, now_s, step)
         return [(msg.dp_rank, why)] if why else []
 
     def stats(self) -> dict[str, Any]:

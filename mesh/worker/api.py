@@ -23,12 +23,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 from typing import Callable, Iterable
 
 import zmq.asyncio
 
 from mesh import protocol as P
-from mesh.discovery import Resolver, endpoints_for, is_dns, parse_dns
+from mesh.discovery import DRAIN_AFTER_REFRESHES, MAX_FOLLOWED, Resolver, choose_endpoints, endpoints_for, is_dns, link_budget, parse_dns
 from mesh.load import LoadStat
 from mesh.logs import get_logger
 from mesh.retry import RetryPolicy
@@ -51,8 +52,14 @@ class WorkerAPI:
     discovery); ``load`` each heartbeat (return ``[]`` for none). ``kv_events_to="one"`` sends
     each KV batch to the first registered broker that takes it instead of to all of them.
     A ``dns+tcp://NAME:PORT`` broker is every address NAME resolves to, re-resolved every
-    ``discovery_refresh_s`` (:mod:`mesh.discovery`): links open to brokers that appear and close
-    for brokers that went away, without restarting the worker.
+    ``discovery_refresh_s`` through ``resolver`` (:mod:`mesh.discovery`): links open to brokers
+    that appear, at most ``max_followed`` per name and within the context's shared link budget;
+    a broker that left the answer keeps its link as it is, and one still gone after
+    ``DRAIN_AFTER_REFRESHES`` refreshes is drained (no new work, its streams finish); its link
+    closes only when it really fails; one that comes back is undrained (READY again).
+    ``discovery_stats`` counts ``links_refused`` (no room in the budget), ``drained``,
+    ``undrained``, ``rotated_out``, ``retired`` and ``refresh_failed`` (an answer that is not
+    addresses: the last set is kept).
     """
 
     def __init__(
@@ -74,12 +81,20 @@ class WorkerAPI:
         epoch: int | None = None,
         discovery_refresh_s: float = 5.0,
         resolver: Resolver | None = None,
+        max_followed: int = MAX_FOLLOWED,
     ) -> None:
         self.ctx = ctx
-        self.brokers = tuple(brokers)
+        self.brokers = tuple(dict.fromkeys(brokers))  # de-duplicated: one link per endpoint
         self.discovery_refresh_s = discovery_refresh_s
         self.resolver = resolver or Resolver()
-        self.discovered: dict[str, list[str]] = {}  # dns+tcp spec -> the endpoints it resolved to last
+        self.discovered: dict[str, list[str]] = {}  # dns+tcp spec -> the endpoints followed after its last answer
+        self.max_followed = max_followed
+        self.discovery_stats: Counter[str] = Counter()
+        self._budget = link_budget(ctx, ctx.get(zmq.MAX_SOCKETS))
+        self._retiring: set[str] = set()  # endpoints of links drained because their broker left the answer
+        self._absent: dict[str, int] = {}  # linked endpoints gone from the answer -> refreshes since
+        self._rng = random.Random()
+        self._draining = False  # drain() was called: no broker is undrained any more
         self.worker_id = worker_id
         self.capabilities = capabilities
         self.on_message = on_message
@@ -125,45 +140,124 @@ class WorkerAPI:
     def _open_link(self, ep: str) -> None:
         if any(link.endpoint == ep for link in self.links):
             return
-        link = BrokerLink(self.ctx, ep, self.worker_id, self.epoch, self.ready_frames, self.on_message, self.on_session_lost,
+        if not self._budget.take():  # the context has no room for its sockets: not opened, never dies
+            self.discovery_stats["links_refused"] += 1
+            self.log.warning("broker_link_refused", broker=ep, reason="link budget of the context exhausted",
+                             links=self._budget.used)
+            return
+        link = BrokerLink(self.ctx, ep, self.worker_id, self.epoch, self.ready_frames, self.on_message, self._session_lost,
                           heartbeat_ms=self.heartbeat_ms, liveness=self.liveness, reconnect=self.reconnect, curve=self.curve,
                           conn_no=self._conn_no.get(ep, 0))
         self.links.append(link)
         self._link_tasks.append(self._task(link.run(), f"link-{ep}"))
 
     def _close_link(self, ep: str) -> None:
+        """Close the link to ``ep`` without a goodbye (it holds nothing, or its broker is gone)."""
+        self._retiring.discard(ep)
+        self._absent.pop(ep, None)
         for link in [lk for lk in self.links if lk.endpoint == ep]:
             self._conn_no[ep] = link.conn_no
-            link.close(say_goodbye=True)  # a broker that is only gone from DNS drains us properly
+            link.close(say_goodbye=False)
             self.links.remove(link)
+            self._budget.give()
+
+    def _session_lost(self, link: BrokerLink, why: str) -> None:
+        """A link's broker forgot us; a drained link (its broker left the answer) has now really
+        failed: it closes instead of reconnecting."""
+        self.on_session_lost(link, why)
+        if link.endpoint in self._retiring and link in self.links:
+            self.discovery_stats["retired"] += 1
+            self.log.info("broker_link_retired", broker=link.endpoint, reason=why)
+            self._close_link(link.endpoint)
+
+    def _drain_link(self, ep: str) -> None:
+        """The broker at ``ep`` left the answer: a registered link is drained (no new work, its
+        streams finish) and kept until it really fails; one never registered holds nothing and
+        closes."""
+        link = next((lk for lk in self.links if lk.endpoint == ep), None)
+        if link is None or ep in self._retiring:
+            return
+        if not link.registered:
+            self.discovery_stats["rotated_out"] += 1
+            self._close_link(ep)
+            return
+        self._retiring.add(ep)
+        self.discovery_stats["drained"] += 1
+        link.send(P.encode_disconnect(P.DRAINING))
+
+    def _follow(self, ep: str) -> None:
+        """``ep`` is in the followed set: open its link, or undrain it (it came back)."""
+        if ep in self._retiring:
+            if self._draining:
+                return  # leaving: stays drained
+            self._retiring.discard(ep)
+            self.discovery_stats["undrained"] += 1
+            for link in self.links:
+                if link.endpoint == ep:
+                    link.send(self.ready_frames())  # the same registration again: the broker undrains it
+        else:
+            self._open_link(ep)
 
     async def refresh_discovery(self) -> None:
         """Resolve every ``dns+tcp://`` broker now; open and close links to match (a failed
         resolution keeps the last set: a DNS outage must not disconnect a fleet)."""
+        answered = True
         for spec in self.brokers:
             if not is_dns(spec):
                 continue
             name, port = parse_dns(spec)
             addrs = await self.resolver.resolve(name)
             if addrs is None:
+                answered = False
                 self.log.warning("discovery_failed", broker=spec, kept=len(self.discovered.get(spec, ())))
                 continue
-            new = endpoints_for(port, addrs)
+            answer = endpoints_for(port, addrs)
+            linked = {lk.endpoint: lk.registered for lk in self.links if lk.endpoint not in self._retiring}
+            new = choose_endpoints(answer, linked, self.max_followed, self._rng)
             old = self.discovered.get(spec, [])
             if new != old:
-                self.log.info("discovery_changed", broker=spec, added=sorted(set(new) - set(old)), removed=sorted(set(old) - set(new)))
+                self.log.info("discovery_changed", broker=spec, added=sorted(set(new) - set(old))[:16],
+                              removed=sorted(set(old) - set(new))[:16], answer=len(answer), followed=len(new))
             self.discovered[spec] = new
             if not self._connected:
                 continue  # disconnected on purpose: connect() opens them
-            keep = {e for s in self.brokers for e in (self.discovered.get(s, ()) if is_dns(s) else (s,))}
+            keep = self._followed()
+            in_answer = set(answer)
+            registered = {lk.endpoint for lk in self.links if lk.registered}
+            for e in set(old) - keep:  # first: their room in the budget goes to the new ones
+                if e in in_answer or e not in registered:
+                    self._drain_link(e)  # rotated out of the sample, or never registered (holds nothing): closed
+                else:
+                    self._absent.setdefault(e, 0)  # gone from the answer: drained if it stays away
             for e in new:
-                self._open_link(e)
-            for e in set(old) - keep:
-                self._close_link(e)
+                self._follow(e)
+        if answered:  # (an outage is no answer: it counts nobody absent)
+            self._count_absent()
+
+    def _followed(self) -> set[str]:
+        """Every endpoint followed now: the fixed ones and the last choice of each name."""
+        return {e for s in self.brokers for e in (self.discovered.get(s, ()) if is_dns(s) else (s,))}
+
+    def _count_absent(self) -> None:
+        """Once per refresh: links whose broker is back forget their absence; one missing from
+        ``DRAIN_AFTER_REFRESHES`` answers in a row is drained (a flapping answer drains nothing)."""
+        keep = self._followed()
+        for e in list(self._absent):
+            if e in keep:
+                del self._absent[e]
+                continue
+            self._absent[e] += 1
+            if self._absent[e] >= DRAIN_AFTER_REFRESHES:
+                del self._absent[e]
+                self._drain_link(e)
 
     async def _discovery_loop(self) -> None:
         while True:
-            await self.refresh_discovery()
+            try:
+                await self.refresh_discovery()
+            except Exception as exc:  # noqa: BLE001 - an odd answer (not an address) must not stop the following
+                self.discovery_stats["refresh_failed"] += 1
+                self.log.error("discovery_refresh_failed", error=repr(exc)[:300])
             await asyncio.sleep(self.discovery_refresh_s)
 
     def disconnect(self, *, say_goodbye: bool = True) -> None:
@@ -173,11 +267,16 @@ class WorkerAPI:
         for link in self.links:
             self._conn_no[link.endpoint] = link.conn_no
             link.close(say_goodbye=say_goodbye)
+            self._budget.give()
         self.links = []
+        self._retiring.clear()
+        self._absent.clear()
         self._link_tasks = [t for t in self._link_tasks if not t.done()]
 
     def drain(self) -> None:
-        """Tell every broker this worker is draining: no new requests, in-flight ones finish."""
+        """Tell every broker this worker is draining: no new requests, in-flight ones finish
+        (for good: a broker that comes back in a DNS answer is not undrained)."""
+        self._draining = True
         self.broadcast(P.encode_disconnect(P.DRAINING))
 
     def broadcast(self, frames: list[bytes]) -> int:
