@@ -217,8 +217,8 @@ class HttpIngress:
             self.backend.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
             return error_response(403, "worker actions need --api-key (or a loopback client)", "unauthorized", "authentication_error")
         action = request.match_info["action"]
-        if action not in ("drain", "eject", "reinstate"):
-            return error_response(404, f"unknown action {action!r}: drain, eject or reinstate", "not_found")
+        if action not in ("drain", "eject", "reinstate", "admit"):
+            return error_response(404, f"unknown action {action!r}: drain, eject, reinstate or admit", "not_found")
         for_s = None
         if request.can_read_body:
             try:

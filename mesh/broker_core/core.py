@@ -49,7 +49,7 @@ from mesh.broker_core.pool import SessionState, WorkerPool, WorkerSession
 from mesh.broker_core.replies import Replies
 from mesh.broker_core.requests import Inflight, RequestState, move
 from mesh.broker_core.sends import Outbox, Receipt, Send
-from mesh.broker_core.status import Status
+from mesh.broker_core.status import Status, StatusLimiter
 from mesh.broker_core.table import RequestTable
 from mesh.broker_core.workers import Workers
 from mesh.config import BrokerSettings
@@ -90,6 +90,7 @@ class BrokerCore:
         on_new_worker: Callable[[WorkerState], None] | None = None,
         view_degraded: Callable[[], bool] | None = None,
         status_extra: Callable[[float], dict] | None = None,
+        status_full: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.s = settings
         self.router = router
@@ -116,7 +117,7 @@ class BrokerCore:
         self.status = Status(settings, self.pool, self.intake, self.stats, router, broker_id, status_extra)
         self.kv = KvBacklog(kv_sink, self.pool, *common)
         self.workers = Workers(settings, self.pool, *common, kv_sink=kv_sink, worker_keys=worker_keys, on_event=on_event,
-                               on_new_worker=on_new_worker)
+                               on_new_worker=on_new_worker, models=self.intake.models)
         self.table = RequestTable(settings, router, self.pool, self.workers, self.intake, *common, dispatch=self._dispatch)
         self.replies = Replies(router, self.pool, self.table, self.workers, self.status, *common)
         self._out = outbox
@@ -124,6 +125,10 @@ class BrokerCore:
         self.inflight = self.table.inflight  # rid -> request (the same dict, read-only outside)
         self.parked = self.table.parked
         self.budget = self.table.budget
+        # STATUS on the client port: who may read whole rows (mesh.broker_core.status.may_read_full_status),
+        # and each client identity's query rate
+        self.status_full = status_full
+        self.status_limiter = StatusLimiter(settings.status_rate)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, now: float) -> None:
@@ -194,8 +199,7 @@ class BrokerCore:
         elif isinstance(msg, P.Cancel):
             self.table.cancel(ident, msg.rid)
         elif isinstance(msg, P.StatusQuery):
-            broker = self.status.broker(now, self.state, len(self.inflight), self.started_s, self.loop_lag_s)
-            self._out.to_client(ident, self.status.reply(now, broker))
+            self.status_query(ident, msg, now)
         else:
             self._reject("client", msg, ident)
             # Answer when the sender can be identified: a client path header means a client.
@@ -206,6 +210,17 @@ class BrokerCore:
             elif frames[1] == P.WORKER_HEADER and self._limiter.allow(("worker_on_client_port", ident), now):
                 # a worker pointed at the client port: tell it (in its own protocol), at most once a second
                 self._out.to_client(ident, P.encode_disconnect(WRONG_PORT_FOR_WORKERS))
+
+    def status_query(self, ident: bytes, q: P.StatusQuery, now: float) -> None:
+        """A STATUS: rate-limited per client identity (counted), the summary unless the client
+        may read whole rows and asked ``full`` (see :mod:`mesh.broker_core.status`)."""
+        if not self.status_limiter.allow(ident, now):
+            self.stats.frames_rejected[("client", "status_rate_limited")] += 1
+            self._out.to_client(ident, self.status.rate_limited(now, 1.0 / self.s.status_rate))
+            return
+        full = q.full and self.status_full is not None and self.status_full(ident)
+        broker = self.status.broker(now, self.state, len(self.inflight), self.started_s, self.loop_lag_s)
+        self._out.to_client(ident, self.status.reply(now, broker, full=full, offset=q.offset))
 
     def submit(self, ident: bytes, sub: P.Submit, now: float, quota_key: bytes | None = None) -> None:
         """A decoded SUBMIT from client ``ident``; ``quota_key`` is who it counts against for
@@ -258,7 +273,7 @@ class BrokerCore:
             self.replies.send_decode(inf, now)
             return
         table = self.table
-        model, refusal = self.intake.model_for(inf.submit)
+        model, refusal = self.intake.model_for(inf.submit, now)
         if refusal is not None:
             table.finish_error(inf, *refusal)
             return
@@ -420,7 +435,7 @@ class BrokerCore:
         announced it is leaving cannot be reinstated; an unconfirmed one cannot be ejected)."""
         self.table.now = now
         sess = self.workers.admin(action, worker_id, now, for_s)
-        if action == "reinstate" and self.parked:
+        if action in ("reinstate", "admit") and self.parked:
             self.table.unpark(now)
         self.log.info("worker_admin", worker_id=worker_id, action=action, state=sess.status.value)
         self.workers.event("worker_admin", worker_id=worker_id, action=action, state=sess.status.value)
