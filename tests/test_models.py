@@ -154,16 +154,21 @@ def test_a_foreign_ready_does_not_change_what_a_request_without_a_model_means(pr
                         http.append((r.status, r.headers.get("x-mesh-worker", "")))
                 async with s.get(url + "/v1/models") as r:
                     listed = [m["id"] for m in (await r.json())["data"]]
-            return zmq_workers, http, listed, st
+                async with s.post(url + "/workers/intruder/admit") as r:  # an operator admits it (loopback)
+                    admitted = (r.status, (await r.json()).get("state"))
+                async with s.get(url + "/v1/models") as r:
+                    listed_after = [m["id"] for m in (await r.json())["data"]]
+            return zmq_workers, http, listed, st, admitted, listed_after
         finally:
             beating.cancel()
             peer.close(linger=0)
             ctx.term()
 
-    zmq_workers, http, listed, st = run(body(), timeout_s=60)
+    zmq_workers, http, listed, st, admitted, listed_after = run(body(), timeout_s=60)
     assert all(w.startswith("w") for w in zmq_workers), zmq_workers
     assert [s for s, _ in http] == [200, 200] and all(w.startswith("w") for _, w in http), http
     assert "model-b" not in listed and "model-a" in listed
     row = {w["worker_id"]: w for w in st.workers}["intruder"]
     assert row["state"] == "quarantined" and not row["healthy"]
     assert st.counters["workers.quarantined"] == 1
+    assert admitted == (200, "routable") and "model-b" in listed_after

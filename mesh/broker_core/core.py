@@ -49,7 +49,7 @@ from mesh.broker_core.pool import SessionState, WorkerPool, WorkerSession
 from mesh.broker_core.replies import Replies
 from mesh.broker_core.requests import Inflight, RequestState, move
 from mesh.broker_core.sends import Outbox, Receipt, Send
-from mesh.broker_core.status import Status, StatusLimiter
+from mesh.broker_core.status import Status
 from mesh.broker_core.table import RequestTable
 from mesh.broker_core.workers import Workers
 from mesh.config import BrokerSettings
@@ -114,7 +114,8 @@ class BrokerCore:
         self.pool = WorkerPool()
         common = (self.stats, self.log, self._limiter, outbox)  # counters, log, rate limiter, sends
         self.intake = Intake(settings, self.pool, self.stats)
-        self.status = Status(settings, self.pool, self.intake, self.stats, router, broker_id, status_extra)
+        self.status = Status(settings, self.pool, self.intake, self.stats, router, broker_id, status_extra,
+                             full_allowed=status_full)
         self.kv = KvBacklog(kv_sink, self.pool, *common)
         self.workers = Workers(settings, self.pool, *common, kv_sink=kv_sink, worker_keys=worker_keys, on_event=on_event,
                                on_new_worker=on_new_worker, models=self.intake.models)
@@ -125,10 +126,6 @@ class BrokerCore:
         self.inflight = self.table.inflight  # rid -> request (the same dict, read-only outside)
         self.parked = self.table.parked
         self.budget = self.table.budget
-        # STATUS on the client port: who may read whole rows (mesh.broker_core.status.may_read_full_status),
-        # and each client identity's query rate
-        self.status_full = status_full
-        self.status_limiter = StatusLimiter(settings.status_rate)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, now: float) -> None:
@@ -198,8 +195,9 @@ class BrokerCore:
             self.submit(ident, msg, now, quota_key)
         elif isinstance(msg, P.Cancel):
             self.table.cancel(ident, msg.rid)
-        elif isinstance(msg, P.StatusQuery):
-            self.status_query(ident, msg, now)
+        elif isinstance(msg, P.StatusQuery):  # bounded, rate-limited per identity (Status.answer)
+            self._out.to_client(ident, self.status.answer(ident, msg, now, lambda: self.status.broker(
+                now, self.state, len(self.inflight), self.started_s, self.loop_lag_s)))
         else:
             self._reject("client", msg, ident)
             # Answer when the sender can be identified: a client path header means a client.
@@ -210,17 +208,6 @@ class BrokerCore:
             elif frames[1] == P.WORKER_HEADER and self._limiter.allow(("worker_on_client_port", ident), now):
                 # a worker pointed at the client port: tell it (in its own protocol), at most once a second
                 self._out.to_client(ident, P.encode_disconnect(WRONG_PORT_FOR_WORKERS))
-
-    def status_query(self, ident: bytes, q: P.StatusQuery, now: float) -> None:
-        """A STATUS: rate-limited per client identity (counted), the summary unless the client
-        may read whole rows and asked ``full`` (see :mod:`mesh.broker_core.status`)."""
-        if not self.status_limiter.allow(ident, now):
-            self.stats.frames_rejected[("client", "status_rate_limited")] += 1
-            self._out.to_client(ident, self.status.rate_limited(now, 1.0 / self.s.status_rate))
-            return
-        full = q.full and self.status_full is not None and self.status_full(ident)
-        broker = self.status.broker(now, self.state, len(self.inflight), self.started_s, self.loop_lag_s)
-        self._out.to_client(ident, self.status.reply(now, broker, full=full, offset=q.offset))
 
     def submit(self, ident: bytes, sub: P.Submit, now: float, quota_key: bytes | None = None) -> None:
         """A decoded SUBMIT from client ``ident``; ``quota_key`` is who it counts against for
@@ -430,7 +417,8 @@ class BrokerCore:
         """An operator's action on one worker: ``drain`` (no new requests; what it holds
         finishes), ``eject`` (no new requests for ``for_s``, default ``eject_max_s``, then it is
         reinstated; in-flight requests finish), ``reinstate`` (routable again: an ejected worker,
-        or one an operator drained). Returns the worker's status entry. Raises KeyError for an
+        or one an operator drained), ``admit`` (a quarantined worker and its model:
+        :mod:`mesh.broker_core.models`). Returns the worker's status entry. Raises KeyError for an
         unknown worker and ValueError when its state does not allow the action (a worker that
         announced it is leaving cannot be reinstated; an unconfirmed one cannot be ejected)."""
         self.table.now = now

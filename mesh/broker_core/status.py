@@ -84,7 +84,8 @@ class Status:
     """What operators, telemetry and the HTTP ingress read about the broker and its workers."""
 
     def __init__(self, settings: BrokerSettings, pool: WorkerPool, intake: Intake, stats: BrokerStats, router: Any,
-                 broker_id: str, extra: Callable[[float], dict] | None = None) -> None:
+                 broker_id: str, extra: Callable[[float], dict] | None = None, *,
+                 full_allowed: Callable[[bytes], bool] | None = None) -> None:
         self.s = settings
         self.pool = pool
         self.intake = intake
@@ -92,8 +93,20 @@ class Status:
         self.router = router
         self.broker_id = broker_id
         self.extra = extra  # more STATUS fields (the shell's)
+        self.full_allowed = full_allowed  # client identity -> may it read whole rows (may_read_full_status)
+        self.limiter = StatusLimiter(settings.status_rate)
         self._cache: tuple[float, list[dict], int] | None = None  # (built at, worker rows, healthy ones)
         self._worker_tokens: dict[str, list[int]] = {}  # worker_id -> [requests, prompt tokens, cached tokens]
+
+    def answer(self, ident: bytes, q: P.StatusQuery, now: float, broker: Callable[[], dict]) -> list[bytes]:
+        """The answer to client ``ident``'s STATUS: rate-limited per identity (counted), the
+        summary unless the client may read whole rows and asked ``full``; ``broker`` makes the
+        broker's own fields (:meth:`broker`)."""
+        if not self.limiter.allow(ident, now):
+            self.stats.frames_rejected[("client", "status_rate_limited")] += 1
+            return self.rate_limited(now, 1.0 / self.s.status_rate)
+        full = q.full and self.full_allowed is not None and self.full_allowed(ident)
+        return self.reply(now, broker(), full=full, offset=q.offset)
 
     def reply(self, now: float, broker: dict, *, full: bool = False, offset: int = 0) -> list[bytes]:
         """The STATUS reply (``broker``: the broker's own fields, :meth:`broker`): the summary,

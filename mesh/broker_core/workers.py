@@ -182,7 +182,7 @@ class Workers:
     def eject(self, sess: WorkerSession, now: float, why: str) -> None:
         """Eject ``sess`` for ``eject_base_s x n`` (capped), unless that would leave no routable
         worker or eject more than ``max_ejected_ratio`` of them (panic mode)."""
-        healthy = sum(1 for s2 in self.pool.by_id.values() if s2.state.healthy)
+        healthy = sum(1 for s2 in self.pool.by_id.values() if s2.state.healthy and not s2.quarantined)
         ejected = self.pool.count(SessionState.EJECTED)
         if healthy <= 1 or (ejected + 1) > max(1, int(self.s.max_ejected_ratio * len(self.pool))):
             self.stats.workers["ejection_skipped"] += 1
