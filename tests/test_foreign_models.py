@@ -140,3 +140,16 @@ def test_hostile_model_flags_are_config_errors_naming_the_field(field, value):
     with pytest.raises(ConfigError, match="default_model"):
         build(BrokerSettings, {"default_model": "c", "models": ("a", "b")})
     build(BrokerSettings, {"default_model": "fast", "models": ("a",), "model_alias": ("fast=a",)})
+
+
+def test_a_worker_with_an_allow_listed_curve_key_brings_its_new_model_in():
+    log = _Log()
+    core = BrokerCore(build(BrokerSettings, {"policy": "round_robin", "model_settle_s": 0.0}),
+                      Router(make_policy("round_robin"), None), log=log, worker_keys={b"K" * 32: "gpu"})
+    core.start(0.0)
+    for wid, model, now in (("gpu-0", "model-a", 0.0), ("gpu-1", "model-b", 50.0)):
+        core.worker_frames([wid.encode(), *P.encode_ready(P.Ready(wid, model, "mixed", {}, 16, 64, 400_000, 1, 1, 500))],
+                           now, peer_key=b"K" * 32)
+        core.worker_frames([wid.encode(), *P.encode_heartbeat()], now)
+    assert core.stats.workers["quarantined"] == 0 and core.status.served_models() == {"model-a": 1, "model-b": 1}
+    assert _send(core, "model-b", 51.0) == "gpu-1" and _send(core, None, 51.0) == "gpu-0"  # 1:1: by name
