@@ -40,7 +40,7 @@ _MAX_STATUS_ROWS = 100_000  # worker rows read from one broker's STATUS pages
 
 
 class _Link:
-    __slots__ = ("endpoint", "sock", "monitor", "up", "pending", "workers", "catalog", "rows")
+    __slots__ = ("endpoint", "sock", "monitor", "up", "pending", "workers", "catalog", "rows", "paging")
 
     def __init__(self, endpoint: str, sock, monitor) -> None:
         self.endpoint = endpoint
@@ -51,6 +51,7 @@ class _Link:
         self.workers: list[dict] = []  # the routable workers of the latest STATUS
         self.catalog: dict = {}  # its models, aliases and model_name (STATUS ``broker``)
         self.rows: list[dict] = []  # the STATUS pages read so far (a broker pages its worker rows)
+        self.paging = False  # a round of pages is under way (a rate-limited page is asked again next period)
 
 
 class BrokerPool:
@@ -234,6 +235,7 @@ class BrokerPool:
                 link.up = False
                 link.workers = []
                 link.catalog = {}
+                link.rows, link.paging = [], False
                 self.log.warning("gateway_broker_lost", broker=link.endpoint, inflight=len(link.pending))
                 for rid in list(link.pending):
                     q = self._queues.get(rid)
@@ -247,14 +249,15 @@ class BrokerPool:
         (issue 32: a broker pages its rows; at most ``_MAX_STATUS_ROWS`` are read)."""
         b = m.broker if isinstance(m.broker, dict) else {}
         if b.get("rate_limited"):
-            return  # the next period asks again
+            return  # the next period asks for the same page again
         offset = b.get("offset") if type(b.get("offset")) is int else 0
         rows = [w for w in m.workers if isinstance(w, dict)]
         if offset and offset != len(link.rows):
             return  # a page of an older round
         link.rows = rows if not offset else link.rows + rows
         total = b.get("workers_total")
-        if b.get("truncated") and rows and type(total) is int and len(link.rows) < min(total, _MAX_STATUS_ROWS):
+        link.paging = bool(b.get("truncated") and rows and type(total) is int and len(link.rows) < min(total, _MAX_STATUS_ROWS))
+        if link.paging:
             self._ask_status(link, len(link.rows))
             return
         link.workers = [w for w in link.rows if w.get("healthy")]
@@ -270,7 +273,7 @@ class BrokerPool:
         while True:
             await asyncio.sleep(_STATUS_PERIOD_S)
             if link.up:
-                self._ask_status(link)
+                self._ask_status(link, len(link.rows) if link.paging else 0)
 
 
 async def serve_gateway(brokers: list[str], http: str, **ingress_kw: Any) -> None:
