@@ -153,3 +153,13 @@ def test_a_worker_with_an_allow_listed_curve_key_brings_its_new_model_in():
         core.worker_frames([wid.encode(), *P.encode_heartbeat()], now)
     assert core.stats.workers["quarantined"] == 0 and core.status.served_models() == {"model-a": 1, "model-b": 1}
     assert _send(core, "model-b", 51.0) == "gpu-1" and _send(core, None, 51.0) == "gpu-0"  # 1:1: by name
+
+
+def test_the_vote_follows_workers_becoming_long_registered_without_a_pool_change():
+    core, _ = _core(model_settle_s=10.0)
+    for wid, model, now in (("b0", "model-b", 0.0), ("b1", "model-b", 0.0), ("a0", "model-a", 5.0), ("a1", "model-a", 5.0),
+                            ("a2", "model-a", 5.0)):
+        _join(core, wid, model, now)
+    assert _send(core, None, 6.0).startswith("a")  # nobody long-registered yet: every worker votes, 3:2
+    assert _send(core, None, 11.0).startswith("b")  # only the b workers are long-registered
+    assert _send(core, None, 16.0).startswith("a")  # now all are: 3:2 again

@@ -9,6 +9,7 @@ request leaves it.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from mesh import protocol as P
@@ -38,6 +39,7 @@ class Intake:
         self.quotas: Counter[bytes] = Counter()  # quota key -> its requests in flight
         self.aliases = settings.aliases()  # --model-alias: name -> served model
         self.models = ModelGate(settings)  # foreign models: the default model, admitted and quarantined ones
+        self._unnamed: tuple[int, float, str | None] | None = None  # (pool version, valid until, model)
         self._cap_version = -1  # pool version the fleet capacity was computed at
         self._cap_tokens: dict[str | None, int] = {}  # model (None: all) -> largest KV capacity
 
@@ -110,9 +112,19 @@ class Intake:
 
     def unnamed(self, served: list[str], now: float) -> str | None:
         """What a request without a model means: ``--default-model``, else the model most
-        long-registered admitted workers serve (:meth:`ModelGate.unnamed`); None: any worker."""
-        return self.models.unnamed(served, ((s.ready.model, s.registered_s) for s in self.pool.by_id.values()
-                                            if not s.quarantined), now)
+        long-registered admitted workers serve (:meth:`ModelGate.unnamed`); None: any worker.
+        With several models the vote (O(workers)) is kept until the pool changes or a worker
+        becomes long-registered: not recounted per request."""
+        if self.models.default is not None or len(served) <= 1:
+            return self.models.unnamed(served, (), now)
+        c = self._unnamed
+        if c is not None and c[0] == self.pool.version and now < c[1]:
+            return c[2]
+        regs = [(s.ready.model, s.registered_s) for s in self.pool.by_id.values() if not s.quarantined]
+        model = self.models.unnamed(served, regs, now)
+        settle_s = self.models.settle_s
+        self._unnamed = (self.pool.version, min((t + settle_s for _, t in regs if now - t < settle_s), default=math.inf), model)
+        return model
 
     def lora_bases(self) -> dict[str, str]:
         """Adapter name -> the base model of the workers holding it (registered workers; an

@@ -95,6 +95,7 @@ class Status:
         self.extra = extra  # more STATUS fields (the shell's)
         self.full_allowed = full_allowed  # client identity -> may it read whole rows (may_read_full_status)
         self.limiter = StatusLimiter(settings.status_rate)
+        self._quarantined: tuple[int, dict[str, int]] | None = None  # (pool version, quarantined())
         self._cache: tuple[float, list[dict], int] | None = None  # (built at, worker rows, healthy ones)
         self._worker_tokens: dict[str, list[int]] = {}  # worker_id -> [requests, prompt tokens, cached tokens]
 
@@ -150,11 +151,16 @@ class Status:
         return self.intake.unnamed(list(self.served_models()), now)
 
     def quarantined(self) -> dict[str, int]:
-        """Model -> workers held apart announcing it (:mod:`mesh.broker_core.models`), at most 16 models."""
+        """Model -> workers held apart announcing it (:mod:`mesh.broker_core.models`), at most 16
+        models; recounted when the pool changes."""
+        c = self._quarantined
+        if c is not None and c[0] == self.pool.version:
+            return c[1]
         out: dict[str, int] = {}
         for s in self.pool.by_id.values():
             if s.quarantined and (s.ready.model in out or len(out) < 16):
                 out[s.ready.model] = out.get(s.ready.model, 0) + 1
+        self._quarantined = (self.pool.version, out)
         return out
 
     def model_catalog(self) -> tuple[dict[str, int], dict[str, str], str]:
