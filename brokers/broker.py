@@ -45,6 +45,7 @@ from mesh.broker_core import BrokerCore, Inflight
 from mesh.broker_core.counters import BrokerStats
 from mesh.broker_core.pool import WorkerPool
 from mesh.broker_core.sends import TO_WORKER, Send, deliver
+from mesh.broker_core.status import may_read_full_status
 from mesh.config import BrokerSettings
 from mesh.errors import ProtocolError
 from mesh.logs import RateLimiter, announce, get_logger
@@ -99,7 +100,7 @@ class Broker:
                                worker_keys=worker_keys, on_event=self._event, on_new_worker=self._on_new_worker, perf=time.perf_counter,
                                # (no exchange configured: no per-decision call to ask whether peers are stale)
                                view_degraded=self._view_degraded if settings.exchange else None,
-                               status_extra=self._status_extra)
+                               status_extra=self._status_extra, status_full=self._status_full)
         self._limiter = RateLimiter(1.0)
         self._closed = False
         self.frontend_endpoint = ""
@@ -683,6 +684,10 @@ class Broker:
 
     def _view_degraded(self) -> bool:
         return self.exchange is not None and self.exchange.degraded
+
+    def _status_full(self, ident: bytes) -> bool:
+        """Whether the client ``ident`` may read whole STATUS rows: CURVE with a client allow-list."""
+        return may_read_full_status(self.curve is not None and bool(self.s.curve_allow_clients))
 
     def _status_extra(self, now: float) -> dict:
         out = {"exchange": self.exchange.status(now)} if self.exchange is not None else {}

@@ -39,10 +39,11 @@ from mesh.sockets import CLIENT_DEALER, make_socket
 __all__ = ["BrokerPool", "serve_gateway"]
 
 _STATUS_PERIOD_S = 1.0
+_MAX_STATUS_ROWS = 100_000  # worker rows read from one broker's STATUS pages
 
 
 class _Link:
-    __slots__ = ("endpoint", "sock", "monitor", "up", "pending", "workers", "catalog")
+    __slots__ = ("endpoint", "sock", "monitor", "up", "pending", "workers", "catalog", "rows", "paging")
 
     def __init__(self, endpoint: str, sock, monitor) -> None:
         self.endpoint = endpoint
@@ -52,6 +53,8 @@ class _Link:
         self.pending: set[str] = set()  # rids in flight on this link
         self.workers: list[dict] = []  # the routable workers of the latest STATUS
         self.catalog: dict = {}  # its models, aliases and model_name (STATUS ``broker``)
+        self.rows: list[dict] = []  # the STATUS pages read so far (a broker pages its worker rows)
+        self.paging = False  # a round of pages is under way (a rate-limited page is asked again next period)
 
 
 class BrokerPool:
@@ -228,8 +231,7 @@ class BrokerPool:
             frames = await link.sock.recv_multipart()
             m = P.decode_client_reply(frames)
             if isinstance(m, P.StatusReply):
-                link.workers = [w for w in m.workers if isinstance(w, dict) and w.get("healthy")]
-                link.catalog = {k: m.broker.get(k) for k in ("aliases", "model_name")} if isinstance(m.broker, dict) else {}
+                self._on_status(link, m)
                 continue
             rid = getattr(m, "rid", None)
             q = self._queues.get(rid) if isinstance(rid, str) else None
@@ -282,6 +284,7 @@ class BrokerPool:
                 link.up = False
                 link.workers = []
                 link.catalog = {}
+                link.rows, link.paging = [], False
                 self.log.warning("gateway_broker_lost", broker=link.endpoint, inflight=len(link.pending))
                 for rid in list(link.pending):
                     q = self._queues.get(rid)
@@ -290,9 +293,28 @@ class BrokerPool:
                                                            f"broker connection lost ({link.endpoint}) before the reply"))
                 link.pending.clear()
 
-    def _ask_status(self, link: _Link) -> None:
+    def _on_status(self, link: _Link, m: P.StatusReply) -> None:
+        """One STATUS page: the next is asked for while the broker says rows were left out
+        (issue 32: a broker pages its rows; at most ``_MAX_STATUS_ROWS`` are read)."""
+        b = m.broker if isinstance(m.broker, dict) else {}
+        if b.get("rate_limited"):
+            return  # the next period asks for the same page again
+        offset = b.get("offset") if type(b.get("offset")) is int else 0
+        rows = [w for w in m.workers if isinstance(w, dict)]
+        if offset and offset != len(link.rows):
+            return  # a page of an older round
+        link.rows = rows if not offset else link.rows + rows
+        total = b.get("workers_total")
+        link.paging = bool(b.get("truncated") and rows and type(total) is int and len(link.rows) < min(total, _MAX_STATUS_ROWS))
+        if link.paging:
+            self._ask_status(link, len(link.rows))
+            return
+        link.workers = [w for w in link.rows if w.get("healthy")]
+        link.catalog = {k: b.get(k) for k in ("aliases", "model_name")}
+
+    def _ask_status(self, link: _Link, offset: int = 0) -> None:
         try:
-            link.sock.send_multipart(P.encode_status_query(), flags=zmq.NOBLOCK)
+            link.sock.send_multipart(P.encode_status_query(True, offset), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -300,7 +322,7 @@ class BrokerPool:
         while True:
             await asyncio.sleep(_STATUS_PERIOD_S)
             if link.up:
-                self._ask_status(link)
+                self._ask_status(link, len(link.rows) if link.paging else 0)
 
 
 async def serve_gateway(brokers: list[str], http: str, curve=None, **ingress_kw: Any) -> None:

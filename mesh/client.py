@@ -566,19 +566,47 @@ class Client:
                 await asyncio.sleep(min(policy.delay_s(attempt), max(0.0, remaining)))
                 await self._another_link_up(refused_by, min(_OTHER_LINK_WAIT_S, max(0.0, t_end - time.monotonic())))
 
-    async def status(self, timeout_s: float = 5.0) -> P.StatusReply:
-        """Ask a broker for its view of the fleet."""
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._status_waiters.append(fut)
+    async def status(self, timeout_s: float = 5.0, *, full: bool = True, max_pages: int = 128) -> P.StatusReply:
+        """Ask a broker for its view of the fleet: every worker's row, paged (a broker answers a
+        client it does not authorise with a bounded summary: short rows, ``broker.truncated``;
+        see :mod:`mesh.broker_core.status`), at most ``max_pages`` queries. ``full``: ask for
+        whole rows (granted to authorised clients only). A rate-limited query raises
+        ``rate_limited``; no answer within ``timeout_s``, ``unavailable``."""
         t_end = time.monotonic() + timeout_s
-        try:
-            await asyncio.wait_for(self._send(P.encode_status_query()), timeout_s)
-            return await asyncio.wait_for(fut, max(0.0, t_end - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise error_for(ErrorCode.UNAVAILABLE, "no STATUS reply from the broker") from None
-        finally:
-            if fut in self._status_waiters:
-                self._status_waiters.remove(fut)
+        first = await self._status_page(full, 0, t_end)
+        rows = list(first.workers)
+        for _ in range(max_pages - 1):
+            total = first.broker.get("workers_total")
+            if not first.broker.get("truncated") or not rows or type(total) is not int or len(rows) >= total:
+                break
+            page = await self._status_page(full, len(rows), t_end)
+            if not page.workers:
+                break
+            rows += page.workers
+        first.workers = rows
+        return first
+
+    async def _status_page(self, full: bool, offset: int, t_end: float) -> P.StatusReply:
+        """One STATUS query; a rate-limited one is asked again after the broker's ``retry_after_s``
+        while that fits before ``t_end`` (a polling client slows down), else ``rate_limited``."""
+        while True:
+            fut: asyncio.Future = asyncio.get_running_loop().create_future()
+            self._status_waiters.append(fut)
+            try:
+                await asyncio.wait_for(self._send(P.encode_status_query(full, offset)), max(0.0, t_end - time.monotonic()))
+                m = await asyncio.wait_for(fut, max(0.0, t_end - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise error_for(ErrorCode.UNAVAILABLE, "no STATUS reply from the broker") from None
+            finally:
+                if fut in self._status_waiters:
+                    self._status_waiters.remove(fut)
+            if not m.broker.get("rate_limited"):
+                return m
+            wait_s = m.broker.get("retry_after_s")
+            wait_s = min(float(wait_s), 60.0) if type(wait_s) in (int, float) and wait_s > 0 else 0.1
+            if time.monotonic() + wait_s >= t_end:
+                raise error_for(ErrorCode.RATE_LIMITED, f"STATUS rate-limited by the broker: retry after {wait_s} s")
+            await asyncio.sleep(wait_s)
 
     async def _receive(self, link: _Link) -> None:
         sock = link.sock

@@ -150,6 +150,19 @@ class BrokerSettings:
                                            "model's own name")
     model_alias: tuple[str, ...] = setting((), metavar="ALIAS=MODEL",
                                            help="requests for ALIAS go to the workers that serve MODEL (repeatable)")
+    # Foreign models (mesh/broker_core/models.py): what a request without a model means, and which
+    # READYs announcing a model the fleet does not serve yet are held apart (quarantined).
+    default_model: str = setting("", metavar="MODEL", default_text="the majority of long-registered workers",
+                                 help="the model requests without a model (or with --model-name) go to")
+    models: tuple[str, ...] = setting((), metavar="MODEL",
+                                      help="models workers may serve without a CURVE key on the allow-list (repeatable); "
+                                           "a READY announcing another model is quarantined until an operator admits it")
+    model_settle_s: float = setting(10.0, unit="s", help="a worker registered this long votes for what requests without a model "
+                                               "mean; new models are accepted this long after the first registration")
+    status_max_workers: int = setting(32, help="worker rows in a STATUS reply to a client that is not authorised "
+                                               "(CURVE client allow-list); the reply says truncated")
+    status_rate: float = setting(20.0, help="STATUS queries per second per client identity (burst: 4x); "
+                                                 "more are refused (rate_limited) and counted")
     telemetry: str = setting("", default_text="off", help="ZeroMQ PUB endpoint for the live telemetry stream (mesh top)")
     # Peer exchange (brokers/peer_exchange.py): this broker's PUB endpoint (port * = any) and
     # the other brokers' exchange endpoints; figures go out at the end of every pump that changed
@@ -273,6 +286,17 @@ class BrokerSettings:
             _require(bool(sep and alias and target) and len(alias) <= 256 and len(target) <= 256, "model_alias",
                      f"expected ALIAS=MODEL, got {a!r}")
             _require(alias != target, "model_alias", f"{a!r} maps a name to itself")
+        for field, name in (("default_model", self.default_model), *(("models", m) for m in self.models)):
+            _require(len(name.encode("utf-8", "replace")) <= 256 and "\x00" not in name, field, "must be at most 256 bytes, no NUL")
+            _require(field == "default_model" or bool(name), field, "must not be empty")
+        _require(len(self.models) <= 1024, "models", "at most 1024 models")
+        _require(not (self.default_model and self.models) or self.aliases().get(self.default_model, self.default_model)
+                 in self.models, "default_model", "must be one of --models (or an alias of one)")
+        _require(math.isfinite(self.model_settle_s) and 0 <= self.model_settle_s <= 86_400, "model_settle_s",
+                 "must be in [0, 86400] seconds")
+        _require(1 <= self.status_max_workers <= 1024, "status_max_workers", "must be in [1, 1024]")
+        _require(math.isfinite(self.status_rate) and 0 < self.status_rate <= 10_000, "status_rate",
+                 "must be in (0, 10000]")
         for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_body_timeout_s", "http_request_timeout_s",
                      "http_stream_idle_timeout_s"):
             v = getattr(self, name)

@@ -4,6 +4,7 @@
     mesh ctl drain WORKER                 # no new requests; what it holds finishes
     mesh ctl eject WORKER [--for-s 600]   # no new requests for a while (then reinstated by itself)
     mesh ctl reinstate WORKER             # routable again (ejected, or drained by an operator)
+    mesh ctl admit WORKER                 # a quarantined worker (a model not admitted yet) and its model
 
 ``--url`` (default ``http://127.0.0.1:8000``, or ``MESH_URL``) and the API key (``--api-key-file``
 or ``MESH_API_KEY``; never a flag, it would show in the process list). Exit status: 0 done, 1 the
@@ -27,8 +28,8 @@ __all__ = ["add_ctl_parser"]
 def add_ctl_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("ctl", help="operate a broker's fleet over its admin API: list, drain, eject, reinstate workers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=["workers", "drain", "eject", "reinstate"], help="what to do")
-    p.add_argument("worker", nargs="?", help="the worker id (drain, eject, reinstate)")
+    p.add_argument("action", choices=["workers", "drain", "eject", "reinstate", "admit"], help="what to do")
+    p.add_argument("worker", nargs="?", help="the worker id (drain, eject, reinstate, admit: a quarantined worker)")
     from mesh.cli_run import http_url, positive_float
 
     p.add_argument("--url", type=http_url, default=os.environ.get("MESH_URL", "http://127.0.0.1:8000"),

@@ -67,7 +67,10 @@ FINAL      0x15  b->c    ``rid``, ``finish_reason`` str, ``usage`` map (``prompt
                          engine's final metadata, e.g. SGLang's, passed through to HTTP).
 ERROR      0x16  b->c    ``rid`` str or nil (nil when the request id was unreadable), ``code``
                          (an :class:`~mesh.errors.ErrorCode` value), ``message`` str.
-STATUS     0x17  c->b    empty map: ask for the broker's view of the fleet.
+STATUS     0x17  c->b    map: ask for the broker's view of the fleet. Optional ``full`` bool (every
+                         worker's whole row, for an authorised client: CURVE client allow-list;
+                         others get the bounded summary, see :mod:`mesh.broker_core.status`) and
+                         ``offset`` int (the first worker row: paging through a large fleet).
 STATUS_R   0x18  b->c    ``broker`` map (id, state, inflight, uptime_s; ``exchange`` with the peer
                          exchange on), ``workers`` list of maps (worker_id, model, tokenizer,
                          role, labels, healthy, inflight, peer_inflight, peer_prefill_tokens,
@@ -214,6 +217,7 @@ __all__ = [
     "MAX_LABELS",
     "MAX_LORAS",
     "MAX_STATUS_WORKERS",
+    "MAX_STATUS_OFFSET",
     "MAX_NEW_TOKENS",
     "Cmd",
     "Submit",
@@ -275,6 +279,7 @@ MAX_LABEL_VALUE_BYTES = 128
 MAX_LORAS = 256  # LoRA adapter names in one READY / HEARTBEAT
 MAX_LORA_NAME_BYTES = 256
 MAX_STATUS_WORKERS = 1024
+MAX_STATUS_OFFSET = 100_000  # STATUS ``offset``: at most the largest --max-workers
 MAX_TOKENIZER_ID_BYTES = 1024  # READY ``tokenizer``: a model id or a path
 MAX_TOKEN_ID = 2**32
 # A non-streamed FINAL carries every output token (and its text) back through one frame:
@@ -496,7 +501,8 @@ class Cancel:
 
 @dataclass(slots=True)
 class StatusQuery:
-    pass
+    full: bool = False  # every worker's whole row (authorised clients only; others get the summary)
+    offset: int = 0  # the first worker row of the reply (paging)
 
 
 @dataclass(slots=True)
@@ -595,8 +601,10 @@ def encode_cancel(rid: str) -> list[bytes]:
     return [CLIENT_HEADER, _B[Cmd.C_CANCEL], pack({"rid": rid})]
 
 
-def encode_status_query() -> list[bytes]:
-    return [CLIENT_HEADER, _B[Cmd.C_STATUS], _EMPTY_MAP]
+def encode_status_query(full: bool = False, offset: int = 0) -> list[bytes]:
+    if not full and not offset:
+        return [CLIENT_HEADER, _B[Cmd.C_STATUS], _EMPTY_MAP]
+    return [CLIENT_HEADER, _B[Cmd.C_STATUS], pack({"full": full, "offset": offset})]
 
 
 def encode_status_reply(broker: dict, workers: list, counters: dict) -> list[bytes]:
@@ -794,8 +802,8 @@ def decode_client(frames: list[bytes]) -> Submit | Cancel | StatusQuery | Protoc
         if cmd is Cmd.C_CANCEL:
             return Cancel(_rid(_map(unpack(body))))
         if cmd is Cmd.C_STATUS:
-            _map(unpack(body))
-            return StatusQuery()
+            d = _map(unpack(body))
+            return StatusQuery(_bool(d, "full", False), _int(d, "offset", required=False, hi=MAX_STATUS_OFFSET))
         raise ProtocolError("unexpected_command", f"{cmd.name} is not a client command")
     except ProtocolError as exc:
         return exc

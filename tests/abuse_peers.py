@@ -37,13 +37,22 @@ def raw_dealer(endpoint: str, *, identity: bytes | None = None, **opts: int) -> 
 
 
 async def status(frontend: str, timeout_s: float = 5.0) -> P.StatusReply:
-    """One STATUS round trip on a fresh DEALER."""
+    """STATUS on a fresh DEALER: every page of worker rows (issue 32: a client the broker does
+    not authorise gets at most --status-max-workers rows a reply, ``truncated``: page with ``offset``)."""
     s = raw_dealer(frontend)
     try:
-        await s.send_multipart(P.encode_status_query())
-        m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), timeout_s))
-        assert isinstance(m, P.StatusReply), m
-        return m
+        first = None
+        rows: list = []
+        while True:
+            await s.send_multipart(P.encode_status_query(False, len(rows)))
+            m = P.decode_client_reply(await asyncio.wait_for(s.recv_multipart(), timeout_s))
+            assert isinstance(m, P.StatusReply), m
+            first = first or m
+            rows += m.workers
+            if not m.broker.get("truncated") or not m.workers or len(rows) >= m.broker.get("workers_total", 0):
+                break
+        first.workers = rows
+        return first
     finally:
         s.close()
 

@@ -86,8 +86,9 @@ def test_models_are_listed_routed_aliased_and_tokenised_per_model(fleet, door):
         finally:
             await client.close()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-            async with s.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}) as r:
-                assert r.status == 400 and "model is required" in (await r.json())["error"]["message"]
+            for body in ({"prompt": PROMPT, "max_tokens": 2}, {"model": "mesh", "prompt": PROMPT, "max_tokens": 2}):
+                async with s.post(url + "/v1/completions", json=body) as r:  # issue 32: the default model (a 2:2
+                    assert r.status == 200 and r.headers["x-mesh-worker"].startswith("a-")  # tie: by name), no 400
             async with s.post(url + "/v1/completions", json={"model": 7, "prompt": PROMPT}) as r:
                 assert r.status == 400 and "model" in (await r.json())["error"]["message"]
             async with s.post(url + "/generate", json={"model": "model-b", "text": PROMPT, "sampling_params": {"max_new_tokens": 2}}) as r:

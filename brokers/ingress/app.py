@@ -300,8 +300,8 @@ class HttpIngress:
         if (refused := self._not_admin()) is not None:
             return refused
         action = request.match_info["action"]
-        if action not in ("drain", "eject", "reinstate"):
-            return error_response(404, f"unknown action {action!r}: drain, eject or reinstate", "not_found")
+        if action not in ("drain", "eject", "reinstate", "admit"):
+            return error_response(404, f"unknown action {action!r}: drain, eject, reinstate or admit", "not_found")
         for_s = None
         if request.can_read_body:
             try:

@@ -91,6 +91,7 @@ class BrokerCore:
         on_new_worker: Callable[[WorkerState], None] | None = None,
         view_degraded: Callable[[], bool] | None = None,
         status_extra: Callable[[float], dict] | None = None,
+        status_full: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.s = settings
         self.router = router
@@ -117,10 +118,11 @@ class BrokerCore:
         self.pool = WorkerPool()
         common = (self.stats, self.log, self._limiter, outbox)  # counters, log, rate limiter, sends
         self.intake = Intake(settings, self.pool, self.stats)
-        self.status = Status(settings, self.pool, self.intake, self.stats, router, broker_id, status_extra)
+        self.status = Status(settings, self.pool, self.intake, self.stats, router, broker_id, status_extra,
+                             full_allowed=status_full)
         self.kv = KvBacklog(kv_sink, self.pool, *common)
         self.workers = Workers(settings, self.pool, *common, kv_sink=kv_sink, worker_keys=worker_keys, on_event=on_event,
-                               on_new_worker=on_new_worker)
+                               on_new_worker=on_new_worker, models=self.intake.models)
         self.table = RequestTable(settings, router, self.pool, self.workers, self.intake, *common, dispatch=self._dispatch)
         self.replies = Replies(router, self.pool, self.table, self.workers, self.status, *common)
         self._out = outbox
@@ -204,9 +206,9 @@ class BrokerCore:
             self.submit(ident, msg, now, quota_key)
         elif isinstance(msg, P.Cancel):
             self.table.cancel(ident, msg.rid)
-        elif isinstance(msg, P.StatusQuery):
-            broker = self.status.broker(now, self.state, len(self.inflight), self.started_s, self.loop_lag_s)
-            self._out.to_client(ident, self.status.reply(now, broker))
+        elif isinstance(msg, P.StatusQuery):  # bounded, rate-limited per identity (Status.answer)
+            self._out.to_client(ident, self.status.answer(ident, msg, now, lambda: self.status.broker(
+                now, self.state, len(self.inflight), self.started_s, self.loop_lag_s)))
         else:
             self._reject("client", msg, ident)
             # Answer when the sender can be identified: a client path header means a client.
@@ -274,7 +276,7 @@ class BrokerCore:
             self.replies.send_decode(inf, now)
             return
         table = self.table
-        model, refusal = self.intake.model_for(inf.submit)
+        model, refusal = self.intake.model_for(inf.submit, now)
         if refusal is not None:
             table.finish_error(inf, *refusal)
             return
@@ -450,12 +452,13 @@ class BrokerCore:
         """An operator's action on one worker: ``drain`` (no new requests; what it holds
         finishes), ``eject`` (no new requests for ``for_s``, default ``eject_max_s``, then it is
         reinstated; in-flight requests finish), ``reinstate`` (routable again: an ejected worker,
-        or one an operator drained). Returns the worker's status entry. Raises KeyError for an
+        or one an operator drained), ``admit`` (a quarantined worker and its model:
+        :mod:`mesh.broker_core.models`). Returns the worker's status entry. Raises KeyError for an
         unknown worker and ValueError when its state does not allow the action (a worker that
         announced it is leaving cannot be reinstated; an unconfirmed one cannot be ejected)."""
         self.table.now = now
         sess = self.workers.admin(action, worker_id, now, for_s)
-        if action == "reinstate" and self.parked:
+        if action in ("reinstate", "admit") and self.parked:
             self.table.unpark(now)
         self.log.info("worker_admin", worker_id=worker_id, action=action, state=sess.status.value)
         self.workers.event("worker_admin", worker_id=worker_id, action=action, state=sess.status.value)

@@ -14,6 +14,7 @@ from collections import Counter
 
 from mesh import protocol as P
 from mesh.broker_core.counters import BrokerStats
+from mesh.broker_core.models import ModelGate
 from mesh.broker_core.pool import WorkerPool
 from mesh.broker_core.requests import Inflight
 from mesh.config import BrokerSettings
@@ -38,6 +39,8 @@ class Intake:
         self.stats = stats
         self.quotas: Counter[bytes] = Counter()  # quota key -> its requests in flight
         self.aliases = settings.aliases()  # --model-alias: name -> served model
+        self.models = ModelGate(settings)  # foreign models: the default model, admitted and quarantined ones
+        self._unnamed: tuple[int, float, str | None] | None = None  # (pool version, valid until, model)
         self._cap_version = -1  # pool version the fleet capacity was computed at
         self._cap_tokens: dict[str | None, int] = {}  # model (None: all) -> largest KV capacity
         self.tenants = KeyRing()  # the keys file's tenants (the shell sets it; SIGHUP reloads it)
@@ -90,16 +93,16 @@ class Intake:
         cap = self._cap_tokens.get(model)
         if cap is None:
             cap = self._cap_tokens[model] = max((s.ready.max_total_num_tokens for s in self.pool.by_id.values()
-                                                 if model is None or s.ready.model == model), default=0)
+                                                 if (model is None or s.ready.model == model) and not s.quarantined), default=0)
         return cap
 
-    def model_for(self, sub: P.Submit) -> tuple[str | None, tuple[ErrorCode, str] | None]:
+    def model_for(self, sub: P.Submit, now: float = 0.0) -> tuple[str | None, tuple[ErrorCode, str] | None]:
         """The model a request is routed to (None: any worker) and why it is refused, if it is.
 
         A name is a model some registered worker serves (READY ``model``; adapters read it from
         the engine) or an alias of one (``--model-alias``). No name, or ``--model-name`` (the id
-        the HTTP ingress reports, default ``mesh``), means the fleet's only model: with several
-        it is a 400. An unknown name is a 404 ``model_not_found``, except while no worker is
+        the HTTP ingress reports, default ``mesh``), means the default model (:meth:`unnamed`).
+        Quarantined workers' models are not known here (:mod:`mesh.broker_core.models`). An unknown name is a 404 ``model_not_found``, except while no worker is
         registered at all (startup): then it waits, parked, for workers to say what they serve.
 
         LoRA (:mod:`mesh.routing.lora`): ``base:adapter`` is routed to the base model's workers
@@ -121,14 +124,27 @@ class Intake:
         if name is None or name == self.s.model_name:
             # The models with routable workers decide: a registered peer that serves nothing (or
             # a model whose workers are all down) does not make unnamed requests ambiguous.
-            served = [m for m in known if self.pool.pool(m)]
-            if len(served) > 1:
-                return None, (ErrorCode.BAD_REQUEST, f"model is required: this fleet serves {', '.join(sorted(served))}")
-            return (served[0] if served else None), None
+            return self.unnamed([m for m in known if self.pool.pool(m)], now), None
         if not known:
             return name, None
         listed = sorted(set(known) | set(self.aliases))
         return None, (ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; models: {', '.join(listed)}")
+
+    def unnamed(self, served: list[str], now: float) -> str | None:
+        """What a request without a model means: ``--default-model``, else the model most
+        long-registered admitted workers serve (:meth:`ModelGate.unnamed`); None: any worker.
+        With several models the vote (O(workers)) is kept until the pool changes or a worker
+        becomes long-registered: not recounted per request."""
+        if self.models.default is not None or len(served) <= 1:
+            return self.models.unnamed(served, (), now)
+        c = self._unnamed
+        if c is not None and c[0] == self.pool.version and now < c[1]:
+            return c[2]
+        regs = [(s.ready.model, s.registered_s) for s in self.pool.by_id.values() if not s.quarantined]
+        model = self.models.unnamed(served, regs, now)
+        settle_s = self.models.settle_s
+        self._unnamed = (self.pool.version, min((t + settle_s for _, t in regs if now - t < settle_s), default=math.inf), model)
+        return model
 
     def lora_bases(self) -> dict[str, str]:
         """Adapter name -> the base model of the workers holding it (registered workers; an
@@ -136,7 +152,7 @@ class Intake:
         out: dict[str, str] = {}
         for sess in self.pool.by_id.values():
             m = sess.ready.model
-            for a in sess.state.loras:
+            for a in sess.state.loras if not sess.quarantined else ():
                 if a not in out or m < out[a]:
                     out[a] = m
         return out

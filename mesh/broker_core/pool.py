@@ -16,7 +16,7 @@ Session states, and every move between them with what triggers it (:data:`SESSIO
                                                         (REGISTERED if it never spoke)
     any live state ---expired | disconnected | connection_lost | replaced | duplicate_ready---> GONE
 
-Only ROUTABLE sessions get new requests, except in panic mode (every remaining confirmed worker
+Only ROUTABLE sessions get new requests (never a quarantined one: :mod:`mesh.broker_core.models`), except in panic mode (every remaining confirmed worker
 is EJECTED: route to them anyway). DRAINING sessions finish what they hold.
 """
 
@@ -87,6 +87,10 @@ class WorkerSession:
     drained_by: str = ""  # "worker" (it announced it is leaving) or "operator" (the admin API), while DRAINING
     spoke: bool = False  # it sent something after READY (confirmed), whatever its state since
     lat: dict = field(default_factory=dict)  # latency name -> its histogram in BrokerStats (by the worker's model)
+    # Foreign models (mesh.broker_core.models): held apart (never routed to, its model not listed)
+    # until an operator admits it; when it registered (long-registered workers pick the default model).
+    quarantined: bool = False
+    registered_s: float = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -176,6 +180,11 @@ class WorkerPool:
         sess.drained_by = ""
         self.move(sess, SessionState.ROUTABLE if sess.spoke else SessionState.REGISTERED, "undrained")
 
+    def admit(self, sess: WorkerSession) -> None:
+        """An operator admits a quarantined session: routable like any other from now on."""
+        sess.quarantined = False
+        self._changed()
+
     def _changed(self) -> None:
         self._pool = None
         self._model_pools.clear()
@@ -201,10 +210,12 @@ class WorkerPool:
         return pool
 
     def models(self) -> dict[str, int]:
-        """Model name -> registered workers serving it (routable or not)."""
+        """Model name -> registered workers serving it (routable or not; quarantined ones are not counted)."""
         if self._models is None:
             models: dict[str, int] = {}
             for s in self.by_id.values():
+                if s.quarantined:
+                    continue
                 models[s.ready.model] = models.get(s.ready.model, 0) + 1
             self._models = models
         return self._models
@@ -217,7 +228,7 @@ class WorkerPool:
 
 
 def _routable(sessions) -> list[WorkerState]:
-    sessions = list(sessions)
+    sessions = [s for s in sessions if not s.quarantined]
     pool = [s.state for s in sessions if s.status is SessionState.ROUTABLE]
     if not pool:
         # Panic mode (as Envoy's): when every remaining worker is ejected, route to them

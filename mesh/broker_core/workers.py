@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 
 from mesh import protocol as P
 from mesh.broker_core.counters import BrokerStats
+from mesh.broker_core.models import ModelGate
 from mesh.broker_core.pool import SessionState, WorkerPool, WorkerSession
 from mesh.broker_core.sends import Outbox, Receipt
 from mesh.config import BrokerSettings
@@ -38,7 +39,7 @@ class Workers:
     def __init__(self, settings: BrokerSettings, pool: WorkerPool, stats: BrokerStats, log: Any, limiter: RateLimiter,
                  outbox: Outbox, *, kv_sink: Any = None, worker_keys: dict[bytes, str] | None = None,
                  on_event: Callable[..., None] | None = None,
-                 on_new_worker: Callable[[WorkerState], None] | None = None) -> None:
+                 on_new_worker: Callable[[WorkerState], None] | None = None, models: ModelGate | None = None) -> None:
         self.s = settings
         self.pool = pool
         self.stats = stats
@@ -50,6 +51,7 @@ class Workers:
         self.worker_keys = worker_keys
         self.on_event = on_event
         self.on_new_worker = on_new_worker
+        self.models = models if models is not None else ModelGate(settings)  # foreign models: admitted or held apart
         self.next_hb_s = self.next_sweep_s = 0.0
         self._hb_slot = 0
         self._hb_slots = itertools.count()
@@ -124,11 +126,27 @@ class Workers:
         sess = WorkerSession(ident, r, state, expiry_s=0.0, hb_slot=next(self._hb_slots) % HB_SLICES, last_seen_s=now,
                              key_name=key_name or "")
         sess.expiry_s = now + self.expiry_s(sess)
+        sess.registered_s = now
+        self.hold_apart_or_admit(sess, now)
         old = self.pool.add(sess)
         if old is not None:
             self.forget_outcomes(old)
             self.stats.workers["replaced"] += 1
         return sess, old
+
+    def hold_apart_or_admit(self, sess: WorkerSession, now: float) -> None:
+        """A READY announcing a model not admitted yet, from a worker without an allow-listed key,
+        is quarantined (:mod:`mesh.broker_core.models`): counted, logged, never routed to."""
+        model = sess.ready.model
+        if not self.models.holds_apart(model, bool(sess.key_name), now):
+            self.models.admit(model, now)
+            return
+        sess.quarantined = True
+        self.stats.workers["quarantined"] += 1
+        if self._limiter.allow(("worker_quarantined", sess.worker_id), now):
+            self.log.warning("worker_quarantined", worker_id=sess.worker_id, model=model[:64],
+                             peer=sess.identity.hex()[:32], admitted=sorted(self.models.admitted)[:16])
+        self.event("worker_quarantined", worker_id=sess.worker_id, model=model[:64])
 
     def welcome(self, sess: WorkerSession, old: WorkerSession | None) -> None:
         """A registration is in: the index hears of it, and so does the worker."""
@@ -164,7 +182,7 @@ class Workers:
     def eject(self, sess: WorkerSession, now: float, why: str) -> None:
         """Eject ``sess`` for ``eject_base_s x n`` (capped), unless that would leave no routable
         worker or eject more than ``max_ejected_ratio`` of them (panic mode)."""
-        healthy = sum(1 for s2 in self.pool.by_id.values() if s2.state.healthy)
+        healthy = sum(1 for s2 in self.pool.by_id.values() if s2.state.healthy and not s2.quarantined)
         ejected = self.pool.count(SessionState.EJECTED)
         if healthy <= 1 or (ejected + 1) > max(1, int(self.s.max_ejected_ratio * len(self.pool))):
             self.stats.workers["ejection_skipped"] += 1
@@ -344,6 +362,12 @@ class Workers:
             elif st is not SessionState.ROUTABLE:
                 raise ValueError(f"worker {worker_id} is {st.value}: it becomes routable when it speaks")
             self.stats.workers["reinstated_by_operator"] += 1
+        elif action == "admit":
+            if not sess.quarantined:
+                raise ValueError(f"worker {worker_id} is not quarantined")
+            self.models.admit(sess.ready.model, now)
+            self.pool.admit(sess)
+            self.stats.workers["admitted_by_operator"] += 1
         else:
-            raise ValueError(f"unknown action {action!r}: drain, eject or reinstate")
+            raise ValueError(f"unknown action {action!r}: drain, eject, reinstate or admit")
         return sess

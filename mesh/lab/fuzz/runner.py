@@ -457,8 +457,8 @@ async def run_fuzz(cfg: FuzzConfig, progress: Callable[[float, dict], None] | No
     for t in hb_tasks:
         t.cancel()
     await asyncio.gather(*hb_tasks, return_exceptions=True)
-    for w in reg:  # a polite goodbye: the session leaves now rather than by expiry
-        await w.send(P.encode_disconnect("fuzz_done"))
+    for w in workers:  # a polite goodbye: the session leaves now rather than by expiry (a junk peer's READY
+        await w.send(P.encode_disconnect("fuzz_done"))  # registers too: its fuzz-model worker must not stay behind)
     await mon if mon.done() else None
     mon.cancel()
 
