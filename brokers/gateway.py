@@ -358,7 +358,7 @@ async def serve_gateway(brokers: list[str], http: str, curve=None, **ingress_kw:
 
 #: BrokerSettings fields that configure the HTTP ingress, here as in ``mesh broker --http``
 _INGRESS_FIELDS = ("tokenizer", "chat_template", "http_max_connections", "http_max_connections_per_address",
-                   "http_max_body_bytes_per_address", "http_header_timeout_s", "http_idle_timeout_s",
+                   "http_max_body_bytes_per_address", "http_trusted_proxies", "http_header_timeout_s", "http_idle_timeout_s",
                    "http_body_timeout_s", "http_request_timeout_s", "http_stream_idle_timeout_s", "trace_exporter",
                    "trace_endpoint")
 
@@ -432,6 +432,7 @@ def _cmd_gateway(args) -> int:
         chat_templates=model_paths(ingress.chat_template, "chat_template"), max_connections=ingress.http_max_connections,
         max_connections_per_address=ingress.http_max_connections_per_address,
         max_body_bytes_per_address=ingress.http_max_body_bytes_per_address,
+        trusted_proxies=ingress.http_trusted_proxies,
         header_timeout_s=ingress.http_header_timeout_s, idle_timeout_s=ingress.http_idle_timeout_s,
         body_timeout_s=ingress.http_body_timeout_s, request_timeout_s=ingress.http_request_timeout_s,
         stream_idle_timeout_s=ingress.http_stream_idle_timeout_s))

@@ -227,6 +227,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
                               max_connections=settings.http_max_connections, header_timeout_s=settings.http_header_timeout_s,
                               max_connections_per_address=settings.http_max_connections_per_address,
                               max_body_bytes_per_address=settings.http_max_body_bytes_per_address,
+                              trusted_proxies=settings.http_trusted_proxies,
                               idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s,
                               request_timeout_s=settings.http_request_timeout_s,
                               stream_idle_timeout_s=settings.http_stream_idle_timeout_s,

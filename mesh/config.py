@@ -24,6 +24,7 @@ from typing import Any
 
 from mesh.errors import ConfigError
 from mesh.logs import add_log_level_arg
+from mesh.proxies import parse_trusted_proxies
 from mesh.settings_fields import flag_values, setting, toml_aliases
 
 __all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "settings_from_args", "apply_toml_to_args", "read_toml",
@@ -119,6 +120,8 @@ class BrokerSettings:
     http_max_body_bytes_per_address: int = setting(32 << 20, unit="bytes", help="request body bytes one peer address "
                                                    "may have in running requests; past it a POST is refused (429) "
                                                    "before its body is read (0 = no bound)")
+    http_trusted_proxies: str = setting("", help="comma-separated CIDRs of reverse proxies whose X-Forwarded-For names "
+                                                  "the client (per-address bounds, loopback-only admin API)")
     http_header_timeout_s: float = setting(10.0, unit="s", help="time to receive a complete request head")
     http_idle_timeout_s: float = setting(60.0, unit="s", help="idle keep-alive HTTP connections are closed after this")
     http_body_timeout_s: float = setting(30.0, unit="s", help="time to receive a request body or drain a streamed write")
@@ -277,6 +280,10 @@ class BrokerSettings:
                 raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from None
             _require(key_ok, "api_key_file", f"{self.api_key_file} is empty")
         _require(self.http_max_connections >= 1, "http_max_connections", "must be >= 1")
+        try:
+            parse_trusted_proxies(self.http_trusted_proxies)
+        except ValueError as exc:
+            _require(False, "http_trusted_proxies", str(exc))
         _require(self.http_max_body_bytes_per_address >= 0, "http_max_body_bytes_per_address", "must be >= 0 (0: no bound)")
         _require(self.http_max_connections_per_address >= 0, "http_max_connections_per_address", "must be >= 0 (0: no bound)")
         check_tokenizers(self.tokenizer, self.chat_template)

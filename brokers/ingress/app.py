@@ -18,12 +18,12 @@ The ingress talks to "a broker" only through :class:`brokers.ingress.backend.Ing
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 
 from aiohttp import web
 
 from brokers.ingress.backend import IngressBackend
+from mesh.proxies import CLIENT, TrustedProxies, parse_trusted_proxies
 from brokers.ingress.generate import GenerateEndpoint
 from brokers.ingress.guard import ConnGuard, GuardedConnection
 from brokers.ingress.openai_api import OpenAIEndpoints
@@ -52,7 +52,7 @@ class HttpIngress:
                  idle_timeout_s: float = 60.0, body_timeout_s: float = 30.0, backlog: int = 128,
                  request_timeout_s: float = 1800.0, stream_idle_timeout_s: float = 300.0, max_connections_per_address: int = 0,
                  max_body_bytes_per_address: int = 0, session_sources: tuple[str, ...] | None = None,
-                 keys: KeyRing | None = None) -> None:
+                 keys: KeyRing | None = None, trusted_proxies: str = "") -> None:
         self.backend = backend
         self._key = api_key.encode() if api_key else None
         # who may call (brokers.keys_file): None, no authentication; the shell may swap it (SIGHUP)
@@ -61,6 +61,7 @@ class HttpIngress:
         self.idle_timeout_s = idle_timeout_s
         self.backlog = max(1, min(backlog, max_connections))
         self.guard = ConnGuard(backend.stats, max_connections, header_timeout_s, max_connections_per_address)
+        self.proxies = TrustedProxies(parse_trusted_proxies(trusted_proxies))  # ValueError: the shell validated it
         self.body_budget = max_body_bytes_per_address  # 0: no bound (see _within_body_budget)
         self._body_bytes: dict[str, int] = {}  # peer address -> bytes of bodies of its running requests
         self.log = get_logger(service="http")
@@ -154,7 +155,9 @@ class HttpIngress:
         conn = tr.get_protocol() if tr is not None else None
         if isinstance(conn, GuardedConnection):
             self.guard.busy(conn)
-        QUOTA_KEY.set(b"\x00httpq:" + (request.remote or "?").encode())
+        client = self.proxies.client(request.remote, request.headers)
+        CLIENT.set(client)
+        QUOTA_KEY.set(b"\x00httpq:" + client.address.encode())
         try:
             if tracing.enabled() and request.method == "POST":
                 with tracing.server_span(f"mesh {request.path}", request.headers,
@@ -207,7 +210,7 @@ class HttpIngress:
         it a POST is refused (429) from its head, before its body is read, parsed or tokenised, and its
         connection closed (the unread body is not worth reading). Bounds the front-door work one client's
         flood of large prompts can take from the others."""
-        peer = request.remote or "?"
+        peer = CLIENT.get().address
         n = request.content_length if request.content_length is not None else MAX_BODY_BYTES
         held = self._body_bytes.get(peer, 0)
         if held and held + n > self.body_budget:
@@ -277,13 +280,22 @@ class HttpIngress:
         return error_response(403, "the admin API needs an admin key (--admin-key-file, or admin = true in the keys file)",
                               "forbidden", "permission_error")
 
+    def _not_local(self) -> web.Response | None:
+        """Without keys the admin API serves only clients on this host (loopback, through no proxy that
+        is not a trusted one: mesh.proxies)."""
+        if self.keys is not None or CLIENT.get().loopback:
+            return None
+        self.backend.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
+        return error_response(403, "the admin API needs an API key (or a loopback client through no untrusted proxy)",
+                              "unauthorized", "authentication_error")
+
     async def workers(self, request: web.Request) -> web.Response:
         """Every registered worker: its state (registered, routable, ejected, draining), load,
         in-flight requests and KV capacity (behind an admin key when keys are set)."""
         admin = self.backend.admin
         if admin is None:
             return _no_admin()
-        if (refused := self._not_admin()) is not None:
+        if (refused := self._not_admin() or self._not_local()) is not None:
             return refused
         workers = await asyncio.wait_for(admin("list"), 10)
         return json_response({"object": "list", "data": workers})
@@ -294,10 +306,7 @@ class HttpIngress:
         admin = self.backend.admin
         if admin is None:
             return _no_admin()
-        if self.keys is None and not is_loopback(request.remote):
-            self.backend.stats.requests[ErrorCode.UNAUTHORIZED.value] += 1
-            return error_response(403, "worker actions need --api-key (or a loopback client)", "unauthorized", "authentication_error")
-        if (refused := self._not_admin()) is not None:
+        if (refused := self._not_admin() or self._not_local()) is not None:
             return refused
         action = request.match_info["action"]
         if action not in ("drain", "eject", "reinstate", "admit"):
@@ -326,13 +335,3 @@ class HttpIngress:
 
         body = generate_latest(self.metrics_registry) if self.metrics_registry is not None else b""
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def is_loopback(host: str | None) -> bool:
-    """True for a loopback peer address (None, a unix socket, counts as not loopback)."""
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
