@@ -164,7 +164,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
     if broker.curve is not None:
         from zmq.auth.asyncio import AsyncioAuthenticator
 
-        from mesh.security import allowed_key_names, configure_allow_lists
+        from mesh.security import allowed_key_names, configure_allow_lists, exchange_keys
 
         auth = AsyncioAuthenticator(broker.ctx)
         auth.start()
@@ -178,7 +178,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
             "workers": frozenset(broker.worker_keys) if broker.worker_keys is not None else None,
             "clients": frozenset(allowed_key_names(clients, "curve_allow_clients")) if clients else None,
             # the peer exchange: only holders of the brokers' own key pair (see brokers.peer_exchange)
-            "peers": frozenset([broker.curve.public_key]),
+            "peers": frozenset(exchange_keys(broker.curve, "", settings.peer_curve_keys)[1] or [broker.curve.public_key]),
         }
         configure_allow_lists(auth, lists)
     _bind_or_explain(broker.bind, settings, ("frontend", "backend", "telemetry", "exchange"))
