@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.errors import ConfigError
+from mesh.protocol import MAX_WORKER_ID_BYTES
 from mesh.logs import add_log_level_arg
 from mesh.settings_fields import flag_values, setting, toml_aliases
 
@@ -321,6 +322,9 @@ class WorkerSettings:
         if self.tokenizer:
             _require(Path(self.tokenizer).is_dir(), "tokenizer", f"{self.tokenizer} is not a model folder")
         _require(1 <= self.count <= 4096, "count", "must be in [1, 4096]")
+        # bytes, as READY and the peer exchange count them (the -N suffix of --count included)
+        _require(len(self.worker_id.encode("utf-8", "surrogatepass")) + (6 if self.count > 1 else 0) <= MAX_WORKER_ID_BYTES, "worker_id",
+                 f"must be at most {MAX_WORKER_ID_BYTES} UTF-8 bytes (with --count: {MAX_WORKER_ID_BYTES - 6})")
         _require(self.role in ("prefill", "decode", "mixed"), "role", "must be prefill|decode|mixed")
         _require(self.heartbeat_ms > 0, "heartbeat_ms", "must be > 0")
         _require(self.liveness >= 1, "liveness", "must be >= 1")
