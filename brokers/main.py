@@ -181,6 +181,15 @@ async def serve_broker(settings: BrokerSettings) -> None:
             "peers": frozenset(exchange_keys(broker.curve, "", settings.peer_curve_keys)[1] or [broker.curve.public_key]),
         }
         configure_allow_lists(auth, lists)
+    elif settings.exchange.startswith("tcp://") and settings.peer:
+        # plaintext exchange: only the --peer hosts may subscribe (brokers.peer_exchange)
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        from brokers.peer_exchange import peer_addresses
+
+        auth = AsyncioAuthenticator(broker.ctx)
+        auth.start()
+        auth.allow(*peer_addresses(settings.peer))
     _bind_or_explain(broker.bind, settings, ("frontend", "backend", "telemetry", "exchange"))
     reg = metrics_registry(broker)
     if settings.metrics:

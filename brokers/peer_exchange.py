@@ -49,8 +49,10 @@ objects); this module only owns the two sockets.
   (``id_mismatch``, ``id_spoofed``); this broker's own id with another epoch is refused
   (``own_id``); epochs move forward by bounded steps at most once per ``min_restart_s`` and expire
   with staleness (``epoch_jump``, ``restart_too_soon``); :attr:`degraded` is true while any
-  configured peer has no fresh broker behind it, however many others speak. The PUB is an XPUB
-  that applies only subscriptions to the exchange header (``subscriptions_refused``). Values are
+  configured peer has no fresh broker behind it, however many others speak. Subscribers are
+  admitted at the handshake only (ZAP domain ``peers``): the listed keys under CURVE, the
+  ``--peer`` hosts' addresses in plaintext (libzmq keeps every subscriber's filters in a trie:
+  a stranger's 50 MB of subscriptions grew a broker to 2.41 GB). Values are
   bounded at decode either way (at most 2**20 requests per worker and message); a key holder is
   trusted to report honestly within those bounds.
 """
@@ -59,8 +61,10 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import socket
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 import zmq
@@ -72,7 +76,7 @@ from mesh.routing.peers import PeerChange, PeerMerge, PeerPublisher
 from mesh.routing.view import WorkerState
 from mesh.sockets import EXCHANGE_PUB, EXCHANGE_SUB, CurveKeys, make_socket, send_frames
 
-__all__ = ["PeerExchange", "is_loopback", "DEFAULT_MSGS_PER_S", "DEFAULT_BYTES_PER_S"]
+__all__ = ["PeerExchange", "is_loopback", "peer_addresses", "DEFAULT_MSGS_PER_S", "DEFAULT_BYTES_PER_S"]
 
 FULL_SNAPSHOT_MAX_S = 1.0
 # Each peer's budget (--exchange-peer-msgs-per-s / --exchange-peer-bytes-per-s): a busy broker
@@ -111,7 +115,11 @@ class PeerExchange:
         self.log = log
         self.on_reject = on_reject
         self.on_routes = on_routes  # peers' routed prompts go to the provider (mesh.index.peer_routes)
-        self.pub = make_socket(ctx, EXCHANGE_PUB.with_curve(curve, b"peers"), bind=bind)
+        # ZAP domain "peers" either way: under CURVE it admits the listed keys; in plaintext the
+        # broker's authenticator admits only its --peer hosts' addresses (brokers.main), so a
+        # stranger's subscriptions never reach libzmq's filter trie.
+        pub_spec = EXCHANGE_PUB.with_curve(curve, b"peers") if curve is not None else replace(EXCHANGE_PUB, zap_domain=b"peers")
+        self.pub = make_socket(ctx, pub_spec, bind=bind)
         self.subs: dict[str, zmq.Socket] = {}  # peer endpoint -> its own SUB
         try:
             self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -150,28 +158,12 @@ class PeerExchange:
 
     def inputs(self) -> list[tuple[zmq.Socket, Callable[[list[bytes], float], list[PeerChange]]]]:
         """Every socket the owner's pump reads, with its handler (returns the changes to apply)."""
-        out: list[tuple[zmq.Socket, Callable[[list[bytes], float], list[PeerChange]]]] = [(self.pub, self.on_subscription)]
-        for ep, sub in self.subs.items():
-            out.append((sub, functools.partial(self.receive, source=ep)))
-        return out
+        return [(sub, functools.partial(self.receive, source=ep)) for ep, sub in self.subs.items()]
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.pub, *self.subs.values()]
 
     # ------------------------------------------------------------------ input
-    def on_subscription(self, frames: list[bytes], now_s: float) -> list[PeerChange]:
-        """A subscriber's (un)subscription read from the XPUB: only prefixes of the exchange
-        header are applied (a filter budget of a few bytes per subscriber); anything else is
-        counted and forgotten."""
-        f = frames[0] if len(frames) == 1 else b""
-        if f[:1] in (b"\x00", b"\x01") and P.EXCHANGE_HEADER.startswith(f[1:]):
-            self.pub.setsockopt(zmq.SUBSCRIBE if f[:1] == b"\x01" else zmq.UNSUBSCRIBE, f[1:])
-            self.stats["subscriptions" if f[:1] == b"\x01" else "unsubscriptions"] += 1
-        else:
-            self.stats["subscriptions_refused"] += 1
-            self._warn("exchange_subscription_refused", "xpub", now_s, bytes=sum(map(len, frames)))
-        return []
-
     def receive(self, frames: list[bytes], now_s: float, source: str = "") -> list[PeerChange]:
         """One message read from the SUB of ``source``: budgeted, decoded, merged; returns the
         changes to apply."""
@@ -267,6 +259,21 @@ class PeerExchange:
 
 #: merge outcomes that mean someone else speaks, or tries to, for a peer (logged, rate-limited)
 _HOSTILE = frozenset({"own_id", "id_mismatch", "id_spoofed", "epoch_jump", "restart_too_soon", "too_many_peers"})
+
+
+def peer_addresses(peers: Iterable[str]) -> list[str]:
+    """The IP addresses of the ``--peer`` hosts (tcp endpoints; names resolved now), loopback
+    included: the plaintext exchange PUB admits subscribers from these addresses only."""
+    out = {"127.0.0.1", "::1"}
+    for ep in peers:
+        if not ep.startswith("tcp://"):
+            continue
+        host = ep[6:].rsplit(":", 1)[0].strip("[]")
+        try:
+            out.update(str(ai[4][0]) for ai in socket.getaddrinfo(host, None))
+        except OSError:
+            out.add(host)  # unresolvable now: its connections will fail the allow-list
+    return sorted(out)
 
 
 def is_loopback(endpoint: str) -> bool:

@@ -159,9 +159,6 @@ class SocketSpec:
     identity: bytes | None = None
     curve: CurveKeys | None = None
     zap_domain: bytes | None = None  # ZAP domain for server-side authentication (allow-lists)
-    # XPUB only: subscriptions are handed to the owner, which applies the ones it accepts
-    # (ZMQ_XPUB_MANUAL); libzmq itself then keeps no filter a subscriber did not get approved.
-    xpub_manual: bool = False
 
     def with_identity(self, identity: bytes) -> "SocketSpec":
         return replace(self, identity=identity)
@@ -203,14 +200,14 @@ TELEMETRY_PUB = SocketSpec(zmq.PUB, sndhwm=1000, rcvhwm=1000, linger_ms=0)
 # replaces an older, so queues are short (a backlog is only stale figures) and a slow peer loses
 # messages at the PUB's HWM (the receiver counts them from sequence gaps). No ZMTP heartbeats,
 # for the libzmq 4.3.5 abort described at BROKER_FRONTEND (a SUB whose input stops at RCVHWM is
-# exactly that engine); a silent peer is found by the exchange's own staleness bound. The
-# publisher is an XPUB in manual mode: a plain PUB stored every subscriber's filters in its trie
-# (a stranger's 2,800 long unique subscriptions grew a broker from 55 MB to 2.41 GB and stalled it
-# 4.9 s); here the exchange reads each subscription and applies only prefixes of its header
-# (brokers/peer_exchange.py), so the trie holds at most a few bytes per subscriber. 64 KiB caps
-# what one subscription frame can make it buffer.
-EXCHANGE_PUB = SocketSpec(zmq.XPUB, sndhwm=100, rcvhwm=100, linger_ms=0, maxmsgsize=64 * 1024,
-                          heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0, xpub_manual=True)
+# exactly that engine); a silent peer is found by the exchange's own staleness bound. The PUB
+# only ever reads subscriptions. libzmq keeps every subscriber's filters in a byte trie (tens of
+# bytes per filter byte, MAXMSGSIZE does not apply to them, and XPUB_MANUAL keeps a second copy):
+# a stranger's 2,800 long unique subscriptions grew a broker from 55 MB to 2.41 GB (issue 32).
+# Only the handshake can refuse them: ZAP domain ``peers`` (listed keys under CURVE, the --peer
+# hosts' addresses in plaintext; brokers/peer_exchange.py, docs/security.md).
+EXCHANGE_PUB = SocketSpec(zmq.PUB, sndhwm=100, rcvhwm=100, linger_ms=0, maxmsgsize=64 * 1024,
+                          heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
 EXCHANGE_SUB = SocketSpec(zmq.SUB, sndhwm=100, rcvhwm=100, linger_ms=0, maxmsgsize=MAX_EXCHANGE_BYTES + 64 * 1024,
                           heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
 
@@ -247,8 +244,6 @@ def make_socket(
         if spec.kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, int(spec.router_mandatory))
             sock.setsockopt(zmq.ROUTER_HANDOVER, int(spec.router_handover))
-        if spec.kind == zmq.XPUB:
-            sock.setsockopt(zmq.XPUB_MANUAL, int(spec.xpub_manual))
         if spec.kind in (zmq.DEALER, zmq.REQ, zmq.PUSH):
             sock.setsockopt(zmq.IMMEDIATE, int(spec.immediate))
         if spec.identity is not None:
