@@ -204,9 +204,11 @@ class Broker:
                 # the provider's insert-on-route guesses go to the peers with the next message
                 self.router.provider.route_listener = self.exchange.publisher.note_route
             self._xs = [(sock, functools.partial(self._on_exchange_frames, fn)) for sock, fn in self.exchange.inputs()]
-            if self.curve is not None:
-                # a stranger subscribing to our PUB, or a --peer that does not hold the brokers' key
-                self._monitors += [("exchange", sock.get_monitor_socket(ev)) for sock in self.exchange.sockets()]
+            # a stranger subscribing to our PUB (refused by key, or in plaintext by address), or
+            # a --peer that does not hold the brokers' key: counted as auth_failed
+            ev = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            xsocks = self.exchange.sockets() if self.curve is not None else [self.exchange.pub]
+            self._monitors += [("exchange", sock.get_monitor_socket(ev)) for sock in xsocks]
 
     async def run(self) -> None:
         """Serve until :meth:`request_stop`; then drain in-flight work and close the sockets."""

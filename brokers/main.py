@@ -189,7 +189,10 @@ async def serve_broker(settings: BrokerSettings) -> None:
 
         auth = AsyncioAuthenticator(broker.ctx)
         auth.start()
-        auth.allow(*peer_addresses(settings.peer))
+        allowed = peer_addresses(settings.peer)
+        auth.allow(*allowed)
+        log.info("exchange_subscribers_allowed", addresses=allowed,
+                 note="plaintext exchange: only these hosts (the --peer hosts) may subscribe; list each other")
     _bind_or_explain(broker.bind, settings, ("frontend", "backend", "telemetry", "exchange"))
     reg = metrics_registry(broker)
     if settings.metrics:
