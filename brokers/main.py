@@ -187,12 +187,16 @@ async def serve_broker(settings: BrokerSettings) -> None:
 
         from brokers.peer_exchange import peer_addresses
 
-        auth = AsyncioAuthenticator(broker.ctx)
-        auth.start()
         allowed = peer_addresses(settings.peer)
-        auth.allow(*allowed)
-        log.info("exchange_subscribers_allowed", addresses=allowed,
-                 note="plaintext exchange: only these hosts (the --peer hosts) may subscribe; list each other")
+        if allowed is None:
+            log.warning("exchange_allow_list_off", peers=list(settings.peer),
+                        note="a --peer host does not resolve yet: any host may subscribe to the plaintext exchange")
+        else:
+            auth = AsyncioAuthenticator(broker.ctx)
+            auth.start()
+            auth.allow(*allowed)
+            log.info("exchange_subscribers_allowed", addresses=allowed,
+                     note="plaintext exchange: only these hosts (the --peer hosts) may subscribe; list each other")
     _bind_or_explain(broker.bind, settings, ("frontend", "backend", "telemetry", "exchange"))
     reg = metrics_registry(broker)
     if settings.metrics:

@@ -261,9 +261,10 @@ class PeerExchange:
 _HOSTILE = frozenset({"own_id", "id_mismatch", "id_spoofed", "epoch_jump", "restart_too_soon", "too_many_peers"})
 
 
-def peer_addresses(peers: Iterable[str]) -> list[str]:
+def peer_addresses(peers: Iterable[str]) -> list[str] | None:
     """The IP addresses of the ``--peer`` hosts (tcp endpoints; names resolved now), loopback
-    included: the plaintext exchange PUB admits subscribers from these addresses only."""
+    included: the plaintext exchange PUB admits subscribers from these addresses only. None when
+    a host does not resolve yet (a peer container not started): no list rather than a lockout."""
     out = {"127.0.0.1", "::1"}
     for ep in peers:
         if not ep.startswith("tcp://"):
@@ -272,7 +273,7 @@ def peer_addresses(peers: Iterable[str]) -> list[str]:
         try:
             out.update(str(ai[4][0]) for ai in socket.getaddrinfo(host, None))
         except OSError:
-            out.add(host)  # unresolvable now: its connections will fail the allow-list
+            return None
     return sorted(out)
 
 

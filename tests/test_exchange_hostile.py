@@ -272,6 +272,7 @@ def test_a_strangers_subscriptions_are_refused_at_the_handshake_in_plaintext(ctx
     auth.start()
     allowed = peer_addresses(["tcp://127.0.0.1:5999"])
     assert "127.0.0.1" in allowed and "127.0.0.2" not in allowed
+    assert peer_addresses(["tcp://no-such-host.invalid:5"]) is None  # no list rather than a lockout
     auth.allow(*allowed)
     x = PeerExchange(ctx, "me", "tcp://127.0.0.1:*", [], interval_ms=0, stale_ms=3000, epoch=1)
     port = x.endpoint.rsplit(":", 1)[1]
