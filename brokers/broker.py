@@ -30,6 +30,7 @@ Design rules this module keeps:
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import signal
@@ -131,7 +132,7 @@ class Broker:
         self.telemetry_endpoint = ""
         self.exchange = None  # brokers.peer_exchange.PeerExchange with --exchange
         self.exchange_endpoint = ""
-        self._xs: zmq.Socket | None = None  # its SUB (read by the pump)
+        self._xs: list = []  # its sockets and their handlers (read by the pump)
         self._monitors: list[tuple[str, Any]] = []
         self.ready = asyncio.Event()
         self._due_s = float("inf")  # earliest time a pump was wanted (kick, timer): starting later is loop lag
@@ -192,11 +193,15 @@ class Broker:
             self.telemetry_endpoint = self.telemetry.endpoint
         if self.s.exchange:
             from brokers.peer_exchange import PeerExchange
+            from mesh.security import exchange_keys
 
+            x_curve, x_keys = exchange_keys(self.curve, self.s.exchange_curve_secret, self.s.peer_curve_keys)
             self.exchange = PeerExchange(sctx, self.broker_id, self.s.exchange, self.s.peer, interval_ms=self.s.exchange_interval_ms,
                                          stale_ms=self.s.exchange_stale_ms, stats=self.stats.exchange, log=self.log,
-                                         on_reject=lambda err: self._reject("exchange", err, b""), curve=self.curve,
-                                         on_routes=getattr(self.router.provider, "add_peer_routes", None))
+                                         on_reject=lambda err: self._reject("exchange", err, b""), curve=x_curve,
+                                         on_routes=getattr(self.router.provider, "add_peer_routes", None), peer_keys=x_keys,
+                                         max_msgs_per_s=self.s.exchange_peer_msgs_per_sec,
+                                         max_bytes_per_s=self.s.exchange_peer_bytes_per_sec)
             self.exchange_endpoint = self.exchange.endpoint
             sessions = getattr(self.router, "session_table", None)
             if sessions is not None:  # session pins travel both ways (mesh.routing.sessions)
@@ -205,10 +210,12 @@ class Broker:
             if self.s.exchange_routes and hasattr(self.router.provider, "add_peer_routes"):
                 # the provider's insert-on-route guesses go to the peers with the next message
                 self.router.provider.route_listener = self.exchange.publisher.note_route
-            self._xs = self.exchange.sub
-            if self.curve is not None:
-                # a stranger subscribing to our PUB, or a --peer that does not hold the brokers' key
-                self._monitors += [("exchange", sock.get_monitor_socket(ev)) for sock in (self.exchange.pub, self.exchange.sub)]
+            self._xs = [(sock, functools.partial(self._on_exchange_frames, fn)) for sock, fn in self.exchange.inputs()]
+            # a stranger subscribing to our PUB (refused by key, or in plaintext by address), or
+            # a --peer that does not hold the brokers' key: counted as auth_failed
+            ev = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            xsocks = self.exchange.sockets() if self.curve is not None else [self.exchange.pub]
+            self._monitors += [("exchange", sock.get_monitor_socket(ev)) for sock in xsocks]
 
     async def run(self) -> None:
         """Serve until :meth:`request_stop`; then drain in-flight work and close the sockets."""
@@ -245,7 +252,7 @@ class Broker:
             self.telemetry.close()
         if self.exchange is not None:
             if self._monitors:
-                for sock in (self.exchange.pub, self.exchange.sub):
+                for sock in self.exchange.sockets():
                     sock.disable_monitor()
             self.exchange.close()
         for sock in (self._front, self._back):
@@ -278,8 +285,7 @@ class Broker:
         self._aloop = loop
         self._done = loop.create_future()
         self._watch = [self._back, self._front, *(mon for _, mon in self._monitors)]
-        if self._xs is not None:
-            self._watch.append(self._xs)
+        self._watch.extend(sock for sock, _ in self._xs)
         self._next_tel = time.monotonic() + (self.telemetry.interval_s if self.telemetry else 1e9)
         for sock in self._watch:
             fd = sock.getsockopt(zmq.FD)
@@ -366,8 +372,8 @@ class Broker:
             else:
                 busy = (self._drain(back, on_worker, budget_end, with_user=with_user)
                         | self._drain(front, on_client, budget_end, with_user=client_user))
-            if self._xs is not None:
-                busy |= self._drain(self._xs, self._on_exchange_frames, budget_end)
+            for xsock, xhandler in self._xs:
+                busy |= self._drain(xsock, xhandler, budget_end)
             if busy and time.monotonic() >= budget_end:
                 break  # more is queued: run the timers, let other tasks in, come straight back
         if self._mail:
@@ -663,9 +669,9 @@ class Broker:
 
     # ------------------------------------------------------------------ peer exchange
 
-    def _on_exchange_frames(self, frames: list[bytes], now: float) -> None:
+    def _on_exchange_frames(self, receive, frames: list[bytes], now: float) -> None:
         """A peer broker's figures (see brokers/peer_exchange.py): merged into the worker states."""
-        changes = self.exchange.receive(frames, now)  # type: ignore[union-attr]
+        changes = receive(frames, now)
         if changes:
             apply_changes(changes, self._worker_state)
 

@@ -179,7 +179,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
     if broker.curve is not None:
         from zmq.auth.asyncio import AsyncioAuthenticator
 
-        from mesh.security import allowed_key_names, configure_allow_lists
+        from mesh.security import allowed_key_names, configure_allow_lists, exchange_keys
 
         auth = AsyncioAuthenticator(broker.ctx)
         auth.start()
@@ -193,9 +193,25 @@ async def serve_broker(settings: BrokerSettings) -> None:
             "workers": frozenset(broker.worker_keys) if broker.worker_keys is not None else None,
             "clients": frozenset(allowed_key_names(clients, "curve_allow_clients")) if clients else None,
             # the peer exchange: only holders of the brokers' own key pair (see brokers.peer_exchange)
-            "peers": frozenset([broker.curve.public_key]),
+            "peers": frozenset(exchange_keys(broker.curve, "", settings.peer_curve_keys)[1] or [broker.curve.public_key]),
         }
         configure_allow_lists(auth, lists)
+    elif settings.exchange.startswith("tcp://") and settings.peer:
+        # plaintext exchange: only the --peer hosts may subscribe (brokers.peer_exchange)
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        from brokers.peer_exchange import peer_addresses
+
+        allowed = peer_addresses(settings.peer)
+        if allowed is None:
+            log.warning("exchange_allow_list_off", peers=list(settings.peer),
+                        note="a --peer host does not resolve yet: any host may subscribe to the plaintext exchange")
+        else:
+            auth = AsyncioAuthenticator(broker.ctx)
+            auth.start()
+            auth.allow(*allowed)
+            log.info("exchange_subscribers_allowed", addresses=allowed,
+                     note="plaintext exchange: only these hosts (the --peer hosts) may subscribe; list each other")
     _bind_or_explain(broker.bind, settings, ("frontend", "backend", "telemetry", "exchange"))
     reg = metrics_registry(broker)
     if settings.metrics:

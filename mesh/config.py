@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.errors import ConfigError
+from mesh.protocol import MAX_WORKER_ID_BYTES
 from mesh.logs import add_log_level_arg
 from mesh.proxies import parse_trusted_proxies
 from mesh.settings_fields import flag_values, setting, toml_aliases
@@ -189,6 +190,15 @@ class BrokerSettings:
                                                 "are taken either way")
     exchange_stale_ms: float = setting(3000.0, unit="ms", help="a peer silent this long is dropped: this broker falls "
                                                                "back to its own view for it")
+    exchange_peer_msgs_per_sec: float = setting(2000.0, help="each --peer's budget of exchange messages per second; "
+                                                           "more are dropped undecoded and counted")
+    exchange_peer_bytes_per_sec: float = setting(4194304.0, help="each --peer's budget of exchange bytes per second "
+                                                                     "(at least one 2 MiB message is always admitted)")
+    exchange_curve_secret: str = setting("", default_text="--curve-secret", help="this broker's own exchange "
+                                         "certificate (.key_secret), with --peer-curve-keys: each broker its own key")
+    peer_curve_keys: tuple[str, ...] = setting((), metavar="FILE", help="each --peer's exchange public key (.key), "
+                                               "in --peer order: the exchange admits only these keys and binds each "
+                                               "peer to its key (needs --curve-secret)")
     curve_secret: str = setting("", default_text="off", help="broker certificate (.key_secret from mesh keygen): CURVE "
                                                             "on both sockets")
     curve_allow_workers: str = setting("", help="directory of worker public keys allowed to register")
@@ -334,6 +344,16 @@ class BrokerSettings:
         for ep in self.peer:
             _require(ep.startswith(("tcp://", "ipc://", "inproc://")) and "*" not in ep, "peer",
                      f"{ep!r} must be a tcp://, ipc:// or inproc:// endpoint to connect to (no *)")
+        _require(not self.peer_curve_keys or len(self.peer_curve_keys) == len(self.peer), "peer_curve_keys",
+                 f"one public key file per --peer, in order ({len(self.peer_curve_keys)} keys for {len(self.peer)} peers)")
+        _require(not (self.peer_curve_keys or self.exchange_curve_secret) or bool(self.curve_secret), "peer_curve_keys",
+                 "exchange keys need the broker's --curve-secret (CURVE on)")
+        for name, files in (("peer_curve_keys", self.peer_curve_keys), ("exchange_curve_secret", (self.exchange_curve_secret,))):
+            for f in files:
+                _require(not f or Path(f).is_file(), name, f"{f} is not a key file")
+        for name in ("exchange_peer_msgs_per_sec", "exchange_peer_bytes_per_sec"):
+            v = getattr(self, name)
+            _require(math.isfinite(v) and 0 < v <= 1e12, name, "must be a positive number")
         _require(math.isfinite(self.exchange_interval_ms) and 0 <= self.exchange_interval_ms <= 1000,
                  "exchange_interval_ms", "must be in [0, 1000]")
         _require(math.isfinite(self.exchange_stale_ms) and 3 * self.exchange_interval_ms < self.exchange_stale_ms <= 600_000,
@@ -387,6 +407,9 @@ class WorkerSettings:
         if self.tokenizer:
             _require(Path(self.tokenizer).is_dir(), "tokenizer", f"{self.tokenizer} is not a model folder")
         _require(1 <= self.count <= 4096, "count", "must be in [1, 4096]")
+        # bytes, as READY and the peer exchange count them (the -N suffix of --count included)
+        _require(len(self.worker_id.encode("utf-8", "surrogatepass")) + (6 if self.count > 1 else 0) <= MAX_WORKER_ID_BYTES, "worker_id",
+                 f"must be at most {MAX_WORKER_ID_BYTES} UTF-8 bytes (with --count: {MAX_WORKER_ID_BYTES - 6})")
         _require(self.role in ("prefill", "decode", "mixed"), "role", "must be prefill|decode|mixed")
         _require(self.heartbeat_ms > 0, "heartbeat_ms", "must be > 0")
         _require(self.liveness >= 1, "liveness", "must be >= 1")

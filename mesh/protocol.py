@@ -249,6 +249,7 @@ __all__ = [
     "MAX_EXCHANGE_WORKERS",
     "MAX_EXCHANGE_BYTES",
     "MAX_EXCHANGE_ROUTES",
+    "MAX_WORKER_ID_BYTES",
     "MAX_ROUTE_ANCHORS",
     "MAX_KV_BATCH_BLOCKS",
     "MAX_KV_BATCH_BYTES",
@@ -304,6 +305,10 @@ MAX_SESSION_AGE_MS = 2**31 - 1
 # bytes each stay under MAX_KV_BATCH_BYTES; the adapter's relay and the stub slice by blocks.
 MAX_KV_BATCH_BLOCKS = 8192
 MAX_KV_BATCH_BYTES = 1024 * 1024
+# A worker id, wherever it travels (READY, the exchange's figures and routes), is at most this
+# many UTF-8 bytes (bytes, not characters: READY once counted characters and accepted ids the
+# exchange then refused, so peers silently lost that worker's figures).
+MAX_WORKER_ID_BYTES = 256
 _U64 = (1 << 64) - 1
 
 # Pass-through (SUBMIT ``passthrough``): the engine endpoints a worker may be asked to call, and
@@ -391,6 +396,15 @@ def _str(d: dict, k: str, *, required: bool = True, max_bytes: int = 4096, defau
         raise ProtocolError("bad_field", f"{k} must be a string, got {type(v).__name__}")
     if len(v) > max_bytes or (len(v) * 4 > max_bytes and len(v.encode("utf-8", "surrogatepass")) > max_bytes):
         raise ProtocolError("bad_field", f"{k} longer than {max_bytes} bytes")
+    return v
+
+
+def _worker_id(v: Any, what: str) -> str:
+    """The one worker-id rule of every decoder: a non-empty str of at most MAX_WORKER_ID_BYTES
+    UTF-8 bytes."""
+    if type(v) is not str or not v or (len(v) * 4 > MAX_WORKER_ID_BYTES
+                                       and len(v.encode("utf-8", "surrogatepass")) > MAX_WORKER_ID_BYTES):
+        raise ProtocolError("bad_field", f"{what} must be a string of 1..{MAX_WORKER_ID_BYTES} bytes")
     return v
 
 
@@ -1022,9 +1036,7 @@ def _parse_ready(d: dict) -> Ready:
         raise ProtocolError("bad_field", f"labels must be a map of at most {MAX_LABELS} str->str entries")
     if any(len(k.encode()) > MAX_LABEL_KEY_BYTES or len(v.encode()) > MAX_LABEL_VALUE_BYTES for k, v in labels.items()):
         raise ProtocolError("bad_field", f"label keys are at most {MAX_LABEL_KEY_BYTES} bytes, values {MAX_LABEL_VALUE_BYTES}")
-    wid = _str(d, "worker_id", max_bytes=256)
-    if not wid:
-        raise ProtocolError("bad_field", "worker_id must be non-empty")
+    wid = _worker_id(d.get("worker_id"), "worker_id")
     return Ready(
         worker_id=wid,
         model=_str(d, "model", required=False, max_bytes=256),
@@ -1212,8 +1224,7 @@ def decode_exchange(frames: list[bytes]) -> PeerLoad | ProtocolError:
             if type(w) is not list or len(w) != 4:
                 raise ProtocolError("bad_field", "a worker entry is [worker_id, inflight, prefill_tokens, sent_tokens]")
             wid, n, pre, sent = w
-            if type(wid) is not str or not wid or len(wid) > 256 or len(wid.encode()) > 256:
-                raise ProtocolError("bad_field", "worker_id must be a string of 1..256 bytes")
+            _worker_id(wid, "worker_id")
             if (type(n) is not int or not 0 <= n <= MAX_PEER_INFLIGHT or type(pre) is not int
                     or not 0 <= pre <= MAX_PEER_PREFILL_TOKENS or type(sent) is not int or not 0 <= sent <= MAX_PEER_SENT_TOKENS):
                 raise ProtocolError("bad_field", f"figures of {wid[:64]!r} out of range")
@@ -1234,8 +1245,7 @@ def decode_exchange(frames: list[bytes]) -> PeerLoad | ProtocolError:
                 wid, pages, anchors = r
                 if type(pages) is not int or not 1 <= pages < 2**31:
                     raise ProtocolError("bad_field", "a route's pages must be an int 1..2**31-1")
-                if type(wid) is not str or not wid or len(wid) > 256 or len(wid.encode()) > 256:
-                    raise ProtocolError("bad_field", "a route's worker_id must be a string of 1..256 bytes")
+                _worker_id(wid, "a route's worker_id")
                 if (type(anchors) is not list or not 1 <= len(anchors) <= MAX_ROUTE_ANCHORS
                         or not all(type(k) is int and 0 <= k <= _U64 for k in anchors)):
                     raise ProtocolError("bad_field", f"a route's anchors must be 1..{MAX_ROUTE_ANCHORS} ints 0..2**64-1")

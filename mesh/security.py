@@ -33,7 +33,7 @@ from mesh.errors import ConfigError
 from mesh.sockets import CurveKeys
 
 __all__ = ["keygen", "server_keys", "client_keys", "valid_key_name", "allowed_key_names", "key_may_claim",
-           "CurveAllowList", "configure_allow_lists"]
+           "CurveAllowList", "configure_allow_lists", "exchange_keys"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SECRET_BANNER = ("#   ****  Generated on {0} by mesh keygen  ****\n#   ZeroMQ CURVE **Secret** Certificate\n"
@@ -143,6 +143,16 @@ def client_keys(secret_path: str | Path, server_public_path: str | Path) -> Curv
     pub, sec = _load(secret_path, "curve_secret", True)
     server_pub, _ = _load(server_public_path, "curve_server_key", False)
     return CurveKeys(public_key=pub, secret_key=sec, server=False, server_key=server_pub)  # type: ignore[arg-type]
+
+
+def exchange_keys(curve: CurveKeys | None, exchange_secret: str = "",
+                  peer_key_files: tuple[str, ...] = ()) -> tuple[CurveKeys | None, list[bytes] | None]:
+    """The peer exchange's own key pair and its peers' public keys (one per ``--peer``, in
+    order): ``--exchange-curve-secret`` (default: the broker's ``--curve-secret`` pair) and
+    ``--peer-curve-keys`` (default: none, every broker holds the shared pair)."""
+    x = server_keys(exchange_secret) if exchange_secret else curve
+    keys = [_load(f, "peer_curve_keys", False)[0] for f in peer_key_files] if peer_key_files else None
+    return x, keys
 
 
 def allowed_key_names(allow_dir: str | Path, field: str = "curve_allow_workers") -> dict[bytes, str]:

@@ -201,7 +201,11 @@ TELEMETRY_PUB = SocketSpec(zmq.PUB, sndhwm=1000, rcvhwm=1000, linger_ms=0)
 # messages at the PUB's HWM (the receiver counts them from sequence gaps). No ZMTP heartbeats,
 # for the libzmq 4.3.5 abort described at BROKER_FRONTEND (a SUB whose input stops at RCVHWM is
 # exactly that engine); a silent peer is found by the exchange's own staleness bound. The PUB
-# only ever reads subscriptions: 64 KiB caps what a stranger can make it buffer per frame.
+# only ever reads subscriptions. libzmq keeps every subscriber's filters in a byte trie (tens of
+# bytes per filter byte, MAXMSGSIZE does not apply to them, and XPUB_MANUAL keeps a second copy):
+# a stranger's 2,800 long unique subscriptions grew a broker from 55 MB to 2.41 GB (issue 32).
+# Only the handshake can refuse them: ZAP domain ``peers`` (listed keys under CURVE, the --peer
+# hosts' addresses in plaintext; brokers/peer_exchange.py, docs/security.md).
 EXCHANGE_PUB = SocketSpec(zmq.PUB, sndhwm=100, rcvhwm=100, linger_ms=0, maxmsgsize=64 * 1024,
                           heartbeat_ivl_ms=0, heartbeat_timeout_ms=0, heartbeat_ttl_ms=0)
 EXCHANGE_SUB = SocketSpec(zmq.SUB, sndhwm=100, rcvhwm=100, linger_ms=0, maxmsgsize=MAX_EXCHANGE_BYTES + 64 * 1024,

@@ -272,3 +272,31 @@ def test_a_follow_up_through_the_other_broker_lands_where_its_prefix_is_being_co
                 sb.close(linger=0)
 
     run(body(), 60.0)
+
+
+def test_in_plaintext_only_the_peer_hosts_may_subscribe_and_a_refusal_is_counted(procs):
+    """Issue 32: a stranger's subscriptions grew a plaintext broker to 2.41 GB. With --peer the
+    broker's exchange admits subscribers from the --peer hosts' addresses only (ZAP): one from
+    another address (127.0.0.2) is refused at the handshake, counted, and gets nothing."""
+    a = procs.broker("a", *FAST, "--exchange", "tcp://127.0.0.1:*", "--peer", "tcp://127.0.0.1:9")
+    ex_a = wait_for_log_event(a.log_path, "broker_listening", 5.0, start=a.log_start)["exchange"]
+    assert wait_for_log_event(a.log_path, "exchange_subscribers_allowed", 5.0, start=a.log_start)
+    ctx = zmq.asyncio.Context.instance()
+    stranger = ctx.socket(zmq.XSUB)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(f"tcp://127.0.0.2:0;{ex_a[len('tcp://'):]}")
+
+    async def body():
+        try:
+            await stranger.send(b"\x01" + b"z" * 10_000)
+
+            async def counted():
+                st = await _status(a.frontend)
+                return st.counters.get("frames_rejected.exchange.auth_failed", 0) >= 1
+
+            await until(counted, 10.0, "the stranger's handshake refused and counted")
+            assert await stranger.poll(0) == 0
+        finally:
+            stranger.close(linger=0)
+
+    run(body(), 30.0)

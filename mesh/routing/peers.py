@@ -37,6 +37,7 @@ from typing import Callable, Iterable
 
 from mesh.index.peer_routes import route_anchors
 from mesh.protocol import MAX_EXCHANGE_ROUTES, MAX_EXCHANGE_SESSIONS, MAX_EXCHANGE_WORKERS, MAX_SESSION_AGE_MS, PeerLoad
+from mesh.routing.peer_guard import EPOCH_SKEW_NS, SourceBinding, epoch_step_ok
 from mesh.routing.view import WorkerState
 
 __all__ = ["PeerMerge", "PeerPublisher", "PeerChange", "apply_changes"]
@@ -45,7 +46,7 @@ __all__ = ["PeerMerge", "PeerPublisher", "PeerChange", "apply_changes"]
 #: peers' summed figures; see :meth:`WorkerState.apply_peer_change`.
 PeerChange = tuple[str, int, int, int, bool]
 
-MAX_PEERS = 64  # distinct peer broker ids tracked at once; more are refused (counted)
+MAX_PEERS = 64  # distinct peer broker ids tracked at once; stale ones are evicted first, then refused (counted)
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class _Peer:
     figures: dict[str, list[int]]  # worker id -> [inflight, prefill_tokens, sent_tokens]
     stale_s: float  # its staleness bound: ours, or 3 full-snapshot periods of its own if longer
     stale: bool = False
+    epoch_at_s: float = 0.0  # when its current epoch was accepted (receiver's clock)
 
 
 class PeerMerge:
@@ -65,14 +67,29 @@ class PeerMerge:
     its worker states (:func:`apply_changes`); :meth:`totals` gives the current sums for a
     worker that registers later. ``stats`` counts every outcome (``applied``, ``duplicate``,
     ``old_epoch``, ``restarted``, ``self``, ``too_many_peers``, ``gap_messages`` (messages a
-    sequence gap shows were lost), ``expired``, ``worker_cap``, ``counter_reset``).
-    Times are the receiver's ``now_s``; no clock of the sender is trusted.
+    sequence gap shows were lost), ``expired``, ``worker_cap``, ``counter_reset``) and every
+    hostile-peer drop (:mod:`mesh.routing.peer_guard`): ``own_id`` (this router's id with
+    another epoch: someone else), ``id_mismatch`` / ``id_spoofed`` (a broker id bound to
+    another source), ``epoch_jump`` (an epoch further ahead than the time elapsed),
+    ``restart_too_soon`` (a second restart within ``min_restart_s``), ``evicted`` (a stale
+    peer's entry reused). Times are the receiver's ``now_s``; no clock of the sender is trusted.
+
+    A restart (or a peer back from stale) re-reads its figures as a *baseline*: they enter the
+    live sums but not the correction since the last LoadStat, so a peer restarting on every
+    message cannot add its figures to that correction again and again (it did: one such peer
+    steered 97 % of the requests to one worker).
     """
 
     def __init__(self, self_id: str, stale_s: float, *, max_peers: int = MAX_PEERS,
-                 max_workers_per_peer: int = MAX_EXCHANGE_WORKERS, forget_s: float | None = None) -> None:
+                 max_workers_per_peer: int = MAX_EXCHANGE_WORKERS, forget_s: float | None = None,
+                 self_epoch: int | None = None, min_restart_s: float | None = None,
+                 epoch_skew_ns: int = EPOCH_SKEW_NS) -> None:
         self.self_id = self_id
+        self.self_epoch = self_epoch  # None: any epoch under our own id is our own (echo)
         self.stale_s = stale_s
+        self.min_restart_s = min_restart_s if min_restart_s is not None else min(1.0, stale_s / 3)
+        self.epoch_skew_ns = epoch_skew_ns
+        self.binding = SourceBinding()
         self.max_peers = max_peers
         self.max_workers = max_workers_per_peer
         self.forget_s = forget_s if forget_s is not None else max(30.0, 10 * stale_s)
@@ -85,6 +102,10 @@ class PeerMerge:
         """(inflight, prefill_tokens) summed over fresh peers for ``worker_id``."""
         t = self._totals.get(worker_id)
         return (t[0], t[1]) if t is not None else (0, 0)
+
+    def is_fresh(self, broker: str) -> bool:
+        p = self._peers.get(broker)
+        return p is not None and not p.stale
 
     def fresh_peers(self) -> list[str]:
         return [b for b, p in self._peers.items() if not p.stale]
@@ -102,32 +123,16 @@ class PeerMerge:
         return min((p.last_s + p.stale_s for p in self._peers.values() if not p.stale), default=float("inf"))
 
     # ------------------------------------------------------------------ input
-    def apply(self, msg: PeerLoad, now_s: float) -> tuple[str, list[PeerChange]]:
-        """Merge one decoded message. Returns (outcome, changes); outcome ``applied`` or the
-        reason it was dropped (then no changes)."""
-        if msg.broker == self.self_id:
-            self.stats["self"] += 1
-            return "self", []
-        peer = self._peers.get(msg.broker)
+    def apply(self, msg: PeerLoad, now_s: float, source: str = "") -> tuple[str, list[PeerChange]]:
+        """Merge one decoded message that arrived from ``source`` (a configured endpoint; ""
+        unsourced). Returns (outcome, changes); outcome ``applied`` or the reason it was
+        dropped (then no changes)."""
         changes: list[PeerChange] = []
-        if peer is not None:
-            if msg.epoch < peer.epoch:
-                self.stats["old_epoch"] += 1
-                return "old_epoch", []
-            if msg.epoch > peer.epoch:
-                self.stats["restarted"] += 1
-                self._drop(peer, changes)
-                peer.epoch, peer.seq = msg.epoch, -1
-            elif msg.seq <= peer.seq:
-                self.stats["duplicate"] += 1
-                return "duplicate", []
-            elif peer.seq >= 0 and msg.seq > peer.seq + 1 and not peer.stale:
-                self.stats["gap_messages"] += msg.seq - peer.seq - 1
-        else:
-            if len(self._peers) >= self.max_peers:
-                self.stats["too_many_peers"] += 1
-                return "too_many_peers", []
-            peer = self._peers[msg.broker] = _Peer(msg.epoch, -1, now_s, {}, self.stale_s)
+        why, peer, news = self._admit(msg, now_s, source, changes)
+        if peer is None:
+            self.stats[why] += 1
+            return why, changes
+        self.binding.bind(source, msg.broker)
         # A peer configured with a longer snapshot period than ours would look stale between
         # its snapshots: its own period sets the bound then (mismatched settings never flap).
         peer.stale_s = max(self.stale_s, 3 * msg.full_ms / 1000.0)
@@ -136,13 +141,17 @@ class PeerMerge:
         peer.stale = False
         figs = peer.figures
         listed = set() if msg.full else None
+        compacted = False  # at most one compaction per message: per-message work stays linear
         for wid, n, pre, sent in msg.workers:
             if listed is not None:
                 listed.add(wid)
             f = figs.get(wid)
             if f is None:
                 if len(figs) >= self.max_workers:
-                    self._compact(figs)
+                    if not compacted:
+                        compacted = True
+                        self.stats["worker_compactions"] += 1
+                        self._compact(figs)
                     if len(figs) >= self.max_workers:
                         self.stats["worker_cap"] += 1
                         continue
@@ -150,7 +159,7 @@ class PeerMerge:
                 figs[wid] = [n, pre, sent]
                 if n or pre:
                     self._add(wid, n, pre)
-                    changes.append((wid, n, pre, 0, True))
+                    changes.append((wid, n, pre, 0, news))
                 continue
             d_n, d_pre = n - f[0], pre - f[1]
             if sent >= f[2]:
@@ -174,6 +183,54 @@ class PeerMerge:
         self.stats["applied"] += 1
         return "applied", changes
 
+    def _admit(self, msg: PeerLoad, now_s: float, source: str,
+               changes: list[PeerChange]) -> tuple[str, _Peer | None, bool]:
+        """(drop reason, None, _) or ("", the peer's entry ready for ``msg``, whether its
+        first-sighted figures are news for the correction since the LoadStat)."""
+        if msg.broker == self.self_id:
+            if self.self_epoch is None or msg.epoch == self.self_epoch:
+                return "self", None, False
+            return "own_id", None, False  # our id, another epoch: not an echo of ours
+        peer = self._peers.get(msg.broker)
+        why = self.binding.check(source, msg.broker, self.is_fresh)
+        if why:
+            return why, None, False
+        if peer is None:
+            if len(self._peers) >= self.max_peers and not self._evict_one():
+                return "too_many_peers", None, False
+            peer = self._peers[msg.broker] = _Peer(msg.epoch, -1, now_s, {}, self.stale_s, epoch_at_s=now_s)
+            return "", peer, True
+        if peer.stale:  # its epoch expired with it: whatever it says now starts afresh
+            peer.epoch, peer.seq, peer.epoch_at_s = msg.epoch, -1, now_s
+            return "", peer, False
+        if msg.epoch < peer.epoch:
+            return "old_epoch", None, False
+        if msg.epoch > peer.epoch:
+            if now_s - peer.epoch_at_s < self.min_restart_s:
+                return "restart_too_soon", None, False
+            if not epoch_step_ok(peer.epoch, msg.epoch, now_s - peer.epoch_at_s, self.epoch_skew_ns):
+                return "epoch_jump", None, False
+            self.stats["restarted"] += 1
+            self._drop(peer, changes)
+            peer.epoch, peer.seq, peer.epoch_at_s = msg.epoch, -1, now_s
+            return "", peer, False
+        if msg.seq <= peer.seq:
+            return "duplicate", None, False
+        if peer.seq >= 0 and msg.seq > peer.seq + 1:
+            self.stats["gap_messages"] += msg.seq - peer.seq - 1
+        return "", peer, True
+
+    def _evict_one(self) -> bool:
+        """Make room for a new peer by forgetting the longest-silent stale one (counted)."""
+        stale = [(p.last_s, b) for b, p in self._peers.items() if p.stale]
+        if not stale:
+            return False
+        b = min(stale)[1]
+        del self._peers[b]
+        self.binding.release(b)
+        self.stats["evicted"] += 1
+        return True
+
     def expire(self, now_s: float) -> list[PeerChange]:
         """Drop the figures of peers silent for more than ``stale_s`` (each counted once as
         ``expired``) and forget peers silent for ``forget_s``."""
@@ -189,6 +246,7 @@ class PeerMerge:
                 forget.append(b)
         for b in forget:
             del self._peers[b]
+            self.binding.release(b)
         return changes
 
     # ------------------------------------------------------------------ internals
