@@ -583,26 +583,10 @@ def submit_body(
 ) -> dict[str, Any]:
     """The SUBMIT body (frame 2 before packing) :func:`encode_submit` sends."""
     body: dict[str, Any] = {"rid": rid, "params": params or {}, "stream": stream, "idempotent": idempotent}
-    if model is not None:
-        body["model"] = model
-    if traceparent is not None:
-        body["traceparent"] = traceparent
-    if input_ids is not None:
-        body["input_ids"] = input_ids
-    if text is not None:
-        body["text"] = text
-    if deadline_ms is not None:
-        body["deadline_ms"] = deadline_ms
-    if slo:
-        body["slo"] = slo
-    if passthrough is not None:
-        body["passthrough"] = passthrough
-    if session is not None:
-        body["session"] = session
-    if tenant is not None:
-        body["tenant"] = tenant
-    if priority is not None:
-        body["priority"] = priority
+    optional = {"model": model, "traceparent": traceparent, "input_ids": input_ids, "text": text,
+                "deadline_ms": deadline_ms, "slo": slo or None, "passthrough": passthrough, "session": session,
+                "tenant": tenant, "priority": priority}
+    body.update((k, v) for k, v in optional.items() if v is not None)  # absent, not null: old peers decode it
     return body
 
 

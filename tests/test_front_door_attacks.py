@@ -8,7 +8,8 @@ legitimate client's (the attacker binds 127.0.0.2: loopback answers the whole 12
   connections; the legitimate client's connections are admitted and served.
 
 Outcomes are asserted (every legitimate request served); the latency ratios are printed (they are
-targets of ``mesh bench``, not of a test on a shared machine)."""
+targets of ``mesh bench``, not of a test on a shared machine). The gateway's variants run in
+``make soak`` (the same ingress code as the broker's)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ async def _legit(url: str, n: int) -> list[float]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("gateway", [False, True], ids=["broker", "gateway"])
+@pytest.mark.parametrize("gateway", [False, pytest.param(True, marks=pytest.mark.soak)], ids=["broker", "gateway"])
 def test_a_tokenizer_flood_from_one_address_leaves_the_others_served(procs, model_dir, gateway):
     url = _door(procs, model_dir, gateway)
     digits = "7" * (2 * 1024 * 1024 - 4096)  # a body just under the 2 MiB limit, the slowest text to tokenise
@@ -123,7 +124,7 @@ def test_a_tokenizer_flood_from_one_address_leaves_the_others_served(procs, mode
     assert set(outcomes) <= {200, 400, 413, 429}, outcomes  # 413: its tokens make a SUBMIT over the frame limit
 
 
-@pytest.mark.parametrize("gateway", [False, True], ids=["broker", "gateway"])
+@pytest.mark.parametrize("gateway", [False, pytest.param(True, marks=pytest.mark.soak)], ids=["broker", "gateway"])
 def test_streams_never_read_take_only_their_addresss_share(procs, model_dir, gateway):
     url = _door(procs, model_dir, gateway, "--http-max-connections", "64", "--http-max-connections-per-address", "16")
 
@@ -163,7 +164,7 @@ def _inflight(frontend: str):
     return q
 
 
-@pytest.mark.parametrize("gateway", [False, True], ids=["broker", "gateway"])
+@pytest.mark.parametrize("gateway", [False, pytest.param(True, marks=pytest.mark.soak)], ids=["broker", "gateway"])
 def test_streams_of_clients_that_vanish_are_cancelled_at_once(procs, model_dir, gateway):
     """30 long streams whose client goes away after the first chunk: the broker's workers are freed
     (their in-flight count back to 0) long before the streams would have ended (4,000 tokens each at
