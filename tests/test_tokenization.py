@@ -517,3 +517,23 @@ def test_content_format_detection_patterns(template, expected):
     from mesh.tokenization import ChatTemplate
 
     assert ChatTemplate(template).content_format == expected
+
+
+def test_encode_refuses_more_tokens_than_asked_before_listing_the_ids(models):
+    from mesh.tokenization import TooManyTokens
+
+    ours, _ = models["mistral_v3"]
+    text = "seven " * 1000
+    n = len(ours.encode(text))
+    assert ours.encode(text, max_tokens=n) == ours.encode(text)  # at the limit: the same ids
+    with pytest.raises(TooManyTokens) as info:
+        ours.encode(text, max_tokens=n - 1)
+    assert (info.value.tokens, info.value.limit) == (n, n - 1) and isinstance(info.value, ValueError)
+
+    async def main():
+        with TokenizerPool(ours, workers=1) as pool:
+            with pytest.raises(TooManyTokens):
+                await asyncio.wait_for(pool.encode(text, max_tokens=10), 10)
+            return await asyncio.wait_for(pool.encode(text, max_tokens=n), 10)
+
+    assert asyncio.run(main()) == ours.encode(text)

@@ -246,6 +246,9 @@ class Submitter:
             raise IngressBadRequest("prompt must be a non-empty string or a list of token ids")
         if tx is not None:
             self._fits(len(text), tx)
+            cap = self.backend.prompt_token_cap()
+            if cap:  # more tokens than any worker holds: refused before the ids become a list
+                return {"input_ids": await self._tokenize(tx[1].encode, text, client=QUOTA_KEY.get(), max_tokens=cap)}
             return {"input_ids": await self._tokenize(tx[1].encode, text, client=QUOTA_KEY.get())}
         return {"text": text}
 
@@ -257,16 +260,20 @@ class Submitter:
         except ParamError as exc:
             raise IngressBadRequest(str(exc)) from None
 
-    async def _tokenize(self, fn, *args, client=None) -> list[int]:
+    async def _tokenize(self, fn, *args, client=None, **kw) -> list[int]:
         """Run a pool call; what the tokenizer or template refuses is a 400 naming why, a full pool
         a 429 (``overloaded``, retry later)."""
-        from mesh.tokenization import TokenizerBusy
+        from mesh.tokenization import TokenizerBusy, TooManyTokens
 
         try:
-            out = await fn(*args, client=client)
+            out = await fn(*args, client=client, **kw)
         except TokenizerBusy as exc:
             self.backend.stats.dropped["tokenizer_busy"] += 1
             raise IngressOverloaded(str(exc)) from None
+        except TooManyTokens as exc:
+            self.backend.stats.dropped["prompt_over_context_tokens"] += 1
+            raise IngressContextTooLong(f"prompt of {exc.tokens} tokens exceeds the largest worker's capacity of "
+                                        f"{exc.limit} tokens") from None
         except (ValueError, TypeError, UnicodeError) as exc:  # lone surrogates, template raise_exception, bad parts
             raise IngressBadRequest(f"prompt could not be tokenised: {exc}"[:400]) from None
         except Exception as exc:  # a template error (jinja2) is the request's, not the broker's

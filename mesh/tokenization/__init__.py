@@ -14,7 +14,7 @@ Needs the ``tokenizers`` extra (``tokenizers``, ``jinja2``); importing this pack
 from .hub import hub_cache_dir, resolve_model_dir
 from .chat import ChatTemplate, ContentFormat, detect_content_format, normalize_messages
 from .model_dir import ModelFiles, load_model_dir, read_chat_template_file
-from .pool import ModelTokenizer, TokenizerBusy, TokenizerPool
+from .pool import ModelTokenizer, TokenizerBusy, TokenizerPool, TooManyTokens
 
 __all__ = [
     "ChatTemplate",
@@ -29,4 +29,5 @@ __all__ = [
     "ModelTokenizer",
     "TokenizerBusy",
     "TokenizerPool",
+    "TooManyTokens",
 ]

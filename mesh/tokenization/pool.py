@@ -36,7 +36,7 @@ from .chat import ChatTemplate
 from .model_dir import ModelFiles, load_model_dir
 from .prefix_cache import PrefixEncoder
 
-__all__ = ["ModelTokenizer", "TokenizerPool", "TokenizerBusy", "PREFIX_CACHE_BYTES"]
+__all__ = ["ModelTokenizer", "TokenizerPool", "TokenizerBusy", "TooManyTokens", "PREFIX_CACHE_BYTES"]
 
 PREFIX_CACHE_BYTES = 64 << 20  # per model: token ids of chat prompts' prefixes (prefix_cache.py)
 
@@ -46,6 +46,16 @@ class TokenizerBusy(RetryableError):
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.OVERLOADED, message)
+
+
+class TooManyTokens(ValueError):
+    """A text encodes to more tokens than the caller's ``max_tokens``: refused before its ids are made
+    into a Python list (for a 2M-token text, tens of milliseconds holding the GIL)."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"prompt of {tokens} tokens exceeds the limit of {limit}")
+        self.tokens = tokens
+        self.limit = limit
 
 
 class ModelTokenizer:
@@ -77,14 +87,17 @@ class ModelTokenizer:
         does, " " as SGLang does; see ``chat.py``)."""
         return cls(load_model_dir(path, chat_template_file), text_part_separator)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int = 0) -> list[int]:
         """Token ids of ``text``. ``add_special_tokens=True`` (completions prompts, as vLLM and SGLang encode
         them) applies tokenizer.json's post-processor, which may add BOS."""
         if not isinstance(text, str):
             raise ValueError(f"prompt must be a string, got {type(text).__name__}")
         # encode_batch, not encode: only the batch call releases the GIL
         try:
-            return self.files.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            enc = self.files.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            if max_tokens and len(enc) > max_tokens:
+                raise TooManyTokens(len(enc), max_tokens)
+            return enc.ids
         except TypeError:  # what tokenizers says of a lone surrogate ("TextEncodeInput must be ...")
             try:
                 text.encode("utf-8")
@@ -266,7 +279,10 @@ class TokenizerPool:
         except RuntimeError:  # the caller's loop is closed: nobody waits for this answer
             pass
 
-    async def encode(self, text: str, add_special_tokens: bool = True, *, client: Hashable = None) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True, *, client: Hashable = None,
+                     max_tokens: int = 0) -> list[int]:
+        if max_tokens:
+            return await self._run(self.tokenizer.encode, text, add_special_tokens, max_tokens, client=client)
         return await self._run(self.tokenizer.encode, text, add_special_tokens, client=client)
 
     async def render_chat(self, messages: Iterable[Any], add_generation_prompt: bool = True,
