@@ -27,7 +27,7 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 30_000) for _ in range(n)]
 
 
-@pytest.mark.parametrize("escape", [True, False], ids=["escape_on", "escape_off"])
+@pytest.mark.parametrize("escape", [True, pytest.param(False, marks=pytest.mark.soak)], ids=["escape_on", "escape_off"])  # the control in make soak
 def test_a_request_does_not_wait_behind_another_sessions_long_prefill(procs, escape):
     extra = [] if escape else ["--stall-escape-ms", "0"]
     b = procs.broker("b", "--heartbeat-ms", "200", "--policy", "cache_aware", *extra)
