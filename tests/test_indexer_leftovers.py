@@ -118,7 +118,15 @@ def test_the_replay_guard_refuses_repeats_and_stale_entries_and_round_trips() ->
     g.prune(t + 3 * MAX_SKEW_MS)
     assert not g.origins
     with pytest.raises((TypeError, ValueError)):
-        h.load(b"\x91\x94\xa1x\x01\x02\x90")  # a string where an origin belongs
+        h.load(b"\x92\x00\x91\x94\xa1x\x01\x02\x90")  # a string where an origin belongs
+    # a forged stream id far in the future (every later id carries its time) makes no genuine entry stale
+    f = ReplayGuard()
+    assert f.check(9, 1, t, t) == ""
+    assert f.check(9, 2, t + 1_000, t + 10**12) == ""  # the store's time is believed up to the skew past t
+    assert f.check(9, 3, t - MAX_SKEW_MS - 5, t + 10**12) == "stale"  # an old entry replayed stays stale
+    g2 = ReplayGuard()
+    g2.load(f.dump())
+    assert g2.newest_ms == t + 1_000 and g2.check(9, 4, t + 2_000, t + 10**12) == ""
     s = LogSigner(b"k" * 32)
     assert s.check_entry(1, b"p", s.entry_mac(1, b"p")) == ""
     assert s.check_entry(2, b"p", s.entry_mac(1, b"p")) == "bad_signature"  # another state: not replayable into it

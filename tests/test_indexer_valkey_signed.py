@@ -113,6 +113,29 @@ def test_forged_and_replayed_entries_are_never_applied(procs, valkey, token_file
     run(late(), 30)
 
 
+def test_a_forged_far_future_stream_id_makes_no_genuine_entry_stale(procs, valkey, token_file):
+    """A writer without the token appends an entry whose stream id lies years ahead: Valkey then gives
+    every later entry an id at that time. The genuine mutations after it still apply."""
+    _, url, _ = valkey
+    _, ep = _replica(procs, "r1", url, 0, "--token-file", token_file)
+    rc = redis.Redis.from_url(url)
+
+    async def body():
+        async with grpc.aio.insecure_channel(ep.split("//")[1]) as ch:
+            s = pb_grpc.IndexerStub(ch)
+            for seq in range(2):
+                await _apply(s, seq)
+            assert await _held(s, 2) == {"w": 2}
+            rc.xadd(LOG, {b"o": b"forged"}, id=f"{2**52}-0")  # ~140,000 years from now
+            for seq in range(2, 4):
+                await _apply(s, seq)
+            assert await _held(s, 4) == {"w": 4}
+            c = await _counters(s)
+            assert c.get("service_log_bad_entries_stale", 0) == 0, c
+
+    run(body(), 60)
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_a_forged_checkpoint_freezes_no_replica_and_stops_no_start(procs, valkey, token_file, signed):
     _, url, _ = valkey

@@ -10,9 +10,11 @@ rewrite the checkpoint and move the trim mark. Without the indexer token they ca
 * a checkpoint's signature covers the state id, the entry id it covers, the trim mark, the
   state record and the replay guard's record (:meth:`LogSigner.checkpoint_mac`);
 * a signed entry copied back into the log (a replay) is refused by :class:`ReplayGuard`: its
-  ``(origin, n)`` was applied already, or its signing time lies more than ``max_skew_ms`` from
-  the time the store gave it. The guard's state goes into every checkpoint, so every replica,
-  running or starting, refuses the same entries.
+  ``(origin, n)`` was applied already, or it was signed more than ``max_skew_ms`` before the time
+  the store gave it. That store time is believed only up to ``max_skew_ms`` past the newest
+  signing time applied so far: a forged entry with a far-future stream id (every later id then
+  carries that time) makes no genuine entry after it stale. The guard's state goes into every
+  checkpoint, so every replica, running or starting, refuses the same entries.
 
 The key is derived from the token (:func:`mac_key_from_token`); without a token nothing is
 signed (``--insecure-store``: anyone who can write the store can forge anything).
@@ -88,9 +90,12 @@ class ReplayGuard:
     def __init__(self, max_skew_ms: int = MAX_SKEW_MS) -> None:
         self.max_skew_ms = max_skew_ms
         self.origins: dict[int, list[Any]] = {}  # origin -> [last store time ms, highest n, set of recent n]
+        self.newest_ms = 0  # the latest signing time of an applied entry (caps what a store time may claim)
 
     def check(self, origin: int, n: int, signed_ms: int, store_ms: int) -> str:
         """"" and remember the entry when it is new, else why not (``stale``, ``replayed``)."""
+        if self.newest_ms:  # a store time beyond what any signer has reached is a forged stream id's
+            store_ms = min(store_ms, self.newest_ms + self.max_skew_ms)
         if abs(store_ms - signed_ms) > self.max_skew_ms:
             return "stale"
         o = self.origins.get(origin)
@@ -100,6 +105,7 @@ class ReplayGuard:
         if n in seen or n <= hi - _WINDOW:
             return "replayed"
         seen.add(n)
+        self.newest_ms = max(self.newest_ms, signed_ms)
         o[0] = max(last_ms, store_ms)
         if n > hi:
             o[1] = n
@@ -113,13 +119,16 @@ class ReplayGuard:
             del self.origins[origin]
 
     def dump(self) -> bytes:
-        return msgpack.packb([[k, t, hi, sorted(seen)] for k, (t, hi, seen) in self.origins.items()])
+        return msgpack.packb([self.newest_ms, [[k, t, hi, sorted(seen)] for k, (t, hi, seen) in self.origins.items()]])
 
     def load(self, blob: bytes) -> None:
         """Replace the guard's state (ValueError/TypeError on a malformed record: nothing changed)."""
         origins: dict[int, list[Any]] = {}
-        for k, t, hi, seen in msgpack.unpackb(blob) if blob else ():
+        newest, rows = msgpack.unpackb(blob) if blob else (0, ())
+        if type(newest) is not int:
+            raise TypeError("replay guard: ints expected")
+        for k, t, hi, seen in rows:
             if not all(type(x) is int for x in (k, t, hi, *seen)):
                 raise TypeError("replay guard: ints expected")
             origins[k] = [t, hi, set(seen)]
-        self.origins = origins
+        self.origins, self.newest_ms = origins, newest
