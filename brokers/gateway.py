@@ -39,6 +39,9 @@ from mesh.sockets import CLIENT_DEALER, make_socket
 __all__ = ["BrokerPool", "serve_gateway"]
 
 _STATUS_PERIOD_S = 1.0
+# Replies one request may have waiting for its HTTP client (as the broker's in-process bound): past it
+# the client has stopped reading; its stream is cancelled rather than buffered without bound.
+_REPLY_QUEUE_MAX = 4096
 _MAX_STATUS_ROWS = 100_000  # worker rows read from one broker's STATUS pages
 
 
@@ -190,6 +193,19 @@ class BrokerPool:
         if entry is not None:
             self._drop(*entry)
 
+    def _abandon(self, rid: str, link: _Link) -> None:
+        """A stream whose HTTP client stopped reading: cancel it on its broker and read no more of it,
+        so one slow client costs the broker connection and the others nothing more (counted)."""
+        self.stats.dropped["gateway_client_slow"] += 1
+        self.stats.requests["client_slow"] += 1
+        relay = self._relays.get(rid)
+        owner = relay.link if relay is not None else link
+        try:
+            owner.sock.send_multipart(P.encode_cancel(rid), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.stats.dropped["gateway_cancel_failed"] += 1
+        self._drop(rid, link)
+
     def _drop(self, rid: str, link: _Link) -> None:
         self._queues.pop(rid, None)
         self._timing.pop(rid, None)
@@ -246,6 +262,10 @@ class BrokerPool:
                 if isinstance(m, P.ClientError) and relay.may_move(m.code) and self._move(rid, m.code):
                     continue
                 frames = relay.relayed(m, frames)
+            if q.qsize() >= _REPLY_QUEUE_MAX and not isinstance(m, (P.ClientFinal, P.ClientError)):
+                self._abandon(rid, link)  # its HTTP client stopped reading: not buffered without bound
+                q.put_nowait(P.encode_client_error(rid, ErrorCode.CANCELLED, "the client stopped reading its stream"))
+                continue
             q.put_nowait(frames)
             tm = self._timing.get(rid)
             if tm is not None:

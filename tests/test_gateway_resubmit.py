@@ -182,3 +182,36 @@ def test_relay_resubmissions_are_bounded_and_hostile_chunks_never_raise():
     assert not isinstance(r.resubmission(100.0), str) and r.sub.input_ids == [1, 2, 0, 1, 2]
     out = r.relayed(P.ClientChunk("r", 0, {}), P.encode_client_chunk("r", 0, P.pack({"token_ids": [5]})))
     assert P.decode_client_reply(out).seq == 3  # renumbered after the chunks already relayed
+
+
+def test_a_stream_whose_client_stopped_reading_is_cancelled_not_buffered_without_bound():
+    from brokers import gateway
+
+    async def body():
+        pool, (b0,) = await _pool(1)
+        try:
+            q = _submit(pool, b"h1", "r1")
+            qk = _submit(pool, b"h2", "r2")  # another client of the same broker connection, reading
+            await b0.submit(), await b0.submit()
+            for seq in range(gateway._REPLY_QUEUE_MAX + 10):  # nobody reads r1's queue
+                await b0.send(P.encode_client_chunk("r1", seq, P.pack({"token_ids": [seq]})))
+            await b0.send(P.encode_client_chunk("r2", 0, P.pack({"token_ids": [1]})))
+            assert (await _next(qk)).seq == 0  # the connection and the other client go on
+
+            async def cancel_seen():
+                ident, *frames = await asyncio.wait_for(b0.sock.recv_multipart(), 10)
+                return P.decode_client(frames)
+
+            m = await cancel_seen()
+            while isinstance(m, P.StatusQuery):
+                m = await cancel_seen()
+            assert isinstance(m, P.Cancel) and m.rid == "r1"
+            assert q.qsize() == gateway._REPLY_QUEUE_MAX + 1  # what was queued, then the one error
+            last = [q.get_nowait() for _ in range(q.qsize())][-1]
+            err = P.decode_client_reply(last)
+            assert isinstance(err, P.ClientError) and err.code == "cancelled"
+            assert pool.stats.dropped["gateway_client_slow"] == 1
+        finally:
+            await pool.close()
+
+    run(body(), 30)
