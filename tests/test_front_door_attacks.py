@@ -223,3 +223,32 @@ def test_streams_of_clients_that_vanish_are_cancelled_at_once(procs, model_dir, 
     seen = run(body(), 90)
     print(f"\nin flight after the clients left: {seen[:3]} ... {seen[-1]} ({len(seen)} looks)")
     assert seen[-1] == 0, seen
+
+
+def test_a_stream_never_read_ends_at_the_write_timeout_counted_without_a_traceback(procs):
+    """A client that opens a long stream and never reads: once the kernel's buffers are full the door's
+    write waits out ``--http-body-timeout-s`` and gives up: the request is cancelled, the drop counted
+    (``http_client_gone``), and the log holds no traceback."""
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--http-body-timeout-s", "1")
+    procs.workers("w", [b.backend], "--time-scale", "0.0001")
+    run(wait_for_workers(b.frontend, 1), 30)
+    url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen)["url"]
+
+    async def body():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            r = await s.post(url + "/generate", json={"input_ids": [5] * 8, "stream": True,
+                                                       "sampling_params": {"max_new_tokens": 250_000}})
+            assert r.status == 200
+
+            async def gone():
+                from mesh.client import Client
+
+                async with Client(b.frontend) as c:
+                    return (await c.status()).counters.get("dropped.http_client_gone", 0) >= 1
+            from tests.conftest import until
+
+            await until(gone, 40, "the unread stream given up")
+            r.close()
+
+    run(body(), 90)
+    assert "Traceback" not in b.log_path.read_text()

@@ -198,8 +198,13 @@ class HttpIngress:
                 raise
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "bad_request" if exc.status < 500 else "internal")
             return error_response(exc.status, exc.reason, code, "invalid_request_error" if exc.status < 500 else "server_error")
-        except (asyncio.CancelledError, ConnectionError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionError:  # the client went away or stopped reading (replies.py): counted, not a 500 with a traceback
+            self.backend.stats.dropped["http_client_gone"] += 1
+            if request.transport is not None:
+                request.transport.close()
+            return web.Response(status=499)  # never written: the connection is closing
         except Exception as exc:
             self.backend.stats.dropped["http_handler_exception"] += 1
             self.log.exception("http_handler_failed", path=request.path, error=repr(exc))
