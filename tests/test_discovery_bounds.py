@@ -80,14 +80,14 @@ def test_a_400_address_answer_kills_no_link_and_the_broker_sorting_last_register
     """Before: one link per address, 3 sockets each, past libzmq's 1,023 per context: link
     tasks died (EMFILE) and the worker never registered with the real broker (sorting last)."""
     port = free_port(REAL_IP)
-    b = procs.broker("b", "--heartbeat-ms", "200", frontend=f"tcp://{REAL_IP}:*", backend=f"tcp://{REAL_IP}:{port}")
+    b = procs.broker("b", "--heartbeat-ms", "1000", frontend=f"tcp://{REAL_IP}:*", backend=f"tcp://{REAL_IP}:{port}")
     resolver = Answers(DECOYS + [REAL_IP])
 
     async def body():
         ctx = zmq.asyncio.Context()
         api = WorkerAPI(ctx, [f"dns+tcp://brokers.test:{port}"], "w400", lambda: Capabilities(model="m"),
                         on_message=lambda link, msg: None, on_session_lost=lambda link, why: None, load=lambda: [],
-                        heartbeat_ms=200, discovery_refresh_s=0.2, resolver=resolver)
+                        heartbeat_ms=1000, discovery_refresh_s=0.2, resolver=resolver)
         api.connect()
         try:
             real = f"tcp://{REAL_IP}:{port}"
@@ -115,7 +115,9 @@ def test_an_answer_that_drops_the_broker_every_other_refresh_fails_no_request(pr
     at every flap); a broker gone for ``DRAIN_AFTER_REFRESHES`` answers is drained, its stream
     finishes there, and it is undrained when it comes back."""
     port = free_port("127.0.0.1")
-    b = procs.broker("b", "--heartbeat-ms", "200", backend=f"tcp://127.0.0.1:{port}")
+    # heartbeats of a second: the worker runs in this test's loop, beside the client, and a busy machine
+    # must not expire it (what is tested is the answer's flapping, every 0.1 s)
+    b = procs.broker("b", "--heartbeat-ms", "1000", backend=f"tcp://127.0.0.1:{port}")
     state = {"n": 0, "mode": "flap"}
 
     def answer():
@@ -124,7 +126,7 @@ def test_an_answer_that_drops_the_broker_every_other_refresh_fails_no_request(pr
             return []
         return ["127.0.0.1"] if state["mode"] == "back" or state["n"] % 2 else []
 
-    settings = build(WorkerSettings, {"brokers": (f"dns+tcp://brokers.test:{port}",), "heartbeat_ms": 200,
+    settings = build(WorkerSettings, {"brokers": (f"dns+tcp://brokers.test:{port}",), "heartbeat_ms": 1000,
                                       "discovery_refresh_s": 0.1, "time_scale": 1.0})
 
     async def body():
@@ -216,8 +218,8 @@ def test_a_client_following_a_flapping_answer_fails_no_stream(procs):
     finishes there (before: failed ``unavailable`` mid-stream); what has not streamed yet is
     resubmitted as before."""
     port = free_port("127.0.0.1")
-    b = procs.broker("b", "--heartbeat-ms", "200", frontend=f"tcp://127.0.0.1:{port}")
-    procs.workers("w", [b.backend], "--heartbeat-ms", "200", count=1)
+    b = procs.broker("b", "--heartbeat-ms", "1000", frontend=f"tcp://127.0.0.1:{port}")
+    procs.workers("w", [b.backend], "--heartbeat-ms", "1000", count=1)
     flip = {"n": 0}
 
     def answer():
