@@ -8,6 +8,8 @@ import random
 import signal
 from pathlib import Path
 
+import pytest
+
 from mesh.client import Client
 from mesh.errors import RequestError
 from mesh.lab.up import wait_for_workers
@@ -112,6 +114,7 @@ def test_pd_failed_transfer_is_retried(procs):
     run(body(), timeout_s=90)
 
 
+@pytest.mark.soak  # the default run keeps its lighter relatives under the 10-minute budget
 def test_pd_kill_prefill_mid_handoff_and_decode_mid_stream(procs):
     b = procs.broker("b", *FAST, "--bucket-config", BUCKETS, "--pd", "--max-attempts", "4", "--retry-budget-min", "50")
     with procs.together():

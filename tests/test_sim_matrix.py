@@ -161,6 +161,7 @@ def test_cli_refuses_single_run_options_with_matrix(tmp_path):
 # --------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.soak  # the default run keeps its lighter relatives under the 10-minute budget
 def test_tiny_matrix_end_to_end(tmp_path):
     p = _write(tmp_path, TINY)
     out_json, out_png = tmp_path / "m.json", tmp_path / "m.png"

@@ -12,6 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from mesh.lab.loadgen import LoadSpec, summarize
 from mesh.lab.loadgen_http import prompt_text, run_http_load
 from mesh.lab.up import _adapter_ok, _stop_procs, start_http_path
@@ -43,6 +45,7 @@ def test_http_path_all_ok_with_cache_hits_and_ttft(procs):
     assert {w: d["requests"] for w, d in s.per_worker.items()} == {w: v for w, v in ok.items() if v}
 
 
+@pytest.mark.soak  # the default run keeps its lighter relatives under the 10-minute budget
 def test_up_runs_both_parts_and_writes_both_summaries(tmp_path: Path):
     out = tmp_path / "up.json"
     r = subprocess.run([sys.executable, "-m", "mesh.cli", "up", "--workers", "2", "--rate", "10", "--duration", "3",
