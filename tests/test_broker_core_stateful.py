@@ -270,6 +270,8 @@ class Shell:
         if after is not None and after is not before:  # a new session: not confirmed, not draining
             self.spoke[ident] = False
             self.draining.discard(ident)
+        elif after is not None and not after.draining:  # a worker that drained itself and sent READY again is back
+            self.draining.discard(ident)
         self.flush()
 
     def add_worker(self, w: int, role: str = "mixed") -> bytes:
@@ -1208,3 +1210,17 @@ def test_a_prefill_worker_that_drains_away_leaves_its_decode_legs_alone():
     sh.worker(dec, P.encode_worker_final(d2.rid, 2, "stop", {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}))
     assert isinstance(req.delivered[-1], P.ClientFinal)
     sh.finish()
+
+
+def test_a_worker_that_drained_itself_and_sends_ready_again_is_routable_and_the_harness_knows():
+    """A repeated READY undrains a worker that drained itself (DNS discovery: its broker is back in
+    the answer); requests may go to it again, and the harness's draining set follows the core."""
+    sh = Shell()
+    w = sh.add_worker(0)
+    sh.worker(w, P.encode_disconnect(P.DRAINING))
+    sh.draining.add(w)
+    assert sh.core.pool.by_identity[w].draining
+    sh.worker(w, P.encode_ready(ready(0, 0)))
+    assert not sh.core.pool.by_identity[w].draining and w not in sh.draining
+    sh.submit(b"C0", stream=False, idempotent=True, deadline_ms=None)  # the harness checks where it goes
+    assert any(isinstance(d, P.Request) and s.identity == w for s, d in sh.step)
