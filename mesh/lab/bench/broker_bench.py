@@ -160,7 +160,9 @@ class _Harness:
             nonlocal healthy
             msg = P.decode_client_reply(frames)
             if isinstance(msg, P.StatusReply):
-                healthy = sum(1 for w in msg.workers if w.get("healthy"))
+                # the summary a client gets counts every worker; its rows are one page (--status-max-workers)
+                counted = msg.broker.get("workers_healthy") if isinstance(msg.broker, dict) else None
+                healthy = counted if type(counted) is int else sum(1 for w in msg.workers if w.get("healthy"))
 
         while healthy < n:
             if time.monotonic() > deadline:
