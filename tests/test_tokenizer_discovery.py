@@ -163,11 +163,23 @@ def test_follow_up_lands_on_the_holder_with_the_announced_tokenizer_and_no_flag(
     url = wait_for_log_event(door.log_path, ready, 30, door.popen, start=door.log_start)["url"]
     run(wait_for_workers(b.frontend, 2), 40)
 
-    async def announced():
-        async with Client(b.frontend) as c:
-            return {w["worker_id"]: w.get("tokenizer") for w in (await c.status()).workers}
+    want = {"a0": MODEL_ID, "a1": MODEL_ID}  # SGLang's tokenizer_path, vLLM's root
+    seen: list[dict] = []
 
-    assert run(announced(), 10) == {"a0": MODEL_ID, "a1": MODEL_ID}  # SGLang's tokenizer_path, vLLM's root
+    async def announced() -> bool:
+        async with Client(b.frontend) as c:
+            seen.append({w["worker_id"]: w.get("tokenizer") for w in (await c.status()).workers})
+        return seen[-1] == want
+
+    # both registered at once, each with the tokenizer it announced: on a busy machine an adapter whose
+    # engine misses health checks leaves and registers again, so one STATUS after wait_for_workers may
+    # lack it (seen beside two CPU burners); what is tested is what each announces, not that they never flap
+    from tests.conftest import until
+
+    try:
+        run(until(announced, 30, "both engines announced", step_s=0.1), 40)
+    except TimeoutError:
+        raise AssertionError(f"announced tokenizers: {seen[-3:]}, wanted {want}") from None
     # the door loads it as the engines register (parsing it stalls a broker's loop once: let it pass)
     wait_for_log_event(door.log_path, "announced_tokenizer_loaded", 30, door.popen, start=door.log_start)
     run(_until_serving(url), 30)
