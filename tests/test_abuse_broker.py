@@ -104,13 +104,21 @@ def test_kv_flood_then_close_does_not_kill_the_broker_nor_expire_healthy_workers
         hb = P.encode_heartbeat()
         for _ in range(30_000):
             await atk.send(hb)
+        # a last, malformed frame: refused (counted) whether or not the attacker is still registered,
+        # and read after everything it sent before (one connection is read in order)
+        await atk.send([b"\xffend of the flood"])
         await atk.close()
         # the broker works through the backlog while serving: a request completes meanwhile
         # (or is shed with 'overloaded' while the loop lags, never left hanging)
         r = await _until_served(b.frontend)
         assert r.finish_reason == "length"
-        st = await until(lambda: _kv_done(b.frontend), timeout_s=40, what="KV backlog processed")
+        st = await until(lambda: _flood_read(b.frontend), timeout_s=40, what="the attacker's frames all read")
         c = st.counters
+        # every batch read while the attacker was registered was refused at decode (over
+        # MAX_KV_BATCH_BLOCKS) or applied; on a busy machine the silent attacker may be expired
+        # first, and what it sent after that is refused unread as an unregistered peer's
+        handled = c.get("kv.batches", 0) + c.get("frames_rejected.worker.kv_batch_too_large", 0)
+        assert handled == 10 or (c.get("workers.expired", 0) == 1 and c.get("frames_rejected.worker.unregistered_peer", 0)), c
         # the real worker was never expired (the attacker, gone silent, may be: with oversize
         # batches refused at decode since issue 32 the broker gets there in time)
         assert c.get("workers.expired", 0) <= 1, c
@@ -134,11 +142,11 @@ async def _until_served(frontend: str, timeout_s: float = 20.0):
     return await until(served, timeout_s, "served once the flood is shed", step_s=0.1)
 
 
-async def _kv_done(frontend: str):
-    """All ten batches handled: applied, or (issue 32: over MAX_KV_BATCH_BLOCKS) refused at decode."""
+async def _flood_read(frontend: str):
+    """The attacker's last frame (malformed: counted as ``bad_frame_count``) is read, so every frame it
+    sent before is (its ten batches handled while it was registered, or refused unread after it expired)."""
     st = await status(frontend)
-    c = st.counters
-    return st if c.get("kv.batches", 0) + c.get("frames_rejected.worker.kv_batch_too_large", 0) >= 10 else None
+    return st if st.counters.get("frames_rejected.worker.bad_frame_count", 0) >= 1 else None
 
 
 # --------------------------------------------------------------------------- 2. injection

@@ -289,7 +289,7 @@ class BrokerCore:
         if full and len(full) == len(pool):
             table.park_or_overload(inf, now)
             return
-        if inf.route_req is None and not table.prepare_route(inf):
+        if not inf.capacity_checked and not table.prepare_route(inf):
             return
         req = inf.route_req
         t0 = self.perf()

@@ -84,6 +84,7 @@ class Inflight:
     session: WorkerSession | None = None
     decision: Decision | None = None
     route_req: RouteRequest | None = None
+    capacity_checked: bool = False  # its length was checked against a registered worker's KV capacity
     chunks_sent: int = 0
     tried: set[str] = field(default_factory=set)
     parked_until_s: float | None = None  # set the first time it parks: how long it may wait in all

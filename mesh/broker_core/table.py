@@ -93,13 +93,17 @@ class RequestTable:
         self.finish_error(self.inflight[rid], ErrorCode.CANCELLED, "cancelled by client", cancel_worker=True)
 
     def prepare_route(self, inf: Inflight) -> bool:
-        """Build the request's routing view once, after checking it can run at all (workers
-        may have registered since the submit); False: it was refused and is finished."""
+        """Check the request can run at all, then build its routing view (once); False: it was
+        refused and is finished. While no worker has registered there is no capacity to check
+        against: the check is repeated at every dispatch until one has (a prompt parked at
+        startup, or while the fleet was gone, is refused when workers come, not sent to one)."""
         refusal = self.intake.context_refusal(inf.submit, inf.model)
         if refusal is not None:
             self.finish_error(inf, *refusal)
             return False
-        inf.route_req = self.intake.route_request(inf, self.router.policy.needs_match)
+        inf.capacity_checked = self.intake.fleet_capacity(inf.model) > 0
+        if inf.route_req is None:
+            inf.route_req = self.intake.route_request(inf, self.router.policy.needs_match)
         return True
 
     @contextlib.contextmanager
