@@ -143,7 +143,7 @@ class BrokerCore:
         self.table.now = self.started_s = now
         self.workers.start(now)
         self.state = "serving"
-        if self.recorder is not None:
+        if self.recorder is not None and self.recorder.file_index < 0:  # (the shell may have opened it already)
             self.recorder.start(now)
 
     def begin_drain(self, now: float) -> None:
