@@ -425,3 +425,70 @@ def test_sim_record_decisions_needs_one_core_arm_with_one_router(tmp_path):
                   record_decisions=str(tmp_path / "x")).validate()
     with pytest.raises(ConfigError, match="record_decisions"):
         SimConfig(workload="zipf", policies=["cache_aware"], record_decisions=str(tmp_path / "x")).validate()
+
+
+# --------------------------------------------------------------------------- a real broker (e2e)
+
+
+async def _conversations(frontend: str, n: int, sessions: int = 8, rate: float = 40.0) -> None:
+    """``n`` requests of ``sessions`` chats sharing a system prompt: each turn's prompt is the
+    session's history (earlier prompts and the answers the workers streamed) plus a new message,
+    one text request among them carrying WORD."""
+    import asyncio
+
+    from mesh.client import Client
+
+    rng = random.Random(7)
+    system = [rng.randrange(1, 30_000) for _ in range(200)]
+    history = [list(system) for _ in range(sessions)]
+    busy: set[int] = set()
+
+    async def turn(c: Client, s: int, i: int) -> None:
+        prompt = history[s] + [rng.randrange(1, 30_000) for _ in range(rng.randrange(20, 200))]
+        st = await c.submit(input_ids=prompt, max_new_tokens=rng.randrange(8, 40))
+        out: list[int] = []
+        async for toks in st:
+            out.extend(toks)
+        history[s] = prompt + out
+        busy.discard(s)
+
+    async with Client(frontend) as c:
+        await (await c.submit(text=f"hello {WORD} world", max_new_tokens=4)).result()
+        tasks = []
+        for i in range(n - 1):
+            free = [s for s in range(sessions) if s not in busy] or list(range(sessions))
+            s = rng.choice(free)
+            busy.add(s)
+            tasks.append(asyncio.create_task(turn(c, s, i)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+
+
+def record_real(procs, tmp_path: Path, n: int, workers: int = 4) -> Path:
+    """A real broker recording ``n`` requests from stub workers; returns the file (after a clean stop)."""
+    from conftest import run
+    from mesh.lab.up import wait_for_workers
+
+    path = tmp_path / "real.jsonl"
+    b = procs.broker("b", "--record-decisions", str(path), "--seed", "1")
+    procs.workers("w", [b.backend], count=workers)
+    run(wait_for_workers(b.frontend, workers))
+    run(_conversations(b.frontend, n), timeout_s=300)
+    assert b.stop() == 0
+    return path
+
+
+def test_a_real_broker_records_what_mesh_sim_replays(procs, tmp_path):
+    """(b), small: a broker process with stub workers records; the file holds no prompt text, loads
+    with its fleet, and replays through the broker's core in mesh sim (timing differs live, so the
+    agreement is reported, not required: docs/results/replay-decisions.md)."""
+    path = record_real(procs, tmp_path, 40)
+    raw = path.read_bytes()
+    assert WORD.encode() not in raw and b"hello" not in raw
+    wl = load_decisions(path)
+    assert len(wl.requests) == 40 and len(wl.fleet) == 4
+    assert all(d["outcome"] == "ok" and d["worker"] in dict(wl.fleet) for d in wl.recorded)
+    assert sum(1 for r in wl.requests if r.output_script) >= 10  # later turns continue earlier ones
+    cfg = SimConfig(trace=str(path), policies=["cache_aware"], workers=[4], lifecycle="core", seed=1)
+    ag = run_sim(cfg, workload=build_workload(cfg))["arms"][0]["decision_agreement"]
+    assert ag["compared"] == 40 and ag["identical"] > 0
