@@ -251,6 +251,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     console = Console(stderr=True)
     wl = build_workload(cfg)
+    _recording_defaults(args, cfg, wl, console)
     specs = arm_specs(cfg)
     console.print(f"[bold]mesh sim[/]: {wl.name}, {len(wl.requests)} requests"
                   f"{f' ({wl.dropped} dropped: prompt > KV capacity)' if wl.dropped else ''}, {len(specs)} arm(s)")
@@ -297,6 +298,17 @@ def cmd_sim(args: argparse.Namespace) -> int:
         write_plot(report, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _recording_defaults(args: argparse.Namespace, cfg, wl, console) -> None:
+    """A recorded decisions file replays on its own fleet (names, order, size) unless --workers says otherwise."""
+    parser = getattr(args, "sim_parser", None)
+    if wl.fleet is None or parser is None:
+        return
+    if args.workers == parser.get_default("workers") and wl.fleet:
+        cfg.workers = [len(wl.fleet)]
+        console.print(f"replaying on the recording's fleet: {len(wl.fleet)} workers (--workers to change)")
+        cfg.validate(source=False)
 
 
 def _print_agreement(report: dict) -> None:
