@@ -6,7 +6,11 @@ messages with their virtual arrival times; its sends are delivered to simulated 
 heartbeats with LoadStat, first-token CHUNK, FINAL, KV batches) go back the same way. So
 registration, liveness, dispatch, the attempt fence, retries and their budget, parking,
 deadlines, outlier ejection and the prefill-to-decode handoff are the broker's, not a model of
-them. Used for fault injection (``mesh sim --faults``), for prefill/decode arms, and for any arm
+them. A simulated worker's engine emits the answer the workload's later prompts hold
+(``Workload.output_tokens``: a conversation's next turn contains it), so a follow-up hits the
+pages of prompt + answer as it would on a real engine. Router 0 may record its decisions
+(``record_decisions``: :mod:`mesh.broker_core.recorder`), and an arm replaying a recording reports
+``decision_agreement`` (:func:`mesh.lab.sim.recorded.compare_decisions`). Used for fault injection (``mesh sim --faults``), for prefill/decode arms, and for any arm
 with ``lifecycle = "core"``.
 
 Faults (:class:`FaultSpec`, ``--faults kill=2/min,pause=4/min,...``), each a Poisson process
