@@ -307,7 +307,8 @@ HEADER = {"format": "mesh-decisions", "version": 1, "policy": "cache_aware", "bl
 def test_the_loader_reads_mooncake_fields_block_size_fleet_and_keeps_decisions_aside(tmp_path):
     p = _write(tmp_path / "d.jsonl", [
         HEADER,
-        {"timestamp": 2500.0, "input_length": 6, "output_length": 3, "hash_ids": [0, 1], "worker": "gpu-a", "reason": "cache_hit"},
+        {"timestamp": 2500.0, "input_length": 6, "output_length": 3, "hash_ids": [0, 1], "worker": "gpu-a", "reason": "cache_hit",
+         "max_tokens": 50},
         {"fleet": [{"id": "gpu-c", "role": "mixed"}], "timestamp": 10},
         {"timestamp": 1000.5, "input_length": 9, "output_length": 2, "hash_ids": [0, 2, 3], "block_size": 4,
          "worker": "gpu-c", "reason": "least_load", "predicted_ttft_ms": 12.5},
@@ -318,6 +319,7 @@ def test_the_loader_reads_mooncake_fields_block_size_fleet_and_keeps_decisions_a
     assert [r.prompt_len for r in wl.requests] == [9, 6]
     assert wl.fleet == [("gpu-b", "mixed"), ("gpu-a", "mixed"), ("gpu-c", "mixed")]
     assert [d["worker"] for d in wl.recorded] == ["gpu-c", "gpu-a"]
+    assert [r.max_tokens for r in wl.requests] == [None, 50]  # routers see what was asked; the engine emits output_length
     a, b = (list(wl.prompt(r)) for r in wl.requests)
     assert a[:4] == b[:4] and a[4:8] != b[4:6]  # block id 0 shared, then different blocks
 

@@ -484,7 +484,7 @@ class CoreArm:
                     counted_terminal += 1
                     done_at[i] = t
                     continue
-                sub = P.Submit(str(i), toks, None, rq.output_len, {}, None, True, True, None, None, b"", array("I", toks))
+                sub = P.Submit(str(i), toks, None, rq.max_tokens or rq.output_len, {}, None, True, True, None, None, b"", array("I", toks))
                 core.submit(b"c%d" % (i % _CLIENTS), sub, t)
                 flush(r, t)
             elif kind == _KV:

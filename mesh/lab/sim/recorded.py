@@ -128,8 +128,10 @@ def load_decisions(path: str | Path, *, time_scale: float = 1.0, max_requests: i
         ids = o["hash_ids"]
         segs = tuple((0, seed_key(_NS_RECORDED, h), bs, min(bs, n - j * bs)) for j, h in enumerate(ids[: -(-n // bs)]))
         sess = o.get("session")
+        mt = o.get("max_tokens")
         reqs.append(SimRequest(i, ts / 1000.0 * time_scale, n, o["output_length"], segs,
-                               session=sess if type(sess) is int else None))
+                               session=sess if type(sess) is int else None,
+                               max_tokens=mt if type(mt) is int and o["output_length"] <= mt <= _MAX_OUTPUT else None))
         recorded.append({k: o.get(k) for k in ("worker", "reason", "policy", "matched_blocks", "predicted_ttft_ms",
                                                 "decode_worker", "attempts", "outcome", "ttft_ms", "cached_tokens")})
     continued = _continuations(reqs, [o["hash_ids"] for _, _, o in recs])

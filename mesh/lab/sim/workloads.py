@@ -117,6 +117,7 @@ class SimRequest:
     # a replayed recording's continuation (mesh.lab.sim.recorded): the output it must emit first, as
     # slices (key, full, start, end) of kind-0 segment contents -- the tokens a later prompt holds
     output_script: tuple[tuple[int, int, int, int], ...] = ()
+    max_tokens: int | None = None  # a recording's max_new_tokens asked for (routers see it; the engine emits output_len)
 
 
 @dataclass(slots=True)
