@@ -73,6 +73,7 @@ class DecisionLog:
             raise ConfigError(f"record_decisions: cannot write {self.path}: {exc.strerror or exc}") from None
         first.clear()
         self.written["files"] += 1
+        self.log.info("record_decisions_started", path=self.path, files=self.files, queue_max=self.queue_max)
         self._thread = threading.Thread(target=self._run, name="mesh-record-decisions", daemon=True)
         self._thread.start()
 
