@@ -155,6 +155,7 @@ class Broker:
 
         rec = DecisionRecorder(
             broker_id=self.broker_id, policy=router.policy.name, max_bytes=settings.record_max_bytes,
+            max_ids=settings.record_max_ids,
             fleet=lambda: [(s.worker_id, s.ready.role) for s in self.core.pool.by_id.values()],
             block_size=lambda: getattr(router.provider, "block_size", None), wall_s=time.time,
             sessions=settings.session_affinity != "off")

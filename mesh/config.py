@@ -224,6 +224,8 @@ class BrokerSettings:
                                                     "(at least 65536)")
     record_files: int = setting(4, help="with --record-decisions: files kept, the current one included (disk use "
                                         "<= record_files x record_max_bytes)")
+    record_max_ids: int = setting(1 << 20, help="with --record-decisions: distinct prompt blocks one file numbers "
+                                                "(about 110 bytes of broker memory each); reaching it starts a new file")
     log_level: str = setting("info", add=add_log_level_arg)
 
     def validate(self) -> None:
@@ -255,6 +257,8 @@ class BrokerSettings:
                  "must be an integer in [65536, 1099511627776]")
         _require(type(self.record_files) is int and 1 <= self.record_files <= 1000, "record_files",
                  "must be an integer in [1, 1000]")
+        _require(type(self.record_max_ids) is int and 1024 <= self.record_max_ids <= 1 << 27, "record_max_ids",
+                 "must be an integer in [1024, 134217728]")
         if self.record_decisions:
             rp = Path(self.record_decisions)
             _require(len(self.record_decisions) <= 4096 and "\x00" not in self.record_decisions, "record_decisions",

@@ -184,6 +184,8 @@ def test_a_failed_request_is_recorded_with_its_error_code_and_no_output():
     ("record_max_bytes", "big", "record_max_bytes"),
     ("record_files", 0, "record_files"),
     ("record_files", 10_000, "record_files"),
+    ("record_max_ids", 10, "record_max_ids"),
+    ("record_max_ids", 1 << 40, "record_max_ids"),
     ("record_decisions", "/nonexistent-dir-33/x.jsonl", "record_decisions"),
     ("record_decisions", "/tmp", "record_decisions"),
     ("record_decisions", "x" * 5000, "record_decisions"),
@@ -358,6 +360,14 @@ def test_a_bad_header_or_an_oversize_line_is_refused(tmp_path):
             load_decisions(p)
     finally:
         R.MAX_LINE_BYTES = old
+
+
+def test_a_second_header_in_one_file_is_refused(tmp_path):
+    """Rotated files are separate id spaces: concatenated, their ids would collide."""
+    p = _write(tmp_path / "d.jsonl", [HEADER, {"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": [0]},
+                                      {**HEADER, "file_index": 1}])
+    with pytest.raises(ConfigError, match=r"d\.jsonl:3: format: a second header"):
+        load_decisions(p)
 
 
 def test_continuations_make_the_engine_emit_what_the_next_turn_holds(tmp_path):

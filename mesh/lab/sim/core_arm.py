@@ -197,6 +197,7 @@ class CoreArm:
         if self.record_path and r == 0 and self.recorder is None:
             rec = self.recorder = DecisionRecorder(
                 broker_id="router-0", policy=self._policy, origin_s=0.0, block_size=lambda: self.block_size,
+                max_bytes=1 << 62, max_ids=1 << 62,  # one file, one id space: the simulator's memory is its own
                 fleet=lambda: [(s.worker_id, s.ready.role) for s in self.cores[0].pool.by_id.values()])
         core = BrokerCore(self.settings, router, broker_id=f"router-{r}", kv_sink=prov, perf=lambda: 0.0,
                           log=_QuietLog(), recorder=rec)

@@ -106,6 +106,9 @@ def load_decisions(path: str | Path, *, time_scale: float = 1.0, max_requests: i
                 _int(where, o, "block_size", 1, _MAX_BLOCK)
                 header = o
                 new = _fleet(where, o.get("fleet", []))
+            elif "format" in o:
+                raise ConfigError(f"{where}: format: a second header: a file holds one recording (its ids mean "
+                                  f"nothing in another file); replay rotated files one by one")
             elif "fleet" in o and "input_length" not in o:
                 new = _fleet(where, o["fleet"])
             else:
