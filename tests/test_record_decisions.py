@@ -543,3 +543,13 @@ def test_mesh_sim_cli_records_replays_and_compares(tmp_path, capsys):
     mooncake = _write(tmp_path / "m.jsonl", [{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}])
     assert main(["--trace", str(mooncake), "--lifecycle", "core", "--compare-decisions", "--no-progress"]) != 0
     assert "compare_decisions" in capsys.readouterr().err
+
+
+def test_a_prompt_longer_than_the_hashed_keys_gets_fresh_ids_for_the_rest():
+    """The broker hashes at most what the fleet could hold: the blocks past it are fresh ids, never shared."""
+    rec = DecisionRecorder(broker_id="b", policy="p", fleet=list, max_ids=4)
+    a = rec._hash_ids([11, 12], 40, 4)
+    b = rec._hash_ids([11, 12, 13, 14, 15, 16], 24, 4)
+    assert len(a) == 10 and a[:2] == b[:2] == [0, 1] and len(set(a[2:])) == 8
+    assert len(b) == 6 and not set(b[2:]) & set(a)  # past max_ids keys are numbered but not kept
+    assert len(rec._ids) == 4 and rec.stats["ids_unmapped"] == 2
