@@ -71,7 +71,7 @@ class DecisionRecorder:
         self.wall_s = wall_s or (lambda: None)
         self.origin_s = origin_s  # the first file's time origin (default: the core's start)
         self.out: list[bytes | None] = []
-        self.stats: Counter[str] = Counter()  # records, files, fleet_lines, ids_fresh
+        self.stats: Counter[str] = Counter()  # records, files, fleet_lines, ids_unmapped
         self.start_s = 0.0
         self.file_index = -1
         self._bytes = 0
@@ -79,6 +79,7 @@ class DecisionRecorder:
         self._ids: dict[int, int] = {}
         self._next_id = 0
         self._sess: dict[str, int] = {}
+        self._next_sess = 0
         self._known: set[str] = set()
         self._pending: dict[int, dict[str, Any]] = {}  # rid -> its first decision (bounded by in-flight)
 
@@ -99,6 +100,7 @@ class DecisionRecorder:
         self._ids = {}
         self._next_id = 0
         self._sess = {}
+        self._next_sess = 0
         fleet = list(self.fleet())
         self._known = {w for w, _ in fleet}
         wall = self.wall_s()
@@ -171,10 +173,6 @@ class DecisionRecorder:
         rec["cached_tokens"] = cached if type(cached) is int else None
         return (json.dumps(rec, separators=(",", ":")) + "\n").encode()
 
-    def forget(self, rid: int) -> None:
-        """Drop a pending request without a record (the core lost it without a terminal reply)."""
-        self._pending.pop(rid, None)
-
     # ------------------------------------------------------------------ helpers
     def _fleet_line(self, now: float) -> None:
         fleet = list(self.fleet())
@@ -206,8 +204,9 @@ class DecisionRecorder:
 
     def _pseudonym(self, session: str) -> int:
         p = self._sess.get(session)
-        if p is None:
-            p = len(self._sess)
-            if p < self.max_ids:
+        if p is None:  # (past max_ids sessions: numbered, not kept)
+            p = self._next_sess
+            self._next_sess += 1
+            if len(self._sess) < self.max_ids:
                 self._sess[session] = p
         return p
