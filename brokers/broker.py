@@ -97,11 +97,15 @@ class Broker:
         self.broker_id = settings.broker_id or f"broker-{os.getpid()}"
         self.log = get_logger(service="broker", broker_id=self.broker_id)
         self.stats = BrokerStats()
+        self.record_log, recorder = self._decision_log(settings, router)  # --record-decisions (None: off)
         self.core = BrokerCore(settings, router, broker_id=self.broker_id, stats=self.stats, log=self.log, kv_sink=kv_sink,
                                worker_keys=worker_keys, on_event=self._event, on_new_worker=self._on_new_worker, perf=time.perf_counter,
                                # (no exchange configured: no per-decision call to ask whether peers are stale)
                                view_degraded=self._view_degraded if settings.exchange else None,
-                               status_extra=self._status_extra, status_full=self._status_full)
+                               status_extra=self._status_extra, status_full=self._status_full, recorder=recorder)
+        if recorder is not None:  # the file's header, written now: an unwritable file is a startup error
+            recorder.start(time.monotonic())
+            self.record_log.start(recorder.out)
         self._limiter = RateLimiter(1.0)
         self._closed = False
         self.frontend_endpoint = ""
@@ -140,6 +144,24 @@ class Broker:
         self._lag_at_s = 0.0
         self._send_why = ""  # why the last failed send failed (send_hwm | unreachable)
         self._front_first = False  # which socket the next pump reads first (alternates)
+
+    def _decision_log(self, settings: BrokerSettings, router: Router):
+        """--record-decisions: the recorder (pure) and its writer (started once the core exists:
+        ConfigError naming record_decisions when the file cannot be written)."""
+        if not settings.record_decisions:
+            return None, None
+        from brokers.decision_log import DecisionLog
+        from mesh.broker_core.recorder import DecisionRecorder
+
+        rec = DecisionRecorder(
+            broker_id=self.broker_id, policy=router.policy.name, max_bytes=settings.record_max_bytes,
+            max_ids=settings.record_max_ids,
+            fleet=lambda: [(s.worker_id, s.ready.role) for s in self.core.pool.by_id.values()],
+            block_size=lambda: getattr(router.provider, "block_size", None), wall_s=time.time,
+            sessions=settings.session_affinity != "off")
+        writer = DecisionLog(settings.record_decisions, files=settings.record_files, dropped=self.stats.record_dropped,
+                             written=self.stats.record, log=self.log)
+        return writer, rec
 
     # -- read-only views for the HTTP ingress (brokers.ingress.backend), metrics and tests --
     @property
@@ -260,6 +282,9 @@ class Broker:
                 if self._monitors:
                     sock.disable_monitor()
                 sock.close(linger=500)
+        if self.record_log is not None:
+            self.record_log.put(self.core.recorder.out)
+            self.record_log.close()
         self._closed = True
         self.core.state = "closed"
         self.log.info("broker_closed")
@@ -621,6 +646,8 @@ class Broker:
             return "" if ok else (self._send_why or "unreachable")
 
         deliver(self.core, transport, time.monotonic, self._send_failed_bug)
+        if self.record_log is not None and self.core.recorder.out:
+            self.record_log.put(self.core.recorder.out)  # to the writer thread; never waits for the disk
 
     def _send_failed_bug(self, exc: Exception) -> None:
         self.stats.dropped["handler_exception"] += 1

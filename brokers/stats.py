@@ -94,6 +94,9 @@ class StatsCollector(Collector):
              s.migrations),
             ("mesh_migration_refused", "Streams lost mid-stream that could not be continued (ended worker_lost), by reason",
              "reason", s.migration_refused),
+            ("mesh_record", "--record-decisions: records and files written", "what", s.record),
+            ("mesh_record_dropped", "--record-decisions: records dropped (queue_full: the disk is behind; write_error)",
+             "why", s.record_dropped),
         ):
             fam = CounterMetricFamily(name, doc, labels=[label])
             for k, v in sorted(ctr.items()):

@@ -215,6 +215,17 @@ class BrokerSettings:
     park_aging_s: float = setting(5.0, unit="s", help="priority aging: a request of band B (0 critical .. 3 low) "
                                                       "waits in the park queue as if it had arrived B x this later, "
                                                       "so low never starves (0 = strict bands)")
+    # Recorded decisions (mesh/broker_core/recorder.py, brokers/decision_log.py; docs/operations.md)
+    record_decisions: str = setting("", metavar="FILE", default_text="off",
+                                    help="record every routed request's arrival, lengths, block ids (no text), decision "
+                                         "and TTFT to FILE (JSON lines) for `mesh sim --trace FILE`; rotates FILE -> "
+                                         "FILE.1 ...")
+    record_max_bytes: int = setting(256 << 20, help="with --record-decisions: bytes per file before it rotates "
+                                                    "(at least 65536)")
+    record_files: int = setting(4, help="with --record-decisions: files kept, the current one included (disk use "
+                                        "<= record_files x record_max_bytes)")
+    record_max_ids: int = setting(1 << 20, help="with --record-decisions: distinct prompt blocks one file numbers "
+                                                "(about 110 bytes of broker memory each); reaching it starts a new file")
     log_level: str = setting("info", add=add_log_level_arg)
 
     def validate(self) -> None:
@@ -242,6 +253,18 @@ class BrokerSettings:
                  and len(set(srcs)) == len(srcs), "session_key_sources",
                  f"must list distinct sources among header, prompt_cache_key, user, session_params, got "
                  f"{self.session_key_sources[:80]!r}")
+        _require(type(self.record_max_bytes) is int and 65_536 <= self.record_max_bytes <= 1 << 40, "record_max_bytes",
+                 "must be an integer in [65536, 1099511627776]")
+        _require(type(self.record_files) is int and 1 <= self.record_files <= 1000, "record_files",
+                 "must be an integer in [1, 1000]")
+        _require(type(self.record_max_ids) is int and 1024 <= self.record_max_ids <= 1 << 27, "record_max_ids",
+                 "must be an integer in [1024, 134217728]")
+        if self.record_decisions:
+            rp = Path(self.record_decisions)
+            _require(len(self.record_decisions) <= 4096 and "\x00" not in self.record_decisions, "record_decisions",
+                     "must be a path of at most 4096 characters")
+            _require(rp.parent.is_dir(), "record_decisions", f"directory {str(rp.parent)[:200]} does not exist")
+            _require(not rp.is_dir(), "record_decisions", f"{self.record_decisions[:200]} is a directory")
         _require(self.max_parked >= 0, "max_parked", "must be >= 0")
         _require(self.max_inflight_per_worker >= 0, "max_inflight_per_worker", "must be >= 0")
         _require(self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0")

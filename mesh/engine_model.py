@@ -133,7 +133,7 @@ class _Page:
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_new", "arrival_s", "output", "seq", "keys", "path", "computed",
-        "kv_tokens", "cached_tokens", "seed", "first_done", "admitted", "transferred", "root", "prior", "ns",
+        "kv_tokens", "cached_tokens", "seed", "first_done", "admitted", "transferred", "root", "prior", "ns", "script",
     )
 
     def __init__(self, rid: object, prompt: list[int], max_new: int, arrival_s: float, keys: list[int],
@@ -156,6 +156,13 @@ class _Req:
         self.root = root  # content key its chain starts from (its cache namespace)
         self.prior = prior  # SHA-256 chain seed of its first page (b"" = plain)
         self.ns = ns  # (lora_name, cache_salt) for its events, None = plain
+        self.script: Sequence[int] = ()  # the output tokens it must emit first (submit(output_tokens=...))
+
+    def next_token(self, vocab: int) -> int:
+        """The token it emits next: its scripted one while the script lasts, else the rid-seeded one."""
+        k = len(self.output)
+        s = self.script
+        return s[k] if k < len(s) else (self.seed + k * _GOLDEN) % vocab
 
 
 class EngineModel:
@@ -197,7 +204,8 @@ class EngineModel:
     # ------------------------------------------------------------------ public API
 
     def submit(self, rid: object, prompt: Sequence[int], max_new_tokens: int, now_s: float, *, transferred: bool = False,
-               lora_name: str | None = None, extra_key: str | None = None, cache_salt: str | None = None) -> None:
+               lora_name: str | None = None, extra_key: str | None = None, cache_salt: str | None = None,
+               output_tokens: Sequence[int] | None = None) -> None:
         """Queue a request. ``max_new_tokens`` is clipped so prompt + output fit the KV capacity.
 
         ``transferred`` (the decode leg of prefill/decode disaggregation): the prompt's KV is
@@ -205,6 +213,10 @@ class EngineModel:
         (``kv_bytes_per_token / kv_transfer_bytes_per_s`` per uncached token) instead of prefill.
         ``lora_name`` / ``extra_key`` / ``cache_salt``: the request's cache namespace (see the
         module docstring); pages of other namespaces are never reused.
+        ``output_tokens``: the tokens it emits first, in order (past their end, the rid-seeded
+        ones of :func:`output_token_id`): a simulator whose later prompts contain this request's
+        answer (a conversation, a replayed recording) makes the engine emit exactly that answer,
+        so the pages of prompt + output it caches are the ones the later prompts hit.
 
         Raises ValueError on a duplicate rid, an empty prompt, bad token ids, a negative
         ``max_new_tokens`` or a prompt that cannot fit (prompt + admission reserve > capacity).
@@ -232,6 +244,11 @@ class EngineModel:
         max_new = min(max_new_tokens, cfg.max_total_num_tokens - cfg.admission_reserve_tokens - n)
         req = _Req(rid, toks, max_new, now_s, keys, root, prior, ns)
         req.transferred = transferred
+        if output_tokens:
+            vocab = cfg.vocab_size
+            if not all(type(t) is int and 0 <= t < vocab for t in output_tokens):
+                raise ValueError(f"output_tokens must be ints in [0, {vocab})")
+            req.script = output_tokens
         self._reqs[rid] = req
         self._waiting.append(req)
 
@@ -317,7 +334,7 @@ class EngineModel:
         vocab = cfg.vocab_size
         for r in batch:
             out = r.output
-            tok = (r.seed + len(out) * _GOLDEN) % vocab
+            tok = r.next_token(vocab)
             out.append(tok)
             tokens.append((r.rid, tok))
             if len(out) >= r.max_new:
@@ -688,7 +705,7 @@ class EngineModel:
         if len(r.output) >= r.max_new:  # max_new_tokens == 0
             self._finish(r, res)
             return
-        tok = (r.seed + len(r.output) * _GOLDEN) % self.config.vocab_size
+        tok = r.next_token(self.config.vocab_size)
         r.output.append(tok)
         if not r.first_done:
             r.first_done = True

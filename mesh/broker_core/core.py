@@ -46,6 +46,7 @@ from mesh.broker_core.counters import BrokerStats
 from mesh.broker_core.intake import Intake
 from mesh.broker_core.kv_backlog import KvBacklog
 from mesh.broker_core.pool import SessionState, WorkerPool, WorkerSession
+from mesh.broker_core.recorder import DecisionRecorder
 from mesh.broker_core.replies import Replies
 from mesh.broker_core.requests import Inflight, RequestState, move
 from mesh.broker_core.sends import Outbox, Receipt, Send
@@ -72,7 +73,8 @@ class BrokerCore:
     match the shell must run, then call :meth:`matched`). Seams (all optional): ``perf`` (a
     clock for the decision-latency histogram only; without it decisions take no time), ``on_event`` (telemetry events),
     ``on_new_worker`` (a new session's routing state, e.g. to join the peer exchange),
-    ``view_degraded`` (True while peers' figures are stale), ``status_extra`` (more STATUS fields).
+    ``view_degraded`` (True while peers' figures are stale), ``status_extra`` (more STATUS fields),
+    ``recorder`` (``--record-decisions``: :class:`~mesh.broker_core.recorder.DecisionRecorder`).
     Views: :attr:`status` (STATUS, the model catalog, per-worker entries), :attr:`pool`.
     """
 
@@ -92,6 +94,7 @@ class BrokerCore:
         view_degraded: Callable[[], bool] | None = None,
         status_extra: Callable[[float], dict] | None = None,
         status_full: Callable[[bytes], bool] | None = None,
+        recorder: DecisionRecorder | None = None,
     ) -> None:
         self.s = settings
         self.router = router
@@ -126,6 +129,9 @@ class BrokerCore:
         self.table = RequestTable(settings, router, self.pool, self.workers, self.intake, *common, dispatch=self._dispatch)
         self.replies = Replies(router, self.pool, self.table, self.workers, self.status, *common)
         self._out = outbox
+        self.recorder = recorder  # --record-decisions: the first decision and the outcome of every routed request
+        if recorder is not None:
+            self.table.on_done = recorder.finished
         self.kv_backlog = self.kv.queue  # truthy while KV batches wait for run_kv_backlog
         self.inflight = self.table.inflight  # rid -> request (the same dict, read-only outside)
         self.parked = self.table.parked
@@ -137,6 +143,8 @@ class BrokerCore:
         self.table.now = self.started_s = now
         self.workers.start(now)
         self.state = "serving"
+        if self.recorder is not None and self.recorder.file_index < 0:  # (the shell may have opened it already)
+            self.recorder.start(now)
 
     def begin_drain(self, now: float) -> None:
         """Stop accepting requests; in-flight ones get ``drain_timeout_s`` to finish (idempotent)."""
@@ -340,6 +348,8 @@ class BrokerCore:
         frames = P.encode_request(inf.rid, inf.attempt, remaining_ms, inf.client_rid, inf.submit.raw, bootstrap,
                                   lora=lora, dp_rank=decision.dp_rank)
         inf.decision = decision
+        if self.recorder is not None:
+            self.recorder.decided(inf, decision, now)
         move(inf, _R.DISPATCHED, "routed")
         inf.session = sess
         inf.reason = decision.reason

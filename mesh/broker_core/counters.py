@@ -60,6 +60,10 @@ class BrokerStats:
         # admitted, rejected_429 (its in-flight or tokens-per-minute limit), and its queue waits
         self.tenants: Counter[tuple[str, str]] = Counter()
         self.tenant_queue: dict[str, LatencyHistogram] = {}
+        # --record-decisions (brokers/decision_log.py): records and files written; records dropped by why
+        # (queue_full: the writer is behind, counted by the loop; write_error: counted by the writer thread)
+        self.record: Counter[str] = Counter()
+        self.record_dropped: Counter[str] = Counter()
         self.degraded_decisions = 0
         self.requests_parked = 0
         self.cached_tokens = 0
@@ -108,6 +112,8 @@ class BrokerStats:
             ("text_unmatched", self.text_unmatched),
             ("migrations", self.migrations),
             ("migration_refused", self.migration_refused),
+            ("record", self.record),
+            ("record_dropped", self.record_dropped),
         ):
             for k, v in ctr.items():
                 out[f"{prefix}.{k}"] = v

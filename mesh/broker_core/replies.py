@@ -112,7 +112,7 @@ class Replies:
                        "cached_tokens": inf.prefill_usage.get("cached_tokens", 0)}
         if inf.produced:  # a continued stream: its earlier tokens were sent to this worker as prompt
             m.usage = migrate.continued_usage(m.usage, inf.produced)
-        self.table.forget(inf, "answered")
+        self.table.forget(inf, "answered", m.usage)
         sess.failures = 0
         self.workers.note_outcome(sess, False, now)
         u = m.usage

@@ -58,6 +58,8 @@ class RequestTable:
         self.retry = RetryPolicy(settings.max_attempts, settings.retry_base_ms, settings.retry_cap_ms)
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_min)
         self.now = 0.0  # the time of the input being handled (set by the facade)
+        # every request that ends: (request, outcome "ok" or an error code, usage, now) -- the decision recorder
+        self.on_done: Callable[[Inflight, str, dict | None, float], None] | None = None
         self.inflight: dict[int, Inflight] = {}
         self.by_client: dict[tuple[bytes, str], int] = {}
         self._rid_seq = itertools.count(1)
@@ -352,8 +354,11 @@ class RequestTable:
             self._dispatch(inf, now)
 
     # ------------------------------------------------------------------ terminal frames
-    def forget(self, inf: Inflight, why: str) -> None:
-        """``inf`` is DONE (``why``: answered, failed or client_gone): out of the table."""
+    def forget(self, inf: Inflight, why: str, usage: dict | None = None, outcome: str = "") -> None:
+        """``inf`` is DONE (``why``: answered, failed or client_gone): out of the table.
+        ``usage``: the FINAL's token counts; ``outcome``: the error code it failed with."""
+        if self.on_done is not None:
+            self.on_done(inf, "ok" if why == "answered" else (outcome or why), usage, self.now)
         self.parked.remove(inf.rid)
         freed = inf.session is not None
         self.detach(inf)
@@ -375,7 +380,7 @@ class RequestTable:
         if inf.phase == "decode" and (ps := self.pool.by_id.get(inf.prefill_worker)) is not None:
             # P/D: the prefill leg may still run (an SGLang prefill waits for a decode server to pull its KV)
             self._out.to_worker(ps.identity, P.encode_worker_cancel(inf.rid, inf.prefill_attempt))
-        self.forget(inf, "failed")
+        self.forget(inf, "failed", outcome=code.value)
         self.stats.requests[code.value] += 1
         self._out.to_client(inf.client, P.encode_client_error(inf.client_rid, code, message))
         self.log.info("request_failed", request_id=inf.client_rid, code=code.value, attempts=inf.attempt, message=message[:200])

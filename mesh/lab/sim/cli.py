@@ -120,6 +120,9 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                     help="inject faults, e.g. kill=2/min,pause=4/min,pause_s=3,down_s=5,broker_restart=0.5/min,"
                          "broker_down_s=2,kv_loss=0.01 (rates over the whole fleet, per s|min|h; durations in s); "
                          "reports requests lost, duplicated and retried, and the TTFT of retried requests")
+    lc.add_argument("--record-decisions", metavar="FILE",
+                    help="with --lifecycle core, one arm, one router: record the router's decisions to FILE, as "
+                         "`mesh broker --record-decisions` does (replay it with --trace FILE)")
     e = p.add_argument_group("engine model (defaults: 8B model on one H100; --config FILE: its [engine] table)")
     e.add_argument("--config", help="TOML file; its [engine] table sets the engine model (the flags below win)")
     add_flags(e, EngineConfig, dest_prefix="engine_")
@@ -137,6 +140,9 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--plot", help="write a PNG: hit rate, worker CV and TTFT p95 per arm (matrix: the heatmap of "
                                   "TTFT p95 ratios to the best other policy)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--compare-decisions", action="store_true",
+                   help="with --trace of a recorded decisions file and --lifecycle core: print, per arm, the share of "
+                        "requests routed to the worker the recording chose, by recorded reason, and the first divergences")
     p.set_defaults(func=cmd_sim, sim_parser=p)
     return p
 
@@ -201,6 +207,7 @@ def config_from_args(args: argparse.Namespace):
         exchange_routes=args.exchange_routes, dp_size=args.dp_size,
         session_affinity=args.session_affinity, session_ttl_s=args.session_ttl_s, session_table_size=args.session_table_size,
         lifecycle=args.lifecycle, faults=args.faults, policy_params=_policy_params(getattr(args, "policy_option", [])),
+        record_decisions=getattr(args, "record_decisions", None),
     )
     cfg.validate()
     return cfg
@@ -244,6 +251,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     console = Console(stderr=True)
     wl = build_workload(cfg)
+    _recording_defaults(args, cfg, wl, console)
     specs = arm_specs(cfg)
     console.print(f"[bold]mesh sim[/]: {wl.name}, {len(wl.requests)} requests"
                   f"{f' ({wl.dropped} dropped: prompt > KV capacity)' if wl.dropped else ''}, {len(specs)} arm(s)")
@@ -281,6 +289,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     lifecycle = render_lifecycle_table(report)
     if lifecycle is not None:
         out.print(lifecycle)
+    if getattr(args, "compare_decisions", False):
+        _print_agreement(report)
     if args.json:
         Path(args.json).write_text(dumps_report(report))
         console.print(f"wrote {args.json}")
@@ -288,6 +298,35 @@ def cmd_sim(args: argparse.Namespace) -> int:
         write_plot(report, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _recording_defaults(args: argparse.Namespace, cfg, wl, console) -> None:
+    """A recorded decisions file replays on its own fleet (names, order, size) unless --workers says otherwise."""
+    parser = getattr(args, "sim_parser", None)
+    if wl.fleet is None or parser is None:
+        return
+    if args.workers == parser.get_default("workers") and wl.fleet:
+        cfg.workers = [len(wl.fleet)]
+        console.print(f"replaying on the recording's fleet: {len(wl.fleet)} workers (--workers to change)")
+        cfg.validate(source=False)
+
+
+def _print_agreement(report: dict) -> None:
+    """``--compare-decisions``: each arm's choices against the recording's."""
+    arms = [a for a in report["arms"] if a.get("decision_agreement")]
+    if not arms:
+        raise ConfigError("compare_decisions: needs --trace of a recorded decisions file (mesh broker "
+                          "--record-decisions) and --lifecycle core")
+    for a in arms:
+        ag = a["decision_agreement"]
+        share = ag["identical_share"]
+        print(f"{a['policy']} ({a['provider']}, {a['workers']} workers): {ag['identical']}/{ag['compared']} identical "
+              f"choices ({100 * share:.2f} %)" if share is not None else f"{a['policy']}: nothing to compare")
+        for reason, r in ag["by_reason"].items():
+            print(f"  {reason:28} {r['identical']:7}/{r['requests']:<7} {100 * r['share']:7.2f} %")
+        for d in ag["first_divergences"][:10]:
+            print(f"  request {d['request']} at {d['arrival_s']:.3f} s: recorded {d['recorded']} ({d['recorded_reason']}), "
+                  f"replayed {d['replayed']} ({d['replayed_reason']})")
 
 
 def _cmd_fairness(args: argparse.Namespace) -> int:

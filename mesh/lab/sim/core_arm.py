@@ -6,7 +6,11 @@ messages with their virtual arrival times; its sends are delivered to simulated 
 heartbeats with LoadStat, first-token CHUNK, FINAL, KV batches) go back the same way. So
 registration, liveness, dispatch, the attempt fence, retries and their budget, parking,
 deadlines, outlier ejection and the prefill-to-decode handoff are the broker's, not a model of
-them. Used for fault injection (``mesh sim --faults``), for prefill/decode arms, and for any arm
+them. A simulated worker's engine emits the answer the workload's later prompts hold
+(``Workload.output_tokens``: a conversation's next turn contains it), so a follow-up hits the
+pages of prompt + answer as it would on a real engine. Router 0 may record its decisions
+(``record_decisions``: :mod:`mesh.broker_core.recorder`), and an arm replaying a recording reports
+``decision_agreement`` (:func:`mesh.lab.sim.recorded.compare_decisions`). Used for fault injection (``mesh sim --faults``), for prefill/decode arms, and for any arm
 with ``lifecycle = "core"``.
 
 Faults (:class:`FaultSpec`, ``--faults kill=2/min,pause=4/min,...``), each a Poisson process
@@ -43,6 +47,7 @@ from typing import Any, Callable
 
 from mesh import protocol as P
 from mesh.broker_core import TO_WORKER, BrokerCore, Receipt, Send, deliver
+from mesh.broker_core.recorder import ROTATE, DecisionRecorder
 from mesh.config import BrokerSettings, build
 from mesh.engine_model import EngineModel
 from mesh.errors import ConfigError
@@ -158,6 +163,8 @@ class CoreArm:
         n_workers = spec.workers if cfg.pd is None else sum(cfg.pd)
         self._policy, tag = policy_base(spec.policy)  # "NAME@TAG": the workers named in another order
         ids = worker_ids(n_workers, tag)
+        if workload.fleet and len(workload.fleet) == n_workers and not tag:  # a recording: its workers, in its order
+            ids = [w for w, _ in workload.fleet]
         roles, labels = roles_and_labels(cfg, n_workers)
         self.workers = [_SimWorker(i, wid, EngineModel(ecfg), roles[i], labels[i]) for i, wid in enumerate(ids)]
         self.feed = PROVIDER_FEEDS.get(spec.provider, "none")
@@ -170,7 +177,10 @@ class CoreArm:
             "default_deadline_ms": 600_000, "max_inflight": 1_000_000, "max_inflight_per_client": 1_000_000,
             "seed": cfg.seed, **getattr(cfg, "broker_options", {}),
         })
+        self.record_path = getattr(cfg, "record_decisions", None)  # mesh sim --record-decisions: router 0's decisions
+        self.recorder: DecisionRecorder | None = None
         self.cores: list[BrokerCore | None] = [self._new_core(r) for r in range(spec.routers)]
+        self.chosen: list[tuple[str, str] | None] = [None] * len(workload.requests)  # first attempt's (worker, reason)
         self.stats_sum: Counter[str] = Counter()  # counters of cores that were replaced (broker restarts)
         self.lost_ids: set[int] = set()  # requests a restarted broker held: no terminal reply will come
 
@@ -183,8 +193,14 @@ class CoreArm:
         pol = make_policy(self._policy, rng=random.Random(seed_key(0x5E1, cfg.seed, r)), freshness_s=cfg.load_freshness_s,
                           **cfg.options_for(self._policy))
         router = self._make_router(cfg, pol, prov, r)
+        rec = None
+        if self.record_path and r == 0 and self.recorder is None:
+            rec = self.recorder = DecisionRecorder(
+                broker_id="router-0", policy=self._policy, origin_s=0.0, block_size=lambda: self.block_size,
+                max_bytes=1 << 62, max_ids=1 << 62,  # one file, one id space: the simulator's memory is its own
+                fleet=lambda: [(s.worker_id, s.ready.role) for s in self.cores[0].pool.by_id.values()])
         core = BrokerCore(self.settings, router, broker_id=f"router-{r}", kv_sink=prov, perf=lambda: 0.0,
-                          log=_QuietLog())
+                          log=_QuietLog(), recorder=rec)
         return core
 
     # ------------------------------------------------------------------ event loop
@@ -224,6 +240,12 @@ class CoreArm:
         progress = self.progress
         prog_every = max(1, n // 200)
         by_ident: list[dict[bytes, int]] = [dict() for _ in range(n_routers)]
+        chosen = self.chosen
+        rec_fh = open(self.record_path, "wb") if self.recorder is not None else None  # noqa: SIM115 - closed below
+
+        def write_record(lines: list[bytes | None]) -> None:
+            rec_fh.writelines(x for x in lines if x is not ROTATE)  # one file: the sim never rotates
+            lines.clear()
 
         def ident_of(w: _SimWorker, r: int) -> bytes:
             return f"{w.wid}/{w.epoch}/r{r}".encode()
@@ -267,6 +289,8 @@ class CoreArm:
                     m = P.decode_client_reply(s.frames)
                     t_m = type(m)
                     if t_m is P.Accepted:
+                        if m.attempt == 1 and chosen[int(m.rid)] is None:
+                            chosen[int(m.rid)] = (m.worker, m.reason)
                         return None
                     i_req = int(m.rid)
                     if t_m is P.ClientChunk:
@@ -290,6 +314,8 @@ class CoreArm:
                             code_of[i_req] = m.code
                 return None
             deliver(core, send, lambda: t)
+            if core.recorder is not None and core.recorder.out:
+                write_record(core.recorder.out)
             schedule_tick(r, t)
 
         def to_router(r: int, w: _SimWorker, msg: Any, t: float) -> None:
@@ -318,8 +344,9 @@ class CoreArm:
                 toks = prompts[i_req]
                 if phase == "prefill":
                     w.engine.submit(erid_seq, toks, 1, t)
-                else:
-                    w.engine.submit(erid_seq, toks, reqs[i_req].output_len, t, transferred=phase == "decode")
+                else:  # it answers what the workload's later prompts hold (wl.output_tokens)
+                    w.engine.submit(erid_seq, toks, reqs[i_req].output_len, t, transferred=phase == "decode",
+                                    output_tokens=wl.output_tokens(reqs[i_req]))
                 if not w.stepping:
                     start_step(w, t)
                 return
@@ -458,7 +485,7 @@ class CoreArm:
                     counted_terminal += 1
                     done_at[i] = t
                     continue
-                sub = P.Submit(str(i), toks, None, rq.output_len, {}, None, True, True, None, None, b"", array("I", toks))
+                sub = P.Submit(str(i), toks, None, rq.max_tokens or rq.output_len, {}, None, True, True, None, None, b"", array("I", toks))
                 core.submit(b"c%d" % (i % _CLIENTS), sub, t)
                 flush(r, t)
             elif kind == _KV:
@@ -532,6 +559,8 @@ class CoreArm:
                 progress(counted_terminal, n)
         if progress is not None:
             progress(n, n)
+        if rec_fh is not None:
+            rec_fh.close()
         return self._summary(locals())
 
     def _retire(self, r: int) -> None:
@@ -568,6 +597,11 @@ class CoreArm:
         oracle = self.oracle
 
         decisions = {k.removeprefix("decisions."): v for k, v in sorted(stats.items()) if k.startswith("decisions.")}
+        agreement = None
+        if self.wl.recorded is not None:  # a replayed recording: its decisions against this arm's
+            from mesh.lab.sim.recorded import compare_decisions
+
+            agreement = compare_decisions(self.wl, self.chosen)
         return {
             "lifecycle": "core",
             "policy": spec.policy, "provider": spec.provider, "routers": spec.routers, "workers": spec.workers,
@@ -605,6 +639,7 @@ class CoreArm:
             "engine_steps": sum(w.steps for w in self.workers),
             "events": L["q"].popped,
             "prediction": None,
+            "decision_agreement": agreement,
         }
 
 

@@ -93,6 +93,7 @@ from mesh.routing.view import Decision, RouteRequest, WorkerState
 from mesh.lab.sim.events import EventQueue
 from mesh.lab.sim.fleet import PROVIDER_FEEDS, engine_step, make_router, policy_base, roles_and_labels, worker_ids
 from mesh.lab.sim.metrics import cv, mean, percentile, ratio
+from mesh.lab.sim.recorded import is_decision_file, load_decisions
 from mesh.lab.sim.workloads import Workload, load_mooncake, make_workload, oracle_cached_tokens, seed_key
 
 __all__ = ["SimConfig", "ArmSpec", "SimRouter", "Arm", "run_sim", "run_arm", "build_workload", "arm_specs"]
@@ -154,6 +155,7 @@ class SimConfig:
     session_affinity: str = "off"
     session_ttl_s: float = 600.0
     session_table_size: int = 100_000
+    record_decisions: str | None = None  # core arms: router 0 records its decisions here (mesh.broker_core.recorder)
 
     def validate(self, *, source: bool = True) -> None:
         """Raise ConfigError on a bad setting (``source``: also check trace/workload)."""
@@ -213,6 +215,8 @@ class SimConfig:
             parse_faults(self.faults)  # ConfigError naming the item
         if self.uses_core and self.exchange and max(self.routers) > 1:
             raise ConfigError("exchange: the peer exchange is modelled by lifecycle=fast arms only (no faults, no pd)")
+        if self.record_decisions is not None and not (self.uses_core and self.routers == [1] and len(arm_specs(self)) == 1):
+            raise ConfigError("record_decisions: needs --lifecycle core and exactly one arm with one router")
         if self.broker_options:
             from mesh.config import BrokerSettings, build
 
@@ -261,7 +265,9 @@ def arm_specs(cfg: SimConfig) -> list[ArmSpec]:
 
 
 def build_workload(cfg: SimConfig) -> Workload:
-    if cfg.trace is not None:
+    if cfg.trace is not None and is_decision_file(cfg.trace):  # a broker's --record-decisions file
+        wl = load_decisions(cfg.trace, time_scale=cfg.time_scale, max_requests=cfg.max_requests)
+    elif cfg.trace is not None:
         wl = load_mooncake(cfg.trace, time_scale=cfg.time_scale, max_requests=cfg.max_requests)
     else:
         wl = make_workload(cfg.workload, seed=cfg.seed, rate=cfg.rate, duration_s=cfg.duration_s,
@@ -370,6 +376,8 @@ class Arm:
         self.block_size = ecfg.page_size
         n_workers = spec.workers
         ids = worker_ids(n_workers, policy_base(spec.policy)[1])
+        if workload.fleet and len(workload.fleet) == n_workers and "@" not in spec.policy:  # a recording's workers
+            ids = [w for w, _ in workload.fleet]
         dp = cfg.dp_size
         self.workers = [_Worker(i, wid, EngineModel(ecfg) if dp == 1 else DpEngineModel(ecfg, dp)) for i, wid in enumerate(ids)]
         roles, labels = roles_and_labels(cfg, n_workers)
@@ -549,7 +557,8 @@ class Arm:
                 if type(w.engine) is DpEngineModel:
                     w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t, dp_rank=tracks[a].decision.dp_rank)
                 else:
-                    w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t)
+                    w.engine.submit(a, pending_prompts.pop(a), reqs[a].output_len, t,
+                                    output_tokens=wl.output_tokens(reqs[a]) if reqs[a].output_script else None)
                 w.ls = None
                 if not w.stepping:
                     start_step(w, t)

@@ -114,6 +114,10 @@ class SimRequest:
     output_len: int
     segments: tuple[Segment, ...]
     session: int | None = None  # the conversation it is a turn of (session affinity, mesh.routing.sessions)
+    # a replayed recording's continuation (mesh.lab.sim.recorded): the output it must emit first, as
+    # slices (key, full, start, end) of kind-0 segment contents -- the tokens a later prompt holds
+    output_script: tuple[tuple[int, int, int, int], ...] = ()
+    max_tokens: int | None = None  # a recording's max_new_tokens asked for (routers see it; the engine emits output_len)
 
 
 @dataclass(slots=True)
@@ -125,6 +129,8 @@ class Workload:
     params: dict[str, Any] = field(default_factory=dict)
     vocab_size: int = 32_000
     dropped: int = 0  # requests removed because they cannot fit an engine (see drop_oversized)
+    fleet: list[tuple[str, str]] | None = None  # a recording's workers (id, role), in the broker's pool order
+    recorded: list[dict[str, Any]] | None = None  # a recording's decisions, by request idx (compare-decisions)
 
     def prompt(self, req: SimRequest) -> array:
         """The request's prompt tokens (rebuilt on every call; see the module docstring)."""
@@ -146,9 +152,15 @@ class Workload:
         return out
 
     def output_tokens(self, req: SimRequest) -> list[int]:
-        """The output the engine model will emit for ``req`` (when not clipped)."""
+        """The output the engine model will emit for ``req`` (when not clipped): its script
+        (a recording's continuation), then :func:`output_token_id` of its idx."""
         v = self.vocab_size
-        return [output_token_id(req.idx, p, v) for p in range(req.output_len)]
+        out: list[int] = []
+        for key, full, start, end in req.output_script:
+            out.extend(random.Random(key).randbytes(full)[start:end])
+        del out[req.output_len:]
+        out.extend(output_token_id(req.idx, p, v) for p in range(len(out), req.output_len))
+        return out
 
     def drop_oversized(self, max_prompt: int) -> None:
         """Remove requests whose prompt exceeds ``max_prompt`` tokens, renumbering the rest."""
@@ -158,6 +170,8 @@ class Workload:
         if any(s[0] == 1 for r in keep for s in r.segments):
             raise ConfigError("cannot drop requests from a workload whose prompts embed earlier outputs")
         self.dropped += len(self.requests) - len(keep)
+        if self.recorded is not None:  # a recording's decisions stay with their requests
+            self.recorded = [self.recorded[r.idx] for r in keep]
         for i, r in enumerate(keep):
             r.idx = i
         self.requests = keep
