@@ -605,6 +605,7 @@ class CoreArm:
             "engine_steps": sum(w.steps for w in self.workers),
             "events": L["q"].popped,
             "prediction": None,
+            "regret": None,  # the regret audit is reported by lifecycle=fast arms (the routers here restart)
         }
 
 
