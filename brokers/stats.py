@@ -129,7 +129,8 @@ class RegretCollector(Collector):
     ``mesh_regret_ms{baseline}``, one decision's predicted TTFT of the baseline's pick minus that of
     cache_aware's (positive: cache_aware saved that much), and the gauge
     ``mesh_cache_aware_pays_ms{baseline}``, its mean over about the last thousand decisions
-    (``best``: against the better baseline)."""
+    (``best``: against the better baseline). The buckets are signed, so by the exposition format's
+    rule the histogram has no ``_sum``/``_count``: the ``+Inf`` bucket is the count, the gauge the mean."""
 
     def __init__(self, audit) -> None:
         self.audit = audit

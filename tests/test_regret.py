@@ -261,3 +261,43 @@ def test_matrix_compares_the_audit_with_the_measured_mean_difference():
     subj["regret"]["pays_ms"]["best"] = 26.0
     assert not regret_check(subj, base)["within"]
     assert regret_check({**subj, "regret": None}, base) is None
+
+
+def test_broker_metrics_show_the_regret_gauge_after_requests(procs):
+    """One small real-process run: a cache_aware broker (audit on by default), two simulated
+    workers, a few requests: /metrics has the histogram with one count per audited decision and
+    the gauge per baseline."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mesh.client import Client
+    from mesh.lab.procs import wait_for_log_event
+    from mesh.lab.up import wait_for_workers
+    from tests.conftest import run
+
+    b = procs.broker("b", "--metrics", "127.0.0.1:0", "--heartbeat-ms", "200", "--policy", "cache_aware")
+    url = wait_for_log_event(b.log_path, "metrics_listening", 20, b.popen)["endpoint"]
+    procs.workers("w", [b.backend], "--time-scale", "0.05", count=2)
+    run(wait_for_workers(b.frontend, 2))
+    rng = random.Random(2)
+    prefix = [rng.randrange(1, 30_000) for _ in range(256)]
+    n = 6
+
+    async def body():
+        async with Client(b.frontend) as c:
+            for i in range(n):
+                r = await c.generate(input_ids=prefix + [rng.randrange(1, 30_000) for _ in range(32)],
+                                     max_new_tokens=2, deadline_ms=20_000)
+                assert r.finish_reason == "length"
+            return await c.status()
+
+    st = run(body(), timeout_s=60)
+    assert st.broker["regret"]["baselines"]["power_of_two"]["decisions"] == n
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - the test's own broker
+        fams = {f.name: f.samples for f in text_string_to_metric_families(resp.read().decode())}
+    # (signed buckets: Prometheus histograms with negative buckets carry no _sum/_count; +Inf is the count)
+    counts = {s.labels["baseline"]: s.value for s in fams["mesh_regret_ms"] if s.labels.get("le") == "+Inf"}
+    assert counts == {"power_of_two": n, "cache_aware_greedy": n}
+    pays = {s.labels["baseline"] for s in fams["mesh_cache_aware_pays_ms"]}
+    assert pays == {"power_of_two", "cache_aware_greedy", "best"}
