@@ -204,7 +204,7 @@ def test_regret_audit_flag_is_validated_naming_the_field():
 def test_broker_exports_the_histogram_and_gauge_and_status_and_top_show_it():
     from brokers.main import build_broker, metrics_registry
     from mesh import protocol as P
-    from mesh.top import regret_line
+    from mesh.top import regret_line, render
 
     b = build_broker(build(BrokerSettings, {"policy": "cache_aware", "seed": 1}))
     audit = b.router.audit
@@ -226,6 +226,11 @@ def test_broker_exports_the_histogram_and_gauge_and_status_and_top_show_it():
     line = regret_line("b1", extra["regret"])
     assert line is not None and "-3 ms" in line.plain and "saves 12 ms vs power-of-two" in line.plain
     assert regret_line("b1", None) is None and regret_line("b1", {"pays_ms": "x"}) is None
+    from rich.console import Console
+
+    con = Console(width=200, record=True)
+    con.print(render({"b1": {"workers": [], "regret": extra["regret"]}}, {}, []))  # the telemetry snapshot's field
+    assert "cache-aware pays -3 ms per request" in con.export_text()
     # off: no audit, no families
     off = build_broker(build(BrokerSettings, {"policy": "cache_aware", "regret_audit": "off"}))
     assert getattr(off.router, "audit", None) is None
@@ -258,8 +263,12 @@ def test_matrix_compares_the_audit_with_the_measured_mean_difference():
     rc = regret_check(subj, base)
     assert rc["against"] == "cache_aware_greedy" and rc["measured_ms"] == 20.0 and rc["predicted_ms"] == 18.0
     assert rc["within"] and rc["error_ratio"] == 0.1
-    subj["regret"]["pays_ms"]["best"] = 26.0
+    subj["regret"]["pays_ms"]["cache_aware_greedy"] = 26.0
     assert not regret_check(subj, base)["within"]
+    subj["regret"]["pays_ms"].update(power_of_two=5.0, best=5.0)  # judged against the baseline measured best
+    assert regret_check(subj, base)["predicted_ms"] == 26.0
+    assert regret_check(subj, base, noise_ms=7.0)["within_noise"]  # 6 ms off, the cell's own noise is 7
+    assert not regret_check(subj, base, noise_ms=1.0)["within_noise"]
     assert regret_check({**subj, "regret": None}, base) is None
 
 

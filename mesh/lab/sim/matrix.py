@@ -641,10 +641,10 @@ def analyse_cell(mc: MatrixConfig, run: dict[str, Any]) -> dict[str, Any]:
                      "against": mc.hit_reference, "pass": s["hit_rate"] >= 0.9 * ref["hit_rate"] - 0.005},
     }
     res: dict[str, Any] = {"policies": out, "targets": targets}
-    rg = regret_check(s, base)
+    na = arms.get(mc.noise_arm) if mc.noise_arm else None
+    rg = regret_check(s, base, abs(na["ttft_mean_ms"] - s["ttft_mean_ms"]) if na is not None else None)
     if rg is not None:
         res["regret"] = rg
-    na = arms.get(mc.noise_arm) if mc.noise_arm else None
     if na is not None and s["ttft_p95_ms"] > 0 and na["ttft_p95_ms"] > 0:
         # The subject's p95 under other arbitrary tie orders: a miss no larger than this spread
         # is not resolved by this cell (the same policy moves that much by chance alone).
@@ -661,26 +661,33 @@ def analyse_cell(mc: MatrixConfig, run: dict[str, Any]) -> dict[str, Any]:
 REGRET_TOLERANCE = 0.25
 
 
-def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]]) -> dict[str, Any] | None:
+def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
+                 noise_ms: float | None = None) -> dict[str, Any] | None:
     """The regret audit against what the arms measured, for one (cell, seed): the audit's
-    ``pays_ms["best"]`` (predicted ms per request cache_aware saves against the better baseline's
-    picks from the same view) beside the measured difference, the best baseline's **mean** TTFT
-    minus the subject's, both from the same stream. Mean, not p95: a per-decision regret adds up
+    ``pays_ms`` against the baseline with the lowest mean TTFT (predicted ms per request
+    cache_aware saves against that baseline's picks from the same view) beside the measured
+    difference, that baseline's **mean** TTFT minus the subject's, both from the same stream. Mean, not p95: a per-decision regret adds up
     to a difference of means (mean(a - b) = mean(a) - mean(b)); a difference of p95s is no sum of
     per-request figures and a per-decision prediction cannot say which requests form the tail.
     ``within`` when ``|predicted - measured| <= 25 %`` of ``|measured|``; per baseline the same
-    figures under ``by_baseline``. None when the subject arm carries no audit."""
+    figures under ``by_baseline``. ``noise_ms`` (the subject's mean TTFT under another worker
+    naming, minus its own: what the measured difference is known to) adds ``within_noise``:
+    within 25 % or within that noise. None when the subject arm carries no audit."""
     rg = subject.get("regret")
     if not rg or not baselines:
         return None
     pays = rg["pays_ms"]
     best = min(baselines, key=lambda b: b["ttft_mean_ms"])
     measured = best["ttft_mean_ms"] - subject["ttft_mean_ms"]
-    predicted = pays["best"]
+    predicted = pays[best["policy"]]  # against the same baseline (pays_ms["best"] is the smaller prediction)
     out: dict[str, Any] = {"predicted_ms": _r(predicted, 3), "measured_ms": _r(measured, 3), "against": best["policy"],
+                           "predicted_best_ms": pays["best"],
                            "decisions": max(b["decisions"] for b in rg["baselines"].values())}
     out["error_ratio"] = _r(abs(predicted - measured) / abs(measured), 4) if measured else None
     out["within"] = abs(predicted - measured) <= REGRET_TOLERANCE * abs(measured)
+    if noise_ms is not None:
+        out["noise_ms"] = _r(noise_ms, 3)
+        out["within_noise"] = out["within"] or abs(predicted - measured) <= noise_ms
     out["by_baseline"] = {b["policy"]: {"predicted_ms": pays.get(b["policy"]),
                                         "measured_ms": _r(b["ttft_mean_ms"] - subject["ttft_mean_ms"], 3)}
                           for b in baselines}
@@ -737,6 +744,9 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
         out["regret"] = {"runs": len(checks), "within_25pct": sum(1 for x in checks if x["within"]),
                          "share_within": _r(sum(1 for x in checks if x["within"]) / len(checks), 4),
                          "target_share": 0.8}
+        noisy = [x for x in checks if "within_noise" in x]
+        if noisy:
+            out["regret"]["within_25pct_or_noise"] = sum(1 for x in noisy if x["within_noise"])
     return out
 
 
@@ -979,6 +989,9 @@ def render_report(report: dict[str, Any]) -> list[Any]:
         lines.append(f"  regret audit: 'pays X ms' within 25 % of the measured mean-TTFT difference to the best baseline "
                      f"in {rs['within_25pct']}/{rs['runs']} cell-seeds ({rs['share_within']:.0%}; target >= 80 %) -> "
                      f"{'PASS' if rs['share_within'] >= rs['target_share'] else 'MISS'}")
+        if "within_25pct_or_noise" in rs:
+            lines.append(f"    (within 25 % or within the cell's own noise, {SHORT.get(subject, subject)}'s mean TTFT under another "
+                         f"worker naming: {rs['within_25pct_or_noise']}/{rs['runs']})")
     if "ttft_p95_misses_beyond_noise" in sm:
         beyond = sm["ttft_p95_misses_beyond_noise"]
         lines.append(f"  TTFT p95 misses larger than the cell's noise ({subject} with its workers named in another order): "
