@@ -70,7 +70,8 @@ def regret_line(bid: str, regret) -> Text | None:
         v = pays.get(name)
         if isinstance(v, (int, float)):
             parts.append(f"{'saves' if v >= 0 else 'costs'} {abs(v):.0f} ms vs {short}")
-    n = max((b.get("decisions", 0) for b in base.values() if isinstance(b, dict)), default=0)
+    n = max((b["decisions"] for b in base.values() if isinstance(b, dict) and isinstance(b.get("decisions"), int)),
+            default=0)
     best = pays.get("best")
     if not parts or not isinstance(best, (int, float)):
         return None

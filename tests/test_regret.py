@@ -225,7 +225,14 @@ def test_broker_exports_the_histogram_and_gauge_and_status_and_top_show_it():
     P.pack(extra)  # STATUS carries it as it is
     line = regret_line("b1", extra["regret"])
     assert line is not None and "-3 ms" in line.plain and "saves 12 ms vs power-of-two" in line.plain
-    assert regret_line("b1", None) is None and regret_line("b1", {"pays_ms": "x"}) is None
+    # a hostile or foreign telemetry snapshot never breaks mesh top
+    for junk in (None, "x", [], {"pays_ms": "x"}, {"pays_ms": {"best": "x"}, "baselines": {}},
+                 {"pays_ms": {"power_of_two": "x", "best": 1.0}, "baselines": {"a": "junk"}},
+                 {"pays_ms": {"best": 1.0}, "baselines": []}):
+        assert regret_line("b1", junk) is None, junk
+    odd = regret_line("b1", {"pays_ms": {"power_of_two": 1e12, "best": -1e12},
+                             "baselines": {"a": "junk", "b": {"decisions": 3}, "c": {"decisions": "x"}}})
+    assert odd is not None and "3 decisions" in odd.plain
     from rich.console import Console
 
     con = Console(width=200, record=True)
