@@ -208,12 +208,12 @@ def _print(res: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"mesh bench routing: decision for a {res['prompt_tokens']}-token prompt ({res['block_size']}-token pages)")
-    for c in ("workers", "p50 us", "p99 us", "index entries", "audit on p50 us", "audit us/decision"):
+    for c in ("workers", "p50 us", "p99 us", "index entries", "audit on p50 us", "audit p50 us"):
         t.add_column(c, justify="right")
     for n, d in res["decision"].items():
         au = d.get("audit")
         t.add_row(n, f"{d['p50_us']:.0f}", f"{d['p99_us']:.0f}", f"{d['index_entries']:,}",
-                  f"{au['p50_us']:.0f}" if au else "-", f"{au['record_mean_us']:.1f}" if au else "-")
+                  f"{au['p50_us']:.0f}" if au else "-", f"{au['record_p50_us']:.1f}" if au else "-")
     c = Console()
     c.print(t)
     c.print(f"apply: {res['apply_blocks_per_s']:,} blocks/s   bytes per indexed block: {res['bytes_per_block']} "
