@@ -317,3 +317,13 @@ def test_broker_metrics_show_the_regret_gauge_after_requests(procs):
     assert counts == {"power_of_two": n, "cache_aware_greedy": n}
     pays = {s.labels["baseline"] for s in fams["mesh_cache_aware_pays_ms"]}
     assert pays == {"power_of_two", "cache_aware_greedy", "best"}
+
+
+def test_routing_bench_times_the_audit_on_the_same_decisions():
+    from mesh.lab.bench.routing_bench import _decision_times, _Fleet, _TimedAudit
+
+    fleet = _Fleet(4, 64, seed=4)
+    au = _TimedAudit()
+    times = _decision_times(fleet, 12, au)
+    assert len(times) == 12 and len(au.times) == 12 + 50  # every decision audited (warm-up included)
+    assert au.baselines["power_of_two"].n == 62
