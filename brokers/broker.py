@@ -727,6 +727,9 @@ class Broker:
         sessions = getattr(self.router, "session_table", None)
         if sessions is not None:  # session affinity: the mode and how many sessions are pinned now
             out["sessions"] = {"mode": self.router.mode, "pinned": len(sessions), "max": sessions.max_size}
+        audit = getattr(self.router, "audit", None)
+        if audit is not None:  # cache_aware's regret audit (mesh.routing.regret): what it pays per request
+            out["regret"] = audit.snapshot()
         return out
 
     # ------------------------------------------------------------------ telemetry
@@ -742,10 +745,13 @@ class Broker:
             req, pt, ct = core.status.worker_tokens(w["worker_id"])
             w["requests"] = req
             w["hit_rate"] = round(ct / pt, 4) if pt else 0.0
-        self.telemetry.snapshot({"state": self.state, "inflight": len(core.inflight), "workers": workers,  # type: ignore[union-attr]
-                                 "requests": dict(self.stats.requests), "decisions": dict(self.stats.decisions),
-                                 "degraded_decisions": self.stats.degraded_decisions,
-                                 "text_unmatched": dict(self.stats.text_unmatched)})
+        body = {"state": self.state, "inflight": len(core.inflight), "workers": workers,
+                "requests": dict(self.stats.requests), "decisions": dict(self.stats.decisions),
+                "degraded_decisions": self.stats.degraded_decisions, "text_unmatched": dict(self.stats.text_unmatched)}
+        audit = getattr(self.router, "audit", None)
+        if audit is not None:  # cache_aware's regret audit: mesh top shows what it pays per request
+            body["regret"] = audit.snapshot()
+        self.telemetry.snapshot(body)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ status
 

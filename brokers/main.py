@@ -11,7 +11,7 @@ from pathlib import Path
 import zmq
 
 from brokers.broker import Broker
-from brokers.stats import StatsCollector
+from brokers.stats import RegretCollector, StatsCollector
 from mesh import aio
 from mesh.config import BrokerSettings, model_paths
 from mesh.errors import ConfigError
@@ -19,6 +19,7 @@ from mesh.gc_tuning import bound_malloc_retention, freeze_startup_heap
 from mesh.routing.providers import make_provider
 from mesh.logs import announce, configure, get_logger
 from mesh.routing.factory import make_router
+from mesh.routing.regret import RegretAudit, audit_enabled
 from mesh.routing.router import make_policy
 
 __all__ = ["build_broker", "serve_broker"]
@@ -69,14 +70,20 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
 
 
 def _router(settings: BrokerSettings, policy, provider, rng):
-    """Buckets or PD: the bucket router (admission, two passes); otherwise the plain Router."""
+    """Buckets or PD: the bucket router (admission, two passes); otherwise the plain Router
+    (with ``--regret-audit on`` and cache_aware, auditing its decisions: mesh.routing.regret)."""
     from mesh.routing.buckets import load_bucket_config
 
     buckets = load_bucket_config(settings.bucket_config) if settings.bucket_config else None
+    audit = None
+    if audit_enabled(settings.regret_audit) and policy.name == "cache_aware":
+        # its own RNG, never the policy's (--seed's decisions stay what they are with it off)
+        audit = RegretAudit(random.Random(None if settings.seed is None else f"{settings.seed}:regret"))
     return make_router(policy, provider, buckets=buckets, pd=settings.pd, rng=rng, freshness_s=settings.load_freshness_s,
                        global_cache_winner=settings.global_cache_winner, decode_policy=settings.decode_policy,
                        session_affinity=settings.session_affinity, session_ttl_s=settings.session_ttl_s,
-                       session_table_size=settings.session_table_size, session_peers=max(1, len(settings.peer)))
+                       session_table_size=settings.session_table_size, session_peers=max(1, len(settings.peer)),
+                       regret_audit=audit)
 
 
 def _gauges(broker: Broker):
@@ -159,6 +166,9 @@ def metrics_registry(broker: Broker):
 
     reg = CollectorRegistry()
     reg.register(StatsCollector(broker.stats, _gauges(broker)))
+    audit = getattr(broker.router, "audit", None)
+    if audit is not None:  # cache_aware's counterfactual regret audit (--regret-audit)
+        reg.register(RegretCollector(audit))
     return reg
 
 

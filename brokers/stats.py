@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from mesh.broker_core.counters import REQUEST_LATENCIES, BrokerStats, LatencyHistogram
 
-__all__ = ["BrokerStats", "StatsCollector", "LatencyHistogram", "GatewayCollector"]
+__all__ = ["BrokerStats", "StatsCollector", "LatencyHistogram", "GatewayCollector", "RegretCollector"]
 
 
 def _text_unmatched_family(s: BrokerStats) -> tuple:
@@ -125,3 +125,30 @@ class StatsCollector(Collector):
             for lab, v in samples:
                 fam.add_metric([lab[k] for k in labels], v)
             yield fam
+
+
+class RegretCollector(Collector):
+    """cache_aware's counterfactual regret audit (:mod:`mesh.routing.regret`, ``--regret-audit``):
+    ``mesh_regret_ms{baseline}``, one decision's predicted TTFT of the baseline's pick minus that of
+    cache_aware's (positive: cache_aware saved that much), and the gauge
+    ``mesh_cache_aware_pays_ms{baseline}``, its mean over about the last thousand decisions
+    (``best``: against the better baseline). The buckets are signed, so by the exposition format's
+    rule the histogram has no ``_sum``/``_count``: the ``+Inf`` bucket is the count, the gauge the mean."""
+
+    def __init__(self, audit) -> None:
+        self.audit = audit
+
+    def collect(self):
+        a = self.audit
+        h = HistogramMetricFamily("mesh_regret_ms", "Per decision: predicted TTFT of the baseline's pick minus "
+                                  "cache_aware's, ms (positive: cache_aware saved it)", labels=["baseline"])
+        for name, b in a.baselines.items():
+            h.add_metric([name], buckets=b.hist.buckets(), sum_value=b.hist.sum_s)
+        yield h
+        g = GaugeMetricFamily("mesh_cache_aware_pays_ms", "ms per request cache_aware saves against the baseline on "
+                              "this traffic (predicted, windowed mean; best: the better baseline)", labels=["baseline"])
+        for name, v in a.pays_ms().items():
+            g.add_metric([name], v)
+        yield g
+        yield CounterMetricFamily("mesh_regret_skipped", "cache_aware decisions the regret audit skipped (one "
+                                  "candidate, or no prediction)", value=a.skipped)

@@ -9,7 +9,8 @@ Frame layout (documented with the rest of the wire contract in :mod:`mesh.protoc
 ``state``, ``inflight``, ``workers`` (list of maps: worker_id, role, labels, healthy, inflight,
 running, waiting, kv_usage, requests, hit_rate), ``requests`` and ``decisions`` (cumulative
 counters by outcome / reason), ``degraded_decisions``, ``text_unmatched`` (text requests the HTTP
-ingress sent without their model's tokenizer, by model).
+ingress sent without their model's tokenizer, by model), ``regret`` (with cache_aware and
+``--regret-audit on``: :meth:`mesh.routing.regret.RegretAudit.snapshot`).
 ``mesh.event``: ``broker_id``, ``ts``, ``event`` (worker_registered, worker_expired,
 worker_disconnected, worker_draining, ...) and its fields.
 

@@ -75,6 +75,10 @@ class BrokerSettings:
                                                              "than recomputing the prompt elsewhere (0 = never)")
     stall_queue_ms: float = setting(1000.0, unit="ms", help="cache_aware: the holder queue the stall escape needs "
                                                             "(docs/routing.md: lower let short prompts leave their holders)")
+    regret_audit: str = setting("on", choices=("on", "off"),
+                                help="cache_aware: predict for every decision what power_of_two and greedy would "
+                                     "have picked from the same view (mesh_regret_ms, mesh_cache_aware_pays_ms; "
+                                     "docs/routing.md \"Regret audit\")")
     cache_prefix_provider: str = setting("radix_tree", help="prefix index source: radix_tree, approx, indexer")
     tier_weight_host: float = setting(0.75, help="cache_aware: a matched token held only in an engine's host memory "
                                                  "(SGLang HiCache, vLLM CPU offload) counts this much of a GPU hit; "
@@ -279,6 +283,7 @@ class BrokerSettings:
         for name in ("stall_escape_ms", "stall_queue_ms"):
             v = getattr(self, name)
             _require(math.isfinite(v) and v >= 0, name, f"must be a finite number >= 0, not {v!r}")
+        _require(self.regret_audit in ("on", "off"), "regret_audit", f"must be on or off, not {str(self.regret_audit)[:40]!r}")
         for name in ("tier_weight_host", "tier_weight_store"):
             v = getattr(self, name)
             _require(0 <= v <= 1, name, f"must be a number in [0, 1], not {v!r}")

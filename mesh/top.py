@@ -12,7 +12,7 @@ from rich.text import Text
 
 from mesh.protocol import ProtocolError, unpack
 
-__all__ = ["run_top", "render"]
+__all__ = ["run_top", "render", "regret_line"]
 
 
 def render(snapshots: dict[str, dict], rates: dict[str, float], events: list[str]) -> Group:
@@ -37,6 +37,10 @@ def render(snapshots: dict[str, dict], rates: dict[str, float], events: list[str
         r.add_row(bid, snap.get("state", "?"), str(snap.get("inflight", 0)), f"{rates.get(bid, 0.0):.1f}", dec,
                   str(snap.get("degraded_decisions", 0)))
     parts = [t, r]
+    for bid, snap in sorted(snapshots.items()):  # cache_aware's regret audit (mesh.routing.regret)
+        line = regret_line(bid, snap.get("regret"))
+        if line is not None:
+            parts.append(line)
     for bid, snap in sorted(snapshots.items()):  # text the HTTP ingress could not tokenise: no cache hits for it
         for model, n in sorted((snap.get("text_unmatched") or {}).items()):
             parts.append(Text(f"{bid}: {n} text requests for model {model} went out without its tokenizer (byte keys "
@@ -47,6 +51,33 @@ def render(snapshots: dict[str, dict], rates: dict[str, float], events: list[str
     for e in events[-6:]:
         ev.add_row(e)
     return Group(*parts, ev)
+
+
+_SHORT = {"power_of_two": "power-of-two", "cache_aware_greedy": "greedy"}
+
+
+def regret_line(bid: str, regret) -> Text | None:
+    """"cache-aware pays X ms per request" for one broker (None without an audit or decisions):
+    predicted, against each baseline's pick from the same view (docs/routing.md "Regret audit")."""
+    if not isinstance(regret, dict):
+        return None
+    pays = regret.get("pays_ms")
+    base = regret.get("baselines")
+    if not isinstance(pays, dict) or not pays or not isinstance(base, dict):
+        return None
+    parts = []
+    for name, short in _SHORT.items():
+        v = pays.get(name)
+        if isinstance(v, (int, float)):
+            parts.append(f"{'saves' if v >= 0 else 'costs'} {abs(v):.0f} ms vs {short}")
+    n = max((b["decisions"] for b in base.values() if isinstance(b, dict) and isinstance(b.get("decisions"), int)),
+            default=0)
+    best = pays.get("best")
+    if not parts or not isinstance(best, (int, float)):
+        return None
+    style = "green" if best >= 0 else "red"
+    return Text(f"{bid}: cache-aware pays {best:+.0f} ms per request against the better baseline "
+                f"({', '.join(parts)}; predicted over {n} decisions)", style=style)
 
 
 #: Seconds without a message from an endpoint before ``mesh top`` says nothing is connected there.

@@ -61,6 +61,8 @@ MISUSES: list[tuple[str, str]] = [
     ("ctl --timeout-s -1 workers", "--timeout-s"),
     ("bench routing --sizes x", "--sizes"),
     ("bench routing --decisions 0", "--decisions"),
+    ("bench routing --regret-audit maybe", "--regret-audit"),
+    ("broker --regret-audit maybe", "--regret-audit"),
     ("bench broker --rounds 0", "--rounds"),
     ("bench broker --workers -1", "--workers"),
     ("bench exchange --intervals-ms x", "--intervals-ms"),

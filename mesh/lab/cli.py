@@ -84,6 +84,8 @@ def _add_bench(sub) -> None:
     r = bsub.add_parser("routing", help="decision time at 8..4096 workers, index apply rate, bytes per block")
     r.add_argument("--sizes", type=int_list, default=(8, 64, 512, 4096), help="comma-separated fleet sizes (default 8,64,512,4096)")
     r.add_argument("--decisions", type=positive_int, default=2000, help="decisions timed per fleet size (after 50 untimed warm-up decisions)")
+    r.add_argument("--regret-audit", choices=("on", "off"), default="on",
+                   help="also time each decision with the regret audit on (default on)")
     r.add_argument("--json", type=writable_file, help="write results to this JSON file")
     r.set_defaults(func=_cmd_bench_routing)
     x = bsub.add_parser(
@@ -175,7 +177,7 @@ def _write_json(path: str, res) -> None:
 def _cmd_bench_routing(args) -> int:
     from mesh.lab.bench.routing_bench import run_routing_bench
 
-    res = run_routing_bench(sizes=args.sizes, decisions=args.decisions)
+    res = run_routing_bench(sizes=args.sizes, decisions=args.decisions, audit=args.regret_audit == "on")
     if args.json:
         _write_json(args.json, res)
     return 0

@@ -245,6 +245,7 @@ class CacheAware:
         self.tier_learner = TierCostLearner(tier_weights)
         self.tier_weights = tuple(float(v) for v in tier_weights)
         self.learn_tiers = learn_tiers
+        self._last_view: tuple[list, dict[str, float] | None] = ([], None)  # last_view()
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
@@ -279,6 +280,13 @@ class CacheAware:
             w = candidates[i]
             chosen.setdefault(w.worker_id, w)
         return list(chosen.values()), known, False
+
+    def last_view(self) -> tuple[list, dict[str, float] | None]:
+        """What the last :meth:`choose` saw, for the regret audit (:mod:`mesh.routing.regret`):
+        its scored candidates ``(score, ttft, worker id, weighted hit tokens, WorkerState, x)``
+        in the order it was given them, and their request pressure by worker id (None when
+        that choice read no loads)."""
+        return self._last_view
 
     # -------------------------------------------------------------- cost
     def predicted_ttft_ms(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float) -> float:
@@ -421,6 +429,7 @@ class CacheAware:
                 ttft, score, x = self._cost(w, L - hit, L, now_s)
                 scored.append((score, ttft, w.worker_id, hit, w, x))
         escaped = False
+        self._last_view = (scored, None)
         if self.affinity_threshold > 0:
             pick, escaped = self._choose_banded(scored, L, now_s, rid)
         elif (self.temperature > 0 or self.temperature_ms > 0) and len(scored) > 1:
@@ -460,6 +469,7 @@ class CacheAware:
         the module docstring). Returns (pick, True when the stall escape left the holder)."""
         fr = self.freshness_s
         load = {t[2]: t[4].pressure(now_s, fr) for t in scored}
+        self._last_view = (scored, load)
         lo_p, hi_p = min(load.values()), max(load.values())
         pool = scored
         miss = False

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from mesh.routing.bucket_router import BucketRouter
     from mesh.routing.buckets import BucketConfig
     from mesh.routing.policies import Policy
+    from mesh.routing.regret import RegretAudit
 
 __all__ = ["make_router"]
 
@@ -24,13 +25,14 @@ def make_router(policy: Policy, provider: PrefixProvider | None = None, *, bucke
                 pd: bool = False, rng: random.Random | None = None, freshness_s: float = 5.0,
                 global_cache_winner: bool = True, decode_policy: str = "power_of_two",
                 session_affinity: str = "off", session_ttl_s: float = 600.0, session_table_size: int = 100_000,
-                session_peers: int = 1) -> Router | BucketRouter | SessionRouter:
+                session_peers: int = 1, regret_audit: RegretAudit | None = None) -> Router | BucketRouter | SessionRouter:
     """Buckets or P/D: the bucket router (admission, two passes, the decode pick); otherwise the
     plain Router (``rng``, ``freshness_s``, ``global_cache_winner`` and ``decode_policy`` are the
     bucket router's). ``session_affinity`` soft or hard wraps it in the session stage
-    (:mod:`mesh.routing.sessions`; ``session_peers``: routers sharing pins over the exchange)."""
+    (:mod:`mesh.routing.sessions`; ``session_peers``: routers sharing pins over the exchange).
+    ``regret_audit``: the plain Router audits its cache_aware decisions (:mod:`mesh.routing.regret`)."""
     if buckets is None and not pd:
-        router: Router | BucketRouter = Router(policy, provider)
+        router: Router | BucketRouter = Router(policy, provider, regret_audit)
     else:
         from mesh.routing.bucket_router import BucketRouter
 

@@ -13,6 +13,7 @@ from typing import Callable, Collection, Iterable, Protocol, Sequence
 from mesh.routing.cache_policies import CacheAware, CacheAwareGreedy
 from mesh.routing.policies import MatchView, Policy, PowerOfTwo, RandomPolicy, RoundRobin
 from mesh.routing.ranks import assign_rank
+from mesh.routing.regret import RegretAudit
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 
 __all__ = ["Router", "PrefixProvider", "POLICIES", "make_policy"]
@@ -53,9 +54,11 @@ class Router:
     that request finishes, fails, or is taken back for a retry.
     """
 
-    def __init__(self, policy: Policy, provider: PrefixProvider | None = None) -> None:
+    def __init__(self, policy: Policy, provider: PrefixProvider | None = None, audit: RegretAudit | None = None) -> None:
         self.policy = policy
         self.provider = provider
+        # cache_aware's counterfactual regret audit (mesh.routing.regret; the broker's --regret-audit)
+        self.audit = audit if isinstance(policy, CacheAware) else None
         # worker id -> state for each pool routed over (one per model), keyed by the pool object
         self._by_pool: dict[int, tuple[Sequence[WorkerState], dict[str, WorkerState]]] = {}
 
@@ -86,6 +89,8 @@ class Router:
             degraded = match is None or getattr(match, "incomplete", False)
         if isinstance(self.policy, CacheAware):
             d = self.policy.choose(req, cands, match, now_s, by_id=None if exclude else self._by_id(pool))
+            if self.audit is not None and d.worker_id is not None:  # the view it chose from, before the dispatch
+                self.audit.record(self.policy, req, cands, match, d, now_s)
         else:
             d = self.policy.choose(req, cands, match, now_s)
         d.degraded = d.degraded or degraded

@@ -10,6 +10,8 @@
   through the provider, content keys recomputed from the tokens: blocks per second.
 * **bytes_per_block**: tracemalloc'd growth of the index divided by the (block, worker) entries
   it holds.
+* **audit**: the decision again with the regret audit on (:mod:`mesh.routing.regret`, on by
+  default in the broker), and the audit's own time per decision (target <= 10 us).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from mesh.load import LoadStat
 from mesh.routing.providers import LocalIndexProvider
 from mesh.routing.router import Router, make_policy
 from mesh.routing.view import RouteRequest, WorkerState
-from mesh.stats import percentile
+from mesh.routing.regret import RegretAudit
+from mesh.stats import mean, percentile
 
 __all__ = ["run_routing_bench"]
 
@@ -87,8 +90,21 @@ class _Fleet:
         return self.systems[0] + _tokens(self.rng, PROMPT_TOKENS - 2048)
 
 
-def _decision_times(fleet: _Fleet, n: int) -> list[float]:
-    router = Router(make_policy("cache_aware", rng=random.Random(1)), fleet.prov)
+class _TimedAudit(RegretAudit):
+    """The regret audit with each :meth:`record` timed (the audit's own cost per decision)."""
+
+    def __init__(self) -> None:
+        super().__init__(random.Random(2))
+        self.times: list[float] = []
+
+    def record(self, *args) -> None:
+        t0 = time.perf_counter()
+        super().record(*args)
+        self.times.append(time.perf_counter() - t0)
+
+
+def _decision_times(fleet: _Fleet, n: int, audit: RegretAudit | None = None) -> list[float]:
+    router = Router(make_policy("cache_aware", rng=random.Random(1)), fleet.prov, audit)
     pool = fleet.states
     prompts = [fleet.query() for _ in range(min(n, 64))]
     # The decode boundary validates input_ids and packs them once (array('I'), ~55 us for 8k
@@ -150,8 +166,11 @@ def _bytes_per_block(workers: int = 64, blocks_per_worker: int = 2048) -> tuple[
     return (after - before - sys_bytes) / max(1, entries), entries
 
 
-def run_routing_bench(sizes=(8, 64, 512, 4096), decisions: int = 2000, quiet: bool = False, progress=None) -> dict:
-    """Run all three measurements; returns the JSON-ready dict (printed unless ``quiet``)."""
+def run_routing_bench(sizes=(8, 64, 512, 4096), decisions: int = 2000, quiet: bool = False, progress=None,
+                      audit: bool = True) -> dict:
+    """Run all three measurements; returns the JSON-ready dict (printed unless ``quiet``).
+    ``audit``: every fleet size also runs with the regret audit on (``decision[n]["audit"]``:
+    the decision's p50/p99 with it, and the audit's own time per decision, ``record_*_us``)."""
     res: dict = {"decision": {}, "prompt_tokens": PROMPT_TOKENS, "block_size": BS}
     for n in sizes:
         bpw = 2048 if n <= 512 else 512  # 4,096 x 512 blocks = 2 M entries keeps the build in seconds
@@ -161,6 +180,13 @@ def run_routing_bench(sizes=(8, 64, 512, 4096), decisions: int = 2000, quiet: bo
             "p50_us": round(percentile(times, 50) * 1e6, 1), "p99_us": round(percentile(times, 99) * 1e6, 1),
             "index_entries": fleet.prov.index.entries, "blocks_per_worker": bpw,
         }
+        if audit:  # the same decisions with the regret audit on (the broker's default)
+            au = _TimedAudit()
+            on = _decision_times(fleet, decisions, au)
+            res["decision"][str(n)]["audit"] = {
+                "p50_us": round(percentile(on, 50) * 1e6, 1), "p99_us": round(percentile(on, 99) * 1e6, 1),
+                "record_mean_us": round(mean(au.times) * 1e6, 2), "record_p50_us": round(percentile(au.times, 50) * 1e6, 2),
+                "record_p99_us": round(percentile(au.times, 99) * 1e6, 2)}
         if progress:
             progress(n)
         del fleet
@@ -182,10 +208,12 @@ def _print(res: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"mesh bench routing: decision for a {res['prompt_tokens']}-token prompt ({res['block_size']}-token pages)")
-    for c in ("workers", "p50 us", "p99 us", "index entries"):
+    for c in ("workers", "p50 us", "p99 us", "index entries", "audit on p50 us", "audit p50 us"):
         t.add_column(c, justify="right")
     for n, d in res["decision"].items():
-        t.add_row(n, f"{d['p50_us']:.0f}", f"{d['p99_us']:.0f}", f"{d['index_entries']:,}")
+        au = d.get("audit")
+        t.add_row(n, f"{d['p50_us']:.0f}", f"{d['p99_us']:.0f}", f"{d['index_entries']:,}",
+                  f"{au['p50_us']:.0f}" if au else "-", f"{au['record_p50_us']:.1f}" if au else "-")
     c = Console()
     c.print(t)
     c.print(f"apply: {res['apply_blocks_per_s']:,} blocks/s   bytes per indexed block: {res['bytes_per_block']} "

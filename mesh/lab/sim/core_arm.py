@@ -640,6 +640,7 @@ class CoreArm:
             "events": L["q"].popped,
             "prediction": None,
             "decision_agreement": agreement,
+            "regret": None,  # the regret audit is reported by lifecycle=fast arms (the routers here restart)
         }
 
 

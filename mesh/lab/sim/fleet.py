@@ -10,6 +10,7 @@ from mesh.engine_model import EngineModel
 from mesh.lab.sim.workloads import seed_key
 from mesh.routing import factory
 from mesh.routing.buckets import load_bucket_config
+from mesh.routing.regret import RegretAudit
 
 __all__ = ["PROVIDER_FEEDS", "policy_base", "engine_step", "roles_and_labels", "make_router", "worker_ids"]
 
@@ -58,13 +59,15 @@ def roles_and_labels(cfg, n: int) -> tuple[list[str], list[dict[str, str]]]:
 
 def make_router(cfg, pol, prov, index: int):
     """The broker's router for simulated router ``index`` (:func:`mesh.routing.factory.make_router`):
-    the plain Router, or BucketRouter with buckets and/or P/D."""
+    the plain Router, or BucketRouter with buckets and/or P/D. The plain Router audits cache_aware's
+    decisions (:mod:`mesh.routing.regret`, on as in the broker; its own RNG, so no choice moves)."""
     bcfg = load_bucket_config(cfg.buckets) if cfg.buckets else None
+    audit = RegretAudit(random.Random(seed_key(0x2E6, cfg.seed, index)))
     return factory.make_router(pol, prov, buckets=bcfg, pd=cfg.pd is not None,
                                rng=random.Random(seed_key(0xB0C, cfg.seed, index)), freshness_s=cfg.load_freshness_s,
                                global_cache_winner=cfg.global_cache_winner, decode_policy=cfg.decode_policy,
                                session_affinity=cfg.session_affinity, session_ttl_s=cfg.session_ttl_s,
-                               session_table_size=cfg.session_table_size)
+                               session_table_size=cfg.session_table_size, regret_audit=audit)
 
 
 def worker_ids(n: int, tag: str = "") -> list[str]:

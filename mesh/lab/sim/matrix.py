@@ -642,6 +642,9 @@ def analyse_cell(mc: MatrixConfig, run: dict[str, Any]) -> dict[str, Any]:
     }
     res: dict[str, Any] = {"policies": out, "targets": targets}
     na = arms.get(mc.noise_arm) if mc.noise_arm else None
+    rg = regret_check(s, base, abs(na["ttft_mean_ms"] - s["ttft_mean_ms"]) if na is not None else None)
+    if rg is not None:
+        res["regret"] = rg
     if na is not None and s["ttft_p95_ms"] > 0 and na["ttft_p95_ms"] > 0:
         # The subject's p95 under other arbitrary tie orders: a miss no larger than this spread
         # is not resolved by this cell (the same policy moves that much by chance alone).
@@ -652,6 +655,43 @@ def analyse_cell(mc: MatrixConfig, run: dict[str, Any]) -> dict[str, Any]:
         t = targets["ttft_p95"]
         t["beyond_noise"] = t["value"] is not None and t["value"] > 1.05 * spread
     return res
+
+
+#: the regret audit's "pays X ms" is judged within this share of the measured difference
+REGRET_TOLERANCE = 0.25
+
+
+def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
+                 noise_ms: float | None = None) -> dict[str, Any] | None:
+    """The regret audit against what the arms measured, for one (cell, seed): the audit's
+    ``pays_ms`` against the baseline with the lowest mean TTFT (predicted ms per request
+    cache_aware saves against that baseline's picks from the same view) beside the measured
+    difference, that baseline's **mean** TTFT minus the subject's, both from the same stream. Mean, not p95: a per-decision regret adds up
+    to a difference of means (mean(a - b) = mean(a) - mean(b)); a difference of p95s is no sum of
+    per-request figures and a per-decision prediction cannot say which requests form the tail.
+    ``within`` when ``|predicted - measured| <= 25 %`` of ``|measured|``; per baseline the same
+    figures under ``by_baseline``. ``noise_ms`` (the subject's mean TTFT under another worker
+    naming, minus its own: what the measured difference is known to) adds ``within_noise``:
+    within 25 % or within that noise. None when the subject arm carries no audit."""
+    rg = subject.get("regret")
+    if not rg or not baselines:
+        return None
+    pays = rg["pays_ms"]
+    best = min(baselines, key=lambda b: b["ttft_mean_ms"])
+    measured = best["ttft_mean_ms"] - subject["ttft_mean_ms"]
+    predicted = pays[best["policy"]]  # against the same baseline (pays_ms["best"] is the smaller prediction)
+    out: dict[str, Any] = {"predicted_ms": _r(predicted, 3), "measured_ms": _r(measured, 3), "against": best["policy"],
+                           "predicted_best_ms": pays["best"],
+                           "decisions": max(b["decisions"] for b in rg["baselines"].values())}
+    out["error_ratio"] = _r(abs(predicted - measured) / abs(measured), 4) if measured else None
+    out["within"] = abs(predicted - measured) <= REGRET_TOLERANCE * abs(measured)
+    if noise_ms is not None:
+        out["noise_ms"] = _r(noise_ms, 3)
+        out["within_noise"] = out["within"] or abs(predicted - measured) <= noise_ms
+    out["by_baseline"] = {b["policy"]: {"predicted_ms": pays.get(b["policy"]),
+                                        "measured_ms": _r(b["ttft_mean_ms"] - subject["ttft_mean_ms"], 3)}
+                          for b in baselines}
+    return out
 
 
 _ORDER = {"win": 0, "within": 1, "lose": 2}
@@ -679,6 +719,10 @@ def _cell_summary(mc: MatrixConfig, cell: Cell, runs: list[dict[str, Any]]) -> d
         verdict += "; noise " + "/".join(f"{n['p95_ratio']:.2f}x" for n in noise)
         if not targets["ttft_p95"]:
             verdict += " (miss beyond noise)" if out["ttft_p95_miss_beyond_noise"] else " (miss within noise)"
+    rgs = [r["analysis"]["regret"] for r in runs if "regret" in r["analysis"]]
+    if rgs:
+        verdict += "; regret audit pays " + "/".join(f"{x['predicted_ms']:+.0f}" for x in rgs) + " ms, measured " + \
+            "/".join(f"{x['measured_ms']:+.0f}" for x in rgs) + " ms"
     out["verdict"] = verdict
     return out
 
@@ -695,6 +739,14 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
     if mc.noise:
         out["ttft_p95_misses_beyond_noise"] = [c["label"] for c in cells if c.get("ttft_p95_miss_beyond_noise")]
     out["routers"] = _router_scaling(mc, cells)
+    checks = [r["analysis"]["regret"] for c in cells for r in c["seeds"].values() if "regret" in r["analysis"]]
+    if checks:  # the regret audit against the measured differences, over every (cell, seed)
+        out["regret"] = {"runs": len(checks), "within_25pct": sum(1 for x in checks if x["within"]),
+                         "share_within": _r(sum(1 for x in checks if x["within"]) / len(checks), 4),
+                         "target_share": 0.8}
+        noisy = [x for x in checks if "within_noise" in x]
+        if noisy:
+            out["regret"]["within_25pct_or_noise"] = sum(1 for x in noisy if x["within_noise"])
     return out
 
 
@@ -932,6 +984,14 @@ def render_report(report: dict[str, Any]) -> list[Any]:
     ]
     if sm["losing_cells"]:
         lines.append(f"{subject} loses in: " + "; ".join(sm["losing_cells"]))
+    rs = sm.get("regret")
+    if rs:
+        lines.append(f"  regret audit: 'pays X ms' within 25 % of the measured mean-TTFT difference to the best baseline "
+                     f"in {rs['within_25pct']}/{rs['runs']} cell-seeds ({rs['share_within']:.0%}; target >= 80 %) -> "
+                     f"{'PASS' if rs['share_within'] >= rs['target_share'] else 'MISS'}")
+        if "within_25pct_or_noise" in rs:
+            lines.append(f"    (within 25 % or within the cell's own noise, {SHORT.get(subject, subject)}'s mean TTFT under another "
+                         f"worker naming: {rs['within_25pct_or_noise']}/{rs['runs']})")
     if "ttft_p95_misses_beyond_noise" in sm:
         beyond = sm["ttft_p95_misses_beyond_noise"]
         lines.append(f"  TTFT p95 misses larger than the cell's noise ({subject} with its workers named in another order): "

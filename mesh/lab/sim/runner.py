@@ -55,6 +55,10 @@ Metrics of an arm (all over the requests that completed; times in virtual ms):
 * ``decisions``: ``Decision.reason`` -> count; ``degraded_decisions``: decisions flagged
   degraded (provider had no answer).
 * ``queue_mean``: mean ``num_waiting_reqs`` per engine, sampled at every heartbeat interval.
+* ``regret``: cache_aware arms: the regret audit of every router's decisions
+  (:func:`mesh.routing.regret.merged_pays`: per baseline the decisions audited, the mean predicted
+  ms per request cache_aware saved against that baseline's pick from the same view, same picks;
+  ``pays_ms`` with ``best``, against the better baseline); None for other policies.
 * ``exchange``: whether the routers exchanged figures (``SimConfig.exchange`` and R > 1);
   ``exchange_messages`` / ``exchange_entries``: messages published and worker entries in them;
   ``exchange_applied``: worker-state updates the receiving routers applied.
@@ -88,6 +92,7 @@ from mesh.hashing import content_keys
 from mesh.index import PrefixIndex
 from mesh.routing.bucket_router import DECODE_POLICIES
 from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes
+from mesh.routing.regret import merged_pays
 from mesh.routing.router import POLICIES, Router, make_policy
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 from mesh.lab.sim.events import EventQueue
@@ -670,6 +675,7 @@ class Arm:
             "exchange_entries": x_entries,
             "exchange_applied": x_applied,
             "sessions": _session_stats(routers),
+            "regret": merged_pays([getattr(sr.router, "audit", None) for sr in routers]),
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "sim_span_s": _r(span),

@@ -1,0 +1,242 @@
+"""The live counterfactual regret audit of ``cache_aware``. Pure: no I/O, no clock.
+
+For every decision ``cache_aware`` makes, :class:`RegretAudit` predicts -- with the calibrated TTFT
+model the policy keeps (:meth:`mesh.routing.cache_policies.CacheAware.predicted_ttft_ms`, the
+prediction the decision itself carries) -- the time to first token of the worker chosen and of
+the workers ``power_of_two`` and ``cache_aware_greedy`` would have chosen **from the same view**:
+the same candidates, the same matches (the hits the policy computed, tier-weighted as it weighs
+them), the same loads (the request pressure it read). Per decision and baseline::
+
+    regret_ms = predicted(baseline's pick) - predicted(cache_aware's pick)
+
+positive when cache_aware's choice is predicted to be faster (it *saves* that much), negative
+when the baseline would have done better; exactly 0 when both pick the same worker (no
+prediction is made then).
+
+* **greedy's pick** is SGLang's rule (:class:`~mesh.routing.cache_policies.CacheAwareGreedy`)
+  over the policy's candidates: the least loaded worker when the fleet is over the imbalance
+  bound, else the least loaded holder of more than ``cache_threshold`` of the prompt, else the
+  least loaded worker (ties: lowest id). On pools larger than the policy's ``full_scan_max`` the
+  policy scores a bounded sample (the deepest holders plus random others) and greedy is judged
+  over that sample: its least loaded worker is the sample's, not the fleet's.
+* **power_of_two's pick** is drawn: two distinct candidates from the audit's own seeded RNG
+  (never the policy's: the audit must not change a single decision), the less loaded kept.
+  Drawn rather than its expectation over all pairs because the expectation needs a prediction
+  for every candidate (n predictions per decision, against the 10 us budget) while one draw
+  needs one; the draw is an unbiased sample of that expectation, so the mean over a few hundred
+  decisions -- what the gauge shows -- converges to it, and the histogram shows what p2c would
+  actually have done decision by decision.
+
+State is bounded: per baseline one fixed-bucket histogram (:data:`REGRET_BUCKETS_MS`), the
+cumulative sum and count, and an exponentially weighted mean over about ``window`` decisions
+(the exact mean until ``window`` decisions were seen). :meth:`RegretAudit.pays_ms` is the
+"cache-aware pays X ms per request on this traffic" figure: that mean per baseline, and
+``best``, the smaller of the two (against the better baseline).
+
+**Limits (myopic).** The prediction is per decision: it does not see that a choice builds (or
+spreads) the cache later requests hit, nor the queueing a choice causes for the requests after
+it, and the counterfactual is judged on cache_aware's own state (a p2c fleet would hold its
+prefixes elsewhere). docs/routing.md "Regret audit" says how far it matched the measured
+difference in the quality matrix.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Protocol, Sequence
+
+from mesh.stats import LatencyHistogram
+from mesh.routing.view import Decision, RouteRequest, WorkerState
+
+__all__ = ["RegretAudit", "BaselineRegret", "REGRET_BUCKETS_MS", "BASELINES", "AUDIT_MODES", "audit_enabled", "merged_pays"]
+
+#: the baselines judged, by policy name (labels of ``mesh_regret_ms``)
+BASELINES = ("power_of_two", "cache_aware_greedy")
+#: histogram bounds of one decision's regret in ms (signed: a baseline can be predicted faster)
+REGRET_BUCKETS_MS = (-3000.0, -1000.0, -300.0, -100.0, -30.0, -10.0, -3.0, 0.0, 3.0, 10.0, 30.0, 100.0, 300.0,
+                     1000.0, 3000.0, 10000.0)
+#: values of ``--regret-audit``
+AUDIT_MODES = ("on", "off")
+
+
+def audit_enabled(mode: str) -> bool:
+    """``--regret-audit``'s value as a bool (ValueError naming the field otherwise)."""
+    if mode not in AUDIT_MODES:
+        raise ValueError(f"regret_audit must be on or off, not {str(mode)[:40]!r}")
+    return mode == "on"
+
+
+class AuditedPolicy(Protocol):
+    """What the audit reads from ``cache_aware`` (:class:`mesh.routing.cache_policies.CacheAware`)."""
+
+    freshness_s: float
+    balance_abs_threshold: float
+    balance_rel_threshold: float
+
+    def last_view(self) -> tuple[list, dict[str, float] | None]: ...
+
+    def predicted_ttft_ms(self, w: WorkerState, uncached: int, prompt_tokens: int, now_s: float) -> float: ...
+
+
+class BaselineRegret:
+    """One baseline's figures: histogram, cumulative sum and count, windowed mean, same picks."""
+
+    __slots__ = ("hist", "n", "sum_ms", "mean_ms", "same", "alpha")
+
+    def __init__(self, window: int) -> None:
+        self.hist = LatencyHistogram(REGRET_BUCKETS_MS)
+        self.n = 0
+        self.sum_ms = 0.0
+        self.mean_ms = 0.0  # EWMA over ~window decisions (the exact mean while n < window)
+        self.same = 0  # decisions where the baseline would have picked the same worker
+        self.alpha = 1.0 / window
+
+    def add(self, regret_ms: float) -> None:
+        self.hist.observe(regret_ms)
+        self.n += 1
+        self.sum_ms += regret_ms
+        a = self.alpha if self.n * self.alpha >= 1.0 else 1.0 / self.n
+        self.mean_ms += a * (regret_ms - self.mean_ms)
+        if regret_ms == 0.0:
+            self.same += 1
+
+    def snapshot(self) -> dict[str, float | int]:
+        return {"decisions": self.n, "pays_ms": round(self.mean_ms, 3),
+                "mean_ms": round(self.sum_ms / self.n, 3) if self.n else 0.0, "same_pick": self.same}
+
+
+class RegretAudit:
+    """The counterfactual audit (module docstring). :meth:`record` is called by
+    :meth:`mesh.routing.router.Router.route` right after cache_aware chose, before the dispatch
+    is recorded (the view is the one the policy saw)."""
+
+    def __init__(self, rng: random.Random | None = None, *, window: int = 1000, cache_threshold: float = 0.5) -> None:
+        if type(window) is not int or window < 1:
+            raise ValueError(f"regret window must be an int >= 1, not {window!r}")
+        self.rng = rng or random.Random(0x2E6)
+        self.cache_threshold = cache_threshold  # greedy's (SGLang's) holder threshold
+        self.window = window
+        self.baselines = {b: BaselineRegret(window) for b in BASELINES}
+        self.skipped = 0  # decisions not audited (one candidate, or no prediction to compare)
+
+    # ------------------------------------------------------------------ record
+    def record(self, policy: AuditedPolicy, req: RouteRequest, cands: Sequence[WorkerState], match: Any,
+               decision: Decision, now_s: float) -> None:
+        """Audit one decision of ``policy`` over ``cands`` (the candidates it was given)."""
+        n = len(cands)
+        chosen_ms = decision.detail.get("predicted_ttft_ms")
+        scored, load = policy.last_view()
+        if n < 2 or chosen_ms is None or not scored:
+            self.skipped += 1
+            return
+        fr = policy.freshness_s
+        if load is None:  # that choice did not read loads (cost-only mode): read them as it would
+            load = {t[2]: t[4].pressure(now_s, fr) for t in scored}
+        chosen = decision.worker_id
+        L = req.prompt_tokens
+        preds: dict[str, float] = {}
+
+        def regret(wid: str, w: WorkerState, hit: int) -> float:
+            if wid == chosen:
+                return 0.0
+            p = preds.get(wid)
+            if p is None:
+                p = preds[wid] = policy.predicted_ttft_ms(w, L - hit, L, now_s)
+            return p - chosen_ms
+
+        g = self._greedy(policy, scored, load, req, match)
+        self.baselines["cache_aware_greedy"].add(regret(g[2], g[4], g[3]))
+        wid, w, hit = self._p2c(cands, scored, load, req, match, now_s, fr, chosen)
+        self.baselines["power_of_two"].add(regret(wid, w, hit))
+
+    def _greedy(self, policy: AuditedPolicy, scored: list, load: dict[str, float], req: RouteRequest, match: Any):
+        """cache_aware_greedy's pick among the scored candidates (module docstring): one pass."""
+        bs = req.block_size or 16
+        qb = max(1, (getattr(match, "query_blocks", 0) or 0) or math.ceil(req.prompt_tokens / bs))
+        # a holder: more than cache_threshold of the query's blocks, i.e. ceil(hit / bs) > th x qb
+        hot_above = bs * math.floor(self.cache_threshold * qb)
+        lo_t = hot_t = None
+        lo_l = hot_l = hi_l = 0.0
+        for t in scored:
+            ld = load[t[2]]
+            if lo_t is None or ld < lo_l or (ld == lo_l and t[2] < lo_t[2]):
+                lo_t, lo_l = t, ld
+            if ld > hi_l:
+                hi_l = ld
+            if t[3] > hot_above and (hot_t is None or ld < hot_l or (ld == hot_l and t[2] < hot_t[2])):
+                hot_t, hot_l = t, ld
+        if hi_l - lo_l > policy.balance_abs_threshold and hi_l > lo_l * policy.balance_rel_threshold:
+            return lo_t
+        return hot_t if hot_t is not None else lo_t
+
+    def _p2c(self, cands: Sequence[WorkerState], scored: list, load: dict[str, float], req: RouteRequest, match: Any,
+             now_s: float, fr: float, chosen: str | None) -> tuple[str, WorkerState, int]:
+        """power_of_two's pick: two distinct candidates from the audit's RNG, the less loaded
+        (ties: lower id); its hit is looked up only when it is not cache_aware's pick."""
+        n = len(cands)
+        rng = self.rng
+        i = rng.randrange(n)
+        j = rng.randrange(n - 1)
+        if j >= i:
+            j += 1
+        a, b = cands[i], cands[j]
+        la, lb = load.get(a.worker_id), load.get(b.worker_id)
+        if la is None:
+            la = a.pressure(now_s, fr)
+        if lb is None:
+            lb = b.pressure(now_s, fr)
+        w = a if (la, a.worker_id) <= (lb, b.worker_id) else b
+        wid = w.worker_id
+        if wid == chosen:
+            return wid, w, 0
+        k = i if w is a else j
+        if len(scored) == n and scored[k][4] is w:  # small pools: scored[k] is cands[k] (the policy keeps the order)
+            return wid, w, scored[k][3]
+        for t in scored:
+            if t[4] is w:
+                return wid, w, t[3]
+        hit = 0
+        if match is not None:
+            hit = min(match.matched_blocks(wid) * (req.block_size or 16), max(0, req.prompt_tokens - 1))
+        return wid, w, hit
+
+    # ------------------------------------------------------------------ read
+    def pays_ms(self) -> dict[str, float]:
+        """Per baseline the windowed mean regret (ms per request cache_aware saves against it;
+        negative: it costs that much), and ``best``: against the better of the baselines.
+        Empty before the first audited decision."""
+        bl = self.baselines
+        if not any(b.n for b in bl.values()):
+            return {}
+        out = {k: b.mean_ms for k, b in bl.items()}
+        out["best"] = min(out.values())
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """STATUS / telemetry / the simulator's arm result: per baseline its figures, the
+        decisions skipped, and ``pays_ms`` (:meth:`pays_ms`, rounded)."""
+        return {"baselines": {k: b.snapshot() for k, b in self.baselines.items()}, "skipped": self.skipped,
+                "pays_ms": {k: round(v, 3) for k, v in self.pays_ms().items()}}
+
+
+def merged_pays(audits: Sequence[RegretAudit | None]) -> dict[str, Any] | None:
+    """Several routers' audits as one (the simulator's arm result): per baseline the decisions
+    audited, the whole-run mean regret (``mean_ms``: cumulative, not windowed) and the same
+    picks; ``pays_ms`` those means with ``best`` (the smaller); ``skipped``. None when no
+    audit saw a decision (a policy other than cache_aware)."""
+    live = [a for a in audits if a is not None]
+    n = {b: sum(a.baselines[b].n for a in live) for b in BASELINES}
+    if not live or not any(n.values()):
+        return None
+    out: dict[str, Any] = {"baselines": {}, "skipped": sum(a.skipped for a in live)}
+    pays: dict[str, float] = {}
+    for b in BASELINES:
+        tot = math.fsum(a.baselines[b].sum_ms for a in live)
+        mean_ms = tot / n[b] if n[b] else 0.0
+        out["baselines"][b] = {"decisions": n[b], "mean_ms": round(mean_ms, 3),
+                               "same_pick": sum(a.baselines[b].same for a in live)}
+        pays[b] = round(mean_ms, 3)
+    pays["best"] = min(pays.values())
+    out["pays_ms"] = pays
+    return out

@@ -1,0 +1,329 @@
+"""cache_aware's counterfactual regret audit (mesh.routing.regret, issue 33 part 3): known views give
+known regrets, the audit never moves a decision, its figures reach /metrics, STATUS, telemetry and
+``mesh top``, the flag is validated, and the simulator's arms carry it."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from mesh.config import BrokerSettings, build
+from mesh.errors import ConfigError
+from mesh.routing.cache_policies import CacheAware, CacheAwareGreedy
+from mesh.routing.factory import make_router
+from mesh.routing.regret import REGRET_BUCKETS_MS, RegretAudit, audit_enabled, merged_pays
+from mesh.routing.router import Router
+from mesh.routing.view import RouteRequest, WorkerState
+
+BS = 16
+
+
+@dataclass
+class _M:
+    worker_id: str
+    blocks: int
+
+
+class _Match:
+    """A MatchView over fixed per-worker block counts."""
+
+    def __init__(self, blocks: dict[str, int], query_blocks: int) -> None:
+        self.blocks = blocks
+        self.query_blocks = query_blocks
+
+    def matched_blocks(self, wid: str) -> int:
+        return self.blocks.get(wid, 0)
+
+    def top(self, k: int) -> list[_M]:
+        got = sorted(((b, w) for w, b in self.blocks.items() if b), reverse=True)[:k]
+        return [_M(w, b) for b, w in got]
+
+
+class _Prov:
+    name = "fixed"
+
+    def __init__(self, match: _Match) -> None:
+        self.m = match
+
+    def match(self, req, now_s):
+        return self.m
+
+    def on_routed(self, req, wid, now_s):
+        pass
+
+
+def _fleet(inflight: list[int]) -> list[WorkerState]:
+    out = []
+    for i, n in enumerate(inflight):
+        w = WorkerState(f"w{i}", block_size=BS)
+        w.inflight = n  # no telemetry: pressure is the router's own in-flight count, no queue
+        out.append(w)
+    return out
+
+
+def _route(pool, blocks: dict[str, int], L: int = 1024, audit: RegretAudit | None = None):
+    audit = audit or RegretAudit(random.Random(1))
+    r = Router(CacheAware(rng=random.Random(0)), _Prov(_Match(blocks, L // BS)), audit)
+    d = r.route(RouteRequest("r1", L, 8, BS), pool, 1.0)
+    return d, audit
+
+
+# the fixed (prior) model, no telemetry, one 8k chunk: ttft = 5 ms + 1000 x uncached / 25k tok/s + (7 + 0.02 x running) if running
+def _prior_ms(uncached: int, running: int) -> float:
+    return 5.0 + 1000.0 * uncached / 25_000 + ((7.0 + 0.02 * running) if running else 0.0)
+
+
+def test_known_view_gives_known_regret_against_both_baselines():
+    # w0 holds exactly half of the prompt (cache_aware's affinity threshold, not greedy's: greedy
+    # wants more than half) and has one request; w1 is idle and holds nothing. cache_aware sticks to
+    # w0; greedy takes the least loaded (w1); p2c compares the only pair and takes w1 too.
+    pool = _fleet([1, 0])
+    d, audit = _route(pool, {"w0": 32})
+    assert d.worker_id == "w0"
+    expect = _prior_ms(1024, 0) - _prior_ms(512, 1)  # 45.96 - 32.5
+    snap = audit.snapshot()
+    for b in ("power_of_two", "cache_aware_greedy"):
+        assert snap["baselines"][b]["decisions"] == 1
+        assert snap["baselines"][b]["mean_ms"] == pytest.approx(expect, abs=1e-3)
+    assert audit.pays_ms()["best"] == pytest.approx(expect, abs=1e-3)
+
+
+def test_same_pick_is_zero_regret_and_a_one_worker_pool_is_skipped():
+    pool = _fleet([0, 0])
+    d, audit = _route(pool, {"w0": 64})  # w0 holds the whole prompt and is idle: everyone picks it
+    assert d.worker_id == "w0"
+    for b in audit.baselines.values():
+        assert (b.n, b.same, b.sum_ms) == (1, 1, 0.0)
+    d, audit = _route(_fleet([0]), {"w0": 64})
+    assert audit.skipped == 1 and all(b.n == 0 for b in audit.baselines.values())
+    assert audit.pays_ms() == {}
+
+
+def test_negative_regret_when_a_baseline_would_have_been_faster():
+    # w0 holds 60 % of the prompt but has a prefill queue of this router's own requests (fail-open
+    # estimate: 20k outstanding tokens, 0.8 s: under the stall escape's 1 s floor, so it stays)
+    pool = _fleet([3, 0])
+    pool[0].outstanding_prefill_tokens = 20_000
+    d, audit = _route(pool, {"w0": 40}, audit=RegretAudit(random.Random(1)))
+    assert d.worker_id == "w0"
+    got = audit.snapshot()["baselines"]["power_of_two"]["mean_ms"]
+    assert got < 0  # recomputing everything on the idle w1 is predicted faster than queueing at w0
+    assert got == pytest.approx(_prior_ms(1024, 0) - (5.0 + 1000.0 * (20_000 + 384) / 25_000 + 3 * 7.06), abs=1e-3)
+
+
+def test_greedy_counterfactual_is_greedys_own_choice_on_random_views():
+    """On pools the policy scans in full, the audit's greedy pick is what CacheAwareGreedy picks."""
+    rng = random.Random(5)
+    for trial in range(300):
+        n = rng.randrange(2, 9)
+        pool = _fleet([rng.choice([0, 0, 1, 2, 5, 40, 80]) for _ in range(n)])
+        L = BS * rng.randrange(4, 80)
+        blocks = {w.worker_id: rng.choice([0, L // BS // 2, L // BS // 2 + 1, L // BS, 1]) for w in pool}
+        match = _Match(blocks, L // BS)
+        pol = CacheAware(rng=random.Random(trial))
+        req = RouteRequest(str(trial), L, 8, BS)
+        pol.choose(req, pool, match, 1.0)
+        scored, load = pol.last_view()
+        if load is None:
+            load = {t[2]: t[4].pressure(1.0, 5.0) for t in scored}
+        want = CacheAwareGreedy().choose(req, pool, match, 1.0).worker_id
+        got = RegretAudit()._greedy(pol, scored, load, req, match)[2]
+        assert got == want, (trial, blocks, [w.inflight for w in pool])
+
+
+def test_the_audit_never_changes_a_decision():
+    class _RandomProv(_Prov):
+        def __init__(self, rng):
+            self.rng = rng
+
+        def match(self, req, now_s):
+            q = req.prompt_tokens // BS
+            return _Match({f"w{i}": self.rng.choice([0, q // 3, q // 2 + 1, q]) for i in range(6)}, q)
+
+    def decisions(audit):
+        rng = random.Random(3)
+        pool = _fleet([0] * 6)
+        r = make_router(CacheAware(rng=random.Random(9)), _RandomProv(random.Random(8)), regret_audit=audit)
+        out, live = [], []
+        for i in range(300):
+            d = r.route(RouteRequest(str(i), rng.randrange(100, 5000), 8, BS), pool, 1.0 + i * 0.01)
+            out.append((d.worker_id, d.reason))
+            live.append(d)
+            while live and rng.random() < 0.5:
+                done = live.pop(rng.randrange(len(live)))
+                Router.release(next(w for w in pool if w.worker_id == done.worker_id), done)
+        return out
+
+    audit = RegretAudit(random.Random(4))
+    assert decisions(None) == decisions(audit)
+    assert audit.baselines["power_of_two"].n == 300
+    assert 0 < audit.baselines["cache_aware_greedy"].same < 300  # greedy agreed sometimes, not always
+
+
+def test_state_is_bounded_and_the_gauge_is_a_windowed_mean():
+    a = RegretAudit(window=10)
+    b = a.baselines["power_of_two"]
+    for _ in range(10):
+        b.add(100.0)
+    assert b.mean_ms == pytest.approx(100.0)  # exact mean while n <= window
+    for _ in range(200):
+        b.add(-50.0)
+    assert b.mean_ms == pytest.approx(-50.0, abs=0.1)  # the window forgot the old figures
+    assert b.sum_ms == pytest.approx(10 * 100.0 - 200 * 50.0)  # the cumulative sum did not
+    assert len(b.hist.counts) == len(REGRET_BUCKETS_MS) + 1 and sum(b.hist.counts) == 210
+    assert a.pays_ms()["best"] == min(a.pays_ms()["power_of_two"], a.pays_ms()["cache_aware_greedy"])
+
+
+def test_merged_pays_sums_routers_and_is_none_without_decisions():
+    a1, a2 = RegretAudit(), RegretAudit()
+    a1.baselines["power_of_two"].add(10.0)
+    a2.baselines["power_of_two"].add(30.0)
+    a1.baselines["cache_aware_greedy"].add(0.0)
+    a2.baselines["cache_aware_greedy"].add(-4.0)
+    m = merged_pays([a1, None, a2])
+    assert m["pays_ms"] == {"power_of_two": 20.0, "cache_aware_greedy": -2.0, "best": -2.0}
+    assert m["baselines"]["cache_aware_greedy"]["same_pick"] == 1
+    assert merged_pays([RegretAudit(), None]) is None and merged_pays([]) is None
+
+
+def test_regret_audit_flag_is_validated_naming_the_field():
+    assert build(BrokerSettings, {}).regret_audit == "on"  # on by default
+    assert audit_enabled("off") is False
+    for bad in ("maybe", 1, "", "on" * 1000, ["on"]):  # wrong value, wrong type, oversize
+        with pytest.raises(ConfigError, match="regret_audit"):
+            build(BrokerSettings, {"regret_audit": bad})
+        with pytest.raises(ValueError, match="regret_audit"):
+            audit_enabled(bad)
+    with pytest.raises(ValueError, match="window"):
+        RegretAudit(window=0)
+
+
+def test_broker_exports_the_histogram_and_gauge_and_status_and_top_show_it():
+    from brokers.main import build_broker, metrics_registry
+    from mesh import protocol as P
+    from mesh.top import regret_line, render
+
+    b = build_broker(build(BrokerSettings, {"policy": "cache_aware", "seed": 1}))
+    audit = b.router.audit
+    assert isinstance(audit, RegretAudit)
+    audit.baselines["power_of_two"].add(12.0)
+    audit.baselines["cache_aware_greedy"].add(-3.0)
+    fams = {m.name: m for m in metrics_registry(b).collect()}
+    h = {(s.labels["baseline"], s.labels.get("le")): s.value for s in fams["mesh_regret_ms"].samples
+         if s.name == "mesh_regret_ms_bucket"}
+    assert h[("power_of_two", "10.0")] == 0 and h[("power_of_two", "30.0")] == 1
+    assert h[("cache_aware_greedy", "-3.0")] == 1 and h[("cache_aware_greedy", "+Inf")] == 1
+    g = {s.labels["baseline"]: s.value for s in fams["mesh_cache_aware_pays_ms"].samples}
+    assert g == {"power_of_two": 12.0, "cache_aware_greedy": -3.0, "best": -3.0}
+    core = b.core
+    core.start(0.0)
+    extra = b._status_extra(0.0)
+    assert extra["regret"]["pays_ms"]["best"] == -3.0
+    P.pack(extra)  # STATUS carries it as it is
+    line = regret_line("b1", extra["regret"])
+    assert line is not None and "-3 ms" in line.plain and "saves 12 ms vs power-of-two" in line.plain
+    # a hostile or foreign telemetry snapshot never breaks mesh top
+    for junk in (None, "x", [], {"pays_ms": "x"}, {"pays_ms": {"best": "x"}, "baselines": {}},
+                 {"pays_ms": {"power_of_two": "x", "best": 1.0}, "baselines": {"a": "junk"}},
+                 {"pays_ms": {"best": 1.0}, "baselines": []}):
+        assert regret_line("b1", junk) is None, junk
+    odd = regret_line("b1", {"pays_ms": {"power_of_two": 1e12, "best": -1e12},
+                             "baselines": {"a": "junk", "b": {"decisions": 3}, "c": {"decisions": "x"}}})
+    assert odd is not None and "3 decisions" in odd.plain
+    from rich.console import Console
+
+    con = Console(width=200, record=True)
+    con.print(render({"b1": {"workers": [], "regret": extra["regret"]}}, {}, []))  # the telemetry snapshot's field
+    assert "cache-aware pays -3 ms per request" in con.export_text()
+    # off: no audit, no families
+    off = build_broker(build(BrokerSettings, {"policy": "cache_aware", "regret_audit": "off"}))
+    assert getattr(off.router, "audit", None) is None
+    assert "mesh_regret_ms" not in {m.name for m in metrics_registry(off).collect()}
+    # a load-only policy has nothing to audit
+    assert getattr(build_broker(build(BrokerSettings, {"policy": "power_of_two"})).router, "audit", None) is None
+
+
+def test_sim_arm_carries_the_regret_field():
+    from mesh.lab.sim.runner import SimConfig, run_sim
+
+    cfg = SimConfig(workload="zipf", rate=200.0, duration_s=None, max_requests=150, seed=1,
+                    policies=["power_of_two", "cache_aware"], workers=[4], routers=[2], exchange=True)
+    rep = run_sim(cfg)
+    arms = {a["policy"]: a for a in rep["arms"]}
+    assert arms["power_of_two"]["regret"] is None
+    rg = arms["cache_aware"]["regret"]
+    assert rg["baselines"]["power_of_two"]["decisions"] == 150
+    assert set(rg["pays_ms"]) == {"power_of_two", "cache_aware_greedy", "best"}
+    assert all(math.isfinite(v) for v in rg["pays_ms"].values())
+
+
+def test_matrix_compares_the_audit_with_the_measured_mean_difference():
+    from mesh.lab.sim.matrix import regret_check
+
+    subj = {"policy": "cache_aware", "ttft_mean_ms": 100.0,
+            "regret": {"pays_ms": {"power_of_two": 50.0, "cache_aware_greedy": 18.0, "best": 18.0},
+                       "baselines": {"power_of_two": {"decisions": 9}, "cache_aware_greedy": {"decisions": 9}}}}
+    base = [{"policy": "power_of_two", "ttft_mean_ms": 170.0}, {"policy": "cache_aware_greedy", "ttft_mean_ms": 120.0}]
+    rc = regret_check(subj, base)
+    assert rc["against"] == "cache_aware_greedy" and rc["measured_ms"] == 20.0 and rc["predicted_ms"] == 18.0
+    assert rc["within"] and rc["error_ratio"] == 0.1
+    subj["regret"]["pays_ms"]["cache_aware_greedy"] = 26.0
+    assert not regret_check(subj, base)["within"]
+    subj["regret"]["pays_ms"].update(power_of_two=5.0, best=5.0)  # judged against the baseline measured best
+    assert regret_check(subj, base)["predicted_ms"] == 26.0
+    assert regret_check(subj, base, noise_ms=7.0)["within_noise"]  # 6 ms off, the cell's own noise is 7
+    assert not regret_check(subj, base, noise_ms=1.0)["within_noise"]
+    assert regret_check({**subj, "regret": None}, base) is None
+
+
+def test_broker_metrics_show_the_regret_gauge_after_requests(procs):
+    """One small real-process run: a cache_aware broker (audit on by default), two simulated
+    workers, a few requests: /metrics has the histogram with one count per audited decision and
+    the gauge per baseline."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mesh.client import Client
+    from mesh.lab.procs import wait_for_log_event
+    from mesh.lab.up import wait_for_workers
+    from tests.conftest import run
+
+    b = procs.broker("b", "--metrics", "127.0.0.1:0", "--heartbeat-ms", "200", "--policy", "cache_aware")
+    url = wait_for_log_event(b.log_path, "metrics_listening", 20, b.popen)["endpoint"]
+    procs.workers("w", [b.backend], "--time-scale", "0.05", count=2)
+    run(wait_for_workers(b.frontend, 2))
+    rng = random.Random(2)
+    prefix = [rng.randrange(1, 30_000) for _ in range(256)]
+    n = 6
+
+    async def body():
+        async with Client(b.frontend) as c:
+            for i in range(n):
+                r = await c.generate(input_ids=prefix + [rng.randrange(1, 30_000) for _ in range(32)],
+                                     max_new_tokens=2, deadline_ms=20_000)
+                assert r.finish_reason == "length"
+            return await c.status()
+
+    st = run(body(), timeout_s=60)
+    assert st.broker["regret"]["baselines"]["power_of_two"]["decisions"] == n
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - the test's own broker
+        fams = {f.name: f.samples for f in text_string_to_metric_families(resp.read().decode())}
+    # (signed buckets: Prometheus histograms with negative buckets carry no _sum/_count; +Inf is the count)
+    counts = {s.labels["baseline"]: s.value for s in fams["mesh_regret_ms"] if s.labels.get("le") == "+Inf"}
+    assert counts == {"power_of_two": n, "cache_aware_greedy": n}
+    pays = {s.labels["baseline"] for s in fams["mesh_cache_aware_pays_ms"]}
+    assert pays == {"power_of_two", "cache_aware_greedy", "best"}
+
+
+def test_routing_bench_times_the_audit_on_the_same_decisions():
+    from mesh.lab.bench.routing_bench import _decision_times, _Fleet, _TimedAudit
+
+    fleet = _Fleet(4, 64, seed=4)
+    au = _TimedAudit()
+    times = _decision_times(fleet, 12, au)
+    assert len(times) == 12 and len(au.times) == 12 + 50  # every decision audited (warm-up included)
+    assert au.baselines["power_of_two"].n == 62
