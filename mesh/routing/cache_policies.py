@@ -47,6 +47,17 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    reads queues in ms of the worker's pooled prefill rate
    (:class:`mesh.load.PrefillRateEstimate`); with SGLang's two-sample rate a one-page interval
    made a queue look 25x longer, and every margin tried lost shared_prefix (docs/routing.md).
+   **Thresholds are prefill work**: ``miss_queue_ms``, ``stall_queue_ms`` and ``stall_escape_ms``
+   are ms on the reference engine (``cost.prefill_tokens_per_s``, the 8B/H100 figure the
+   defaults were chosen on), i.e. 125, 25,000 and 5,000 tokens of prefill; a worker measured at
+   rate r applies them as ``ms x reference / r`` of its own ms (a 70B-class engine stretches
+   every queue and prefill they are compared with, a small fast one shrinks them).
+4. **Several routers part near-ties** (``rank_ties``, on): with the exchange every router sees
+   one merged view, so a burst reaching several routers within the exchange's delay would send
+   them all to the same best worker (the least sent on a miss, the lowest id among equally
+   loaded holders). Router k (``router_rank``: its rank by id among itself and its fresh peers,
+   set by the exchange's shell) takes the k-th member of the best tie class instead
+   (:func:`part_ties`); rank 0, a lone router, decides as before.
 
 **Tiered caches** (SGLang HiCache, vLLM offloading; :mod:`mesh.index.tiers`): a matched token held
 only in an engine's host memory counts ``tier_weights[1]`` (0.75) of a device hit, one only on
