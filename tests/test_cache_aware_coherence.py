@@ -32,21 +32,29 @@ def test_a_burst_on_four_routers_with_one_view_spreads():
     assert plain == {"a"}  # herding
     parted = {CacheAware(router_rank=r).choose(req(), fleet, miss, 0.01).worker_id for r in range(4)}
     assert parted == {"a", "b", "c", "d"}
-    # rank_ties off: every router takes rank 0's choice
-    assert {CacheAware(router_rank=r, rank_ties=False).choose(req(), fleet, miss, 0.01).worker_id
-            for r in range(4)} == {"a"}
+    # rank_ties off (or holders only, on a miss): every router takes rank 0's choice
+    for mode in ("off", "holders"):
+        assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), fleet, miss, 0.01).worker_id
+                for r in range(4)} == {"a"}, mode
+    assert {CacheAware(router_rank=r, rank_ties="misses").choose(req(), fleet, miss, 0.01).worker_id
+            for r in range(4)} == {"a", "b", "c", "d"}
+    with pytest.raises(ValueError, match="rank_ties"):
+        CacheAware(rank_ties=True)
 
 
 def test_ranks_part_only_near_ties():
     """A worker with a longer prefill queue or more requests is not in the tie class: no rank
     sends a request there, and holders of the prompt win over idle non-holders at any rank."""
     idle, queued = ws("a", running=1), ws("b", running=1, wu=50_000)
-    assert {CacheAware(router_rank=r).choose(req(), [idle, queued], FakeMatch({}, 128), 0.01).worker_id
+    assert {CacheAware(router_rank=r, rank_ties="all").choose(req(), [idle, queued], FakeMatch({}, 128), 0.01).worker_id
             for r in range(4)} == {"a"}
     holders = [ws("h1", running=2), ws("h2", running=2), ws("o", running=0)]
     m = FakeMatch({"h1": 128, "h2": 128}, 128)
-    got = {CacheAware(router_rank=r).choose(req(), holders, m, 0.01).worker_id for r in range(4)}
-    assert got == {"h1", "h2"}  # equally loaded holders are parted; the idle non-holder never taken
+    for mode in ("all", "holders"):  # equally loaded holders are parted; the idle non-holder never taken
+        assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), holders, m, 0.01).worker_id
+                for r in range(4)} == {"h1", "h2"}, mode
+    # default (misses): a hit stays on the lowest-id holder, as one router's would
+    assert {CacheAware(router_rank=r).choose(req(), holders, m, 0.01).worker_id for r in range(4)} == {"h1"}
 
 
 def test_router_rank_from_the_exchange_and_the_setter():

@@ -52,12 +52,13 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    defaults were chosen on), i.e. 125, 25,000 and 5,000 tokens of prefill; a worker measured at
    rate r applies them as ``ms x reference / r`` of its own ms (a 70B-class engine stretches
    every queue and prefill they are compared with, a small fast one shrinks them).
-4. **Several routers part near-ties** (``rank_ties``, on): with the exchange every router sees
-   one merged view, so a burst reaching several routers within the exchange's delay would send
-   them all to the same best worker (the least sent on a miss, the lowest id among equally
-   loaded holders). Router k (``router_rank``: its rank by id among itself and its fresh peers,
-   set by the exchange's shell) takes the k-th member of the best tie class instead
-   (:func:`part_ties`); rank 0, a lone router, decides as before.
+4. **Several routers part near-ties on a miss** (``rank_ties``, ``"misses"``): with the exchange
+   every router sees one merged view, so a burst reaching several routers within the exchange's
+   delay would send all their misses to the same least-sent worker. Router k (``router_rank``:
+   its rank by id among itself and its fresh peers, set by the exchange's shell) takes the k-th
+   member of the best tie class instead (:func:`part_ties`); rank 0, a lone router, decides as
+   before. ``"all"`` / ``"holders"`` also part equally loaded holders (no gain measured; up to
+   12 % lost on conversation and shared_prefix at 4 routers), ``"off"`` nothing.
 
 **Tiered caches** (SGLang HiCache, vLLM offloading; :mod:`mesh.index.tiers`): a matched token held
 only in an engine's host memory counts ``tier_weights[1]`` (0.75) of a device hit, one only on
@@ -213,7 +214,7 @@ class CacheAware:
                  cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
                  imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 200.0,
                  stall_queue_ms: float = 1000.0, tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
-                 learn_tiers: bool = True, router_rank: int = 0, rank_ties: bool = True) -> None:
+                 learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "misses") -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -273,7 +274,9 @@ class CacheAware:
         self.router_rank = 0
         # True (default): near-ties are parted by router rank; False: every router takes the
         # plain minimum (rank 0's choice)
-        self.rank_ties = bool(rank_ties)
+        if rank_ties not in ("all", "holders", "misses", "off"):
+            raise ValueError(f"rank_ties must be all, holders, misses or off, not {rank_ties!r}")
+        self.rank_ties = rank_ties
         self.set_router_rank(router_rank)
 
     def set_router_rank(self, rank: int) -> None:
@@ -282,7 +285,10 @@ class CacheAware:
         Near-ties of the choice are parted by it (see :func:`part_ties`)."""
         if type(rank) is not int or rank < 0:
             raise ValueError(f"router_rank must be an int >= 0, not {rank!r}")
-        self.router_rank = rank if self.rank_ties else 0
+        self.router_rank = rank
+        # the rank each choice parts its ties by (0: the plain minimum)
+        self._rank_hold = rank if self.rank_ties in ("all", "holders") else 0
+        self._rank_miss = rank if self.rank_ties in ("all", "misses") else 0
 
     def _ref_tokens(self, ms: float) -> float:
         """A threshold stated in ms of prefill on the reference engine (``cost.prefill_tokens_per_s``,
@@ -528,7 +534,7 @@ class CacheAware:
         if scored[0][5] is None:  # no cost ties (see choose): greedy's order
             if miss:  # nobody holds enough (and no imbalance to correct): the shortest prefill queue
                 return self._miss_pick(pool, load, lo_p, now_s), False
-            pick = part_ties([((round(load[t[2]]),), 0, t[2], t) for t in pool], self.router_rank)
+            pick = part_ties([((round(load[t[2]]),), 0, t[2], t) for t in pool], self._rank_hold)
             if self.stall_escape_ms > 0 and pool is not scored and self.miss_queue_ms > 0:
                 alt = self._stall_escape(pick, scored, load, lo_p, prompt_tokens, now_s)
                 return alt, alt is not pick
@@ -546,7 +552,7 @@ class CacheAware:
         sent = self.miss_sent
         keyed = [((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
                   t[4].fleet_sent_tokens if sent else 0, t[2], t) for t in pool if round(load[t[2]]) <= floor]
-        return part_ties(keyed, self.router_rank)
+        return part_ties(keyed, self._rank_miss)
 
     def _stall_escape(self, pick, scored, load, lo_p: float, prompt_tokens: int, now_s: float):
         """Leave the holder ``pick`` when at least ``stall_queue_ms`` of prefill is queued on it
