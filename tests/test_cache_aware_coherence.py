@@ -30,9 +30,12 @@ def test_a_burst_on_four_routers_with_one_view_spreads():
     miss = FakeMatch({}, 128)
     plain = {CacheAware().choose(req(), fleet, miss, 0.01).worker_id for _ in range(4)}
     assert plain == {"a"}  # herding
-    parted = {CacheAware(router_rank=r).choose(req(), fleet, miss, 0.01).worker_id for r in range(4)}
-    assert parted == {"a", "b", "c", "d"}
-    # rank_ties off (or holders only, on a miss): every router takes rank 0's choice
+    for mode in ("misses", "all"):
+        parted = {CacheAware(router_rank=r, rank_ties=mode).choose(req(), fleet, miss, 0.01).worker_id
+                  for r in range(4)}
+        assert parted == {"a", "b", "c", "d"}, mode
+    # rank_ties off (the default) or holders only, on a miss: every router takes rank 0's choice
+    assert {CacheAware(router_rank=r).choose(req(), fleet, miss, 0.01).worker_id for r in range(4)} == {"a"}
     for mode in ("off", "holders"):
         assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), fleet, miss, 0.01).worker_id
                 for r in range(4)} == {"a"}, mode
@@ -53,8 +56,10 @@ def test_ranks_part_only_near_ties():
     for mode in ("all", "holders"):  # equally loaded holders are parted; the idle non-holder never taken
         assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), holders, m, 0.01).worker_id
                 for r in range(4)} == {"h1", "h2"}, mode
-    # default (misses): a hit stays on the lowest-id holder, as one router's would
-    assert {CacheAware(router_rank=r).choose(req(), holders, m, 0.01).worker_id for r in range(4)} == {"h1"}
+    # misses only (and off, the default): a hit stays on the lowest-id holder, as one router's would
+    for mode in ("misses", "off"):
+        assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), holders, m, 0.01).worker_id
+                for r in range(4)} == {"h1"}, mode
 
 
 def test_router_rank_from_the_exchange_and_the_setter():
@@ -140,7 +145,7 @@ def test_the_broker_exchange_tells_the_policy_its_rank_among_fresh_brokers():
     ctx = zmq.Context()
     peer_ep = "tcp://127.0.0.1:1"
     x = PeerExchange(ctx, "m", "tcp://127.0.0.1:*", [peer_ep], interval_ms=0, stale_ms=3000, epoch=1)
-    pol = CacheAware()
+    pol = CacheAware(rank_ties="misses")
     x.on_rank = lambda rank: set_router_rank(Router(pol), rank)
     try:
         x.receive(P.encode_peer_load(P.PeerLoad("a", 1, 0, True, [], 1000)), 0.0, source=peer_ep)

@@ -52,13 +52,14 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    defaults were chosen on), i.e. 125, 25,000 and 5,000 tokens of prefill; a worker measured at
    rate r applies them as ``ms x reference / r`` of its own ms (a 70B-class engine stretches
    every queue and prefill they are compared with, a small fast one shrinks them).
-4. **Several routers part near-ties on a miss** (``rank_ties``, ``"misses"``): with the exchange
+4. **Several routers can part near-ties** (``rank_ties``; default ``"off"``): with the exchange
    every router sees one merged view, so a burst reaching several routers within the exchange's
-   delay would send all their misses to the same least-sent worker. Router k (``router_rank``:
-   its rank by id among itself and its fresh peers, set by the exchange's shell) takes the k-th
-   member of the best tie class instead (:func:`part_ties`); rank 0, a lone router, decides as
-   before. ``"all"`` / ``"holders"`` also part equally loaded holders (no gain measured; up to
-   12 % lost on conversation and shared_prefix at 4 routers), ``"off"`` nothing.
+   delay sends all their misses to the same least-sent worker. With ``"misses"`` router k
+   (``router_rank``: its rank by id among itself and its fresh peers, set by the exchange's
+   shell) takes the k-th member of the best tie class instead (:func:`part_ties`); rank 0, a
+   lone router, decides as before; ``"all"`` / ``"holders"`` also part equally loaded holders.
+   Off by default: on the quality matrix ``"misses"`` halved bursty zipf's p95 at 8 routers but
+   cost conversation at 4 routers about 10 % (docs/routing.md); holders gained nothing.
 
 **Tiered caches** (SGLang HiCache, vLLM offloading; :mod:`mesh.index.tiers`): a matched token held
 only in an engine's host memory counts ``tier_weights[1]`` (0.75) of a device hit, one only on
@@ -214,7 +215,7 @@ class CacheAware:
                  cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
                  imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 200.0,
                  stall_queue_ms: float = 1000.0, tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
-                 learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "misses") -> None:
+                 learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "off") -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
