@@ -50,7 +50,7 @@ from mesh.broker_core.status import may_read_full_status
 from mesh.config import BrokerSettings
 from mesh.errors import ProtocolError
 from mesh.logs import RateLimiter, announce, get_logger
-from mesh.routing.peers import apply_changes
+from mesh.routing.peers import apply_changes, set_router_rank
 from mesh.routing.router import Router
 from mesh.routing.view import WorkerState
 from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, recv_frames_user, send_frames, socket_readable
@@ -229,6 +229,7 @@ class Broker:
             if sessions is not None:  # session pins travel both ways (mesh.routing.sessions)
                 sessions.listener = self.exchange.publisher.note_session
                 self.exchange.on_sessions = sessions.apply_remote
+            self.exchange.on_rank = functools.partial(set_router_rank, self.router)  # parts near-ties (cache_aware)
             if self.s.exchange_routes and hasattr(self.router.provider, "add_peer_routes"):
                 # the provider's insert-on-route guesses go to the peers with the next message
                 self.router.provider.route_listener = self.exchange.publisher.note_route

@@ -72,7 +72,7 @@ import zmq
 from mesh import protocol as P
 from mesh.errors import ProtocolError
 from mesh.routing.peer_guard import RateBudget
-from mesh.routing.peers import PeerChange, PeerMerge, PeerPublisher
+from mesh.routing.peers import PeerChange, PeerMerge, PeerPublisher, router_rank
 from mesh.routing.view import WorkerState
 from mesh.sockets import EXCHANGE_PUB, EXCHANGE_SUB, CurveKeys, make_socket, send_frames
 
@@ -117,6 +117,7 @@ class PeerExchange:
         self.on_routes = on_routes  # peers' routed prompts go to the provider (mesh.index.peer_routes)
         # peers' session pins go to the session table (mesh.routing.sessions): (peer, pins, now_s)
         self.on_sessions: Callable[[str, list[tuple[int, str, int]], float], int] | None = None
+        self.on_rank: Callable[[int], Any] | None = None  # told this broker's rank among the fresh ones
         # ZAP domain "peers" either way: under CURVE it admits the listed keys; in plaintext the
         # broker's authenticator admits only its --peer hosts' addresses (brokers.main), so a
         # stranger's subscriptions never reach libzmq's filter trie.
@@ -244,6 +245,8 @@ class PeerExchange:
         bound = self.merge.binding.id_of
         self._fresh = sum(1 for ep in self.peers if ep not in self._self_sources and self.merge.is_fresh(bound.get(ep, "")))
         self.degraded = self._fresh < self.expected
+        if self.on_rank is not None:  # this broker's rank among the fresh brokers parts near-ties (cache_aware)
+            self.on_rank(router_rank(self.merge.self_id, self.merge.fresh_peers()))
 
     def peer_counts(self) -> dict[str, int]:
         """fresh / stale / expected peers (gauge ``mesh_exchange_peers``)."""

@@ -101,18 +101,24 @@ def test_default_matrix_is_valid_and_covers_the_issue():
     assert {c.load for c in mc.cells} == {0.5, 0.8, 1.0, 1.2}
     assert {c.workers for c in mc.cells} == {4, 16, 64}
     assert {c.routers for c in mc.cells} == {1, 4, 8}
-    for w in mc.workloads:  # every workload is tried light, busy and overloaded
+    bursty = {w for w in mc.workloads if w.startswith("bursty_")}
+    assert bursty == {"bursty_conversation", "bursty_zipf"}  # issue 33: bursts at 1/4/8 routers
+    for w in bursty:
+        assert {c.routers for c in mc.cells if c.workload == w} == {1, 4, 8}
+    for w in set(mc.workloads) - bursty:  # every workload is tried light, busy and overloaded
         assert {c.load for c in mc.cells if c.workload == w} == {0.5, 0.8, 1.0, 1.2}
     assert {"power_of_two", "cache_aware_greedy", "cache_aware"} <= set(mc.policies)
 
 
-def test_the_held_out_engine_matrix_is_valid_and_differs_only_in_its_engine():
+@pytest.mark.parametrize("name,rate_x", [("quality-matrix-70b.toml", 0.24), ("quality-matrix-fast.toml", 4.0)])
+def test_the_held_out_engine_matrices_are_valid_and_differ_only_in_their_engine(name, rate_x):
+    """The 70B-class engine (6k prefill tokens/s) and the small fast one (4x the 8B's)."""
     if not (ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl").is_file():
         pytest.skip("the shared Mooncake trace is not next to this checkout")
     base = load_matrix(ROOT / "configs" / "quality-matrix.toml")
-    mc = load_matrix(ROOT / "configs" / "quality-matrix-70b.toml")
+    mc = load_matrix(ROOT / "configs" / name)
     assert mc.seeds == [2]  # held out
-    assert mc.engine.prefill_tokens_per_s < base.engine.prefill_tokens_per_s / 3
+    assert mc.engine.prefill_tokens_per_s == rate_x * base.engine.prefill_tokens_per_s
     assert (mc.policies, mc.sim, set(mc.workloads)) == (base.policies, base.sim, set(base.workloads))
     assert {c.routers for c in mc.cells} == {1, 4}
 

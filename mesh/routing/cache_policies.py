@@ -47,6 +47,19 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    reads queues in ms of the worker's pooled prefill rate
    (:class:`mesh.load.PrefillRateEstimate`); with SGLang's two-sample rate a one-page interval
    made a queue look 25x longer, and every margin tried lost shared_prefix (docs/routing.md).
+   **Thresholds are prefill work**: ``miss_queue_ms``, ``stall_queue_ms`` and ``stall_escape_ms``
+   are ms on the reference engine (``cost.prefill_tokens_per_s``, the 8B/H100 figure the
+   defaults were chosen on), i.e. 125, 25,000 and 5,000 tokens of prefill; a worker measured at
+   rate r applies them as ``ms x reference / r`` of its own ms (a 70B-class engine stretches
+   every queue and prefill they are compared with, a small fast one shrinks them).
+4. **Several routers can part near-ties** (``rank_ties``; default ``"off"``): with the exchange
+   every router sees one merged view, so a burst reaching several routers within the exchange's
+   delay sends all their misses to the same least-sent worker. With ``"misses"`` router k
+   (``router_rank``: its rank by id among itself and its fresh peers, set by the exchange's
+   shell) takes the k-th member of the best tie class instead (:func:`part_ties`); rank 0, a
+   lone router, decides as before; ``"all"`` / ``"holders"`` also part equally loaded holders.
+   Off by default: on the quality matrix ``"misses"`` halved bursty zipf's p95 at 8 routers but
+   cost conversation at 4 routers about 10 % (docs/routing.md); holders gained nothing.
 
 **Tiered caches** (SGLang HiCache, vLLM offloading; :mod:`mesh.index.tiers`): a matched token held
 only in an engine's host memory counts ``tier_weights[1]`` (0.75) of a device hit, one only on
@@ -105,7 +118,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from mesh.routing.calibration import CalibrationSettings, TierCostLearner, TtftCalibrator
 from mesh.routing.view import Decision, WorkerState
@@ -121,7 +134,21 @@ except ImportError:  # pragma: no cover
     def hash_pair(a: str, b: str) -> int:
         return zlib.crc32(f"{a}\x00{b}".encode())
 
-__all__ = ["CacheAwareGreedy", "CacheAware", "CostModel"]
+__all__ = ["CacheAwareGreedy", "CacheAware", "CostModel", "part_ties"]
+
+
+def part_ties(keyed: Sequence[tuple[tuple, float, str, Any]], rank: int):
+    """The choice of router ``rank`` among ``(tie class, order, worker id, item)`` tuples: the
+    items of the best tie class, ordered by (order, worker id), and of those the ``rank``-th
+    (modulo their number). Rank 0 is the plain minimum. Routers sharing one view (the exchange)
+    would otherwise all take the same worker for a burst that reaches them within milliseconds,
+    before any of them hears of the others' choices; each takes a different one instead, and
+    a lone router is unchanged."""
+    if rank == 0 or len(keyed) < 2:
+        return min(keyed, key=lambda k: k[:3])[3]
+    best = min(k[0] for k in keyed)
+    ties = sorted((k for k in keyed if k[0] == best), key=lambda k: k[:3])
+    return ties[rank % len(ties)][3]
 
 
 def _rendezvous(request_id: str, worker_id: str) -> int:
@@ -188,7 +215,7 @@ class CacheAware:
                  cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
                  imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 200.0,
                  stall_queue_ms: float = 1000.0, tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
-                 learn_tiers: bool = True) -> None:
+                 learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "off") -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -246,6 +273,30 @@ class CacheAware:
         self.tier_weights = tuple(float(v) for v in tier_weights)
         self.learn_tiers = learn_tiers
         self._last_view: tuple[list, dict[str, float] | None] = ([], None)  # last_view()
+        self.router_rank = 0
+        # which exact ties are parted by router rank (off, the default: every router takes the plain
+        # minimum, rank 0's choice; misses, holders or all: router k takes the k-th of such a tie)
+        if rank_ties not in ("all", "holders", "misses", "off"):
+            raise ValueError(f"rank_ties must be all, holders, misses or off, not {rank_ties!r}")
+        self.rank_ties = rank_ties
+        self.set_router_rank(router_rank)
+
+    def set_router_rank(self, rank: int) -> None:
+        """This router's rank among the routers sharing the fleet (0: the only one, or the first;
+        the exchange's shell sets it from the sorted router ids, :func:`mesh.routing.peers.router_rank`).
+        Near-ties of the choice are parted by it (see :func:`part_ties`)."""
+        if type(rank) is not int or rank < 0:
+            raise ValueError(f"router_rank must be an int >= 0, not {rank!r}")
+        self.router_rank = rank
+        # the rank each choice parts its ties by (0: the plain minimum)
+        self._rank_hold = rank if self.rank_ties in ("all", "holders") else 0
+        self._rank_miss = rank if self.rank_ties in ("all", "misses") else 0
+
+    def _ref_tokens(self, ms: float) -> float:
+        """A threshold stated in ms of prefill on the reference engine (``cost.prefill_tokens_per_s``,
+        the 8B/H100 figure) as the amount of prefill work it means: a worker measured at rate r
+        applies it as ``ms x reference / r`` of its own milliseconds."""
+        return ms * self.cost.prefill_tokens_per_s / 1000.0
 
     # -------------------------------------------------------------- candidate set
     def _candidates(self, candidates: Sequence[WorkerState], match, by_id: dict[str, WorkerState] | None
@@ -347,10 +398,15 @@ class CacheAware:
             queued = max(0.0, queued - rate * since_s)
         return queued
 
+    def queued_tokens(self, w: WorkerState, now_s: float) -> float:
+        """The uncached prefill tokens queued on w now (see :meth:`_queued_tokens`)."""
+        rate = w.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
+        return self._queued_tokens(w, w.fresh_load(now_s, self.freshness_s), rate, now_s)
+
     def queued_prefill_ms(self, w: WorkerState, now_s: float) -> float:
         """The prefill queued on w now, in ms of its prefill rate (see :meth:`_queued_tokens`)."""
         rate = w.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
-        return 1000.0 * self._queued_tokens(w, w.fresh_load(now_s, self.freshness_s), rate, now_s) / rate
+        return 1000.0 * self.queued_tokens(w, now_s) / rate
 
     def observe(self, decision: Decision, ttft_ms: float) -> None:
         """The request routed by ``decision`` got its first reply ``ttft_ms`` after dispatch:
@@ -489,7 +545,7 @@ class CacheAware:
         if scored[0][5] is None:  # no cost ties (see choose): greedy's order
             if miss:  # nobody holds enough (and no imbalance to correct): the shortest prefill queue
                 return self._miss_pick(pool, load, lo_p, now_s), False
-            pick = min(pool, key=lambda t: (round(load[t[2]]), t[2]))
+            pick = part_ties([((round(load[t[2]]),), 0, t[2], t) for t in pool], self._rank_hold)
             if self.stall_escape_ms > 0 and pool is not scored and self.miss_queue_ms > 0:
                 alt = self._stall_escape(pick, scored, load, lo_p, prompt_tokens, now_s)
                 return alt, alt is not pick
@@ -500,13 +556,14 @@ class CacheAware:
 
     def _miss_pick(self, pool, load, lo_p: float, now_s: float):
         """The miss rule: among the workers within ``miss_load_band`` requests of the least loaded,
-        the shortest estimated prefill queue, then the least loaded, then the least sent."""
-        q_ms = self.miss_queue_ms
+        the shortest estimated prefill queue (classes of ``miss_queue_ms`` of reference prefill),
+        then the least loaded, then the least sent; near-ties parted by router rank."""
+        q_tok = self._ref_tokens(self.miss_queue_ms)
         floor = round(lo_p) + self.miss_load_band
         sent = self.miss_sent
-        return min((t for t in pool if round(load[t[2]]) <= floor),
-                   key=lambda t: (int(self.queued_prefill_ms(t[4], now_s) // q_ms), round(load[t[2]]),
-                                  t[4].fleet_sent_tokens if sent else 0, t[2]))
+        keyed = [((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
+                  t[4].fleet_sent_tokens if sent else 0, t[2], t) for t in pool if round(load[t[2]]) <= floor]
+        return part_ties(keyed, self._rank_miss)
 
     def _stall_escape(self, pick, scored, load, lo_p: float, prompt_tokens: int, now_s: float):
         """Leave the holder ``pick`` when at least ``stall_queue_ms`` of prefill is queued on it
@@ -517,18 +574,19 @@ class CacheAware:
         holders: without it a 100 ms margin sent zipf's hits away from holders 150-300 ms deep
         and recomputed their 2k-token prefixes into an overloaded fleet (2.0x greedy's p95)."""
         h = pick[4]
-        queued_h = self.queued_prefill_ms(h, now_s)
-        if queued_h < self.stall_queue_ms:
+        queued_h = self.queued_tokens(h, now_s)
+        if queued_h < self._ref_tokens(self.stall_queue_ms):
             return pick  # fast path: no holder queue that long
         rate = h.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
-        wait_h = queued_h + 1000.0 * (prompt_tokens - pick[3]) / rate
+        wait_h = 1000.0 * (queued_h + prompt_tokens - pick[3]) / rate
         alt = self._miss_pick(scored, load, lo_p, now_s)
         if alt is pick:
             return pick
         a = alt[4]
         rate_a = a.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
-        wait_a = self.queued_prefill_ms(a, now_s) + 1000.0 * (prompt_tokens - alt[3]) / rate_a
-        return alt if wait_h - wait_a > self.stall_escape_ms else pick
+        wait_a = 1000.0 * (self.queued_tokens(a, now_s) + prompt_tokens - alt[3]) / rate_a
+        # the margin in the holder's own ms: the reference margin scaled by its measured rate
+        return alt if wait_h - wait_a > 1000.0 * self._ref_tokens(self.stall_escape_ms) / rate else pick
 
     def _sample(self, scored):
         lo = min(t[0] for t in scored)

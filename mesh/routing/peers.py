@@ -33,14 +33,14 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from mesh.index.peer_routes import route_anchors
 from mesh.protocol import MAX_EXCHANGE_ROUTES, MAX_EXCHANGE_SESSIONS, MAX_EXCHANGE_WORKERS, MAX_SESSION_AGE_MS, PeerLoad
 from mesh.routing.peer_guard import EPOCH_SKEW_NS, SourceBinding, epoch_step_ok
 from mesh.routing.view import WorkerState
 
-__all__ = ["PeerMerge", "PeerPublisher", "PeerChange", "apply_changes"]
+__all__ = ["PeerMerge", "PeerPublisher", "PeerChange", "apply_changes", "router_rank", "set_router_rank"]
 
 #: (worker_id, d_inflight, d_prefill_tokens, sent_tokens, live): one worker's change of the
 #: peers' summed figures; see :meth:`WorkerState.apply_peer_change`.
@@ -387,3 +387,26 @@ class PeerPublisher:
         self.stats["sessions_sent"] += len(sessions)
         return PeerLoad(self.broker_id, self.epoch, self.seq, full, entries, max(1, min(600_000, round(self.full_interval_s * 1000))),
                         routes, sessions)
+
+
+def router_rank(self_id: str, peer_ids: Iterable[str]) -> int:
+    """This router's rank among itself and its fresh peers, by id: distinct for every router
+    that sees the same peer set, 0 for a router alone (cache_aware parts near-ties by it)."""
+    return sorted({self_id, *peer_ids}).index(self_id)
+
+
+def set_router_rank(router: Any, rank: int) -> bool:
+    """Tell ``router``'s policy its rank (a session or bucket router wraps the plain one; a
+    policy without ranks ignores it). True when a policy took it."""
+    for _ in range(4):
+        pol = getattr(router, "policy", None)
+        if pol is not None:
+            setter = getattr(pol, "set_router_rank", None)
+            if setter is None:
+                return False
+            setter(rank)
+            return True
+        router = getattr(router, "inner", None)
+        if router is None:
+            return False
+    return False

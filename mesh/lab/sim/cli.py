@@ -17,6 +17,7 @@ _WORKLOAD_PARAMS = {
     "users": int, "rounds": int, "context_tokens": int, "zipf_alpha": float,
     # conversation
     "turns_mean": float, "think_s": float, "first_tokens": int, "message_tokens": int, "max_context_tokens": int,
+    "arrival_cv": float, "burst_peak": float, "shared_first_tokens": int, "rearrival_share": float,  # every workload
 }
 
 

@@ -95,7 +95,7 @@ from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, run_sim
-from mesh.lab.sim.workloads import WORKLOADS, SimRequest, Workload, load_mooncake
+from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
 __all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix",
            "analyse_cell", "unloaded_ttft_ms", "wait_within_slo", "render_report", "write_heatmap", "dumps_matrix", "SHORT"]
@@ -353,7 +353,7 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
             kind = wd["workload"]
             if kind not in WORKLOADS:
                 _fail(f"{name}.workload", f"unknown workload {kind!r}; choose from {', '.join(sorted(WORKLOADS))}")
-            known = WORKLOADS[kind][1]
+            known = {**WORKLOADS[kind][1], **COMMON_PARAMS}
             for k in params:
                 if k not in known:
                     _fail(f"{name}.params.{k}", f"workload {kind} has no such parameter (has {', '.join(sorted(known))})")

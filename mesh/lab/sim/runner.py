@@ -91,7 +91,7 @@ from mesh.errors import ConfigError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex
 from mesh.routing.bucket_router import DECODE_POLICIES
-from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes
+from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes, set_router_rank
 from mesh.routing.regret import merged_pays
 from mesh.routing.router import POLICIES, Router, make_policy
 from mesh.routing.view import Decision, RouteRequest, WorkerState
@@ -318,6 +318,7 @@ class SimRouter:
         self.merge = PeerMerge(name, stale_s=max(3.0, 3 * full_s))
         for st in self.states:
             st.exchange_dirty = self.publisher.dirty
+        set_router_rank(self.router, self.index)  # a distinct rank per router, as the broker takes its own
         sessions = getattr(self.router, "session_table", None)
         if sessions is not None:  # session pins travel as the broker's do
             sessions.listener = self.publisher.note_session

@@ -53,6 +53,21 @@ Workloads (all seeded and deterministic; generated ones use open-loop Poisson ar
   state (sessions already under way at t=0, their earlier turns not in the stream). Defaults give
   a prompt mean of about 12k tokens (median ~6.5k), ~0.6 % of prompts past 100k, answers ~350
   tokens and an oracle hit rate of about 60 % (3,000 requests).
+
+Every generated workload also takes (:data:`COMMON_PARAMS`; the defaults leave the streams above
+byte-identical):
+
+* ``arrival_cv`` (1.0 = Poisson) -- bursty arrivals: an on/off Markov-modulated Poisson process
+  (bursts at ``burst_peak``, 8, times the mean rate, silence between them) with exactly this
+  inter-arrival coefficient of variation (:func:`burst_warp`: a time change of the stream, so the
+  mean rate, the order and every prompt stay as they were). Markov-modulated rather than Hawkes:
+  its CV has a closed form, so the parameter is the measured CV, and a rate change only rescales
+  time (the matrix's load calibration replays the same bursts closer together).
+* ``shared_first_tokens`` (0 = off) -- every prompt starts with the same N tokens (a fleet-wide
+  system prompt; multi-turn histories carry it once).
+* ``rearrival_share`` (0.0; conversation only) -- the share of follow-up turns that come back
+  after a short think time (exponential, mean 0.25 s: tool calls, retries) instead of
+  ``think_s``: with bursty arrivals a session's next turn lands inside the same burst.
 """
 
 from __future__ import annotations
@@ -74,6 +89,8 @@ __all__ = [
     "SimRequest",
     "Workload",
     "WORKLOADS",
+    "COMMON_PARAMS",
+    "burst_warp",
     "MOONCAKE_BLOCK",
     "load_mooncake",
     "make_workload",
@@ -256,6 +273,69 @@ def _arrivals(rng: random.Random, rate: float, duration_s: float | None, limit: 
     return out
 
 
+# Bursty arrivals: an on/off Markov-modulated Poisson process (an interrupted Poisson process).
+# Built as a time change of the Poisson (or session) stream: operational time runs at
+# ``burst_peak`` x the wall clock through exponential on-periods and stops through exponential
+# off-periods, so the stream keeps its mean rate and order. Why this process and not a Hawkes
+# one: its inter-arrival times are i.i.d. hyperexponential with a closed-form coefficient of
+# variation, so ``arrival_cv`` is the stream's CV exactly (a Hawkes process's CV has no closed form
+# and a branching ratio near 1 makes it unstable), and a rate change is a pure rescaling of time
+# (the matrix's load calibration replays the same bursts closer together).
+_NS_FLEET = 8  # the fleet-wide shared first block
+
+
+def _ipp_switch_rates(rate: float, cv: float, peak: float) -> tuple[float, float]:
+    """(on->off, off->on) switching rates of an on/off process with ``rate`` arrivals/s on
+    average, ``peak`` x rate while on and inter-arrival CV ``cv``: its squared CV is
+    ``1 + 2 lam a / (a + b)**2`` (lam the on rate, a and b the switching rates) and its duty
+    ``b / (a + b)`` is ``1 / peak``."""
+    lam = peak * rate
+    s = 2.0 * lam * (1.0 - 1.0 / peak) / (cv * cv - 1.0)
+    return s * (1.0 - 1.0 / peak), s / peak
+
+
+def burst_warp(times: list[float], *, seed: int, rate: float, cv: float, peak: float) -> list[float]:
+    """Map sorted operational ``times`` (a Poisson stream at ``rate``/s, or a session stream
+    with that mean rate) to wall-clock times of an on/off bursty process with inter-arrival CV
+    ``cv`` (see ``_ipp_switch_rates``). Monotone; deterministic in ``seed``; the on/off periods
+    scale with 1/rate."""
+    a, b = _ipp_switch_rates(rate, cv, peak)
+    rng = random.Random(seed_key(0xB0, seed, 1))
+    out: list[float] = []
+    u0 = t0 = 0.0  # operational and wall time at the start of the current on-period
+    on_wall = rng.expovariate(a)
+    for u in times:
+        while u >= u0 + peak * on_wall:
+            u0 += peak * on_wall
+            t0 += on_wall + rng.expovariate(b)
+            on_wall = rng.expovariate(a)
+        out.append(t0 + (u - u0) / peak)
+    return out
+
+
+def _check_common(p: dict[str, Any]) -> None:
+    """Validate the parameters every generator shares (ConfigError naming the field)."""
+    cv, peak, share = p["arrival_cv"], p["burst_peak"], p["rearrival_share"]
+    if type(cv) not in (int, float) or not math.isfinite(cv) or not 1.0 <= cv <= 20.0:
+        raise ConfigError(f"arrival_cv must be a number in [1, 20] (1 = Poisson), got {cv!r}")
+    if type(peak) not in (int, float) or not math.isfinite(peak) or not 1.0 < peak <= 1000.0:
+        raise ConfigError(f"burst_peak must be a number in (1, 1000], got {peak!r}")
+    if type(share) not in (int, float) or not math.isfinite(share) or not 0.0 <= share <= 1.0:
+        raise ConfigError(f"rearrival_share must be a number in [0, 1], got {share!r}")
+    _pos("shared_first_tokens", p["shared_first_tokens"], zero=True)
+    if p["shared_first_tokens"] > 1_000_000:
+        raise ConfigError(f"shared_first_tokens must be <= 1000000, got {p['shared_first_tokens']!r}")
+
+
+def _with_shared_first(reqs: list[SimRequest], seed: int, n: int) -> None:
+    """Prefix every prompt with the same ``n`` tokens (a fleet-wide system prompt). Each
+    prompt of a multi-turn stream extends an earlier one, so one prefix per prompt keeps that."""
+    seg = (0, seed_key(_NS_FLEET, seed), n, n)
+    for r in reqs:
+        r.segments = (seg,) + r.segments
+        r.prompt_len += n
+
+
 def _pos(name: str, v: Any, *, zero: bool = False) -> int:
     if type(v) is not int or v < 0 or (v == 0 and not zero):
         raise ConfigError(f"{name} must be a {'non-negative' if zero else 'positive'} int, got {v!r}")
@@ -334,6 +414,7 @@ _CONV_OUT_SIGMA = 0.7
 _CONV_MAX_TURNS = 64
 _CONV_MAX_OUTPUT = 4096
 _CONV_POOL = 512  # sessions drawn up front to measure the mean turns (and so the session rate)
+_CONV_REARRIVAL_S = 0.25  # mean think time of a re-arrival (rearrival_share): inside the burst, mostly
 
 
 def _conv_session(rng: random.Random, p: dict[str, Any]) -> list[tuple[int, int, float]]:
@@ -351,7 +432,12 @@ def _conv_session(rng: random.Random, p: dict[str, Any]) -> list[tuple[int, int,
             msg = int(rng.lognormvariate(math.log(p["message_tokens"]), _CONV_MSG_SIGMA))
         msg = max(4, msg)
         out = 0 if out_mu is None else max(1, min(_CONV_MAX_OUTPUT, int(rng.lognormvariate(out_mu, _CONV_OUT_SIGMA))))
-        think = 0.0 if k == 0 else rng.expovariate(1.0 / p["think_s"])
+        if k == 0:
+            think = 0.0
+        elif p["rearrival_share"] and rng.random() < p["rearrival_share"]:
+            think = rng.expovariate(1.0 / _CONV_REARRIVAL_S)  # a quick follow-up (tool call, retry)
+        else:
+            think = rng.expovariate(1.0 / p["think_s"])
         if ctx + msg > cap:
             if k == 0:
                 msg = cap  # a first message longer than the context window is cut to it
@@ -443,7 +529,10 @@ def _conversation(seed: int, rate: float, duration_s: float | None, limit: int |
 _conversation.own_arrivals = True  # type: ignore[attr-defined]
 
 
-#: name -> (generator, default parameters)
+#: parameters every generated workload takes (defaults: today's streams, unchanged)
+COMMON_PARAMS: dict[str, Any] = {"arrival_cv": 1.0, "burst_peak": 8.0, "shared_first_tokens": 0, "rearrival_share": 0.0}
+
+#: name -> (generator, default parameters; every one also takes COMMON_PARAMS)
 WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
     "shared_prefix": (_shared_prefix, {"groups": 150, "prompts_per_group": 5, "system_tokens": 6000,
                                        "question_tokens": 1200, "output_tokens": 1000}),
@@ -474,18 +563,26 @@ def make_workload(
     except KeyError:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(sorted(WORKLOADS))}") from None
     p = dict(defaults)
+    p.update(COMMON_PARAMS)
     for k, v in params.items():
         if v is None:
             continue
         if k not in p:
             raise ConfigError(f"workload {name} has no parameter {k!r} (has {', '.join(sorted(p))})")
         p[k] = v
+    _check_common(p)
     if getattr(gen, "own_arrivals", False):  # sessions: the generator places its own turns in time
         reqs = gen(seed, rate, duration_s, max_requests, p)
     else:
         rng = random.Random(seed_key(0xA11, seed, 1))
         times = _arrivals(rng, rate, duration_s, max_requests)
         reqs = gen(random.Random(seed_key(0xA11, seed, 2)), times, seed, p)
+    if p["arrival_cv"] > 1.0:
+        warped = burst_warp([r.arrival_s for r in reqs], seed=seed, rate=rate, cv=p["arrival_cv"], peak=p["burst_peak"])
+        for r, t in zip(reqs, warped):
+            r.arrival_s = t
+    if p["shared_first_tokens"]:
+        _with_shared_first(reqs, seed, p["shared_first_tokens"])
     params_out = {"seed": seed, "rate": rate, "duration_s": duration_s, **p}
     return Workload(name, reqs, params_out, vocab_size)
 

@@ -1,0 +1,157 @@
+"""Several routers through a burst (issue 33, part 2): near-ties parted by router rank, and the
+miss rule's and stall escape's thresholds relative to the worker's measured prefill rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from mesh.routing.cache_policies import CacheAware, CostModel, part_ties
+from mesh.routing.peers import PeerMerge, router_rank, set_router_rank
+from mesh.routing.router import Router
+from mesh.routing.sessions import with_sessions
+from mesh.routing.view import RouteRequest
+from tests.fakes import FakeMatch
+from tests.test_policies import req, ws
+
+
+def test_part_ties_rank_zero_is_the_minimum_and_ranks_differ():
+    keyed = [((0, 1), 30, "c", "C"), ((0, 1), 10, "a", "A"), ((0, 1), 20, "b", "B"), ((1, 0), 0, "d", "D")]
+    assert part_ties(keyed, 0) == "A"  # the plain minimum of (class, order, id)
+    assert [part_ties(keyed, r) for r in range(4)] == ["A", "B", "C", "A"]  # only the best class, modulo
+    assert part_ties([((5,), 0, "x", "X")], 3) == "X"
+
+
+def test_a_burst_on_four_routers_with_one_view_spreads():
+    """Four routers with the same view (the exchange's) and a miss each within the same
+    millisecond: without ranks all four take the same worker, with ranks four different ones."""
+    fleet = [ws(w, running=1) for w in "abcdef"]
+    for i, w in enumerate(fleet):
+        w.sent_tokens = 1000 * i  # the fleet's sent order: a, b, c, ...
+    miss = FakeMatch({}, 128)
+    plain = {CacheAware().choose(req(), fleet, miss, 0.01).worker_id for _ in range(4)}
+    assert plain == {"a"}  # herding
+    for mode in ("misses", "all"):
+        parted = {CacheAware(router_rank=r, rank_ties=mode).choose(req(), fleet, miss, 0.01).worker_id
+                  for r in range(4)}
+        assert parted == {"a", "b", "c", "d"}, mode
+    # rank_ties off (the default) or holders only, on a miss: every router takes rank 0's choice
+    assert {CacheAware(router_rank=r).choose(req(), fleet, miss, 0.01).worker_id for r in range(4)} == {"a"}
+    for mode in ("off", "holders"):
+        assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), fleet, miss, 0.01).worker_id
+                for r in range(4)} == {"a"}, mode
+    assert {CacheAware(router_rank=r, rank_ties="misses").choose(req(), fleet, miss, 0.01).worker_id
+            for r in range(4)} == {"a", "b", "c", "d"}
+    with pytest.raises(ValueError, match="rank_ties"):
+        CacheAware(rank_ties=True)
+
+
+def test_ranks_part_only_near_ties():
+    """A worker with a longer prefill queue or more requests is not in the tie class: no rank
+    sends a request there, and holders of the prompt win over idle non-holders at any rank."""
+    idle, queued = ws("a", running=1), ws("b", running=1, wu=50_000)
+    assert {CacheAware(router_rank=r, rank_ties="all").choose(req(), [idle, queued], FakeMatch({}, 128), 0.01).worker_id
+            for r in range(4)} == {"a"}
+    holders = [ws("h1", running=2), ws("h2", running=2), ws("o", running=0)]
+    m = FakeMatch({"h1": 128, "h2": 128}, 128)
+    for mode in ("all", "holders"):  # equally loaded holders are parted; the idle non-holder never taken
+        assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), holders, m, 0.01).worker_id
+                for r in range(4)} == {"h1", "h2"}, mode
+    # misses only (and off, the default): a hit stays on the lowest-id holder, as one router's would
+    for mode in ("misses", "off"):
+        assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), holders, m, 0.01).worker_id
+                for r in range(4)} == {"h1"}, mode
+
+
+def test_router_rank_from_the_exchange_and_the_setter():
+    assert router_rank("b", ["a", "c"]) == 1
+    assert router_rank("a", []) == 0
+    assert router_rank("b", ["b", "a"]) == 1  # its own id among the peers counts once
+    merge = PeerMerge("r1", 3.0)
+    assert router_rank(merge.self_id, merge.fresh_peers()) == 0
+    pol = CacheAware()
+    assert set_router_rank(Router(pol), 2) and pol.router_rank == 2
+    pol2 = CacheAware()
+    assert set_router_rank(with_sessions(Router(pol2), "soft", 60.0, 100), 3) and pol2.router_rank == 3
+    from mesh.routing.policies import PowerOfTwo
+
+    assert not set_router_rank(Router(PowerOfTwo()), 1)  # a policy without ranks ignores it
+    for bad in (-1, 1.5, "2", None):
+        with pytest.raises(ValueError, match="router_rank"):
+            CacheAware(router_rank=bad)
+
+
+def test_miss_queue_classes_scale_with_the_measured_prefill_rate():
+    """``miss_queue_ms`` is ms of prefill on the reference engine (25k tokens/s): 125 tokens. On
+    a worker measured at 6k tokens/s those 125 tokens are 21 ms of its own: two workers 15 ms
+    apart in their own ms (90 tokens) are in the same class there, as they are on the 8B."""
+    def pair(rate):
+        b, c = ws("b", running=1, wu=0, at=0.0), ws("c", running=1, wu=90, at=0.0)
+        for w in (b, c):
+            w.prefill_tokens_per_s = rate
+        return b, c
+
+    miss = FakeMatch({}, 128)
+    for rate in (6_000.0, 25_000.0, 100_000.0):
+        b, c = pair(rate)
+        c.sent_tokens = 0
+        b.sent_tokens = 10_000  # c wins the tie-break when the queues are one class
+        assert CacheAware().choose(req(), [b, c], miss, 0.0).worker_id == "c", rate
+    # a queue longer than one class (200 tokens) loses whatever the rate
+    for rate in (6_000.0, 100_000.0):
+        b, c = ws("b", running=1, at=0.0), ws("c", running=1, wu=200, at=0.0)
+        for w in (b, c):
+            w.prefill_tokens_per_s = rate
+        b.sent_tokens = 10_000
+        assert CacheAware().choose(req(), [b, c], miss, 0.0).worker_id == "b", rate
+
+
+def test_stall_escape_thresholds_are_prefill_work_not_milliseconds():
+    """The stall escape's floor (1,000 ms) and margin (200 ms) are ms on the reference engine:
+    25,000 and 5,000 tokens of prefill. A 70B-class worker (6k tokens/s) with 15k tokens queued
+    has 2.5 s of its own ms queued but less than the floor's work: it keeps its holder (with
+    absolute ms it was left); 100k tokens queued are left on any engine."""
+    held = FakeMatch({"h": 128}, 160)
+
+    def fleet(rate, wu):
+        stuck, idle = ws("h", running=1, wu=wu), ws("o", running=1)
+        for w in (stuck, idle):
+            w.prefill_tokens_per_s = rate
+        return [stuck, idle]
+
+    assert CacheAware().choose(req(2560), fleet(6_000.0, 15_000), held, 0.0).worker_id == "h"
+    for rate in (6_000.0, 25_000.0, 100_000.0):
+        d = CacheAware().choose(req(2560), fleet(rate, 100_000), held, 0.0)
+        assert (d.worker_id, d.reason) == ("o", "stall_escape"), rate
+    # the reference is the cost model's default rate: a policy told the engine is slower scales
+    slow_ref = CacheAware(cost=CostModel(prefill_tokens_per_s=6_000.0))
+    assert slow_ref.choose(req(2560), fleet(6_000.0, 15_000), held, 0.0).worker_id == "o"
+
+
+def test_route_request_unchanged_by_rank_for_a_lone_router():
+    fleet = [ws(w, running=1) for w in "abc"]
+    miss = FakeMatch({}, 128)
+    r = RouteRequest("x", prompt_tokens=2048, block_size=16)
+    assert CacheAware().choose(r, fleet, miss, 0.01).worker_id == CacheAware(router_rank=0).choose(r, fleet, miss, 0.01).worker_id
+
+
+def test_the_broker_exchange_tells_the_policy_its_rank_among_fresh_brokers():
+    """The broker's exchange shell reports its rank among itself and its fresh peers on every
+    update (``on_rank``; the broker hands it to the policy): distinct per broker, 0 when alone."""
+    import zmq
+
+    from brokers.peer_exchange import PeerExchange
+    from mesh import protocol as P
+
+    ctx = zmq.Context()
+    peer_ep = "tcp://127.0.0.1:1"
+    x = PeerExchange(ctx, "m", "tcp://127.0.0.1:*", [peer_ep], interval_ms=0, stale_ms=3000, epoch=1)
+    pol = CacheAware(rank_ties="misses")
+    x.on_rank = lambda rank: set_router_rank(Router(pol), rank)
+    try:
+        x.receive(P.encode_peer_load(P.PeerLoad("a", 1, 0, True, [], 1000)), 0.0, source=peer_ep)
+        assert pol.router_rank == 1  # "a" < "m"
+        x.tick(10.0, lambda w: None, lambda: [])  # the peer went stale: alone again
+        assert pol.router_rank == 0
+    finally:
+        x.close()
+        ctx.term()
