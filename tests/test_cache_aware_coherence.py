@@ -11,7 +11,7 @@ from mesh.routing.router import Router
 from mesh.routing.sessions import with_sessions
 from mesh.routing.view import RouteRequest
 from tests.fakes import FakeMatch
-from tests.test_policies import req, ws
+from tests.policy_support import req, ws
 
 
 def test_part_ties_rank_zero_is_the_minimum_and_ranks_differ():

@@ -12,17 +12,7 @@ from mesh.routing.policies import PowerOfTwo, RandomPolicy, RoundRobin
 from mesh.routing.router import Router, make_policy
 from mesh.routing.view import RouteRequest, WorkerState
 from tests.fakes import FakeMatch, FakeProvider
-
-
-def ws(wid: str, *, running=0, waiting=0, wu=0, used=0, cap=400_000, inflight=0, at=0.0) -> WorkerState:
-    w = WorkerState(wid, inflight=inflight)
-    w.update_load([LoadStat(running, waiting, used, cap, 0, wu, used, 256, 0, 0)], at)
-    w.inflight_at_load = inflight
-    return w
-
-
-def req(L=2048, bs=16) -> RouteRequest:
-    return RouteRequest("r", prompt_tokens=L, block_size=bs, tokens=list(range(L)))
+from tests.policy_support import req, ws
 
 
 # ------------------------------------------------------------------ classic policies
