@@ -210,12 +210,14 @@ def print_results(res: dict[str, Any], console) -> None:
 
     cfg = res["config"]
     s = cfg["slowdown"]
+    x = ", exchange" if cfg["exchange"] and cfg["routers"] > 1 else ""
     t = Table(title=f"mesh bench replay: {res['workload']['name']}, {res['workload']['requests']} requests, "
-                    f"{cfg['workers']} engines, {cfg['routers']} brokers ({cfg['provider']}), slowdown {s:g} "
+                    f"{cfg['workers']} engines, {cfg['routers']} broker(s) ({cfg['provider']}{x}), slowdown {s:g} "
                     f"(real ms; / {s:g} = full-speed engine)")
-    for c in ("policy", "TTFT p50 real / sim", "TTFT p95 real / sim", "p95 real/sim", "goodput real / sim",
-              "hit real / sim", "worker CV real / sim", "per worker (real)", "send lag p95", "CPU"):
-        t.add_column(c, justify="left" if c in ("policy", "per worker (real)") else "right")
+    t.caption = "each cell: real / sim; per worker and send lag: real; CPU: the verdict and the machine's busy share"
+    for c in ("policy", "TTFT p50 ms", "TTFT p95 ms", "p95 ratio", "goodput", "hit rate", "worker CV", "per worker",
+              "lag p95", "CPU"):
+        t.add_column(c, justify="left" if c in ("policy", "per worker") else "right")
     cmp = res["comparison"]
     for pol in cfg["policies"]:
         r, m = res["real"][pol], res["sim"][pol]
@@ -224,7 +226,7 @@ def print_results(res: dict[str, Any], console) -> None:
                   f"{fmt(r['hit_rate'], '{:.3f}')} / {fmt(m['hit_rate'], '{:.3f}')}",
                   f"{fmt(r['worker_cv'], '{:.2f}')} / {fmt(m['worker_cv'], '{:.2f}')}",
                   " ".join(str(v) for v in r["served_per_worker"].values()), fmt(r["lag_p95_ms"], "{:.0f} ms"),
-                  "[red]BOUND[/]" if r["cpu_bound"] else "ok")
+                  ("[red]BOUND[/]" if r["cpu_bound"] else "ok") + f" {fmt(r['machine_cpu_busy'], '{:.0%}')}")
     console.print(t)
     console.print(f"ranking by TTFT p95: real {' < '.join(cmp['ranking_real'])}; sim {' < '.join(cmp['ranking_sim'])}: "
                   + ("[green]agree[/]" if cmp["ranking_agrees"] else "[yellow]differ[/]")
