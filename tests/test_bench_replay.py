@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- the real run (default suite)
 
 
+@pytest.mark.e2e  # real processes, started by the bench itself
 def test_a_tiny_replay_completes_and_reports_every_field(tmp_path):
     cfg = ReplayConfig(trace=str(_trace(tmp_path / "t.jsonl")), max_requests=8, workers=2, routers=1, provider="radix_tree",
                        policies=["cache_aware"])
@@ -234,6 +235,7 @@ def test_the_replay_page_shows_both_sides_and_says_when_cpu_bound(tmp_path, cpu_
 
 
 @pytest.mark.bench
+@pytest.mark.e2e
 def test_the_command_replays_every_policy_through_two_brokers_with_the_indexer(tmp_path):
     from mesh.cli import main
 
