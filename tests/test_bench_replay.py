@@ -56,7 +56,9 @@ def test_a_tiny_replay_completes_and_reports_every_field(tmp_path):
         assert side["hit_rate"] > 0.3, side  # the shared blocks are cached on both sides
     assert sum(real["served_per_worker"].values()) == 8 and set(real["served_per_worker"]) == {"w00", "w01"}
     assert real["lag_p95_ms"] is not None and real["wall_s"] > 0
-    assert set(real["cpu_s"]) == {"brokers", "engines", "adapters", "indexer", "client"}
+    assert set(real["cpu_s"]) == set(real["cpu_wait_share"]) == {"brokers", "engines", "adapters", "indexer", "client"}
+    assert real["cpu_wait_share"]["indexer"] is None  # no indexer with radix_tree
+    assert 0 <= real["cpu_wait_worst"][2] <= 1 and real["cpu_wait_worst"][0] in real["cpu_s"]
     assert real["cpu_s"]["engines"] > 0 and real["cpu_s"]["indexer"] == 0
     assert isinstance(real["cpu_bound"], bool) and isinstance(real["cpu_bound_reasons"], list)
     assert res["cpu_bound"] == bool(res["cpu_bound_reasons"])
@@ -75,8 +77,17 @@ def test_cpu_bound_when_the_client_sent_late():
     assert bound and len(why) == 1 and "send lag p95 120 ms > 50 ms" in why[0]
 
 
-def test_cpu_bound_when_the_machine_is_saturated():
-    bound, why = cpu_verdict(lag_p95_ms=3.0, cpu_busy=0.97, max_lag_ms=50, max_cpu_busy=0.9)
+def test_cpu_bound_when_a_replay_process_waited_for_a_cpu():
+    bound, why = cpu_verdict(lag_p95_ms=3.0, cpu_busy=0.5, wait_share=0.12, wait_who="engine-2", max_lag_ms=50,
+                             max_cpu_busy=0.9, max_wait_share=0.05)
+    assert bound and why == ["engine-2 waited for a CPU 12.0% of the run > 5.0%: its steps and hops ran late"]
+
+
+def test_a_busy_machine_decides_only_when_the_waits_are_unmeasured():
+    # other work keeps the machine busy but the replay's processes got a CPU when they needed one
+    assert cpu_verdict(lag_p95_ms=3.0, cpu_busy=0.97, wait_share=0.01, wait_who="engine-0", max_lag_ms=50,
+                       max_cpu_busy=0.9, max_wait_share=0.05) == (False, [])
+    bound, why = cpu_verdict(lag_p95_ms=3.0, cpu_busy=0.97, wait_share=None, max_lag_ms=50, max_cpu_busy=0.9)
     assert bound and "machine CPU 97% busy > 90%" in why[0]
 
 
@@ -158,14 +169,15 @@ def test_help_names_every_flag(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--trace", "--workload", "--max-requests", "--time-scale", "--slowdown", "--workers", "--routers",
-                 "--provider", "--no-exchange", "--policies", "--max-lag-ms", "--max-cpu-busy", "--json"):
+                 "--provider", "--no-exchange", "--policies", "--max-lag-ms", "--max-wait-share", "--max-cpu-busy", "--json"):
         assert flag in out, flag
 
 
 @pytest.mark.parametrize(("argv", "field"), [
     (["--workers", "abc"], "--workers"), (["--workers", "0"], "--workers"), (["--time-scale", "-1"], "--time-scale"),
     (["--slowdown", "nan"], "--slowdown"), (["--policies", "cache_aware,fastest"], "--policies"),
-    (["--max-cpu-busy", "1.5"], "--max-cpu-busy"), (["--provider", "approx"], "--provider"),
+    (["--max-cpu-busy", "1.5"], "--max-cpu-busy"), (["--max-wait-share", "0"], "--max-wait-share"),
+    (["--provider", "approx"], "--provider"),
 ])
 def test_a_bad_flag_is_refused_naming_it(argv, field, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -185,7 +197,7 @@ def test_exactly_one_source_is_required():
     ({"workers": 10**6}, "workers"), ({"routers": 99}, "routers"), ({"max_requests": 10**9}, "max_requests"),
     ({"workers": "4"}, "workers"), ({"slowdown": 100.0}, "slowdown"), ({"time_scale": float("inf")}, "time_scale"),
     ({"net_ms": -1.0}, "net_ms"), ({"policies": []}, "policies"), ({"policies": ["cache_aware", "cache_aware"]}, "policies"),
-    ({"provider": "approx"}, "provider"),
+    ({"provider": "approx"}, "provider"), ({"max_wait_share": 2.0}, "max_wait_share"),
 ])
 def test_an_out_of_range_setting_names_its_field(kw, field):
     with pytest.raises(ConfigError, match=f"^{field}"):

@@ -12,8 +12,9 @@ Beside it, :func:`mesh.lab.sim.runner.run_sim` replays the same stream (the same
 object, so the same token ids, arrivals and output lengths) through the same fleet shape: the same
 policies, provider, router count, exchange, and the stubs' engine config slowed the same way.
 
-CPU honesty, per policy run: the client's send lag (actual send - scheduled), the machine's CPU
-busy share over the run (``/proc/stat``) and the replay's own processes' CPU
+CPU honesty, per policy run: the client's send lag (actual send - scheduled), how long each
+process's event loop waited for a CPU while runnable (:class:`WaitSampler`, ``schedstat``), the
+machine's CPU busy share over the run (``/proc/stat``) and the replay's own processes' CPU
 (:class:`mesh.lab.bench.proc_cpu.CpuSampler`); :func:`mesh.lab.bench.replay_core.cpu_verdict`
 marks the run ``cpu_bound`` with its reasons, and the output says so instead of presenting the
 figures as the mesh's.
@@ -84,6 +85,44 @@ def machine_busy() -> tuple[int, int] | None:
     return total - idle, total
 
 
+def run_delay_s(pid: int) -> float | None:
+    """Seconds the main thread of ``pid`` (its event loop) spent runnable but waiting for a CPU
+    (``/proc/PID/task/PID/schedstat``, field 2), None where there is none."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class WaitSampler:
+    """Run-queue wait of each process's main thread over a window: ``start()``, then ``stop(wall_s)``
+    -> {role: the largest share of the window one of its processes waited}, and the process that
+    waited most (``worst``: (role, name, share))."""
+
+    def __init__(self, names: dict[str, dict[int, str]]) -> None:
+        self.names = names
+        self._t0: dict[int, float | None] = {}
+        self.worst: tuple[str, str, float] | None = None
+
+    def start(self) -> None:
+        self._t0 = {pid: run_delay_s(pid) for pids in self.names.values() for pid in pids}
+
+    def stop(self, wall_s: float) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for role, pids in self.names.items():
+            shares = []
+            for pid, name in pids.items():
+                a, b = self._t0.get(pid), run_delay_s(pid)
+                if a is None or b is None or wall_s <= 0:
+                    continue
+                shares.append((max(0.0, b - a) / wall_s, name))
+                if self.worst is None or shares[-1][0] > self.worst[2]:
+                    self.worst = (role, name, shares[-1][0])
+            out[role] = round(max(shares)[0], 4) if shares else None
+        return out
+
+
 def _busy_share(a: tuple[int, int] | None, b: tuple[int, int] | None) -> float | None:
     if a is None or b is None or b[1] <= a[1]:
         return None
@@ -139,23 +178,30 @@ def _run_policy(cfg: ReplayConfig, policy: str, plan: list[Planned], log_dir: Pa
     g = ProcGroup(log_dir / policy)
     try:
         urls, roles = _start_fleet(g, cfg, policy)
-        sampler = CpuSampler({**roles, "client": [os.getpid()]})
+        roles["client"] = [os.getpid()]
+        sampler = CpuSampler(roles)
+        waits = WaitSampler({role: {pid: f"{role.rstrip('s')}-{i}" for i, pid in enumerate(pids)} for role, pids in roles.items()})
         sampler.start()
+        waits.start()
         busy0, t0 = machine_busy(), time.monotonic()
         results = asyncio.run(run_clients(urls, plan, deadline_ms=int(max(600_000, 60_000 * cfg.slowdown)), progress=progress))
         wall = time.monotonic() - t0
         busy = _busy_share(busy0, machine_busy())
         cpu = sampler.stop()
+        wait = waits.stop(wall)
     finally:
         g.stop_all(grace_s=5.0)
     fig = client_figures(results, cfg.slo_ms, [f"w{i:02d}" for i in range(cfg.workers)])
     ncpu = os.cpu_count() or 1
     own = sum(cpu.values()) / (wall * ncpu) if wall > 0 else None
+    worst = waits.worst
     bound, reasons = cpu_verdict(lag_p95_ms=fig["lag_p95_ms"], cpu_busy=busy, own_cpu_share=own,
-                                 max_lag_ms=cfg.max_lag_ms, max_cpu_busy=cfg.max_cpu_busy)
+                                 wait_share=worst[2] if worst else None, wait_who=worst[1] if worst else "",
+                                 max_lag_ms=cfg.max_lag_ms, max_cpu_busy=cfg.max_cpu_busy, max_wait_share=cfg.max_wait_share)
     return {**fig, "wall_s": round(wall, 3), "machine_cpu_busy": None if busy is None else round(busy, 4),
-            "own_cpu_share": None if own is None else round(own, 4),
-            "cpu_s": {k: round(v, 3) for k, v in cpu.items()}, "cpu_bound": bound, "cpu_bound_reasons": reasons}
+            "own_cpu_share": None if own is None else round(own, 4), "cpu_s": {k: round(v, 3) for k, v in cpu.items()},
+            "cpu_wait_share": wait, "cpu_wait_worst": list(worst) if worst else None,
+            "cpu_bound": bound, "cpu_bound_reasons": reasons}
 
 
 def run_replay_bench(cfg: ReplayConfig, *, log_dir: str | None = None, say: Say = print,
@@ -214,7 +260,8 @@ def print_results(res: dict[str, Any], console) -> None:
     t = Table(title=f"mesh bench replay: {res['workload']['name']}, {res['workload']['requests']} requests, "
                     f"{cfg['workers']} engines, {cfg['routers']} broker(s) ({cfg['provider']}{x}), slowdown {s:g} "
                     f"(real ms; / {s:g} = full-speed engine)")
-    t.caption = "each cell: real / sim; per worker and send lag: real; CPU: the verdict and the machine's busy share"
+    t.caption = ("each cell: real / sim; per worker and send lag: real; CPU: the verdict, the most a replay process "
+                 "waited for a CPU / the machine's busy share")
     for c in ("policy", "TTFT p50 ms", "TTFT p95 ms", "p95 ratio", "goodput", "hit rate", "worker CV", "per worker",
               "lag p95", "CPU"):
         t.add_column(c, justify="left" if c in ("policy", "per worker") else "right")
@@ -226,7 +273,8 @@ def print_results(res: dict[str, Any], console) -> None:
                   f"{fmt(r['hit_rate'], '{:.3f}')} / {fmt(m['hit_rate'], '{:.3f}')}",
                   f"{fmt(r['worker_cv'], '{:.2f}')} / {fmt(m['worker_cv'], '{:.2f}')}",
                   " ".join(str(v) for v in r["served_per_worker"].values()), fmt(r["lag_p95_ms"], "{:.0f} ms"),
-                  ("[red]BOUND[/]" if r["cpu_bound"] else "ok") + f" {fmt(r['machine_cpu_busy'], '{:.0%}')}")
+                  ("[red]BOUND[/]" if r["cpu_bound"] else "ok")
+                  + f" {fmt((r.get('cpu_wait_worst') or [None] * 3)[2], '{:.1%}')} / {fmt(r['machine_cpu_busy'], '{:.0%}')}")
     console.print(t)
     console.print(f"ranking by TTFT p95: real {' < '.join(cmp['ranking_real'])}; sim {' < '.join(cmp['ranking_sim'])}: "
                   + ("[green]agree[/]" if cmp["ranking_agrees"] else "[yellow]differ[/]")

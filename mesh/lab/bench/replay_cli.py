@@ -70,8 +70,12 @@ def add_bench_replay_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--net-ms", type=nonneg_float, default=1.0, help="the simulator's one-way router<->worker hop (default 1)")
     p.add_argument("--max-lag-ms", type=positive_float, default=50.0,
                    help="client send lag p95 above this marks a run CPU-bound (default 50)")
+    p.add_argument("--max-wait-share", type=_share, default=0.05,
+                   help="a replay process (engine, adapter, broker, client) runnable but waiting for a CPU more than "
+                        "this share of the run marks it CPU-bound (default 0.05)")
     p.add_argument("--max-cpu-busy", type=_share, default=0.9,
-                   help="machine CPU busy share above this marks a run CPU-bound (default 0.9)")
+                   help="the replay's own processes using more than this share of the CPUs (or, where the waits cannot "
+                        "be measured, the machine busier than it) marks a run CPU-bound (default 0.9)")
     p.add_argument("--log-dir", help="keep the processes' logs here (default: a new temporary folder)")
     p.add_argument("--json", type=writable_file, help="write every figure to this JSON file (mesh report renders it)")
     p.set_defaults(func=_cmd_bench_replay)
@@ -87,7 +91,7 @@ def config_from_args(args: argparse.Namespace):
                        slowdown=args.slowdown, rate=args.rate, seed=args.seed, workers=args.workers, routers=args.routers,
                        provider=args.provider, exchange=args.exchange, policies=list(args.policies),
                        ttft_slo_ms=args.ttft_slo_ms, net_ms=args.net_ms, max_lag_ms=args.max_lag_ms,
-                       max_cpu_busy=args.max_cpu_busy)
+                       max_cpu_busy=args.max_cpu_busy, max_wait_share=args.max_wait_share)
     cfg.validate()
     return cfg
 

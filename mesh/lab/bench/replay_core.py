@@ -51,7 +51,8 @@ class ReplayConfig:
     ttft_slo_ms: float = 2000.0  # of the full-speed engine; the run's SLO is this x slowdown
     net_ms: float = 1.0  # the simulator's one-way router <-> worker hop (HTTP + ZeroMQ on one host)
     max_lag_ms: float = 50.0  # client send lag p95 past this: the figures are not the mesh's
-    max_cpu_busy: float = 0.9  # the machine's CPUs busier than this over a run: the same
+    max_cpu_busy: float = 0.9  # the replay's own processes using more of the CPUs than this: the same
+    max_wait_share: float = 0.05  # a replay process runnable but waiting for a CPU this share of the run: the same
 
     def validate(self) -> None:
         if (self.trace is None) == (self.workload is None):
@@ -68,8 +69,10 @@ class ReplayConfig:
             raise ConfigError(f"slowdown must be in [0.25, 20], got {self.slowdown!r}")
         if type(self.net_ms) not in (int, float) or not (math.isfinite(self.net_ms) and self.net_ms >= 0):
             raise ConfigError(f"net_ms must be a finite number >= 0, got {self.net_ms!r}")
-        if type(self.max_cpu_busy) not in (int, float) or not 0 < self.max_cpu_busy <= 1:
-            raise ConfigError(f"max_cpu_busy must be in (0, 1], got {self.max_cpu_busy!r}")
+        for name in ("max_cpu_busy", "max_wait_share"):
+            v = getattr(self, name)
+            if type(v) not in (int, float) or not 0 < v <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {v!r}")
         if self.provider not in PROVIDERS:
             raise ConfigError(f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
         if not self.policies:
@@ -165,19 +168,28 @@ def client_figures(results: list[RequestResult], slo_ms: float, workers: list[st
 
 
 def cpu_verdict(*, lag_p95_ms: float | None, cpu_busy: float | None, max_lag_ms: float, max_cpu_busy: float,
-                own_cpu_share: float | None = None) -> tuple[bool, list[str]]:
+                own_cpu_share: float | None = None, wait_share: float | None = None, wait_who: str = "",
+                max_wait_share: float = 0.05) -> tuple[bool, list[str]]:
     """Whether a run's figures say more about the machine than about the mesh, and why.
 
     CPU-bound when the client sent its requests late (``lag_p95_ms`` > ``max_lag_ms``: arrivals are
-    no longer the trace's), or the machine's CPUs were busier than ``max_cpu_busy`` over the run
-    (``cpu_busy``, 0..1 of all CPUs: the engines' steps and every hop queue for a CPU, so measured
-    times include waiting for one), or the run's own processes alone used more than that share
-    (``own_cpu_share``). A figure that could not be measured (None) decides nothing."""
+    no longer the trace's); or a process of the replay (``wait_who``) spent more than
+    ``max_wait_share`` of the run runnable but waiting for a CPU (``wait_share``: its event loop's
+    run-queue delay / the run's wall time; an engine that waits runs its modelled steps that much
+    late, a broker or adapter delays every hop); or the run's own processes used more than
+    ``max_cpu_busy`` of the CPUs (``own_cpu_share``). The machine's busy share (``cpu_busy``) decides
+    only when the wait could not be measured (no ``/proc/PID/schedstat``): a machine kept busy by
+    other work may still run the replay on time, and the wait says whether it did. A figure that
+    could not be measured (None) decides nothing."""
     reasons = []
     if lag_p95_ms is not None and lag_p95_ms > max_lag_ms:
         reasons.append(f"client send lag p95 {lag_p95_ms:.0f} ms > {max_lag_ms:g} ms: requests left later than the trace says")
-    if cpu_busy is not None and cpu_busy > max_cpu_busy:
-        reasons.append(f"machine CPU {cpu_busy:.0%} busy > {max_cpu_busy:.0%}: engine steps and hops waited for a CPU")
+    if wait_share is not None and wait_share > max_wait_share:
+        reasons.append(f"{wait_who or 'a process'} waited for a CPU {wait_share:.1%} of the run > {max_wait_share:.1%}: "
+                       "its steps and hops ran late")
+    if wait_share is None and cpu_busy is not None and cpu_busy > max_cpu_busy:
+        reasons.append(f"machine CPU {cpu_busy:.0%} busy > {max_cpu_busy:.0%} (the replay's own waits unmeasured): "
+                       "engine steps and hops may have waited for a CPU")
     if own_cpu_share is not None and own_cpu_share > max_cpu_busy:
         reasons.append(f"the replay's own processes used {own_cpu_share:.0%} of the CPUs > {max_cpu_busy:.0%}")
     return bool(reasons), reasons
