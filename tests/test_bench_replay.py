@@ -175,15 +175,23 @@ def test_help_names_every_flag(capsys):
 
 @pytest.mark.parametrize(("argv", "field"), [
     (["--workers", "abc"], "--workers"), (["--workers", "0"], "--workers"), (["--time-scale", "-1"], "--time-scale"),
-    (["--slowdown", "nan"], "--slowdown"), (["--policies", "cache_aware,fastest"], "--policies"),
-    (["--max-cpu-busy", "1.5"], "--max-cpu-busy"), (["--max-wait-share", "0"], "--max-wait-share"),
-    (["--provider", "approx"], "--provider"),
+    (["--slowdown", "nan"], "--slowdown"), (["--max-wait-share", "0"], "--max-wait-share"), (["--provider", "approx"], "--provider"),
 ])
 def test_a_bad_flag_is_refused_naming_it(argv, field, capsys):
     with pytest.raises(SystemExit) as exc:
         _parser().parse_args(["replay", "--workload", "zipf", *argv])
     assert exc.value.code == 2
     assert f"argument {field}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (["--policies", "cache_aware,fastest"], "policies: unknown policy 'fastest'"), (["--policies", ","], "policies: give"),
+    (["--max-cpu-busy", "1.5"], "max_cpu_busy must be in"), (["--max-wait-share", "2"], "max_wait_share must be in"),
+    (["--workers", "17"], "workers must be"), (["--slowdown", "50"], "slowdown must be in"),
+])
+def test_a_bad_value_is_a_configuration_error_naming_its_field(argv, field):
+    with pytest.raises(ConfigError, match=f"^{field}"):
+        config_from_args(_parser().parse_args(["replay", "--workload", "zipf", *argv]))
 
 
 def test_exactly_one_source_is_required():

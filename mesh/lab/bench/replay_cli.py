@@ -15,24 +15,6 @@ __all__ = ["add_bench_replay_parser", "config_from_args"]
 _POLICIES = ("power_of_two", "cache_aware_greedy", "cache_aware")
 
 
-def _policies(s: str) -> list[str]:
-    out = [x.strip() for x in s.split(",") if x.strip()]
-    bad = [p for p in out if p not in _POLICIES]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"unknown policy {bad or s!r}: choose from {','.join(_POLICIES)}")
-    return out
-
-
-def _share(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        v = -1.0
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"expected a share in (0, 1], got {s!r}")
-    return v
-
-
 def add_bench_replay_parser(bsub) -> argparse.ArgumentParser:
     from mesh.lab.sim.workloads import WORKLOADS
 
@@ -63,17 +45,17 @@ def add_bench_replay_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--provider", choices=["indexer", "radix_tree"], default="indexer",
                    help="indexer: one shared mesh indexer; radix_tree: each broker its own index (default indexer)")
     p.add_argument("--no-exchange", dest="exchange", action="store_false", help="brokers do not exchange in-flight figures")
-    p.add_argument("--policies", type=_policies, default=list(_POLICIES),
+    p.add_argument("--policies", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=list(_POLICIES),
                    help=f"comma-separated policies, each one replay on fresh processes (default {','.join(_POLICIES)})")
     p.add_argument("--ttft-slo-ms", type=positive_float, default=2000.0,
                    help="goodput's TTFT bound for the full-speed engine; x slowdown in the run (default 2000)")
     p.add_argument("--net-ms", type=nonneg_float, default=1.0, help="the simulator's one-way router<->worker hop (default 1)")
     p.add_argument("--max-lag-ms", type=positive_float, default=50.0,
                    help="client send lag p95 above this marks a run CPU-bound (default 50)")
-    p.add_argument("--max-wait-share", type=_share, default=0.05,
+    p.add_argument("--max-wait-share", type=positive_float, default=0.05,
                    help="a replay process (engine, adapter, broker, client) runnable but waiting for a CPU more than "
                         "this share of the run marks it CPU-bound (default 0.05)")
-    p.add_argument("--max-cpu-busy", type=_share, default=0.9,
+    p.add_argument("--max-cpu-busy", type=positive_float, default=0.9,
                    help="the replay's own processes using more than this share of the CPUs (or, where the waits cannot "
                         "be measured, the machine busier than it) marks a run CPU-bound (default 0.9)")
     p.add_argument("--log-dir", help="keep the processes' logs here (default: a new temporary folder)")
