@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(config, items):
             except OSError:
                 src = ""
             spawns = _module_is_e2e[path] = any(m in src for m in _E2E_SOURCE_MARKS)
-        e2e = "procs" in getattr(item, "fixturenames", ()) or spawns
+        e2e = "procs" in getattr(item, "fixturenames", ()) or spawns or item.get_closest_marker("e2e") is not None
         item.add_marker(pytest.mark.e2e if e2e else pytest.mark.unit)
 
 

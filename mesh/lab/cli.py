@@ -113,6 +113,9 @@ def _add_bench(sub) -> None:
     from mesh.lab.bench.http_cli import add_bench_http_parser
 
     add_bench_http_parser(bsub)
+    from mesh.lab.bench.replay_cli import add_bench_replay_parser
+
+    add_bench_replay_parser(bsub)
     from mesh.lab.bench.tokenizer_bench import add_bench_tokenizer_parser
 
     add_bench_tokenizer_parser(bsub)

@@ -1,6 +1,6 @@
 """``mesh report``: the result pages in ``docs/results/``, generated from the JSON the lab writes.
 
-Reads the files ``mesh bench broker|routing|indexer|exchange|http --json F`` and
+Reads the files ``mesh bench broker|routing|indexer|exchange|http|replay --json F`` and
 ``mesh sim --matrix FILE --json F`` write (or the compact ``docs/quality-matrix-summary.json``)
 and writes one markdown page per file: a table, the command that made it and the date of the
 run. A page is replaced on every run, so the latest result is the only one in the repository
@@ -9,7 +9,7 @@ and a new run is a new page, not a merge of prose.
     mesh report bench/*.json docs/quality-matrix-summary.json      # -> docs/results/<name>.md
 
 Each input's kind is recognised by its keys (``--kind`` forces one); the page is named after the
-kind (``broker.md``, ``http.md``, ...) or, for a matrix, after its configuration file
+kind (``broker.md``, ``http.md``, ``replay-<workload>.md``, ...) or, for a matrix, after its configuration file
 (``quality-matrix.md``, ``quality-matrix-70b.md``). The date is the JSON file's modification
 time in UTC unless ``--date`` gives one.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 __all__ = ["KINDS", "Page", "detect_kind", "main", "page_name", "render", "to_markdown"]
 
-KINDS = ("broker", "routing", "indexer", "exchange", "http", "matrix")
+KINDS = ("broker", "routing", "indexer", "exchange", "http", "replay", "matrix")
 SHORT = {"power_of_two": "p2c", "cache_aware_greedy": "greedy"}
 
 
@@ -51,6 +51,8 @@ def detect_kind(data: Any) -> str | None:
         return None
     if isinstance(data.get("cells"), list) and isinstance(data.get("summary"), dict):
         return "matrix"
+    if data.get("bench") == "replay":
+        return "replay"
     if data.get("bench") == "http" or ("config" in data and isinstance(data.get("cells"), list)):
         return "http"
     if "baseline_rps" in data and "rounds" in data:
@@ -65,7 +67,10 @@ def detect_kind(data: Any) -> str | None:
 
 
 def page_name(kind: str, data: dict[str, Any]) -> str:
-    """The page's file stem: the kind, or for a matrix the stem of its configuration file."""
+    """The page's file stem: the kind, for a replay with its workload (``replay-mooncake``: one page per
+    workload replayed), or for a matrix the stem of its configuration file."""
+    if kind == "replay":
+        return f"replay-{(data.get('workload') or {}).get('name') or 'trace'}"
     if kind != "matrix":
         return kind
     path = (data.get("matrix") or {}).get("path")
@@ -220,6 +225,40 @@ def _http(d: dict[str, Any], src: str) -> Page:
     return p
 
 
+def _replay(d: dict[str, Any], src: str) -> Page:
+    cfg, wl, cmp = d["config"], d["workload"], d["comparison"]
+    s = cfg["slowdown"]
+    source = f"--trace {cfg['trace']}" if cfg.get("trace") else f"--workload {cfg['workload']} --rate {cfg['rate']:g}"
+    p = Page("Real-process replay beside mesh sim",
+             f"{wl['requests']} requests of {wl['name']} ({wl['span_s']:.0f} s of arrivals) replayed through real processes: "
+             f"{cfg['workers']} `mesh stub-sglang` engines behind adapters, {cfg['routers']} brokers "
+             f"({cfg['provider']}{', exchange' if cfg['exchange'] and cfg['routers'] > 1 else ''}), open-loop HTTP clients on "
+             f"the trace's clock x {cfg['time_scale']:g}; engines and clock slowed {s:g}x (times are real ms; / {s:g} for the "
+             "full-speed engine). `mesh sim` replays the same stream through the same fleet shape.",
+             f"mesh bench replay {source} --max-requests {cfg['max_requests']} --time-scale {cfg['time_scale']:g} "
+             f"--slowdown {s:g} --workers {cfg['workers']} --routers {cfg['routers']} --provider {cfg['provider']}"
+             f"{'' if cfg['exchange'] else ' --no-exchange'} --json {src}")
+    rows = []
+    for pol in cfg["policies"]:
+        r, m = d["real"][pol], d["sim"][pol]
+        rows.append([SHORT.get(pol, pol), _pair(r["ttft_p50_ms"], m["ttft_p50_ms"], "{:,.0f}"),
+                     _pair(r["ttft_p95_ms"], m["ttft_p95_ms"], "{:,.0f}"), _num(cmp["p95_real_over_sim"].get(pol), "{:.2f}x"),
+                     _pair(r["goodput"], m["goodput"], "{:.3f}"), _pair(r["hit_rate"], m["hit_rate"], "{:.3f}"),
+                     _num(r["lag_p95_ms"], "{:,.0f} ms"), _num((r.get("cpu_wait_worst") or [None] * 3)[2], "{:.1%}"),
+                     "CPU-bound" if r["cpu_bound"] else "ok"])
+    p.tables.append((["policy", "TTFT p50 real / sim", "TTFT p95 real / sim", "p95 real/sim", "goodput real / sim",
+                      "hit real / sim", "send lag p95", "most CPU wait", "result"], rows))
+    p.notes.append(f"Ranking by TTFT p95: real {' < '.join(SHORT.get(x, x) for x in cmp['ranking_real'])}; sim "
+                   f"{' < '.join(SHORT.get(x, x) for x in cmp['ranking_sim'])}: {'agree' if cmp['ranking_agrees'] else 'differ'}; "
+                   f"every p95 within {cmp['p95_tolerance']:.0%}: {'yes' if cmp['p95_within_tolerance'] else 'no'}.")
+    if d.get("cpu_bound"):
+        p.notes.append("**CPU-bound**: the real figures above measure this machine's CPU more than the mesh: "
+                       + "; ".join(d["cpu_bound_reasons"]) + ".")
+    m = d.get("machine") or {}
+    p.notes.append(f"Machine: {m.get('cpus', '-')} CPUs, load average {m.get('loadavg_at_start', '-')} at the start.")
+    return p
+
+
 # ----------------------------------------------------------------------------- the quality matrix
 
 
@@ -306,7 +345,8 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
 
 
 _RENDER: dict[str, Callable[[dict[str, Any], str], Page]] = {
-    "broker": _broker, "routing": _routing, "indexer": _indexer, "exchange": _exchange, "http": _http, "matrix": _matrix,
+    "broker": _broker, "routing": _routing, "indexer": _indexer, "exchange": _exchange, "http": _http, "replay": _replay,
+    "matrix": _matrix,
 }
 
 
