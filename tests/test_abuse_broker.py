@@ -115,10 +115,11 @@ def test_kv_flood_then_close_does_not_kill_the_broker_nor_expire_healthy_workers
         st = await until(lambda: _flood_read(b.frontend), timeout_s=40, what="the attacker's frames all read")
         c = st.counters
         # every batch read while the attacker was registered was refused at decode (over
-        # MAX_KV_BATCH_BLOCKS) or applied; on a busy machine the silent attacker may be expired
-        # first, and what it sent after that is refused unread as an unregistered peer's
+        # MAX_KV_BATCH_BLOCKS) or applied (the real worker's own batches count too); on a busy
+        # machine the silent attacker may be expired first, and what it sent after that is
+        # refused unread as an unregistered peer's
         handled = c.get("kv.batches", 0) + c.get("frames_rejected.worker.kv_batch_too_large", 0)
-        assert handled == 10 or (c.get("workers.expired", 0) == 1 and c.get("frames_rejected.worker.unregistered_peer", 0)), c
+        assert handled >= 10 or (c.get("workers.expired", 0) == 1 and c.get("frames_rejected.worker.unregistered_peer", 0)), c
         # the real worker was never expired (the attacker, gone silent, may be: with oversize
         # batches refused at decode since issue 32 the broker gets there in time)
         assert c.get("workers.expired", 0) <= 1, c
