@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from mesh import protocol as P
 from mesh.broker_core.core import BrokerCore
-from mesh.broker_core.sends import TO_CLIENT, TO_WORKER
 from mesh.config import BrokerSettings, build
 from mesh.errors import ErrorCode
 from mesh.routing.router import Router, make_policy
+from tests.core_support import outcomes
 
 
 def _core() -> BrokerCore:
@@ -26,26 +26,14 @@ def _join(core: BrokerCore, wid: str, capacity: int, now: float) -> None:
     core.worker_frames([wid.encode(), *P.encode_heartbeat()], now)
 
 
-def _outcome(sends) -> list[str]:
-    out = []
-    for s in sends:
-        if s.to == TO_WORKER and isinstance(P.decode_broker_to_worker(s.frames), P.Request):
-            out.append("sent:" + s.identity.decode())
-        elif s.to == TO_CLIENT:
-            m = P.decode_client_reply(s.frames)
-            if isinstance(m, P.ClientError):
-                out.append(m.code)
-    return out
-
-
 def test_a_prompt_parked_before_any_worker_is_refused_when_one_registers():
     core = _core()
     core.client_frames([b"c", *P.encode_submit("big", input_ids=[5] * 5000)], 0.0)
     core.client_frames([b"c", *P.encode_submit("small", input_ids=[5] * 100)], 0.0)
-    assert _outcome(core.take()) == []  # no worker yet: both wait
+    assert outcomes(core.take()) == []  # no worker yet: both wait
     _join(core, "w", 4096, 1.0)  # it holds 4,096 tokens: the 5,000-token prompt can never run there
-    got = _outcome(core.take())
-    assert ErrorCode.CONTEXT_LENGTH_EXCEEDED.value in got and "sent:w" in got and len(got) == 2, got
+    got = outcomes(core.take())
+    assert ErrorCode.CONTEXT_LENGTH_EXCEEDED.value in got and "w" in got and len(got) == 2, got
     assert core.stats.flat().get("requests.context_length_exceeded") == 1
 
 
@@ -54,4 +42,4 @@ def test_a_prompt_that_fits_is_checked_once():
     _join(core, "w", 4096, 0.0)
     core.take()
     core.client_frames([b"c", *P.encode_submit("ok", input_ids=[5] * 100)], 1.0)
-    assert _outcome(core.take()) == ["sent:w"]
+    assert outcomes(core.take()) == ["w"]

@@ -26,7 +26,7 @@ from mesh.adapters.backend import EngineInfo, engine_lora, models_and_loras
 from mesh.adapters.sglang import generate_body
 from mesh.adapters.vllm import completions_body
 from mesh.broker_core import BrokerCore
-from mesh.broker_core.sends import TO_CLIENT, TO_WORKER
+from mesh.broker_core.sends import TO_WORKER
 from mesh.client import Client
 from mesh.config import BrokerSettings, build
 from mesh.errors import ErrorCode, ProtocolError, RequestError
@@ -37,6 +37,7 @@ from mesh.routing.router import Router, make_policy
 from mesh.routing.view import WorkerState
 from tests.adapters_support import start_adapters, start_stubs
 from tests.conftest import run, until
+from tests.core_support import outcomes
 
 DATA = Path(__file__).parent / "data"
 
@@ -157,13 +158,7 @@ def _send(core: BrokerCore, n: int, model: str | None, now: float = 1.0, **param
     for i in range(n):
         core.client_frames([b"client", *P.encode_submit(f"r{next(_RIDS)}", input_ids=[i + 1] * 8, model=model,
                                                        params=params or None)], now)
-        for s in core.take():
-            if s.to == TO_WORKER and isinstance(P.decode_broker_to_worker(s.frames), P.Request):
-                out.append(s.identity.decode())
-            elif s.to == TO_CLIENT:
-                m = P.decode_client_reply(s.frames)
-                if isinstance(m, P.ClientError):
-                    out.append(m.code)
+        out += outcomes(core.take())
     return out
 
 
