@@ -493,7 +493,7 @@ def record_real(procs, tmp_path: Path, n: int, workers: int = 4) -> Path:
 def test_a_real_broker_records_what_mesh_sim_replays(procs, tmp_path):
     """(b), small: a broker process with stub workers records; the file holds no prompt text, loads
     with its fleet, and replays through the broker's core in mesh sim (timing differs live, so the
-    agreement is reported, not required: docs/results/replay-decisions.md)."""
+    agreement is reported, not required: docs/simulator.md)."""
     path = record_real(procs, tmp_path, 40)
     raw = path.read_bytes()
     assert WORD.encode() not in raw and b"hello" not in raw
