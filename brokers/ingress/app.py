@@ -1,4 +1,5 @@
-"""The HTTP ingress (aiohttp): routes, API key, lifecycle, and the simple and admin endpoints.
+"""The HTTP ingress (:mod:`.http1`, httptools on the running loop): routes, API key, lifecycle, and the
+simple and admin endpoints.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`.openai_api`), ``POST
 /v1/responses``, ``/v1/embeddings``, ``/v1/rerank``, ``/v1/score`` (to the engine, :mod:`.passthrough`), ``POST
@@ -19,13 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
+from urllib.parse import unquote
 
-from aiohttp import web
-
+from brokers.ingress import web
 from brokers.ingress.backend import IngressBackend
 from mesh.proxies import CLIENT, TrustedProxies, parse_trusted_proxies
 from brokers.ingress.generate import GenerateEndpoint
-from brokers.ingress.guard import ConnGuard, GuardedConnection
+from brokers.ingress.guard import ConnGuard
+from brokers.ingress.http1 import HttpConnection, Site
 from brokers.ingress.openai_api import OpenAIEndpoints
 from brokers.ingress.replies import ReplyStream, error_response, json_response, mesh_error_response
 from brokers.ingress.submit import MAX_BODY_BYTES, PRIORITY, QUOTA_KEY, REQUEST_ID, REQUEST_ID_RE, TENANT, Submitter
@@ -41,6 +44,14 @@ __all__ = ["HttpIngress"]
 
 def _no_admin() -> web.Response:
     return error_response(404, "no admin API on this front door (use the broker's --http)", "not_found")
+
+
+async def _not_found(request: web.Request) -> web.Response:
+    return error_response(404, "Not Found", "not_found")
+
+
+async def _method_not_allowed(request: web.Request) -> web.Response:
+    return error_response(405, "Method Not Allowed", "method_not_allowed")
 
 
 class HttpIngress:
@@ -60,12 +71,11 @@ class HttpIngress:
         self.metrics_registry = metrics_registry
         self.idle_timeout_s = idle_timeout_s
         self.backlog = max(1, min(backlog, max_connections))
-        self.guard = ConnGuard(backend.stats, max_connections, header_timeout_s, max_connections_per_address)
+        self.guard = ConnGuard(backend.stats, max_connections, header_timeout_s, max_connections_per_address, idle_timeout_s)
         self.proxies = TrustedProxies(parse_trusted_proxies(trusted_proxies))  # ValueError: the shell validated it
         self.body_budget = max_body_bytes_per_address  # 0: no bound (see _within_body_budget)
         self._body_bytes: dict[str, int] = {}  # peer address -> bytes of bodies of its running requests
         self.log = get_logger(service="http")
-        self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
         self._prefetch: asyncio.Task | None = None  # loads the tokenizers the engines announce
         self.endpoint = ""
@@ -81,44 +91,39 @@ class HttpIngress:
         streams = ReplyStream(backend.stats, stream_idle_timeout_s=stream_idle_timeout_s, body_timeout_s=body_timeout_s)
         openai = OpenAIEndpoints(self.submitter, streams)
         generate = GenerateEndpoint(self.submitter, streams)
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard_mw])
-        app.add_routes([
-            web.post("/v1/completions", openai.completions),
-            web.post("/v1/chat/completions", openai.chat_completions),
-            web.post("/generate", generate.generate),
-            web.get("/v1/models", self.models),
-            web.get("/v1/models/{model_id}", self.model),
-            web.post("/v1/responses", openai.passthrough.responses),
-            web.post("/v1/embeddings", openai.passthrough.embeddings),
-            web.post("/v1/rerank", openai.passthrough.rerank),
-            web.post("/v1/score", openai.passthrough.score),
-            web.get("/health", self.health),
-            web.get("/healthz", self.health),
-            web.get("/readyz", self.readyz),
-            web.get("/metrics", self.metrics),
-            web.get("/workers", self.workers),
-            web.post("/workers/{worker_id}/{action}", self.worker_action),
-        ])
-        self.app = app
+        get, post = ("GET", "HEAD"), ("POST",)
+        # exact paths first (a dict lookup), then the two parameterised routes (_route)
+        self.routes: dict[str, tuple[tuple[str, ...], Any]] = {
+            "/v1/completions": (post, openai.completions),
+            "/v1/chat/completions": (post, openai.chat_completions),
+            "/generate": (post, generate.generate),
+            "/v1/models": (get, self.models),
+            "/v1/responses": (post, openai.passthrough.responses),
+            "/v1/embeddings": (post, openai.passthrough.embeddings),
+            "/v1/rerank": (post, openai.passthrough.rerank),
+            "/v1/score": (post, openai.passthrough.score),
+            "/health": (get, self.health),
+            "/healthz": (get, self.health),
+            "/readyz": (get, self.readyz),
+            "/metrics": (get, self.metrics),
+            "/workers": (get, self.workers),
+        }
 
     @property
     def api_key(self) -> str | None:
         return self._key.decode() if self._key else None
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self, host: str, port: int) -> str:
-        # handler_cancellation: a client that goes away cancels its handler, which cancels its request
-        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.idle_timeout_s, shutdown_timeout=5.0,
-                                     handler_cancellation=True)
-        await self._runner.setup()
-        server = self._runner.server
-        assert server is not None
+    async def start(self, host: str, port: int, **server_kw: Any) -> str:
+        """Listen on ``host:port`` (``server_kw``: more of ``loop.create_server``'s options); returns the URL."""
+        site = Site(self.guard, self._serve, self.backend.stats, MAX_BODY_BYTES)
 
-        def factory() -> GuardedConnection:
-            return GuardedConnection(self.guard, server())
+        def factory() -> HttpConnection:
+            return HttpConnection(site)
 
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True)
+        self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True, **server_kw)
+        self.guard.start()
         self._prefetch = asyncio.create_task(self.submitter.tokenizers.prefetch_loop(), name="http-tokenizer-prefetch")
         h, p = self._server.sockets[0].getsockname()[:2]
         self.endpoint = f"http://{h}:{p}"
@@ -132,43 +137,50 @@ class HttpIngress:
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
         self.guard.close_all()
+        await asyncio.sleep(0)  # the closed connections' connection_lost: their handlers are cancelled
         self.submitter.close()
 
-    # ------------------------------------------------------------------ middleware
-    @web.middleware
-    async def _guard_mw(self, request: web.Request, handler):
-        """Marks the connection busy (no head timeout, not evictable) while a request runs, checks
-        the API key (every path but the health probes); turns routing errors into OpenAI-style
-        bodies and any unexpected exception into a logged 500 without details (no traceback
-        reaches a client), and carries the caller's ``x-request-id`` (validated) into the request and
-        back on every answer. One middleware, not a chain: each layer costs every request."""
+    # ------------------------------------------------------------------ every request
+    def _route(self, request: web.Request):
+        """The handler of a request: an exact path, else ``/v1/models/{model_id}`` or
+        ``/workers/{worker_id}/{action}`` (a parameter holds no ``/``), else the 404 or 405 answer."""
+        route = self.routes.get(request.path)
+        if route is None:
+            raw = request.raw_path
+            if raw.startswith("/v1/models/") and raw.count("/") == 3 and len(raw) > 11:
+                route = (("GET", "HEAD"), self.model)
+                request.match_info = {"model_id": unquote(raw[11:])}
+            elif raw.startswith("/workers/") and raw.count("/") == 3:
+                wid, _, action = raw[9:].partition("/")
+                if wid and action:
+                    route = (("POST",), self.worker_action)
+                    request.match_info = {"worker_id": unquote(wid), "action": unquote(action)}
+            if route is None:
+                return _not_found
+        return route[1] if request.method in route[0] else _method_not_allowed
+
+    async def _serve(self, request: web.Request) -> web.Response | web.StreamResponse:
+        """Every request: checks the API key (every path but the health probes), turns routing errors
+        into OpenAI-style bodies and any unexpected exception into a logged 500 without details (no
+        traceback reaches a client), and carries the caller's ``x-request-id`` (validated) into the
+        request and back on every answer. One function, not a middleware chain: each layer costs every request."""
         xid = request.headers.get("x-request-id")
         if xid is not None and not REQUEST_ID_RE.fullmatch(xid):
             self.backend.stats.requests[ErrorCode.BAD_REQUEST.value] += 1
             return error_response(400, "x-request-id: 1..128 characters of A-Z a-z 0-9 . _ : @ + = -", ErrorCode.BAD_REQUEST.value)
         REQUEST_ID.set(xid)
-        tr = request.transport
-        conn = tr.get_protocol() if tr is not None else None
-        if isinstance(conn, GuardedConnection):
-            self.guard.busy(conn)
+        handler = self._route(request)
         client = self.proxies.client(request.remote, request.headers)
         CLIENT.set(client)
         QUOTA_KEY.set(b"\x00httpq:" + client.address.encode())
-        try:
-            if tracing.enabled() and request.method == "POST":
-                with tracing.server_span(f"mesh {request.path}", request.headers,
-                                         {"http.request.method": "POST", "url.path": request.path, "mesh.request_id": xid}):
-                    resp = await self._handle(request, handler)
-                    tracing.set_attributes({"http.response.status_code": resp.status})
-            else:
+        if tracing.enabled() and request.method == "POST":
+            with tracing.server_span(f"mesh {request.path}", request.headers,
+                                     {"http.request.method": "POST", "url.path": request.path, "mesh.request_id": xid}):
                 resp = await self._handle(request, handler)
-        finally:
-            if isinstance(conn, GuardedConnection):
-                self.guard.idle(conn)
+                tracing.set_attributes({"http.response.status_code": resp.status})
+        else:
+            resp = await self._handle(request, handler)
         if xid is not None and not resp.prepared and "x-request-id" not in resp.headers:
             resp.headers["x-request-id"] = xid  # errors too: the caller's id comes back on every answer
         return resp
@@ -193,13 +205,13 @@ class HttpIngress:
             if request.method != "POST" or not self.body_budget:
                 return await handler(request)
             return await self._within_body_budget(request, handler)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "bad_request" if exc.status < 500 else "internal")
-            return error_response(exc.status, exc.reason, code, "invalid_request_error" if exc.status < 500 else "server_error")
         except asyncio.CancelledError:
             raise
+        except web.BodyTooLarge:
+            self.backend.stats.requests[ErrorCode.TOO_LARGE.value] += 1
+            resp = error_response(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", ErrorCode.TOO_LARGE.value)
+            resp.force_close()
+            return resp
         except ConnectionError:  # the client went away or stopped reading (replies.py): counted, not a 500 with a traceback
             self.backend.stats.dropped["http_client_gone"] += 1
             if request.transport is not None:
@@ -266,12 +278,12 @@ class HttpIngress:
 
     async def health(self, request: web.Request) -> web.Response:
         n = self.backend.routable_workers()
-        return web.json_response({"status": "ok" if n else "no_workers", "workers": n,
+        return json_response({"status": "ok" if n else "no_workers", "workers": n,
                                   "text_routing": self.submitter.tokenizers.health()}, status=200 if n else 503)
 
     async def readyz(self, request: web.Request) -> web.Response:
         ok = self.backend.state == "serving"
-        return web.json_response({"ready": ok, "state": self.backend.state}, status=200 if ok else 503)
+        return json_response({"ready": ok, "state": self.backend.state}, status=200 if ok else 503)
 
     # ------------------------------------------------------------------ admin API
     def _not_admin(self) -> web.Response | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
+from brokers.ingress import web
 
 from brokers.ingress.replies import Call, ReplyStream, error_response, mesh_error_response, refusal_response
 from brokers.ingress.submit import Submitter

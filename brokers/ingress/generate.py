@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
+from brokers.ingress import web
 
 from brokers.ingress.endpoint import Endpoint
 from brokers.ingress.replies import REFUSALS, Call, detok, json_response, mesh_headers, status_of

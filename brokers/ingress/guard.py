@@ -3,9 +3,10 @@
 At most ``max_connections`` HTTP connections are open at once. A connection must deliver a
 complete request head within ``header_timeout_s`` of connecting (or of the first byte of its next
 request on a kept-alive connection), a body within ``body_timeout_s`` (checked where the body is
-read), and an idle kept-alive connection is closed after ``idle_timeout_s`` (aiohttp's keep-alive
-timeout). When the limit is reached, a new connection evicts the connection that has waited
-longest for its request head, else the longest-idle kept-alive one; when every connection is busy
+read), and an idle kept-alive connection is closed after ``idle_timeout_s``; one sweep a tick (a
+quarter of the shorter timeout, at most 1 s) closes the expired ones, no timer per request. When
+the limit is reached, a new connection evicts the connection that has waited longest for its
+request head, else the longest-idle kept-alive one; when every connection is busy
 with a request, the new one gets a 503 and is closed. The listen backlog is bounded too, so the
 ingress holds at most ``max_connections + backlog`` descriptors however many connections arrive.
 
@@ -21,91 +22,70 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Protocol
 
 from brokers.ingress.backend import IngressCounters
 from brokers.ingress.replies import RETRY_AFTER_S
 from mesh.errors import ErrorCode
 
-__all__ = ["ConnGuard", "GuardedConnection"]
+__all__ = ["ConnGuard", "Guarded", "REFUSED_RESPONSE"]
 
 
-class GuardedConnection(asyncio.Protocol):
-    """Wraps aiohttp's RequestHandler for one connection (public protocol API only) and tracks
-    where the connection is: waiting for a request head, busy with a request, or idle."""
+class Guarded(Protocol):
+    """A connection as the guard sees it (:class:`brokers.ingress.http1.HttpConnection`): its peer
+    address, where it is (``head``: waiting for a request head, ``busy``, ``idle``) and since when."""
 
-    __slots__ = ("guard", "inner", "transport", "state", "since", "timer", "refused", "peer")
+    peer: str
+    state: str
+    since: float
 
-    def __init__(self, guard: "ConnGuard", inner: asyncio.Protocol) -> None:
-        self.guard = guard
-        self.inner = inner
-        self.transport: asyncio.Transport | None = None
-        self.state = "head"
-        self.since = 0.0
-        self.timer: asyncio.TimerHandle | None = None
-        self.refused = False
-        self.peer = ""
-
-    # asyncio protocol interface
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        peer = transport.get_extra_info("peername")
-        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-        if not self.guard.admit(self):
-            self.refused = True
-            transport.write(_REFUSED_RESPONSE)
-            transport.close()
-            return
-        self.inner.connection_made(transport)
-        self.guard.head_started(self)
-
-    def data_received(self, data: bytes) -> None:
-        if self.refused:
-            return
-        if self.state == "idle":  # first bytes of the next request on a kept-alive connection
-            self.guard.head_started(self)
-        self.inner.data_received(data)
-
-    def eof_received(self):
-        if self.refused:
-            return None
-        return self.inner.eof_received()
-
-    def connection_lost(self, exc) -> None:
-        self.guard.forget(self)
-        if not self.refused:
-            self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        if not self.refused:
-            self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if not self.refused:
-            self.inner.resume_writing()
-
-    def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+    def close(self) -> None: ...
 
 
-_REFUSED_BODY = json.dumps({"error": {"message": "too many HTTP connections", "type": "server_error",
+REFUSED_BODY = json.dumps({"error": {"message": "too many HTTP connections", "type": "server_error",
                                       "code": ErrorCode.UNAVAILABLE.value}}).encode()
-_REFUSED_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: "
+REFUSED_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: "
                      + RETRY_AFTER_S.encode() + b"\r\nConnection: close\r\nContent-Length: "
-                     + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n" + _REFUSED_BODY)
+                     + str(len(REFUSED_BODY)).encode() + b"\r\n\r\n" + REFUSED_BODY)
 
 
 class ConnGuard:
-    def __init__(self, stats: IngressCounters, max_connections: int, header_timeout_s: float, max_per_address: int = 0) -> None:
+    def __init__(self, stats: IngressCounters, max_connections: int, header_timeout_s: float, max_per_address: int = 0,
+                 idle_timeout_s: float = 60.0) -> None:
         self.stats = stats
         self.max_connections = max_connections
         self.max_per_address = max_per_address
         self.header_timeout_s = header_timeout_s
-        self.conns: dict[GuardedConnection, None] = {}
+        self.idle_timeout_s = idle_timeout_s
+        self.conns: dict[Guarded, None] = {}
         self.by_peer: dict[str, int] = {}  # open connections by peer address
         self.peak = 0
+        self._sweeper: asyncio.Task | None = None
 
-    def admit(self, c: GuardedConnection) -> bool:
+    def start(self) -> None:
+        """Sweep expired connections from now on (on the running loop), until :meth:`close_all`."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop(), name="http-conn-guard")
+
+    async def _sweep_loop(self) -> None:
+        tick_s = max(0.05, min(1.0, self.header_timeout_s / 4, self.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(tick_s)
+            self.sweep(time.monotonic())
+
+    def sweep(self, now: float) -> None:
+        """Close the connections that waited too long for a request head, or stayed idle too long."""
+        head_before = now - self.header_timeout_s
+        idle_before = now - self.idle_timeout_s
+        for c in [c for c in self.conns if c.state != "busy"]:
+            if c.state == "head" and c.since <= head_before:
+                self.stats.dropped["http_header_timeout"] += 1
+            elif c.state != "idle" or c.since > idle_before:
+                continue
+            self.forget(c)
+            c.close()
+
+    def admit(self, c: Guarded) -> bool:
         if self.max_per_address and self.by_peer.get(c.peer, 0) >= self.max_per_address:
             victim = self._victim(c.peer)
             if victim is None:
@@ -127,7 +107,7 @@ class ConnGuard:
         self.peak = max(self.peak, len(self.conns))
         return True
 
-    def _victim(self, peer: str | None = None) -> GuardedConnection | None:
+    def _victim(self, peer: str | None = None) -> Guarded | None:
         """The connection to evict (of ``peer`` only, when given): waiting for a head first, then the longest idle."""
         best = None
         for c in self.conns:
@@ -138,35 +118,21 @@ class ConnGuard:
                 best = (key, c)
         return best[1] if best else None
 
-    def head_started(self, c: GuardedConnection) -> None:
+    @staticmethod
+    def head_started(c: Guarded) -> None:
         c.state = "head"
         c.since = time.monotonic()
-        if c.timer is not None:
-            c.timer.cancel()
-        c.timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._head_expired, c)
 
-    def _head_expired(self, c: GuardedConnection) -> None:
-        c.timer = None
-        if c.state == "head" and c in self.conns:
-            self.stats.dropped["http_header_timeout"] += 1
-            self.forget(c)
-            c.close()
-
-    def busy(self, c: GuardedConnection) -> None:
+    @staticmethod
+    def busy(c: Guarded) -> None:
         c.state = "busy"
-        if c.timer is not None:
-            c.timer.cancel()
-            c.timer = None
 
-    def idle(self, c: GuardedConnection) -> None:
-        if c.state == "busy":
-            c.state = "idle"
-            c.since = time.monotonic()  # aiohttp's keep-alive timeout (idle_timeout_s) closes it
+    @staticmethod
+    def idle(c: Guarded) -> None:
+        c.state = "idle"
+        c.since = time.monotonic()
 
-    def forget(self, c: GuardedConnection) -> None:
-        if c.timer is not None:
-            c.timer.cancel()
-            c.timer = None
+    def forget(self, c: Guarded) -> None:
         if self.conns.pop(c, 0) is None:  # was open: its peer's count goes down once
             n = self.by_peer[c.peer] - 1
             if n:
@@ -175,7 +141,9 @@ class ConnGuard:
                 del self.by_peer[c.peer]
 
     def close_all(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for c in list(self.conns):
             self.forget(c)
             c.close()
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from aiohttp import web
+from brokers.ingress import web
 
 from brokers.ingress.endpoint import Endpoint
 from brokers.ingress.passthrough import PassthroughEndpoints

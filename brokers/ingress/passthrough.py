@@ -18,7 +18,7 @@ stream started is an SSE ``error`` event. A worker that answers without the pass
 
 from __future__ import annotations
 
-from aiohttp import web
+from brokers.ingress import web
 
 from brokers.ingress.endpoint import Endpoint
 from brokers.ingress.replies import REFUSALS, Call, error_response, mesh_error_response, mesh_headers
@@ -98,7 +98,7 @@ class PassthroughEndpoints(Endpoint):
                       model: str | None, tx) -> web.StreamResponse:
         """Submit the request with its body for ``path`` and answer with what the engine answered."""
         try:
-            raw = await request.read()  # the body as the client sent it (aiohttp keeps it once read)
+            raw = await request.read()  # the body as the client sent it (kept once read)
             if len(raw) > P.MAX_PASSTHROUGH_BODY_BYTES:
                 raise IngressTooLarge(f"request body of {len(raw)} bytes exceeds the pass-through limit of "
                                       f"{P.MAX_PASSTHROUGH_BODY_BYTES}")

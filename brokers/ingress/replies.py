@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import orjson
-from aiohttp import web
+from brokers.ingress import web
 
 from brokers.ingress.backend import IngressBackend, IngressCounters, ReplySink
 from mesh import protocol as P

@@ -39,7 +39,7 @@ import secrets
 from typing import Any
 
 import orjson
-from aiohttp import web
+from brokers.ingress import web
 
 from brokers.ingress.backend import IngressBackend
 from brokers.ingress.replies import Call
@@ -221,7 +221,7 @@ class Submitter:
         try:
             async with asyncio.timeout(self.body_timeout_s):  # no Task per request (wait_for makes one)
                 raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        except web.BodyTooLarge:
             raise IngressTooLarge(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes") from None
         except TimeoutError:
             self.backend.stats.dropped["http_body_timeout"] += 1
