@@ -13,14 +13,12 @@ from brokers.ingress import MAX_BODY_BYTES, HttpIngress
 from brokers.stats import BrokerStats
 from mesh import protocol as P
 from tests.conftest import run, until
+from tests.ingress_support import CatalogBackend
 
 
-class _Backend:
-    """Answers each request with a FINAL of two tokens (after ``delay_s`` for the prompt "slow"), streams
-    endless 32 KiB chunks for the prompt "flood", and never answers the prompt "hold"."""
-
-    state = "serving"
-    admin = None
+class _Backend(CatalogBackend):
+    """Answers each request with a FINAL of its prompt plus "!" (after 0.2 s for the prompt "slow"),
+    streams endless 32 KiB chunks for the prompt "flood", and never answers the prompt "hold"."""
 
     def __init__(self) -> None:
         self.stats = BrokerStats()
@@ -52,24 +50,6 @@ class _Backend:
     def cancel(self, ident) -> None:
         self.cancelled.append(ident)
 
-    def forget(self, ident) -> None:
-        pass
-
-    def model_catalog(self):
-        return {"m": 1}, {}, "mesh"
-
-    def lora_catalog(self):
-        return {}
-
-    def announced_tokenizers(self):
-        return {}
-
-    def routable_workers(self) -> int:
-        return 1
-
-    def prompt_token_cap(self) -> int:
-        return 0
-
 
 def _post(prompt: str, *, rid: str = "", extra: bytes = b"", stream: bool = False, version: bytes = b"1.1") -> bytes:
     body = json.dumps({"prompt": prompt, "max_tokens": 2, "stream": stream}).encode()
@@ -95,159 +75,142 @@ async def _read_response(r: asyncio.StreamReader) -> tuple[int, dict[str, str], 
     return status, headers, await r.read()
 
 
-async def _serving(backend=None, **kw):
-    backend = backend or _Backend()
-    ing = HttpIngress(backend, **kw)
-    url = await ing.start("127.0.0.1", 0)
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return backend, ing, host, int(port)
-
-
-def test_pipelined_requests_are_answered_in_order():
+def _serve(check, timeout_s: float = 30, **kw) -> None:
+    """Run ``check(backend, ingress, host, port)`` against an ingress (``kw``: its options) in front of a _Backend."""
     async def body():
-        backend, ing, host, port = await _serving()
+        backend = _Backend()
+        ing = HttpIngress(backend, **kw)
+        url = await ing.start("127.0.0.1", 0)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
         try:
-            r, w = await asyncio.open_connection(host, port)
-            w.write(_post("slow", rid="first") + _post("fast", rid="second") + b"GET /health HTTP/1.1\r\nx-request-id: third\r\n\r\n"
-                    + _post("fast", rid="fourth"))
-            got = [await asyncio.wait_for(_read_response(r), 10) for _ in range(4)]
-            assert [h.get("x-request-id") for _, h, _ in got] == ["first", "second", "third", "fourth"]
-            assert [s for s, _, _ in got] == [200, 200, 200, 200]
-            assert json.loads(got[0][2])["choices"][0]["text"] == "slow!"
-            w.write(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")  # honoured: answered, then the close
-            status, headers, _ = await asyncio.wait_for(_read_response(r), 10)
-            assert status == 200 and headers["connection"] == "close" and await asyncio.wait_for(r.read(), 10) == b""
-            w.close()
-        finally:
-            await ing.stop()
-
-    run(body(), 30)
-
-
-def test_a_stream_never_read_is_cut_at_the_write_timeout_and_cancelled():
-    async def body():
-        backend, ing, host, port = await _serving(body_timeout_s=0.5)
-        try:
-            r, w = await asyncio.open_connection(host, port, limit=1 << 16)
-            w.transport.pause_reading()  # a slow reader: never reads its stream
-            w.write(_post("flood", stream=True))
-            await until(lambda: backend.stats.dropped["http_write_timeout"] == 1, 30, "the stream cut at the write timeout")
-            await until(lambda: backend.cancelled == backend.idents, 5, "its request cancelled")
-            assert backend.stats.dropped["http_stream_idle_timeout"] == 0
-            w.close()
+            await check(backend, ing, host, int(port))
         finally:
             for t in backend.floods:
                 t.cancel()
             await ing.stop()
 
-    run(body(), 60)
+    run(body(), timeout_s)
+
+
+def test_pipelined_requests_are_answered_in_order():
+    async def check(backend, ing, host, port):
+        r, w = await asyncio.open_connection(host, port)
+        w.write(_post("slow", rid="first") + _post("fast", rid="second") + b"GET /health HTTP/1.1\r\nx-request-id: third\r\n\r\n"
+                + _post("fast", rid="fourth"))
+        got = [await asyncio.wait_for(_read_response(r), 10) for _ in range(4)]
+        assert [h.get("x-request-id") for _, h, _ in got] == ["first", "second", "third", "fourth"]
+        assert [s for s, _, _ in got] == [200, 200, 200, 200]
+        assert json.loads(got[0][2])["choices"][0]["text"] == "slow!"
+        w.write(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")  # honoured: answered, then the close
+        status, headers, _ = await asyncio.wait_for(_read_response(r), 10)
+        assert status == 200 and headers["connection"] == "close" and await asyncio.wait_for(r.read(), 10) == b""
+        w.close()
+
+    _serve(check, 30)
+
+
+def test_a_stream_never_read_is_cut_at_the_write_timeout_and_cancelled():
+    async def check(backend, ing, host, port):
+        r, w = await asyncio.open_connection(host, port, limit=1 << 16)
+        w.transport.pause_reading()  # a slow reader: never reads its stream
+        w.write(_post("flood", stream=True))
+        await until(lambda: backend.stats.dropped["http_write_timeout"] == 1, 30, "the stream cut at the write timeout")
+        await until(lambda: backend.cancelled == backend.idents, 5, "its request cancelled")
+        assert backend.stats.dropped["http_stream_idle_timeout"] == 0
+        w.close()
+
+    _serve(check, 60, body_timeout_s=0.5)
 
 
 def test_malformed_heads_get_400_431_414_and_the_close():
-    async def body():
-        backend, ing, host, port = await _serving()
-        try:
-            cases = [(b"GARBAGE\r\n\r\n", 400, "http_malformed"),
-                     (b"GET /health HTTP/1.1\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(500)) + b"\r\n", 431, "http_header_flood"),
-                     (b"GET /health HTTP/1.1\r\nx-big: " + b"v" * 70000 + b"\r\n\r\n", 431, "http_header_flood"),
-                     (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414, "http_url_too_long"),
-                     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxx", 400, "http_malformed")]
-            for raw, code, what in cases:
-                r, w = await asyncio.open_connection(host, port)
-                w.write(raw)
-                status, headers, payload = await asyncio.wait_for(_read_response(r), 10)
-                assert status == code and headers["connection"] == "close", (raw[:40], status)
-                assert json.loads(payload)["error"]["code"] == "bad_request"
-                assert await asyncio.wait_for(r.read(), 10) == b""
-                w.close()
-            assert backend.stats.dropped["http_malformed"] == 2 and backend.stats.dropped["http_header_flood"] == 2
-            assert backend.stats.dropped["http_url_too_long"] == 1 and backend.idents == []
-        finally:
-            await ing.stop()
+    async def check(backend, ing, host, port):
+        cases = [(b"GARBAGE\r\n\r\n", 400, "http_malformed"),
+                 (b"GET /health HTTP/1.1\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(500)) + b"\r\n", 431, "http_header_flood"),
+                 (b"GET /health HTTP/1.1\r\nx-big: " + b"v" * 70000 + b"\r\n\r\n", 431, "http_header_flood"),
+                 (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414, "http_url_too_long"),
+                 (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxx", 400, "http_malformed")]
+        for raw, code, what in cases:
+            r, w = await asyncio.open_connection(host, port)
+            w.write(raw)
+            status, headers, payload = await asyncio.wait_for(_read_response(r), 10)
+            assert status == code and headers["connection"] == "close", (raw[:40], status)
+            assert json.loads(payload)["error"]["code"] == "bad_request"
+            assert await asyncio.wait_for(r.read(), 10) == b""
+            w.close()
+        assert backend.stats.dropped["http_malformed"] == 2 and backend.stats.dropped["http_header_flood"] == 2
+        assert backend.stats.dropped["http_url_too_long"] == 1 and backend.idents == []
 
-    run(body(), 30)
+    _serve(check, 30)
 
 
 def test_a_client_that_disconnects_mid_request_cancels_it_counted():
-    async def body():
-        backend, ing, host, port = await _serving()
-        try:
-            r, w = await asyncio.open_connection(host, port)
-            w.write(_post("hold"))
-            await until(lambda: len(backend.idents) == 1, 10, "the request submitted")
-            w.close()
-            await until(lambda: backend.cancelled == backend.idents, 10, "its request cancelled at once")
-            assert backend.stats.dropped["http_client_disconnected"] == 1
-            await until(lambda: not ing.guard.conns, 5, "the connection forgotten")
-        finally:
-            await ing.stop()
+    async def check(backend, ing, host, port):
+        r, w = await asyncio.open_connection(host, port)
+        w.write(_post("hold"))
+        await until(lambda: len(backend.idents) == 1, 10, "the request submitted")
+        w.close()
+        await until(lambda: backend.cancelled == backend.idents, 10, "its request cancelled at once")
+        assert backend.stats.dropped["http_client_disconnected"] == 1
+        await until(lambda: not ing.guard.conns, 5, "the connection forgotten")
 
-    run(body(), 30)
+    _serve(check, 30)
 
 
 def test_expect_100_continue_and_chunked_bodies():
-    async def body():
-        backend, ing, host, port = await _serving()
-        try:
-            payload = json.dumps({"prompt": "fast", "max_tokens": 2}).encode()
-            r, w = await asyncio.open_connection(host, port)
-            w.write(b"POST /v1/completions HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(payload))
-            assert await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
-            w.write(payload)
-            status, _, out = await asyncio.wait_for(_read_response(r), 10)
-            assert status == 200 and json.loads(out)["choices"][0]["text"] == "fast!"
-            # chunked request bodies are accepted (within the same limit as the others)
-            w.write(b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
-                    + b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in (payload[:7], payload[7:])) + b"0\r\n\r\n")
-            status, _, out = await asyncio.wait_for(_read_response(r), 10)
-            assert status == 200 and json.loads(out)["choices"][0]["text"] == "fast!"
-            w.close()
-            # over the limit: 413 from the head, the body never invited (no 100 Continue), then the close
-            r, w = await asyncio.open_connection(host, port)
-            w.write(b"POST /v1/completions HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1))
-            status, headers, out = await asyncio.wait_for(_read_response(r), 10)
-            assert status == 413 and json.loads(out)["error"]["code"] == "too_large" and headers["connection"] == "close"
-            w.close()
-            # a chunked body that grows past the limit: 413 too
-            r, w = await asyncio.open_connection(host, port)
-            w.write(b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
-            piece = b"%x\r\n%b\r\n" % (1 << 20, b"x" * (1 << 20))
-            for _ in range(MAX_BODY_BYTES // (1 << 20) + 1):
-                w.write(piece)
-            status, _, out = await asyncio.wait_for(_read_response(r), 20)
-            assert status == 413 and json.loads(out)["error"]["code"] == "too_large"
-            w.close()
-            assert len(backend.idents) == 2
-        finally:
-            await ing.stop()
+    async def check(backend, ing, host, port):
+        payload = json.dumps({"prompt": "fast", "max_tokens": 2}).encode()
+        r, w = await asyncio.open_connection(host, port)
+        w.write(b"POST /v1/completions HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(payload))
+        assert await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        w.write(payload)
+        status, _, out = await asyncio.wait_for(_read_response(r), 10)
+        assert status == 200 and json.loads(out)["choices"][0]["text"] == "fast!"
+        # chunked request bodies are accepted (within the same limit as the others)
+        w.write(b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in (payload[:7], payload[7:])) + b"0\r\n\r\n")
+        status, _, out = await asyncio.wait_for(_read_response(r), 10)
+        assert status == 200 and json.loads(out)["choices"][0]["text"] == "fast!"
+        w.close()
+        # over the limit: 413 from the head, the body never invited (no 100 Continue), then the close
+        r, w = await asyncio.open_connection(host, port)
+        w.write(b"POST /v1/completions HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1))
+        status, headers, out = await asyncio.wait_for(_read_response(r), 10)
+        assert status == 413 and json.loads(out)["error"]["code"] == "too_large" and headers["connection"] == "close"
+        w.close()
+        # a chunked body that grows past the limit: 413 too
+        r, w = await asyncio.open_connection(host, port)
+        w.write(b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"%x\r\n%b\r\n" % (1 << 20, b"x" * (1 << 20))
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 1):
+            w.write(piece)
+        status, _, out = await asyncio.wait_for(_read_response(r), 20)
+        assert status == 413 and json.loads(out)["error"]["code"] == "too_large"
+        w.close()
+        assert len(backend.idents) == 2
 
-    run(body(), 60)
+    _serve(check, 60)
 
 
 def test_http10_404_405_and_head():
-    async def body():
-        backend, ing, host, port = await _serving()
-        try:
-            r, w = await asyncio.open_connection(host, port)
-            w.write(b"GET /health HTTP/1.0\r\n\r\n")  # HTTP/1.0: answered, then closed
-            status, headers, out = await asyncio.wait_for(_read_response(r), 10)
-            assert status == 200 and json.loads(out)["status"] == "ok" and headers["connection"] == "close"
-            assert await asyncio.wait_for(r.read(), 10) == b""
-            r, w = await asyncio.open_connection(host, port)
-            w.write(b"GET /nowhere HTTP/1.1\r\n\r\nGET /v1/completions HTTP/1.1\r\n\r\nHEAD /health HTTP/1.1\r\n\r\n"
-                    b"GET /v1/models/m HTTP/1.1\r\n\r\nGET /v1/models/nope HTTP/1.1\r\n\r\n")
-            s404, _, b404 = await asyncio.wait_for(_read_response(r), 10)
-            s405, _, b405 = await asyncio.wait_for(_read_response(r), 10)
-            assert (s404, json.loads(b404)["error"]["code"]) == (404, "not_found")
-            assert (s405, json.loads(b405)["error"]["code"]) == (405, "method_not_allowed")
-            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)  # HEAD: the GET's headers, no body
-            assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: " in head
-            s, _, m = await asyncio.wait_for(_read_response(r), 10)
-            assert s == 200 and json.loads(m)["id"] == "m"
-            s, _, m = await asyncio.wait_for(_read_response(r), 10)
-            assert s == 404 and json.loads(m)["error"]["code"] == "model_not_found"
-            w.close()
-        finally:
-            await ing.stop()
+    async def check(backend, ing, host, port):
+        r, w = await asyncio.open_connection(host, port)
+        w.write(b"GET /health HTTP/1.0\r\n\r\n")  # HTTP/1.0: answered, then closed
+        status, headers, out = await asyncio.wait_for(_read_response(r), 10)
+        assert status == 200 and json.loads(out)["status"] == "ok" and headers["connection"] == "close"
+        assert await asyncio.wait_for(r.read(), 10) == b""
+        r, w = await asyncio.open_connection(host, port)
+        w.write(b"GET /nowhere HTTP/1.1\r\n\r\nGET /v1/completions HTTP/1.1\r\n\r\nHEAD /health HTTP/1.1\r\n\r\n"
+                b"GET /v1/models/m HTTP/1.1\r\n\r\nGET /v1/models/nope HTTP/1.1\r\n\r\n")
+        s404, _, b404 = await asyncio.wait_for(_read_response(r), 10)
+        s405, _, b405 = await asyncio.wait_for(_read_response(r), 10)
+        assert (s404, json.loads(b404)["error"]["code"]) == (404, "not_found")
+        assert (s405, json.loads(b405)["error"]["code"]) == (405, "method_not_allowed")
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)  # HEAD: the GET's headers, no body
+        assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: " in head
+        s, _, m = await asyncio.wait_for(_read_response(r), 10)
+        assert s == 200 and json.loads(m)["id"] == "m"
+        s, _, m = await asyncio.wait_for(_read_response(r), 10)
+        assert s == 404 and json.loads(m)["error"]["code"] == "model_not_found"
+        w.close()
 
-    run(body(), 30)
+    _serve(check, 30)

@@ -15,15 +15,17 @@ import aiohttp
 from brokers.ingress import HttpIngress
 from mesh import protocol as P
 from tests.conftest import run
+from tests.ingress_support import CatalogBackend
 
 
-class ScriptedBackend:
+class ScriptedBackend(CatalogBackend):
     """An IngressBackend whose every request is answered with ``script`` (data maps or errors)."""
+
+    served = {"m1": 1}
+    aliases = {"alias": "m1"}
 
     def __init__(self, script) -> None:
         self.stats = SimpleNamespace(requests=Counter(), dropped=Counter(), text_unmatched=Counter())
-        self.state = "serving"
-        self.admin = None
         self.script = script
         self.subs: list[P.Submit] = []
 
@@ -42,24 +44,6 @@ class ScriptedBackend:
                     replies.put_nowait(P.encode_client_error(sub.rid, kind, data))
 
         asyncio.get_running_loop().create_task(answer())
-
-    def cancel(self, identity) -> None:
-        pass
-
-    def forget(self, identity) -> None:
-        pass
-
-    def model_catalog(self):
-        return {"m1": 1}, {"alias": "m1"}, "mesh"
-
-    def lora_catalog(self):
-        return {}
-
-    def announced_tokenizers(self):
-        return {}
-
-    def routable_workers(self) -> int:
-        return 1
 
 
 async def _post(script, path: str, body: bytes):
