@@ -305,7 +305,8 @@ class HttpConnection(asyncio.Protocol):
         self.task = None
         self.current = None
         t = self.transport
-        if t is None or self.closing:
+        if t is None or self.closing or t.is_closing():  # (a handler that closed it: its answer is never written)
+            self.closing = True
             return
         keep = req.keep_alive and req.complete and not resp.closing and not self.last
         if isinstance(resp, StreamResponse):

@@ -14,6 +14,7 @@ headers (``x-mesh-request-id``, ``x-mesh-worker``), never in the engine's body f
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
@@ -121,6 +122,7 @@ def mesh_headers(call: "Call", worker: str | None) -> dict[str, str]:
     return h
 
 
+@functools.lru_cache(maxsize=4096)  # a fleet's few worker ids, once each
 def header_safe(v: str) -> str:
     """A worker id as a header value: printable ASCII only (ids come from peers)."""
     v = v[:256]
@@ -264,6 +266,11 @@ class ReplyStream:
                 else "no reply before the deadline")
 
     async def write(self, resp: web.StreamResponse, data: bytes) -> None:
+        if not resp.must_wait:
+            resp.write_nowait(data)
+            if not resp.must_wait:  # the client's socket took it: no timer for a write that never waited
+                return
+            data = b""  # taken, but the socket is full now: wait for it below
         try:
             async with asyncio.timeout(self.body_timeout_s):  # no Task per write (wait_for makes one)
                 await resp.write(data)

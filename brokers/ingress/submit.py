@@ -218,9 +218,11 @@ class Submitter:
     async def read_json(self, request: web.Request) -> dict:
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
             raise IngressTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {MAX_BODY_BYTES}")
+        raw = request.body_now()  # usually there with the head: no timer
         try:
-            async with asyncio.timeout(self.body_timeout_s):  # no Task per request (wait_for makes one)
-                raw = await request.read()
+            if raw is None:
+                async with asyncio.timeout(self.body_timeout_s):  # no Task per request (wait_for makes one)
+                    raw = await request.read()
         except web.BodyTooLarge:
             raise IngressTooLarge(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes") from None
         except TimeoutError:

@@ -22,6 +22,7 @@ model with the fix (:meth:`Tokenizers.health`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -73,7 +74,7 @@ class Tokenizers:
         self._texts = {name: loader(path, templates.get(name)) for name, path in (configured or {}).items()}
         self._loader = loader
         self._retry_s = retry_s
-        self._clock = clock or (lambda: asyncio.get_running_loop().time())
+        self._clock = clock or time.monotonic  # (the clock of asyncio's loop.time(), without a frame per call)
         self._loaded: dict[str, Any] = {}  # announced identity -> (tok, pool)
         self._loading: dict[str, asyncio.Future] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # identity -> (retry after, why)

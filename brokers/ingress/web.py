@@ -38,6 +38,8 @@ class Headers(dict):
 class Wire(Protocol):
     """What a request and its stream need from their connection (:class:`brokers.ingress.http1.HttpConnection`)."""
 
+    write_paused: bool  # the client's socket is full: a write waits (drain) until it takes more
+
     def write_head(self, request: "Request", resp: "StreamResponse") -> None: ...
 
     def write_piece(self, request: "Request", data: bytes) -> None: ...
@@ -88,6 +90,17 @@ class Request:
     def transport(self) -> asyncio.Transport | None:
         return self.wire.transport
 
+    def body_now(self) -> bytes | None:
+        """The whole body when it has all arrived (within the limit), else None (then :meth:`read`)."""
+        if self._body is None and (not self.complete or self.too_large):
+            return None
+        return self._body if self._body is not None else self._join()
+
+    def _join(self) -> bytes:
+        self._body = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+        self.parts = []
+        return self._body
+
     async def read(self) -> bytes:
         """The whole body (kept: a second read returns it again); :class:`BodyTooLarge` past the limit,
         ConnectionResetError when the client goes away first."""
@@ -96,8 +109,7 @@ class Request:
                 await self.wire.read_body(self)
             if self.too_large:
                 raise BodyTooLarge(f"request body over the limit ({self.size} bytes so far)")
-            self._body = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
-            self.parts = []
+            return self._join()
         return self._body
 
 
@@ -139,17 +151,27 @@ class StreamResponse:
     def force_close(self) -> None:
         self.closing = True
 
+    @property
+    def must_wait(self) -> bool:
+        """A write now would wait for the client to read (or the stream is not prepared)."""
+        return self.request is None or self.request.wire.write_paused
+
     async def prepare(self, request: Request) -> None:
         self.request = request
         request.wire.write_head(request, self)
         self.prepared = True
 
-    async def write(self, data: bytes) -> None:
+    def write_nowait(self, data: bytes) -> None:
+        """Hand ``data`` to the transport without waiting (see :attr:`must_wait`)."""
         req = self.request
         assert req is not None, "prepare() first"
         if data:
             req.wire.write_piece(req, data)
-            await req.wire.drain()
+
+    async def write(self, data: bytes) -> None:
+        """Write ``data`` (none: only wait), then wait while the client's socket is full."""
+        self.write_nowait(data)
+        await self.request.wire.drain()  # type: ignore[union-attr]
 
     async def write_eof(self) -> None:
         req = self.request
