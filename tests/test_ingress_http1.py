@@ -128,7 +128,9 @@ def test_malformed_heads_get_400_431_414_and_the_close():
                  (b"GET /health HTTP/1.1\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(500)) + b"\r\n", 431, "http_header_flood"),
                  (b"GET /health HTTP/1.1\r\nx-big: " + b"v" * 70000 + b"\r\n\r\n", 431, "http_header_flood"),
                  (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414, "http_url_too_long"),
-                 (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxx", 400, "http_malformed")]
+                 (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxx", 400, "http_malformed"),
+                 (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400,
+                  "http_malformed")]  # smuggling: both framings
         for raw, code, what in cases:
             r, w = await asyncio.open_connection(host, port)
             w.write(raw)
@@ -137,7 +139,7 @@ def test_malformed_heads_get_400_431_414_and_the_close():
             assert json.loads(payload)["error"]["code"] == "bad_request"
             assert await asyncio.wait_for(r.read(), 10) == b""
             w.close()
-        assert backend.stats.dropped["http_malformed"] == 2 and backend.stats.dropped["http_header_flood"] == 2
+        assert backend.stats.dropped["http_malformed"] == 3 and backend.stats.dropped["http_header_flood"] == 2
         assert backend.stats.dropped["http_url_too_long"] == 1 and backend.idents == []
 
     _serve(check, 30)
@@ -198,6 +200,10 @@ def test_http10_404_405_and_head():
         status, headers, out = await asyncio.wait_for(_read_response(r), 10)
         assert status == 200 and json.loads(out)["status"] == "ok" and headers["connection"] == "close"
         assert await asyncio.wait_for(r.read(), 10) == b""
+        r, w = await asyncio.open_connection(host, port)
+        w.write(_post("fast", stream=True, version=b"1.0"))  # an HTTP/1.0 stream: close-delimited, not chunked
+        status, headers, out = await asyncio.wait_for(_read_response(r), 10)
+        assert status == 200 and "transfer-encoding" not in headers and out.endswith(b"data: [DONE]\n\n") and b"fast!" in out
         r, w = await asyncio.open_connection(host, port)
         w.write(b"GET /nowhere HTTP/1.1\r\n\r\nGET /v1/completions HTTP/1.1\r\n\r\nHEAD /health HTTP/1.1\r\n\r\n"
                 b"GET /v1/models/m HTTP/1.1\r\n\r\nGET /v1/models/nope HTTP/1.1\r\n\r\n")

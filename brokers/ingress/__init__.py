@@ -16,6 +16,8 @@ guarantee as ZeroMQ clients. By concern:
 * :mod:`.generate`: SGLang's ``/generate``;
 * :mod:`.endpoint`: what those two share (refusals, the wait for an unstreamed FINAL);
 * :mod:`.replies`: one request's replies, JSON errors, SSE streaming;
+* :mod:`.http1`: the HTTP/1.1 server (httptools, one protocol object per connection, direct writes);
+* :mod:`.web`: the Request / Response surface the endpoints see;
 * :mod:`.guard`: connection limits and timeouts (slowloris);
 * :mod:`.backend`: the seam to "a broker".
 """
