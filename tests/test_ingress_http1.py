@@ -105,6 +105,14 @@ def test_pipelined_requests_are_answered_in_order():
         status, headers, _ = await asyncio.wait_for(_read_response(r), 10)
         assert status == 200 and headers["connection"] == "close" and await asyncio.wait_for(r.read(), 10) == b""
         w.close()
+        # a malformed request behind two good ones: they are answered first, then the 400 and the close
+        r, w = await asyncio.open_connection(host, port)
+        w.write(_post("slow", rid="a") + _post("fast", rid="b") + b"GARBAGE\r\n\r\n")
+        got = [await asyncio.wait_for(_read_response(r), 10) for _ in range(3)]
+        assert [(s, h.get("x-request-id")) for s, h, _ in got] == [(200, "a"), (200, "b"), (400, None)]
+        assert "connection" not in got[0][1] and got[1][1]["connection"] == "close" == got[2][1]["connection"]
+        assert await asyncio.wait_for(r.read(), 10) == b""
+        w.close()
 
     _serve(check, 30)
 

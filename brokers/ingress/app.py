@@ -137,8 +137,10 @@ class HttpIngress:
         if self._server is not None:
             self._server.close()
             self._server = None
-        self.guard.close_all()
-        await asyncio.sleep(0)  # the closed connections' connection_lost: their handlers are cancelled
+        running = [c.task for c in self.guard.conns if isinstance(c, HttpConnection) and c.task is not None]
+        self.guard.close_all()  # a closed connection cancels its handler (connection_lost), which cancels its request
+        if running:
+            await asyncio.wait(running, timeout=5.0)
         self.submitter.close()
 
     # ------------------------------------------------------------------ every request

@@ -308,15 +308,15 @@ class HttpConnection(asyncio.Protocol):
         if t is None or self.closing or t.is_closing():  # (a handler that closed it: its answer is never written)
             self.closing = True
             return
-        keep = req.keep_alive and req.complete and not resp.closing and not self.last
+        keep = req.keep_alive and req.complete and not resp.closing  # (then _finish answers what was parsed before a close)
         if isinstance(resp, StreamResponse):
             if not resp.prepared:
                 await resp.prepare(req)
             await resp.write_eof()
             keep = keep and self.stream_keep
         else:
-            t.write(self._head(req, resp.status, resp.headers, f"Content-Length: {len(resp.body)}\r\n", keep)
-                    + (resp.body if req.method != "HEAD" else b""))
+            t.write(self._head(req, resp.status, resp.headers, f"Content-Length: {len(resp.body)}\r\n",
+                               keep and not (self.last and not self.pending)) + (resp.body if req.method != "HEAD" else b""))
         if keep:
             self._finish()
         elif not req.complete:
@@ -356,9 +356,9 @@ class HttpConnection(asyncio.Protocol):
         if t is None or self.closing:
             raise ConnectionResetError("Cannot write to closing transport")
         self.stream_chunked = not request.http10  # HTTP/1.0: the end of the stream is the close
-        self.stream_keep = self.stream_chunked and request.keep_alive and request.complete and not resp.closing and not self.last
+        self.stream_keep = self.stream_chunked and request.keep_alive and request.complete and not resp.closing
         t.write(self._head(request, resp.status, resp.headers, "Transfer-Encoding: chunked\r\n" if self.stream_chunked else "",
-                           self.stream_keep))
+                           self.stream_keep and not (self.last and not self.pending)))
 
     def write_piece(self, request: Request, data: bytes) -> None:
         t = self.transport
