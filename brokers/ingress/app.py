@@ -106,7 +106,7 @@ class HttpIngress:
         return self._key.decode() if self._key else None
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self, host: str, port: int) -> str:
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> str:
         # handler_cancellation: a client that goes away cancels its handler, which cancels its request
         self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.idle_timeout_s, shutdown_timeout=5.0,
                                      handler_cancellation=True)
@@ -118,7 +118,8 @@ class HttpIngress:
             return GuardedConnection(self.guard, server())
 
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True)
+        self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True,
+                                                  reuse_port=reuse_port)
         self._prefetch = asyncio.create_task(self.submitter.tokenizers.prefetch_loop(), name="http-tokenizer-prefetch")
         h, p = self._server.sockets[0].getsockname()[:2]
         self.endpoint = f"http://{h}:{p}"
