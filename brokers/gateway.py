@@ -398,7 +398,10 @@ async def serve_gateway(brokers: list[str], http: str, curve=None, control=None,
         await pool.close()
         if control is not None:
             control.close()
-        announce("gateway_stopped", **({} if control is None else {"process": control.index}))
+        if control is None:
+            announce("gateway_stopped")
+        else:  # the supervisor announces gateway_stopped when all N stopped
+            announce("gateway_process_stopped", process=control.index)
 
 
 # ---------------------------------------------------------------------------- command line
