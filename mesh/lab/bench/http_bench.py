@@ -331,7 +331,8 @@ def _cell(arm: _Arm, c: int, res: dict) -> dict:
     us["path"] = round(sum(path_parts), 1) if n > 0 else None
     return {
         "arm": arm.name, "c": c, "loadgen": res["loadgen"], "requests": n, "seconds": round(res["seconds"], 3),
-        "rps": round(res["rps"], 1), "p50_ms": round(res["p50_ms"], 3), "p99_ms": round(res["p99_ms"], 3),
+        "rps": round(res["rps"], 1), "ok_rps": round(res["rps"] * max(0, n - int((res.get("error_detail") or {}).get("status", 0))) / n, 1) if n > 0 else 0.0,
+        "p50_ms": round(res["p50_ms"], 3), "p99_ms": round(res["p99_ms"], 3),
         "max_ms": round(res["max_ms"], 3), "errors": int(res["errors"]), "error_detail": res.get("error_detail", {}),
         "cpu_us_per_req": us, "cpu_s": {k: (round(v, 3) if v is not None else None) for k, v in cpu.items()},
         "processes": {role: len(pids) for role, pids in arm.roles.items()}, "cpus": os.cpu_count(),
@@ -538,8 +539,9 @@ def evaluate_targets(cells: list[dict], concurrency: Iterable[int]) -> list[dict
         add("full path CPU per request (router + adapters)", c, "<=", None,
             full["cpu_us_per_req"]["path"] if full else None, sg["cpu_us_per_req"]["path"] if sg else None, "us")
         gw = _find(cells, GATEWAY_ARM, c)
-        add(f"tokenised via {GATEWAY_PROCESSES} gateways req/s / full path req/s", c, ">=", 0.5 if c == 64 else None,
-            _ratio(gw["rps"], full["rps"]) if gw and full else None, None)
+        # answered 200 (an arm's refusals, e.g. a tokenizer pool's fair share of one client address, are not throughput)
+        add(f"tokenised via {GATEWAY_PROCESSES} gateways req/s / full path req/s (200s)", c, ">=", 0.5 if c == 64 else None,
+            _ratio(gw.get("ok_rps", gw["rps"]), full.get("ok_rps", full["rps"])) if gw and full else None, None)
     return rows
 
 
