@@ -487,13 +487,13 @@ def _cmd_gateway(args) -> int:
         from mesh.security import client_keys
 
         curve = client_keys(args.curve_secret, args.curve_server_key)
+    control = _child_control(args.process_slot) if args.process_slot else None
     configure(args.log_level)
-    if args.processes > 1 and not args.process_slot:
+    if args.processes > 1 and control is None:
         from brokers.gateway_supervisor import Supervisor
 
         return aio.run(Supervisor(getattr(args, "_argv", None) or sys.argv[1:], args.processes, host.strip("[]") or "127.0.0.1",
                                   int(port), restart_budget=args.restart_budget, brokers=args.broker).run())
-    control = _child_control(args.process_slot) if args.process_slot else None
     from mesh.tracing import configure_tracing
 
     configure_tracing(ingress.trace_exporter, ingress.trace_endpoint, service="mesh-gateway")
@@ -515,9 +515,9 @@ def _child_control(slot: str):
 
     from brokers.gateway_supervisor import ChildControl, parse_slot
 
-    fd, index, restarts = parse_slot(slot)
-    structlog.contextvars.bind_contextvars(process=index)
-    return ChildControl(fd, index, restarts)
+    control = ChildControl(*parse_slot(slot))
+    structlog.contextvars.bind_contextvars(process=control.index)
+    return control
 
 
 def _serve(args, ingress, curve, key, keys, control) -> None:
