@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from brokers.gateway_supervisor import RestartBudget, parse_slot
+from brokers.gateway_supervisor import RestartBudget, check_processes, parse_slot
 from mesh.cli import main
 from mesh.errors import ConfigError
 from mesh.lab.procs import ProcGroup, wait_for_log_event
@@ -59,6 +59,13 @@ def test_the_restart_budget_bounds_a_crash_loop_and_a_stable_process_gets_it_bac
     assert b2.exited(1, 31.0) is not None  # it served 30 s: a new row
     assert b2.exited(1, 0.1) is None and b2.restarts == {1: 2}
     assert RestartBudget(0).exited(0, 100.0) is None  # no restarts at all
+
+
+def test_more_than_one_process_needs_so_reuseport_balancing(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(ConfigError, match="processes: 2 processes on one port need SO_REUSEPORT .*load balancer"):
+        check_processes(2, 5)
+    check_processes(1, 5)  # one process needs nothing of the kernel
 
 
 def test_a_process_slot_is_parsed_strictly():
@@ -214,3 +221,55 @@ def test_two_plain_gateways_on_one_port_is_a_clear_error(procs):
     r = subprocess.run([sys.executable, "-m", "mesh.cli", "gateway", "--broker", _NO_BROKER, "--http", url[7:]],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "already in use" in r.stderr, r.stderr
+
+
+@pytest.mark.soak
+def test_a_child_killed_under_load_costs_only_its_own_connections_and_is_restarted(procs):
+    import threading
+
+    from mesh.lab.up import wait_for_workers
+
+    b = procs.broker("b", "--log-level", "warning")
+    procs.workers("w", [b.backend], "--instant", "--model", "instant", "--log-level", "warning", count=2)
+    run(wait_for_workers(b.frontend, 2), 40)
+    p = procs.spawn("gw", ["gateway", "--broker", b.frontend, "--http", "127.0.0.1:0", "--processes", "2"])
+    url = wait_for_log_event(p.log_path, "gateway_listening", 60, p.popen, start=p.log_start)["url"]
+    body = json.dumps({"model": "instant", "prompt": "hello", "max_tokens": 2}).encode()
+
+    def post() -> bool:
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:  # a fresh connection each time
+                return r.status == 200
+        except OSError:
+            return False
+
+    assert run(until(lambda: all(post() for _ in range(8)), 30, "both processes see the workers"), 60)
+    results: list[tuple[float, bool]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            ok = post()
+            results.append((time.monotonic(), ok))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        run(until(lambda: len(results) >= 40, 30, "load running"), 40)
+        t_kill = time.monotonic()
+        os.kill(_pids(p.log_path)[1], signal.SIGKILL)
+        wait_for_log_event(p.log_path, "gateway_process_restarted", 30, p.popen, start=p.log_start)
+        t_back = time.monotonic()
+        n = len(results)
+        run(until(lambda: len(results) >= n + 40, 30, "load after the restart"), 40)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(15)
+    during = [ok for t, ok in results if t_kill < t < t_back]
+    failed = sum(not ok for _, ok in results)
+    assert sum(during) > 0  # the other process served while the killed one was down
+    assert failed <= 8, failed  # only what the killed process held (4 clients: in flight or queued on its socket)
+    assert all(ok for t, ok in results[-20:])  # and all is well after the restart
