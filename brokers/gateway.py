@@ -396,11 +396,10 @@ async def serve_gateway(brokers: list[str], http: str, curve=None, control=None,
     finally:
         await ingress.stop()
         await pool.close()
-        if control is not None:
-            control.close()
         if control is None:
             announce("gateway_stopped")
         else:  # the supervisor announces gateway_stopped when all N stopped
+            control.close()
             announce("gateway_process_stopped", process=control.index)
 
 

@@ -119,7 +119,7 @@ class HttpIngress:
 
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True,
-                                                  reuse_port=reuse_port)
+                                                reuse_port=reuse_port)
         self._prefetch = asyncio.create_task(self.submitter.tokenizers.prefetch_loop(), name="http-tokenizer-prefetch")
         h, p = self._server.sockets[0].getsockname()[:2]
         self.endpoint = f"http://{h}:{p}"
