@@ -502,7 +502,10 @@ def _cmd_gateway(args) -> int:
         if control is not None:  # its supervisor names the cause (a taken port, a tokenizer that does not load)
             from mesh.cli_run import busy_port_error
 
-            control.failed(str(busy_port_error(exc) or exc) or type(exc).__name__)
+            busy = busy_port_error(exc)
+            control.failed(str(busy or exc) or type(exc).__name__)
+            if busy is not None or isinstance(exc, ConfigError):
+                raise SystemExit(2) from None  # one line on the terminal: the supervisor's
         raise
     return 0
 
