@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
+import sys
 import time
 from typing import Any
 
@@ -345,8 +346,26 @@ class BrokerPool:
                 self._ask_status(link, len(link.rows) if link.paging else 0)
 
 
-async def serve_gateway(brokers: list[str], http: str, curve=None, **ingress_kw: Any) -> None:
-    """Run the gateway until SIGINT/SIGTERM: connect to ``brokers``, serve HTTP on ``http``."""
+class _ProcessCollector:
+    """``mesh_gateway_process_restarts{process=INDEX}``: which of ``--processes N`` answered, and how
+    often its supervisor restarted it before this start."""
+
+    def __init__(self, index: int, restarts: int) -> None:
+        self.index, self.restarts = index, restarts
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        fam = GaugeMetricFamily("mesh_gateway_process_restarts", "Restarts of this gateway process (one of --processes N) "
+                                "by its supervisor before it started", labels=["process"])
+        fam.add_metric([str(self.index)], self.restarts)
+        yield fam
+
+
+async def serve_gateway(brokers: list[str], http: str, curve=None, control=None, **ingress_kw: Any) -> None:
+    """Run the gateway until SIGINT/SIGTERM: connect to ``brokers``, serve HTTP on ``http``.
+    ``control``: this process's :class:`brokers.gateway_supervisor.ChildControl` when it is one of
+    ``--processes N`` (it listens with SO_REUSEPORT, says ``ready`` there, stops when the parent goes)."""
     from brokers.ingress import HttpIngress
 
     from prometheus_client import CollectorRegistry
@@ -357,6 +376,8 @@ async def serve_gateway(brokers: list[str], http: str, curve=None, **ingress_kw:
     pool.start()
     registry = CollectorRegistry()
     registry.register(GatewayCollector(pool.stats))
+    if control is not None:
+        registry.register(_ProcessCollector(control.index, control.restarts))
     ingress = HttpIngress(pool, metrics_registry=registry, **ingress_kw)
     host, _, port = http.rpartition(":")
     stop = asyncio.Event()
@@ -364,13 +385,22 @@ async def serve_gateway(brokers: list[str], http: str, curve=None, **ingress_kw:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        url = await ingress.start(host.strip("[]") or "127.0.0.1", int(port))
-        announce("gateway_listening", url=url, brokers=brokers)
+        url = await ingress.start(host.strip("[]") or "127.0.0.1", int(port), reuse_port=control is not None)
+        if control is None:
+            announce("gateway_listening", url=url, brokers=brokers)
+        else:  # one of N: the supervisor announces gateway_listening when all N listen
+            announce("gateway_process_listening", url=url, brokers=brokers, process=control.index, restarts=control.restarts)
+            control.ready(url)
+            control.stop_with_parent(stop)
         await stop.wait()
     finally:
         await ingress.stop()
         await pool.close()
-        announce("gateway_stopped")
+        if control is None:
+            announce("gateway_stopped")
+        else:  # the supervisor announces gateway_stopped when all N stopped
+            control.close()
+            announce("gateway_process_stopped", process=control.index)
 
 
 # ---------------------------------------------------------------------------- command line
@@ -384,6 +414,9 @@ _INGRESS_FIELDS = ("tokenizer", "chat_template", "http_max_connections", "http_m
 
 
 def add_gateway_parser(subparsers):
+    import argparse
+
+    from brokers.gateway_supervisor import MAX_PROCESSES
     from mesh.config import BrokerSettings
     from mesh.settings_fields import add_flags
 
@@ -404,6 +437,14 @@ def add_gateway_parser(subparsers):
     p.add_argument("--curve-server-key", default="", metavar="PATH", help="the brokers' public key (with --curve-secret)")
     # the ingress settings the gateway shares with mesh broker --http: same fields, help and checks
     add_flags(p, BrokerSettings, only=_INGRESS_FIELDS)
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help=f"serve the port from N gateway processes (1..{MAX_PROCESSES}, default 1), each with its own broker "
+                        "connections, tokenizer pool and connection limits; the kernel spreads connections over them "
+                        "(SO_REUSEPORT, Linux); a parent restarts one that dies (docs/operations.md)")
+    p.add_argument("--restart-budget", type=int, default=5, metavar="N",
+                   help="with --processes: restarts of one process in a row (one that served 30 s starts a new row) "
+                        "before it stays down (0..1000, default 5)")
+    p.add_argument("--process-slot", default="", help=argparse.SUPPRESS)  # FD:INDEX:RESTARTS, set by the supervisor
     add_log_level_arg(p, "info")
     p.set_defaults(func=_cmd_gateway)
     return p
@@ -412,12 +453,14 @@ def add_gateway_parser(subparsers):
 def _cmd_gateway(args) -> int:
     from pathlib import Path
 
+    from brokers.gateway_supervisor import check_processes
     from mesh import aio
-    from mesh.config import BrokerSettings, build, model_paths
+    from mesh.config import BrokerSettings, build
     from mesh.errors import ConfigError
     from mesh.logs import configure
     from mesh.settings_fields import flag_values
 
+    check_processes(args.processes, args.restart_budget)
     for b in args.broker:
         if not b.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"broker: {b!r} must be a tcp://, ipc:// or inproc:// endpoint")
@@ -443,12 +486,48 @@ def _cmd_gateway(args) -> int:
         from mesh.security import client_keys
 
         curve = client_keys(args.curve_secret, args.curve_server_key)
+    control = _child_control(args.process_slot) if args.process_slot else None
     configure(args.log_level)
+    if args.processes > 1 and control is None:
+        from brokers.gateway_supervisor import Supervisor
+
+        return aio.run(Supervisor(getattr(args, "_argv", None) or sys.argv[1:], args.processes, host.strip("[]") or "127.0.0.1",
+                                  int(port), restart_budget=args.restart_budget, brokers=args.broker).run())
     from mesh.tracing import configure_tracing
 
     configure_tracing(ingress.trace_exporter, ingress.trace_endpoint, service="mesh-gateway")
+    try:
+        _serve(args, ingress, curve, key, keys, control)
+    except BaseException as exc:
+        if control is not None:  # its supervisor names the cause (a taken port, a tokenizer that does not load)
+            from mesh.cli_run import busy_port_error
+
+            busy = busy_port_error(exc)
+            control.failed(str(busy or exc) or type(exc).__name__)
+            if busy is not None or isinstance(exc, ConfigError):
+                raise SystemExit(2) from None  # one line on the terminal: the supervisor's
+        raise
+    return 0
+
+
+def _child_control(slot: str):
+    """This process is one of ``--processes N`` (``--process-slot FD:INDEX:RESTARTS``): its control
+    socket, and its index on every log line."""
+    import structlog
+
+    from brokers.gateway_supervisor import ChildControl, parse_slot
+
+    control = ChildControl(*parse_slot(slot))
+    structlog.contextvars.bind_contextvars(process=control.index)
+    return control
+
+
+def _serve(args, ingress, curve, key, keys, control) -> None:
+    from mesh import aio
+    from mesh.config import model_paths
+
     aio.run(serve_gateway(
-        args.broker, args.http, curve=curve, api_key=key, keys=keys, tokenizers=model_paths(ingress.tokenizer, "tokenizer"),
+        args.broker, args.http, curve=curve, control=control, api_key=key, keys=keys, tokenizers=model_paths(ingress.tokenizer, "tokenizer"),
         chat_templates=model_paths(ingress.chat_template, "chat_template"), max_connections=ingress.http_max_connections,
         max_connections_per_address=ingress.http_max_connections_per_address,
         max_body_bytes_per_address=ingress.http_max_body_bytes_per_address,
@@ -456,4 +535,3 @@ def _cmd_gateway(args) -> int:
         header_timeout_s=ingress.http_header_timeout_s, idle_timeout_s=ingress.http_idle_timeout_s,
         body_timeout_s=ingress.http_body_timeout_s, request_timeout_s=ingress.http_request_timeout_s,
         stream_idle_timeout_s=ingress.http_stream_idle_timeout_s))
-    return 0

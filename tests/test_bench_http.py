@@ -124,6 +124,35 @@ def test_targets_pass_miss_and_missing_arms():
     assert set(none.values()) == {"n/a"}
 
 
+def test_the_tokenised_gateway_arm_is_a_target_row_against_the_full_path():
+    gw = _cell("gateway_tokenized", 64, 6000, 8, 20, 40, 150, 100)
+    gw["cpu_us_per_req"]["gateways"] = 900.0
+    cells = [_cell("broker_adapters", 64, 10000, 6, 20, 40, 150, 100), gw, _cell("gateway_tokenized", 1, 500, 2, 3, 4)]
+    rows = {(r["name"], r["c"]): r for r in evaluate_targets(cells, [1, 64])}
+    name = "tokenised via 2 gateways req/s / full path req/s (200s)"
+    assert rows[(name, 64)]["value"] == 0.6 and rows[(name, 64)]["result"] == "PASS" and rows[(name, 64)]["target"] == 0.5
+    assert rows[(name, 1)]["result"] == "n/a"  # no full path cell at c=1
+    gw["ok_rps"] = 4000  # the 200s count, not the refusals
+    assert {(r["name"], r["c"]): r for r in evaluate_targets(cells, [64])}[(name, 64)]["result"] == "MISS"
+
+
+@pytest.mark.bench
+def test_the_tokenised_gateway_arm_small_run(tmp_path):
+    res = run_http_bench(arms=["gateway_tokenized"], concurrency=[4], seconds=1.0, warmup_s=0.3, loadgen="python",
+                         path="/v1/chat/completions", tokenizer="builtin", prompt_tokens=200, log_dir=tmp_path / "logs",
+                         say=lambda m: None)
+    assert res["ok"] and res["arms"]["gateway_tokenized"]["status"] == "ok", res["arms"]
+    cell = res["cells"][0]
+    assert cell["errors"] == 0 and cell["requests"] > 0
+    assert cell["processes"] == {"router": 1, "adapters": 4, "engines": 4, "gateways": 1}  # the supervisor (2 below it)
+    us = cell["cpu_us_per_req"]
+    assert us["gateways"] > 0 and us["path"] == pytest.approx(us["gateways"] + us["router"] + us["adapters"], abs=0.3)
+    # without a tokenizer the arm is skipped, saying why
+    res = run_http_bench(arms=["gateway_tokenized"], concurrency=[1], seconds=1.0, warmup_s=0, loadgen="python",
+                         log_dir=tmp_path / "l2", say=lambda m: None)
+    assert res["arms"]["gateway_tokenized"]["status"] == "skipped" and "--tokenizer" in res["arms"]["gateway_tokenized"]["reason"]
+
+
 def test_proc_cpu_covers_threads_and_children():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:

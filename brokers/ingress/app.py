@@ -114,15 +114,15 @@ class HttpIngress:
         return self._key.decode() if self._key else None
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self, host: str, port: int, **server_kw: Any) -> str:
-        """Listen on ``host:port`` (``server_kw``: more of ``loop.create_server``'s options); returns the URL."""
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> str:
+        """Listen on ``host:port`` (``reuse_port``: SO_REUSEPORT, for ``mesh gateway --processes``); returns the URL."""
         site = Site(self.guard, self._serve, self.backend.stats, MAX_BODY_BYTES)
 
         def factory() -> HttpConnection:
             return HttpConnection(site)
 
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True, **server_kw)
+        self._server = await loop.create_server(factory, host, port, backlog=self.backlog, reuse_address=True, reuse_port=reuse_port)
         self.guard.start()
         self._prefetch = asyncio.create_task(self.submitter.tokenizers.prefetch_loop(), name="http-tokenizer-prefetch")
         h, p = self._server.sockets[0].getsockname()[:2]

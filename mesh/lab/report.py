@@ -208,13 +208,14 @@ def _http(d: dict[str, Any], src: str) -> Page:
             cell = next((x for x in d["cells"] if x["arm"] == name and x["c"] == c), None)
             if cell is None:
                 status = (d.get("arms", {}).get(name) or {}).get("status", "not run")
-                rows.append([name, str(c), status, "", "", ""])
+                rows.append([name, str(c), status, "", "", "", ""])
                 continue
             us = cell.get("cpu_us_per_req") or {}
             rows.append([name, str(c), _num(cell["rps"]),
                          f"{_num(cell['p50_ms'], '{:.2f}')} / {_num(cell['p99_ms'], '{:.2f}')} / {_num(cell['max_ms'], '{:.1f}')}",
-                         _num(us.get("router"), "{:,.0f} µs"), _num(us.get("adapters"), "{:,.0f} µs")])
-    p.tables.append((["arm", "c", "req/s", "p50 / p99 / max ms", "router CPU/req", "adapters CPU/req"], rows))
+                         _num(us.get("gateways"), "{:,.0f} µs"), _num(us.get("router"), "{:,.0f} µs"),
+                         _num(us.get("adapters"), "{:,.0f} µs")])
+    p.tables.append((["arm", "c", "req/s", "p50 / p99 / max ms", "gateways CPU/req", "router CPU/req", "adapters CPU/req"], rows))
     targets = [[t["name"], str(t["c"]), f"{t['op']} {t['target']:g} {t.get('unit', '')}".strip() if t.get("target") is not None else "-",
                 _num(t.get("value"), "{:,.3g}"), _num(t.get("sglang_router"), "{:,.3g}"), t["result"]]
                for t in d.get("targets", [])]

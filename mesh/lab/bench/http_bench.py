@@ -10,6 +10,11 @@ wrk when on PATH, else the built-in one):
   (``mesh worker-stub --instant --count 4``).
 * ``broker_adapters`` (the full path): load generator -> ``mesh broker --http`` -> 4 x
   ``mesh attach sglang`` -> 4 instant HTTP engines.
+* ``gateway_tokenized`` (with a tokenizer: ``--tokenizer DIR|builtin``): load generator -> ``mesh gateway
+  --processes 2 --tokenizer ...`` (two gateway processes on one port, SO_REUSEPORT) -> ``mesh broker`` (no
+  HTTP) -> the full path's 4 adapters and engines: prompts (and chat templates) tokenised in the gateways,
+  the broker routing by token ids and tokenising nothing. Its ratio to ``broker_adapters`` (the same
+  requests, untokenised) is a target (issue 34: >= 0.5 for chat with 1k-token prompts).
 * ``sglang_router`` (when the ``sglang_router`` package is importable, the ``bench`` extra):
   SGLang's Rust router (``--policy round_robin``) -> the same 4 instant HTTP engines. It probes
   each worker's ``/health``, ``/server_info`` and ``/model_info`` when it registers it (and
@@ -21,12 +26,14 @@ Each cell (arm, c) warms up (``--warmup``, default 1 s), then measures for ``--s
 req/s and round-trip p50/p99/max, it records the CPU time every process of the arm spent in the
 measured window (``/proc/PID/stat`` utime + stime, every thread, see :mod:`mesh.lab.bench.proc_cpu`)
 divided by the requests completed in it: microseconds of CPU per request, per role: ``loadgen``,
-``router`` (broker or sglang-router), ``adapters`` (sum), ``engines`` (instant engines or ZMQ
-workers, sum) and ``path`` = router + adapters (the whole path's CPU per request).
+``gateways`` (the gateway supervisor and its processes), ``router`` (broker or sglang-router),
+``adapters`` (sum), ``engines`` (instant engines or ZMQ workers, sum) and ``path`` = gateways +
+router + adapters (the whole path's CPU per request).
 
 Then the targets, computed from this run only: full path req/s / direct req/s (>= 0.32 at c=64,
 >= 0.25 at c=1), the full path's p99/p50 (<= 2.5 at both), its max latency (<= 100 ms) and p50
-(<= 1 ms) at c=1, and the broker's CPU per request in ``broker_zmq`` (<= 250 us); sglang_router's
+(<= 1 ms) at c=1, the broker's CPU per request in ``broker_zmq`` (<= 250 us), and
+``gateway_tokenized`` req/s / full path req/s (>= 0.5 at c=64); sglang_router's
 figures are shown beside them. A missed target is printed (MISS), not an error: the command exits
 non-zero only when an arm broke.
 """
@@ -59,11 +66,14 @@ from mesh.lab.up import wait_for_workers
 
 __all__ = ["ALL_ARMS", "run_http_bench", "evaluate_targets", "print_results", "sglang_router_available"]
 
-ALL_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "sglang_router")
+ALL_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "gateway_tokenized", "sglang_router")
 # broker_zmq_tokenized: broker_zmq with --tokenizer (only with run_http_bench(tokenizer=...)): the
 # same requests, tokenised off the loop with the model's tokenizer before routing
+# gateway_tokenized: 2 gateway processes (tokenising) -> a broker without HTTP -> the full path's adapters
 FULL_PATH = "broker_adapters"
-ROLES = ("loadgen", "router", "adapters", "engines")
+GATEWAY_ARM, GATEWAY_PROCESSES = "gateway_tokenized", 2
+ROLES = ("loadgen", "gateways", "router", "adapters", "engines")
+PATH_ROLES = ("gateways", "router", "adapters")  # the path's CPU per request: what mesh runs between load and engines
 MODEL = "instant"
 _ENGINE_POSTS = {"/generate", "/v1/completions"}  # what mesh instant-engine answers
 _BROKER_POSTS = {"/generate", "/v1/completions", "/v1/chat/completions"}  # the broker's HTTP ingress
@@ -102,13 +112,32 @@ def _spawn_engines(g: ProcGroup, n: int, prefix: str = "engine") -> tuple[list[P
     return procs, urls
 
 
-def _broker(g: ProcGroup, policy: str | None, tokenizer: str | None = None) -> tuple[Proc, str]:
+def _broker(g: ProcGroup, policy: str | None, tokenizer: str | None = None, http: bool = True) -> tuple[Proc, str]:
     # a short drain: the load is over when the arm is stopped; the default 10 s would only slow the teardown
-    extra = ["--http", "127.0.0.1:0", "--log-level", "warning", "--drain-timeout-s", str(_DRAIN_S)] + (
+    extra = (["--http", "127.0.0.1:0"] if http else []) + ["--log-level", "warning", "--drain-timeout-s", str(_DRAIN_S)] + (
         ["--policy", policy] if policy else []) + (["--tokenizer", tokenizer] if tokenizer else [])
     b = g.broker("broker", *extra, timeout_s=_STARTUP_S)
+    if not http:
+        return b, ""
     url = wait_for_log_event(b.log_path, "http_listening", _STARTUP_S, b.popen, start=b.log_start)["url"]
     return b, url
+
+
+def _gateways(g: ProcGroup, broker: str, tokenizer: str) -> tuple[Proc, str]:
+    """``mesh gateway --processes 2`` (one supervisor, two gateway processes on one port) tokenising
+    with ``tokenizer``; -> (the supervisor, its URL) once both processes listen."""
+    gw = g._spawn("gateway", ["gateway", "--broker", broker, "--http", "127.0.0.1:0", "--processes", str(GATEWAY_PROCESSES),
+                              "--tokenizer", tokenizer, "--log-level", "warning"])
+    return gw, wait_for_log_event(gw.log_path, "gateway_listening", _STARTUP_S, gw.popen, start=gw.log_start)["url"]
+
+
+def _adapters(g: ProcGroup, broker: Proc, engines: int) -> tuple[list[Proc], list[Proc]]:
+    """``engines`` instant HTTP engines, each behind ``mesh attach sglang`` registered with ``broker``."""
+    procs, urls = _spawn_engines(g, engines)
+    adapters = [g._spawn(f"a{i}", ["attach", "sglang", "--url", u, "--broker", broker.backend, "--worker-id", f"a{i}",
+                                   "--log-level", "warning", "--drain-timeout-s", str(_DRAIN_S)]) for i, u in enumerate(urls)]
+    asyncio.run(wait_for_workers(broker.frontend, engines, timeout_s=_STARTUP_S))
+    return procs, adapters
 
 
 def post(url: str, body: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
@@ -142,13 +171,16 @@ def _start_arm(g: ProcGroup, name: str, *, engines: int, policy: str | None, log
         w = g.workers("workers", [b.backend], "--instant", "--log-level", "warning", count=engines, timeout_s=_STARTUP_S)
         asyncio.run(wait_for_workers(b.frontend, engines, timeout_s=_STARTUP_S))
         arm.roles = {"router": [b.pid], "engines": [w.pid]}
-    elif name == "broker_adapters":
-        b, arm.url = _broker(g, policy)
-        procs, urls = _spawn_engines(g, engines)
-        adapters = [g._spawn(f"a{i}", ["attach", "sglang", "--url", u, "--broker", b.backend, "--worker-id", f"a{i}",
-                                       "--log-level", "warning", "--drain-timeout-s", str(_DRAIN_S)]) for i, u in enumerate(urls)]
-        asyncio.run(wait_for_workers(b.frontend, engines, timeout_s=_STARTUP_S))
+    elif name in ("broker_adapters", GATEWAY_ARM):
+        if name == GATEWAY_ARM and not tokenizer:
+            raise ArmSkipped("needs --tokenizer (a model folder, or builtin)")
+        b, arm.url = _broker(g, policy, http=name == "broker_adapters")
+        procs, adapters = _adapters(g, b, engines)
         arm.roles = {"router": [b.pid], "adapters": [a.pid for a in adapters], "engines": [p.pid for p in procs]}
+        if name == GATEWAY_ARM:
+            gw, arm.url = _gateways(g, b.frontend, tokenizer)
+            arm.roles["gateways"] = [gw.pid]  # the supervisor: its processes are its descendants
+            _wait_gateway_ready(arm.url, path, body)
         arm.engine_logs = [p.log_path for p in procs]
     elif name == "sglang_router":
         if not sglang_router_available():
@@ -191,6 +223,21 @@ def _spawn_sglang_router(g: ProcGroup, worker_urls: list[str], log_dir: Path) ->
     return _Router(proc, f"http://127.0.0.1:{port}")
 
 
+def _wait_gateway_ready(url: str, path: str, body: bytes) -> None:
+    """Each gateway process learns the broker's workers from its own STATUS poll (every second):
+    until then it answers 503. Poll with the benchmark's request until it answers 200 a few times in
+    a row on fresh connections (both processes)."""
+    deadline, ok, last = time.monotonic() + _STARTUP_S, 0, "no answer"
+    while ok < 4 * GATEWAY_PROCESSES:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateways did not answer 200 within {_STARTUP_S:.0f}s ({last})")
+        status, data = post(url + path, body, timeout_s=10)
+        ok = ok + 1 if status == 200 else 0
+        last = f"HTTP {status}: {data[:200].decode(errors='replace')}"
+        if status != 200:
+            time.sleep(0.1)  # polling interval of a readiness wait
+
+
 def _wait_router_ready(r: _Router, path: str, body: bytes) -> None:
     """The router registers its workers in the background: poll with the benchmark's own request
     until it answers 200 (a readiness wait on the real path)."""
@@ -223,11 +270,13 @@ def stop_front_to_back(g: ProcGroup, grace_s: float = 10.0) -> None:
     engines. (All at once, an engine could go before the adapter proxying to it, failing requests
     the broker then retries on the others and an adapter's drain would wait for nothing.)"""
     def layer(p: Proc) -> int:
-        if p.name in ("broker", "sglang_router"):
+        if p.name == "gateway":
             return 0
-        return 1 if p.name.startswith("a") and p.name[1:].isdigit() else 2
+        if p.name in ("broker", "sglang_router"):
+            return 1
+        return 2 if p.name.startswith("a") and p.name[1:].isdigit() else 3
 
-    for k in range(3):
+    for k in range(4):
         g.stop_all(grace_s, procs=[p for p in g.procs if layer(p) == k])
 
 
@@ -263,7 +312,7 @@ def _engine_stats(logs: Iterable[Path], bench_path: str) -> tuple[dict[str, int]
 
 
 def _served(arm: str, path: str) -> bool:
-    return path in (_BROKER_POSTS if arm.startswith("broker") else _ENGINE_POSTS)
+    return path in (_BROKER_POSTS if arm.startswith(("broker", "gateway")) else _ENGINE_POSTS)
 
 
 def _per_req(cpu_s: float | None, n: int) -> float | None:
@@ -275,14 +324,15 @@ def _per_req(cpu_s: float | None, n: int) -> float | None:
 def _cell(arm: _Arm, c: int, res: dict) -> dict:
     n = int(res["requests"])
     cpu = {"loadgen": res.get("loadgen_cpu_s")}
-    for role in ("router", "adapters", "engines"):
+    for role in ROLES[1:]:
         cpu[role] = res["cpu_s"].get(role) if role in arm.roles else None
     us = {role: _per_req(v, n) for role, v in cpu.items()}
-    path_parts = [us[r] for r in ("router", "adapters") if us[r] is not None]
+    path_parts = [us[r] for r in PATH_ROLES if us[r] is not None]
     us["path"] = round(sum(path_parts), 1) if n > 0 else None
     return {
         "arm": arm.name, "c": c, "loadgen": res["loadgen"], "requests": n, "seconds": round(res["seconds"], 3),
-        "rps": round(res["rps"], 1), "p50_ms": round(res["p50_ms"], 3), "p99_ms": round(res["p99_ms"], 3),
+        "rps": round(res["rps"], 1), "ok_rps": round(res["rps"] * max(0, n - int((res.get("error_detail") or {}).get("status", 0))) / n, 1) if n > 0 else 0.0,
+        "p50_ms": round(res["p50_ms"], 3), "p99_ms": round(res["p99_ms"], 3),
         "max_ms": round(res["max_ms"], 3), "errors": int(res["errors"]), "error_detail": res.get("error_detail", {}),
         "cpu_us_per_req": us, "cpu_s": {k: (round(v, 3) if v is not None else None) for k, v in cpu.items()},
         "processes": {role: len(pids) for role, pids in arm.roles.items()}, "cpus": os.cpu_count(),
@@ -342,7 +392,7 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
     ``python``. ``progress(label)`` is called after each cell (skipped ones included), ``say(msg)``
     for notices (skips, arm failures). ``tokenizer``: a model folder, or ``"builtin"`` (the
     Tekken tokenizer mistral-common ships, converted into a folder under the logs), for the
-    ``broker_zmq_tokenized`` arm; ``prompt_tokens``: the prompt's length in that tokenizer's tokens
+    ``broker_zmq_tokenized`` and ``gateway_tokenized`` arms; ``prompt_tokens``: the prompt's length in that tokenizer's tokens
     (words otherwise)."""
     say = say or (lambda m: print(m, file=sys.stderr))
     concurrency = [int(c) for c in concurrency]
@@ -369,7 +419,7 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
 
         tokenizer = str(build_model_dir(root / "model", tokenizer="tekken"))
     if tokenizer is None:
-        arm_list = [a for a in arm_list if a != "broker_zmq_tokenized"] if arms is None else arm_list
+        arm_list = [a for a in arm_list if a not in ("broker_zmq_tokenized", GATEWAY_ARM)] if arms is None else arm_list
     prompt = PROMPT
     if prompt_tokens:
         if tokenizer:
@@ -429,8 +479,8 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                     stop_front_to_back(g)
                     for _ in range(len(concurrency) - done_cells):
                         progress and progress(f"{name} (not run)")
-            if name in ("direct", "broker_adapters", "sglang_router") and info["status"] == "ok":
-                engine_path = "/generate" if name == "broker_adapters" else path  # the adapters always call /generate
+            if name in ("direct", "broker_adapters", GATEWAY_ARM, "sglang_router") and info["status"] == "ok":
+                engine_path = "/generate" if name in ("broker_adapters", GATEWAY_ARM) else path  # adapters call /generate
                 info["engine_paths"], info["engine_requests"] = _engine_stats(arm.engine_logs, engine_path)
                 info["engine_requests_path"] = engine_path
     try:
@@ -488,6 +538,10 @@ def evaluate_targets(cells: list[dict], concurrency: Iterable[int]) -> list[dict
             zmq["cpu_us_per_req"]["router"] if zmq else None, sg["cpu_us_per_req"]["router"] if sg else None, "us")
         add("full path CPU per request (router + adapters)", c, "<=", None,
             full["cpu_us_per_req"]["path"] if full else None, sg["cpu_us_per_req"]["path"] if sg else None, "us")
+        gw = _find(cells, GATEWAY_ARM, c)
+        # answered 200 (an arm's refusals, e.g. a tokenizer pool's fair share of one client address, are not throughput)
+        add(f"tokenised via {GATEWAY_PROCESSES} gateways req/s / full path req/s (200s)", c, ">=", 0.5 if c == 64 else None,
+            _ratio(gw.get("ok_rps", gw["rps"]), full.get("ok_rps", full["rps"])) if gw and full else None, None)
     return rows
 
 
@@ -505,17 +559,17 @@ def print_results(res: dict, console=None) -> None:
                         f"{' (stream)' if cfg['stream'] else ''}, max_new_tokens {cfg['max_new_tokens']}, "
                         f"loadgen {cfg['loadgen']}, {res['machine']['cpus']} CPUs")
         t.add_column("arm")
-        for col in ("req/s", "p50 ms", "p99 ms", "max ms", "errors", "CPU us/req loadgen", "router", "adapters", "engines",
-                    "path"):
+        for col in ("req/s", "p50 ms", "p99 ms", "max ms", "errors", "CPU us/req loadgen", "gateways", "router", "adapters",
+                    "engines", "path"):
             t.add_column(col, justify="right")
         for name, info in res["arms"].items():
             cell = _find(res["cells"], name, c)
             if cell is None:
-                t.add_row(name, f"[dim]{info['status']}[/dim]", *([""] * 10))
+                t.add_row(name, f"[dim]{info['status']}[/dim]", *([""] * 11))
                 continue
             us = cell["cpu_us_per_req"]
             t.add_row(name, _f(cell["rps"]), _f(cell["p50_ms"], "{:.2f}"), _f(cell["p99_ms"], "{:.2f}"), _f(cell["max_ms"], "{:.1f}"),
-                      str(cell["errors"]), _f(us["loadgen"]), _f(us["router"]), _f(us["adapters"]), _f(us["engines"]),
+                      str(cell["errors"]), _f(us["loadgen"]), _f(us.get("gateways")), _f(us["router"]), _f(us["adapters"]), _f(us["engines"]),
                       _f(us["path"]), style="bold" if name == FULL_PATH else None)
         con.print(t)
     t = Table(title=f"targets (from this run; full path = {FULL_PATH}, sglang_router for comparison)")

@@ -11,7 +11,7 @@ from mesh.errors import ConfigError
 
 __all__ = ["add_bench_http_parser"]
 
-_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "sglang_router")
+_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "gateway_tokenized", "sglang_router")
 
 
 def _ints(s: str) -> list[int]:
@@ -37,7 +37,8 @@ def add_bench_http_parser(bsub) -> argparse.ArgumentParser:
         "http", help="the HTTP path end to end (wrk or a built-in load generator) vs a direct engine and sglang-router",
         description="Measure the HTTP path in one run, side by side: direct (load -> instant HTTP engine), broker_zmq "
                     "(-> mesh broker --http -> instant ZMQ workers), broker_adapters (-> broker -> mesh attach sglang x4 -> "
-                    "instant HTTP engines x4) and sglang_router (SGLang's Rust router -> the same engines; when installed). "
+                    "instant HTTP engines x4), gateway_tokenized (-> mesh gateway --processes 2 --tokenizer -> the same; "
+                    "with --tokenizer) and sglang_router (SGLang's Rust router -> the same engines; when installed). "
                     "Prints req/s, p50/p99/max latency, errors and CPU microseconds per request of every process role, then "
                     "the targets (PASS/MISS; a miss does not fail the command, a broken arm does).")
     p.add_argument("--arms", type=_arms, default=None, help=f"comma-separated arms (default: all available: {','.join(_ARMS)})")
@@ -52,7 +53,9 @@ def add_bench_http_parser(bsub) -> argparse.ArgumentParser:
                    help="load generator: wrk (when on PATH, the default) or the built-in Python one")
     p.add_argument("--broker-policy", help="the broker's --policy in the broker arms (default: the broker's default)")
     p.add_argument("--tokenizer", help="a model folder, or 'builtin' (the Tekken tokenizer mistral-common ships): adds the "
-                                      "arm broker_zmq_tokenized, broker_zmq with the broker tokenising every prompt")
+                                      "arms broker_zmq_tokenized (broker_zmq with the broker tokenising every prompt) and "
+                                      "gateway_tokenized (the full path behind mesh gateway --processes 2, the gateways "
+                                      "tokenising)")
     p.add_argument("--prompt-tokens", type=positive_int, help="prompt length in tokens (of --tokenizer; words without one); "
                                                      "default a 43-byte sentence")
     p.add_argument("--log-dir", help="keep the processes' logs here (default: a temporary directory)")
@@ -71,7 +74,7 @@ def _cmd_bench_http(args) -> int:
     if args.tokenizer not in (None, "builtin") and not Path(args.tokenizer).is_dir():
         raise ConfigError(f"tokenizer: no model folder {args.tokenizer!r} (give a folder holding tokenizer.json, or 'builtin')")
     arms = args.arms or [a for a in ALL_ARMS if (a != "sglang_router" or sglang_router_available())
-                         and (a != "broker_zmq_tokenized" or args.tokenizer)]
+                         and (a not in ("broker_zmq_tokenized", "gateway_tokenized") or args.tokenizer)]
     if args.arms is None and "sglang_router" not in arms:
         Console(stderr=True).print("[bench http] sglang_router: skipped: the sglang_router package is not importable "
                                    "(pip install '.[bench]')")
