@@ -201,7 +201,10 @@ def _http(d: dict[str, Any], src: str) -> Page:
              f"{cfg['max_new_tokens']} output tokens, {cfg['seconds']:g} s per cell, load generator {cfg.get('loadgen')}. "
              "CPU per request is each process group's user + system time over the window, divided by the requests.",
              f"mesh bench http --arms {','.join(cfg['arms'])} --concurrency {conc} --seconds {cfg['seconds']:g} "
-             f"--path {cfg['path']}{' --stream' if cfg.get('stream') else ''} --json {src}")
+             f"--path {cfg['path']}{' --stream' if cfg.get('stream') else ''}"
+             f"{' --tokenizer ' + _tokenizer_arg(cfg) if cfg.get('tokenizer') else ''}"
+             f"{' --prompt-tokens ' + str(cfg['prompt_tokens']) if cfg.get('prompt_tokens') else ''}"
+             f"{' --profile' if cfg.get('profile') else ''} --json {src}")
     rows = []
     for c in cfg["concurrency"]:
         for name in cfg["arms"]:
@@ -221,9 +224,39 @@ def _http(d: dict[str, Any], src: str) -> Page:
                for t in d.get("targets", [])]
     if targets:
         p.tables.append((["target", "c", "goal", "mesh", "sglang_router", "result"], targets))
+    prof = _http_profiles(d["cells"])
+    if prof:
+        p.tables.append((["arm, c, process (samples)", "#", "self", "%", "inclusive", "%"], prof))
+        p.notes.append("Profiles: py-spy at 100 Hz over the cell (warm-up included), one process per role; *self* is the "
+                       "innermost frame of a sample (where the CPU was), *inclusive* any frame on its stack. "
+                       "`Runner.run` (asyncio) self time is the event loop's own C code: polling and socket syscalls.")
     m = d.get("machine") or {}
     p.notes.append(f"Machine: {m.get('cpus', '-')} CPUs, load average {m.get('loadavg_at_start', '-')} at the start.")
     return p
+
+
+def _tokenizer_arg(cfg: dict[str, Any]) -> str:
+    """``builtin`` when the bench built its tokenizer under its logs, else the folder's name (no machine path)."""
+    tok, logs = str(cfg.get("tokenizer") or ""), str(cfg.get("log_dir") or "")
+    return "builtin" if logs and tok.startswith(logs) else Path(tok).name
+
+
+def _http_profiles(cells: list[dict[str, Any]], top: int = 8) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for cell in cells:
+        for role, prof in (cell.get("profile") or {}).items():
+            label = f"{cell['arm']}, c={cell['c']}, {role}"
+            if "error" in prof:
+                rows.append([label, "", f"no profile: {prof['error']}", "", "", ""])
+                continue
+            selfs, incl = prof.get("self") or [], prof.get("inclusive") or []
+            for i in range(min(top, max(len(selfs), len(incl)))):
+                a = selfs[i] if i < len(selfs) else {}
+                b = incl[i] if i < len(incl) else {}
+                rows.append([f"{label} ({prof.get('samples', 0):,})" if i == 0 else "", str(i + 1),
+                             f"`{a['frame']}`" if a else "", _num(a.get("pct"), "{:.1f}"),
+                             f"`{b['frame']}`" if b else "", _num(b.get("pct"), "{:.1f}")])
+    return rows
 
 
 def _replay(d: dict[str, Any], src: str) -> Page:

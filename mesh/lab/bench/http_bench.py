@@ -30,11 +30,15 @@ divided by the requests completed in it: microseconds of CPU per request, per ro
 ``adapters`` (sum), ``engines`` (instant engines or ZMQ workers, sum) and ``path`` = gateways +
 router + adapters (the whole path's CPU per request).
 
-Then the targets, computed from this run only: full path req/s / direct req/s (>= 0.32 at c=64,
->= 0.25 at c=1), the full path's p99/p50 (<= 2.5 at both), its max latency (<= 100 ms) and p50
-(<= 1 ms) at c=1, the broker's CPU per request in ``broker_zmq`` (<= 250 us), and
+Then the targets, computed from this run only. Against SGLang's Rust router in the same run: the
+full path's req/s (>= 1.0x at c=64) and CPU per request (<= 1.5x), broker_zmq's req/s (>= 1.5x),
+the full path's p50 at c=1 (<= the router's + 0.5 ms). Then the full path's p99/p50 (<= 3 at c=64,
+<= 2.5 at c=1), req/s / direct req/s (>= 0.32 at c=64, >= 0.25 at c=1), its max latency (<= 100 ms)
+and p50 (<= 1 ms) at c=1, the broker's CPU per request in ``broker_zmq`` (<= 250 us), and
 ``gateway_tokenized`` req/s / full path req/s (>= 0.5 at c=64); sglang_router's
-figures are shown beside them. A missed target is printed (MISS), not an error: the command exits
+figures (the same formula on its cells) are shown beside them.
+With ``--profile``, py-spy samples the router, one adapter and one gateway process during each mesh
+arm's highest-concurrency cell; the top entries go into the JSON and the page. A missed target is printed (MISS), not an error: the command exits
 non-zero only when an arm broke.
 """
 
@@ -59,6 +63,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mesh.lab.bench.profile import Sampler
 from mesh.lab.bench.http_load import PROMPT, request_body, run_load, wrk_path, wrk_version
 from mesh.lab.bench.report import fmt as _f
 from mesh.lab.procs import Proc, ProcGroup, free_port, wait_for_log_event
@@ -315,6 +320,33 @@ def _served(arm: str, path: str) -> bool:
     return path in (_BROKER_POSTS if arm.startswith(("broker", "gateway")) else _ENGINE_POSTS)
 
 
+_PROFILED_ROLES = ("router", "adapters", "gateways")  # one process of each; sglang_router is Rust (py-spy reads Python)
+
+
+def _first_child(pid: int) -> int | None:
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(kids[0]) if kids else None
+
+
+def _sampler(arm: _Arm, seconds: float, out_dir: Path) -> Sampler | None:
+    """py-spy on the first process of each mesh role of the arm (a gateway group: its first child,
+    the supervisor only waits); None for arms that run no mesh process."""
+    if arm.name in ("direct", "sglang_router"):
+        return None
+    targets: dict[str, int] = {}
+    for role in _PROFILED_ROLES:
+        pids = arm.roles.get(role) or []
+        if not pids:
+            continue
+        pid = _first_child(pids[0]) if role == "gateways" else pids[0]
+        if pid is not None:
+            targets[role] = pid
+    return Sampler(targets, seconds, out_dir) if targets else None
+
+
 def _per_req(cpu_s: float | None, n: int) -> float | None:
     if cpu_s is None or n <= 0:
         return None
@@ -384,7 +416,8 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                    warmup_s: float = 1.0, path: str = "/generate", stream: bool = False, max_new_tokens: int = 8,
                    loadgen: str = "auto", engines: int = 4, broker_policy: str | None = None,
                    progress: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None,
-                   log_dir: str | Path | None = None, tokenizer: str | None = None, prompt_tokens: int | None = None) -> dict:
+                   log_dir: str | Path | None = None, tokenizer: str | None = None, prompt_tokens: int | None = None,
+                   profile: bool = False) -> dict:
     """Run every (arm, concurrency) cell and return the results (see the module docstring).
 
     ``arms``: default all (sglang_router only when importable; asked for explicitly and missing,
@@ -393,7 +426,9 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
     for notices (skips, arm failures). ``tokenizer``: a model folder, or ``"builtin"`` (the
     Tekken tokenizer mistral-common ships, converted into a folder under the logs), for the
     ``broker_zmq_tokenized`` and ``gateway_tokenized`` arms; ``prompt_tokens``: the prompt's length in that tokenizer's tokens
-    (words otherwise)."""
+    (words otherwise). ``profile``: sample the router, one adapter and one gateway process with py-spy
+    during each mesh arm's highest-concurrency cell (:mod:`mesh.lab.bench.profile`); the top entries land
+    in that cell's ``profile``."""
     say = say or (lambda m: print(m, file=sys.stderr))
     concurrency = [int(c) for c in concurrency]
     if not concurrency or any(c < 1 for c in concurrency):
@@ -435,7 +470,7 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
         "config": {"arms": arm_list, "concurrency": concurrency, "seconds": seconds, "warmup_s": warmup_s, "path": path,
                    "stream": stream, "max_new_tokens": max_new_tokens, "prompt_bytes": len(prompt.encode()), "prompt_tokens": prompt_tokens, "tokenizer": tokenizer,
                    "loadgen": loadgen, "engines": engines, "broker_policy": broker_policy or "default",
-                   "sglang_router_policy": "round_robin", "log_dir": str(root)},
+                   "sglang_router_policy": "round_robin", "log_dir": str(root), "profile": profile},
         "machine": machine(),
         "cells": [],
         "arms": {},
@@ -459,12 +494,17 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                                      tokenizer=tokenizer)
                     info["processes"] = {role: len(p) for role, p in arm.roles.items()}
                     for c in concurrency:
+                        sampler = _sampler(arm, seconds + warmup_s, arm_dir) if profile and c == max(concurrency) else None
+                        if sampler is not None:
+                            sampler.start()
                         out = run_load(arm.url + path, body, c, seconds, warmup_s=warmup_s, loadgen=loadgen,
                                        roles=arm.roles, stream=stream)
                         dead = [p.name for p in g.procs if not p.alive()]
                         if dead:
                             raise RuntimeError(f"process(es) died during c={c}: {dead}")
                         res["cells"].append(_cell(arm, c, out))
+                        if sampler is not None:
+                            res["cells"][-1]["profile"] = sampler.finish()
                         done_cells += 1
                         progress and progress(f"{name} c={c}")
                 except ArmSkipped as exc:
@@ -527,17 +567,29 @@ def evaluate_targets(cells: list[dict], concurrency: Iterable[int]) -> list[dict
     for c in concurrency:
         direct, full, sg, zmq = (_find(cells, a, c) for a in ("direct", FULL_PATH, "sglang_router", "broker_zmq"))
         d_rps = direct["rps"] if direct else None
-        add("full path req/s / direct req/s", c, ">=", {1: 0.25, 64: 0.32}.get(c),
-            _ratio(full["rps"], d_rps) if full else None, _ratio(sg["rps"], d_rps) if sg else None)
-        add("full path p99 / p50", c, "<=", 2.5 if c in (1, 64) else None,
+        sg_rps = sg["rps"] if sg else None
+        sg_path_us = sg["cpu_us_per_req"]["path"] if sg else None
+        # against SGLang's Rust router in the same run (issue 34); its own column stays empty: a ratio to itself
+        add("full path req/s / sglang_router req/s", c, ">=", 1.0 if c == 64 else None,
+            _ratio(full["rps"], sg_rps) if full else None, None)
+        add("full path CPU per request / sglang_router's", c, "<=", 1.5 if c == 64 else None,
+            _ratio(full["cpu_us_per_req"]["path"], sg_path_us) if full else None, None)
+        add("broker_zmq req/s / sglang_router req/s", c, ">=", 1.5 if c == 64 else None,
+            _ratio(zmq["rps"], sg_rps) if zmq else None, None)
+        if c == 1:
+            add("full path p50 - sglang_router p50", c, "<=", 0.5,
+                round(full["p50_ms"] - sg["p50_ms"], 3) if full and sg else None, None, "ms")
+        add("full path p99 / p50", c, "<=", 3.0 if c == 64 else (2.5 if c == 1 else None),
             _ratio(full["p99_ms"], full["p50_ms"]) if full else None, _ratio(sg["p99_ms"], sg["p50_ms"]) if sg else None)
+        add("full path req/s / direct req/s", c, ">=", {1: 0.25, 64: 0.32}.get(c),
+            _ratio(full["rps"], d_rps) if full else None, _ratio(sg_rps, d_rps) if sg else None)
         if c == 1:
             add("full path max latency", c, "<=", 100.0, full["max_ms"] if full else None, sg["max_ms"] if sg else None, "ms")
             add("full path p50", c, "<=", 1.0, full["p50_ms"] if full else None, sg["p50_ms"] if sg else None, "ms")
         add("broker_zmq router CPU per request", c, "<=", 250.0,
             zmq["cpu_us_per_req"]["router"] if zmq else None, sg["cpu_us_per_req"]["router"] if sg else None, "us")
         add("full path CPU per request (router + adapters)", c, "<=", None,
-            full["cpu_us_per_req"]["path"] if full else None, sg["cpu_us_per_req"]["path"] if sg else None, "us")
+            full["cpu_us_per_req"]["path"] if full else None, sg_path_us, "us")
         gw = _find(cells, GATEWAY_ARM, c)
         # answered 200 (an arm's refusals, e.g. a tokenizer pool's fair share of one client address, are not throughput)
         add(f"tokenised via {GATEWAY_PROCESSES} gateways req/s / full path req/s (200s)", c, ">=", 0.5 if c == 64 else None,
@@ -591,5 +643,13 @@ def print_results(res: dict, console=None) -> None:
         elif info.get("engine_paths") and name != "direct":
             con.print(f"{name}: requests the engines saw, by path: {info['engine_paths']}; "
                       f"{info.get('engine_requests_path')} per engine: {info.get('engine_requests')}")
+    for cell in res["cells"]:
+        for role, prof in (cell.get("profile") or {}).items():
+            head = f"profile {cell['arm']} c={cell['c']} {role}"
+            if "error" in prof:
+                con.print(f"{head}: none ({prof['error']})")
+                continue
+            top = ", ".join(f"{e['frame']} {e['pct']:.1f}%" for e in prof["self"][:6])
+            con.print(f"{head} ({prof['samples']} samples), top self: {top}")
     m = res["machine"]
     con.print(f"load average at start {m.get('loadavg_at_start')}, at end {m.get('loadavg_at_end')}; logs in {cfg['log_dir']}")

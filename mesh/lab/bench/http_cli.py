@@ -58,6 +58,10 @@ def add_bench_http_parser(bsub) -> argparse.ArgumentParser:
                                       "tokenising)")
     p.add_argument("--prompt-tokens", type=positive_int, help="prompt length in tokens (of --tokenizer; words without one); "
                                                      "default a 43-byte sentence")
+    p.add_argument("--profile", action="store_true",
+                   help="sample the broker, one adapter and one gateway process with py-spy during each mesh arm's "
+                        "highest-concurrency cell; the top entries go into the table, the JSON and the report page "
+                        "(needs py-spy: pip install '.[bench]')")
     p.add_argument("--log-dir", help="keep the processes' logs here (default: a temporary directory)")
     p.add_argument("--json", type=writable_file, help="write every figure to this JSON file")
     p.set_defaults(func=_cmd_bench_http)
@@ -94,7 +98,7 @@ def _cmd_bench_http(args) -> int:
                                  path=args.path, stream=args.stream, max_new_tokens=args.max_new_tokens,
                                  loadgen=args.loadgen, broker_policy=args.broker_policy, progress=progress,
                                  say=lambda m: bar.console.print(m), log_dir=args.log_dir, tokenizer=args.tokenizer,
-                                 prompt_tokens=args.prompt_tokens)
+                                 prompt_tokens=args.prompt_tokens, profile=args.profile)
         except ValueError as exc:
             con.print(f"mesh bench http: {exc}")
             return 2

@@ -1,0 +1,89 @@
+"""`mesh bench http --profile`: py-spy's raw stacks summarised (pure), the targets against the Rust
+router, the report's profile table, and one real sample of a busy process when py-spy can attach."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mesh.lab.bench.http_bench import evaluate_targets
+from mesh.lab.bench.profile import Sampler, py_spy_path, summarize_raw
+from mesh.lab.report import render, to_markdown
+
+RAW = """\
+<module> (mesh/cli.py:3);run (mesh/aio.py:10);_pump (brokers/broker.py:100);send_frames (mesh/sockets.py:40) 30
+<module> (mesh/cli.py:3);run (mesh/aio.py:10);_pump (brokers/broker.py:100);choose (mesh/routing/cache_policies.py:9) 10
+<module> (mesh/cli.py:3);run (mesh/aio.py:10);_run (brokers/ingress/http1.py:5) 60
+garbage line without a count
+"""
+
+
+def test_summary_ranks_self_and_inclusive_and_counts_bad_lines():
+    s = summarize_raw(RAW, top=3)
+    assert s["samples"] == 100 and s["skipped_lines"] == 1
+    assert s["self"][0] == {"frame": "_run (ingress/http1.py)", "pct": 60.0}
+    assert s["self"][1] == {"frame": "send_frames (mesh/sockets.py)", "pct": 30.0}
+    incl = {e["frame"]: e["pct"] for e in summarize_raw(RAW, top=10)["inclusive"]}
+    assert incl["run (mesh/aio.py)"] == 100.0 and incl["_pump (brokers/broker.py)"] == 40.0
+    assert summarize_raw("", top=3) == {"samples": 0, "skipped_lines": 0, "self": [], "inclusive": []}
+
+
+def _cell(arm, c, rps, p50, p99, path_us):
+    return {"arm": arm, "c": c, "rps": rps, "p50_ms": p50, "p99_ms": p99, "max_ms": p99 * 2,
+            "cpu_us_per_req": {"loadgen": 10.0, "router": path_us, "adapters": None, "engines": 5.0, "path": path_us}}
+
+
+def test_targets_against_the_rust_router_in_the_same_run():
+    cells = [_cell("sglang_router", 64, 6000, 9, 16, 100), _cell("broker_adapters", 64, 3000, 20, 70, 400),
+             _cell("broker_zmq", 64, 9500, 6, 12, 200), _cell("sglang_router", 1, 800, 1.2, 2, 100),
+             _cell("broker_adapters", 1, 500, 1.6, 3, 400)]
+    rows = {(r["name"], r["c"]): r for r in evaluate_targets(cells, [1, 64])}
+    assert rows[("full path req/s / sglang_router req/s", 64)]["value"] == 0.5
+    assert rows[("full path req/s / sglang_router req/s", 64)]["result"] == "MISS"
+    assert rows[("full path CPU per request / sglang_router's", 64)]["value"] == 4.0
+    assert rows[("broker_zmq req/s / sglang_router req/s", 64)]["result"] == "PASS"  # 1.583 >= 1.5
+    assert rows[("full path p50 - sglang_router p50", 1)]["value"] == pytest.approx(0.4)
+    assert rows[("full path p50 - sglang_router p50", 1)]["result"] == "PASS"
+    assert rows[("full path p99 / p50", 64)]["target"] == 3.0 and rows[("full path p99 / p50", 64)]["result"] == "MISS"
+    # without the Rust arm those rows cannot be judged
+    alone = {(r["name"], r["c"]): r["result"] for r in evaluate_targets(cells[1:3], [64])}
+    assert alone[("full path req/s / sglang_router req/s", 64)] == "n/a"
+
+
+def test_the_report_page_shows_profiles_and_missing_ones():
+    cell = _cell("broker_zmq", 64, 9500, 6, 12, 200)
+    cell["profile"] = {"router": {"pid": 1, "rate_hz": 100, **summarize_raw(RAW, top=3)},
+                       "adapters": {"error": "py-spy is not installed"}}
+    data = {"bench": "http", "config": {"arms": ["broker_zmq"], "concurrency": [64], "seconds": 5, "path": "/generate",
+                                         "max_new_tokens": 8, "loadgen": "python", "profile": True, "log_dir": "/tmp/x"},
+            "machine": {"cpus": 2}, "cells": [cell], "arms": {"broker_zmq": {"status": "ok"}}, "targets": []}
+    page = to_markdown(render("http", data, "bench/http.json"), src="bench/http.json", date="2026-12-05")
+    assert "`_run (ingress/http1.py)`" in page and "| 60.0 |" in page
+    assert "no profile: py-spy is not installed" in page and "--profile" in page
+
+
+def test_a_real_sample_of_a_busy_python_process(tmp_path):
+    if py_spy_path() is None:
+        pytest.skip("py-spy is not installed (the bench extra)")
+    busy = subprocess.Popen([sys.executable, "-c", "def spin():\n    while True: pass\nspin()"])
+    try:
+        time.sleep(0.3)  # the interpreter is up (py-spy needs its symbols)
+        s = Sampler({"router": busy.pid}, 1, tmp_path)
+        s.start()
+        out = s.finish()["router"]
+    finally:
+        busy.kill()
+        busy.wait()
+    if "error" in out:
+        pytest.skip(f"py-spy cannot attach here: {out['error']}")
+    assert out["samples"] > 0 and out["self"][0]["frame"].startswith("spin")
+
+
+def test_without_py_spy_the_profile_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr("mesh.lab.bench.profile.py_spy_path", lambda: None)
+    s = Sampler({"router": 1}, 1, tmp_path)
+    s.start()
+    assert s.finish() == {"router": {"error": "py-spy is not installed (pip install '.[bench]')"}}
