@@ -242,7 +242,7 @@ class BrokerLink:
             if self._loop is None:  # not serving (no receive loop): nothing to batch with
                 self._flush()
             else:
-                self._loop.call_soon(self._flush)
+                self._loop.call_soon(self._flush_turn)
         return True
 
     def _flush(self) -> None:
@@ -252,11 +252,24 @@ class BrokerLink:
             return
         self._outbox = []
         self.posted_batches += 1
-        if self._sync is None or not self.session.may_send():
+        sync = self._sync
+        if sync is None or not self.session.may_send():
             self.send_failures += len(out)
             return
         for frames in out:
-            self._send(frames)
+            try:
+                send_frames(sync, frames)
+            except zmq.Again:
+                self.send_failures += 1
+
+    def _flush_turn(self) -> None:
+        """The burst :meth:`post` scheduled, then the input check every send needs (see
+        :meth:`_send`), here at once rather than in another loop turn. (The other callers of
+        :meth:`_flush` need none: :meth:`send` schedules it, a closing socket is not read.)"""
+        self._flush()
+        sync = self._sync
+        if sync is not None and self._loop is not None and not sync.closed and socket_readable(sync):
+            self._drain()
 
     def _send(self, frames: list[bytes]) -> bool:
         sync = self._sync
