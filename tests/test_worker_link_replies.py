@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import asynccontextmanager
 
 import pytest
 import zmq
@@ -52,13 +53,24 @@ class _OrderedBroker(FakeBroker):
         super()._handle(ident, frames)
 
 
+@asynccontextmanager
+async def _registered(on_message=lambda *_: None):
+    """An _OrderedBroker and a link registered with it: (broker, link, the link's run task)."""
+    fb = _OrderedBroker().start()
+    link = _link(fb.endpoint, fb.ctx, on_message)
+    task = asyncio.create_task(link.run())
+    try:
+        await until(lambda: link.registered, 10, "registered")
+        yield fb, link, task
+    finally:
+        link.close()
+        await asyncio.gather(task, return_exceptions=True)
+        await fb.close()
+
+
 def test_one_turns_replies_leave_in_one_burst_in_order_with_the_immediate_sends():
     async def go():
-        fb = _OrderedBroker().start()
-        link = _link(fb.endpoint, fb.ctx)
-        task = asyncio.create_task(link.run())
-        try:
-            await until(lambda: link.registered, 10, "registered")
+        async with _registered() as (fb, link, _):
             batches = link.posted_batches
             for rid in range(1, 41):  # one loop turn: 40 replies, an immediate send in the middle
                 assert link.replies.send(_final(rid))
@@ -66,10 +78,6 @@ def test_one_turns_replies_leave_in_one_burst_in_order_with_the_immediate_sends(
                     assert link.send(P.encode_worker_error(1000, 1, ErrorCode.WORKER_ERROR, "x"))
             await until(lambda: len(fb.order) == 41, 10, "all replies")
             return fb.order, link.posted_batches - batches, link.send_failures
-        finally:
-            link.close()
-            await asyncio.gather(task, return_exceptions=True)
-            await fb.close()
 
     order, bursts, failures = run(go(), 30)
     expected = [("WorkerFinal", r) for r in range(1, 21)] + [("WorkerError", 1000)] + \
@@ -123,20 +131,12 @@ def test_a_reply_is_delivered_or_counted_when_the_pipe_is_full():
 
 def test_replies_queued_when_the_link_closes_still_go_out():
     async def go():
-        fb = _OrderedBroker().start()
-        link = _link(fb.endpoint, fb.ctx)
-        task = asyncio.create_task(link.run())
-        try:
-            await until(lambda: link.registered, 10, "registered")
+        async with _registered() as (fb, link, _):
             for rid in (7, 8):
                 link.replies.send(_final(rid))
             link.close()  # same turn: before the burst would have gone out
             await until(lambda: "worker_shutdown" in fb.disconnects, 10, "goodbye")
             return fb.order, link.send_failures
-        finally:
-            link.close()
-            await asyncio.gather(task, return_exceptions=True)
-            await fb.close()
 
     order, failures = run(go(), 30)
     assert order == [("WorkerFinal", 7), ("WorkerFinal", 8), ("Disconnect", 0)] and failures == 0  # replies first
@@ -163,17 +163,9 @@ def test_a_handler_that_raises_ends_the_links_run():
             raise Boom("handler bug")
 
     async def go():
-        fb = FakeBroker().start()
-        link = _link(fb.endpoint, fb.ctx, on_message)
-        task = asyncio.create_task(link.run())
-        try:
-            await until(lambda: link.registered, 10, "registered")
+        async with _registered(on_message) as (fb, _, task):
             fb.request(1, P.encode_submit("r", input_ids=[1], params={})[2])
             await asyncio.wait_for(asyncio.shield(task), 10)
-        finally:
-            link.close()
-            await asyncio.gather(task, return_exceptions=True)
-            await fb.close()
 
     with pytest.raises(Boom):
         run(go(), 30)
