@@ -93,3 +93,24 @@ def test_requests_that_end_early_do_not_grow_the_heap():
     size, pending, expired = run(go(), 30)
     assert pending == 0 and expired == 0
     assert size <= 4 * 1024, size
+
+
+def test_one_instance_used_from_a_second_event_loop_still_expires_there():
+    d = Deadlines()
+
+    async def bounded(timeout_s: float) -> str:
+        try:
+            async with d.bound(timeout_s):
+                await asyncio.sleep(30)
+        except TimeoutError:
+            return "expired"
+        return "ended"
+
+    async def first():  # leaves a long deadline armed on a loop that then closes
+        t = asyncio.create_task(bounded(20))
+        await asyncio.sleep(0.01)
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+
+    run(first(), 10)
+    assert run(bounded(0.02), 10) == "expired"

@@ -10,7 +10,7 @@ ended requests outnumber the live ones.
 ``async with deadlines.bound(timeout_s):`` behaves as ``async with asyncio.timeout(timeout_s):``
 (``None``: no bound): when the deadline passes, the task is cancelled and the block raises
 :class:`TimeoutError` (a cancellation from elsewhere stays a cancellation). One
-:class:`Deadlines` serves one event loop.
+:class:`Deadlines` serves one event loop at a time (used from another, it starts afresh there).
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ class Deadlines:
         return len(self._heap)
 
     def _add(self, b: _Bound) -> None:
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # first use, or another loop (tests run one per case): start afresh
+            self._loop, self._heap, self._live, self._timer = loop, [], 0, None
         b.when = loop.time() + max(0.0, b.timeout_s or 0.0)
         heap = self._heap
         if len(heap) >= _COMPACT_AT and len(heap) > 4 * (self._live + 1):
