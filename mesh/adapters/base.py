@@ -480,7 +480,7 @@ class Adapter:
         """Serve one REQUEST (:meth:`RequestProxy.serve`); a cancel ends it silently."""
         try:
             assert self.proxy is not None
-            await self.proxy.serve(link, r)
+            await self.proxy.serve(link.replies, r)  # replies of one loop turn leave together
         except asyncio.CancelledError:
             pass
         finally:

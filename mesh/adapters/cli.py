@@ -187,6 +187,9 @@ async def _run(engine: str, s) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, sig)
+    from mesh.gc_tuning import freeze_startup_heap
+
+    freeze_startup_heap()  # collections while serving scan only what serving allocated (as the broker's)
     try:
         await adapter.run()
     finally:

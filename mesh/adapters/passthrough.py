@@ -18,7 +18,6 @@ the tokens and the cached tokens.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from contextlib import AbstractAsyncContextManager
 from typing import Any, AsyncIterator, Protocol
@@ -27,6 +26,7 @@ import orjson
 
 from mesh import protocol as P
 from mesh.adapters.backend import EngineInfo
+from mesh.adapters.deadlines import Deadlines
 from mesh.errors import ErrorCode
 
 __all__ = ["PASSTHROUGH_NOT_DISAGGREGATED", "PassthroughProxy", "PassthroughTransport", "usage_of", "engine_body"]
@@ -121,7 +121,9 @@ class _UsageScan:
 class PassthroughProxy:
     """Serves the pass-through REQUESTs of one engine (see the module docstring)."""
 
-    def __init__(self, engine: PassthroughTransport, info: EngineInfo, *, url: str, counters: Counter, log) -> None:
+    def __init__(self, engine: PassthroughTransport, info: EngineInfo, *, url: str, counters: Counter, log,
+                 deadlines: Deadlines | None = None) -> None:
+        self.deadlines = deadlines or Deadlines()
         self.engine = engine
         self.info = info
         self.url = url
@@ -139,7 +141,7 @@ class PassthroughProxy:
         self.counters["passthrough_requests"] += 1
         seq = 0
         try:
-            async with asyncio.timeout(timeout_s):
+            async with self.deadlines.bound(timeout_s):
                 async with self.engine.stream_with_type("POST", path, body, headers) as (status, ctype, chunks):
                     head: dict[str, Any] | None = {"status": status, "content_type": ctype or "application/octet-stream"}
                     sse = status == 200 and _SSE in ctype

@@ -20,6 +20,7 @@ import orjson
 from mesh import protocol as P
 from mesh import tracing
 from mesh.adapters.backend import Backend, EngineInfo, StreamState
+from mesh.adapters.deadlines import Deadlines
 from mesh.adapters.engine_client import engine_error, engine_refusal, error_code_for_status, sse_events
 from mesh.adapters.passthrough import PASSTHROUGH_NOT_DISAGGREGATED, PassthroughProxy
 from mesh.errors import ErrorCode, RequestError
@@ -63,8 +64,10 @@ class RequestProxy:
         self.counters = counters
         self.log = log
         self.on_unavailable = on_unavailable
+        self.deadlines = Deadlines()  # the requests' deadlines, on one timer
         # what mesh does not render goes to the engine's own OpenAI endpoint (mesh.adapters.passthrough)
-        self.passthrough = PassthroughProxy(engine, info, url=url, counters=counters, log=log)  # type: ignore[arg-type]
+        self.passthrough = PassthroughProxy(engine, info, url=url, counters=counters, log=log,  # type: ignore[arg-type]
+                                            deadlines=self.deadlines)
 
     async def serve(self, link: ReplyLink, r: P.Request) -> None:
         """Serve one REQUEST; every outcome but a cancel ends in a FINAL or an ERROR frame. An
@@ -205,7 +208,7 @@ class RequestProxy:
         timeout_s = r.deadline_ms / 1000 if r.deadline_ms > 0 else None
         final_sent = False
         try:
-            async with asyncio.timeout(timeout_s):
+            async with self.deadlines.bound(timeout_s):
                 if not engine_streams:
                     status, raw = await self.engine.request("POST", path, payload, headers)
                     if status != 200:

@@ -1,10 +1,13 @@
 """One worker's connection to one broker on asyncio: a DEALER driven by a :class:`LinkSession`.
 
-The :class:`BrokerLink` owns its socket. Its receive loop is the only code that waits on it;
-other coroutines of the same event loop call :meth:`BrokerLink.send`, which never awaits (a
-non-blocking send; a full or unconnected pipe is counted and reported to the caller). The
-protocol decisions (when READY goes out, what "registered" means, liveness, back-off) are the
-session's (:mod:`mesh.worker.session`); this module only does the I/O.
+The :class:`BrokerLink` owns its socket. Reader callbacks on its file descriptors read it;
+other code of the same event loop calls :meth:`BrokerLink.send`, which never awaits (a
+non-blocking send; a full or unconnected pipe is counted and reported to the caller). A
+request's replies go through :attr:`BrokerLink.replies` (:meth:`BrokerLink.post`): queued, and
+sent together at the start of the next event-loop turn, so a turn that finished many requests
+wakes libzmq's I/O thread (and writes to TCP) once, not once per reply. The protocol decisions
+(when READY goes out, what "registered" means, liveness, back-off) are the session's
+(:mod:`mesh.worker.session`); this module only does the I/O.
 
 Registration: worker DEALERs are ``IMMEDIATE`` (nothing queues onto a connection that is not
 up), so a READY sent right after ``connect()`` would be refused (or lost) and the worker would
@@ -12,12 +15,14 @@ only register after a heartbeat round trip (``unregistered_peer`` -> DISCONNECT 
 link therefore watches its socket's monitor and sends READY when the ZMTP handshake (CURVE
 included) has succeeded, with the session's blind fallback when no handshake is reported in time.
 
-Wake-ups: the receive loop waits on the socket's file descriptor (and the monitor's) with the
-event loop's reader callbacks. ZeroMQ FDs are edge-triggered and *any* operation on the socket,
-a send included, may consume the signal of a message that just arrived; so after a send the link
-re-reads ``ZMQ_EVENTS`` (:func:`mesh.sockets.socket_readable`, once per event-loop turn however
-many sends there were) and wakes the receive loop if input is waiting. Without that, a reply
-arriving during a send would wait for the next unrelated wake-up (typically a broker heartbeat).
+Wake-ups: the socket's file descriptor (and the monitor's) are watched with the event loop's
+reader callbacks, which read and handle the frames in the loop turn that saw them (no task
+switch, no timer per message; the receive coroutine only keeps the session's timers). ZeroMQ
+FDs are edge-triggered and *any* operation on the socket, a send included, may consume the
+signal of a message that just arrived; so after a send the link re-reads ``ZMQ_EVENTS``
+(:func:`mesh.sockets.socket_readable`, once per event-loop turn however many sends there were)
+and reads the socket if input is waiting. Without that, a reply arriving during a send would
+wait for the next unrelated wake-up (typically a broker heartbeat).
 
 Liveness: when the session says the broker has been silent too long, the link destroys its
 socket, waits the session's back-off (:meth:`mesh.retry.RetryPolicy.forever`: no attempt cap,
@@ -40,7 +45,7 @@ from mesh.retry import RetryPolicy
 from mesh.sockets import WORKER_DEALER, CurveKeys, make_socket, recv_frames, send_frames, socket_readable
 from mesh.worker.session import LinkSession, Send
 
-__all__ = ["BrokerLink"]
+__all__ = ["BrokerLink", "Replies"]
 
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 # The link's loop waking this much later than it asked to means the process itself stalled: the
@@ -63,6 +68,16 @@ def _refusal_hint(reason: str) -> str:
     if "client port" in reason:
         return "--broker names the broker's client (frontend) endpoint; workers connect to its --backend endpoint"
     return "the broker refused this worker's READY; see the reason"
+
+
+class Replies:
+    """A link's request replies as a reply link (``send``): :meth:`BrokerLink.post`, so the
+    replies of one event-loop turn leave in one burst."""
+
+    __slots__ = ("send",)
+
+    def __init__(self, link: "BrokerLink") -> None:
+        self.send = link.post
 
 
 class BrokerLink:
@@ -109,6 +124,12 @@ class BrokerLink:
         self._wake: asyncio.Event | None = None
         self._watched: list[int] = []
         self._recheck_scheduled = False
+        self._ended: str | BaseException | None = None  # set by a reader callback: the connection is over
+        self._due_s = 0.0  # when the receive loop's timer wakes it next
+        # request replies queued in this loop turn (post), and how many bursts sent them
+        self._outbox: list[list[bytes]] = []
+        self.posted_batches = 0
+        self.replies = Replies(self)
 
     # the session's state, under the names callers and tests use
     @property
@@ -167,6 +188,7 @@ class BrokerLink:
             self._wake.set()  # let the receive loop notice the socket is gone
 
     def _close_socket(self, linger_ms: int = 0) -> None:
+        self._flush()  # replies queued this turn go where an immediate send would have put them
         self._unwatch()
         if self.sock is not None:
             if self._mon is not None:
@@ -197,11 +219,57 @@ class BrokerLink:
 
     def send(self, frames: list[bytes]) -> bool:
         """Non-blocking send; False (and counted) if the pipe is full or not connected, or if
-        READY has not gone out on this connection yet."""
+        READY has not gone out on this connection yet. Replies queued by :meth:`post` go out
+        first (the link keeps one order)."""
+        if self._outbox:
+            self._flush()
         if self._sync is None or not self.session.may_send():
             self.send_failures += 1
             return False
         return self._send(frames)
+
+    def post(self, frames: list[bytes]) -> bool:
+        """Queue a request's reply frames (CHUNK, FINAL, ERROR: :attr:`replies`); everything
+        queued in one event-loop turn goes out together at the start of the next one, in order.
+        False (and counted) when the link cannot send now; a queued message the pipe then
+        refuses is counted in ``send_failures`` too. Nothing queued is dropped by the queue:
+        :meth:`send` and closing the socket send it first."""
+        if self._sync is None or not self.session.may_send():
+            self.send_failures += 1
+            return False
+        self._outbox.append(frames)
+        if len(self._outbox) == 1:
+            if self._loop is None:  # not serving (no receive loop): nothing to batch with
+                self._flush()
+            else:
+                self._loop.call_soon(self._flush_turn)
+        return True
+
+    def _flush(self) -> None:
+        """Send what :meth:`post` queued (one burst: libzmq's I/O thread is woken once for it)."""
+        out = self._outbox
+        if not out:
+            return
+        self._outbox = []
+        self.posted_batches += 1
+        sync = self._sync
+        if sync is None or not self.session.may_send():
+            self.send_failures += len(out)
+            return
+        for frames in out:
+            try:
+                send_frames(sync, frames)
+            except zmq.Again:
+                self.send_failures += 1
+
+    def _flush_turn(self) -> None:
+        """The burst :meth:`post` scheduled, then the input check every send needs (see
+        :meth:`_send`), here at once rather than in another loop turn. (The other callers of
+        :meth:`_flush` need none: :meth:`send` schedules it, a closing socket is not read.)"""
+        self._flush()
+        sync = self._sync
+        if sync is not None and self._loop is not None and not sync.closed and socket_readable(sync):
+            self._drain()
 
     def _send(self, frames: list[bytes]) -> bool:
         sync = self._sync
@@ -216,16 +284,16 @@ class BrokerLink:
             ok = False
         # A send (even a refused one) processes the socket's pending commands and may consume the
         # FD signal of a message that arrived meanwhile: re-check readiness before the loop sleeps.
-        if not self._recheck_scheduled and self._loop is not None and self._wake is not None:
+        if not self._recheck_scheduled and self._loop is not None:
             self._recheck_scheduled = True
             self._loop.call_soon(self._recheck)
         return ok
 
     def _recheck(self) -> None:
         self._recheck_scheduled = False
-        sync, wake = self._sync, self._wake
-        if sync is not None and wake is not None and not sync.closed and socket_readable(sync):
-            wake.set()
+        sync = self._sync
+        if sync is not None and self._loop is not None and not sync.closed and socket_readable(sync):
+            self._drain()
 
     def _do(self, what: Send | None) -> None:
         if what is Send.READY:
@@ -248,39 +316,35 @@ class BrokerLink:
         self._close_socket()
 
     async def _serve(self) -> str:
-        """Receive until the broker goes silent; returns why the connection was given up."""
+        """Serve one connection until the broker goes silent or the socket fails; returns why it
+        was given up. Frames are read by reader callbacks on the socket's and the monitor's FDs
+        (:meth:`_drain`, :meth:`_drain_monitor`) in the loop turn that saw them: no task switch
+        and no timer per message. This coroutine keeps the session's timers (the READY fallback,
+        broker silence) and wakes for them, or when a callback says the connection ended."""
         assert self.sock is not None and self._sync is not None and self._mon_sync is not None
         sock, sync, mon, session = self.sock, self._sync, self._mon_sync, self.session
         loop = self._loop = asyncio.get_running_loop()
         wake = self._wake = asyncio.Event()
+        self._ended = None
         self._watched = [sync.getsockopt(zmq.FD), mon.getsockopt(zmq.FD)]
-        for fd in self._watched:
-            loop.add_reader(fd, wake.set)
+        loop.add_reader(self._watched[0], self._drain)
+        loop.add_reader(self._watched[1], self._drain_monitor)
         try:
-            while not self._closed and self.sock is sock:
-                wake.clear()
-                try:
-                    self._read_monitor(mon)
-                    # no handshake seen in time: READY anyway (refused while there is no pipe)
-                    self._do(session.timer(time.monotonic()))
-                    for _ in range(256):
-                        try:
-                            frames = recv_frames(sync)
-                        except zmq.Again:
-                            break
-                        session.heard(time.monotonic())
-                        self._handle(frames)
-                        if self._closed or self.sock is not sock:
-                            return "closed"
-                    else:
-                        await asyncio.sleep(0)  # a long burst: let the other tasks run, then drain on
-                        continue
-                    if socket_readable(sync) or socket_readable(mon):
-                        continue
-                except zmq.ZMQError as exc:
-                    return "closed" if self._closed or self.sock is not sock else f"socket_error:{exc.errno}"
+            self._drain_monitor()  # what arrived before the FDs were watched
+            self._drain()
+            while True:
+                ended = self._ended
+                if ended is not None:
+                    if isinstance(ended, BaseException):
+                        raise ended
+                    return ended
+                if self._closed or self.sock is not sock:
+                    return "closed"
+                # no handshake seen in time: READY anyway (refused while there is no pipe)
+                self._do(session.timer(time.monotonic()))
                 wait_s = max(0.0, session.next_timer_s() - time.monotonic()) + 0.001
-                due_s = time.monotonic() + wait_s
+                due_s = self._due_s = time.monotonic() + wait_s
+                wake.clear()
                 try:
                     async with asyncio.timeout(wait_s):
                         await wake.wait()
@@ -289,16 +353,66 @@ class BrokerLink:
                 now = time.monotonic()
                 if now - due_s > _STALL_CREDIT_AFTER_S:
                     session.stalled(now)  # we woke late: our stall, not the broker's silence
-                if session.expired(now) and not self._closed and self.sock is sock:
-                    if socket_readable(sync):  # what it sent while we were busy: read it first
-                        continue
-                    return "broker_silent"
-            return "closed"
+                if session.expired(now) and not self._closed and self.sock is sock and self._ended is None:
+                    self._drain()  # what it sent while we were busy: read it first
+                    if session.expired(time.monotonic()) and self._ended is None and self.sock is sock:
+                        return "broker_silent"
         finally:
             if self.sock is sock or self.sock is None:
                 self._unwatch()
             if self._wake is wake:
                 self._wake = None
+                self._loop = None
+
+    def _end(self, why: str | BaseException) -> None:
+        """A callback found the connection over: the receive loop returns ``why`` (or raises it)."""
+        if self._ended is None:
+            self._ended = why
+        if self._wake is not None:
+            self._wake.set()
+
+    def _drain(self) -> None:
+        """Read and handle what the broker sent (the socket's reader callback). A long burst
+        is handled in slices of 256 messages, one per loop turn, so other work goes on."""
+        sync = self._sync
+        if sync is None or self._ended is not None:
+            return
+        n = 0
+        try:
+            while n < 256:
+                try:
+                    frames = recv_frames(sync)
+                except zmq.Again:
+                    break
+                n += 1
+                self._handle(frames)
+                if self._closed or self._sync is not sync:
+                    self._end("closed")
+                    return
+            else:
+                if self._loop is not None:
+                    self._loop.call_soon(self._drain)
+        except zmq.ZMQError as exc:
+            self._end("closed" if self._closed or self._sync is not sync else f"socket_error:{exc.errno}")
+            return
+        except Exception as exc:  # a bug in a handler: the receive loop raises it (as it did inline)
+            self._end(exc)
+            return
+        if n:
+            self.session.heard(time.monotonic())
+            if self.session.next_timer_s() < self._due_s and self._wake is not None:
+                self._wake.set()  # a message moved a timer earlier (a READY to retry): re-arm
+
+    def _drain_monitor(self) -> None:
+        mon = self._mon_sync
+        if mon is None or self._ended is not None:
+            return
+        try:
+            self._read_monitor(mon)
+        except zmq.ZMQError as exc:
+            self._end("closed" if self._closed else f"socket_error:{exc.errno}")
+        except Exception as exc:
+            self._end(exc)
 
     def _read_monitor(self, mon: zmq.Socket) -> None:
         while True:
