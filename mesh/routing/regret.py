@@ -47,6 +47,7 @@ import random
 from bisect import bisect_left
 from typing import Any, Protocol, Sequence
 
+from mesh.routing.regret_shadow import ShadowAudit
 from mesh.stats import LatencyHistogram
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 
@@ -72,6 +73,7 @@ class AuditedPolicy(Protocol):
     """What the audit reads from ``cache_aware`` (:class:`mesh.routing.cache_policies.CacheAware`)."""
 
     freshness_s: float
+    cost: Any  # its CostModel (prefill_tokens_per_s: the rate of a worker that reported none)
     balance_abs_threshold: float
     balance_rel_threshold: float
 
@@ -129,7 +131,7 @@ class RegretAudit:
     is recorded (the view is the one the policy saw)."""
 
     def __init__(self, rng: random.Random | None = None, *, window: int = 1000, cache_threshold: float = 0.5,
-                 every: int = 1, every_large: int = 2, large_pool: int = 32) -> None:
+                 every: int = 1, every_large: int = 2, large_pool: int = 32, shadow_rate: float | None = 1.0) -> None:
         if type(window) is not int or window < 1:
             raise ValueError(f"regret window must be an int >= 1, not {window!r}")
         for name, v in (("every", every), ("every_large", every_large), ("large_pool", large_pool)):
@@ -146,6 +148,9 @@ class RegretAudit:
         self._every = (every, every_large)
         self._tick = [0, 0]
         self.unsampled = 0  # decisions the sample passed over (each audited one stands for k)
+        # the shadow counterfactual (mesh.routing.regret_shadow); None: off
+        self.shadow = None if shadow_rate is None else ShadowAudit(BASELINES, random.Random(self.rng.random()),
+                                                                 rate=shadow_rate, cache_threshold=cache_threshold)
 
     # ------------------------------------------------------------------ record
     def record(self, policy: AuditedPolicy, req: RouteRequest, cands: Sequence[WorkerState], match: Any,
@@ -153,6 +158,10 @@ class RegretAudit:
         """Audit one decision of ``policy`` over ``cands`` (the candidates it was given), or
         pass over it (the sample)."""
         n = len(cands)
+        if self.shadow is not None and decision.worker_id is not None:
+            c = policy.cost
+            self.shadow.observe(req, cands, decision.worker_id, now_s, c.prefill_tokens_per_s,
+                                decision.detail.get("uncached_tokens"), c.decode_base_ms + c.prefill_overhead_ms)
         c = 1 if n > self.large_pool else 0
         k = self._every[c]
         if k > 1:  # a deterministic systematic sample: the k-th decision of its class stands for k
@@ -258,8 +267,11 @@ class RegretAudit:
     def snapshot(self) -> dict[str, Any]:
         """STATUS / telemetry / the simulator's arm result: per baseline its figures, the
         decisions skipped, and ``pays_ms`` (:meth:`pays_ms`, rounded)."""
-        return {"baselines": {k: b.snapshot() for k, b in self.baselines.items()}, "skipped": self.skipped,
-                "unsampled": self.unsampled, "pays_ms": {k: round(v, 3) for k, v in self.pays_ms().items()}}
+        out = {"baselines": {k: b.snapshot() for k, b in self.baselines.items()}, "skipped": self.skipped,
+               "unsampled": self.unsampled, "pays_ms": {k: round(v, 3) for k, v in self.pays_ms().items()}}
+        if self.shadow is not None:
+            out["shadow"] = self.shadow.snapshot()
+        return out
 
 
 def merged_pays(audits: Sequence[RegretAudit | None]) -> dict[str, Any] | None:
@@ -281,4 +293,10 @@ def merged_pays(audits: Sequence[RegretAudit | None]) -> dict[str, Any] | None:
         pays[b] = round(mean_ms, 3)
     pays["best"] = min(pays.values())
     out["pays_ms"] = pays
+    sh = [a.shadow for a in live if a.shadow is not None and a.shadow.n]
+    if sh:  # the shadow counterfactual over every router's shadowed requests
+        ns = sum(s.n for s in sh)
+        sp = {b: round(math.fsum(s.sum_ms[b] for s in sh) / ns, 3) for b in BASELINES}
+        sp["best"] = min(sp.values())
+        out["shadow"] = {"requests": ns, "pays_ms": sp}
     return out

@@ -691,6 +691,14 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
     out["by_baseline"] = {b["policy"]: {"predicted_ms": pays.get(b["policy"]),
                                         "measured_ms": _r(b["ttft_mean_ms"] - subject["ttft_mean_ms"], 3)}
                           for b in baselines}
+    sh = rg.get("shadow")
+    if sh:  # the shadow counterfactual (mesh.routing.regret_shadow), judged the same way
+        sp = sh["pays_ms"][best["policy"]]
+        out["shadow"] = {"predicted_ms": _r(sp, 3), "requests": sh["requests"],
+                         "within": abs(sp - measured) <= REGRET_TOLERANCE * abs(measured),
+                         "sign_right": (sp > 0) == (measured > 0),
+                         "by_baseline": {b["policy"]: sh["pays_ms"].get(b["policy"]) for b in baselines}}
+    out["sign_right"] = (predicted > 0) == (measured > 0)
     return out
 
 
@@ -744,6 +752,11 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
         out["regret"] = {"runs": len(checks), "within_25pct": sum(1 for x in checks if x["within"]),
                          "share_within": _r(sum(1 for x in checks if x["within"]) / len(checks), 4),
                          "target_share": 0.8}
+        out["regret"]["sign_right"] = sum(1 for x in checks if x.get("sign_right"))
+        shadow = [x["shadow"] for x in checks if "shadow" in x]
+        if shadow:
+            out["regret"]["shadow"] = {"runs": len(shadow), "within_25pct": sum(1 for x in shadow if x["within"]),
+                                       "sign_right": sum(1 for x in shadow if x["sign_right"])}
         noisy = [x for x in checks if "within_noise" in x]
         if noisy:
             out["regret"]["within_25pct_or_noise"] = sum(1 for x in noisy if x["within_noise"])
