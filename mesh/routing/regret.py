@@ -33,11 +33,20 @@ cumulative sum and count, and an exponentially weighted mean over about ``window
 "cache-aware pays X ms per request on this traffic" figure: that mean per baseline, and
 ``best``, the smaller of the two (against the better baseline).
 
+**Cost (the sample).** An audit is one or two predictions; above ``large_pool`` (32)
+candidates power-of-two's pick usually lies outside the policy's scored sample and its match is
+looked up in the index. To keep the amortised cost within ``mesh bench routing``'s 10 us, the
+audit predicts every ``every``-th decision of pools up to ``large_pool`` candidates (1: all) and
+every ``every_large``-th (2) above: a deterministic systematic sample per pool class, each
+audited decision standing for k decisions (weight k in the counts, the histogram, the sum and
+the windowed mean), so the figures stay unbiased over a stream that mixes both classes.
+
 **Limits (myopic).** The prediction is per decision: it does not see that a choice builds (or
 spreads) the cache later requests hit, nor the queueing a choice causes for the requests after
 it, and the counterfactual is judged on cache_aware's own state (a p2c fleet would hold its
 prefixes elsewhere). docs/routing.md "Regret audit" says how far it matched the measured
-difference in the quality matrix.
+difference in the quality matrix. ``shadow_rate`` (off by default) adds the shadow
+counterfactual of :mod:`mesh.routing.regret_shadow`, which sees a baseline's own history.
 """
 
 from __future__ import annotations
@@ -131,7 +140,7 @@ class RegretAudit:
     is recorded (the view is the one the policy saw)."""
 
     def __init__(self, rng: random.Random | None = None, *, window: int = 1000, cache_threshold: float = 0.5,
-                 every: int = 1, every_large: int = 2, large_pool: int = 32, shadow_rate: float | None = 1.0) -> None:
+                 every: int = 1, every_large: int = 2, large_pool: int = 32, shadow_rate: float | None = None) -> None:
         if type(window) is not int or window < 1:
             raise ValueError(f"regret window must be an int >= 1, not {window!r}")
         for name, v in (("every", every), ("every_large", every_large), ("large_pool", large_pool)):

@@ -1,4 +1,5 @@
-"""The regret audit's shadow counterfactual. Pure: no I/O, no clock.
+"""The regret audit's shadow counterfactual (opt-in: ``RegretAudit(shadow_rate=...)``). Pure:
+no I/O, no clock.
 
 The per-decision audit (:mod:`mesh.routing.regret`) judges a baseline's pick on the fleet
 cache_aware built; it cannot see the queues a baseline's own history would have built (a worse
@@ -45,18 +46,15 @@ _SPACE = 1 << 16
 
 
 class ShadowFleet:
-    """One policy's shadow state (module docstring). Workers are indexed by their pool order."""
+    """One policy's shadow queues and loads (module docstring). Workers are indexed by their pool
+    order; which blocks each worker holds is kept by :class:`ShadowAudit` for every fleet at once."""
 
-    __slots__ = ("ids", "q_tok", "at_s", "ends", "holders", "cap_keys")
+    __slots__ = ("q_tok", "at_s", "ends")
 
-    def __init__(self, ids: Sequence[str], cap_keys: int) -> None:
-        self.ids = list(ids)
-        n = len(ids)
+    def __init__(self, n: int) -> None:
         self.q_tok = [0.0] * n  # queued prefill tokens (at the shadow's capacity)
         self.at_s = [0.0] * n  # when q_tok was last drained
         self.ends: list[list[float]] = [[] for _ in range(n)]  # heap of in-flight end times
-        self.holders: OrderedDict[int, int] = OrderedDict()  # content key -> bitmask of holders (LRU)
-        self.cap_keys = max(1, cap_keys)
 
     def queued(self, i: int, rate: float, now_s: float) -> float:
         dt = now_s - self.at_s[i]
@@ -71,38 +69,35 @@ class ShadowFleet:
             heapq.heappop(h)
         return len(h)
 
-    def depths(self, sk: Sequence[int]) -> dict[int, int]:
-        """Worker index -> sampled keys held, for the sampled keys ``sk`` of one prompt."""
-        out: dict[int, int] = {}
-        get = self.holders.get
-        alive = -1
-        for d, k in enumerate(sk):
-            m = get(k, 0) & alive
-            gone = alive & ~m if alive != -1 else 0
+    def place(self, i: int, uncached: float, end_s: float, now_s: float, rate: float) -> None:
+        self.queued(i, rate, now_s)
+        self.q_tok[i] += uncached
+        heapq.heappush(self.ends[i], end_s)
+
+
+def _depths(holders: OrderedDict, sk: Sequence[int], shift: int, full: int) -> dict[int, int]:
+    """Worker index -> sampled keys of ``sk`` it holds in one fleet (its masks are bits
+    ``shift`` .. ``shift + n`` of the packed entry, ``full`` = 2**n - 1; a held prefix: the walk
+    stops at the first key none of its workers holds)."""
+    out: dict[int, int] = {}
+    get = holders.get
+    alive = full
+    for d, k in enumerate(sk):
+        m = (get(k, 0) >> shift) & alive
+        if d:
+            gone = alive & ~m
             while gone:
                 b = gone & -gone
                 out[b.bit_length() - 1] = d
                 gone ^= b
-            if not m:
-                return out
-            alive = m
-        while alive > 0:
-            b = alive & -alive
-            out[b.bit_length() - 1] = len(sk)
-            alive ^= b
-        return out
-
-    def place(self, i: int, sk: Sequence[int], uncached: float, end_s: float, now_s: float, rate: float) -> None:
-        self.queued(i, rate, now_s)
-        self.q_tok[i] += uncached
-        heapq.heappush(self.ends[i], end_s)
-        bit = 1 << i
-        hs = self.holders
-        for k in sk:
-            m = hs.pop(k, 0)
-            hs[k] = m | bit
-        while len(hs) > self.cap_keys:
-            hs.popitem(last=False)
+        if not m:
+            return out
+        alive = m
+    while alive:
+        b = alive & -alive
+        out[b.bit_length() - 1] = len(sk)
+        alive ^= b
+    return out
 
 
 class ShadowAudit:
@@ -129,6 +124,10 @@ class ShadowAudit:
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.fleets: dict[str, ShadowFleet] = {}
+        self.order = ("cache_aware", *self.baselines)  # fleet j's mask: bits j*n .. (j+1)*n of an entry
+        # sampled content key -> every fleet's bitmask of its holders, packed (one LRU for all)
+        self.holders: OrderedDict[int, int] = OrderedDict()
+        self.cap_keys = 1
         self._ids: tuple[str, ...] = ()
         self.n = 0  # requests shadowed
         self._u_mean = 0.0  # mean real uncached tokens per request (over about 200)
@@ -171,19 +170,37 @@ class ShadowAudit:
         L = req.prompt_tokens
         rates = [self._marginal(self._rate(w, default_rate)) for w in cands]
         scale = self.rate * share  # the shadows' share of the fleet's capacity
-        cap = int(n * self.cache_tokens * scale / (stride * bs))
-        for f in self.fleets.values():
-            f.cap_keys = max(1, cap)
-        ttft_ca = self._serve(self.fleets["cache_aware"], ci, sk, stride * bs, L, rates, scale, req, now_s)
-        for b in self.baselines:
+        ktok = stride * bs
+        self.cap_keys = max(1, int(n * self.cache_tokens * scale / ktok))
+        full = (1 << n) - 1
+        picks = [ci]
+        ttfts = [self._serve(self.fleets["cache_aware"], ci, _depths(self.holders, sk, 0, full), ktok, L, rates, scale, req,
+                             now_s)]
+        for j, b in enumerate(self.baselines, 1):
             f = self.fleets[b]
-            i = self._greedy(f, sk, stride * bs, L, scale, now_s) if b == "cache_aware_greedy" else self._p2c(f, now_s)
-            self.sum_ms[b] += self._serve(f, i, sk, stride * bs, L, rates, scale, req, now_s) - ttft_ca
+            dep = _depths(self.holders, sk, j * n, full)
+            i = self._greedy(f, dep, ktok, L, scale, now_s) if b == "cache_aware_greedy" else self._p2c(f, now_s)
+            picks.append(i)
+            t = self._serve(f, i, dep, ktok, L, rates, scale, req, now_s)
+            ttfts.append(t)
+            self.sum_ms[b] += t - ttfts[0]
+        self._hold(sk, sum(1 << (j * n + i) for j, i in enumerate(picks)))
         self.n += 1
+
+    def _hold(self, sk: Sequence[int], bits: int) -> None:
+        """Each fleet placed the prompt on its pick (``bits``, packed): its sampled keys are
+        held there (one LRU)."""
+        hs = self.holders
+        pop = hs.pop
+        for k in sk:
+            hs[k] = pop(k, 0) | bits
+        while len(hs) > self.cap_keys:
+            hs.popitem(last=False)
 
     def _reset(self, ids: tuple[str, ...], cands: Sequence[WorkerState]) -> None:
         self._ids = ids
-        self.fleets = {p: ShadowFleet(ids, 1) for p in ("cache_aware", *self.baselines)}
+        self.fleets = {p: ShadowFleet(len(ids)) for p in self.order}
+        self.holders.clear()
 
     @staticmethod
     def _rate(w: WorkerState, default: float) -> float:
@@ -210,22 +227,23 @@ class ShadowAudit:
             fleet += w.sent_tokens + w.peer_sent_tokens
         return min(1.0, max(0.05, own / fleet)) if fleet > 0 and own > 0 else 1.0
 
-    def _serve(self, f: ShadowFleet, i: int, sk, ktok: int, L: int, rates, scale: float, req: RouteRequest,
-               now_s: float) -> float:
-        """Place the request on shadow worker i; its predicted TTFT there, ms."""
+    def _serve(self, f: ShadowFleet, i: int, dep: dict[int, int], ktok: int, L: int, rates, scale: float,
+               req: RouteRequest, now_s: float) -> float:
+        """Place the request on shadow worker i (``dep``: the fleet's held depths); its predicted
+        TTFT there, ms."""
         r = rates[i]
-        hit = min(f.depths(sk).get(i, 0) * ktok, max(0, L - 1))
+        hit = min(dep.get(i, 0) * ktok, max(0, L - 1))
         u = L - hit
         q = f.queued(i, r * scale, now_s)
         ttft_ms = self.overhead_ms + 1000.0 * (q / (r * scale) + u / r)
         end_s = now_s + ttft_ms / 1000.0 + max(0, req.max_new_tokens) * self.decode_step_ms / 1000.0
-        f.place(i, sk, u, end_s, now_s, r * scale)
+        f.place(i, u, end_s, now_s, r * scale)
         return ttft_ms
 
-    def _greedy(self, f: ShadowFleet, sk, ktok: int, L: int, scale: float, now_s: float) -> int:
+    def _greedy(self, f: ShadowFleet, dep: dict[int, int], ktok: int, L: int, scale: float, now_s: float) -> int:
         """cache_aware_greedy's rule on its own shadow (load: its in-flight requests; the
         imbalance bound scaled to the shadow's share)."""
-        n = len(f.ids)
+        n = len(f.q_tok)
         loads = [f.load(i, now_s) for i in range(n)]
         lo = min(range(n), key=lambda i: (loads[i], i))
         hi = max(loads)
@@ -233,13 +251,13 @@ class ShadowAudit:
             return lo
         qb = max(1, math.ceil(L / ktok))
         best = None
-        for i, d in f.depths(sk).items():
+        for i, d in dep.items():
             if d > self.cache_threshold * qb and (best is None or (loads[i], i) < (loads[best], best)):
                 best = i
         return lo if best is None else best
 
     def _p2c(self, f: ShadowFleet, now_s: float) -> int:
-        n = len(f.ids)
+        n = len(f.q_tok)
         rnd = self.rng.random
         a = int(rnd() * n)
         b = int(rnd() * (n - 1))

@@ -1002,6 +1002,10 @@ def render_report(report: dict[str, Any]) -> list[Any]:
         lines.append(f"  regret audit: 'pays X ms' within 25 % of the measured mean-TTFT difference to the best baseline "
                      f"in {rs['within_25pct']}/{rs['runs']} cell-seeds ({rs['share_within']:.0%}; target >= 80 %) -> "
                      f"{'PASS' if rs['share_within'] >= rs['target_share'] else 'MISS'}")
+        lines.append(f"    sign right (cache_aware predicted to pay when it measured paying, or not): {rs.get('sign_right', 0)}/{rs['runs']}")
+        if "shadow" in rs:
+            sh = rs["shadow"]
+            lines.append(f"    shadow counterfactual: within 25 % in {sh['within_25pct']}/{sh['runs']}, sign right in {sh['sign_right']}/{sh['runs']}")
         if "within_25pct_or_noise" in rs:
             lines.append(f"    (within 25 % or within the cell's own noise, {SHORT.get(subject, subject)}'s mean TTFT under another "
                          f"worker naming: {rs['within_25pct_or_noise']}/{rs['runs']})")
