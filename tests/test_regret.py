@@ -375,7 +375,7 @@ def test_the_sample_stands_for_every_decision_and_keeps_the_gauge_unbiased():
     """Large pools are audited one decision in every_large (the 10 us budget); each audited one
     counts for that many, so the mean over a mixed stream is the mean over all of it (20 ms), not
     the small pools' over-weighted 16.7 ms, and the counts are the decisions made."""
-    audit = RegretAudit(random.Random(3), window=100_000, shadow_rate=None)  # exact mean
+    audit = RegretAudit(random.Random(3), window=100_000, every_large=2, shadow_rate=None)  # exact mean
     _audit_stream(audit, 1000)
     for b in audit.baselines.values():
         assert b.n == 2000 and b.audited == 1500 and b.hist.counts[-1] == 0
@@ -384,9 +384,9 @@ def test_the_sample_stands_for_every_decision_and_keeps_the_gauge_unbiased():
     assert audit.unsampled == 500 and audit.pays_ms()["best"] == pytest.approx(20.0)
     assert merged_pays([audit])["pays_ms"]["power_of_two"] == pytest.approx(20.0)
     # the windowed gauge moves as the decisions it stands for would: still about 20
-    ew = RegretAudit(random.Random(3), window=50, shadow_rate=None)
+    ew = RegretAudit(random.Random(3), window=50, shadow_rate=None)  # the default: one in three above 32
     _audit_stream(ew, 1000)
-    assert ew.pays_ms()["cache_aware_greedy"] == pytest.approx(20.0, abs=3.0)
+    assert ew.pays_ms()["cache_aware_greedy"] == pytest.approx(20.0, abs=3.0) and ew.unsampled == 667
     every = RegretAudit(random.Random(3), window=100_000, every_large=1, shadow_rate=None)
     _audit_stream(every, 10)
     assert every.unsampled == 0 and every.baselines["power_of_two"].audited == 20

@@ -37,7 +37,7 @@ cumulative sum and count, and an exponentially weighted mean over about ``window
 candidates power-of-two's pick usually lies outside the policy's scored sample and its match is
 looked up in the index. To keep the amortised cost within ``mesh bench routing``'s 10 us, the
 audit predicts every ``every``-th decision of pools up to ``large_pool`` candidates (1: all) and
-every ``every_large``-th (2) above: a deterministic systematic sample per pool class, each
+every ``every_large``-th (3) above: a deterministic systematic sample per pool class, each
 audited decision standing for k decisions (weight k in the counts, the histogram, the sum and
 the windowed mean), so the figures stay unbiased over a stream that mixes both classes.
 
@@ -140,7 +140,7 @@ class RegretAudit:
     is recorded (the view is the one the policy saw)."""
 
     def __init__(self, rng: random.Random | None = None, *, window: int = 1000, cache_threshold: float = 0.5,
-                 every: int = 1, every_large: int = 2, large_pool: int = 32, shadow_rate: float | None = None) -> None:
+                 every: int = 1, every_large: int = 3, large_pool: int = 32, shadow_rate: float | None = None) -> None:
         if type(window) is not int or window < 1:
             raise ValueError(f"regret window must be an int >= 1, not {window!r}")
         for name, v in (("every", every), ("every_large", every_large), ("large_pool", large_pool)):
