@@ -168,9 +168,9 @@ class RegretAudit:
         pass over it (the sample)."""
         n = len(cands)
         if self.shadow is not None and decision.worker_id is not None:
-            c = policy.cost
-            self.shadow.observe(req, cands, decision.worker_id, now_s, c.prefill_tokens_per_s,
-                                decision.detail.get("uncached_tokens"), c.decode_base_ms + c.prefill_overhead_ms)
+            cm = policy.cost
+            self.shadow.observe(req, cands, decision.worker_id, now_s, cm.prefill_tokens_per_s,
+                                decision.detail.get("uncached_tokens"), cm.decode_base_ms + cm.prefill_overhead_ms)
         c = 1 if n > self.large_pool else 0
         k = self._every[c]
         if k > 1:  # a deterministic systematic sample: the k-th decision of its class stands for k

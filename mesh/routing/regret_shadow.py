@@ -27,6 +27,12 @@ samples a miss-ratio curve. With several routers sharing the fleet a router sees
 of the traffic: the capacity is scaled by that share too, read from the exchange's figures
 (this router's uncached tokens sent over the fleet's, :attr:`WorkerState.fleet_sent_tokens`).
 Pools above ``max_workers`` candidates are not shadowed (the pick's scan is O(workers)).
+
+**Limits.** With several routers a router's shadow of cache_aware holds only its own picks,
+which answered the whole fleet's state, and the turns of a session other routers took are in no
+shadow's placements; and a fluid queue at one marginal rate is no model of chunked batches.
+Hence opt-in: on the quality matrix it was no closer to the measured difference than the
+per-decision figure (the merge request's report has the counts).
 """
 
 from __future__ import annotations
