@@ -478,3 +478,34 @@ def test_hostile_inputs_never_raise():
         a.record(bad, RouteRequest("n", 256, 8, BS), pool, None, Decision("w0", "x", detail={"predicted_ttft_ms": 0.0}), 1.0)
         a.record(bad, RouteRequest("n", 256, 8, BS), pool, None, Decision("w0", "x", detail={"predicted_ttft_ms": b}), 1.0)
         assert a.skipped == 2 and a.pays_ms() == {}
+
+
+def test_observed_figure_charges_the_baselines_prediction_against_the_measured_ttft():
+    """cache_aware's own prediction of its pick is its lowest estimate (it chose by it), so it
+    runs low; the observed figure replaces it with the TTFT the request measured."""
+    pool = _fleet([1, 0])
+    audit = RegretAudit(random.Random(1))
+    r = Router(CacheAware(rng=random.Random(0)), _Prov(_Match({"w0": 32}, 64)), audit)
+    d = r.route(RouteRequest("r1", 1024, 8, BS), pool, 1.0)
+    assert d.worker_id == "w0" and audit.observed_pays_ms() == {}
+    r.observe(d, 40.0)  # both baselines would have sent it to the idle w1: predicted 45.96 ms
+    assert audit.observed_pays_ms()["power_of_two"] == pytest.approx(_prior_ms(1024, 0) - 40.0, abs=1e-3)
+    same = r.route(RouteRequest("r2", 1024, 8, BS), _fleet([0, 0]), 1.0)  # a pick everyone makes: 0
+    assert same.worker_id == "w0"
+    r2 = Router(CacheAware(rng=random.Random(0)), _Prov(_Match({"w0": 64}, 64)), audit)
+    same = r2.route(RouteRequest("r3", 1024, 8, BS), _fleet([0, 0]), 1.0)
+    r2.observe(same, 500.0)
+    for junk in (float("nan"), float("inf")):  # a junk outcome is ignored
+        r.observe(d, junk)
+    r.observe(_decision_without_audit(), 10.0)
+    assert audit.observed_n == 2
+    assert audit.observed_pays_ms()["cache_aware_greedy"] == pytest.approx((_prior_ms(1024, 0) - 40.0) / 2, abs=1e-3)
+    m = merged_pays([audit, None])
+    assert m["observed"] == {"decisions": 2, "pays_ms": audit.observed_pays_ms()}
+    assert audit.snapshot()["observed"]["decisions"] == 2
+
+
+def _decision_without_audit():
+    from mesh.routing.view import Decision
+
+    return Decision("w0", "cache_hit", detail={"predicted_ttft_ms": 1.0})

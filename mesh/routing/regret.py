@@ -157,6 +157,8 @@ class RegretAudit:
         self._every = (every, every_large)
         self._tick = [0, 0]
         self.unsampled = 0  # decisions the sample passed over (each audited one stands for k)
+        self.observed_n = 0  # audited decisions whose outcome came back (weighted; observe())
+        self.observed_sum = {b: 0.0 for b in BASELINES}
         # the shadow counterfactual (mesh.routing.regret_shadow); None: off
         self.shadow = None if shadow_rate is None else ShadowAudit(BASELINES, random.Random(self.rng.random()),
                                                                  rate=shadow_rate, cache_threshold=cache_threshold)
@@ -209,6 +211,23 @@ class RegretAudit:
             return
         self.baselines["cache_aware_greedy"].add(r_g, k)
         self.baselines["power_of_two"].add(r_p, k)
+        # for observe(): the baselines' predictions (None: the same pick) against the outcome
+        decision.detail["regret_audit"] = (k, None if r_g == 0.0 else r_g + chosen_ms, None if r_p == 0.0 else r_p + chosen_ms)
+
+    def observe(self, decision: Decision, ttft_ms: float) -> None:
+        """An audited decision's first token came after ``ttft_ms``: the *observed* figure
+        (:attr:`observed`) charges each baseline its predicted TTFT minus cache_aware's measured
+        one where the picks differ (0 where they agree), weighted as the decision. The measured
+        side takes out the bias of a prediction that chose the minimum (cache_aware acted on its
+        lowest estimate, so that estimate runs low; the baseline's pick was not chosen by it)."""
+        a = decision.detail.get("regret_audit")
+        if a is None or not isinstance(ttft_ms, (int, float)) or not math.isfinite(ttft_ms):
+            return
+        k = a[0]
+        self.observed_n += k
+        for b, pred in zip(("cache_aware_greedy", "power_of_two"), a[1:]):
+            if pred is not None:
+                self.observed_sum[b] += k * (pred - ttft_ms)
 
     def _greedy(self, policy: AuditedPolicy, scored: list, load: dict[str, float], req: RouteRequest, match: Any):
         """cache_aware_greedy's pick among the scored candidates (module docstring): one pass."""
@@ -280,6 +299,16 @@ class RegretAudit:
                "unsampled": self.unsampled, "pays_ms": {k: round(v, 3) for k, v in self.pays_ms().items()}}
         if self.shadow is not None:
             out["shadow"] = self.shadow.snapshot()
+        if self.observed_n:
+            out["observed"] = {"decisions": self.observed_n, "pays_ms": self.observed_pays_ms()}
+        return out
+
+    def observed_pays_ms(self) -> dict[str, float]:
+        """The observed figure (:meth:`observe`) per baseline and ``best``; empty before an outcome."""
+        if not self.observed_n:
+            return {}
+        out = {b: round(v / self.observed_n, 3) for b, v in self.observed_sum.items()}
+        out["best"] = min(out.values())
         return out
 
 
@@ -302,6 +331,11 @@ def merged_pays(audits: Sequence[RegretAudit | None]) -> dict[str, Any] | None:
         pays[b] = round(mean_ms, 3)
     pays["best"] = min(pays.values())
     out["pays_ms"] = pays
+    no = sum(a.observed_n for a in live)
+    if no:  # the observed figure over every router's audited outcomes
+        op = {b: round(math.fsum(a.observed_sum[b] for a in live) / no, 3) for b in BASELINES}
+        op["best"] = min(op.values())
+        out["observed"] = {"decisions": no, "pays_ms": op}
     sh = [a.shadow for a in live if a.shadow is not None and a.shadow.n]
     if sh:  # the shadow counterfactual over every router's shadowed requests
         ns = sum(s.n for s in sh)
