@@ -41,6 +41,12 @@ every ``every_large``-th (3) above: a deterministic systematic sample per pool c
 audited decision standing for k decisions (weight k in the counts, the histogram, the sum and
 the windowed mean), so the figures stay unbiased over a stream that mixes both classes.
 
+**Observed figure.** :meth:`RegretAudit.observe` (``Router.observe``: the request's first
+token came back) replaces cache_aware's predicted TTFT by the measured one on the decisions
+where a baseline's pick differed: the prediction cache_aware chose by is the minimum of noisy
+estimates and runs low; the baseline's pick was not selected by it. ``observed`` in
+:meth:`~RegretAudit.snapshot` and :func:`merged_pays`.
+
 **Limits (myopic).** The prediction is per decision: it does not see that a choice builds (or
 spreads) the cache later requests hit, nor the queueing a choice causes for the requests after
 it, and the counterfactual is judged on cache_aware's own state (a p2c fleet would hold its
