@@ -277,6 +277,11 @@ def test_matrix_compares_the_audit_with_the_measured_mean_difference():
     assert regret_check(subj, base, noise_ms=7.0)["within_noise"]  # 6 ms off, the cell's own noise is 7
     assert not regret_check(subj, base, noise_ms=1.0)["within_noise"]
     assert regret_check({**subj, "regret": None}, base) is None
+    assert regret_check(subj, base)["sign_right"] and "shadow" not in regret_check(subj, base)
+    subj["regret"]["shadow"] = {"requests": 9, "pays_ms": {"power_of_two": 60.0, "cache_aware_greedy": -21.0, "best": -21.0}}
+    sh = regret_check(subj, base)["shadow"]  # the shadow figure judged against the same measured difference
+    assert sh["predicted_ms"] == -21.0 and not sh["within"] and not sh["sign_right"]
+    assert sh["by_baseline"] == {"power_of_two": 60.0, "cache_aware_greedy": -21.0}
 
 
 def test_broker_metrics_show_the_regret_gauge_after_requests(procs):
@@ -327,3 +332,180 @@ def test_routing_bench_times_the_audit_on_the_same_decisions():
     times = _decision_times(fleet, 12, au)
     assert len(times) == 12 and len(au.times) == 12 + 50  # every decision audited (warm-up included)
     assert au.baselines["power_of_two"].n == 62
+
+
+class _FixedPolicy:
+    """An AuditedPolicy whose predictions are a table (the sampling tests need exact regrets)."""
+
+    freshness_s = 5.0
+    balance_abs_threshold = 1e9
+    balance_rel_threshold = 1e9
+
+    class cost:
+        prefill_tokens_per_s = 25_000.0
+        decode_base_ms = 7.0
+        prefill_overhead_ms = 5.0
+
+    def __init__(self, pool, pred_ms: dict[str, float]) -> None:
+        self.pred = pred_ms
+        # w0 busy (load 1), every other worker idle and holding nothing: both baselines leave w0
+        self.view = ([(0.0, 0.0, w.worker_id, 0, w, None) for w in pool],
+                     {w.worker_id: (1.0 if w.worker_id == "w0" else 0.0) for w in pool})
+
+    def last_view(self):
+        return self.view
+
+    def predicted_ttft_ms(self, w, uncached, prompt_tokens, now_s):
+        return self.pred.get(w.worker_id, 0.0)
+
+
+def _audit_stream(audit: RegretAudit, rounds: int) -> None:
+    """Alternate a small pool (every baseline pick 10 ms slower) and a large one (30 ms slower)."""
+    from mesh.routing.view import Decision
+
+    small, large = _fleet([1, 0]), _fleet([1] + [0] * 39)
+    pols = (_FixedPolicy(small, {"w1": 10.0}), _FixedPolicy(large, {w.worker_id: 30.0 for w in large[1:]}))
+    for i in range(rounds):
+        for pool, pol in ((small, pols[0]), (large, pols[1])):
+            d = Decision("w0", "cache_hit", detail={"predicted_ttft_ms": 0.0})
+            audit.record(pol, RouteRequest(str(i), 256, 8, BS), pool, None, d, 1.0)
+
+
+def test_the_sample_stands_for_every_decision_and_keeps_the_gauge_unbiased():
+    """Large pools are audited one decision in every_large (the 10 us budget); each audited one
+    counts for that many, so the mean over a mixed stream is the mean over all of it (20 ms), not
+    the small pools' over-weighted 16.7 ms, and the counts are the decisions made."""
+    audit = RegretAudit(random.Random(3), window=100_000, every_large=2, shadow_rate=None)  # exact mean
+    _audit_stream(audit, 1000)
+    for b in audit.baselines.values():
+        assert b.n == 2000 and b.audited == 1500 and b.hist.counts[-1] == 0
+        assert sum(b.hist.counts) == 2000 and b.sum_ms == pytest.approx(1000 * 10.0 + 1000 * 30.0)
+        assert b.mean_ms == pytest.approx(20.0)
+    assert audit.unsampled == 500 and audit.pays_ms()["best"] == pytest.approx(20.0)
+    assert merged_pays([audit])["pays_ms"]["power_of_two"] == pytest.approx(20.0)
+    # the windowed gauge moves as the decisions it stands for would: still about 20
+    ew = RegretAudit(random.Random(3), window=50, shadow_rate=None)  # the default: one in three above 32
+    _audit_stream(ew, 1000)
+    assert ew.pays_ms()["cache_aware_greedy"] == pytest.approx(20.0, abs=3.0) and ew.unsampled == 667
+    every = RegretAudit(random.Random(3), window=100_000, every_large=1, shadow_rate=None)
+    _audit_stream(every, 10)
+    assert every.unsampled == 0 and every.baselines["power_of_two"].audited == 20
+
+
+def test_sampling_settings_are_validated():
+    for bad in (0, -1, 1.5, "2", None):
+        with pytest.raises(ValueError, match="every_large"):
+            RegretAudit(every_large=bad)
+    with pytest.raises(ValueError, match="shadow rate"):
+        RegretAudit(shadow_rate=0.0)
+
+
+def _shadow_req(rid: str, first_key: int, L: int = 1024):
+    return RouteRequest(rid, L, 100_000, BS, keys=list(range(first_key, first_key + L // BS)))
+
+
+def test_shadow_sees_the_queue_the_baselines_own_history_builds():
+    """Two workers prefilling 1,000 tokens/s, three 1,024-token requests at once (long outputs:
+    they stay in flight). cache_aware sends S twice to w0 (the second hits) and T to w1.
+    power_of_two's own shadow: S to w0, S again to the idle w1 (a miss), then T -- both busy, the
+    lower id -- to w0, where it waits behind S's whole prefill. The per-decision audit, judged on
+    cache_aware's fleet, never sees that wait; the shadow charges it: (0 - 1 + 1024) / 3 ms."""
+    from mesh.routing.regret_shadow import ShadowAudit
+
+    pool = _fleet([0, 0])
+    for w in pool:
+        w.prefill_tokens_per_s = 1000.0
+    sh = ShadowAudit(("power_of_two",), random.Random(1))
+    for req, chosen in ((_shadow_req("r1", 1), "w0"), (_shadow_req("r2", 1), "w0"), (_shadow_req("r3", 500), "w1")):
+        sh.observe(req, pool, chosen, 0.0, 25_000.0)
+    assert sh.n == 3
+    assert sh.pays_ms()["power_of_two"] == pytest.approx((0.0 - 1.0 + 1024.0) / 3)
+    f = sh.fleets["power_of_two"]
+    assert f.q_tok == [2048.0, 1024.0]  # S then T queued on w0, S's miss on w1
+    assert sh.fleets["cache_aware"].q_tok == [1025.0, 1024.0]  # S, S's last token; T
+
+
+def test_shadow_samples_sessions_and_bounds_its_state():
+    from mesh.routing.regret_shadow import ShadowAudit
+
+    pool = _fleet([0, 0, 0])
+    sh = ShadowAudit(("power_of_two", "cache_aware_greedy"), rate=0.25, cache_tokens=1000)
+    seen = 0
+    for i in range(400):
+        sh.observe(_shadow_req(str(i), 10_000 * i), pool, "w0", i * 0.01, 25_000.0)
+        seen = sh.n
+    assert 50 < seen < 150  # about a quarter of the sessions
+    # a session is in or out as a whole: its turns share the session key
+    before = sh.n
+    for t in range(5):
+        sh.observe(_shadow_req(f"s{t}", 10_000 * 7), pool, "w0", 5.0 + t, 25_000.0)
+    assert sh.n - before in (0, 5)
+    assert 0 < len(sh.holders) <= sh.cap_keys
+
+
+def test_hostile_inputs_never_raise():
+    """NaN and zero rates, zero capacity, NaN clocks, junk uncached counts: the audit and its
+    shadow skip or fall back, never raise, and the gauges stay finite."""
+    from mesh.load import LoadStat
+    from mesh.routing.regret_shadow import ShadowAudit
+
+    pool = _fleet([1, 0, 2])
+    pool[0].prefill_tokens_per_s = float("nan")
+    pool[1].prefill_tokens_per_s = 0.0
+    pool[2].max_total_num_tokens = 0
+    pool[2].update_load([LoadStat(1, 0, 0, 0, 0, 0, 0, 0, 0, 0)], 0.5)  # zero capacity
+    audit = RegretAudit(random.Random(1), shadow_rate=1.0)
+    r = Router(CacheAware(rng=random.Random(0)), _Prov(_Match({"w0": 32, "w2": 64}, 64)), audit)
+    for i in range(20):
+        d = r.route(RouteRequest(str(i), 1024, 8, BS, keys=list(range(64))), pool, 1.0 + i * 0.01)
+        assert d.worker_id is not None
+    snap = audit.snapshot()
+    assert all(math.isfinite(v) for v in snap["pays_ms"].values())
+    assert all(math.isfinite(v) for v in snap["shadow"]["pays_ms"].values())
+    sh = ShadowAudit(("power_of_two",), cache_tokens=0)
+    for default in (float("nan"), 0.0, -1.0, float("inf")):
+        sh.observe(_shadow_req("x", 1), pool, "w0", 1.0, default)
+    sh.observe(_shadow_req("x", 1), pool, "w0", float("nan"), 25_000.0)
+    sh.observe(_shadow_req("x", 1), pool, "nobody", 1.0, 25_000.0)
+    sh.observe(RouteRequest("k", 1024, 8, BS), pool, "w0", 1.0, 25_000.0)  # no keys
+    sh.observe(_shadow_req("u", 1), pool, "w0", 2.0, 25_000.0, uncached=float("nan"), step_ms=float("nan"))
+    assert sh.n == 1 and all(math.isfinite(v) for v in sh.pays_ms().values())
+    for b in (float("nan"), float("inf")):  # a NaN prediction is skipped, not averaged
+        bad = _FixedPolicy(pool, {"w1": b, "w2": b})
+        from mesh.routing.view import Decision
+
+        a = RegretAudit(shadow_rate=None)
+        a.record(bad, RouteRequest("n", 256, 8, BS), pool, None, Decision("w0", "x", detail={"predicted_ttft_ms": 0.0}), 1.0)
+        a.record(bad, RouteRequest("n", 256, 8, BS), pool, None, Decision("w0", "x", detail={"predicted_ttft_ms": b}), 1.0)
+        assert a.skipped == 2 and a.pays_ms() == {}
+
+
+def test_observed_figure_charges_the_baselines_prediction_against_the_measured_ttft():
+    """cache_aware's own prediction of its pick is its lowest estimate (it chose by it), so it
+    runs low; the observed figure replaces it with the TTFT the request measured."""
+    pool = _fleet([1, 0])
+    audit = RegretAudit(random.Random(1))
+    r = Router(CacheAware(rng=random.Random(0)), _Prov(_Match({"w0": 32}, 64)), audit)
+    d = r.route(RouteRequest("r1", 1024, 8, BS), pool, 1.0)
+    assert d.worker_id == "w0" and audit.observed_pays_ms() == {}
+    r.observe(d, 40.0)  # both baselines would have sent it to the idle w1: predicted 45.96 ms
+    assert audit.observed_pays_ms()["power_of_two"] == pytest.approx(_prior_ms(1024, 0) - 40.0, abs=1e-3)
+    same = r.route(RouteRequest("r2", 1024, 8, BS), _fleet([0, 0]), 1.0)  # a pick everyone makes: 0
+    assert same.worker_id == "w0"
+    r2 = Router(CacheAware(rng=random.Random(0)), _Prov(_Match({"w0": 64}, 64)), audit)
+    same = r2.route(RouteRequest("r3", 1024, 8, BS), _fleet([0, 0]), 1.0)
+    r2.observe(same, 500.0)
+    for junk in (float("nan"), float("inf")):  # a junk outcome is ignored
+        r.observe(d, junk)
+    r.observe(_decision_without_audit(), 10.0)
+    assert audit.observed_n == 2
+    assert audit.observed_pays_ms()["cache_aware_greedy"] == pytest.approx((_prior_ms(1024, 0) - 40.0) / 2, abs=1e-3)
+    m = merged_pays([audit, None])
+    assert m["observed"] == {"decisions": 2, "pays_ms": audit.observed_pays_ms()}
+    assert audit.snapshot()["observed"]["decisions"] == 2
+
+
+def _decision_without_audit():
+    from mesh.routing.view import Decision
+
+    return Decision("w0", "cache_hit", detail={"predicted_ttft_ms": 1.0})

@@ -33,19 +33,36 @@ cumulative sum and count, and an exponentially weighted mean over about ``window
 "cache-aware pays X ms per request on this traffic" figure: that mean per baseline, and
 ``best``, the smaller of the two (against the better baseline).
 
+**Cost (the sample).** An audit is one or two predictions; above ``large_pool`` (32)
+candidates power-of-two's pick usually lies outside the policy's scored sample and its match is
+looked up in the index. To keep the amortised cost within ``mesh bench routing``'s 10 us, the
+audit predicts every ``every``-th decision of pools up to ``large_pool`` candidates (1: all) and
+every ``every_large``-th (3) above: a deterministic systematic sample per pool class, each
+audited decision standing for k decisions (weight k in the counts, the histogram, the sum and
+the windowed mean), so the figures stay unbiased over a stream that mixes both classes.
+
+**Observed figure.** :meth:`RegretAudit.observe` (``Router.observe``: the request's first
+token came back) replaces cache_aware's predicted TTFT by the measured one on the decisions
+where a baseline's pick differed: the prediction cache_aware chose by is the minimum of noisy
+estimates and runs low; the baseline's pick was not selected by it. ``observed`` in
+:meth:`~RegretAudit.snapshot` and :func:`merged_pays`.
+
 **Limits (myopic).** The prediction is per decision: it does not see that a choice builds (or
 spreads) the cache later requests hit, nor the queueing a choice causes for the requests after
 it, and the counterfactual is judged on cache_aware's own state (a p2c fleet would hold its
 prefixes elsewhere). docs/routing.md "Regret audit" says how far it matched the measured
-difference in the quality matrix.
+difference in the quality matrix. ``shadow_rate`` (off by default) adds the shadow
+counterfactual of :mod:`mesh.routing.regret_shadow`, which sees a baseline's own history.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from bisect import bisect_left
 from typing import Any, Protocol, Sequence
 
+from mesh.routing.regret_shadow import ShadowAudit
 from mesh.stats import LatencyHistogram
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 
@@ -71,6 +88,7 @@ class AuditedPolicy(Protocol):
     """What the audit reads from ``cache_aware`` (:class:`mesh.routing.cache_policies.CacheAware`)."""
 
     freshness_s: float
+    cost: Any  # its CostModel (prefill_tokens_per_s: the rate of a worker that reported none)
     balance_abs_threshold: float
     balance_rel_threshold: float
 
@@ -80,29 +98,45 @@ class AuditedPolicy(Protocol):
 
 
 class BaselineRegret:
-    """One baseline's figures: histogram, cumulative sum and count, windowed mean, same picks."""
+    """One baseline's figures: histogram, cumulative sum and count, windowed mean, same picks.
 
-    __slots__ = ("hist", "n", "sum_ms", "mean_ms", "same", "alpha")
+    Every figure counts *decisions*: an audited decision that stands for ``weight`` decisions
+    (the audit samples, :class:`RegretAudit`) adds ``weight`` to the counts, the histogram and
+    the sum, and moves the windowed mean as ``weight`` equal decisions would. ``audited`` is how
+    many were actually predicted."""
+
+    __slots__ = ("hist", "n", "sum_ms", "mean_ms", "same", "alpha", "audited", "_keep")
 
     def __init__(self, window: int) -> None:
         self.hist = LatencyHistogram(REGRET_BUCKETS_MS)
-        self.n = 0
+        self.n = 0  # decisions stood for (the sum of the weights)
+        self.audited = 0  # decisions predicted
         self.sum_ms = 0.0
         self.mean_ms = 0.0  # EWMA over ~window decisions (the exact mean while n < window)
         self.same = 0  # decisions where the baseline would have picked the same worker
         self.alpha = 1.0 / window
+        self._keep: dict[int, float] = {}  # weight -> (1 - alpha) ** weight
 
-    def add(self, regret_ms: float) -> None:
-        self.hist.observe(regret_ms)
-        self.n += 1
-        self.sum_ms += regret_ms
-        a = self.alpha if self.n * self.alpha >= 1.0 else 1.0 / self.n
-        self.mean_ms += a * (regret_ms - self.mean_ms)
+    def add(self, regret_ms: float, weight: int = 1) -> None:
+        h = self.hist
+        h.counts[bisect_left(REGRET_BUCKETS_MS, regret_ms)] += weight
+        h.sum_s += weight * regret_ms
+        h.n += weight
+        self.n += weight
+        self.audited += 1
+        self.sum_ms += weight * regret_ms
+        if self.n * self.alpha >= 1.0:  # weight steps of the EWMA at once
+            keep = self._keep.get(weight)
+            if keep is None:
+                keep = self._keep[weight] = (1.0 - self.alpha) ** weight
+            self.mean_ms += (1.0 - keep) * (regret_ms - self.mean_ms)
+        else:  # the exact (weighted) mean
+            self.mean_ms += weight / self.n * (regret_ms - self.mean_ms)
         if regret_ms == 0.0:
-            self.same += 1
+            self.same += weight
 
     def snapshot(self) -> dict[str, float | int]:
-        return {"decisions": self.n, "pays_ms": round(self.mean_ms, 3),
+        return {"decisions": self.n, "audited": self.audited, "pays_ms": round(self.mean_ms, 3),
                 "mean_ms": round(self.sum_ms / self.n, 3) if self.n else 0.0, "same_pick": self.same}
 
 
@@ -111,24 +145,53 @@ class RegretAudit:
     :meth:`mesh.routing.router.Router.route` right after cache_aware chose, before the dispatch
     is recorded (the view is the one the policy saw)."""
 
-    def __init__(self, rng: random.Random | None = None, *, window: int = 1000, cache_threshold: float = 0.5) -> None:
+    def __init__(self, rng: random.Random | None = None, *, window: int = 1000, cache_threshold: float = 0.5,
+                 every: int = 1, every_large: int = 3, large_pool: int = 32, shadow_rate: float | None = None) -> None:
         if type(window) is not int or window < 1:
             raise ValueError(f"regret window must be an int >= 1, not {window!r}")
+        for name, v in (("every", every), ("every_large", every_large), ("large_pool", large_pool)):
+            if type(v) is not int or v < 1:
+                raise ValueError(f"regret {name} must be an int >= 1, not {v!r}")
         self.rng = rng or random.Random(0x2E6)
         self.cache_threshold = cache_threshold  # greedy's (SGLang's) holder threshold
         self.window = window
         self.baselines = {b: BaselineRegret(window) for b in BASELINES}
         self.skipped = 0  # decisions not audited (one candidate, or no prediction to compare)
+        # The sample (module docstring, "Cost"): every k-th decision of each pool class is
+        # audited and stands for k; pools above large_pool candidates cost more to audit.
+        self.large_pool = large_pool
+        self._every = (every, every_large)
+        self._tick = [0, 0]
+        self.unsampled = 0  # decisions the sample passed over (each audited one stands for k)
+        self.observed_n = 0  # audited decisions whose outcome came back (weighted; observe())
+        self.observed_sum = {b: 0.0 for b in BASELINES}
+        # the shadow counterfactual (mesh.routing.regret_shadow); None: off
+        self.shadow = None if shadow_rate is None else ShadowAudit(BASELINES, random.Random(self.rng.random()),
+                                                                 rate=shadow_rate, cache_threshold=cache_threshold)
 
     # ------------------------------------------------------------------ record
     def record(self, policy: AuditedPolicy, req: RouteRequest, cands: Sequence[WorkerState], match: Any,
                decision: Decision, now_s: float) -> None:
-        """Audit one decision of ``policy`` over ``cands`` (the candidates it was given)."""
+        """Audit one decision of ``policy`` over ``cands`` (the candidates it was given), or
+        pass over it (the sample)."""
         n = len(cands)
+        if self.shadow is not None and decision.worker_id is not None:
+            cm = policy.cost
+            self.shadow.observe(req, cands, decision.worker_id, now_s, cm.prefill_tokens_per_s,
+                                decision.detail.get("uncached_tokens"), cm.decode_base_ms + cm.prefill_overhead_ms)
+        c = 1 if n > self.large_pool else 0
+        k = self._every[c]
+        if k > 1:  # a deterministic systematic sample: the k-th decision of its class stands for k
+            t = self._tick[c] + 1
+            if t < k:
+                self._tick[c] = t
+                self.unsampled += 1
+                return
+            self._tick[c] = 0
         chosen_ms = decision.detail.get("predicted_ttft_ms")
         scored, load = policy.last_view()
-        if n < 2 or chosen_ms is None or not scored:
-            self.skipped += 1
+        if n < 2 or chosen_ms is None or not scored or not math.isfinite(chosen_ms):
+            self.skipped += k
             return
         fr = policy.freshness_s
         if load is None:  # that choice did not read loads (cost-only mode): read them as it would
@@ -146,9 +209,31 @@ class RegretAudit:
             return p - chosen_ms
 
         g = self._greedy(policy, scored, load, req, match)
-        self.baselines["cache_aware_greedy"].add(regret(g[2], g[4], g[3]))
+        r_g = regret(g[2], g[4], g[3])
         wid, w, hit = self._p2c(cands, scored, load, req, match, now_s, fr, chosen)
-        self.baselines["power_of_two"].add(regret(wid, w, hit))
+        r_p = regret(wid, w, hit)
+        if not (math.isfinite(r_g) and math.isfinite(r_p)):  # a NaN or infinite prediction (hostile telemetry)
+            self.skipped += k
+            return
+        self.baselines["cache_aware_greedy"].add(r_g, k)
+        self.baselines["power_of_two"].add(r_p, k)
+        # for observe(): the baselines' predictions (None: the same pick) against the outcome
+        decision.detail["regret_audit"] = (k, None if r_g == 0.0 else r_g + chosen_ms, None if r_p == 0.0 else r_p + chosen_ms)
+
+    def observe(self, decision: Decision, ttft_ms: float) -> None:
+        """An audited decision's first token came after ``ttft_ms``: the *observed* figure
+        (:attr:`observed`) charges each baseline its predicted TTFT minus cache_aware's measured
+        one where the picks differ (0 where they agree), weighted as the decision. The measured
+        side takes out the bias of a prediction that chose the minimum (cache_aware acted on its
+        lowest estimate, so that estimate runs low; the baseline's pick was not chosen by it)."""
+        a = decision.detail.get("regret_audit")
+        if a is None or not isinstance(ttft_ms, (int, float)) or not math.isfinite(ttft_ms):
+            return
+        k = a[0]
+        self.observed_n += k
+        for b, pred in zip(("cache_aware_greedy", "power_of_two"), a[1:]):
+            if pred is not None:
+                self.observed_sum[b] += k * (pred - ttft_ms)
 
     def _greedy(self, policy: AuditedPolicy, scored: list, load: dict[str, float], req: RouteRequest, match: Any):
         """cache_aware_greedy's pick among the scored candidates (module docstring): one pass."""
@@ -175,9 +260,9 @@ class RegretAudit:
         """power_of_two's pick: two distinct candidates from the audit's RNG, the less loaded
         (ties: lower id); its hit is looked up only when it is not cache_aware's pick."""
         n = len(cands)
-        rng = self.rng
-        i = rng.randrange(n)
-        j = rng.randrange(n - 1)
+        rnd = self.rng.random
+        i = int(rnd() * n)
+        j = int(rnd() * (n - 1))
         if j >= i:
             j += 1
         a, b = cands[i], cands[j]
@@ -216,8 +301,21 @@ class RegretAudit:
     def snapshot(self) -> dict[str, Any]:
         """STATUS / telemetry / the simulator's arm result: per baseline its figures, the
         decisions skipped, and ``pays_ms`` (:meth:`pays_ms`, rounded)."""
-        return {"baselines": {k: b.snapshot() for k, b in self.baselines.items()}, "skipped": self.skipped,
-                "pays_ms": {k: round(v, 3) for k, v in self.pays_ms().items()}}
+        out = {"baselines": {k: b.snapshot() for k, b in self.baselines.items()}, "skipped": self.skipped,
+               "unsampled": self.unsampled, "pays_ms": {k: round(v, 3) for k, v in self.pays_ms().items()}}
+        if self.shadow is not None:
+            out["shadow"] = self.shadow.snapshot()
+        if self.observed_n:
+            out["observed"] = {"decisions": self.observed_n, "pays_ms": self.observed_pays_ms()}
+        return out
+
+    def observed_pays_ms(self) -> dict[str, float]:
+        """The observed figure (:meth:`observe`) per baseline and ``best``; empty before an outcome."""
+        if not self.observed_n:
+            return {}
+        out = {b: round(v / self.observed_n, 3) for b, v in self.observed_sum.items()}
+        out["best"] = min(out.values())
+        return out
 
 
 def merged_pays(audits: Sequence[RegretAudit | None]) -> dict[str, Any] | None:
@@ -239,4 +337,15 @@ def merged_pays(audits: Sequence[RegretAudit | None]) -> dict[str, Any] | None:
         pays[b] = round(mean_ms, 3)
     pays["best"] = min(pays.values())
     out["pays_ms"] = pays
+    no = sum(a.observed_n for a in live)
+    if no:  # the observed figure over every router's audited outcomes
+        op = {b: round(math.fsum(a.observed_sum[b] for a in live) / no, 3) for b in BASELINES}
+        op["best"] = min(op.values())
+        out["observed"] = {"decisions": no, "pays_ms": op}
+    sh = [a.shadow for a in live if a.shadow is not None and a.shadow.n]
+    if sh:  # the shadow counterfactual over every router's shadowed requests
+        ns = sum(s.n for s in sh)
+        sp = {b: round(math.fsum(s.sum_ms[b] for s in sh) / ns, 3) for b in BASELINES}
+        sp["best"] = min(sp.values())
+        out["shadow"] = {"requests": ns, "pays_ms": sp}
     return out

@@ -115,6 +115,8 @@ class Router:
         obs = getattr(self.policy, "observe", None)
         if obs is not None:
             obs(decision, ttft_ms)
+        if self.audit is not None:  # the regret audit's observed figure
+            self.audit.observe(decision, ttft_ms)
 
     @staticmethod
     def release(state: WorkerState, decision: Decision) -> None:
