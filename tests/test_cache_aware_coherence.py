@@ -44,8 +44,9 @@ def test_a_burst_on_four_routers_with_one_view_spreads():
         parted = {in_burst(CacheAware(router_rank=r, rank_ties=mode)).choose(req(), fleet, miss, 0.001).worker_id
                   for r in range(4)}
         assert parted == {"a", "b", "c", "d"}, mode
-    # rank_ties off (the default) or holders only, on a miss: every router takes rank 0's choice
-    assert {CacheAware(router_rank=r).choose(req(), fleet, miss, 0.01).worker_id for r in range(4)} == {"a"}
+    # the default (misses) parts them too; off or holders only, on a miss: every router takes rank 0's choice
+    assert {in_burst(CacheAware(router_rank=r)).choose(req(), fleet, miss, 0.001).worker_id
+            for r in range(4)} == {"a", "b", "c", "d"}
     for mode in ("off", "holders"):
         assert {in_burst(CacheAware(router_rank=r, rank_ties=mode)).choose(req(), fleet, miss, 0.001).worker_id
                 for r in range(4)} == {"a"}, mode
@@ -64,7 +65,7 @@ def test_ranks_part_only_near_ties():
     for mode in ("all", "holders"):  # equally loaded holders are parted; the idle non-holder never taken
         assert {in_burst(CacheAware(router_rank=r, rank_ties=mode)).choose(req(), holders, m, 0.001).worker_id
                 for r in range(4)} == {"h1", "h2"}, mode
-    # misses only (and off, the default): a hit stays on the lowest-id holder, as one router's would
+    # misses only (the default) and off: a hit stays on the lowest-id holder, as one router's would
     for mode in ("misses", "off"):
         assert {in_burst(CacheAware(router_rank=r, rank_ties=mode)).choose(req(), holders, m, 0.001).worker_id
                 for r in range(4)} == {"h1"}, mode
@@ -183,7 +184,7 @@ def test_ranks_part_only_while_decisions_can_collide():
     through the exchange. Alone in a quiet moment it takes the best choice, as one router would
     (parting always cost the conversation workload ~10 % at 4 routers)."""
     fleet, miss = _misses_fleet()
-    pol = CacheAware(router_rank=2, rank_ties="misses")
+    pol = CacheAware(router_rank=2)  # the defaults: misses, 10 ms
     pick = lambda t: pol.choose(req(), fleet, miss, t).worker_id  # noqa: E731
     assert pick(0.0) == "a"  # the first decision: nothing to collide with
     assert pick(0.004) == "c"  # its own previous decision 4 ms ago: a burst, parted

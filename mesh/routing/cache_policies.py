@@ -52,14 +52,17 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    defaults were chosen on), i.e. 125, 25,000 and 5,000 tokens of prefill; a worker measured at
    rate r applies them as ``ms x reference / r`` of its own ms (a 70B-class engine stretches
    every queue and prefill they are compared with, a small fast one shrinks them).
-4. **Several routers can part near-ties** (``rank_ties``; default ``"off"``): with the exchange
-   every router sees one merged view, so a burst reaching several routers within the exchange's
-   delay sends all their misses to the same least-sent worker. With ``"misses"`` router k
-   (``router_rank``: its rank by id among itself and its fresh peers, set by the exchange's
-   shell) takes the k-th member of the best tie class instead (:func:`part_ties`); rank 0, a
-   lone router, decides as before; ``"all"`` / ``"holders"`` also part equally loaded holders.
-   Off by default: on the quality matrix ``"misses"`` halved bursty zipf's p95 at 8 routers but
-   cost conversation at 4 routers about 10 % (docs/routing.md); holders gained nothing.
+4. **Several routers part near-ties while their decisions can collide** (``rank_ties``, default
+   ``"misses"``; ``rank_window_ms``, default 10): with the exchange every router sees one merged
+   view, so a burst reaching several routers within the exchange's delay sends all their misses
+   to the same least-sent worker. Router k (``router_rank``: its rank by id among itself and its
+   fresh peers, set by the exchange's shell) takes the k-th member of the best tie class instead
+   (:func:`part_ties`), but only while another decision was made within ``rank_window_ms``
+   before this one: its own previous one, or a peer's dispatch heard through the exchange
+   (:meth:`CacheAware.note_peer_dispatch`, the arrival time on this router's clock). A router
+   alone in a quiet moment, and rank 0 always, takes the best choice: parting every decision
+   cost the conversation workload about 10 % at 4 routers (docs/routing.md). ``"all"`` /
+   ``"holders"`` also part equally loaded holders (which gained nothing), ``"off"`` never parts.
 
 **Tiered caches** (SGLang HiCache, vLLM offloading; :mod:`mesh.index.tiers`): a matched token held
 only in an engine's host memory counts ``tier_weights[1]`` (0.75) of a device hit, one only on
@@ -215,7 +218,7 @@ class CacheAware:
                  cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
                  imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 200.0,
                  stall_queue_ms: float = 1000.0, tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
-                 learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "off",
+                 learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "misses",
                  rank_window_ms: float = 10.0) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
@@ -275,8 +278,9 @@ class CacheAware:
         self.learn_tiers = learn_tiers
         self._last_view: tuple[list, dict[str, float] | None] = ([], None)  # last_view()
         self.router_rank = 0
-        # which exact ties are parted by router rank (off, the default: every router takes the plain
-        # minimum, rank 0's choice; misses, holders or all: router k takes the k-th of such a tie)
+        # which exact ties are parted by router rank (misses, the default, holders or all: router k
+        # takes the k-th of such a tie while decisions can collide; off: every router takes the
+        # plain minimum, rank 0's choice)
         if rank_ties not in ("all", "holders", "misses", "off"):
             raise ValueError(f"rank_ties must be all, holders, misses or off, not {rank_ties!r}")
         self.rank_ties = rank_ties
