@@ -237,3 +237,19 @@ def test_a_hostile_peer_parts_a_router_only_within_the_window():
     assert pol.choose(req(), fleet, miss, 1e9).worker_id == "a"
     # releases and a dropped peer are not decisions
     assert not peer_dispatched([("a", -1, -2048, 0, True), ("b", 2, 10, 0, False)])
+
+
+def test_the_simulator_feeds_peer_dispatches_as_the_broker_does(monkeypatch):
+    """Each simulated router's policy hears its peers' dispatches from the merged exchange
+    messages (the arrival time, as the broker's exchange shell reports it), never its own."""
+    from mesh.lab.sim import SimConfig, run_sim
+
+    heard: list[tuple[int, float]] = []
+    monkeypatch.setattr(CacheAware, "note_peer_dispatch", lambda self, t: heard.append((id(self), t)))
+    cfg = SimConfig(workload="zipf", workers=[4], routers=[2], policies=["cache_aware"], providers=["radix_tree"],
+                    seed=1, rate=50.0, max_requests=60, duration_s=None, exchange=True)
+    arm = run_sim(cfg)["arms"][0]
+    assert arm["completed"] == 60
+    assert len({pid for pid, _ in heard}) == 2  # both routers heard the other's dispatches
+    assert 20 <= len(heard) <= 60  # one per message showing a dispatch, at most one per request
+    assert [t for _, t in heard] == sorted(t for _, t in heard)  # arrival times, in event order
