@@ -72,7 +72,7 @@ import zmq
 from mesh import protocol as P
 from mesh.errors import ProtocolError
 from mesh.routing.peer_guard import RateBudget
-from mesh.routing.peers import PeerChange, PeerMerge, PeerPublisher, router_rank
+from mesh.routing.peers import PeerChange, PeerMerge, PeerPublisher, peer_dispatched, router_rank
 from mesh.routing.view import WorkerState
 from mesh.sockets import EXCHANGE_PUB, EXCHANGE_SUB, CurveKeys, make_socket, send_frames
 
@@ -117,7 +117,8 @@ class PeerExchange:
         self.on_routes = on_routes  # peers' routed prompts go to the provider (mesh.index.peer_routes)
         # peers' session pins go to the session table (mesh.routing.sessions): (peer, pins, now_s)
         self.on_sessions: Callable[[str, list[tuple[int, str, int]], float], int] | None = None
-        self.on_rank: Callable[[int], Any] | None = None  # told this broker's rank among the fresh ones
+        # told this broker's rank among the fresh ones (and when a peer's new dispatch was heard)
+        self.on_rank: Callable[..., Any] | None = None
         # ZAP domain "peers" either way: under CURVE it admits the listed keys; in plaintext the
         # broker's authenticator admits only its --peer hosts' addresses (brokers.main), so a
         # stranger's subscriptions never reach libzmq's filter trie.
@@ -199,7 +200,8 @@ class PeerExchange:
             self._warn("exchange_peer_refused", source, now_s, peer=source, claimed=m.broker[:64], reason=outcome)
         if outcome == "applied" and not was_fresh and self.log is not None:
             self.log.info("exchange_peer_fresh", peer=m.broker, epoch=m.epoch, workers=len(m.workers), source=source)
-        self._update()
+        # a peer's new dispatch: the policy parts near-ties for a moment (mesh.routing.peers.set_router_rank)
+        self._update(now_s if outcome == "applied" and peer_dispatched(changes) else None)
         return changes
 
     def _warn(self, event: str, key: str, now_s: float, **fields: Any) -> None:
@@ -239,14 +241,20 @@ class PeerExchange:
         return changes
 
     # ------------------------------------------------------------------ views
-    def _update(self) -> None:
+    def _update(self, peer_dispatch_s: float | None = None) -> None:
         """Fresh configured peers: a source counts when the broker bound to it is fresh, so
-        strangers' ids (however many) never stand in for a configured peer that is missing."""
+        strangers' ids (however many) never stand in for a configured peer that is missing.
+        ``on_rank`` gets this broker's rank and, when a message showing a peer's new dispatch
+        just arrived, its arrival time (``peer_dispatch_s``)."""
         bound = self.merge.binding.id_of
         self._fresh = sum(1 for ep in self.peers if ep not in self._self_sources and self.merge.is_fresh(bound.get(ep, "")))
         self.degraded = self._fresh < self.expected
         if self.on_rank is not None:  # this broker's rank among the fresh brokers parts near-ties (cache_aware)
-            self.on_rank(router_rank(self.merge.self_id, self.merge.fresh_peers()))
+            rank = router_rank(self.merge.self_id, self.merge.fresh_peers())
+            if peer_dispatch_s is None:
+                self.on_rank(rank)
+            else:
+                self.on_rank(rank, peer_dispatch_s)
 
     def peer_counts(self) -> dict[str, int]:
         """fresh / stale / expected peers (gauge ``mesh_exchange_peers``)."""

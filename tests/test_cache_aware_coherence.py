@@ -1,12 +1,16 @@
-"""Several routers through a burst (issue 33, part 2): near-ties parted by router rank, and the
-miss rule's and stall escape's thresholds relative to the worker's measured prefill rate."""
+"""Several routers through a burst (issue 33, part 2): near-ties parted by router rank while
+decisions can collide, and the miss rule's and stall escape's thresholds relative to the worker's
+measured prefill rate."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from mesh.routing.cache_policies import CacheAware, CostModel, part_ties
-from mesh.routing.peers import PeerMerge, router_rank, set_router_rank
+from mesh import protocol as P
+from mesh.routing.peers import PeerMerge, peer_dispatched, router_rank, set_router_rank
 from mesh.routing.router import Router
 from mesh.routing.sessions import with_sessions
 from mesh.routing.view import RouteRequest
@@ -21,6 +25,12 @@ def test_part_ties_rank_zero_is_the_minimum_and_ranks_differ():
     assert part_ties([((5,), 0, "x", "X")], 3) == "X"
 
 
+def in_burst(pol: CacheAware, now_s: float = 0.0) -> CacheAware:
+    """``pol`` just heard (at ``now_s``) a peer's dispatch through the exchange: a burst."""
+    pol.note_peer_dispatch(now_s)
+    return pol
+
+
 def test_a_burst_on_four_routers_with_one_view_spreads():
     """Four routers with the same view (the exchange's) and a miss each within the same
     millisecond: without ranks all four take the same worker, with ranks four different ones."""
@@ -31,16 +41,15 @@ def test_a_burst_on_four_routers_with_one_view_spreads():
     plain = {CacheAware().choose(req(), fleet, miss, 0.01).worker_id for _ in range(4)}
     assert plain == {"a"}  # herding
     for mode in ("misses", "all"):
-        parted = {CacheAware(router_rank=r, rank_ties=mode).choose(req(), fleet, miss, 0.01).worker_id
+        parted = {in_burst(CacheAware(router_rank=r, rank_ties=mode)).choose(req(), fleet, miss, 0.001).worker_id
                   for r in range(4)}
         assert parted == {"a", "b", "c", "d"}, mode
-    # rank_ties off (the default) or holders only, on a miss: every router takes rank 0's choice
-    assert {CacheAware(router_rank=r).choose(req(), fleet, miss, 0.01).worker_id for r in range(4)} == {"a"}
-    for mode in ("off", "holders"):
-        assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), fleet, miss, 0.01).worker_id
-                for r in range(4)} == {"a"}, mode
-    assert {CacheAware(router_rank=r, rank_ties="misses").choose(req(), fleet, miss, 0.01).worker_id
+    # the default (misses) parts them too; off or holders only, on a miss: every router takes rank 0's choice
+    assert {in_burst(CacheAware(router_rank=r)).choose(req(), fleet, miss, 0.001).worker_id
             for r in range(4)} == {"a", "b", "c", "d"}
+    for mode in ("off", "holders"):
+        assert {in_burst(CacheAware(router_rank=r, rank_ties=mode)).choose(req(), fleet, miss, 0.001).worker_id
+                for r in range(4)} == {"a"}, mode
     with pytest.raises(ValueError, match="rank_ties"):
         CacheAware(rank_ties=True)
 
@@ -49,16 +58,16 @@ def test_ranks_part_only_near_ties():
     """A worker with a longer prefill queue or more requests is not in the tie class: no rank
     sends a request there, and holders of the prompt win over idle non-holders at any rank."""
     idle, queued = ws("a", running=1), ws("b", running=1, wu=50_000)
-    assert {CacheAware(router_rank=r, rank_ties="all").choose(req(), [idle, queued], FakeMatch({}, 128), 0.01).worker_id
-            for r in range(4)} == {"a"}
+    assert {in_burst(CacheAware(router_rank=r, rank_ties="all")).choose(req(), [idle, queued], FakeMatch({}, 128), 0.001)
+            .worker_id for r in range(4)} == {"a"}
     holders = [ws("h1", running=2), ws("h2", running=2), ws("o", running=0)]
     m = FakeMatch({"h1": 128, "h2": 128}, 128)
     for mode in ("all", "holders"):  # equally loaded holders are parted; the idle non-holder never taken
-        assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), holders, m, 0.01).worker_id
+        assert {in_burst(CacheAware(router_rank=r, rank_ties=mode)).choose(req(), holders, m, 0.001).worker_id
                 for r in range(4)} == {"h1", "h2"}, mode
-    # misses only (and off, the default): a hit stays on the lowest-id holder, as one router's would
+    # misses only (the default) and off: a hit stays on the lowest-id holder, as one router's would
     for mode in ("misses", "off"):
-        assert {CacheAware(router_rank=r, rank_ties=mode).choose(req(), holders, m, 0.01).worker_id
+        assert {in_burst(CacheAware(router_rank=r, rank_ties=mode)).choose(req(), holders, m, 0.001).worker_id
                 for r in range(4)} == {"h1"}, mode
 
 
@@ -146,12 +155,101 @@ def test_the_broker_exchange_tells_the_policy_its_rank_among_fresh_brokers():
     peer_ep = "tcp://127.0.0.1:1"
     x = PeerExchange(ctx, "m", "tcp://127.0.0.1:*", [peer_ep], interval_ms=0, stale_ms=3000, epoch=1)
     pol = CacheAware(rank_ties="misses")
-    x.on_rank = lambda rank: set_router_rank(Router(pol), rank)
+    x.on_rank = lambda *a: set_router_rank(Router(pol), *a)
     try:
         x.receive(P.encode_peer_load(P.PeerLoad("a", 1, 0, True, [], 1000)), 0.0, source=peer_ep)
         assert pol.router_rank == 1  # "a" < "m"
+        assert pol._peer_s == -math.inf  # a message without dispatches says nobody is deciding
+        x.receive(P.encode_peer_load(P.PeerLoad("a", 1, 1, False, [("w1", 1, 2048, 2048)], 1000)), 0.5, source=peer_ep)
+        assert pol._peer_s == 0.5  # a peer's dispatch, heard at 0.5 s: parting for a moment
+        x.receive(P.encode_peer_load(P.PeerLoad("a", 1, 2, False, [("w1", 0, 0, 2048)], 1000)), 0.7, source=peer_ep)
+        assert pol._peer_s == 0.5  # a release is no decision
         x.tick(10.0, lambda w: None, lambda: [])  # the peer went stale: alone again
         assert pol.router_rank == 0
     finally:
         x.close()
         ctx.term()
+
+
+def _misses_fleet():
+    fleet = [ws(w, running=1) for w in "abcd"]
+    for i, w in enumerate(fleet):
+        w.sent_tokens = 1000 * i  # the best miss choice is "a", rank 2's parted one "c"
+    return fleet, FakeMatch({}, 128)
+
+
+def test_ranks_part_only_while_decisions_can_collide():
+    """Router rank 2 takes its own member of a miss tie only while another decision was made
+    within ``rank_window_ms`` (10 ms) before: its own previous one, or a peer's dispatch heard
+    through the exchange. Alone in a quiet moment it takes the best choice, as one router would
+    (parting always cost the conversation workload ~10 % at 4 routers)."""
+    fleet, miss = _misses_fleet()
+    pol = CacheAware(router_rank=2)  # the defaults: misses, 10 ms
+    pick = lambda t: pol.choose(req(), fleet, miss, t).worker_id  # noqa: E731
+    assert pick(0.0) == "a"  # the first decision: nothing to collide with
+    assert pick(0.004) == "c"  # its own previous decision 4 ms ago: a burst, parted
+    assert pick(0.5) == "a"  # quiet for 496 ms: the best
+    assert pick(0.5) == "a"  # the same instant again (a two-pass router) is the same decision
+    pol.note_peer_dispatch(1.0)  # a peer just dispatched (exchange message arrival)
+    assert pick(1.008) == "c"
+    assert pick(2.0) == "a"
+    # the window is the knob: 0 never parts, inf always parts (the old rule)
+    never = CacheAware(router_rank=2, rank_ties="misses", rank_window_ms=0)
+    never.note_peer_dispatch(0.0)
+    assert [never.choose(req(), fleet, miss, t).worker_id for t in (0.001, 0.002)] == ["a", "a"]
+    always = CacheAware(router_rank=2, rank_ties="misses", rank_window_ms=math.inf)
+    assert [always.choose(req(), fleet, miss, t).worker_id for t in (0.0, 100.0)] == ["c", "c"]
+    # rank 0 (a lone router, or the first) never parts, whatever it heard
+    lone = in_burst(CacheAware(router_rank=0, rank_ties="misses"))
+    assert [lone.choose(req(), fleet, miss, t).worker_id for t in (0.001, 0.002)] == ["a", "a"]
+
+
+def test_rank_window_is_validated_naming_the_field():
+    for bad in (-1, -0.5, math.nan, "10", None, True):
+        with pytest.raises(ValueError, match="rank_window_ms"):
+            CacheAware(rank_window_ms=bad)
+    from mesh.errors import ConfigError
+    from mesh.lab.sim.runner import SimConfig
+
+    with pytest.raises(ConfigError, match="rank_window_ms"):
+        SimConfig(workload="zipf", policies=["cache_aware"], policy_params={"cache_aware": {"rank_window_ms": -1}}).validate()
+
+
+def test_a_hostile_peer_parts_a_router_only_within_the_window():
+    """A peer claiming dispatches (a flood of them, any counter) makes a router part near-ties
+    only within ``rank_window_ms`` of the last such message's arrival on the router's own clock:
+    it names no time of its own, and a nonsense time is ignored; once it stops, the router in a
+    quiet moment takes the best choice again."""
+    fleet, miss = _misses_fleet()
+    pol = CacheAware(router_rank=2, rank_ties="misses")
+    router = Router(pol)
+    merge = PeerMerge("m", 3.0)
+    for seq in range(50):  # a flood of dispatch claims, the last at 0.049 s
+        msg = P.PeerLoad("evil", 1, seq, False, [("a", seq + 1, 10**9, 10**9 * (seq + 1))], 1000)
+        outcome, changes = merge.apply(msg, seq / 1000.0)
+        assert outcome == "applied" and peer_dispatched(changes)
+        set_router_rank(router, 2, seq / 1000.0)
+    assert pol.choose(req(), fleet, miss, 0.050).worker_id == "c"  # within the window: parted
+    assert pol.choose(req(), fleet, miss, 0.5).worker_id == "a"  # bounded: quiet again, the best
+    for t in (math.inf, math.nan, -math.inf):  # no time beyond the window's reach
+        pol.note_peer_dispatch(t)
+    assert pol.choose(req(), fleet, miss, 5.0).worker_id == "a"
+    assert pol.choose(req(), fleet, miss, 1e9).worker_id == "a"
+    # releases and a dropped peer are not decisions
+    assert not peer_dispatched([("a", -1, -2048, 0, True), ("b", 2, 10, 0, False)])
+
+
+def test_the_simulator_feeds_peer_dispatches_as_the_broker_does(monkeypatch):
+    """Each simulated router's policy hears its peers' dispatches from the merged exchange
+    messages (the arrival time, as the broker's exchange shell reports it), never its own."""
+    from mesh.lab.sim import SimConfig, run_sim
+
+    heard: list[tuple[int, float]] = []
+    monkeypatch.setattr(CacheAware, "note_peer_dispatch", lambda self, t: heard.append((id(self), t)))
+    cfg = SimConfig(workload="zipf", workers=[4], routers=[2], policies=["cache_aware"], providers=["radix_tree"],
+                    seed=1, rate=50.0, max_requests=60, duration_s=None, exchange=True)
+    arm = run_sim(cfg)["arms"][0]
+    assert arm["completed"] == 60
+    assert len({pid for pid, _ in heard}) == 2  # both routers heard the other's dispatches
+    assert 20 <= len(heard) <= 60  # one per message showing a dispatch, at most one per request
+    assert [t for _, t in heard] == sorted(t for _, t in heard)  # arrival times, in event order

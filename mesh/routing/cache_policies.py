@@ -52,14 +52,17 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    defaults were chosen on), i.e. 125, 25,000 and 5,000 tokens of prefill; a worker measured at
    rate r applies them as ``ms x reference / r`` of its own ms (a 70B-class engine stretches
    every queue and prefill they are compared with, a small fast one shrinks them).
-4. **Several routers can part near-ties** (``rank_ties``; default ``"off"``): with the exchange
-   every router sees one merged view, so a burst reaching several routers within the exchange's
-   delay sends all their misses to the same least-sent worker. With ``"misses"`` router k
-   (``router_rank``: its rank by id among itself and its fresh peers, set by the exchange's
-   shell) takes the k-th member of the best tie class instead (:func:`part_ties`); rank 0, a
-   lone router, decides as before; ``"all"`` / ``"holders"`` also part equally loaded holders.
-   Off by default: on the quality matrix ``"misses"`` halved bursty zipf's p95 at 8 routers but
-   cost conversation at 4 routers about 10 % (docs/routing.md); holders gained nothing.
+4. **Several routers part near-ties while their decisions can collide** (``rank_ties``, default
+   ``"misses"``; ``rank_window_ms``, default 10): with the exchange every router sees one merged
+   view, so a burst reaching several routers within the exchange's delay sends all their misses
+   to the same least-sent worker. Router k (``router_rank``: its rank by id among itself and its
+   fresh peers, set by the exchange's shell) takes the k-th member of the best tie class instead
+   (:func:`part_ties`), but only while another decision was made within ``rank_window_ms``
+   before this one: its own previous one, or a peer's dispatch heard through the exchange
+   (:meth:`CacheAware.note_peer_dispatch`, the arrival time on this router's clock). A router
+   alone in a quiet moment, and rank 0 always, takes the best choice: parting every decision
+   cost the conversation workload about 10 % at 4 routers (docs/routing.md). ``"all"`` /
+   ``"holders"`` also part equally loaded holders (which gained nothing), ``"off"`` never parts.
 
 **Tiered caches** (SGLang HiCache, vLLM offloading; :mod:`mesh.index.tiers`): a matched token held
 only in an engine's host memory counts ``tier_weights[1]`` (0.75) of a device hit, one only on
@@ -215,7 +218,8 @@ class CacheAware:
                  cost_ties: str = "never", miss_queue_ms: float = 5.0, miss_load_band: int = 1,
                  imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 200.0,
                  stall_queue_ms: float = 1000.0, tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
-                 learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "off") -> None:
+                 learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "misses",
+                 rank_window_ms: float = 10.0) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -274,11 +278,21 @@ class CacheAware:
         self.learn_tiers = learn_tiers
         self._last_view: tuple[list, dict[str, float] | None] = ([], None)  # last_view()
         self.router_rank = 0
-        # which exact ties are parted by router rank (off, the default: every router takes the plain
-        # minimum, rank 0's choice; misses, holders or all: router k takes the k-th of such a tie)
+        # which exact ties are parted by router rank (misses, the default, holders or all: router k
+        # takes the k-th of such a tie while decisions can collide; off: every router takes the
+        # plain minimum, rank 0's choice)
         if rank_ties not in ("all", "holders", "misses", "off"):
             raise ValueError(f"rank_ties must be all, holders, misses or off, not {rank_ties!r}")
         self.rank_ties = rank_ties
+        if not (isinstance(rank_window_ms, (int, float)) and not isinstance(rank_window_ms, bool)
+                and rank_window_ms >= 0 and not math.isnan(rank_window_ms)):
+            raise ValueError(f"rank_window_ms must be a number >= 0 (inf: always part), not {rank_window_ms!r}")
+        # ties are parted only while decisions can collide: this router's previous decision, or
+        # a peer's dispatch heard through the exchange (note_peer_dispatch), within this window
+        self.rank_window_s = rank_window_ms / 1000.0
+        self._own_s = -math.inf  # this router's last decision
+        self._parting = False  # whether the current decision parts near-ties (choose)
+        self._peer_s = -math.inf  # the arrival of the last exchange message showing a peer's dispatch
         self.set_router_rank(router_rank)
 
     def set_router_rank(self, rank: int) -> None:
@@ -291,6 +305,26 @@ class CacheAware:
         # the rank each choice parts its ties by (0: the plain minimum)
         self._rank_hold = rank if self.rank_ties in ("all", "holders") else 0
         self._rank_miss = rank if self.rank_ties in ("all", "misses") else 0
+
+    def note_peer_dispatch(self, now_s: float) -> None:
+        """An exchange message that arrived at ``now_s`` (this router's clock) showed a peer's
+        new dispatch: the peers are deciding now, so near-ties are parted for ``rank_window_ms``
+        (see :meth:`_colliding`). Only the arrival time counts, never a time the peer claims:
+        a peer can keep this router parting only while it keeps sending."""
+        if math.isfinite(now_s) and now_s > self._peer_s:
+            self._peer_s = now_s
+
+    def _colliding(self, now_s: float) -> bool:
+        """Whether this decision can collide with a peer's it has not heard of yet: another
+        decision was made within ``rank_window_ms`` before it (this router's previous one, or a
+        peer's heard through the exchange). Routers then part near-ties by rank; a router alone
+        in a quiet moment takes the best choice (rank 0's), which parting always did not (it
+        cost the conversation workload ~10 % at 4 routers). Called once per decision: it also
+        records this one."""
+        own, self._own_s = self._own_s, max(self._own_s, now_s)
+        w = self.rank_window_s
+        # a second call at the same instant (a two-pass router) is the same decision
+        return 0.0 < now_s - own <= w or 0.0 <= now_s - self._peer_s <= w
 
     def _ref_tokens(self, ms: float) -> float:
         """A threshold stated in ms of prefill on the reference engine (``cost.prefill_tokens_per_s``,
@@ -453,6 +487,8 @@ class CacheAware:
         if not candidates:
             return Decision(None, "no_candidates")
         cands, known, complete = self._candidates(candidates, match, by_id)
+        # near-ties are parted by router rank only while decisions can collide (see _colliding)
+        self._parting = self._colliding(now_s) and self.router_rank > 0
         bs = req.block_size
         L = req.prompt_tokens
         scored = []
@@ -545,7 +581,7 @@ class CacheAware:
         if scored[0][5] is None:  # no cost ties (see choose): greedy's order
             if miss:  # nobody holds enough (and no imbalance to correct): the shortest prefill queue
                 return self._miss_pick(pool, load, lo_p, now_s), False
-            pick = part_ties([((round(load[t[2]]),), 0, t[2], t) for t in pool], self._rank_hold)
+            pick = part_ties([((round(load[t[2]]),), 0, t[2], t) for t in pool], self._rank_hold if self._parting else 0)
             if self.stall_escape_ms > 0 and pool is not scored and self.miss_queue_ms > 0:
                 alt = self._stall_escape(pick, scored, load, lo_p, prompt_tokens, now_s)
                 return alt, alt is not pick
@@ -563,7 +599,7 @@ class CacheAware:
         sent = self.miss_sent
         keyed = [((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
                   t[4].fleet_sent_tokens if sent else 0, t[2], t) for t in pool if round(load[t[2]]) <= floor]
-        return part_ties(keyed, self._rank_miss)
+        return part_ties(keyed, self._rank_miss if self._parting else 0)
 
     def _stall_escape(self, pick, scored, load, lo_p: float, prompt_tokens: int, now_s: float):
         """Leave the holder ``pick`` when at least ``stall_queue_ms`` of prefill is queued on it

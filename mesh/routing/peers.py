@@ -40,7 +40,8 @@ from mesh.protocol import MAX_EXCHANGE_ROUTES, MAX_EXCHANGE_SESSIONS, MAX_EXCHAN
 from mesh.routing.peer_guard import EPOCH_SKEW_NS, SourceBinding, epoch_step_ok
 from mesh.routing.view import WorkerState
 
-__all__ = ["PeerMerge", "PeerPublisher", "PeerChange", "apply_changes", "router_rank", "set_router_rank"]
+__all__ = ["PeerMerge", "PeerPublisher", "PeerChange", "apply_changes", "peer_dispatched", "router_rank",
+           "set_router_rank"]
 
 #: (worker_id, d_inflight, d_prefill_tokens, sent_tokens, live): one worker's change of the
 #: peers' summed figures; see :meth:`WorkerState.apply_peer_change`.
@@ -395,18 +396,34 @@ def router_rank(self_id: str, peer_ids: Iterable[str]) -> int:
     return sorted({self_id, *peer_ids}).index(self_id)
 
 
-def set_router_rank(router: Any, rank: int) -> bool:
-    """Tell ``router``'s policy its rank (a session or bucket router wraps the plain one; a
-    policy without ranks ignores it). True when a policy took it."""
+def _policy_of(router: Any) -> Any:
+    """The policy of ``router`` (a session or bucket router wraps the plain one), or None."""
     for _ in range(4):
         pol = getattr(router, "policy", None)
         if pol is not None:
-            setter = getattr(pol, "set_router_rank", None)
-            if setter is None:
-                return False
-            setter(rank)
-            return True
+            return pol
         router = getattr(router, "inner", None)
         if router is None:
-            return False
-    return False
+            return None
+    return None
+
+
+def set_router_rank(router: Any, rank: int, peer_dispatch_s: float | None = None) -> bool:
+    """Tell ``router``'s policy its rank (a session or bucket router wraps the plain one; a
+    policy without ranks ignores it) and, with ``peer_dispatch_s``, that an exchange message
+    showing a peer's new dispatch arrived then (cache_aware parts near-ties only while
+    decisions are that young). True when a policy took the rank."""
+    pol = _policy_of(router)
+    setter = getattr(pol, "set_router_rank", None)
+    if setter is None:
+        return False
+    setter(rank)
+    if peer_dispatch_s is not None:
+        pol.note_peer_dispatch(peer_dispatch_s)
+    return True
+
+
+def peer_dispatched(changes: Iterable[PeerChange]) -> bool:
+    """Whether merged changes show a peer's new dispatch (more requests in flight, or its
+    sent-tokens counter grew), not only releases or a dropped peer."""
+    return any(c[4] and (c[1] > 0 or c[3] > 0) for c in changes)

@@ -91,7 +91,7 @@ from mesh.errors import ConfigError
 from mesh.hashing import content_keys
 from mesh.index import PrefixIndex
 from mesh.routing.bucket_router import DECODE_POLICIES
-from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes, set_router_rank
+from mesh.routing.peers import PeerMerge, PeerPublisher, apply_changes, peer_dispatched, set_router_rank
 from mesh.routing.regret import merged_pays
 from mesh.routing.router import POLICIES, Router, make_policy
 from mesh.routing.view import Decision, RouteRequest, WorkerState
@@ -597,6 +597,8 @@ class Arm:
                     if sr.index != a:
                         outcome, changes = sr.merge.apply(b, t)  # type: ignore[union-attr]
                         x_applied += apply_changes(changes, sr.by_id.get)
+                        if outcome == "applied" and peer_dispatched(changes):  # as the broker's exchange shell
+                            set_router_rank(sr.router, sr.index, t)
                         if outcome == "applied" and b.sessions and hasattr(sr.router, "session_table"):
                             sr.router.session_table.apply_remote(b.broker, b.sessions, t)
                         if outcome == "applied" and b.routes and sr.router.provider is not None:
