@@ -75,6 +75,11 @@ class BrokerSettings:
                                                              "than recomputing the prompt elsewhere (0 = never)")
     stall_queue_ms: float = setting(1000.0, unit="ms", help="cache_aware: the holder queue the stall escape needs "
                                                             "(docs/routing.md: lower let short prompts leave their holders)")
+    rank_ties: str = setting("misses", choices=("off", "misses", "holders", "all"),
+                             help="cache_aware with several routers: router k takes the k-th of an exact tie among "
+                                  "misses (holders, all), while decisions can collide (docs/routing.md)")
+    rank_window_ms: float = setting(10.0, unit="ms", help="cache_aware: part ties only while this router's previous "
+                                                          "decision or a peer's dispatch is this recent (0 = never)")
     regret_audit: str = setting("on", choices=("on", "off"),
                                 help="cache_aware: predict for every decision what power_of_two and greedy would "
                                      "have picked from the same view (mesh_regret_ms, mesh_cache_aware_pays_ms; "
@@ -283,6 +288,10 @@ class BrokerSettings:
         for name in ("stall_escape_ms", "stall_queue_ms"):
             v = getattr(self, name)
             _require(math.isfinite(v) and v >= 0, name, f"must be a finite number >= 0, not {v!r}")
+        _require(self.rank_ties in ("off", "misses", "holders", "all"), "rank_ties",
+                 f"must be off, misses, holders or all, not {str(self.rank_ties)[:40]!r}")
+        _require(math.isfinite(self.rank_window_ms) and self.rank_window_ms >= 0, "rank_window_ms",
+                 f"must be a finite number >= 0, not {self.rank_window_ms!r}")
         _require(self.regret_audit in ("on", "off"), "regret_audit", f"must be on or off, not {str(self.regret_audit)[:40]!r}")
         for name in ("tier_weight_host", "tier_weight_store"):
             v = getattr(self, name)

@@ -33,6 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
     ({"stall_escape_ms": -1}, "stall_escape_ms"),
     ({"stall_queue_ms": float("nan")}, "stall_queue_ms"),
     ({"stall_queue_ms": float("inf")}, "stall_queue_ms"),
+    ({"rank_ties": "sometimes"}, "rank_ties"),
+    ({"rank_window_ms": -1}, "rank_window_ms"),
+    ({"rank_window_ms": float("nan")}, "rank_window_ms"),
 ])
 def test_broker_settings_errors_name_the_field(values, field):
     with pytest.raises(ConfigError, match=field):
@@ -58,8 +61,19 @@ def test_the_stall_escape_reaches_the_broker_policy():
     d = build_broker(build(BrokerSettings, {}))
     try:
         assert (d.router.policy.stall_escape_ms, d.router.policy.stall_queue_ms) == (200.0, 1000.0)
+        assert (d.router.policy.rank_ties, d.router.policy.rank_window_s) == ("misses", 0.01)
     finally:
         d.close()
+
+
+def test_tie_parting_settings_reach_the_broker_policy():
+    from brokers.main import build_broker
+
+    b = build_broker(build(BrokerSettings, {"rank_ties": "off", "rank_window_ms": 25}))
+    try:
+        assert (b.router.policy.rank_ties, b.router.policy.rank_window_s) == ("off", 0.025)
+    finally:
+        b.close()
 
 
 def test_worker_settings_errors():
