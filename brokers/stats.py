@@ -132,7 +132,8 @@ class RegretCollector(Collector):
     ``mesh_regret_ms{baseline}``, one decision's predicted TTFT of the baseline's pick minus that of
     cache_aware's (positive: cache_aware saved that much), and the gauge
     ``mesh_cache_aware_pays_ms{baseline}``, its mean over about the last thousand decisions
-    (``best``: against the better baseline). The buckets are signed, so by the exposition format's
+    (``best``: against the better baseline), and ``mesh_cache_aware_pays_observed_ms{baseline}``, the
+    same with cache_aware's side measured (the first token's real TTFT; empty before one). The buckets are signed, so by the exposition format's
     rule the histogram has no ``_sum``/``_count``: the ``+Inf`` bucket is the count, the gauge the mean."""
 
     def __init__(self, audit) -> None:
@@ -150,5 +151,11 @@ class RegretCollector(Collector):
         for name, v in a.pays_ms().items():
             g.add_metric([name], v)
         yield g
+        o = GaugeMetricFamily("mesh_cache_aware_pays_observed_ms", "ms per request cache_aware saves against the "
+                              "baseline, its measured TTFT against the baseline's predicted one (mean since start)",
+                              labels=["baseline"])
+        for name, v in a.observed_pays_ms().items():
+            o.add_metric([name], v)
+        yield o
         yield CounterMetricFamily("mesh_regret_skipped", "cache_aware decisions the regret audit skipped (one "
                                   "candidate, or no prediction)", value=a.skipped)

@@ -76,8 +76,11 @@ def regret_line(bid: str, regret) -> Text | None:
     if not parts or not isinstance(best, (int, float)):
         return None
     style = "green" if best >= 0 else "red"
+    obs = regret.get("observed")
+    seen = obs.get("pays_ms", {}).get("best") if isinstance(obs, dict) and isinstance(obs.get("pays_ms"), dict) else None
+    measured = f"; {seen:+.0f} ms with its own TTFT measured" if isinstance(seen, (int, float)) else ""
     return Text(f"{bid}: cache-aware pays {best:+.0f} ms per request against the better baseline "
-                f"({', '.join(parts)}; predicted over {n} decisions)", style=style)
+                f"({', '.join(parts)}; predicted over {n} decisions{measured})", style=style)
 
 
 #: Seconds without a message from an endpoint before ``mesh top`` says nothing is connected there.

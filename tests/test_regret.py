@@ -218,6 +218,11 @@ def test_broker_exports_the_histogram_and_gauge_and_status_and_top_show_it():
     assert h[("cache_aware_greedy", "-3.0")] == 1 and h[("cache_aware_greedy", "+Inf")] == 1
     g = {s.labels["baseline"]: s.value for s in fams["mesh_cache_aware_pays_ms"].samples}
     assert g == {"power_of_two": 12.0, "cache_aware_greedy": -3.0, "best": -3.0}
+    assert not fams["mesh_cache_aware_pays_observed_ms"].samples  # no outcome yet
+    audit.observed_n, audit.observed_sum = 2, {"power_of_two": 30.0, "cache_aware_greedy": 8.0}
+    fams = {m.name: m for m in metrics_registry(b).collect()}
+    o = {s.labels["baseline"]: s.value for s in fams["mesh_cache_aware_pays_observed_ms"].samples}
+    assert o == {"power_of_two": 15.0, "cache_aware_greedy": 4.0, "best": 4.0}
     core = b.core
     core.start(0.0)
     extra = b._status_extra(0.0)
@@ -225,6 +230,7 @@ def test_broker_exports_the_histogram_and_gauge_and_status_and_top_show_it():
     P.pack(extra)  # STATUS carries it as it is
     line = regret_line("b1", extra["regret"])
     assert line is not None and "-3 ms" in line.plain and "saves 12 ms vs power-of-two" in line.plain
+    assert "+4 ms with its own TTFT measured" in line.plain  # the observed figure set above
     # a hostile or foreign telemetry snapshot never breaks mesh top
     for junk in (None, "x", [], {"pays_ms": "x"}, {"pays_ms": {"best": "x"}, "baselines": {}},
                  {"pays_ms": {"power_of_two": "x", "best": 1.0}, "baselines": {"a": "junk"}},
@@ -233,6 +239,9 @@ def test_broker_exports_the_histogram_and_gauge_and_status_and_top_show_it():
     odd = regret_line("b1", {"pays_ms": {"power_of_two": 1e12, "best": -1e12},
                              "baselines": {"a": "junk", "b": {"decisions": 3}, "c": {"decisions": "x"}}})
     assert odd is not None and "3 decisions" in odd.plain
+    junk_obs = regret_line("b1", {"pays_ms": {"best": 1.0, "power_of_two": 1.0}, "baselines": {"b": {"decisions": 3}},
+                                  "observed": {"pays_ms": {"best": "x"}}})
+    assert junk_obs is not None and "measured" not in junk_obs.plain
     from rich.console import Console
 
     con = Console(width=200, record=True)
