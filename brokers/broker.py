@@ -53,7 +53,7 @@ from mesh.logs import RateLimiter, announce, get_logger
 from mesh.routing.peers import apply_changes, set_router_rank
 from mesh.routing.router import Router
 from mesh.routing.view import WorkerState
-from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, recv_frames_user, send_frames, socket_readable
+from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, recv_frames_user, send_routed, socket_readable
 
 __all__ = ["Broker", "Inflight"]
 
@@ -69,6 +69,9 @@ _LAG_WINDOW_S = 1.0  # time constant of the loop-lag average that drives load sh
 # An in-process (HTTP) client whose reply queue holds this many frames is not reading: it is
 # treated like a ZeroMQ client at its send HWM.
 _LOCAL_QUEUE_MAX = 4096
+# The mailbox (HTTP submits and cancels) is handled after the sockets, within the pump's budget,
+# and for at least this long when the sockets used all of it.
+_MAIL_MIN_S = 0.005
 _KV_BACKLOG_BUDGET_S = 0.01  # index work per pump while a KV backlog exists
 _REMOTE: Any = object()  # _send_client: the identity is no local client's
 
@@ -403,8 +406,9 @@ class Broker:
             if busy and time.monotonic() >= budget_end:
                 break  # more is queued: run the timers, let other tasks in, come straight back
         if self._mail:
-            self._drain_mail()
-        if self._gone:  # after the mailbox: the cancels of these clients are done
+            # its own share of the pump when the sockets used up theirs (HTTP submits still move)
+            self._drain_mail(max(budget_end, time.monotonic() + _MAIL_MIN_S))
+        if self._gone and not self._mail:  # after the mailbox: the cancels of these clients are done
             for ident in self._gone:
                 if self._local.get(ident, b"") is None:
                     del self._local[ident]
@@ -503,19 +507,25 @@ class Broker:
         self._mail.append((kind, item))
         self._kick()
 
-    def _drain_mail(self) -> None:
-        now = time.monotonic()
+    def _drain_mail(self, budget_end: float = float("inf")) -> None:
+        """Handle the mailbox in order, until it is empty or ``budget_end`` (monotonic; checked
+        after each item): a burst of HTTP submits cannot hold the worker replies queued behind
+        it for longer than a pump's budget (what is left waits for the next pump, which reads
+        the sockets first). What the items asked to send goes out once, at the end."""
+        mono = time.monotonic
+        now = mono()
         core = self.core
-        while self._mail:
-            kind, item = self._mail.popleft()
+        mail = self._mail
+        while mail:
+            kind, item = mail.popleft()
             try:
-                if kind == "matched":
-                    core.matched(item, now)
-                elif kind == "local_submit":
+                if kind == "local_submit":
                     ident, sub, quota_key = item
                     core.submit(ident, sub, now, quota_key)
                 elif kind == "cancel_local":
                     core.cancel_client(item, now)
+                elif kind == "matched":
+                    core.matched(item, now)
                 elif kind == "resync":
                     worker_id, dp_rank, why = item
                     core.resync(worker_id, dp_rank, why, now)
@@ -533,7 +543,12 @@ class Broker:
             except Exception as exc:
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("mail_handler_failed", kind=kind, error=repr(exc))
+            now = mono()
+            if now >= budget_end:
+                break
+        if core.out:
             self._flush()
+        if core.prefetch:
             self._start_prefetches()
 
     # -- local clients (HTTP ingress): brokers.ingress.backend.IngressBackend ---------------
@@ -640,15 +655,14 @@ class Broker:
     def _flush(self) -> None:
         """Send what the core asked for, in order; a failed send goes back to the core (which
         may ask for more sends: a re-dispatch), and sends conditional on it are skipped."""
-        back = self._back
-
-        def transport(s: Send) -> str:
-            ok = self._send(back, "worker", s.identity, s.frames) if s.to == TO_WORKER else self._send_client(s.identity, s.frames)
-            return "" if ok else (self._send_why or "unreachable")
-
-        deliver(self.core, transport, time.monotonic, self._send_failed_bug)
+        deliver(self.core, self._transport, time.monotonic, self._send_failed_bug)
         if self.record_log is not None and self.core.recorder.out:
             self.record_log.put(self.core.recorder.out)  # to the writer thread; never waits for the disk
+
+    def _transport(self, s: Send) -> str:
+        """One send for :func:`deliver`: why it failed, "" when it went out."""
+        ok = self._send(self._back, "worker", s.identity, s.frames) if s.to == TO_WORKER else self._send_client(s.identity, s.frames)
+        return "" if ok else (self._send_why or "unreachable")
 
     def _send_failed_bug(self, exc: Exception) -> None:
         self.stats.dropped["handler_exception"] += 1
@@ -659,7 +673,7 @@ class Broker:
         (rate-limited) and reported to the caller, which decides what it means."""
         self._dirty.add(sock)  # a send may consume the socket's FD signal: re-check it (see _pump)
         try:
-            send_frames(sock, [identity, *frames])
+            send_routed(sock, identity, frames)
             return True
         except zmq.Again:
             why = "send_hwm"
