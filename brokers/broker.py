@@ -618,9 +618,19 @@ class Broker:
 
         Readiness is read from ZMQ_EVENTS before each receive: about a third of what a failed
         receive costs (pyzmq builds a zmq.Again exception), and most pumps find one socket idle.
+        What the messages asked to send goes out once, when the batch ends: the REQUESTs of a
+        burst of SUBMITs leave back to back (one wake-up of ZeroMQ's I/O thread, not one each).
         """
+        try:
+            return self._receive(sock, handler, budget_end, with_user)
+        finally:
+            if self.core.out:
+                self._flush()
+            if self.core.prefetch:
+                self._start_prefetches()
+
+    def _receive(self, sock: zmq.Socket, handler, budget_end: float, with_user: bool) -> bool:
         mono = time.monotonic
-        core = self.core
         for i in range(_DRAIN_BATCH):
             now = mono()  # the message's time for the core, and the budget check
             if i and now >= budget_end:  # one message can be expensive (a 4 MB batch)
@@ -644,10 +654,6 @@ class Broker:
             except Exception as exc:  # a handler bug must not kill the loop; it is logged and counted
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("handler_failed", error=repr(exc))
-            if core.out:
-                self._flush()
-            if core.prefetch:
-                self._start_prefetches()
         return True
 
     # ------------------------------------------------------------------ sends

@@ -63,3 +63,30 @@ def test_a_pump_that_leaves_mail_keeps_the_gone_clients_until_their_cancels_ran(
             b.close()
 
     asyncio.run(main())
+
+
+def test_what_a_drained_batch_asks_to_send_goes_out_once_at_its_end_in_order():
+    """The sends of one socket batch are made together when the batch ends (one deliver, so a
+    burst of SUBMITs' REQUESTs leave back to back), in the order the messages asked for them."""
+    import zmq
+
+    from mesh import protocol as P
+
+    b = _broker("pump-batch")
+    b.bind()
+    client = zmq.Context.shadow(b.ctx.underlying).socket(zmq.DEALER)
+    try:
+        client.connect(b.frontend_endpoint)
+        for i in range(5):  # unreadable SUBMITs: each is answered bad_request
+            client.send_multipart([P.CLIENT_HEADER, bytes([P.Cmd.C_SUBMIT]), b"\xc1" + bytes([i])])
+        assert b._front.poll(5000)
+        flushes = []
+        real = b._flush
+        b._flush = lambda: (flushes.append(len(b.core.out)), real())
+        assert b._drain(b._front, b.core.client_frames) is False  # all read, the socket is idle
+        assert flushes == [5]
+        replies = [P.decode_client_reply(client.recv_multipart()) for _ in range(5)]
+        assert [r.code for r in replies] == ["bad_request"] * 5
+    finally:
+        client.close(linger=0)
+        b.close()
