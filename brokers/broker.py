@@ -72,6 +72,9 @@ _LOCAL_QUEUE_MAX = 4096
 # The mailbox (HTTP submits and cancels) is handled after the sockets, within the pump's budget,
 # and for at least this long when the sockets used all of it.
 _MAIL_MIN_S = 0.005
+# What a socket batch asks to send is sent together (see Broker._drain), but held at most this long:
+# batching saves a deliver and a ZeroMQ I/O-thread wake-up per message, holding adds latency.
+_SEND_HOLD_S = 0.001
 _KV_BACKLOG_BUDGET_S = 0.01  # index work per pump while a KV backlog exists
 _REMOTE: Any = object()  # _send_client: the identity is no local client's
 
@@ -618,8 +621,10 @@ class Broker:
 
         Readiness is read from ZMQ_EVENTS before each receive: about a third of what a failed
         receive costs (pyzmq builds a zmq.Again exception), and most pumps find one socket idle.
-        What the messages asked to send goes out once, when the batch ends: the REQUESTs of a
-        burst of SUBMITs leave back to back (one wake-up of ZeroMQ's I/O thread, not one each).
+        What the messages asked to send goes out together, when the batch ends or once the oldest
+        send held has waited ``_SEND_HOLD_S``: the REQUESTs of a burst of SUBMITs leave back to
+        back (one deliver, one wake-up of ZeroMQ's I/O thread, not one each), and no send waits
+        behind a long batch for more than that.
         """
         try:
             return self._receive(sock, handler, budget_end, with_user)
@@ -631,8 +636,15 @@ class Broker:
 
     def _receive(self, sock: zmq.Socket, handler, budget_end: float, with_user: bool) -> bool:
         mono = time.monotonic
+        core = self.core
+        held_s = 0.0  # when the oldest unsent send was asked for (0: none held)
         for i in range(_DRAIN_BATCH):
             now = mono()  # the message's time for the core, and the budget check
+            if held_s and now - held_s >= _SEND_HOLD_S:
+                self._flush()
+                if core.prefetch:
+                    self._start_prefetches()
+                held_s = 0.0
             if i and now >= budget_end:  # one message can be expensive (a 4 MB batch)
                 return True
             if not socket_readable(sock):
@@ -654,6 +666,8 @@ class Broker:
             except Exception as exc:  # a handler bug must not kill the loop; it is logged and counted
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("handler_failed", error=repr(exc))
+            if not held_s and core.out:
+                held_s = now
         return True
 
     # ------------------------------------------------------------------ sends

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 import brokers.broker as shell
 from brokers.main import build_broker
 from mesh.config import BrokerSettings, build
@@ -65,14 +67,17 @@ def test_a_pump_that_leaves_mail_keeps_the_gone_clients_until_their_cancels_ran(
     asyncio.run(main())
 
 
-def test_what_a_drained_batch_asks_to_send_goes_out_once_at_its_end_in_order():
-    """The sends of one socket batch are made together when the batch ends (one deliver, so a
-    burst of SUBMITs' REQUESTs leave back to back), in the order the messages asked for them."""
+@pytest.mark.parametrize("hold_s, flushes", [(10.0, [5]), (0.0, [1, 1, 1, 1, 1])])
+def test_what_a_drained_batch_asks_to_send_goes_out_together_held_at_most_the_send_hold(monkeypatch, hold_s, flushes):
+    """The sends of one socket batch are made together (one deliver, so a burst of SUBMITs'
+    REQUESTs leave back to back), in the order the messages asked for them; none is held longer
+    than ``_SEND_HOLD_S`` (at 0, each message's sends go out before the next is read)."""
     import zmq
 
     from mesh import protocol as P
 
-    b = _broker("pump-batch")
+    monkeypatch.setattr(shell, "_SEND_HOLD_S", hold_s)
+    b = _broker(f"pump-batch-{len(flushes)}")
     b.bind()
     client = zmq.Context.shadow(b.ctx.underlying).socket(zmq.DEALER)
     try:
@@ -80,11 +85,11 @@ def test_what_a_drained_batch_asks_to_send_goes_out_once_at_its_end_in_order():
         for i in range(5):  # unreadable SUBMITs: each is answered bad_request
             client.send_multipart([P.CLIENT_HEADER, bytes([P.Cmd.C_SUBMIT]), b"\xc1" + bytes([i])])
         assert b._front.poll(5000)
-        flushes = []
+        seen = []
         real = b._flush
-        b._flush = lambda: (flushes.append(len(b.core.out)), real())
+        b._flush = lambda: (seen.append(len(b.core.out)), real())
         assert b._drain(b._front, b.core.client_frames) is False  # all read, the socket is idle
-        assert flushes == [5]
+        assert seen == flushes
         replies = [P.decode_client_reply(client.recv_multipart()) for _ in range(5)]
         assert [r.code for r in replies] == ["bad_request"] * 5
     finally:
