@@ -53,7 +53,7 @@ from mesh.logs import RateLimiter, announce, get_logger
 from mesh.routing.peers import apply_changes, set_router_rank
 from mesh.routing.router import Router
 from mesh.routing.view import WorkerState
-from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, recv_frames_user, send_frames, socket_readable
+from mesh.sockets import BROKER_BACKEND, BROKER_FRONTEND, CurveKeys, make_socket, recv_frames, recv_frames_user, send_routed, socket_readable
 
 __all__ = ["Broker", "Inflight"]
 
@@ -69,6 +69,12 @@ _LAG_WINDOW_S = 1.0  # time constant of the loop-lag average that drives load sh
 # An in-process (HTTP) client whose reply queue holds this many frames is not reading: it is
 # treated like a ZeroMQ client at its send HWM.
 _LOCAL_QUEUE_MAX = 4096
+# The mailbox (HTTP submits and cancels) is handled after the sockets, within the pump's budget,
+# and for at least this long when the sockets used all of it.
+_MAIL_MIN_S = 0.005
+# What a socket batch asks to send is sent together (see Broker._drain), but held at most this long:
+# batching saves a deliver and a ZeroMQ I/O-thread wake-up per message, holding adds latency.
+_SEND_HOLD_S = 0.001
 _KV_BACKLOG_BUDGET_S = 0.01  # index work per pump while a KV backlog exists
 _REMOTE: Any = object()  # _send_client: the identity is no local client's
 
@@ -403,8 +409,9 @@ class Broker:
             if busy and time.monotonic() >= budget_end:
                 break  # more is queued: run the timers, let other tasks in, come straight back
         if self._mail:
-            self._drain_mail()
-        if self._gone:  # after the mailbox: the cancels of these clients are done
+            # its own share of the pump when the sockets used up theirs (HTTP submits still move)
+            self._drain_mail(max(budget_end, time.monotonic() + _MAIL_MIN_S))
+        if self._gone and not self._mail:  # after the mailbox: the cancels of these clients are done
             for ident in self._gone:
                 if self._local.get(ident, b"") is None:
                     del self._local[ident]
@@ -503,19 +510,25 @@ class Broker:
         self._mail.append((kind, item))
         self._kick()
 
-    def _drain_mail(self) -> None:
-        now = time.monotonic()
+    def _drain_mail(self, budget_end: float = float("inf")) -> None:
+        """Handle the mailbox in order, until it is empty or ``budget_end`` (monotonic; checked
+        after each item): a burst of HTTP submits cannot hold the worker replies queued behind
+        it for longer than a pump's budget (what is left waits for the next pump, which reads
+        the sockets first). What the items asked to send goes out once, at the end."""
+        mono = time.monotonic
+        now = mono()
         core = self.core
-        while self._mail:
-            kind, item = self._mail.popleft()
+        mail = self._mail
+        while mail:
+            kind, item = mail.popleft()
             try:
-                if kind == "matched":
-                    core.matched(item, now)
-                elif kind == "local_submit":
+                if kind == "local_submit":
                     ident, sub, quota_key = item
                     core.submit(ident, sub, now, quota_key)
                 elif kind == "cancel_local":
                     core.cancel_client(item, now)
+                elif kind == "matched":
+                    core.matched(item, now)
                 elif kind == "resync":
                     worker_id, dp_rank, why = item
                     core.resync(worker_id, dp_rank, why, now)
@@ -533,7 +546,12 @@ class Broker:
             except Exception as exc:
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("mail_handler_failed", kind=kind, error=repr(exc))
+            now = mono()
+            if now >= budget_end:
+                break
+        if core.out:
             self._flush()
+        if core.prefetch:
             self._start_prefetches()
 
     # -- local clients (HTTP ingress): brokers.ingress.backend.IngressBackend ---------------
@@ -603,11 +621,30 @@ class Broker:
 
         Readiness is read from ZMQ_EVENTS before each receive: about a third of what a failed
         receive costs (pyzmq builds a zmq.Again exception), and most pumps find one socket idle.
+        What the messages asked to send goes out together, when the batch ends or once the oldest
+        send held has waited ``_SEND_HOLD_S``: the REQUESTs of a burst of SUBMITs leave back to
+        back (one deliver, one wake-up of ZeroMQ's I/O thread, not one each), and no send waits
+        behind a long batch for more than that.
         """
+        try:
+            return self._receive(sock, handler, budget_end, with_user)
+        finally:
+            if self.core.out:
+                self._flush()
+            if self.core.prefetch:
+                self._start_prefetches()
+
+    def _receive(self, sock: zmq.Socket, handler, budget_end: float, with_user: bool) -> bool:
         mono = time.monotonic
         core = self.core
+        held_s = 0.0  # when the oldest unsent send was asked for (0: none held)
         for i in range(_DRAIN_BATCH):
             now = mono()  # the message's time for the core, and the budget check
+            if held_s and now - held_s >= _SEND_HOLD_S:
+                self._flush()
+                if core.prefetch:
+                    self._start_prefetches()
+                held_s = 0.0
             if i and now >= budget_end:  # one message can be expensive (a 4 MB batch)
                 return True
             if not socket_readable(sock):
@@ -629,10 +666,8 @@ class Broker:
             except Exception as exc:  # a handler bug must not kill the loop; it is logged and counted
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("handler_failed", error=repr(exc))
-            if core.out:
-                self._flush()
-            if core.prefetch:
-                self._start_prefetches()
+            if not held_s and core.out:
+                held_s = now
         return True
 
     # ------------------------------------------------------------------ sends
@@ -640,15 +675,14 @@ class Broker:
     def _flush(self) -> None:
         """Send what the core asked for, in order; a failed send goes back to the core (which
         may ask for more sends: a re-dispatch), and sends conditional on it are skipped."""
-        back = self._back
-
-        def transport(s: Send) -> str:
-            ok = self._send(back, "worker", s.identity, s.frames) if s.to == TO_WORKER else self._send_client(s.identity, s.frames)
-            return "" if ok else (self._send_why or "unreachable")
-
-        deliver(self.core, transport, time.monotonic, self._send_failed_bug)
+        deliver(self.core, self._transport, time.monotonic, self._send_failed_bug)
         if self.record_log is not None and self.core.recorder.out:
             self.record_log.put(self.core.recorder.out)  # to the writer thread; never waits for the disk
+
+    def _transport(self, s: Send) -> str:
+        """One send for :func:`deliver`: why it failed, "" when it went out."""
+        ok = self._send(self._back, "worker", s.identity, s.frames) if s.to == TO_WORKER else self._send_client(s.identity, s.frames)
+        return "" if ok else (self._send_why or "unreachable")
 
     def _send_failed_bug(self, exc: Exception) -> None:
         self.stats.dropped["handler_exception"] += 1
@@ -659,7 +693,7 @@ class Broker:
         (rate-limited) and reported to the caller, which decides what it means."""
         self._dirty.add(sock)  # a send may consume the socket's FD signal: re-check it (see _pump)
         try:
-            send_frames(sock, [identity, *frames])
+            send_routed(sock, identity, frames)
             return True
         except zmq.Again:
             why = "send_hwm"

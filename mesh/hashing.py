@@ -18,17 +18,20 @@ Token packing is always uint32 little-endian, independent of the host byte order
 tokens and page size give the same hashes and keys on every host. Token ids must satisfy
 ``0 <= t < 2**32``; anything else raises ValueError.
 
-Pure functions: no I/O, no clock, no global state.
+Pure functions: no I/O, no clock, no global state (besides bounded memos of constants and of
+short prompts' content keys, whose results depend on the inputs only).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 import struct
 import sys
 from array import array
 from collections.abc import Sequence
+from operator import mul as _mul
 
 import numpy as np
 
@@ -164,7 +167,7 @@ def content_keys_from_packed(buf: bytes, block_size: int, parent_key: int = ROOT
     if n == 0:
         return []
     if n * block_size <= _SMALL_TOKENS:
-        return _content_keys_small(buf, n, block_size, parent_key)
+        return list(_content_keys_small_memo(bytes(buf[:n * block_size * 4]), block_size, parent_key))
     toks = np.frombuffer(buf, dtype="<u4", count=n * block_size).reshape(n, block_size).astype(np.uint64)
     with np.errstate(over="ignore"):
         page = _splitmix64_np(toks @ _coeffs(block_size) + np.uint64((block_size * _S) & _MASK))  # integer matmul wraps mod 2**64
@@ -190,12 +193,19 @@ def _content_keys_small(buf: bytes, n: int, block_size: int, parent_key: int) ->
     bias = (block_size * _S) & _MASK
     key = parent_key & _MASK
     out = []
-    for k in range(n):
-        base = k * block_size
-        page = _splitmix64_int((sum(t * m for t, m in zip(toks[base:base + block_size], c)) + bias) & _MASK)
+    for base in range(0, n * block_size, block_size):
+        page = _splitmix64_int((sum(map(_mul, toks[base:base + block_size], c)) + bias) & _MASK)
         key = (key * _R + page) & _MASK
         out.append(key)
     return out
+
+
+# Short prompts repeat (a chat client's fixed instructions, a probe, a benchmark): the keys of the
+# last few thousand distinct short prompts are kept (bytes of their full pages, page size, parent
+# -> keys; at most _SMALL_TOKENS x 4 bytes each). Results depend on the inputs only.
+@functools.lru_cache(maxsize=4096)
+def _content_keys_small_memo(pages: bytes, block_size: int, parent_key: int) -> tuple[int, ...]:
+    return tuple(_content_keys_small(pages, len(pages) // (4 * block_size), block_size, parent_key))
 
 
 def content_keys(token_ids: Sequence[int], block_size: int, parent_key: int = ROOT_KEY) -> list[int]:

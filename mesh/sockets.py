@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from mesh.protocol import MAX_EXCHANGE_BYTES, MAX_FRAME_BYTES
 
-__all__ = ["send_frames", "recv_frames", "recv_frames_user", "socket_readable", "ReadyPoller", "SocketSpec", "CurveKeys", "make_socket", "BROKER_FRONTEND", "BROKER_BACKEND", "WORKER_DEALER", "CLIENT_DEALER", "TELEMETRY_PUB", "EXCHANGE_PUB", "EXCHANGE_SUB"]
+__all__ = ["send_frames", "send_routed", "recv_frames", "recv_frames_user", "socket_readable", "ReadyPoller", "SocketSpec", "CurveKeys", "make_socket", "BROKER_FRONTEND", "BROKER_BACKEND", "WORKER_DEALER", "CLIENT_DEALER", "TELEMETRY_PUB", "EXCHANGE_PUB", "EXCHANGE_SUB"]
 
 
 # Hot-path helpers. pyzmq's sugar layer (enum flag arithmetic, per-part type checks) costs more
@@ -39,6 +39,15 @@ _NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
 def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
     """Non-blocking multipart send of byte frames. Raises zmq.Again / zmq.ZMQError on failure."""
     last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _raw_send(sock, f, _NOBLOCK if i == last else _NOBLOCK_MORE)
+
+
+def send_routed(sock: zmq.Socket, identity: bytes, frames: list[bytes]) -> None:
+    """:func:`send_frames` of ``[identity, *frames]`` through a ROUTER, without building that
+    list. The identity part is the one that can fail (EHOSTUNREACH, EAGAIN): nothing is sent then."""
+    last = len(frames) - 1
+    _raw_send(sock, identity, _NOBLOCK_MORE if frames else _NOBLOCK)
     for i, f in enumerate(frames):
         _raw_send(sock, f, _NOBLOCK if i == last else _NOBLOCK_MORE)
 

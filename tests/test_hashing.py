@@ -172,3 +172,21 @@ def test_short_prompts_take_the_integer_path_and_get_the_same_keys(monkeypatch):
         monkeypatch.setattr(H, "_SMALL_TOKENS", -1)
         assert H.content_keys_from_packed(buf, bs, parent) == fast, (bs, len(toks))
         monkeypatch.setattr(H, "_SMALL_TOKENS", 96)
+
+
+def test_a_repeated_short_prompt_is_keyed_once_and_callers_get_their_own_list():
+    """The keys of short prompts are memoised (bounded): the same pages again (a trailing partial
+    page aside) are a memo hit, not a rehash; each caller gets a fresh list it may change."""
+    from mesh import hashing as H
+
+    toks = list(range(1000, 1040))  # 2 full pages of 16 and a partial one
+    first = H.content_keys(toks, 16, 5)
+    before = H._content_keys_small_memo.cache_info()
+    again = H.content_keys(toks[:35], 16, 5)  # the same full pages, a shorter tail
+    after = H._content_keys_small_memo.cache_info()
+    assert again == first and len(first) == 2
+    assert after.hits == before.hits + 1 and after.misses == before.misses
+    again.append(0)  # the memo keeps its own copy
+    assert H.content_keys(toks, 16, 5) == first
+    assert H.content_keys(toks, 16, 6) != first  # the parent is part of the key
+    assert H._content_keys_small_memo.cache_info().maxsize == 4096  # bounded

@@ -96,6 +96,7 @@ class Status:
         self.full_allowed = full_allowed  # client identity -> may it read whole rows (may_read_full_status)
         self.limiter = StatusLimiter(settings.status_rate)
         self._quarantined: tuple[int, dict[str, int]] | None = None  # (pool version, quarantined())
+        self._served: tuple[int, dict[str, int]] | None = None  # (pool version, served_models())
         self._cache: tuple[float, list[dict], int] | None = None  # (built at, worker rows, healthy ones)
         self._worker_tokens: dict[str, list[int]] = {}  # worker_id -> [requests, prompt tokens, cached tokens]
 
@@ -183,8 +184,15 @@ class Status:
         return out
 
     def served_models(self) -> dict[str, int]:
-        """Model name -> routable workers serving it (models whose workers are all down are absent)."""
-        return {m: n for m in self.pool.models() if (n := len(self.pool.pool(m)))}
+        """Model name -> routable workers serving it (models whose workers are all down are absent).
+        Recounted when the pool changes (the HTTP ingress reads it several times per request);
+        callers read it, never change it."""
+        c = self._served
+        if c is not None and c[0] == self.pool.version:
+            return c[1]
+        out = {m: n for m in self.pool.models() if (n := len(self.pool.pool(m)))}
+        self._served = (self.pool.version, out)
+        return out
 
     def announced_tokenizers(self) -> dict[str, str]:
         """Model -> the tokenizer its registered workers announced in READY (see :func:`announced_by_model`)."""
