@@ -162,6 +162,7 @@ class BucketRouter:
             raise ValueError(f"unknown decode policy {decode_policy!r}; choose one of {', '.join(DECODE_POLICIES)}")
         self.cfg = cfg
         self.policy = policy
+        self.audit = None  # Router.observe (shared below) feeds a regret audit; bucket routers run none
         self.provider = provider
         self.rng = rng or random.Random()
         self.freshness_s = freshness_s
