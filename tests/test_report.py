@@ -132,3 +132,25 @@ def test_a_matrix_without_the_noise_arm_has_no_noise_column(tmp_path: Path):
         assert main([str(src), "--out", str(tmp_path), "--date", "d"]) == 0
         head = next(line for line in (tmp_path / page).read_text().splitlines() if line.startswith("| cell |"))
         assert ("| noise |" in head) == (data is MATRIX_COMPACT), head
+
+
+def test_the_compact_matrix_renders_the_same_tables_and_is_what_the_page_names(tmp_path: Path):
+    from mesh.lab.report import compact_matrix, render
+
+    full = json.loads(json.dumps(MATRIX_FULL))
+    full["cells"][0]["seeds"]["2"]["analysis"]["regret"] = {"predicted_ms": 10.0, "measured_ms": 12.0, "within": True}
+    full["summary"] = {**_SUMMARY, "regret": {"runs": 1, "within_25pct": 1, "sign_right": 1, "target_share": 0.8,
+                                              "observed": {"runs": 1, "within_25pct": 0, "sign_right": 1}}}
+    small = compact_matrix(full)
+    assert small["matrix_path"] == "configs/quality-matrix-70b.toml" and "calibrations" not in small
+    assert small["cells"][0]["seeds"]["2"]["cache_aware"] == _arm(372.0)
+    assert small["cells"][0]["regret"]["2"]["within"] is True
+    a, b = render("matrix", full, "m.json"), render("matrix", small, "s.json")
+    assert a.tables == b.tables
+    assert any("within 25 % of the measured" in n and "observed: 0 within 25 %" in n for n in b.notes)
+    src = tmp_path / "full.json"
+    src.write_text(json.dumps(full))
+    out = tmp_path / "summary.json"
+    assert main([str(src), "--out", str(tmp_path), "--date", "2026-12-05", "--compact", str(out)]) == 0
+    page = (tmp_path / "quality-matrix-70b.md").read_text()
+    assert f"Source: `{out}`" in page and json.loads(out.read_text()) == small

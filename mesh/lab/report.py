@@ -73,7 +73,7 @@ def page_name(kind: str, data: dict[str, Any]) -> str:
         return f"replay-{(data.get('workload') or {}).get('name') or 'trace'}"
     if kind != "matrix":
         return kind
-    path = (data.get("matrix") or {}).get("path")
+    path = (data.get("matrix") or {}).get("path") or data.get("matrix_path")
     return Path(path).stem if path else "quality-matrix"
 
 
@@ -333,7 +333,7 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
         order = [a for a in first if "@" not in a]
     others = [p for p in order if p != subject]
     # the compact summary (docs/quality-matrix-summary.json) is cut from the JSON of this command
-    path = mc.get("path") or "configs/quality-matrix.toml"
+    path = mc.get("path") or d.get("matrix_path") or "configs/quality-matrix.toml"
     out = src if mc else "matrix.json"
     p = Page("Routing quality matrix",
              f"Every policy on the identical request stream in each cell (workload, load L, workers W, routers R), "
@@ -368,14 +368,50 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                      _per_seed(s, lambda v: (v["subject"] or {}).get("status"), "{}")])
     p.tables.append((head, rows))
     if not mc:
-        p.notes.append(f"`{src}` is the compact form of that command's JSON: every arm's headline figures, "
-                       "the judgement per seed, the noise arm and the router rows.")
+        p.notes.append(f"`{src}` is the compact form of that command's JSON (`mesh report matrix.json --compact {src}`): "
+                       "every arm's headline figures, the judgement per seed, the noise arm, the regret check and the "
+                       "router rows.")
     routers = sm.get("routers") or []
     if routers:
         p.tables.append((["cells", *[f"{r} routers over 1" for r in routers[0]["ratios"]], "within 5 %"],
                          [[r["cells"], *[" / ".join(_num(x, "{:.2f}") for x in by.values()) for by in r["ratios"].values()],
                            "yes" if r["within_5pct"] else "no"] for r in routers]))
+    rg = sm.get("regret")
+    if isinstance(rg, dict) and rg.get("runs"):
+        alt = "; ".join(f"{k}: {v['within_25pct']} within 25 %, sign right in {v['sign_right']}"
+                        for k, v in rg.items() if k in ("observed", "shadow") and isinstance(v, dict))
+        p.notes.append(f"Regret audit (docs/routing.md): its predicted \"pays X ms\" is within 25 % of the measured "
+                       f"{subject} - best other mean TTFT difference in {rg['within_25pct']} of {rg['runs']} cell-seeds "
+                       f"(target {rg.get('target_share', 0.8):.0%}), sign right in {rg.get('sign_right', '-')}"
+                       + (f"; {alt}" if alt else "") + ".")
     return p
+
+
+#: the figures of one arm the compact matrix summary keeps
+_COMPACT_FIGURES = ("ttft_p50_ms", "ttft_p95_ms", "goodput", "hit_rate", "worker_cv")
+
+
+def compact_matrix(d: dict[str, Any]) -> dict[str, Any]:
+    """The compact form of a ``mesh sim --matrix --json`` report (``docs/quality-matrix-summary.json``):
+    per cell and seed every arm's headline figures, the subject's judgement, the noise arm, the targets
+    and the regret check; the summary as it is. :func:`render` draws the same page from either form."""
+    mc = d.get("matrix") or {}
+    subject = mc.get("subject") or "cache_aware"
+    cells = []
+    for c in d["cells"]:
+        out: dict[str, Any] = {"label": c["label"], "seeds": {}, subject: {}, "noise": {}, "targets": {}, "regret": {}}
+        for s, run in c["seeds"].items():
+            out["seeds"][s] = {a["policy"]: {k: a.get(k) for k in _COMPACT_FIGURES} for a in run["arms"]}
+            an = run.get("analysis") or {}
+            out[subject][s] = (an.get("policies") or {}).get(subject)
+            for k in ("noise", "targets", "regret"):
+                if k in an:
+                    out[k][s] = an[k]
+        cells.append({k: v for k, v in out.items() if v != {} or k in ("label", "seeds")})
+    out_d: dict[str, Any] = {"summary": d["summary"], "cells": cells}
+    if mc.get("path"):
+        out_d["matrix_path"] = mc["path"]
+    return out_d
 
 
 _RENDER: dict[str, Callable[[dict[str, Any], str], Page]] = {
@@ -441,6 +477,8 @@ def _add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--out", default="docs/results", help="folder for the pages (default docs/results)")
     ap.add_argument("--kind", choices=KINDS, help="the inputs' kind (default: recognised from each file's keys)")
     ap.add_argument("--date", help="the date printed on the pages (default: each file's modification time, UTC)")
+    ap.add_argument("--compact", metavar="FILE", help="with one matrix input: also write its compact form to FILE "
+                                                      "(docs/quality-matrix-summary.json), from which the page renders")
     return ap
 
 
@@ -466,6 +504,10 @@ def write_pages(args: argparse.Namespace) -> int:
             failed += 1
             continue
         try:
+            if getattr(args, "compact", None) and kind == "matrix" and "matrix" in data:
+                data, name = compact_matrix(data), args.compact  # the page then names the compact file as its source
+                Path(name).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+                print(f"wrote {name}")
             page = render(kind, data, name)
         except (KeyError, TypeError, ValueError, AttributeError, StopIteration) as exc:
             print(f"mesh report: {name}: not a {kind} result ({type(exc).__name__}: {exc})", file=sys.stderr)
