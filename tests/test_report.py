@@ -154,3 +154,11 @@ def test_the_compact_matrix_renders_the_same_tables_and_is_what_the_page_names(t
     assert main([str(src), "--out", str(tmp_path), "--date", "2026-12-05", "--compact", str(out)]) == 0
     page = (tmp_path / "quality-matrix-70b.md").read_text()
     assert f"Source: `{out}`" in page and json.loads(out.read_text()) == small
+
+
+def test_http_pages_are_one_per_endpoint():
+    from mesh.lab.report import page_name
+
+    assert page_name("http", HTTP) == "http"
+    chat = {**HTTP, "config": {**HTTP["config"], "path": "/v1/chat/completions"}}
+    assert page_name("http", chat) == "http-v1-chat-completions"
