@@ -203,11 +203,14 @@ def _http(d: dict[str, Any], src: str) -> Page:
     p = Page("The HTTP path",
              f"Closed-loop `POST {cfg['path']}`{' (streamed)' if cfg.get('stream') else ''}, "
              f"{cfg['max_new_tokens']} output tokens, {cfg['seconds']:g} s per cell, load generator {cfg.get('loadgen')}. "
-             "CPU per request is each process group's user + system time over the window, divided by the requests.",
+             "CPU per request is each process group's user + system time over the window, divided by the requests. "
+             f"The mesh arms route with `{cfg.get('broker_policy') or 'default'}`, the Rust router with "
+             f"`{cfg.get('sglang_router_policy') or 'round_robin'}`.",
              f"mesh bench http --arms {','.join(cfg['arms'])} --concurrency {conc} --seconds {cfg['seconds']:g} "
              f"--path {cfg['path']}{' --stream' if cfg.get('stream') else ''}"
              f"{' --tokenizer ' + _tokenizer_arg(cfg) if cfg.get('tokenizer') else ''}"
              f"{' --prompt-tokens ' + str(cfg['prompt_tokens']) if cfg.get('prompt_tokens') else ''}"
+             f"{' --broker-policy ' + cfg['broker_policy'] if cfg.get('broker_policy') else ''}"
              f"{' --profile' if cfg.get('profile') else ''} --json {src}")
     rows = []
     for c in cfg["concurrency"]:

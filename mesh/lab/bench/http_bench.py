@@ -30,7 +30,8 @@ divided by the requests completed in it: microseconds of CPU per request, per ro
 ``adapters`` (sum), ``engines`` (instant engines or ZMQ workers, sum) and ``path`` = gateways +
 router + adapters (the whole path's CPU per request).
 
-Then the targets, computed from this run only. Against SGLang's Rust router in the same run: the
+The mesh arms route with `--broker-policy` (default round_robin, the Rust arm's policy, so the arms
+differ in their paths, not in where requests go). Then the targets, computed from this run only. Against SGLang's Rust router in the same run: the
 full path's req/s (>= 1.0x at c=64) and CPU per request (<= 1.5x), broker_zmq's req/s (>= 1.5x),
 the full path's p50 at c=1 (<= the router's + 0.5 ms). Then the full path's p99/p50 (<= 3 at c=64,
 <= 2.5 at c=1), req/s / direct req/s (>= 0.32 at c=64, >= 0.25 at c=1), its max latency (<= 100 ms)

@@ -51,7 +51,10 @@ def add_bench_http_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=8, help="output tokens per request (default 8)")
     p.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto",
                    help="load generator: wrk (when on PATH, the default) or the built-in Python one")
-    p.add_argument("--broker-policy", help="the broker's --policy in the broker arms (default: the broker's default)")
+    p.add_argument("--broker-policy", default="round_robin",
+                   help="the broker's --policy in the mesh arms (default round_robin, the Rust router arm's policy: the "
+                        "arms then differ in their paths, not in where they send requests; 'default' for the broker's "
+                        "own default, cache_aware, which sends this benchmark's one repeated prompt mostly to its holder)")
     p.add_argument("--tokenizer", help="a model folder, or 'builtin' (the Tekken tokenizer mistral-common ships): adds the "
                                       "arms broker_zmq_tokenized (broker_zmq with the broker tokenising every prompt) and "
                                       "gateway_tokenized (the full path behind mesh gateway --processes 2, the gateways "
@@ -96,7 +99,7 @@ def _cmd_bench_http(args) -> int:
         try:
             res = run_http_bench(arms=arms, concurrency=args.concurrency, seconds=args.seconds, warmup_s=args.warmup,
                                  path=args.path, stream=args.stream, max_new_tokens=args.max_new_tokens,
-                                 loadgen=args.loadgen, broker_policy=args.broker_policy, progress=progress,
+                                 loadgen=args.loadgen, broker_policy=None if args.broker_policy == "default" else args.broker_policy, progress=progress,
                                  say=lambda m: bar.console.print(m), log_dir=args.log_dir, tokenizer=args.tokenizer,
                                  prompt_tokens=args.prompt_tokens, profile=args.profile)
         except ValueError as exc:
