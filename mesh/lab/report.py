@@ -334,7 +334,7 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
     cells = _matrix_cells(d, subject)
     seeds = list(cells[0]["seeds"]) if cells else []
     # the matrix's own order; the compact summary keeps it in its arms (noise arms, "policy@b", aside)
-    order = mc.get("policies")
+    order = mc.get("policies") or d.get("policies")
     if not order:
         first = next(iter(cells[0]["seeds"].values()))["arms"] if cells else pols
         order = [a for a in first if "@" not in a]
@@ -418,6 +418,8 @@ def compact_matrix(d: dict[str, Any]) -> dict[str, Any]:
     out_d: dict[str, Any] = {"summary": d["summary"], "cells": cells}
     if mc.get("path"):
         out_d["matrix_path"] = mc["path"]
+    if mc.get("policies"):
+        out_d["policies"] = list(mc["policies"])  # the table's column order (the arms' keys are sorted in the file)
     return out_d
 
 
