@@ -27,8 +27,19 @@ def test_summary_ranks_self_and_inclusive_and_counts_bad_lines():
     assert s["self"][0] == {"frame": "_run (ingress/http1.py)", "pct": 60.0}
     assert s["self"][1] == {"frame": "send_frames (mesh/sockets.py)", "pct": 30.0}
     incl = {e["frame"]: e["pct"] for e in summarize_raw(RAW, top=10)["inclusive"]}
-    assert incl["run (mesh/aio.py)"] == 100.0 and incl["_pump (brokers/broker.py)"] == 40.0
+    assert incl["_pump (brokers/broker.py)"] == 40.0 and incl["_run (ingress/http1.py)"] == 60.0
+    assert "run (mesh/aio.py)" not in incl and "<module> (mesh/cli.py)" not in incl  # the trunk: on every stack
     assert summarize_raw("", top=3) == {"samples": 0, "skipped_lines": 0, "self": [], "inclusive": []}
+
+
+def test_the_trunk_stops_where_stacks_part_and_ignores_other_threads():
+    raw = ("main (a.py:1);loop (b.py:2);work (c.py:3) 5\n"
+           "main (a.py:1);loop (b.py:2) 3\n"  # the loop's own C code: loop is trunk, samples end there
+           "main (a.py:1);loop (b.py:2);idle (d.py:4) 2\n"
+           "thread_main (t.py:1);spin (t.py:2) 4\n")  # another thread, fewer samples
+    incl = {e["frame"]: e["pct"] for e in summarize_raw(raw, top=10)["inclusive"]}
+    assert "main (a.py)" not in incl and "loop (b.py)" not in incl
+    assert incl["work (c.py)"] == pytest.approx(35.7) and incl["thread_main (t.py)"] == pytest.approx(28.6)
 
 
 def _cell(arm, c, rps, p50, p99, path_us):

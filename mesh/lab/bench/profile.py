@@ -42,10 +42,12 @@ def _frame_name(frame: str) -> str:
 
 def summarize_raw(text: str, top: int = 10) -> dict:
     """Top ``top`` frames by self share (the sample's innermost frame) and by inclusive share (on the
-    stack at all), in percent of the samples. Malformed lines are skipped and counted."""
+    stack at all; the main thread's entry frames, on every stack, left out), in percent of the samples.
+    Malformed lines are skipped and counted."""
     self_n: Counter[str] = Counter()
     incl_n: Counter[str] = Counter()
     total = skipped = 0
+    stacks: list[tuple[list[str], int]] = []
     for line in text.splitlines():
         stack, _, count = line.strip().rpartition(" ")
         if not stack or not count.isdigit():
@@ -57,14 +59,39 @@ def summarize_raw(text: str, top: int = 10) -> dict:
             skipped += 1
             continue
         total += n
+        stacks.append((frames, n))
         self_n[frames[-1]] += n
         for f in set(frames):
             incl_n[f] += n
+    for f in _trunk(stacks):  # on (nearly) every sample's stack: says nothing about where the time went
+        incl_n.pop(f, None)
 
     def rows(c: Counter[str]) -> list[dict]:
         return [{"frame": f, "pct": round(100.0 * n / total, 1)} for f, n in c.most_common(top)] if total else []
 
     return {"samples": total, "skipped_lines": skipped, "self": rows(self_n), "inclusive": rows(incl_n)}
+
+
+def _trunk(stacks: list[tuple[list[str], int]]) -> list[str]:
+    """The main thread's entry frames: from the most sampled outermost frame down, as long as every
+    sample below it passes through one and the same frame (``<module>``, ``main``, the event loop's
+    ``run``...). The first frame where the stacks part is no longer trunk."""
+    if not stacks:
+        return []
+    roots = Counter[str]()
+    for frames, n in stacks:
+        roots[frames[0]] += n
+    group = [frames for frames, _ in stacks if frames[0] == roots.most_common(1)[0][0]]
+    trunk: list[str] = []
+    depth = 0
+    while True:
+        here = {frames[depth] for frames in group if len(frames) > depth}
+        if len(here) != 1 or any(len(frames) <= depth + 1 for frames in group):
+            if len(here) == 1 and all(len(frames) > depth for frames in group):
+                trunk.append(next(iter(here)))  # every sample reaches it, some end there (its own C code)
+            return trunk
+        trunk.append(next(iter(here)))
+        depth += 1
 
 
 class Sampler:
