@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     (("[[cells]]", "[sim]\nheartbeat_ms = 0\n\n[[cells]]"), "sim.heartbeat_ms"),
     (("[[cells]]", "[engine]\npage_size = 0\n\n[[cells]]"), "engine.page_size"),
     (("[[cells]]", "[engine]\npage_sise = 16\n\n[[cells]]"), "engine.page_sise"),
+    (("[[cells]]", "[sim.policy_params.cache_awre]\nrank_ties = 'off'\n\n[[cells]]"), "sim.policy_params.cache_awre"),
+    (("[[cells]]", "[sim.policy_params.cache_aware]\nrank_ties = 'never'\n\n[[cells]]"), "sim.policy_params.cache_aware"),
+    (("[[cells]]", "[sim.policy_params.cache_aware]\nrank_tie = 'off'\n\n[[cells]]"), "sim.policy_params.cache_aware"),
 ])
 def test_validation_errors_name_the_field(tmp_path, edit, field):
     old, new = edit
@@ -73,6 +76,16 @@ def test_validation_errors_name_the_field(tmp_path, edit, field):
     with pytest.raises(ConfigError) as ei:
         load_matrix(p)
     assert str(ei.value).startswith(field + ":"), str(ei.value)
+
+
+def test_one_policys_options_reach_only_that_policy(tmp_path):
+    text = TINY.replace("[[cells]]", "[sim.policy_params.cache_aware]\nrank_ties = 'off'\n\n[[cells]]", 1)
+    mc = load_matrix(_write(tmp_path, text))
+    assert mc.sim["policy_params"] == {"cache_aware": {"rank_ties": "off"}}
+    from mesh.lab.sim.matrix import _sim_config
+
+    cfg = _sim_config(mc, mc.workloads["zipf"], 1.0, 2, 2, 1, 10, list(mc.policies))
+    assert cfg.options_for("cache_aware") == {"rank_ties": "off"} and cfg.options_for("power_of_two") == {}
 
 
 def test_expansion_overrides_and_duplicates(tmp_path):

@@ -10,8 +10,8 @@ every seed with every policy on the identical request stream through the ordinar
   calibration's ``calibration_within_slo`` and ``calibration_tolerance``;
 * ``[sim]``: simulator settings shared by every cell (``heartbeat_ms``, ``event_delay_ms``,
   ``net_ms``, ``load_freshness_s``, ``ttft_slo_ms``, ``router_pick``, ``exchange`` (routers share
-  their in-flight figures, :mod:`mesh.routing.peers`), ``exchange_delay_ms``, ``policy_options``,
-  ``provider_options``); ``[engine]``: :class:`~mesh.engine_model.EngineConfig` fields;
+  their in-flight figures, :mod:`mesh.routing.peers`), ``exchange_delay_ms``, ``policy_options`` (every policy),
+  ``policy_params`` (one policy's: ``[sim.policy_params.cache_aware]``), ``provider_options``); ``[engine]``: :class:`~mesh.engine_model.EngineConfig` fields;
 * ``[workloads.NAME]``: either ``trace = "path"`` (Mooncake JSONL, relative to the TOML file)
   or ``workload = "shared_prefix"`` etc. with an optional ``params`` table;
 * ``extends = "other.toml"`` (optional, top level): start from another matrix file and override
@@ -93,7 +93,7 @@ from typing import Any
 from mesh.config import build, read_toml
 from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
-from mesh.routing.router import POLICIES
+from mesh.routing.router import POLICIES, make_policy
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, run_sim
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
@@ -105,7 +105,7 @@ VERSION = 1
 SHORT = {"power_of_two": "p2c", "cache_aware_greedy": "greedy", "cache_aware": "cache_aware",
          "round_robin": "rr", "random": "random"}
 _SIM_KEYS = {"heartbeat_ms": float, "event_delay_ms": float, "net_ms": float, "load_freshness_s": float,
-             "ttft_slo_ms": float, "router_pick": str, "policy_options": dict, "provider_options": dict,
+             "ttft_slo_ms": float, "router_pick": str, "policy_options": dict, "policy_params": dict, "provider_options": dict,
              "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float, "exchange_routes": bool}
 _MATRIX_KEYS = {"seeds", "policies", "provider", "subject", "baselines", "hit_reference", "calibration_within_slo",
                 "calibration_wait_ms", "noise",
@@ -317,6 +317,13 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
         elif k == "router_pick" and v not in ROUTER_PICKS:
             _fail("sim.router_pick", f"must be one of {', '.join(ROUTER_PICKS)}, got {v!r}")
         sim_out[k] = v
+    for name, opts in (sim_out.get("policy_params") or {}).items():  # one policy's options, checked now
+        if name not in POLICIES:
+            _fail(f"sim.policy_params.{name}", f"unknown policy; choose from {', '.join(sorted(POLICIES))}")
+        try:
+            make_policy(name, **_table(opts, f"sim.policy_params.{name}"))
+        except (TypeError, ValueError) as exc:
+            _fail(f"sim.policy_params.{name}", str(exc))
     eng = _table(data.get("engine", {}), "engine")
     _unknown(eng, {f.name for f in fields(EngineConfig)}, "engine")
     try:
