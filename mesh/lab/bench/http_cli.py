@@ -76,7 +76,7 @@ def _cmd_bench_http(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mesh.lab.bench.http_bench import ALL_ARMS, print_results, run_http_bench, sglang_router_available
-    from mesh.lab.bench.report import write_json
+    from mesh.lab.bench.report import finish
 
     if args.tokenizer not in (None, "builtin") and not Path(args.tokenizer).is_dir():
         raise ConfigError(f"tokenizer: no model folder {args.tokenizer!r} (give a folder holding tokenizer.json, or 'builtin')")
@@ -110,7 +110,4 @@ def _cmd_bench_http(args) -> int:
             return 130
     if args.arms is None and not sglang_router_available():
         res["arms"]["sglang_router"] = {"status": "skipped", "reason": "the sglang_router package is not importable"}
-    print_results(res, con)
-    if args.json:
-        write_json(args.json, res, con)
-    return 0 if res["ok"] else 1
+    return finish(res, con, args.json, print_results)

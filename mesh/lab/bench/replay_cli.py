@@ -83,7 +83,7 @@ def _cmd_bench_replay(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mesh.lab.bench.replay_bench import print_results, run_replay_bench
-    from mesh.lab.bench.report import write_json
+    from mesh.lab.bench.report import finish
 
     cfg = config_from_args(args)
     con = Console()
@@ -101,7 +101,4 @@ def _cmd_bench_replay(args) -> int:
         except KeyboardInterrupt:
             con.print("mesh bench replay: interrupted (every process it started has been stopped)")
             return 130
-    print_results(res, con)
-    if args.json:
-        write_json(args.json, res, con)
-    return 0 if res["ok"] else 1
+    return finish(res, con, args.json, print_results)

@@ -82,7 +82,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mesh.lab.bench.report import fmt as _f, write_json
+from mesh.lab.bench.report import finish, fmt as _f
 from mesh.stats import percentile
 
 __all__ = ["run_tokenize_load", "print_results", "evaluate_targets", "hist_quantile", "parse_metrics",
@@ -667,7 +667,4 @@ def _cmd(args) -> int:
     except KeyboardInterrupt:
         con.print("mesh bench tokenize-load: interrupted (every process it started has been stopped)")
         return 130
-    print_results(res, con)
-    if args.json:
-        write_json(args.json, res, con)
-    return 0 if res["ok"] else 1
+    return finish(res, con, args.json, print_results)
