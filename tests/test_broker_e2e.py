@@ -197,6 +197,7 @@ def test_many_clients_many_workers_exactly_one_terminal(procs):
     run(body(), timeout_s=90)
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_sigkill_busy_worker_requests_retried_or_worker_lost(procs):
     # round_robin: the test is about worker loss, so the victim must hold work in every run; the
     # default cost policy samples, and with two workers it put all ten streams on one of them ~1/1000

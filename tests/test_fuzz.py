@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from mesh import protocol as P
 from mesh.errors import ProtocolError
 from mesh.lab.fuzz.generators import (
@@ -111,6 +113,7 @@ def test_http_cases():
     assert seen == set(HTTP_MUTATIONS)
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_fuzz_broker_e2e(procs):
     """A few seconds of paced + unpaced fuzzing of a real broker with a real worker, then the survival
     checks (make soak fuzzes for minutes)."""

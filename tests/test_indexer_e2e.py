@@ -12,6 +12,8 @@ import random
 import signal
 import time
 
+import pytest
+
 from mesh.client import Client
 from mesh.lab.procs import Proc, wait_for_log_event
 from mesh.lab.up import wait_for_workers
@@ -59,6 +61,7 @@ def test_prefix_warmed_via_a_is_routed_by_b(procs):
     run(body(), timeout_s=60)
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_indexer_killed_under_load_then_restarted(procs):
     idx, ep = _indexer(procs)
     port = ep.rsplit(":", 1)[1]

@@ -341,6 +341,7 @@ async def _ingest_rate(c: IndexerClient, batches: list[tuple[str, int, bytes]]) 
     return len(batches) / (time.perf_counter() - t0)
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_ghost_workers_and_streams_are_bounded_expire_and_do_not_slow_ingest(procs: ProcGroup, tmp_path: Path) -> None:
     """30k ghosts -- RegisterWorker calls, auto-registrations that index nothing, empty streams --
     fit in a table of 30,000 + the real workers, do not slow ingest, bound further growth and are

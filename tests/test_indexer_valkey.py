@@ -124,6 +124,7 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, 30_000) for _ in range(n)]
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_replica_sigkill_under_load_costs_no_degraded_decision(procs, valkey):
     """Issue 17's Done-when: two replicas on one Valkey survive a replica SIGKILL with zero
     degraded decisions after the restart (and none during it: the other replica answers)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from mesh.client import Client
 from mesh.lab.up import wait_for_workers
 from tests.conftest import run, until
@@ -45,6 +47,7 @@ async def _steady_load(frontends: list[str], stop: asyncio.Event, rate: float = 
     return ok, errors
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_rolling_worker_restart_fails_nothing(procs):
     b = procs.broker("b", *FAST)
     with procs.together():
@@ -66,6 +69,7 @@ def test_rolling_worker_restart_fails_nothing(procs):
     assert errors == [] and ok > 30
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_rolling_broker_restart_fails_nothing(procs):
     b1 = procs.broker("b1", *FAST)
     b2 = procs.broker("b2", *FAST)

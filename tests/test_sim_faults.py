@@ -32,6 +32,7 @@ def test_core_arm_without_faults_serves_everything_once():
     assert arm["hit_rate"] > 0.9 * arm["oracle_hit_rate"]  # shared prefixes land on their holders through the core
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_worker_kills_are_retried_elsewhere_and_nothing_is_lost_or_duplicated():
     arm = _run("kill=20/min,down_s=3")
     _accounted(arm)
@@ -45,6 +46,7 @@ def test_worker_kills_are_retried_elsewhere_and_nothing_is_lost_or_duplicated():
     assert arm["worker_events"]["registered"] > 16
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_paused_worker_is_expired_and_its_late_replies_are_stale():
     arm = _run("pause=16/min,pause_s=4", heartbeat_ms=200)
     _accounted(arm)
@@ -53,6 +55,7 @@ def test_paused_worker_is_expired_and_its_late_replies_are_stale():
     assert arm["lost"] == 0
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_broker_restart_loses_only_what_it_held():
     arm = _run("broker_restart=10/min,broker_down_s=1")
     _accounted(arm)
@@ -62,6 +65,7 @@ def test_broker_restart_loses_only_what_it_held():
     assert arm["requests_ok"] > arm["requests"] // 2
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_lost_kv_batches_are_resynced():
     arm = _run("kv_loss=0.2")
     _accounted(arm)
@@ -69,6 +73,7 @@ def test_lost_kv_batches_are_resynced():
     assert arm["requests_ok"] == arm["requests"]
 
 
+@pytest.mark.soak  # chaos/flood run: make soak
 def test_prefill_decode_runs_the_brokers_handoff():
     arm = _run(pd=(4, 4), workers=[8])
     _accounted(arm)
