@@ -116,6 +116,7 @@ class Broker:
         self._closed = False
         self.frontend_endpoint = ""
         self.backend_endpoint = ""
+        self.inproc_backend = ""  # the backend's inproc:// endpoint, with --attach
         self._front: zmq.Socket | None = None
         self._back: zmq.Socket | None = None
         # Mailbox: other tasks of this event loop (HTTP ingress, indexer queries, resync
@@ -210,6 +211,11 @@ class Broker:
             raise
         self.frontend_endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_endpoint = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.s.attach:
+            # engines attached in this process (brokers.attached) link over inproc: the same ROUTER,
+            # no TCP, no CURVE handshake (inproc has none: only this process can connect)
+            self.inproc_backend = f"inproc://mesh-backend-{os.getpid()}-{id(self):x}"
+            self._back.bind(self.inproc_backend)
         if self.curve is not None:
             # Handshake failures (unlisted keys) are counted: they never reach the decode boundary.
             ev = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

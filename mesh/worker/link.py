@@ -14,6 +14,8 @@ up), so a READY sent right after ``connect()`` would be refused (or lost) and th
 only register after a heartbeat round trip (``unregistered_peer`` -> DISCONNECT -> READY). The
 link therefore watches its socket's monitor and sends READY when the ZMTP handshake (CURVE
 included) has succeeded, with the session's blind fallback when no handshake is reported in time.
+An ``inproc://`` link (an adapter inside the broker's process) has no handshake: READY goes out
+as soon as it is connected.
 
 Wake-ups: the socket's file descriptor (and the monitor's) are watched with the event loop's
 reader callbacks, which read and handle the frames in the loop turn that saw them (no task
@@ -331,6 +333,10 @@ class BrokerLink:
         loop.add_reader(self._watched[1], self._drain_monitor)
         try:
             self._drain_monitor()  # what arrived before the FDs were watched
+            if self.endpoint.startswith("inproc://") and session.ready_due:
+                # inproc has no ZMTP handshake (its monitor reports none): the pipe exists as soon as
+                # connect() returned to a bound peer, so READY goes now, not after the blind fallback
+                self._do(session.on_handshake())
             self._drain()
             while True:
                 ended = self._ended

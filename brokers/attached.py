@@ -1,0 +1,128 @@
+"""Engines attached in the broker process: ``mesh broker --attach KIND=URL``.
+
+Each attached engine runs the adapter ``mesh attach`` runs (:class:`mesh.adapters.base.Adapter`:
+discovery, health gating, LoadStat, the KV relay and the request proxy, all unchanged) on the
+broker's own event loop and ZeroMQ context, its broker link connected to the backend ROUTER's
+``inproc://`` endpoint (:attr:`brokers.broker.Broker.inproc_backend`) instead of TCP. A request
+then crosses no second process and no TCP hop: the broker's REQUEST reaches the adapter's DEALER
+through a libzmq pipe, and the adapter calls the engine over HTTP from the same process. The
+broker treats these workers as any other (READY, heartbeats, liveness, retries, KV events); they
+register at once (an inproc connection has no ZMTP handshake to wait for, see
+:mod:`mesh.worker.link`).
+
+Security: inproc has no CURVE handshake, and only this process can connect to it. With a worker
+allow-list (``--curve-allow-workers``) every TCP worker authenticates with a listed key (its
+``User-Id``); an inproc peer carries none, so the empty key is listed under the name
+:data:`ATTACHED_KEY_NAME`: attached engines register as ``attached-...`` (their default ids),
+remote workers are still refused without a listed key.
+
+Shutdown: the broker drains first (its in-flight requests finish through the attached adapters),
+then :meth:`AttachedEngines.stop` closes the adapters, before the context is terminated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from urllib.parse import urlsplit
+
+from mesh.adapters.cli import make_backend
+from mesh.adapters.settings import AttachSettings
+from mesh.config import BrokerSettings
+from mesh.errors import ConfigError
+from mesh.logs import announce, get_logger
+
+__all__ = ["ATTACHED_KEY_NAME", "AttachedEngines", "attach_plans"]
+
+#: The worker-key name of the empty key (an inproc peer's) under a CURVE worker allow-list.
+ATTACHED_KEY_NAME = "attached"
+_INT_OPTIONS = ("block_size", "dp_size")
+_PLACEHOLDER = "inproc://mesh-backend"  # replaced by the broker's own inproc endpoint at start
+_STOP_S = 5.0  # the adapters are closed (not drained: the broker drained first) within this
+
+
+def attach_plans(settings: BrokerSettings) -> list[tuple[str, AttachSettings]]:
+    """(kind, adapter settings) of every ``--attach``, checked now (ConfigError naming ``attach``
+    and the engine): option values, and what the engine's backend needs (vLLM: kv_endpoint and
+    block_size)."""
+    out = []
+    for kind, url, options in settings.attached_engines():
+        u = urlsplit(url)
+        opts: dict[str, object] = dict(options)
+        try:
+            for name in _INT_OPTIONS:
+                if name in opts:
+                    opts[name] = int(str(opts[name]))
+        except ValueError:
+            raise ConfigError(f"attach: {url[:200]}: {name} must be an integer, got {str(opts[name])[:40]!r}") from None
+        opts.setdefault("worker_id", f"{ATTACHED_KEY_NAME}-{kind}-{u.hostname}-{u.port}")
+        if settings.curve_allow_workers and not str(opts["worker_id"]).startswith(ATTACHED_KEY_NAME + "-"):
+            raise ConfigError(f"attach: {url[:200]}: with --curve-allow-workers an attached engine's worker_id must start "
+                              f"with {ATTACHED_KEY_NAME}- (the name of in-process links)")
+        if kind == "vllm" and not ("kv_endpoint" in opts and "block_size" in opts):
+            raise ConfigError(f"attach: {url[:200]}: vLLM has no HTTP discovery: give its events and block size, "
+                              f"vllm={url[:200]},kv_endpoint=tcp://HOST:PORT,block_size=16")
+        try:
+            s = AttachSettings(url=url, brokers=(_PLACEHOLDER,), heartbeat_ms=min(500, settings.max_worker_heartbeat_ms),
+                               drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level, **opts)  # type: ignore[arg-type]
+            s.validate()
+            make_backend(kind, s)  # the backend's own checks (vLLM discovers nothing: it needs its endpoints)
+        except ConfigError as exc:
+            raise ConfigError(f"attach: {url[:200]}: {exc}") from None
+        out.append((kind, s))
+    return out
+
+
+class AttachedEngines:
+    """The adapters of the ``--attach`` engines, run on the broker's loop (see the module docstring)."""
+
+    def __init__(self, plans: list[tuple[str, AttachSettings]]) -> None:
+        self.plans = plans
+        self.adapters: list = []  # mesh.adapters.base.Adapter (imported at start: aiohttp only when used)
+        self._tasks: list[asyncio.Task] = []
+        self.log = get_logger(service="broker")
+
+    def start(self, broker) -> None:
+        """Start every adapter on the running loop, linked to ``broker``'s inproc backend (bound:
+        :meth:`brokers.broker.Broker.bind` with ``attach`` set). An engine that is not up yet is
+        waited for as ``mesh attach`` waits (the broker serves the others meanwhile)."""
+        from mesh.adapters.base import Adapter
+
+        if not self.plans:
+            return
+        if not broker.inproc_backend:
+            raise RuntimeError("AttachedEngines.start: the broker has no inproc backend (bind it with attach set)")
+        if broker.worker_keys is not None:  # CURVE allow-list: an inproc peer has no key (see the docstring)
+            broker.worker_keys.setdefault(b"", ATTACHED_KEY_NAME)
+        for kind, s in self.plans:
+            s = dataclasses.replace(s, brokers=(broker.inproc_backend,))
+            ad = Adapter(s, make_backend(kind, s), ctx=broker.ctx)
+            self.adapters.append(ad)
+            task = asyncio.create_task(ad.run(), name=f"attached-{ad.worker_id}")
+            task.add_done_callback(self._ended)
+            self._tasks.append(task)
+        announce("broker_attached_engines", engines=[{"worker_id": ad.worker_id, "url": ad.s.url, "kind": ad.backend.kind}
+                                                     for ad in self.adapters], backend=broker.inproc_backend)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """An adapter that ends while the broker serves is logged (its engine's requests go to the others)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.log.error("attached_engine_failed", task=task.get_name(), error=repr(exc)[:500])
+
+    async def stop(self) -> None:
+        """Close every adapter (after the broker drained; idempotent), bounded by ``_STOP_S``."""
+        for ad in self.adapters:
+            ad.request_stop(force=True)
+        tasks, self._tasks = self._tasks, []
+        if not tasks:
+            return
+        _done, pending = await asyncio.wait(tasks, timeout=_STOP_S)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for ad, t in zip(self.adapters, tasks):
+            if t in pending:  # cut short: its sockets must still close before the context terminates
+                await ad.close()
