@@ -269,7 +269,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
         announce("http_listening", url=url)
     if settings.keys_file:
         _reload_keys_on_sighup(settings, broker, ingress, api_key, log)
-    attached.start(broker)
+    attached.start(broker, transport=settings.attach_transport)
     freeze_startup_heap()
     try:
         await broker.run()

@@ -32,6 +32,7 @@ from mesh.settings_fields import flag_values, setting, toml_aliases
 #: ``--attach`` engine kinds, and how many engines one broker may run the adapters of.
 ATTACH_KINDS = ("sglang", "vllm")
 MAX_ATTACHED = 64
+ATTACH_TRANSPORTS = ("memory", "zmq")
 #: ``--attach KIND=URL,NAME=VALUE``: the ``mesh attach`` settings an attached engine may set.
 ATTACH_OPTIONS = ("worker_id", "role", "kv_endpoint", "replay_endpoint", "load_endpoint", "block_size", "dp_size")
 
@@ -249,6 +250,9 @@ class BrokerSettings:
                                            "and a TCP hop (repeatable; ,NAME=VALUE adds a `mesh attach` setting: "
                                            "worker_id, role, kv_endpoint, replay_endpoint, load_endpoint, block_size, "
                                            "dp_size; vLLM needs kv_endpoint and block_size)")
+    attach_transport: str = setting("memory", choices=ATTACH_TRANSPORTS,
+                                    help="how attached engines' adapters and the broker exchange messages: memory "
+                                         "(frames handed over on the event loop) or zmq (inproc:// sockets)")
     log_level: str = setting("info", add=add_log_level_arg)
 
     def validate(self) -> None:
@@ -410,6 +414,8 @@ class BrokerSettings:
         _require(math.isfinite(self.exchange_stale_ms) and 3 * self.exchange_interval_ms < self.exchange_stale_ms <= 600_000,
                  "exchange_stale_ms", "must be more than 3 x exchange_interval_ms and at most 600000")
         self.attached_engines()  # ConfigError naming attach
+        _require(self.attach_transport in ATTACH_TRANSPORTS, "attach_transport",
+                 f"must be one of {', '.join(ATTACH_TRANSPORTS)}, not {str(self.attach_transport)[:40]!r}")
 
     def attached_engines(self) -> list[tuple[str, str, dict[str, str]]]:
         """``attach`` as (kind, url, options), checked (ConfigError naming ``attach``):

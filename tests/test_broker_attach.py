@@ -65,6 +65,11 @@ def test_attached_engine_settings_are_checked_at_startup(values, fragment):
     assert fragment in str(err.value)
 
 
+def test_attach_transport_is_checked():
+    with pytest.raises(ConfigError, match="^attach_transport: must be one of memory, zmq"):
+        build(BrokerSettings, {"attach_transport": "tcp"})
+
+
 def test_attach_values_become_adapter_settings():
     plans = attach_plans(build(BrokerSettings, {"attach": [
         "sglang=http://127.0.0.1:30000", "vllm=http://10.0.0.2:8000,kv_endpoint=tcp://10.0.0.2:5557,block_size=32,worker_id=v1"],
@@ -101,6 +106,64 @@ def test_an_inproc_link_registers_at_once_without_the_fallback():
     run(body(), 20)
 
 
+class _Peer:
+    """A broker's end of the memory links (mesh.worker.memory.MemoryPeer) that answers READY with
+    HEARTBEAT, as a broker registering a worker does, and records everything."""
+
+    def __init__(self) -> None:
+        self.delivers: dict = {}
+        self.got: list = []
+        self.unlinked: list = []
+
+    def link(self, identity, deliver) -> None:
+        self.delivers[identity] = deliver
+
+    def unlink(self, identity) -> None:
+        self.unlinked.append(self.delivers.pop(identity, None) is not None)
+
+    def frames(self, identity, batch) -> None:
+        from mesh import protocol as P
+
+        for frames in batch:
+            msg = P.decode_worker(frames)
+            self.got.append(type(msg).__name__)
+            if isinstance(msg, P.Ready):
+                self.delivers[identity](P.encode_heartbeat())
+
+
+def test_a_memory_link_registers_and_replies_without_its_socket():
+    """With a MemoryPeer the link's READY, heartbeat confirmation and request replies go to the
+    peer as frames lists; the broker socket it is connected to sees none of them."""
+    from mesh import protocol as P
+    from mesh.retry import RetryPolicy
+    from mesh.worker.link import BrokerLink
+    from tests.adapters_support import FakeBroker
+
+    async def body() -> None:
+        fb = FakeBroker(heartbeat_s=30).start()
+        fb.sock.bind("inproc://attach-memory-test")
+        peer = _Peer()
+        ready = lambda: P.encode_ready(P.Ready("w", "m", "mixed", {}, 16, 8, 1000, 1, 1, 5000))  # noqa: E731
+        link = BrokerLink(fb.ctx, "inproc://attach-memory-test", "w", 1, ready, lambda *_: None, lambda *_: None,
+                          heartbeat_ms=60_000, liveness=3, reconnect=RetryPolicy(1000, 100, 1000), memory=peer)
+        task = asyncio.create_task(link.run())
+        try:
+            await until(lambda: link.registered, 10, "registered through memory")
+            for rid in (1, 2, 3):  # one loop turn's replies: one batch
+                link.post(P.encode_worker_final(rid, 1, "length", {"prompt_tokens": 1, "completion_tokens": 1}))
+            await until(lambda: peer.got.count("WorkerFinal") == 3, 5, "replies through memory")
+            assert peer.got == ["Ready", "Heartbeat", "WorkerFinal", "WorkerFinal", "WorkerFinal"], peer.got
+            assert link.posted_batches == 1 and link.send_failures == 0
+            assert fb.readies == [] and fb.finals == {}  # nothing went over the socket
+        finally:
+            link.close(say_goodbye=False)
+            await asyncio.gather(task, return_exceptions=True)
+            await fb.close()
+        assert peer.unlinked == [True] and not peer.delivers
+
+    run(body(), 20)
+
+
 # ----------------------------------------------------------------------------- real processes
 
 
@@ -123,9 +186,11 @@ async def _generate(s: aiohttp.ClientSession, url: str, i: int) -> tuple[int, di
         return r.status, await r.json(content_type=None)
 
 
-def test_a_broker_serves_through_attached_engines_and_outlives_them(procs):
+@pytest.mark.parametrize("transport", ["memory", "zmq"])
+def test_a_broker_serves_through_attached_engines_and_outlives_them(procs, transport):
     stubs = [_stub(procs, f"stub{i}") for i in range(2)]
-    b, url = _attached_broker(procs, [f"sglang={rec['url']}" for _, rec in stubs])
+    b, url = _attached_broker(procs, [f"sglang={rec['url']}" for _, rec in stubs], "--attach-transport", transport)
+    assert wait_for_log_event(b.log_path, "broker_attached_engines", 10, b.popen, start=b.log_start)["transport"] == transport
 
     async def body() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -178,7 +243,8 @@ def _flood(endpoint_box: list, stop: threading.Event, sent: list[int]) -> None:
         ctx.term()
 
 
-def test_an_attached_engines_kv_flood_does_not_starve_http_clients(procs):
+@pytest.mark.parametrize("transport", ["memory", "zmq"])
+def test_an_attached_engines_kv_flood_does_not_starve_http_clients(procs, transport):
     _, rec = _stub(procs, "stub")
     box: list[str] = []
     stop, sent = threading.Event(), [0]
@@ -186,7 +252,7 @@ def test_an_attached_engines_kv_flood_does_not_starve_http_clients(procs):
     flooder.start()
     try:
         run(until(lambda: box, 10, "flooder bound"), 15)
-        b, url = _attached_broker(procs, [f"sglang={rec['url']},kv_endpoint={box[0]}"])
+        b, url = _attached_broker(procs, [f"sglang={rec['url']},kv_endpoint={box[0]}"], "--attach-transport", transport)
 
         async def body() -> str:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -203,3 +269,30 @@ def test_an_attached_engines_kv_flood_does_not_starve_http_clients(procs):
         flooder.join(10)
     applied = [ln for ln in metrics.splitlines() if ln.startswith("mesh_kv_events") and not ln.startswith("#")]
     assert any(float(ln.rsplit(" ", 1)[1]) > 0 for ln in applied), applied
+
+
+def test_attached_engines_register_with_a_curve_worker_allow_list(procs, tmp_path):
+    """inproc has no CURVE handshake: under an allow-list the attached engine registers by its
+    in-process name (``attached``), while TCP workers still need a listed key."""
+    from mesh.security import keygen
+
+    keys, allow_w = tmp_path / "keys", tmp_path / "allow-w"
+    keygen(keys, "broker")
+    pub, _ = keygen(keys, "w")
+    allow_w.mkdir()
+    (allow_w / pub.name).write_bytes(pub.read_bytes())
+    _, rec = _stub(procs, "stub")
+    b = procs.broker("b", "--http", "127.0.0.1:0", "--curve-secret", str(keys / "broker.key_secret"),
+                     "--curve-allow-workers", str(allow_w), "--attach", f"sglang={rec['url']}")
+    url = wait_for_log_event(b.log_path, "http_listening", 30, b.popen, start=b.log_start)["url"]
+
+    async def body() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            async def answered() -> bool:
+                status, _ = await _generate(s, url, 0)
+                return status == 200
+            await until(answered, 30, "a request answered through the attached engine", step_s=0.2)
+
+    run(body(), 60)
+    log = b.log_path.read_text()
+    assert '"worker_registered"' in log and '"key_mismatch"' not in log

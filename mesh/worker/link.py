@@ -45,6 +45,7 @@ from mesh import protocol as P
 from mesh.logs import get_logger
 from mesh.retry import RetryPolicy
 from mesh.sockets import WORKER_DEALER, CurveKeys, make_socket, recv_frames, send_frames, socket_readable
+from mesh.worker.memory import MemoryPeer, MemoryPipe
 from mesh.worker.session import LinkSession, Send
 
 __all__ = ["BrokerLink", "Replies"]
@@ -101,6 +102,7 @@ class BrokerLink:
         curve: CurveKeys | None = None,
         ready_timeout_s: float = 1.0,
         conn_no: int = 0,
+        memory: MemoryPeer | None = None,
     ) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
@@ -132,6 +134,8 @@ class BrokerLink:
         self._outbox: list[list[bytes]] = []
         self.posted_batches = 0
         self.replies = Replies(self)
+        # a broker in this process: frames go through memory, the socket only carries its goodbye
+        self._pipe = MemoryPipe(memory, self._delivered) if memory is not None else None
 
     # the session's state, under the names callers and tests use
     @property
@@ -179,6 +183,8 @@ class BrokerLink:
             raise
         self.sock = sock
         self._sync = zmq.Socket.shadow(sock.underlying)
+        if self._pipe is not None:
+            self._pipe.open(self.session.identity(self.worker_id, self.epoch))
 
     def _unwatch(self) -> None:
         """Stop the event loop watching our FDs (before they are closed: an FD number may be reused)."""
@@ -192,6 +198,8 @@ class BrokerLink:
     def _close_socket(self, linger_ms: int = 0) -> None:
         self._flush()  # replies queued this turn go where an immediate send would have put them
         self._unwatch()
+        if self._pipe is not None:
+            self._pipe.close()
         if self.sock is not None:
             if self._mon is not None:
                 try:
@@ -258,6 +266,10 @@ class BrokerLink:
         if sync is None or not self.session.may_send():
             self.send_failures += len(out)
             return
+        if self._pipe is not None:
+            if not self._pipe.send(out):
+                self.send_failures += len(out)
+            return
         for frames in out:
             try:
                 send_frames(sync, frames)
@@ -270,7 +282,7 @@ class BrokerLink:
         :meth:`_flush` need none: :meth:`send` schedules it, a closing socket is not read.)"""
         self._flush()
         sync = self._sync
-        if sync is not None and self._loop is not None and not sync.closed and socket_readable(sync):
+        if self._pipe is None and sync is not None and self._loop is not None and not sync.closed and socket_readable(sync):
             self._drain()
 
     def _send(self, frames: list[bytes]) -> bool:
@@ -278,6 +290,10 @@ class BrokerLink:
         if sync is None:
             self.send_failures += 1
             return False
+        if self._pipe is not None:
+            ok = self._pipe.send([frames])
+            self.send_failures += not ok
+            return ok
         try:
             send_frames(sync, frames)
             ok = True
@@ -405,9 +421,29 @@ class BrokerLink:
             self._end(exc)
             return
         if n:
-            self.session.heard(time.monotonic())
-            if self.session.next_timer_s() < self._due_s and self._wake is not None:
-                self._wake.set()  # a message moved a timer earlier (a READY to retry): re-arm
+            self._heard()
+
+    def _heard(self) -> None:
+        self.session.heard(time.monotonic())
+        if self.session.next_timer_s() < self._due_s and self._wake is not None:
+            self._wake.set()  # a message moved a timer earlier (a READY to retry): re-arm
+
+    def _delivered(self, batch: list[list[bytes]]) -> None:
+        """What the in-process broker sent (:class:`~mesh.worker.memory.MemoryPipe`), handled as
+        :meth:`_drain` handles what the socket read."""
+        sync = self._sync
+        if sync is None or self._ended is not None:
+            return
+        try:
+            for frames in batch:
+                self._handle(frames)
+                if self._closed or self._sync is not sync:
+                    self._end("closed")
+                    return
+        except Exception as exc:  # a bug in a handler: the receive loop raises it
+            self._end(exc)
+            return
+        self._heard()
 
     def _drain_monitor(self) -> None:
         mon = self._mon_sync
