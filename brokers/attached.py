@@ -13,8 +13,9 @@ Transport (``attach_transport``): ``memory`` (the default) skips ZeroMQ for the 
 :class:`MemoryLinks` is the broker's end of :mod:`mesh.worker.memory` (the broker's sends to an
 attached worker go to its link's ``deliver``, the link's sends to :meth:`Broker.worker_batch`),
 the inproc socket then only carries the broker's goodbye at shutdown. ``zmq`` keeps every
-message on the inproc sockets. Memory measured 0.81x (c=1) and 0.85x (c=64) the broker's CPU per
-request of inproc (median of 5 back-to-back pairs, ``mesh bench http --arms broker_attached``).
+message on the inproc sockets. Memory measured 0.81x (c=1) and 0.88x (c=64) the broker's CPU per
+request of inproc (median of 9 back-to-back pairs of ``mesh bench http --arms broker_attached`` on
+a busy 2-core machine; 8 of 9 pairs below 1 at c=64).
 
 Security: inproc has no CURVE handshake, and only this process can connect to it. With a worker
 allow-list (``--curve-allow-workers``) every TCP worker authenticates with a listed key (its
