@@ -40,7 +40,7 @@ from mesh.config import BrokerSettings
 from mesh.errors import ConfigError
 from mesh.logs import announce, get_logger
 
-__all__ = ["ATTACHED_KEY_NAME", "AttachedEngines", "MemoryLinks", "attach_plans"]
+__all__ = ["ATTACHED_KEY_NAME", "AttachedCollector", "AttachedEngines", "MemoryLinks", "attach_plans"]
 
 #: The worker-key name of the empty key (an inproc peer's) under a CURVE worker allow-list.
 ATTACHED_KEY_NAME = "attached"
@@ -154,3 +154,30 @@ class MemoryLinks:
 
     def frames(self, identity: bytes, batch: list[list[bytes]]) -> None:
         self.broker.worker_batch(identity, batch)
+
+
+class AttachedCollector:
+    """The attached adapters' own counters on the broker's ``/metrics`` (a ``mesh attach`` process
+    only logs them): ``mesh_attached_adapter_total{worker_id, what}`` (requests, engine errors,
+    relayed KV batches, health failures, ...) and ``mesh_attached_adapter_healthy{worker_id}``."""
+
+    def __init__(self, attached: AttachedEngines) -> None:
+        self.attached = attached
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        c = CounterMetricFamily("mesh_attached_adapter", "Counters of the adapters of engines attached in this broker",
+                                labels=["worker_id", "what"])
+        g = GaugeMetricFamily("mesh_attached_adapter_healthy", "1 while an attached engine answers its health checks",
+                              labels=["worker_id"])
+        for ad in list(self.attached.adapters):
+            try:  # (read from the metrics thread: a counter added meanwhile skips this adapter this scrape)
+                counts = sorted(ad.counters.items())
+            except RuntimeError:
+                continue
+            for what, v in counts:
+                c.add_metric([ad.worker_id, what], v)
+            g.add_metric([ad.worker_id], 1.0 if ad.healthy else 0.0)
+        yield c
+        yield g

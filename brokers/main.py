@@ -10,7 +10,7 @@ from pathlib import Path
 
 import zmq
 
-from brokers.attached import AttachedEngines, attach_plans
+from brokers.attached import AttachedCollector, AttachedEngines, attach_plans
 from brokers.broker import Broker
 from brokers.stats import RegretCollector, StatsCollector
 from mesh import aio
@@ -227,6 +227,8 @@ async def serve_broker(settings: BrokerSettings) -> None:
                      note="plaintext exchange: only these hosts (the --peer hosts) may subscribe; list each other")
     _bind_or_explain(broker.bind, settings, ("frontend", "backend", "telemetry", "exchange"))
     reg = metrics_registry(broker)
+    if attached.plans:
+        reg.register(AttachedCollector(attached))
     if settings.metrics:
         from prometheus_client import start_http_server
 

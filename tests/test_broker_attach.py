@@ -216,7 +216,18 @@ def test_a_broker_serves_through_attached_engines_and_outlives_them(procs, trans
             assert out["error"]["message"], out
             async with s.get(url + "/v1/models") as r:
                 assert r.status == 200
+            async with s.get(url + "/metrics") as r:
+                metrics = await r.text()
         assert b.alive()
+        # the attached adapters' own counters: requests served, and the engines' deaths (a request's
+        # error or failed health checks: the last request's error status needs one of them)
+        counts = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in metrics.splitlines() if ln.startswith("mesh_attached_adapter")}
+
+        def total(what: str) -> float:
+            return sum(v for k, v in counts.items() if k.startswith(f'mesh_attached_adapter_total{{what="{what}"'))
+
+        assert total("requests_ok") >= 9 and total("errors_unavailable") + total("health_failures") >= 1, counts
+        assert len([k for k in counts if k.startswith("mesh_attached_adapter_healthy")]) == 2, counts
 
     run(body(), 90)
 
