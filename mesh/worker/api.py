@@ -60,7 +60,8 @@ class WorkerAPI:
     closes only when it really fails; one that comes back is undrained (READY again).
     ``discovery_stats`` counts ``links_refused`` (no room in the budget), ``drained``,
     ``undrained``, ``rotated_out``, ``retired`` and ``refresh_failed`` (an answer that is not
-    addresses: the last set is kept).
+    addresses: the last set is kept). ``memory``: a broker in this process
+    (:mod:`mesh.worker.memory`): the links exchange frames with it without ZeroMQ.
     """
 
     def __init__(

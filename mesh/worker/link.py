@@ -26,6 +26,11 @@ signal of a message that just arrived; so after a send the link re-reads ``ZMQ_E
 and reads the socket if input is waiting. Without that, a reply arriving during a send would
 wait for the next unrelated wake-up (typically a broker heartbeat).
 
+In-memory links: given a :class:`~mesh.worker.memory.MemoryPeer` (a broker in this process,
+``mesh broker --attach``), the link's sends go to the peer as frames lists and the peer's
+messages come in through :meth:`BrokerLink._delivered`; the socket stays connected (the broker's
+goodbye at shutdown comes that way) but carries nothing else.
+
 Liveness: when the session says the broker has been silent too long, the link destroys its
 socket, waits the session's back-off (:meth:`mesh.retry.RetryPolicy.forever`: no attempt cap,
 capped waits) and reconnects with a fresh identity, then sends READY again.
