@@ -246,8 +246,8 @@ class BrokerSettings:
     # Engines attached in the broker process (brokers/attached.py, docs/operations.md)
     attach: tuple[str, ...] = setting((), metavar="KIND=URL",
                                       help="run the adapter of this engine (KIND sglang or vllm, URL http://HOST:PORT) "
-                                           "inside the broker, linked over inproc:// instead of a `mesh attach` process "
-                                           "and a TCP hop (repeatable; ,NAME=VALUE adds a `mesh attach` setting: "
+                                           "inside the broker, linked to it in process (--attach-transport) instead of a "
+                                           "`mesh attach` process and a TCP hop (repeatable; ,NAME=VALUE adds a `mesh attach` setting: "
                                            "worker_id, role, kv_endpoint, replay_endpoint, load_endpoint, block_size, "
                                            "dp_size; vLLM needs kv_endpoint and block_size)")
     attach_transport: str = setting("memory", choices=ATTACH_TRANSPORTS,
