@@ -36,7 +36,7 @@ import os
 import signal
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
@@ -116,6 +116,9 @@ class Broker:
         self._closed = False
         self.frontend_endpoint = ""
         self.backend_endpoint = ""
+        self.inproc_backend = ""  # the backend's inproc:// endpoint, with --attach
+        # links of workers in this process (brokers.attached.MemoryLinks): identity -> their deliver
+        self.memory_links: dict[bytes, Callable[[list[bytes]], bool]] = {}
         self._front: zmq.Socket | None = None
         self._back: zmq.Socket | None = None
         # Mailbox: other tasks of this event loop (HTTP ingress, indexer queries, resync
@@ -210,6 +213,11 @@ class Broker:
             raise
         self.frontend_endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_endpoint = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.s.attach:
+            # engines attached in this process (brokers.attached) link over inproc: the same ROUTER,
+            # no TCP, no CURVE handshake (inproc has none: only this process can connect)
+            self.inproc_backend = f"inproc://mesh-backend-{os.getpid()}-{id(self):x}"
+            self._back.bind(self.inproc_backend)
         if self.curve is not None:
             # Handshake failures (unlisted keys) are counted: they never reach the decode boundary.
             ev = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -584,6 +592,28 @@ class Broker:
         self.post("admin", (action, worker_id, for_s, fut))
         return fut
 
+    def worker_batch(self, identity: bytes, batch: list[list[bytes]]) -> None:
+        """Messages of a worker in this process (:mod:`mesh.worker.memory`), handled now, as if
+        read from the worker socket in one batch; what they ask to send goes out at the end."""
+        if self._closed:
+            return
+        now = time.monotonic()
+        core = self.core
+        for frames in batch:
+            try:
+                core.worker_frames([identity, *frames], now)
+            except Exception as exc:  # a handler bug must not kill the loop; it is logged and counted
+                self.stats.dropped["handler_exception"] += 1
+                self.log.exception("handler_failed", error=repr(exc))
+        if core.out:
+            self._flush()
+        if core.prefetch:
+            self._start_prefetches()
+        if core.kv_backlog:
+            self._kick()  # the pump works the backlog off within its budget
+        elif self._aloop is not None:
+            self._arm_timer(now)  # a retry's back-off, say, may be due before the armed timer
+
     def feed_worker_frames(self, frames: list[bytes], peer_key: bytes | None = None) -> None:
         """Handle ``[identity, *frames]`` as if read from the worker socket (on the broker's
         loop; for tests that stand in for a peer the socket cannot produce, e.g. a registration
@@ -681,7 +711,11 @@ class Broker:
 
     def _transport(self, s: Send) -> str:
         """One send for :func:`deliver`: why it failed, "" when it went out."""
-        ok = self._send(self._back, "worker", s.identity, s.frames) if s.to == TO_WORKER else self._send_client(s.identity, s.frames)
+        if s.to == TO_WORKER:
+            deliver = self.memory_links.get(s.identity) if self.memory_links else None
+            ok = deliver(s.frames) if deliver is not None else self._send(self._back, "worker", s.identity, s.frames)
+        else:
+            ok = self._send_client(s.identity, s.frames)
         return "" if ok else (self._send_why or "unreachable")
 
     def _send_failed_bug(self, exc: Exception) -> None:

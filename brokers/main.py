@@ -10,6 +10,7 @@ from pathlib import Path
 
 import zmq
 
+from brokers.attached import AttachedCollector, AttachedEngines, attach_plans
 from brokers.broker import Broker
 from brokers.stats import RegretCollector, StatsCollector
 from mesh import aio
@@ -181,6 +182,7 @@ async def serve_broker(settings: BrokerSettings) -> None:
     configure_tracing(settings.trace_exporter, settings.trace_endpoint, service="mesh-broker")
     log = get_logger(service="broker")
     bound_malloc_retention()  # before the ZeroMQ context starts its I/O threads
+    attached = AttachedEngines(attach_plans(settings))  # (option errors before anything binds)
     broker = build_broker(settings)
     api_key = _api_key(settings, log) if settings.http else None
     keys = _key_ring(settings, api_key)
@@ -225,6 +227,8 @@ async def serve_broker(settings: BrokerSettings) -> None:
                      note="plaintext exchange: only these hosts (the --peer hosts) may subscribe; list each other")
     _bind_or_explain(broker.bind, settings, ("frontend", "backend", "telemetry", "exchange"))
     reg = metrics_registry(broker)
+    if attached.plans:
+        reg.register(AttachedCollector(attached))
     if settings.metrics:
         from prometheus_client import start_http_server
 
@@ -267,10 +271,12 @@ async def serve_broker(settings: BrokerSettings) -> None:
         announce("http_listening", url=url)
     if settings.keys_file:
         _reload_keys_on_sighup(settings, broker, ingress, api_key, log)
+    attached.start(broker, transport=settings.attach_transport)
     freeze_startup_heap()
     try:
         await broker.run()
     finally:
+        await attached.stop()  # after the broker's drain, before its context terminates
         if auth is not None:
             auth.stop()
         if ingress is not None:

@@ -21,12 +21,20 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from mesh.errors import ConfigError
 from mesh.protocol import MAX_WORKER_ID_BYTES
 from mesh.logs import add_log_level_arg
 from mesh.proxies import parse_trusted_proxies
 from mesh.settings_fields import flag_values, setting, toml_aliases
+
+#: ``--attach`` engine kinds, and how many engines one broker may run the adapters of.
+ATTACH_KINDS = ("sglang", "vllm")
+MAX_ATTACHED = 64
+ATTACH_TRANSPORTS = ("memory", "zmq")
+#: ``--attach KIND=URL,NAME=VALUE``: the ``mesh attach`` settings an attached engine may set.
+ATTACH_OPTIONS = ("worker_id", "role", "kv_endpoint", "replay_endpoint", "load_endpoint", "block_size", "dp_size")
 
 __all__ = ["BrokerSettings", "WorkerSettings", "load_toml", "build", "settings_from_args", "apply_toml_to_args", "read_toml",
            "model_paths", "check_tokenizers", "suggest_name", "SETTINGS_TABLES"]
@@ -235,6 +243,16 @@ class BrokerSettings:
                                         "<= record_files x record_max_bytes)")
     record_max_ids: int = setting(1 << 20, help="with --record-decisions: distinct prompt blocks one file numbers "
                                                 "(about 110 bytes of broker memory each); reaching it starts a new file")
+    # Engines attached in the broker process (brokers/attached.py, docs/operations.md)
+    attach: tuple[str, ...] = setting((), metavar="KIND=URL",
+                                      help="run the adapter of this engine (KIND sglang or vllm, URL http://HOST:PORT) "
+                                           "inside the broker, linked to it in process (--attach-transport) instead of a "
+                                           "`mesh attach` process and a TCP hop (repeatable; ,NAME=VALUE adds a `mesh attach` setting: "
+                                           "worker_id, role, kv_endpoint, replay_endpoint, load_endpoint, block_size, "
+                                           "dp_size; vLLM needs kv_endpoint and block_size)")
+    attach_transport: str = setting("memory", choices=ATTACH_TRANSPORTS,
+                                    help="how attached engines' adapters and the broker exchange messages: memory "
+                                         "(frames handed over on the event loop) or zmq (inproc:// sockets)")
     log_level: str = setting("info", add=add_log_level_arg)
 
     def validate(self) -> None:
@@ -395,6 +413,42 @@ class BrokerSettings:
                  "exchange_interval_ms", "must be in [0, 1000]")
         _require(math.isfinite(self.exchange_stale_ms) and 3 * self.exchange_interval_ms < self.exchange_stale_ms <= 600_000,
                  "exchange_stale_ms", "must be more than 3 x exchange_interval_ms and at most 600000")
+        self.attached_engines()  # ConfigError naming attach
+        _require(self.attach_transport in ATTACH_TRANSPORTS, "attach_transport",
+                 f"must be one of {', '.join(ATTACH_TRANSPORTS)}, not {str(self.attach_transport)[:40]!r}")
+
+    def attached_engines(self) -> list[tuple[str, str, dict[str, str]]]:
+        """``attach`` as (kind, url, options), checked (ConfigError naming ``attach``):
+        ``KIND=URL[,NAME=VALUE...]``, KIND sglang or vllm, URL http(s)://HOST:PORT, each URL once,
+        at most MAX_ATTACHED; options among ATTACH_OPTIONS (``mesh attach``'s flags of those names,
+        e.g. vLLM's kv_endpoint and block_size), their values checked by the adapter's settings."""
+        _require(len(self.attach) <= MAX_ATTACHED, "attach", f"at most {MAX_ATTACHED} engines, got {len(self.attach)}")
+        out: list[tuple[str, str, dict[str, str]]] = []
+        for spec in self.attach:
+            shown = repr(spec[:200])
+            _require(len(spec) <= 4096, "attach", f"at most 4096 characters, got {len(spec)}")
+            kind, sep, rest = spec.partition("=")
+            _require(bool(sep), "attach", f"expected KIND=URL (e.g. sglang=http://127.0.0.1:30000), got {shown}")
+            _require(kind in ATTACH_KINDS, "attach", f"unknown engine kind {kind[:40]!r} in {shown}: one of "
+                                                     f"{', '.join(ATTACH_KINDS)}")
+            url, *opts = rest.split(",")
+            try:
+                u = urlsplit(url)
+                port = u.port
+            except ValueError:
+                u, port = None, None
+            _require(u is not None and u.scheme in ("http", "https") and bool(u.hostname) and port is not None
+                     and not u.query and not u.fragment, "attach", f"expected KIND=http://HOST:PORT, got {shown}")
+            _require(all(url.rstrip("/") != o.rstrip("/") for _, o, _ in out), "attach", f"{url[:200]!r} is attached twice")
+            options: dict[str, str] = {}
+            for opt in opts:
+                name, sep, value = opt.partition("=")
+                _require(bool(sep) and name in ATTACH_OPTIONS and name not in options, "attach",
+                         f"option {opt[:80]!r} in {shown}: expected NAME=VALUE once each, NAME one of "
+                         f"{', '.join(ATTACH_OPTIONS)}")
+                options[name] = value
+            out.append((kind, url, options))
+        return out
 
     def session_sources(self) -> tuple[str, ...]:
         """``session_key_sources`` as a tuple (empty: the ingress takes no session keys)."""

@@ -136,6 +136,36 @@ def test_the_tokenised_gateway_arm_is_a_target_row_against_the_full_path():
     assert {(r["name"], r["c"]): r for r in evaluate_targets(cells, [64])}[(name, 64)]["result"] == "MISS"
 
 
+def test_the_attached_arm_has_its_own_target_rows_beside_the_full_path():
+    cells = [_cell("sglang_router", 64, 8000, 7, 14, 30, 90), _cell("sglang_router", 1, 1000, 0.9, 1.5, 5, 90),
+             _cell("broker_adapters", 64, 4000, 15, 40, 60, 150, 150), _cell("broker_attached", 64, 9000, 6, 15, 30, 120),
+             _cell("broker_attached", 1, 900, 1.2, 3.5, 9, 200)]
+    rows = {(r["name"], r["c"]): r for r in evaluate_targets(cells, [1, 64])}
+    assert rows[("attached path req/s / sglang_router req/s", 64)]["value"] == 1.125
+    assert rows[("attached path req/s / sglang_router req/s", 64)]["result"] == "PASS"
+    assert rows[("attached path CPU per request / sglang_router's", 64)]["value"] == 1.333
+    assert rows[("attached path p99 / p50", 1)]["result"] == "MISS" and rows[("attached path p99 / p50", 64)]["result"] == "PASS"
+    assert rows[("attached path p50 - sglang_router p50", 1)]["value"] == 0.3
+    assert rows[("attached path req/s / full path req/s", 64)]["value"] == 2.25
+    assert rows[("attached path req/s / full path req/s", 1)]["result"] == "n/a"  # no full path cell at c=1
+    assert rows[("attached path CPU per request (router)", 64)]["value"] == 120
+    # the full path's own rows are unchanged: still on broker_adapters
+    assert rows[("full path req/s / sglang_router req/s", 64)]["value"] == 0.5
+    assert rows[("full path CPU per request / sglang_router's", 64)]["value"] == 3.333
+
+
+@pytest.mark.bench
+def test_the_attached_arm_small_run(tmp_path):
+    res = run_http_bench(arms=["broker_attached"], concurrency=[4], seconds=1.0, warmup_s=0.3, loadgen="python",
+                         log_dir=tmp_path / "logs", say=lambda m: None)
+    assert res["ok"] and res["arms"]["broker_attached"]["status"] == "ok", res["arms"]
+    cell = res["cells"][0]
+    assert cell["errors"] == 0 and cell["requests"] > 0
+    assert cell["processes"] == {"router": 1, "engines": 4}  # no adapter processes
+    assert cell["cpu_us_per_req"]["adapters"] is None and cell["cpu_us_per_req"]["path"] == cell["cpu_us_per_req"]["router"]
+    assert res["arms"]["broker_attached"]["engine_paths"]["/server_info"] >= 4  # the in-broker adapters' discovery
+
+
 @pytest.mark.bench
 def test_the_tokenised_gateway_arm_small_run(tmp_path):
     res = run_http_bench(arms=["gateway_tokenized"], concurrency=[4], seconds=1.0, warmup_s=0.3, loadgen="python",

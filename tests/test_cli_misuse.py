@@ -65,6 +65,7 @@ MISUSES: list[tuple[str, str]] = [
     ("bench routing --decisions 0", "--decisions"),
     ("bench routing --regret-audit maybe", "--regret-audit"),
     ("broker --regret-audit maybe", "--regret-audit"),
+    ("broker --frontend tcp://127.0.0.1:0 --backend tcp://127.0.0.1:0 --attach sglang", "attach: expected KIND=URL"),
     ("bench broker --rounds 0", "--rounds"),
     ("bench broker --workers -1", "--workers"),
     ("bench exchange --intervals-ms x", "--intervals-ms"),

@@ -45,6 +45,7 @@ from mesh.logs import announce, get_logger
 from mesh.retry import RetryPolicy
 from mesh.sockets import SocketSpec, make_socket
 from mesh.worker import BrokerLink, Capabilities, WorkerAPI
+from mesh.worker.memory import MemoryPeer
 
 __all__ = ["Adapter", "LOAD_SUB"]
 
@@ -54,7 +55,8 @@ LOAD_SUB = SocketSpec(zmq.SUB, sndhwm=100, rcvhwm=1000, linger_ms=0, maxmsgsize=
 class Adapter:
     """One attached server = one mesh worker. ``await run()`` until ``request_stop()``."""
 
-    def __init__(self, s: AttachSettings, backend: Backend, *, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, s: AttachSettings, backend: Backend, *, ctx: zmq.asyncio.Context | None = None,
+                 memory: MemoryPeer | None = None) -> None:
         s.validate()
         self.s = s
         self.backend = backend
@@ -63,7 +65,7 @@ class Adapter:
         self.api = WorkerAPI(self.ctx, s.brokers, self.worker_id, self._capabilities, on_message=self._on_message,
                              on_session_lost=self._on_session_lost, load=lambda: self._fresh_loads(time.monotonic()),
                              heartbeat_ms=s.heartbeat_ms, liveness=s.liveness, reconnect_base_ms=s.reconnect_base_ms,
-                             reconnect_cap_ms=s.reconnect_cap_ms, kv_events_to=s.kv_events_to)
+                             reconnect_cap_ms=s.reconnect_cap_ms, kv_events_to=s.kv_events_to, memory=memory)
         self.epoch = self.api.epoch
         self.log = get_logger(service="adapter", worker_id=self.worker_id)
         self.counters: Counter[str] = Counter()

@@ -35,6 +35,7 @@ from mesh.logs import get_logger
 from mesh.retry import RetryPolicy
 from mesh.sockets import CurveKeys
 from mesh.worker.link import BrokerLink
+from mesh.worker.memory import MemoryPeer
 from mesh.worker.session import Capabilities, make_epoch, ready_frames
 
 __all__ = ["Capabilities", "WorkerAPI", "new_epoch"]
@@ -59,7 +60,8 @@ class WorkerAPI:
     closes only when it really fails; one that comes back is undrained (READY again).
     ``discovery_stats`` counts ``links_refused`` (no room in the budget), ``drained``,
     ``undrained``, ``rotated_out``, ``retired`` and ``refresh_failed`` (an answer that is not
-    addresses: the last set is kept).
+    addresses: the last set is kept). ``memory``: a broker in this process
+    (:mod:`mesh.worker.memory`): the links exchange frames with it without ZeroMQ.
     """
 
     def __init__(
@@ -82,8 +84,10 @@ class WorkerAPI:
         discovery_refresh_s: float = 5.0,
         resolver: Resolver | None = None,
         max_followed: int = MAX_FOLLOWED,
+        memory: MemoryPeer | None = None,
     ) -> None:
         self.ctx = ctx
+        self.memory = memory  # a broker in this process (mesh.worker.memory): its links skip ZeroMQ
         self.brokers = tuple(dict.fromkeys(brokers))  # de-duplicated: one link per endpoint
         self.discovery_refresh_s = discovery_refresh_s
         self.resolver = resolver or Resolver()
@@ -147,7 +151,7 @@ class WorkerAPI:
             return
         link = BrokerLink(self.ctx, ep, self.worker_id, self.epoch, self.ready_frames, self.on_message, self._session_lost,
                           heartbeat_ms=self.heartbeat_ms, liveness=self.liveness, reconnect=self.reconnect, curve=self.curve,
-                          conn_no=self._conn_no.get(ep, 0))
+                          conn_no=self._conn_no.get(ep, 0), memory=self.memory)
         self.links.append(link)
         self._link_tasks.append(self._task(link.run(), f"link-{ep}"))
 

@@ -14,6 +14,8 @@ up), so a READY sent right after ``connect()`` would be refused (or lost) and th
 only register after a heartbeat round trip (``unregistered_peer`` -> DISCONNECT -> READY). The
 link therefore watches its socket's monitor and sends READY when the ZMTP handshake (CURVE
 included) has succeeded, with the session's blind fallback when no handshake is reported in time.
+An ``inproc://`` link (an adapter inside the broker's process) has no handshake: READY goes out
+as soon as it is connected.
 
 Wake-ups: the socket's file descriptor (and the monitor's) are watched with the event loop's
 reader callbacks, which read and handle the frames in the loop turn that saw them (no task
@@ -23,6 +25,11 @@ signal of a message that just arrived; so after a send the link re-reads ``ZMQ_E
 (:func:`mesh.sockets.socket_readable`, once per event-loop turn however many sends there were)
 and reads the socket if input is waiting. Without that, a reply arriving during a send would
 wait for the next unrelated wake-up (typically a broker heartbeat).
+
+In-memory links: given a :class:`~mesh.worker.memory.MemoryPeer` (a broker in this process,
+``mesh broker --attach``), the link's sends go to the peer as frames lists and the peer's
+messages come in through :meth:`BrokerLink._delivered`; the socket stays connected (the broker's
+goodbye at shutdown comes that way) but carries nothing else.
 
 Liveness: when the session says the broker has been silent too long, the link destroys its
 socket, waits the session's back-off (:meth:`mesh.retry.RetryPolicy.forever`: no attempt cap,
@@ -43,6 +50,7 @@ from mesh import protocol as P
 from mesh.logs import get_logger
 from mesh.retry import RetryPolicy
 from mesh.sockets import WORKER_DEALER, CurveKeys, make_socket, recv_frames, send_frames, socket_readable
+from mesh.worker.memory import MemoryPeer, MemoryPipe
 from mesh.worker.session import LinkSession, Send
 
 __all__ = ["BrokerLink", "Replies"]
@@ -99,6 +107,7 @@ class BrokerLink:
         curve: CurveKeys | None = None,
         ready_timeout_s: float = 1.0,
         conn_no: int = 0,
+        memory: MemoryPeer | None = None,
     ) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
@@ -130,6 +139,8 @@ class BrokerLink:
         self._outbox: list[list[bytes]] = []
         self.posted_batches = 0
         self.replies = Replies(self)
+        # a broker in this process: frames go through memory, the socket only carries its goodbye
+        self._pipe = MemoryPipe(memory, self._delivered) if memory is not None else None
 
     # the session's state, under the names callers and tests use
     @property
@@ -177,6 +188,8 @@ class BrokerLink:
             raise
         self.sock = sock
         self._sync = zmq.Socket.shadow(sock.underlying)
+        if self._pipe is not None:
+            self._pipe.open(self.session.identity(self.worker_id, self.epoch))
 
     def _unwatch(self) -> None:
         """Stop the event loop watching our FDs (before they are closed: an FD number may be reused)."""
@@ -190,6 +203,8 @@ class BrokerLink:
     def _close_socket(self, linger_ms: int = 0) -> None:
         self._flush()  # replies queued this turn go where an immediate send would have put them
         self._unwatch()
+        if self._pipe is not None:
+            self._pipe.close()
         if self.sock is not None:
             if self._mon is not None:
                 try:
@@ -256,6 +271,10 @@ class BrokerLink:
         if sync is None or not self.session.may_send():
             self.send_failures += len(out)
             return
+        if self._pipe is not None:
+            if not self._pipe.send(out):
+                self.send_failures += len(out)
+            return
         for frames in out:
             try:
                 send_frames(sync, frames)
@@ -268,7 +287,7 @@ class BrokerLink:
         :meth:`_flush` need none: :meth:`send` schedules it, a closing socket is not read.)"""
         self._flush()
         sync = self._sync
-        if sync is not None and self._loop is not None and not sync.closed and socket_readable(sync):
+        if self._pipe is None and sync is not None and self._loop is not None and not sync.closed and socket_readable(sync):
             self._drain()
 
     def _send(self, frames: list[bytes]) -> bool:
@@ -276,6 +295,10 @@ class BrokerLink:
         if sync is None:
             self.send_failures += 1
             return False
+        if self._pipe is not None:
+            ok = self._pipe.send([frames])
+            self.send_failures += not ok
+            return ok
         try:
             send_frames(sync, frames)
             ok = True
@@ -331,6 +354,10 @@ class BrokerLink:
         loop.add_reader(self._watched[1], self._drain_monitor)
         try:
             self._drain_monitor()  # what arrived before the FDs were watched
+            if self.endpoint.startswith("inproc://") and session.ready_due:
+                # inproc has no ZMTP handshake (its monitor reports none): the pipe exists as soon as
+                # connect() returned to a bound peer, so READY goes now, not after the blind fallback
+                self._do(session.on_handshake())
             self._drain()
             while True:
                 ended = self._ended
@@ -399,9 +426,29 @@ class BrokerLink:
             self._end(exc)
             return
         if n:
-            self.session.heard(time.monotonic())
-            if self.session.next_timer_s() < self._due_s and self._wake is not None:
-                self._wake.set()  # a message moved a timer earlier (a READY to retry): re-arm
+            self._heard()
+
+    def _heard(self) -> None:
+        self.session.heard(time.monotonic())
+        if self.session.next_timer_s() < self._due_s and self._wake is not None:
+            self._wake.set()  # a message moved a timer earlier (a READY to retry): re-arm
+
+    def _delivered(self, batch: list[list[bytes]]) -> None:
+        """What the in-process broker sent (:class:`~mesh.worker.memory.MemoryPipe`), handled as
+        :meth:`_drain` handles what the socket read."""
+        sync = self._sync
+        if sync is None or self._ended is not None:
+            return
+        try:
+            for frames in batch:
+                self._handle(frames)
+                if self._closed or self._sync is not sync:
+                    self._end("closed")
+                    return
+        except Exception as exc:  # a bug in a handler: the receive loop raises it
+            self._end(exc)
+            return
+        self._heard()
 
     def _drain_monitor(self) -> None:
         mon = self._mon_sync

@@ -10,6 +10,9 @@ wrk when on PATH, else the built-in one):
   (``mesh worker-stub --instant --count 4``).
 * ``broker_adapters`` (the full path): load generator -> ``mesh broker --http`` -> 4 x
   ``mesh attach sglang`` -> 4 instant HTTP engines.
+* ``broker_attached``: load generator -> ``mesh broker --http --attach sglang=URL`` x 4 -> the same 4
+  instant HTTP engines: the full path with the adapters running inside the broker (linked over
+  inproc, no adapter processes, no TCP hop; :mod:`brokers.attached`).
 * ``gateway_tokenized`` (with a tokenizer: ``--tokenizer DIR|builtin``): load generator -> ``mesh gateway
   --processes 2 --tokenizer ...`` (two gateway processes on one port, SO_REUSEPORT) -> ``mesh broker`` (no
   HTTP) -> the full path's 4 adapters and engines: prompts (and chat templates) tokenised in the gateways,
@@ -36,7 +39,9 @@ full path's req/s (>= 1.0x at c=64) and CPU per request (<= 1.5x), broker_zmq's 
 the full path's p50 at c=1 (<= the router's + 0.5 ms). Then the full path's p99/p50 (<= 3 at c=64,
 <= 2.5 at c=1), req/s / direct req/s (>= 0.32 at c=64, >= 0.25 at c=1), its max latency (<= 100 ms)
 and p50 (<= 1 ms) at c=1, the broker's CPU per request in ``broker_zmq`` (<= 250 us), and
-``gateway_tokenized`` req/s / full path req/s (>= 0.5 at c=64); sglang_router's
+``gateway_tokenized`` req/s / full path req/s (>= 0.5 at c=64); the same four targets against the Rust
+router for ``broker_attached`` (the attached path), with its req/s / the full path's and its CPU per
+request beside them (no target); sglang_router's
 figures (the same formula on its cells) are shown beside them.
 With ``--profile``, py-spy samples the router, one adapter and one gateway process during each mesh
 arm's highest-concurrency cell; the top entries go into the JSON and the page. A missed target is printed (MISS), not an error: the command exits
@@ -72,11 +77,14 @@ from mesh.lab.up import wait_for_workers
 
 __all__ = ["ALL_ARMS", "run_http_bench", "evaluate_targets", "print_results", "sglang_router_available"]
 
-ALL_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "gateway_tokenized", "sglang_router")
+ALL_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "broker_attached", "gateway_tokenized",
+            "sglang_router")
 # broker_zmq_tokenized: broker_zmq with --tokenizer (only with run_http_bench(tokenizer=...)): the
 # same requests, tokenised off the loop with the model's tokenizer before routing
 # gateway_tokenized: 2 gateway processes (tokenising) -> a broker without HTTP -> the full path's adapters
 FULL_PATH = "broker_adapters"
+# the full path with the adapters inside the broker (mesh broker --attach sglang=URL x4: no adapter processes)
+ATTACHED_PATH = "broker_attached"
 GATEWAY_ARM, GATEWAY_PROCESSES = "gateway_tokenized", 2
 ROLES = ("loadgen", "gateways", "router", "adapters", "engines")
 PATH_ROLES = ("gateways", "router", "adapters")  # the path's CPU per request: what mesh runs between load and engines
@@ -118,10 +126,12 @@ def _spawn_engines(g: ProcGroup, n: int, prefix: str = "engine") -> tuple[list[P
     return procs, urls
 
 
-def _broker(g: ProcGroup, policy: str | None, tokenizer: str | None = None, http: bool = True) -> tuple[Proc, str]:
+def _broker(g: ProcGroup, policy: str | None, tokenizer: str | None = None, http: bool = True,
+            attach: Iterable[str] = ()) -> tuple[Proc, str]:
     # a short drain: the load is over when the arm is stopped; the default 10 s would only slow the teardown
     extra = (["--http", "127.0.0.1:0"] if http else []) + ["--log-level", "warning", "--drain-timeout-s", str(_DRAIN_S)] + (
-        ["--policy", policy] if policy else []) + (["--tokenizer", tokenizer] if tokenizer else [])
+        ["--policy", policy] if policy else []) + (["--tokenizer", tokenizer] if tokenizer else []) + [
+        a for u in attach for a in ("--attach", f"sglang={u}")]
     b = g.broker("broker", *extra, timeout_s=_STARTUP_S)
     if not http:
         return b, ""
@@ -187,6 +197,12 @@ def _start_arm(g: ProcGroup, name: str, *, engines: int, policy: str | None, log
             gw, arm.url = _gateways(g, b.frontend, tokenizer)
             arm.roles["gateways"] = [gw.pid]  # the supervisor: its processes are its descendants
             _wait_gateway_ready(arm.url, path, body)
+        arm.engine_logs = [p.log_path for p in procs]
+    elif name == ATTACHED_PATH:
+        procs, urls = _spawn_engines(g, engines)
+        b, arm.url = _broker(g, policy, attach=urls)
+        asyncio.run(wait_for_workers(b.frontend, engines, timeout_s=_STARTUP_S))
+        arm.roles = {"router": [b.pid], "engines": [p.pid for p in procs]}  # the adapters' CPU is the broker's
         arm.engine_logs = [p.log_path for p in procs]
     elif name == "sglang_router":
         if not sglang_router_available():
@@ -520,8 +536,8 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                     stop_front_to_back(g)
                     for _ in range(len(concurrency) - done_cells):
                         progress and progress(f"{name} (not run)")
-            if name in ("direct", "broker_adapters", GATEWAY_ARM, "sglang_router") and info["status"] == "ok":
-                engine_path = "/generate" if name in ("broker_adapters", GATEWAY_ARM) else path  # adapters call /generate
+            if name in ("direct", FULL_PATH, ATTACHED_PATH, GATEWAY_ARM, "sglang_router") and info["status"] == "ok":
+                engine_path = "/generate" if name in (FULL_PATH, ATTACHED_PATH, GATEWAY_ARM) else path  # adapters call /generate
                 info["engine_paths"], info["engine_requests"] = _engine_stats(arm.engine_logs, engine_path)
                 info["engine_requests_path"] = engine_path
     try:
@@ -565,23 +581,28 @@ def evaluate_targets(cells: list[dict], concurrency: Iterable[int]) -> list[dict
         rows.append({"name": name, "c": c, "op": op, "target": target, "value": value, "sglang_router": sglang,
                      "unit": unit, "result": result})
 
+    def against_rust(label: str, cell: dict | None, sg: dict | None, c: int) -> None:
+        """A path's targets against SGLang's Rust router in the same run (issue 34); the router's
+        own column stays empty where it would be a ratio to itself."""
+        sg_rps = sg["rps"] if sg else None
+        add(f"{label} req/s / sglang_router req/s", c, ">=", 1.0 if c == 64 else None,
+            _ratio(cell["rps"], sg_rps) if cell else None, None)
+        add(f"{label} CPU per request / sglang_router's", c, "<=", 1.5 if c == 64 else None,
+            _ratio(cell["cpu_us_per_req"]["path"], sg["cpu_us_per_req"]["path"] if sg else None) if cell else None, None)
+        if c == 1:
+            add(f"{label} p50 - sglang_router p50", c, "<=", 0.5,
+                round(cell["p50_ms"] - sg["p50_ms"], 3) if cell and sg else None, None, "ms")
+        add(f"{label} p99 / p50", c, "<=", 3.0 if c == 64 else (2.5 if c == 1 else None),
+            _ratio(cell["p99_ms"], cell["p50_ms"]) if cell else None, _ratio(sg["p99_ms"], sg["p50_ms"]) if sg else None)
+
     for c in concurrency:
         direct, full, sg, zmq = (_find(cells, a, c) for a in ("direct", FULL_PATH, "sglang_router", "broker_zmq"))
         d_rps = direct["rps"] if direct else None
         sg_rps = sg["rps"] if sg else None
         sg_path_us = sg["cpu_us_per_req"]["path"] if sg else None
-        # against SGLang's Rust router in the same run (issue 34); its own column stays empty: a ratio to itself
-        add("full path req/s / sglang_router req/s", c, ">=", 1.0 if c == 64 else None,
-            _ratio(full["rps"], sg_rps) if full else None, None)
-        add("full path CPU per request / sglang_router's", c, "<=", 1.5 if c == 64 else None,
-            _ratio(full["cpu_us_per_req"]["path"], sg_path_us) if full else None, None)
+        against_rust("full path", full, sg, c)
         add("broker_zmq req/s / sglang_router req/s", c, ">=", 1.5 if c == 64 else None,
             _ratio(zmq["rps"], sg_rps) if zmq else None, None)
-        if c == 1:
-            add("full path p50 - sglang_router p50", c, "<=", 0.5,
-                round(full["p50_ms"] - sg["p50_ms"], 3) if full and sg else None, None, "ms")
-        add("full path p99 / p50", c, "<=", 3.0 if c == 64 else (2.5 if c == 1 else None),
-            _ratio(full["p99_ms"], full["p50_ms"]) if full else None, _ratio(sg["p99_ms"], sg["p50_ms"]) if sg else None)
         add("full path req/s / direct req/s", c, ">=", {1: 0.25, 64: 0.32}.get(c),
             _ratio(full["rps"], d_rps) if full else None, _ratio(sg_rps, d_rps) if sg else None)
         if c == 1:
@@ -591,6 +612,12 @@ def evaluate_targets(cells: list[dict], concurrency: Iterable[int]) -> list[dict
             zmq["cpu_us_per_req"]["router"] if zmq else None, sg["cpu_us_per_req"]["router"] if sg else None, "us")
         add("full path CPU per request (router + adapters)", c, "<=", None,
             full["cpu_us_per_req"]["path"] if full else None, sg_path_us, "us")
+        attached = _find(cells, ATTACHED_PATH, c)  # the full path with the adapters in the broker (--attach)
+        against_rust("attached path", attached, sg, c)
+        add("attached path req/s / full path req/s", c, ">=", None,
+            _ratio(attached["rps"], full["rps"]) if attached and full else None, None)
+        add("attached path CPU per request (router)", c, "<=", None,
+            attached["cpu_us_per_req"]["path"] if attached else None, sg_path_us, "us")
         gw = _find(cells, GATEWAY_ARM, c)
         # answered 200 (an arm's refusals, e.g. a tokenizer pool's fair share of one client address, are not throughput)
         add(f"tokenised via {GATEWAY_PROCESSES} gateways req/s / full path req/s (200s)", c, ">=", 0.5 if c == 64 else None,

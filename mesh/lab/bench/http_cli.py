@@ -11,7 +11,8 @@ from mesh.errors import ConfigError
 
 __all__ = ["add_bench_http_parser"]
 
-_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "gateway_tokenized", "sglang_router")
+_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "broker_attached", "gateway_tokenized",
+         "sglang_router")
 
 
 def _ints(s: str) -> list[int]:
@@ -37,7 +38,8 @@ def add_bench_http_parser(bsub) -> argparse.ArgumentParser:
         "http", help="the HTTP path end to end (wrk or a built-in load generator) vs a direct engine and sglang-router",
         description="Measure the HTTP path in one run, side by side: direct (load -> instant HTTP engine), broker_zmq "
                     "(-> mesh broker --http -> instant ZMQ workers), broker_adapters (-> broker -> mesh attach sglang x4 -> "
-                    "instant HTTP engines x4), gateway_tokenized (-> mesh gateway --processes 2 --tokenizer -> the same; "
+                    "instant HTTP engines x4), broker_attached (-> mesh broker --attach sglang=URL x4, the adapters inside the "
+                    "broker -> the same engines), gateway_tokenized (-> mesh gateway --processes 2 --tokenizer -> the same; "
                     "with --tokenizer) and sglang_router (SGLang's Rust router -> the same engines; when installed). "
                     "Prints req/s, p50/p99/max latency, errors and CPU microseconds per request of every process role, then "
                     "the targets (PASS/MISS; a miss does not fail the command, a broken arm does).")
