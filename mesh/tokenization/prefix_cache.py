@@ -155,34 +155,38 @@ class PrefixEncoder:
         keys, matches = self._keys(text)
         hit = self.cache.lookup(keys) if keys else None
         start, base, shift, extends = 0, array("I"), 0, None  # chars of ``text`` the cache covers, their ids, ...
+        # ``Encoding.ids`` and ``.offsets`` build a new list on every read: each is read once per encode
         if hit is not None:
             i, prefix, handle = hit
             m = matches[i]
             enc = self.tokenizer.encode_batch([m.group() + text[m.end():]], add_special_tokens=False)[0]
-            if enc.ids and enc.ids[0] == self.boundary[m.group()]:
+            enc_ids = enc.ids
+            if enc_ids and enc_ids[0] == self.boundary[m.group()]:
                 start, base, shift, extends = m.end(), prefix, m.end() - len(m.group()), handle
             else:  # a longer added token swallows the boundary: no reuse
                 enc = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+                enc_ids = enc.ids
         else:
             enc = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
-        new_ids = enc.ids[1:] if start else enc.ids
+            enc_ids = enc.ids
         ids = array("I", base)
-        ids.extend(new_ids)
-        self._store(ids, enc, keys, matches, start, shift, len(base), extends)
+        ids.extend(enc_ids[1:] if start else enc_ids)
+        self._store(ids, enc, enc_ids, keys, matches, start, shift, len(base), extends)
         return ids.tolist()
 
-    def _store(self, ids: array, enc: Any, keys: list[bytes], matches: list[re.Match], start: int, shift: int,
-               n_base: int, extends: Any) -> None:
-        """Keep ``ids`` under the keys of the last ``max_keys`` special-token ends past ``start``."""
-        want = {m.end(): k for k, m in zip(keys, matches) if m.end() > start}
-        skip = 1 if start else 0  # the boundary token in front of a reused prefix's rest
+    def _store(self, ids: array, enc: Any, enc_ids: list[int], keys: list[bytes], matches: list[re.Match], start: int,
+               shift: int, n_base: int, extends: Any) -> None:
+        """Keep ``ids`` under the keys of the last ``max_keys`` special-token ends past ``start``: each such end
+        that is the end of a boundary token of ``enc`` (looked up by position, not by a scan of every token)."""
         found: list[tuple[bytes, int]] = []
-        offsets = enc.offsets
-        for j in range(len(enc.ids) - 1, skip - 1, -1):
-            if enc.ids[j] in self._ids:
-                key = want.get(offsets[j][1] + shift)
-                if key is not None:
-                    found.append((key, n_base + j + 1 - skip))
-                    if len(found) >= self.max_keys:
-                        break
+        skip = 1 if start else 0  # the boundary token in front of a reused prefix's rest
+        for i in range(len(matches) - 1, -1, -1):
+            end = matches[i].end()
+            if end <= start:
+                break
+            j = enc.char_to_token(end - 1 - shift)
+            if j is not None and j >= skip and enc_ids[j] in self._ids and enc.token_to_chars(j)[1] + shift == end:
+                found.append((keys[i], n_base + j + 1 - skip))
+                if len(found) >= self.max_keys:
+                    break
         self.cache.store(ids, found, extends)
