@@ -351,6 +351,58 @@ def test_the_prefix_cache_stays_within_its_budget(prefix_models):
     assert tok.prefix.cache.hits > 0
 
 
+def test_the_prefix_encoder_reads_each_encodings_ids_once(prefix_models):
+    """``Encoding.ids`` builds a new Python list on every read: read once per token while looking for the
+    boundaries to store, a 1k-token prompt cost a million list items (O(n^2), ~3 ms)."""
+    from collections import Counter
+
+    from mesh.tokenization import ModelTokenizer
+    from mesh.tokenization.prefix_cache import PrefixEncoder
+
+    tok = prefix_models["chatml"]
+    reads: Counter = Counter()
+
+    class Enc:
+        def __init__(self, e):
+            self._e = e
+
+        @property
+        def ids(self):
+            reads["ids"] += 1
+            return self._e.ids
+
+        @property
+        def offsets(self):
+            reads["offsets"] += 1
+            return self._e.offsets
+
+        def __getattr__(self, name):
+            return getattr(self._e, name)
+
+    class Tok:
+        def __init__(self, t):
+            self._t = t
+
+        def encode_batch(self, texts, **kw):
+            reads["encodes"] += 1
+            return [Enc(e) for e in self._t.encode_batch(texts, **kw)]
+
+        def __getattr__(self, name):
+            return getattr(self._t, name)
+
+    enc = PrefixEncoder(Tok(tok.files.tokenizer))
+    plain = ModelTokenizer(tok.files, prefix_cache_bytes=0)
+    reads.clear()
+    long_text = "garden rake café 東京 " * 150
+    msgs = [{"role": "system", "content": long_text}, {"role": "user", "content": long_text}]
+    for turn in range(3):
+        text = tok.render(msgs)
+        assert enc.encode(text) == plain.render_chat(msgs)[1]
+        msgs += [{"role": "assistant", "content": long_text[turn:]}, {"role": "user", "content": long_text[: -turn - 1]}]
+    assert enc.cache.hits == 2 and reads["encodes"] == 3, reads
+    assert reads["ids"] <= reads["encodes"] and reads["offsets"] <= reads["encodes"], reads
+
+
 # ---------------------------------------------------------------------------- the ingress' choice
 
 
