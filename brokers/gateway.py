@@ -420,6 +420,7 @@ async def serve_gateway(brokers: list[str], http: str, curve=None, control=None,
     ``control``: this process's :class:`brokers.gateway_supervisor.ChildControl` when it is one of
     ``--processes N`` (it listens with SO_REUSEPORT, says ``ready`` there, stops when the parent goes)."""
     from brokers.ingress import HttpIngress
+    from brokers.ingress.tokenizers import PrefixCacheCollector
 
     from prometheus_client import CollectorRegistry
 
@@ -432,6 +433,7 @@ async def serve_gateway(brokers: list[str], http: str, curve=None, control=None,
     if control is not None:
         registry.register(_ProcessCollector(control.index, control.restarts))
     ingress = HttpIngress(pool, metrics_registry=registry, **ingress_kw)
+    registry.register(PrefixCacheCollector(ingress.submitter.tokenizers))
     host, _, port = http.rpartition(":")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

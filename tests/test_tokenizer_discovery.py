@@ -403,6 +403,37 @@ def test_the_prefix_encoder_reads_each_encodings_ids_once(prefix_models):
     assert reads["ids"] <= reads["encodes"] and reads["offsets"] <= reads["encodes"], reads
 
 
+def test_the_prefix_cache_counters_are_exported_per_tokenizer(prefix_models):
+    """``mesh_tokenizer_prefix_cache_*`` (the gateway's /metrics): hits, misses, tokens reused and bytes of
+    each loaded tokenizer's cache; one without a cache (no chat template, or none configured) is left out."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.exposition import generate_latest
+
+    from brokers.ingress.tokenizers import PrefixCacheCollector, Tokenizers
+    from mesh.tokenization import ModelTokenizer
+
+    cached = ModelTokenizer(prefix_models["chatml"].files)  # a fresh cache
+    plain = ModelTokenizer(cached.files, prefix_cache_bytes=0)
+    pools = {"/cached": cached, "/plain": plain}
+    t = Tokenizers(_Fleet({}), {"a": "/cached", "b": "/plain"},
+                   loader=lambda path, tpl: (pools[path], SimpleNamespace(close=lambda: None)))
+    msgs = [{"role": "system", "content": "You sell garden tools."}, {"role": "user", "content": "A rake?"}]
+    cached.render_chat(msgs)
+    n = len(cached.render_chat(msgs + [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Price?"}])[1])
+    reg = CollectorRegistry()
+    reg.register(PrefixCacheCollector(t))
+    fams = {f.name: {s.labels["tokenizer"]: s.value for s in f.samples} for f in
+            text_string_to_metric_families(generate_latest(reg).decode())}
+    label = str(cached.files.path)
+    assert fams["mesh_tokenizer_prefix_cache_hits"] == {label: 1.0}
+    assert fams["mesh_tokenizer_prefix_cache_misses"] == {label: 1.0}
+    assert 0 < fams["mesh_tokenizer_prefix_cache_tokens_reused"][label] < n
+    assert fams["mesh_tokenizer_prefix_cache_bytes"][label] == cached.prefix.cache.bytes > 0
+
+
 # ---------------------------------------------------------------------------- the ingress' choice
 
 
