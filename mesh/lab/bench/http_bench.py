@@ -14,7 +14,9 @@ wrk when on PATH, else the built-in one):
   --processes 2 --tokenizer ...`` (two gateway processes on one port, SO_REUSEPORT) -> ``mesh broker`` (no
   HTTP) -> the full path's 4 adapters and engines: prompts (and chat templates) tokenised in the gateways,
   the broker routing by token ids and tokenising nothing. Its ratio to ``broker_adapters`` (the same
-  requests, untokenised) is a target (issue 34: >= 0.5 for chat with 1k-token prompts).
+  requests, untokenised) is a target (issue 34: >= 0.5 for chat with 1k-token prompts). With
+  ``--path /v1/chat/completions`` every arm gets the same multi-turn conversations
+  (:mod:`mesh.lab.bench.chat_workload`; ``chat_workload="single"``: one repeated body).
 * ``sglang_router`` (when the ``sglang_router`` package is importable, the ``bench`` extra):
   SGLang's Rust router (``--policy round_robin``) -> the same 4 instant HTTP engines. It probes
   each worker's ``/health``, ``/server_info`` and ``/model_info`` when it registers it (and
@@ -505,6 +507,8 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                              "(--loadgen python, or --chat-workload single)")
     if loadgen == "auto":  # wrk sends one body: the conversations rotate a list, in the built-in generator
         loadgen = "wrk" if wrk_path() and not multi else "python"
+        if multi and wrk_path():
+            say("[bench http] the chat conversations workload runs on the built-in load generator (wrk sends one body)")
     if loadgen == "wrk" and not wrk_path():
         raise ValueError("loadgen wrk: wrk is not on PATH")
     if loadgen not in ("wrk", "python"):
