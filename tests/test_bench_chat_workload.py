@@ -80,12 +80,14 @@ def test_the_chat_workload_hits_the_prefix_cache_through_the_builtin_tokenizer(t
 class _Recorder(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the engines the load generator meets
     seen: Counter = Counter()
+    peers: set = set()
     lock = threading.Lock()
 
     def do_POST(self):  # noqa: N802 - http.server's name
         body = self.rfile.read(int(self.headers["Content-Length"]))
         with self.lock:
             self.seen[body] += 1
+            self.peers.add(self.client_address[0])
         out = b'{"ok":true}'
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -98,12 +100,12 @@ class _Recorder(BaseHTTPRequestHandler):
 
 
 def test_the_builtin_load_generator_rotates_the_bodies_against_a_real_server():
-    _Recorder.seen = Counter()
+    _Recorder.seen, _Recorder.peers = Counter(), set()
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         bodies = [json.dumps({"n": i, "text": f"[{PASS_MARKER}] {i}"}).encode() for i in range(3)]
-        r = run_load(f"http://127.0.0.1:{srv.server_address[1]}/x", bodies, 2, 0.5, warmup_s=0, loadgen="python")
+        r = run_load(f"http://127.0.0.1:{srv.server_address[1]}/x", bodies, 2, 0.5, warmup_s=0, loadgen="python", sources=2)
     finally:
         srv.shutdown()
         srv.server_close()
@@ -115,6 +117,16 @@ def test_the_builtin_load_generator_rotates_the_bodies_against_a_real_server():
     assert max(seen.values()) == 1  # each pass sends other bodies: none twice
     passes = Counter(json.loads(b)["text"].split("]")[0] for b in seen)
     assert passes["[p0"] == 3 and passes["[p1"] == 3, passes  # the list in turn, pass after pass
+    assert _Recorder.peers == {"127.0.0.2", "127.0.0.3"}  # two clients, as a fair-share server counts them
+
+
+@pytest.mark.parametrize("url, sources", [("http://127.0.0.1:1/", 0), ("http://127.0.0.1:1/", 251),
+                                          ("http://127.0.0.1:1/", True), ("http://10.0.0.1:1/", 2)])
+def test_hostile_source_counts_are_refused_naming_the_field(url, sources):
+    with pytest.raises(ValueError, match="^sources:"):
+        run_load(url, [b"{}"], 1, 1.0, loadgen="python", sources=sources)
+    with pytest.raises(ValueError, match="^sources:"):
+        run_load("http://127.0.0.1:1/", [b"{}"], 1, 1.0, loadgen="wrk", sources=2)
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -68,7 +68,7 @@ from pathlib import Path
 
 from mesh.lab.bench.profile import Sampler
 from mesh.lab.bench.chat_workload import CHATML_TEMPLATE, CHATML_TOKENS, chat_bodies, check_shape, mark_pass
-from mesh.lab.bench.http_load import PROMPT, request_body, run_load, wrk_path, wrk_version
+from mesh.lab.bench.http_load import MAX_SOURCES, PROMPT, request_body, run_load, wrk_path, wrk_version
 from mesh.lab.bench.report import fmt as _f
 from mesh.lab.procs import Proc, ProcGroup, free_port, wait_for_log_event
 from mesh.lab.up import wait_for_workers
@@ -356,7 +356,8 @@ def workload(path: str, tokenizer: str | None, prompt_tokens: int | None, *, str
     n = prompt_tokens or CHAT_PROMPT_TOKENS
     bodies = chat_bodies(text, prompt_tokens=n, conversations=shape[0], turns=shape[1], model=MODEL,
                          max_new_tokens=max_new_tokens, stream=stream)
-    info = {"workload": "conversations", "conversations": shape[0], "turns": shape[1], "prompt_tokens": n,
+    info = {"workload": "conversations", "client_addresses": "one per connection", "conversations": shape[0],
+            "turns": shape[1], "prompt_tokens": n,
             "bodies": len(bodies), "prompt_bytes": round(sum(map(len, bodies)) / len(bodies))}
     if tok is not None and tok.chat_template is not None:  # the rendered prompts' mean length, in tokens
         lens = [len(tok.render_chat(json.loads(mark_pass(b, 0))["messages"])[1]) for b in bodies]
@@ -553,7 +554,9 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                         sampler = _sampler(arm, seconds + warmup_s, arm_dir) if profile and c == max(concurrency) else None
                         if sampler is not None:
                             sampler.start()
+                        # the conversations are many users: one loopback address a connection (up to 250)
                         out = run_load(arm.url + path, bodies, c, seconds, warmup_s=warmup_s, loadgen=loadgen,
+                                       sources=min(c, MAX_SOURCES) if multi else 1,
                                        roles=arm.roles, stream=stream)
                         dead = [p.name for p in g.procs if not p.alive()]
                         if dead:

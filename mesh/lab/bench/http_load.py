@@ -39,12 +39,13 @@ from pathlib import Path
 from mesh.lab.bench.proc_cpu import CpuSampler
 from mesh.stats import percentile
 
-__all__ = ["request_body", "parse_wrk", "run_load", "wrk_path", "wrk_version", "PROMPT", "check_bodies", "read_bodies"]
+__all__ = ["request_body", "parse_wrk", "run_load", "wrk_path", "wrk_version", "PROMPT", "check_bodies", "check_sources", "read_bodies"]
 
 PROMPT = "The quick brown fox jumps over the lazy dog"  # 43 bytes
 MAX_BODIES = 100_000  # request bodies of one cell (the built-in generator rotates them)
 MAX_BODY_BYTES = 8 << 20
 MAX_TOTAL_BYTES = 512 << 20
+MAX_SOURCES = 250  # loopback source addresses 127.0.0.2 .. 127.0.0.251
 _WRK_TIMEOUT_S = 10
 
 
@@ -201,6 +202,14 @@ def check_bodies(bodies: list) -> list[bytes]:
     return bodies
 
 
+def check_sources(url: str, sources: int) -> None:
+    """ValueError naming the field unless ``sources`` is 1, or 2..MAX_SOURCES for a ``http://127.0.0.1:`` URL."""
+    if type(sources) is not int or not 1 <= sources <= MAX_SOURCES:
+        raise ValueError(f"sources: expected an integer in 1..{MAX_SOURCES}, got {sources!r}")
+    if sources > 1 and not url.startswith("http://127.0.0.1:"):
+        raise ValueError(f"sources: loopback source addresses need a http://127.0.0.1: URL, got {url[:100]!r}")
+
+
 def read_bodies(path: Path) -> list[bytes]:
     """The ``--bodies-file`` of the built-in generator: a JSON list of strings (ValueError naming the field)."""
     if path.stat().st_size > MAX_TOTAL_BYTES * 2:
@@ -223,9 +232,10 @@ def _cpu_self() -> float:
 
 
 async def _python_load(url: str, bodies: Sequence[bytes], c: int, warmup_s: float, seconds: float,
-                       roles: Mapping[str, list[int]]) -> dict:
+                       roles: Mapping[str, list[int]], sources: int = 1) -> dict:
     import asyncio
     import itertools
+    from contextlib import AsyncExitStack
 
     import aiohttp
 
@@ -272,9 +282,13 @@ async def _python_load(url: str, bodies: Sequence[bytes], c: int, warmup_s: floa
             if kind == "connect":
                 await asyncio.sleep(0.01)  # a refused connection must not spin this loop
 
-    conn = aiohttp.TCPConnector(limit=c, force_close=False, ttl_dns_cache=None)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        tasks = [asyncio.create_task(loop(session)) for _ in range(c)]
+    async with AsyncExitStack() as stack:
+        sessions = []
+        for k in range(sources):  # sources > 1: connections spread over loopback addresses 127.0.0.2, .3, ...
+            conn = aiohttp.TCPConnector(limit=-(-c // sources), force_close=False, ttl_dns_cache=None,
+                                        **({"local_addr": (f"127.0.0.{2 + k}", 0)} if sources > 1 else {}))
+            sessions.append(await stack.enter_async_context(aiohttp.ClientSession(connector=conn, timeout=timeout)))
+        tasks = [asyncio.create_task(loop(sessions[i % sources])) for i in range(c)]
         await asyncio.sleep(warmup_s)
         sampler.start()
         cpu0, t0 = _cpu_self(), perf()
@@ -298,12 +312,12 @@ async def _python_load(url: str, bodies: Sequence[bytes], c: int, warmup_s: floa
 
 
 def _run_python(url: str, bodies: Sequence[bytes], c: int, warmup_s: float, seconds: float,
-                roles: Mapping[str, list[int]]) -> dict:
+                roles: Mapping[str, list[int]], sources: int = 1) -> dict:
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
         f.write(json.dumps([b.decode() for b in bodies], ensure_ascii=False).encode())
         body_file = f.name
     try:
-        args = [sys.executable, "-m", "mesh.lab.bench.http_load", "--url", url, "--bodies-file", body_file, "-c", str(c),
+        args = [sys.executable, "-m", "mesh.lab.bench.http_load", "--url", url, "--bodies-file", body_file, "-c", str(c), "--sources", str(sources),
                 "--warmup", str(warmup_s), "--seconds", str(seconds), "--roles", json.dumps({k: list(v) for k, v in roles.items()})]
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         try:
@@ -323,13 +337,19 @@ def _run_python(url: str, bodies: Sequence[bytes], c: int, warmup_s: float, seco
 
 
 def run_load(url: str, body: bytes | Sequence[bytes], c: int, seconds: float, *, warmup_s: float = 1.0,
-             loadgen: str = "wrk", roles: Mapping[str, list[int]] | None = None, stream: bool = False) -> dict:
+             loadgen: str = "wrk", roles: Mapping[str, list[int]] | None = None, stream: bool = False,
+             sources: int = 1) -> dict:
     """One measured cell (see the module docstring). ``body``: one body, or a list the built-in generator
-    rotates. ``loadgen``: ``wrk`` (one body) or ``python``."""
+    rotates. ``loadgen``: ``wrk`` (one body) or ``python``. ``sources`` (built-in generator, a 127.0.0.1
+    URL): the connections come from that many loopback addresses (127.0.0.2 ...), so a server that shares
+    its work fairly per client address sees that many clients, not one."""
     roles = dict(roles or {})
     bodies = check_bodies([body] if isinstance(body, bytes) else list(body))
+    check_sources(url, sources)
     if loadgen == "python":
-        return _run_python(url, bodies, c, warmup_s, seconds, roles)
+        return _run_python(url, bodies, c, warmup_s, seconds, roles, sources)
+    if sources != 1:
+        raise ValueError("sources: wrk connects from one address; more need the built-in generator (python)")
     if loadgen != "wrk":
         raise ValueError(f"loadgen: expected wrk or python, got {loadgen!r}")
     if len(bodies) > 1:
@@ -354,9 +374,11 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, required=True)
     ap.add_argument("--roles", default="{}", help="JSON: role -> root pids whose CPU is sampled over the window")
+    ap.add_argument("--sources", type=int, default=1, help="loopback source addresses to spread the connections over")
     a = ap.parse_args(argv)
     try:
         bodies = read_bodies(Path(a.bodies_file))
+        check_sources(a.url, a.sources)
     except (OSError, ValueError) as exc:
         print(f"http_load: {exc}", file=sys.stderr)
         return 2
@@ -369,7 +391,7 @@ def _main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency
         factory = None
     with asyncio.Runner(loop_factory=factory) as r:
-        res = r.run(_python_load(a.url, bodies, a.c, a.warmup, a.seconds, roles))
+        res = r.run(_python_load(a.url, bodies, a.c, a.warmup, a.seconds, roles, a.sources))
     print(json.dumps(res), flush=True)
     return 0
 
