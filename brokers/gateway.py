@@ -35,7 +35,7 @@ from mesh.broker_core.counters import BrokerStats
 from mesh.broker_core.status import announced_by_model
 from mesh.errors import ErrorCode
 from mesh.logs import add_log_level_arg, announce, get_logger
-from mesh.sockets import CLIENT_DEALER, make_socket
+from mesh.sockets import CLIENT_DEALER, make_socket, recv_frames, send_frames, socket_readable
 
 __all__ = ["BrokerPool", "serve_gateway"]
 
@@ -47,11 +47,18 @@ _MAX_STATUS_ROWS = 100_000  # worker rows read from one broker's STATUS pages
 
 
 class _Link:
-    __slots__ = ("endpoint", "sock", "monitor", "up", "pending", "workers", "catalog", "rows", "paging")
+    __slots__ = ("endpoint", "sock", "sync", "fd", "monitor", "up", "pending", "workers", "catalog", "rows", "paging",
+                 "outbox", "recheck")
 
     def __init__(self, endpoint: str, sock, monitor) -> None:
         self.endpoint = endpoint
         self.sock = sock
+        # the same libzmq socket without pyzmq's asyncio layer (a Future, and a timer when a receive is
+        # pending, per message): read by a reader callback on its FD, written in one burst per loop turn
+        self.sync = zmq.Socket.shadow(sock.underlying)
+        self.fd = self.sync.getsockopt(zmq.FD)
+        self.outbox: list[tuple[str, list]] = []  # (rid, SUBMIT frames) to send at the end of this loop turn
+        self.recheck = False  # a readiness check is scheduled (a send may consume the FD's edge)
         self.monitor = monitor
         self.up = False
         self.pending: set[str] = set()  # rids in flight on this link
@@ -83,18 +90,21 @@ class BrokerPool:
         self._by_ident: dict[bytes, tuple[str, _Link]] = {}
         self._relays: dict[str, Relay] = {}  # rid -> what it takes to move it to another broker
         self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.log = get_logger(service="gateway")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        loop = self._loop = asyncio.get_running_loop()
         for ep in self.endpoints:
             sock = make_socket(self.ctx, CLIENT_DEALER.with_curve(self.curve))
             mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)  # before connect
             sock.connect(ep)
             link = _Link(ep, sock, mon)
             self._links.append(link)
-            self._tasks += [asyncio.create_task(self._receive(link), name=f"gw-rx-{ep}"),
-                            asyncio.create_task(self._watch(link), name=f"gw-mon-{ep}"),
+            loop.add_reader(link.fd, self._drain, link)
+            loop.call_soon(self._drain, link)  # what arrived before the FD was watched
+            self._tasks += [asyncio.create_task(self._watch(link), name=f"gw-mon-{ep}"),
                             asyncio.create_task(self._status_loop(link), name=f"gw-status-{ep}")]
 
     async def close(self) -> None:
@@ -102,6 +112,9 @@ class BrokerPool:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for link in self._links:
+            if self._loop is not None:
+                self._loop.remove_reader(link.fd)
+            link.outbox.clear()
             link.sock.disable_monitor()
             link.monitor.close(linger=0)
             link.sock.close(linger=0)
@@ -174,20 +187,55 @@ class BrokerPool:
         self._by_ident[identity] = (rid, link)
         self._relays[rid] = Relay.of(identity, sub, link, time.monotonic(), self.default_deadline_ms)
         link.pending.add(rid)
+        link.outbox.append((rid, P.submit_frames(sub)))
+        if len(link.outbox) == 1:  # the SUBMITs of this loop turn go in one burst (libzmq's I/O thread woken once)
+            self._loop.call_soon(self._flush, link)  # type: ignore[union-attr]
+
+    def _flush(self, link: _Link) -> None:
+        """Send the SUBMITs :meth:`submit` queued on ``link``; one that does not go (the pipe is full, HWM,
+        or gone) is answered ``overloaded`` (counted). Then the input check every send needs."""
+        out, link.outbox = link.outbox, []
+        for rid, frames in out:
+            try:
+                send_frames(link.sync, frames)
+            except zmq.ZMQError:
+                q = self._queues.get(rid)
+                self._drop(rid, link)
+                self.stats.dropped["gateway_send_failed"] += 1
+                if q is not None:
+                    q.put_nowait(P.encode_client_error(rid, ErrorCode.OVERLOADED, "broker connection is saturated"))
+        if out:
+            self._recheck(link)
+
+    def _send(self, link: _Link, frames: list) -> bool:
+        """Send now (after what :meth:`submit` queued, to keep the order); False when it does not go."""
+        if link.outbox:
+            self._flush(link)
         try:
-            link.sock.send_multipart(P.submit_frames(sub), flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError:  # the pipe is full (HWM) or gone
-            self._drop(rid, link)
-            self.stats.dropped["gateway_send_failed"] += 1
-            replies.put_nowait(P.encode_client_error(rid, ErrorCode.OVERLOADED, "broker connection is saturated"))
+            send_frames(link.sync, frames)
+            ok = True
+        except zmq.ZMQError:
+            ok = False
+        if not link.recheck and self._loop is not None:
+            link.recheck = True
+            self._loop.call_soon(self._recheck, link)
+        return ok
+
+    def _recheck(self, link: _Link) -> None:
+        """A send processes the socket's pending commands and may consume the FD signal of a reply that
+        arrived meanwhile: read what is waiting before the loop sleeps on that FD again."""
+        link.recheck = False
+        try:
+            readable = socket_readable(link.sync)
+        except zmq.ZMQError:  # closed under us (close())
+            return
+        if readable:
+            self._drain(link)
 
     def cancel(self, identity: bytes) -> None:
         entry = self._by_ident.get(identity)
-        if entry is not None and entry[1].up:
-            try:
-                entry[1].sock.send_multipart(P.encode_cancel(entry[0]), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                self.stats.dropped["gateway_cancel_failed"] += 1
+        if entry is not None and entry[1].up and not self._send(entry[1], P.encode_cancel(entry[0])):
+            self.stats.dropped["gateway_cancel_failed"] += 1
 
     def forget(self, identity: bytes) -> None:
         entry = self._by_ident.pop(identity, None)
@@ -201,9 +249,7 @@ class BrokerPool:
         self.stats.requests["client_slow"] += 1
         relay = self._relays.get(rid)
         owner = relay.link if relay is not None else link
-        try:
-            owner.sock.send_multipart(P.encode_cancel(rid), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
+        if not self._send(owner, P.encode_cancel(rid)):
             self.stats.dropped["gateway_cancel_failed"] += 1
         self._drop(rid, link)
 
@@ -232,9 +278,7 @@ class BrokerPool:
         relay.link = link
         link.pending.add(rid)
         self._by_ident[relay.ident] = (rid, link)
-        try:
-            link.sock.send_multipart(P.submit_frames(sub), flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError:
+        if not self._send(link, P.submit_frames(sub)):
             self.stats.dropped["gateway_send_failed"] += 1
             return False
         self.stats.migrations["gateway_continued" if continued else "gateway_resubmitted"] += 1
@@ -243,34 +287,46 @@ class BrokerPool:
         return True
 
     # ------------------------------------------------------------------ links
-    async def _receive(self, link: _Link) -> None:
-        while True:
-            frames = await link.sock.recv_multipart()
-            m = P.decode_client_reply(frames)
-            if isinstance(m, P.StatusReply):
-                self._on_status(link, m)
-                continue
-            rid = getattr(m, "rid", None)
-            q = self._queues.get(rid) if isinstance(rid, str) else None
-            if q is None:
-                self.stats.dropped["gateway_unknown_reply"] += 1
-                continue
-            relay = self._relays.get(rid)
-            if relay is not None:
-                if relay.link is not link:  # a reply of the broker it moved away from
-                    self.stats.dropped["gateway_stale_reply"] += 1
-                    continue
-                if isinstance(m, P.ClientError) and relay.may_move(m.code) and self._move(rid, m.code):
-                    continue
-                frames = relay.relayed(m, frames)
-            if q.qsize() >= _REPLY_QUEUE_MAX and not isinstance(m, (P.ClientFinal, P.ClientError)):
-                self._abandon(rid, link)  # its HTTP client stopped reading: not buffered without bound
-                q.put_nowait(P.encode_client_error(rid, ErrorCode.CANCELLED, "the client stopped reading its stream"))
-                continue
-            q.put_nowait(frames)
-            tm = self._timing.get(rid)
-            if tm is not None:
-                self._observe(tm, m)
+    def _drain(self, link: _Link) -> None:
+        """Read what ``link``'s broker sent (the socket's reader callback), in slices of 256 messages, one
+        per loop turn, so other work goes on during a long burst."""
+        sync = link.sync
+        for _ in range(256):
+            try:
+                frames = recv_frames(sync)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # closed under us (close())
+                return
+            self._on_reply(link, frames)
+        self._loop.call_soon(self._drain, link)  # type: ignore[union-attr]
+
+    def _on_reply(self, link: _Link, frames: list[bytes]) -> None:
+        m = P.decode_client_reply(frames)
+        if isinstance(m, P.StatusReply):
+            self._on_status(link, m)
+            return
+        rid = getattr(m, "rid", None)
+        q = self._queues.get(rid) if isinstance(rid, str) else None
+        if q is None:
+            self.stats.dropped["gateway_unknown_reply"] += 1
+            return
+        relay = self._relays.get(rid)
+        if relay is not None:
+            if relay.link is not link:  # a reply of the broker it moved away from
+                self.stats.dropped["gateway_stale_reply"] += 1
+                return
+            if isinstance(m, P.ClientError) and relay.may_move(m.code) and self._move(rid, m.code):
+                return
+            frames = relay.relayed(m, frames)
+        if q.qsize() >= _REPLY_QUEUE_MAX and not isinstance(m, (P.ClientFinal, P.ClientError)):
+            self._abandon(rid, link)  # its HTTP client stopped reading: not buffered without bound
+            q.put_nowait(P.encode_client_error(rid, ErrorCode.CANCELLED, "the client stopped reading its stream"))
+            return
+        q.put_nowait(frames)
+        tm = self._timing.get(rid)
+        if tm is not None:
+            self._observe(tm, m)
 
     def _observe(self, tm: list, m) -> None:
         """TTFT, inter-token and end-to-end latency of one relayed reply (labels: the request's
@@ -334,10 +390,7 @@ class BrokerPool:
         link.catalog = {k: b.get(k) for k in ("aliases", "model_name")}
 
     def _ask_status(self, link: _Link, offset: int = 0) -> None:
-        try:
-            link.sock.send_multipart(P.encode_status_query(True, offset), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        self._send(link, P.encode_status_query(True, offset))  # not sent: the next period asks again
 
     async def _status_loop(self, link: _Link) -> None:
         while True:
@@ -367,6 +420,7 @@ async def serve_gateway(brokers: list[str], http: str, curve=None, control=None,
     ``control``: this process's :class:`brokers.gateway_supervisor.ChildControl` when it is one of
     ``--processes N`` (it listens with SO_REUSEPORT, says ``ready`` there, stops when the parent goes)."""
     from brokers.ingress import HttpIngress
+    from brokers.ingress.tokenizers import PrefixCacheCollector
 
     from prometheus_client import CollectorRegistry
 
@@ -379,6 +433,7 @@ async def serve_gateway(brokers: list[str], http: str, curve=None, control=None,
     if control is not None:
         registry.register(_ProcessCollector(control.index, control.restarts))
     ingress = HttpIngress(pool, metrics_registry=registry, **ingress_kw)
+    registry.register(PrefixCacheCollector(ingress.submitter.tokenizers))
     host, _, port = http.rpartition(":")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -64,6 +64,7 @@ def test_the_openai_client_through_the_gateway_and_a_broker_dying_under_it(procs
             counts = {x.labels["worker"]: x.value for x in fams[name] if x.name == name + "_count"}
             assert sum(counts.values()) == 2 and set(counts) <= {"a0", "a1"}, (name, counts)
         assert sum(x.value for x in fams["mesh_inter_token_seconds"] if x.name.endswith("_count")) >= 1
+        assert "mesh_tokenizer_prefix_cache_hits" in fams  # registered (no tokenizer here: no samples)
 
         brokers[0].signal(signal.SIGKILL)  # one broker dies: the gateway keeps serving through the other
         ok = 0

@@ -332,9 +332,12 @@ def test_cached_prefixes_give_exactly_the_full_encode(prefix_models, name):
     assert tok.prefix is not None and tok.prefix.available and plain.prefix is None
     for seed in range(3):
         for msgs in _conversation(seed, 12, system=name != "mistral_v3"):
-            assert tok.render_chat(msgs) == plain.render_chat(msgs), (name, seed, len(msgs))
+            text, ids = tok.render_chat(msgs)
+            assert (text, ids) == plain.render_chat(msgs), (name, seed, len(msgs))
+            assert ids == tok.files.tokenizer.encode(text, add_special_tokens=False).ids  # the canonical encode
     c = tok.prefix.cache
     assert c.hits >= 3 * 10 and c.tokens_reused > 0, (c.hits, c.misses)
+    assert c.unaligned == 0  # user text typing control tokens included: every boundary placed
     # a conversation costs about one record (the previous turn's keys move to the longer one)
     assert c.bytes < 3 * 4 * max(len(plain.render_chat(m)[1]) for m in _conversation(0, 12, True)) + 64 * 1024
 
@@ -349,6 +352,113 @@ def test_the_prefix_cache_stays_within_its_budget(prefix_models):
             assert tok.render_chat(msgs)[1] == plain.render_chat(msgs)[1]
             assert tok.prefix.cache.bytes <= 40_000
     assert tok.prefix.cache.hits > 0
+
+
+def test_the_prefix_encoder_reads_each_encodings_ids_once(prefix_models):
+    """``Encoding.ids`` builds a new Python list on every read: read once per token while looking for the
+    boundaries to store, a 1k-token prompt cost a million list items (O(n^2), ~3 ms)."""
+    from collections import Counter
+
+    from mesh.tokenization import ModelTokenizer
+    from mesh.tokenization.prefix_cache import PrefixEncoder
+
+    tok = prefix_models["chatml"]
+    reads: Counter = Counter()
+
+    class Enc:
+        def __init__(self, e):
+            self._e = e
+
+        @property
+        def ids(self):
+            reads["ids"] += 1
+            return self._e.ids
+
+        @property
+        def offsets(self):
+            reads["offsets"] += 1
+            return self._e.offsets
+
+        def __getattr__(self, name):
+            return getattr(self._e, name)
+
+    class Tok:
+        def __init__(self, t):
+            self._t = t
+
+        def encode_batch(self, texts, **kw):
+            reads["encodes"] += 1
+            return [Enc(e) for e in self._t.encode_batch(texts, **kw)]
+
+        def encode_batch_fast(self, texts, **kw):
+            reads["encodes"] += 1
+            return [Enc(e) for e in self._t.encode_batch_fast(texts, **kw)]
+
+        def __getattr__(self, name):
+            return getattr(self._t, name)
+
+    enc = PrefixEncoder(Tok(tok.files.tokenizer))
+    plain = ModelTokenizer(tok.files, prefix_cache_bytes=0)
+    reads.clear()
+    long_text = "garden rake café 東京 " * 150
+    msgs = [{"role": "system", "content": long_text}, {"role": "user", "content": long_text}]
+    for turn in range(3):
+        text = tok.render(msgs)
+        assert enc.encode(text) == plain.render_chat(msgs)[1]
+        msgs += [{"role": "assistant", "content": long_text[turn:]}, {"role": "user", "content": long_text[: -turn - 1]}]
+    assert enc.cache.hits == 2 and reads["encodes"] == 3, reads
+    assert reads["ids"] <= reads["encodes"] and reads["offsets"] == 0, reads
+    assert enc.cache.unaligned == 0
+
+
+def test_a_boundary_swallowed_by_a_longer_added_token_stores_nothing_and_ids_stay_exact(prefix_models):
+    """Boundaries are placed by counting boundary tokens (the fast encode has no offsets): a longer added
+    token that swallows a boundary match breaks the count, so that encode stores nothing (counted
+    ``unaligned``) instead of keys that might point at the wrong ids."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from mesh.tokenization.prefix_cache import PrefixEncoder
+
+    base = prefix_models["chatml"].files.tokenizer
+    t = Tokenizer.from_str(base.to_str())
+    t.add_special_tokens([AddedToken("x<|im_end|>", special=True, normalized=False)])
+    enc = PrefixEncoder(t, written_by=lambda tok: tok in ("<|im_start|>", "<|im_end|>"))
+    assert set(enc.boundary) == {"<|im_start|>", "<|im_end|>"}
+    first = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nrake x<|im_end|> please<|im_end|>\n<|im_start|>assistant\n"
+    for text in (first, first + "Sure.<|im_end|>\n<|im_start|>user\nand a hoe<|im_end|>\n<|im_start|>assistant\n", first):
+        assert enc.encode(text) == t.encode(text, add_special_tokens=False).ids
+    assert enc.cache.unaligned >= 2 and enc.cache.misses + enc.cache.hits == 3
+
+
+def test_the_prefix_cache_counters_are_exported_per_tokenizer(prefix_models):
+    """``mesh_tokenizer_prefix_cache_*`` (the gateway's /metrics): hits, misses, tokens reused and bytes of
+    each loaded tokenizer's cache; one without a cache (no chat template, or none configured) is left out."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.exposition import generate_latest
+
+    from brokers.ingress.tokenizers import PrefixCacheCollector, Tokenizers
+    from mesh.tokenization import ModelTokenizer
+
+    cached = ModelTokenizer(prefix_models["chatml"].files)  # a fresh cache
+    plain = ModelTokenizer(cached.files, prefix_cache_bytes=0)
+    pools = {"/cached": cached, "/plain": plain}
+    t = Tokenizers(_Fleet({}), {"a": "/cached", "b": "/plain"},
+                   loader=lambda path, tpl: (pools[path], SimpleNamespace(close=lambda: None)))
+    msgs = [{"role": "system", "content": "You sell garden tools."}, {"role": "user", "content": "A rake?"}]
+    cached.render_chat(msgs)
+    n = len(cached.render_chat(msgs + [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Price?"}])[1])
+    reg = CollectorRegistry()
+    reg.register(PrefixCacheCollector(t))
+    fams = {f.name: {s.labels["tokenizer"]: s.value for s in f.samples} for f in
+            text_string_to_metric_families(generate_latest(reg).decode())}
+    label = str(cached.files.path)
+    assert fams["mesh_tokenizer_prefix_cache_hits"] == {label: 1.0}
+    assert fams["mesh_tokenizer_prefix_cache_misses"] == {label: 1.0}
+    assert 0 < fams["mesh_tokenizer_prefix_cache_tokens_reused"][label] < n
+    assert fams["mesh_tokenizer_prefix_cache_bytes"][label] == cached.prefix.cache.bytes > 0
 
 
 # ---------------------------------------------------------------------------- the ingress' choice

@@ -32,7 +32,7 @@ from mesh.errors import ConfigError
 from mesh.logs import get_logger
 from mesh.routing.lora import split_model
 
-__all__ = ["Tokenizers", "load_tokenizer"]
+__all__ = ["PrefixCacheCollector", "Tokenizers", "load_tokenizer"]
 
 _ANNOUNCED_TTL_S = 1.0  # how long the fleet's announced tokenizers are reused before asking the backend again
 
@@ -188,6 +188,17 @@ class Tokenizers:
         self.log.info("announced_tokenizer_loaded", tokenizer=ident, folder=str(hit[0].files.path))
         return hit
 
+    def prefix_cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per loaded tokenizer (its folder): its chat prefix cache's hits, misses, tokens reused and bytes
+        held (:mod:`mesh.tokenization.prefix_cache`); tokenizers without one (no chat template) are left out."""
+        out: dict[str, dict[str, int]] = {}
+        for tok, _ in [*self._texts.values(), *self._loaded.values()]:
+            cache = getattr(getattr(tok, "prefix", None), "cache", None)
+            if cache is not None:
+                out[str(tok.files.path)] = {"hits": cache.hits, "misses": cache.misses,
+                                            "tokens_reused": cache.tokens_reused, "bytes": cache.bytes}
+        return out
+
     # ------------------------------------------------------------------ no tokenizer
     def note_text(self, model: str | None) -> None:
         """A text prompt goes out without its model's tokenizer: when the model's engines key their cache
@@ -214,3 +225,25 @@ class Tokenizers:
         return {"unmatched_text_requests": sum(self.unmatched.values()),
                 "models_without_tokenizer": {m: {**d, "unmatched": self.unmatched[m]} for m, d in self.missing.items()
                                              if self.announced(m) == d["tokenizer"] and d["tokenizer"] not in self._loaded}}
+
+
+class PrefixCacheCollector:
+    """``mesh_tokenizer_prefix_cache_{hits,misses,tokens_reused}_total`` and ``..._bytes`` by tokenizer: whether
+    chat prompts reuse cached token ids (a model without a chat template never does; each gateway process has
+    its own cache, so a conversation whose turns reach different processes hits less)."""
+
+    def __init__(self, tokenizers: Tokenizers) -> None:
+        self.tokenizers = tokenizers
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.tokenizers.prefix_cache_stats()
+        for key, kind, doc in (("hits", CounterMetricFamily, "Chat prompts that reused cached token ids of a prefix"),
+                               ("misses", CounterMetricFamily, "Chat prompts encoded whole (no cached prefix)"),
+                               ("tokens_reused", CounterMetricFamily, "Token ids taken from the prefix cache instead of encoded"),
+                               ("bytes", GaugeMetricFamily, "Bytes the prefix cache holds (bounded per tokenizer)")):
+            fam = kind(f"mesh_tokenizer_prefix_cache_{key}", doc, labels=["tokenizer"])
+            for tok, st in sorted(stats.items()):
+                fam.add_metric([tok], st[key])
+            yield fam

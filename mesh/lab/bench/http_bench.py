@@ -17,7 +17,9 @@ wrk when on PATH, else the built-in one):
   --processes 2 --tokenizer ...`` (two gateway processes on one port, SO_REUSEPORT) -> ``mesh broker`` (no
   HTTP) -> the full path's 4 adapters and engines: prompts (and chat templates) tokenised in the gateways,
   the broker routing by token ids and tokenising nothing. Its ratio to ``broker_adapters`` (the same
-  requests, untokenised) is a target (issue 34: >= 0.5 for chat with 1k-token prompts).
+  requests, untokenised) is a target (issue 34: >= 0.5 for chat with 1k-token prompts). With
+  ``--path /v1/chat/completions`` every arm gets the same multi-turn conversations
+  (:mod:`mesh.lab.bench.chat_workload`; ``chat_workload="single"``: one repeated body).
 * ``sglang_router`` (when the ``sglang_router`` package is importable, the ``bench`` extra):
   SGLang's Rust router (``--policy round_robin``) -> the same 4 instant HTTP engines. It probes
   each worker's ``/health``, ``/server_info`` and ``/model_info`` when it registers it (and
@@ -70,12 +72,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mesh.lab.bench.profile import Sampler
-from mesh.lab.bench.http_load import PROMPT, request_body, run_load, wrk_path, wrk_version
+from mesh.lab.bench.chat_workload import CHATML_TEMPLATE, CHATML_TOKENS, chat_bodies, check_shape, mark_pass
+from mesh.lab.bench.http_load import MAX_SOURCES, PROMPT, request_body, run_load, wrk_path, wrk_version
 from mesh.lab.bench.report import fmt as _f
 from mesh.lab.procs import Proc, ProcGroup, free_port, wait_for_log_event
 from mesh.lab.up import wait_for_workers
 
-__all__ = ["ALL_ARMS", "run_http_bench", "evaluate_targets", "print_results", "sglang_router_available"]
+__all__ = ["ALL_ARMS", "builtin_tokenizer", "workload", "run_http_bench", "evaluate_targets", "print_results", "sglang_router_available"]
 
 ALL_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "broker_attached", "gateway_tokenized",
             "sglang_router")
@@ -92,6 +95,8 @@ MODEL = "instant"
 _ENGINE_POSTS = {"/generate", "/v1/completions"}  # what mesh instant-engine answers
 _BROKER_POSTS = {"/generate", "/v1/completions", "/v1/chat/completions"}  # the broker's HTTP ingress
 _STARTUP_S = 60.0
+CHAT_WORKLOADS = ("conversations", "single")
+CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_PROMPT_TOKENS = 256, 4, 1000  # the conversations workload's defaults
 _DRAIN_S = 2.0
 
 
@@ -330,6 +335,52 @@ def _engine_stats(logs: Iterable[Path], bench_path: str) -> tuple[dict[str, int]
     return dict(sorted(total.items(), key=lambda kv: -kv[1])), per_engine
 
 
+# ----------------------------------------------------------------------------- workload
+
+
+def builtin_tokenizer(dest: Path) -> str:
+    """``--tokenizer builtin``: Mistral-Nemo's Tekken vocabulary (shipped by mistral-common) with a chat
+    template, ChatML (:mod:`mesh.lab.bench.chat_workload`). Without one, the ingress sends chat as the plain
+    "role: content" text and encodes it whole every time: the chat template and its prefix cache go unmeasured."""
+    from mesh.lab.tokenizer_builtin import build_model_dir
+
+    return str(build_model_dir(dest, chat_template=CHATML_TEMPLATE, extra_special_tokens=CHATML_TOKENS, tokenizer="tekken"))
+
+
+def workload(path: str, tokenizer: str | None, prompt_tokens: int | None, *, stream: bool, max_new_tokens: int,
+              shape: tuple[int, int] | None) -> tuple[list[bytes], dict]:
+    """The request bodies of every cell and what the config records of them. ``shape`` (conversations,
+    turns): the chat conversations workload; None: one body (a prompt of ``prompt_tokens`` tokens of
+    ``tokenizer``, words without one; the 43-byte sentence without ``prompt_tokens``)."""
+    tok = None
+    if tokenizer and (prompt_tokens or shape):
+        from mesh.tokenization import ModelTokenizer
+
+        tok = ModelTokenizer.from_dir(tokenizer)
+
+    def text(n: int, seed: int) -> str:
+        if tok is not None:
+            from mesh.lab.bench.tokenizer_bench import make_prompt
+
+            return make_prompt(tok.files.tokenizer, n, seed)
+        return " ".join(f"w{(i * 31 + seed * 7919) % 9973}" for i in range(n))
+
+    if shape is None:
+        prompt = text(prompt_tokens, 0) if prompt_tokens else PROMPT
+        body = request_body(path, stream=stream, max_new_tokens=max_new_tokens, model=MODEL, prompt=prompt)
+        return [body], {"workload": "single", "prompt_bytes": len(prompt.encode()), "prompt_tokens": prompt_tokens}
+    n = prompt_tokens or CHAT_PROMPT_TOKENS
+    bodies = chat_bodies(text, prompt_tokens=n, conversations=shape[0], turns=shape[1], model=MODEL,
+                         max_new_tokens=max_new_tokens, stream=stream)
+    info = {"workload": "conversations", "client_addresses": "one per connection", "conversations": shape[0],
+            "turns": shape[1], "prompt_tokens": n,
+            "bodies": len(bodies), "prompt_bytes": round(sum(map(len, bodies)) / len(bodies))}
+    if tok is not None and tok.chat_template is not None:  # the rendered prompts' mean length, in tokens
+        lens = [len(tok.render_chat(json.loads(mark_pass(b, 0))["messages"])[1]) for b in bodies]
+        info["prompt_tokens_mean"] = round(sum(lens) / len(lens))
+    return bodies, info
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -434,7 +485,8 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                    loadgen: str = "auto", engines: int = 4, broker_policy: str | None = None,
                    progress: Callable[[str], None] | None = None, say: Callable[[str], None] | None = None,
                    log_dir: str | Path | None = None, tokenizer: str | None = None, prompt_tokens: int | None = None,
-                   profile: bool = False) -> dict:
+                   profile: bool = False, chat_workload: str = "conversations", conversations: int = CHAT_CONVERSATIONS,
+                   turns: int = CHAT_TURNS) -> dict:
     """Run every (arm, concurrency) cell and return the results (see the module docstring).
 
     ``arms``: default all (sglang_router only when importable; asked for explicitly and missing,
@@ -445,7 +497,10 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
     ``broker_zmq_tokenized`` and ``gateway_tokenized`` arms; ``prompt_tokens``: the prompt's length in that tokenizer's tokens
     (words otherwise). ``profile``: sample the router, one adapter and one gateway process with py-spy
     during each mesh arm's highest-concurrency cell (:mod:`mesh.lab.bench.profile`); the top entries land
-    in that cell's ``profile``."""
+    in that cell's ``profile``. ``chat_workload`` (``/v1/chat/completions`` only): ``conversations``
+    (``conversations`` x ``turns`` multi-turn chats sharing a system prompt, ``prompt_tokens`` on average,
+    default 1000; :mod:`mesh.lab.bench.chat_workload`; the built-in load generator) or ``single`` (one
+    user message of ``prompt_tokens``, every request the same body)."""
     say = say or (lambda m: print(m, file=sys.stderr))
     concurrency = [int(c) for c in concurrency]
     if not concurrency or any(c < 1 for c in concurrency):
@@ -459,33 +514,34 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
     bad = [a for a in arm_list if a not in ALL_ARMS]
     if bad:
         raise ValueError(f"unknown arm(s) {bad}: choose from {', '.join(ALL_ARMS)}")
-    if loadgen == "auto":
-        loadgen = "wrk" if wrk_path() else "python"
+    multi = path == "/v1/chat/completions" and chat_workload == "conversations"
+    if chat_workload not in CHAT_WORKLOADS:
+        raise ValueError(f"chat_workload: expected one of {', '.join(CHAT_WORKLOADS)}, got {chat_workload!r}")
+    if multi:
+        check_shape(conversations, turns, prompt_tokens or CHAT_PROMPT_TOKENS)
+        if loadgen == "wrk":
+            raise ValueError("loadgen: wrk sends one body; the chat conversations workload needs the built-in generator "
+                             "(--loadgen python, or --chat-workload single)")
+    if loadgen == "auto":  # wrk sends one body: the conversations rotate a list, in the built-in generator
+        loadgen = "wrk" if wrk_path() and not multi else "python"
+        if multi and wrk_path():
+            say("[bench http] the chat conversations workload runs on the built-in load generator (wrk sends one body)")
     if loadgen == "wrk" and not wrk_path():
         raise ValueError("loadgen wrk: wrk is not on PATH")
     if loadgen not in ("wrk", "python"):
         raise ValueError(f"loadgen: expected auto, wrk or python, got {loadgen!r}")
     root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mesh-bench-http-"))
     if tokenizer == "builtin":
-        from mesh.lab.tokenizer_builtin import build_model_dir
-
-        tokenizer = str(build_model_dir(root / "model", tokenizer="tekken"))
+        tokenizer = builtin_tokenizer(root / "model")
     if tokenizer is None:
         arm_list = [a for a in arm_list if a not in ("broker_zmq_tokenized", GATEWAY_ARM)] if arms is None else arm_list
-    prompt = PROMPT
-    if prompt_tokens:
-        if tokenizer:
-            from mesh.tokenization import ModelTokenizer
-            from mesh.lab.bench.tokenizer_bench import make_prompt
-
-            prompt = make_prompt(ModelTokenizer.from_dir(tokenizer).files.tokenizer, prompt_tokens)
-        else:
-            prompt = " ".join(f"w{i % 97}" for i in range(prompt_tokens))
-    body = request_body(path, stream=stream, max_new_tokens=max_new_tokens, model=MODEL, prompt=prompt)
+    bodies, shape_info = workload(path, tokenizer, prompt_tokens, stream=stream, max_new_tokens=max_new_tokens,
+                                 shape=(conversations, turns) if multi else None)
+    body = bodies[0]  # the readiness probes' request
     res: dict = {
         "bench": "http",
         "config": {"arms": arm_list, "concurrency": concurrency, "seconds": seconds, "warmup_s": warmup_s, "path": path,
-                   "stream": stream, "max_new_tokens": max_new_tokens, "prompt_bytes": len(prompt.encode()), "prompt_tokens": prompt_tokens, "tokenizer": tokenizer,
+                   "stream": stream, "max_new_tokens": max_new_tokens, **shape_info, "tokenizer": tokenizer,
                    "loadgen": loadgen, "engines": engines, "broker_policy": broker_policy or "default",
                    "sglang_router_policy": "round_robin", "log_dir": str(root), "profile": profile},
         "machine": machine(),
@@ -514,7 +570,9 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
                         sampler = _sampler(arm, seconds + warmup_s, arm_dir) if profile and c == max(concurrency) else None
                         if sampler is not None:
                             sampler.start()
-                        out = run_load(arm.url + path, body, c, seconds, warmup_s=warmup_s, loadgen=loadgen,
+                        # the conversations are many users: one loopback address a connection (up to 250)
+                        out = run_load(arm.url + path, bodies, c, seconds, warmup_s=warmup_s, loadgen=loadgen,
+                                       sources=min(c, MAX_SOURCES) if multi else 1,
                                        roles=arm.roles, stream=stream)
                         dead = [p.name for p in g.procs if not p.alive()]
                         if dead:

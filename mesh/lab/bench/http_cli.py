@@ -63,6 +63,13 @@ def add_bench_http_parser(bsub) -> argparse.ArgumentParser:
                                       "tokenising)")
     p.add_argument("--prompt-tokens", type=positive_int, help="prompt length in tokens (of --tokenizer; words without one); "
                                                      "default a 43-byte sentence")
+    p.add_argument("--chat-workload", choices=["conversations", "single"], default="conversations",
+                   help="with --path /v1/chat/completions: 'conversations' (default: --conversations chats of --turns "
+                        "turns sharing one system prompt, each turn re-sending its history plus a new user message, "
+                        "--prompt-tokens on average (default 1000); every pass over them is fresh conversations; the "
+                        "built-in load generator) or 'single' (one user message, the same body every request)")
+    p.add_argument("--conversations", type=positive_int, default=256, help="conversations of the chat workload (default 256)")
+    p.add_argument("--turns", type=positive_int, default=4, help="turns per conversation of the chat workload (default 4)")
     p.add_argument("--profile", action="store_true",
                    help="sample the broker, one adapter and one gateway process with py-spy during each mesh arm's "
                         "highest-concurrency cell; the top entries go into the table, the JSON and the report page "
@@ -103,7 +110,8 @@ def _cmd_bench_http(args) -> int:
                                  path=args.path, stream=args.stream, max_new_tokens=args.max_new_tokens,
                                  loadgen=args.loadgen, broker_policy=None if args.broker_policy == "default" else args.broker_policy, progress=progress,
                                  say=lambda m: bar.console.print(m), log_dir=args.log_dir, tokenizer=args.tokenizer,
-                                 prompt_tokens=args.prompt_tokens, profile=args.profile)
+                                 prompt_tokens=args.prompt_tokens, profile=args.profile, chat_workload=args.chat_workload,
+                                 conversations=args.conversations, turns=args.turns)
         except ValueError as exc:
             con.print(f"mesh bench http: {exc}")
             return 2

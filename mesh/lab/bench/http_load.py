@@ -2,8 +2,10 @@
 generator in its own process; both report the same numbers.
 
 :func:`run_load` keeps ``c`` connections busy (each sends its next request as soon as the answer
-is in, HTTP/1.1 keep-alive) against one URL with one POST body for a warm-up, then for the
-measured window, and returns requests completed in the window, req/s, round-trip p50/p99/max in
+is in, HTTP/1.1 keep-alive) against one URL with one POST body, or a list of bodies that the
+built-in generator rotates (request ``i`` sends body ``i mod n``, its
+:data:`~mesh.lab.bench.chat_workload.PASS_MARKER` replaced by ``p<i // n>``), for a warm-up, then
+for the measured window, and returns requests completed in the window, req/s, round-trip p50/p99/max in
 ms, errors (socket errors + HTTP status >= 400, as wrk counts them) and the CPU seconds, over the
 same window, of the load generator and of every process role it was given (``roles``: role ->
 root pids, see :mod:`mesh.lab.bench.proc_cpu`).
@@ -11,10 +13,11 @@ root pids, see :mod:`mesh.lab.bench.proc_cpu`).
 * ``wrk`` (``-t min(2, c) -c c --latency``, the body from a Lua script in a temporary file): the
   warm-up is its own short run; the window is the measured run, whose CPU is taken from
   ``wait4`` (wrk's own, every thread) and around which the roles are sampled. wrk's durations
-  are whole seconds.
+  are whole seconds. wrk sends one body: a list of bodies is refused (``mesh bench http`` then uses
+  the built-in generator).
 * ``python`` (``python -m mesh.lab.bench.http_load``: aiohttp on uvloop, ``c`` loops on a pool of
-  ``c`` kept-alive connections): the child warms up, then samples the roles and its own
-  ``getrusage`` at its window's edges itself, and prints one JSON line.
+  ``c`` kept-alive connections, taking the bodies in turn): the child warms up, then samples the
+  roles and its own ``getrusage`` at its window's edges itself, and prints one JSON line.
 """
 
 from __future__ import annotations
@@ -30,15 +33,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mesh.lab.bench.proc_cpu import CpuSampler
 from mesh.stats import percentile
 
-__all__ = ["request_body", "parse_wrk", "run_load", "wrk_path", "wrk_version", "PROMPT"]
+__all__ = ["request_body", "parse_wrk", "run_load", "wrk_path", "wrk_version", "PROMPT", "check_bodies", "check_sources", "read_bodies"]
 
 PROMPT = "The quick brown fox jumps over the lazy dog"  # 43 bytes
+MAX_BODIES = 100_000  # request bodies of one cell (the built-in generator rotates them)
+MAX_BODY_BYTES = 8 << 20
+MAX_TOTAL_BYTES = 512 << 20
+MAX_SOURCES = 250  # loopback source addresses 127.0.0.2 .. 127.0.0.251
 _WRK_TIMEOUT_S = 10
 
 
@@ -176,15 +183,63 @@ def _run_wrk(url: str, script: str, c: int, seconds: int, sampler: CpuSampler | 
 # ----------------------------------------------------------------------------- python generator
 
 
+def check_bodies(bodies: list) -> list[bytes]:
+    """The bodies of one cell: 1..MAX_BODIES non-empty UTF-8 byte strings of at most MAX_BODY_BYTES each, and
+    MAX_TOTAL_BYTES in all (ValueError naming the field)."""
+    if not 1 <= len(bodies) <= MAX_BODIES:
+        raise ValueError(f"bodies: expected 1..{MAX_BODIES} request bodies, got {len(bodies)}")
+    total = 0
+    for i, b in enumerate(bodies):
+        if type(b) is not bytes or not b or len(b) > MAX_BODY_BYTES:
+            raise ValueError(f"bodies[{i}]: expected a non-empty byte string of at most {MAX_BODY_BYTES} bytes")
+        try:
+            b.decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"bodies[{i}]: not UTF-8") from None
+        total += len(b)
+    if total > MAX_TOTAL_BYTES:
+        raise ValueError(f"bodies: {total} bytes in all; the limit is {MAX_TOTAL_BYTES}")
+    return bodies
+
+
+def check_sources(url: str, sources: int) -> None:
+    """ValueError naming the field unless ``sources`` is 1, or 2..MAX_SOURCES for a ``http://127.0.0.1:`` URL."""
+    if type(sources) is not int or not 1 <= sources <= MAX_SOURCES:
+        raise ValueError(f"sources: expected an integer in 1..{MAX_SOURCES}, got {sources!r}")
+    if sources > 1 and not url.startswith("http://127.0.0.1:"):
+        raise ValueError(f"sources: loopback source addresses need a http://127.0.0.1: URL, got {url[:100]!r}")
+
+
+def read_bodies(path: Path) -> list[bytes]:
+    """The ``--bodies-file`` of the built-in generator: a JSON list of strings (ValueError naming the field)."""
+    if path.stat().st_size > MAX_TOTAL_BYTES * 2:
+        raise ValueError(f"bodies_file: {path} is over {MAX_TOTAL_BYTES * 2} bytes")
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"bodies_file: {path} is not JSON: {exc}") from None
+    if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
+        raise ValueError(f"bodies_file: {path} must hold a JSON list of strings")
+    try:
+        return check_bodies([x.encode() for x in data])
+    except UnicodeEncodeError:
+        raise ValueError(f"bodies_file: {path} holds a string that is not valid Unicode") from None
+
+
 def _cpu_self() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
 
 
-async def _python_load(url: str, body: bytes, c: int, warmup_s: float, seconds: float, roles: Mapping[str, list[int]]) -> dict:
+async def _python_load(url: str, bodies: Sequence[bytes], c: int, warmup_s: float, seconds: float,
+                       roles: Mapping[str, list[int]], sources: int = 1) -> dict:
     import asyncio
+    import itertools
+    from contextlib import AsyncExitStack
 
     import aiohttp
+
+    from mesh.lab.bench.chat_workload import mark_pass
 
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     sampler = CpuSampler(roles)
@@ -194,9 +249,18 @@ async def _python_load(url: str, body: bytes, c: int, warmup_s: float, seconds: 
     stop = False
     perf = time.perf_counter
     timeout = aiohttp.ClientTimeout(total=_WRK_TIMEOUT_S)
+    sent = itertools.count()
+    n_bodies = len(bodies)
+
+    def next_body() -> bytes:
+        if n_bodies == 1:
+            return bodies[0]
+        i = next(sent)
+        return mark_pass(bodies[i % n_bodies], i // n_bodies)
 
     async def loop(session: aiohttp.ClientSession) -> None:
         while not stop:
+            body = next_body()
             t0 = perf()
             kind = None
             try:
@@ -218,9 +282,13 @@ async def _python_load(url: str, body: bytes, c: int, warmup_s: float, seconds: 
             if kind == "connect":
                 await asyncio.sleep(0.01)  # a refused connection must not spin this loop
 
-    conn = aiohttp.TCPConnector(limit=c, force_close=False, ttl_dns_cache=None)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        tasks = [asyncio.create_task(loop(session)) for _ in range(c)]
+    async with AsyncExitStack() as stack:
+        sessions = []
+        for k in range(sources):  # sources > 1: connections spread over loopback addresses 127.0.0.2, .3, ...
+            conn = aiohttp.TCPConnector(limit=-(-c // sources), force_close=False, ttl_dns_cache=None,
+                                        **({"local_addr": (f"127.0.0.{2 + k}", 0)} if sources > 1 else {}))
+            sessions.append(await stack.enter_async_context(aiohttp.ClientSession(connector=conn, timeout=timeout)))
+        tasks = [asyncio.create_task(loop(sessions[i % sources])) for i in range(c)]
         await asyncio.sleep(warmup_s)
         sampler.start()
         cpu0, t0 = _cpu_self(), perf()
@@ -243,12 +311,13 @@ async def _python_load(url: str, body: bytes, c: int, warmup_s: float, seconds: 
             "error_detail": detail, "loadgen": "python", "loadgen_cpu_s": cpu1 - cpu0, "cpu_s": roles_cpu}
 
 
-def _run_python(url: str, body: bytes, c: int, warmup_s: float, seconds: float, roles: Mapping[str, list[int]]) -> dict:
+def _run_python(url: str, bodies: Sequence[bytes], c: int, warmup_s: float, seconds: float,
+                roles: Mapping[str, list[int]], sources: int = 1) -> dict:
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
-        f.write(body)
+        f.write(json.dumps([b.decode() for b in bodies], ensure_ascii=False).encode())
         body_file = f.name
     try:
-        args = [sys.executable, "-m", "mesh.lab.bench.http_load", "--url", url, "--body-file", body_file, "-c", str(c),
+        args = [sys.executable, "-m", "mesh.lab.bench.http_load", "--url", url, "--bodies-file", body_file, "-c", str(c), "--sources", str(sources),
                 "--warmup", str(warmup_s), "--seconds", str(seconds), "--roles", json.dumps({k: list(v) for k, v in roles.items()})]
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         try:
@@ -267,14 +336,25 @@ def _run_python(url: str, body: bytes, c: int, warmup_s: float, seconds: float, 
     return json.loads(lines[-1])
 
 
-def run_load(url: str, body: bytes, c: int, seconds: float, *, warmup_s: float = 1.0, loadgen: str = "wrk",
-             roles: Mapping[str, list[int]] | None = None, stream: bool = False) -> dict:
-    """One measured cell (see the module docstring). ``loadgen``: ``wrk`` or ``python``."""
+def run_load(url: str, body: bytes | Sequence[bytes], c: int, seconds: float, *, warmup_s: float = 1.0,
+             loadgen: str = "wrk", roles: Mapping[str, list[int]] | None = None, stream: bool = False,
+             sources: int = 1) -> dict:
+    """One measured cell (see the module docstring). ``body``: one body, or a list the built-in generator
+    rotates. ``loadgen``: ``wrk`` (one body) or ``python``. ``sources`` (built-in generator, a 127.0.0.1
+    URL): the connections come from that many loopback addresses (127.0.0.2 ...), so a server that shares
+    its work fairly per client address sees that many clients, not one."""
     roles = dict(roles or {})
+    bodies = check_bodies([body] if isinstance(body, bytes) else list(body))
+    check_sources(url, sources)
     if loadgen == "python":
-        return _run_python(url, body, c, warmup_s, seconds, roles)
+        return _run_python(url, bodies, c, warmup_s, seconds, roles, sources)
+    if sources != 1:
+        raise ValueError("sources: wrk connects from one address; more need the built-in generator (python)")
     if loadgen != "wrk":
         raise ValueError(f"loadgen: expected wrk or python, got {loadgen!r}")
+    if len(bodies) > 1:
+        raise ValueError(f"loadgen: wrk sends one body; {len(bodies)} bodies need the built-in generator (python)")
+    body = bodies[0]
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(_lua_script(body, stream))
         script = f.name
@@ -289,13 +369,19 @@ def run_load(url: str, body: bytes, c: int, seconds: float, *, warmup_s: float =
 def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="internal: the built-in load generator of mesh bench http")
     ap.add_argument("--url", required=True)
-    ap.add_argument("--body-file", required=True)
+    ap.add_argument("--bodies-file", required=True, help="JSON: a list of request bodies (strings), sent in turn")
     ap.add_argument("-c", type=int, required=True)
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, required=True)
     ap.add_argument("--roles", default="{}", help="JSON: role -> root pids whose CPU is sampled over the window")
+    ap.add_argument("--sources", type=int, default=1, help="loopback source addresses to spread the connections over")
     a = ap.parse_args(argv)
-    body = Path(a.body_file).read_bytes()
+    try:
+        bodies = read_bodies(Path(a.bodies_file))
+        check_sources(a.url, a.sources)
+    except (OSError, ValueError) as exc:
+        print(f"http_load: {exc}", file=sys.stderr)
+        return 2
     roles = {k: [int(x) for x in v] for k, v in json.loads(a.roles).items()}
     import asyncio
 
@@ -305,7 +391,7 @@ def _main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency
         factory = None
     with asyncio.Runner(loop_factory=factory) as r:
-        res = r.run(_python_load(a.url, body, a.c, a.warmup, a.seconds, roles))
+        res = r.run(_python_load(a.url, bodies, a.c, a.warmup, a.seconds, roles, a.sources))
     print(json.dumps(res), flush=True)
     return 0
 
