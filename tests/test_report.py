@@ -162,3 +162,15 @@ def test_http_pages_are_one_per_endpoint():
     assert page_name("http", HTTP) == "http"
     chat = {**HTTP, "config": {**HTTP["config"], "path": "/v1/chat/completions"}}
     assert page_name("http", chat) == "http-v1-chat-completions"
+
+
+def test_http_chat_page_names_the_workload_it_ran():
+    from mesh.lab.report import render
+
+    chat = {**HTTP, "cells": [], "arms": {}}
+    single = {**chat, "config": {**HTTP["config"], "path": "/v1/chat/completions", "workload": "single", "prompt_tokens": 1000}}
+    convo = {**chat, "config": {**HTTP["config"], "path": "/v1/chat/completions", "workload": "conversations",
+                                "conversations": 256, "turns": 4}}
+    assert "--chat-workload single" in render("http", single, "x.json").command
+    assert "--conversations 256 --turns 4" in render("http", convo, "x.json").command
+    assert "--chat-workload" not in render("http", {**chat, "config": HTTP["config"]}, "x.json").command

@@ -197,6 +197,17 @@ def _exchange(d: dict[str, Any], src: str) -> Page:
     return p
 
 
+def _chat_workload_args(cfg: dict[str, Any]) -> str:
+    """The chat workload's flags of a /v1/chat/completions run (conversations is the default shape)."""
+    if cfg.get("path") != "/v1/chat/completions":
+        return ""
+    if cfg.get("workload") == "single":
+        return " --chat-workload single"
+    if cfg.get("workload") == "conversations":
+        return f" --conversations {cfg.get('conversations')} --turns {cfg.get('turns')}"
+    return ""
+
+
 def _http(d: dict[str, Any], src: str) -> Page:
     cfg = d["config"]
     conc = ",".join(str(c) for c in cfg["concurrency"])
@@ -210,6 +221,7 @@ def _http(d: dict[str, Any], src: str) -> Page:
              f"--path {cfg['path']}{' --stream' if cfg.get('stream') else ''}"
              f"{' --tokenizer ' + _tokenizer_arg(cfg) if cfg.get('tokenizer') else ''}"
              f"{' --prompt-tokens ' + str(cfg['prompt_tokens']) if cfg.get('prompt_tokens') else ''}"
+             f"{_chat_workload_args(cfg)}"
              f"{' --broker-policy ' + cfg['broker_policy'] if cfg.get('broker_policy') else ''}"
              f"{' --profile' if cfg.get('profile') else ''} --json {src}")
     rows = []
