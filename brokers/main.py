@@ -42,7 +42,8 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
         if settings.policy == "cache_aware":
             opts = {"stall_escape_ms": settings.stall_escape_ms, "stall_queue_ms": settings.stall_queue_ms,
                     "tier_weights": (1.0, settings.tier_weight_host, settings.tier_weight_store),
-                    "rank_ties": settings.rank_ties, "rank_window_ms": settings.rank_window_ms}
+                    "rank_ties": settings.rank_ties, "rank_window_prefills": settings.rank_window_prefills,
+                    "rank_window_ms": settings.rank_window_ms or None}
         policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s, **opts)
     except ValueError as exc:
         raise ConfigError(f"policy: {exc}") from None

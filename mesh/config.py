@@ -86,8 +86,11 @@ class BrokerSettings:
     rank_ties: str = setting("misses", choices=("off", "misses", "holders", "all"),
                              help="cache_aware with several routers: router k takes the k-th of an exact tie among "
                                   "misses (holders, all), while decisions can collide (docs/routing.md)")
-    rank_window_ms: float = setting(10.0, unit="ms", help="cache_aware: part ties only while this router's previous "
-                                                          "decision or a peer's dispatch is this recent (0 = never)")
+    rank_window_prefills: float = setting(0.25, help="cache_aware: part ties only while this router's previous decision "
+                                                     "or a peer's dispatch is younger than this many prefills of a "
+                                                     "typical request at the workers' measured rate (docs/routing.md)")
+    rank_window_ms: float = setting(0.0, unit="ms", help="cache_aware: a fixed window in wall-clock ms instead of "
+                                                         "--rank-window-prefills (0 = derived from it)")
     regret_audit: str = setting("on", choices=("on", "off"),
                                 help="cache_aware: predict for every decision what power_of_two and greedy would "
                                      "have picked from the same view (mesh_regret_ms, mesh_cache_aware_pays_ms; "
@@ -308,8 +311,10 @@ class BrokerSettings:
             _require(math.isfinite(v) and v >= 0, name, f"must be a finite number >= 0, not {v!r}")
         _require(self.rank_ties in ("off", "misses", "holders", "all"), "rank_ties",
                  f"must be off, misses, holders or all, not {str(self.rank_ties)[:40]!r}")
-        _require(math.isfinite(self.rank_window_ms) and self.rank_window_ms >= 0, "rank_window_ms",
-                 f"must be a finite number >= 0, not {self.rank_window_ms!r}")
+        _require(math.isfinite(self.rank_window_prefills) and 0 <= self.rank_window_prefills <= 100,
+                 "rank_window_prefills", f"must be a number in [0, 100], not {self.rank_window_prefills!r}")
+        _require(math.isfinite(self.rank_window_ms) and 0 <= self.rank_window_ms <= 60_000, "rank_window_ms",
+                 f"must be a number in [0, 60000] (0 = derived from rank_window_prefills), not {self.rank_window_ms!r}")
         _require(self.regret_audit in ("on", "off"), "regret_audit", f"must be on or off, not {str(self.regret_audit)[:40]!r}")
         for name in ("tier_weight_host", "tier_weight_store"):
             v = getattr(self, name)

@@ -180,11 +180,11 @@ def _misses_fleet():
 
 def test_ranks_part_only_while_decisions_can_collide():
     """Router rank 2 takes its own member of a miss tie only while another decision was made
-    within ``rank_window_ms`` (10 ms) before: its own previous one, or a peer's dispatch heard
-    through the exchange. Alone in a quiet moment it takes the best choice, as one router would
-    (parting always cost the conversation workload ~10 % at 4 routers)."""
+    within the window before: its own previous one, or a peer's dispatch heard through the
+    exchange. Alone in a quiet moment it takes the best choice, as one router would (parting
+    always cost the conversation workload ~10 % at 4 routers)."""
     fleet, miss = _misses_fleet()
-    pol = CacheAware(router_rank=2)  # the defaults: misses, 10 ms
+    pol = CacheAware(router_rank=2)  # the defaults: misses, 0.25 prefills of 2,047 tokens at 25k/s: 20 ms
     pick = lambda t: pol.choose(req(), fleet, miss, t).worker_id  # noqa: E731
     assert pick(0.0) == "a"  # the first decision: nothing to collide with
     assert pick(0.004) == "c"  # its own previous decision 4 ms ago: a burst, parted
@@ -193,8 +193,8 @@ def test_ranks_part_only_while_decisions_can_collide():
     pol.note_peer_dispatch(1.0)  # a peer just dispatched (exchange message arrival)
     assert pick(1.008) == "c"
     assert pick(2.0) == "a"
-    # the window is the knob: 0 never parts, inf always parts (the old rule)
-    never = CacheAware(router_rank=2, rank_ties="misses", rank_window_ms=0)
+    # the window is the knob: 0 prefills never part, rank_window_ms=inf always parts (the old rule)
+    never = CacheAware(router_rank=2, rank_ties="misses", rank_window_prefills=0)
     never.note_peer_dispatch(0.0)
     assert [never.choose(req(), fleet, miss, t).worker_id for t in (0.001, 0.002)] == ["a", "a"]
     always = CacheAware(router_rank=2, rank_ties="misses", rank_window_ms=math.inf)
@@ -205,14 +205,82 @@ def test_ranks_part_only_while_decisions_can_collide():
 
 
 def test_rank_window_is_validated_naming_the_field():
-    for bad in (-1, -0.5, math.nan, "10", None, True):
+    for bad in (-1, -0.5, math.nan, "10", True):
         with pytest.raises(ValueError, match="rank_window_ms"):
             CacheAware(rank_window_ms=bad)
+    for bad in (-1, -1e-9, math.nan, math.inf, -math.inf, 101, 1e300, "0.25", None, True):
+        with pytest.raises(ValueError, match="rank_window_prefills"):
+            CacheAware(rank_window_prefills=bad)
     from mesh.errors import ConfigError
     from mesh.lab.sim.runner import SimConfig
 
-    with pytest.raises(ConfigError, match="rank_window_ms"):
-        SimConfig(workload="zipf", policies=["cache_aware"], policy_params={"cache_aware": {"rank_window_ms": -1}}).validate()
+    for field, bad in (("rank_window_ms", -1), ("rank_window_prefills", math.nan), ("rank_window_prefills", 1e9)):
+        with pytest.raises(ConfigError, match=field):
+            SimConfig(workload="zipf", policies=["cache_aware"], policy_params={"cache_aware": {field: bad}}).validate()
+
+
+def _typical(pol: CacheAware, fleet, n: int = 8, L: int = 4096) -> CacheAware:
+    """``pol`` after ``n`` quiet misses of ``L`` tokens on ``fleet`` (one a second: never parted)."""
+    for i in range(n):
+        pol.choose(req(L), fleet, FakeMatch({}, 256), 10.0 + i)
+    return pol
+
+
+def test_the_derived_window_scales_with_the_measured_prefill_rate():
+    """``rank_window_prefills`` (0.25) of a typical request's prefill at the workers' measured
+    rate: 4,096 uncached tokens are 164 ms on the 8B engine (25k tokens/s): a 41 ms window; 683
+    ms on a 70B-class one (6k/s): 171 ms; 41 ms on a small fast one (100k/s): 10 ms. Two
+    decisions 30 ms apart collide on the 8B and the 70B, not on the fast engine, whose fleet
+    decides 4x as often."""
+    got = {}
+    for rate in (6_000.0, 25_000.0, 100_000.0):
+        fleet, _ = _misses_fleet()
+        for w in fleet:
+            w.prefill_tokens_per_s = rate
+        pol = _typical(CacheAware(router_rank=2, calibrate=False), fleet)
+        got[rate] = pol.rank_window_s
+        assert got[rate] == pytest.approx(0.25 * 4096 / rate)
+        picks = [pol.choose(req(), fleet, FakeMatch({}, 128), t).worker_id for t in (30.0, 30.03)]
+        assert picks == (["a", "a"] if rate == 100_000.0 else ["a", "c"]), rate
+    assert got[6_000.0] > got[25_000.0] > got[100_000.0]
+    # twice the prefills, twice the window; a fixed rank_window_ms overrides the derived one
+    fleet, _ = _misses_fleet()
+    assert _typical(CacheAware(rank_window_prefills=0.5, calibrate=False), fleet).rank_window_s == pytest.approx(0.5 * 4096 / 25_000)
+    assert _typical(CacheAware(rank_window_ms=10), fleet).rank_window_s == 0.01
+
+
+def test_the_window_before_calibration_and_with_the_calibrated_model():
+    """Before its first decision a router assumes a 1,024-token request at the reference rate
+    (the cost model's, 25k tokens/s: a 10 ms window, the old fixed one); an engine configured
+    slower stretches it. Once the calibrated TTFT model's fit is used, its weight on predicted
+    prefill ms scales the window (the fleet's prefills take that much longer than measured)."""
+    assert CacheAware().rank_window_s == pytest.approx(0.25 * 1024 / 25_000)
+    assert CacheAware(cost=CostModel(prefill_tokens_per_s=6_000.0)).rank_window_s == pytest.approx(0.25 * 1024 / 6_000)
+    fleet, _ = _misses_fleet()
+    pol = _typical(CacheAware(), fleet)
+    base = pol.rank_window_s
+    assert base == pytest.approx(0.25 * 4096 / 25_000)
+    cal = pol.calibrator
+    cal.theta[1] = 2.0
+    cal.observations, cal.fit_rel_err, cal.raw_rel_err = 10**6, 0.1, 0.2  # the fit predicts better: used
+    assert cal.use_fit and pol.rank_window_s == pytest.approx(2 * base)
+    cal.theta[1] = -5.0  # a nonsense fit cannot make the window negative
+    assert pol.rank_window_s == 0.0
+
+
+def test_huge_prompts_cannot_stretch_the_window_past_its_cap():
+    """A client's stream of huge prompts on a slow worker makes the typical prefill minutes
+    long; the window stays at most 1 s, so a peer's flood of dispatches still parts a router
+    only within 1 s of its last message."""
+    fleet, miss = _misses_fleet()
+    for w in fleet:
+        w.prefill_tokens_per_s = 1.0
+    pol = _typical(CacheAware(router_rank=2, calibrate=False), fleet, L=10**7)
+    assert pol.rank_window_s == 1.0
+    for i in range(100):
+        pol.note_peer_dispatch(100.0 + i / 1000)
+    assert pol.choose(req(), fleet, miss, 100.5).worker_id == "c"  # within the window: parted
+    assert pol.choose(req(), fleet, miss, 102.0).worker_id == "a"  # bounded: quiet again, the best
 
 
 def test_a_hostile_peer_parts_a_router_only_within_the_window():

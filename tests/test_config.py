@@ -36,6 +36,13 @@ REPO = Path(__file__).resolve().parents[1]
     ({"rank_ties": "sometimes"}, "rank_ties"),
     ({"rank_window_ms": -1}, "rank_window_ms"),
     ({"rank_window_ms": float("nan")}, "rank_window_ms"),
+    ({"rank_window_ms": float("inf")}, "rank_window_ms"),
+    ({"rank_window_ms": 1e12}, "rank_window_ms"),
+    ({"rank_window_prefills": -0.5}, "rank_window_prefills"),
+    ({"rank_window_prefills": float("nan")}, "rank_window_prefills"),
+    ({"rank_window_prefills": float("inf")}, "rank_window_prefills"),
+    ({"rank_window_prefills": 1e9}, "rank_window_prefills"),
+    ({"rank_window_prefills": "wide"}, "rank_window_prefills"),
 ])
 def test_broker_settings_errors_name_the_field(values, field):
     with pytest.raises(ConfigError, match=field):
@@ -61,7 +68,8 @@ def test_the_stall_escape_reaches_the_broker_policy():
     d = build_broker(build(BrokerSettings, {}))
     try:
         assert (d.router.policy.stall_escape_ms, d.router.policy.stall_queue_ms) == (200.0, 1000.0)
-        assert (d.router.policy.rank_ties, d.router.policy.rank_window_s) == ("misses", 0.01)
+        pol = d.router.policy  # the window derived from 0.25 prefills (the fallback before any decision)
+        assert (pol.rank_ties, pol.window.prefills, pol.window.fixed_s) == ("misses", 0.25, None)
     finally:
         d.close()
 
@@ -72,6 +80,11 @@ def test_tie_parting_settings_reach_the_broker_policy():
     b = build_broker(build(BrokerSettings, {"rank_ties": "off", "rank_window_ms": 25}))
     try:
         assert (b.router.policy.rank_ties, b.router.policy.rank_window_s) == ("off", 0.025)
+    finally:
+        b.close()
+    b = build_broker(build(BrokerSettings, {"rank_window_prefills": 0.5}))
+    try:
+        assert (b.router.policy.window.prefills, b.router.policy.window.fixed_s) == (0.5, None)
     finally:
         b.close()
 

@@ -53,12 +53,14 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    rate r applies them as ``ms x reference / r`` of its own ms (a 70B-class engine stretches
    every queue and prefill they are compared with, a small fast one shrinks them).
 4. **Several routers part near-ties while their decisions can collide** (``rank_ties``, default
-   ``"misses"``; ``rank_window_ms``, default 10): with the exchange every router sees one merged
+   ``"misses"``; ``rank_window_prefills``, :data:`RANK_WINDOW_PREFILLS`, or a fixed
+   ``rank_window_ms``; :class:`CollisionWindow`): with the exchange every router sees one merged
    view, so a burst reaching several routers within the exchange's delay sends all their misses
    to the same least-sent worker. Router k (``router_rank``: its rank by id among itself and its
    fresh peers, set by the exchange's shell) takes the k-th member of the best tie class instead
-   (:func:`part_ties`), but only while another decision was made within ``rank_window_ms``
-   before this one: its own previous one, or a peer's dispatch heard through the exchange
+   (:func:`part_ties`), but only while another decision was made within the window (that many
+   prefills of a typical request at the workers' measured rate: a slow engine's window is
+   longer, a fast one's shorter) before this one: its own previous one, or a peer's dispatch heard through the exchange
    (:meth:`CacheAware.note_peer_dispatch`, the arrival time on this router's clock). A router
    alone in a quiet moment, and rank 0 always, takes the best choice: parting every decision
    cost the conversation workload about 10 % at 4 routers (docs/routing.md). ``"all"`` /
@@ -137,7 +139,21 @@ except ImportError:  # pragma: no cover
     def hash_pair(a: str, b: str) -> int:
         return zlib.crc32(f"{a}\x00{b}".encode())
 
-__all__ = ["CacheAwareGreedy", "CacheAware", "CostModel", "part_ties"]
+__all__ = ["CacheAwareGreedy", "CacheAware", "CostModel", "CollisionWindow", "part_ties", "RANK_WINDOW_PREFILLS"]
+
+#: ``rank_window_prefills``' default: near-ties are parted while another decision is younger than
+#: this many prefills of a typical request (chosen on seeds 1/3 of the 8B, 70B-class and fast
+#: engine matrices, docs/routing.md)
+RANK_WINDOW_PREFILLS = 0.25
+#: before its first decision a router assumes a typical request of this many uncached tokens at
+#: the reference rate (``CostModel.prefill_tokens_per_s``)
+FALLBACK_PREFILL_TOKENS = 1024
+#: the derived window never exceeds this (a stream of huge prompts cannot make a router part for long)
+MAX_RANK_WINDOW_S = 1.0
+#: the largest ``rank_window_prefills`` accepted
+MAX_RANK_WINDOW_PREFILLS = 100.0
+#: the typical prefill is a running mean over the first decisions, then an EWMA of this span
+_TYPICAL_SPAN = 64
 
 
 def part_ties(keyed: Sequence[tuple[tuple, float, str, Any]], rank: int):
@@ -152,6 +168,47 @@ def part_ties(keyed: Sequence[tuple[tuple, float, str, Any]], rank: int):
     best = min(k[0] for k in keyed)
     ties = sorted((k for k in keyed if k[0] == best), key=lambda k: k[:3])
     return ties[rank % len(ties)][3]
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class CollisionWindow:
+    """How long after a decision another one can still collide with it (the rank parting of
+    :class:`CacheAware`): ``prefills`` prefill times of a typical request on this fleet, the
+    typical request being a running mean (then an EWMA over ~64 decisions) of this router's
+    chosen uncached prefills, each at its worker's measured prefill rate (the configured
+    reference rate until one is measured), scaled by the calibrated TTFT model's prefill weight
+    while its fit is used, and at most :data:`MAX_RANK_WINDOW_S`. Before the first decision: a
+    :data:`FALLBACK_PREFILL_TOKENS`-token request at the reference rate. A slower engine (70B
+    class) stretches the window, a faster one shrinks it; ``window_ms`` (> 0) overrides it with
+    fixed wall-clock milliseconds. Pure: the caller passes every figure."""
+
+    __slots__ = ("prefills", "fixed_s", "typical_ms", "_n")
+
+    def __init__(self, prefills: float, window_ms: float | None, reference_rate: float) -> None:
+        if not (_number(prefills) and math.isfinite(prefills) and 0 <= prefills <= MAX_RANK_WINDOW_PREFILLS):
+            raise ValueError(f"rank_window_prefills must be a number in [0, {MAX_RANK_WINDOW_PREFILLS:g}], not {prefills!r}")
+        if window_ms is not None and not (_number(window_ms) and window_ms >= 0 and not math.isnan(window_ms)):
+            raise ValueError(f"rank_window_ms must be a number >= 0 (0 or None: derived from rank_window_prefills; "
+                             f"inf: always part), not {window_ms!r}")
+        self.prefills = float(prefills)
+        self.fixed_s = window_ms / 1000.0 if window_ms else None
+        self.typical_ms = 1000.0 * FALLBACK_PREFILL_TOKENS / reference_rate  # ms of one typical prefill
+        self._n = 0
+
+    def note(self, uncached_tokens: float, rate: float) -> None:
+        """A decision sent ``uncached_tokens`` of prefill to a worker measured at ``rate`` tokens/s."""
+        if rate > 0 and uncached_tokens >= 0:
+            self._n = n = min(self._n + 1, _TYPICAL_SPAN)
+            self.typical_ms += (1000.0 * uncached_tokens / rate - self.typical_ms) / n
+
+    def seconds(self, scale: float = 1.0) -> float:
+        """The window now; ``scale``: the calibrated model's weight on predicted prefill ms."""
+        if self.fixed_s is not None:
+            return self.fixed_s
+        return min(MAX_RANK_WINDOW_S, self.prefills * scale * self.typical_ms / 1000.0)
 
 
 def _rendezvous(request_id: str, worker_id: str) -> int:
@@ -219,7 +276,7 @@ class CacheAware:
                  imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 200.0,
                  stall_queue_ms: float = 1000.0, tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
                  learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "misses",
-                 rank_window_ms: float = 10.0) -> None:
+                 rank_window_prefills: float = RANK_WINDOW_PREFILLS, rank_window_ms: float | None = None) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -284,12 +341,10 @@ class CacheAware:
         if rank_ties not in ("all", "holders", "misses", "off"):
             raise ValueError(f"rank_ties must be all, holders, misses or off, not {rank_ties!r}")
         self.rank_ties = rank_ties
-        if not (isinstance(rank_window_ms, (int, float)) and not isinstance(rank_window_ms, bool)
-                and rank_window_ms >= 0 and not math.isnan(rank_window_ms)):
-            raise ValueError(f"rank_window_ms must be a number >= 0 (inf: always part), not {rank_window_ms!r}")
         # ties are parted only while decisions can collide: this router's previous decision, or
-        # a peer's dispatch heard through the exchange (note_peer_dispatch), within this window
-        self.rank_window_s = rank_window_ms / 1000.0
+        # a peer's dispatch heard through the exchange (note_peer_dispatch), within the window
+        # (CollisionWindow: rank_window_prefills typical prefills, or rank_window_ms when set)
+        self.window = CollisionWindow(rank_window_prefills, rank_window_ms, self.cost.prefill_tokens_per_s)
         self._own_s = -math.inf  # this router's last decision
         self._parting = False  # whether the current decision parts near-ties (choose)
         self._peer_s = -math.inf  # the arrival of the last exchange message showing a peer's dispatch
@@ -308,7 +363,7 @@ class CacheAware:
 
     def note_peer_dispatch(self, now_s: float) -> None:
         """An exchange message that arrived at ``now_s`` (this router's clock) showed a peer's
-        new dispatch: the peers are deciding now, so near-ties are parted for ``rank_window_ms``
+        new dispatch: the peers are deciding now, so near-ties are parted for the window
         (see :meth:`_colliding`). Only the arrival time counts, never a time the peer claims:
         a peer can keep this router parting only while it keeps sending."""
         if math.isfinite(now_s) and now_s > self._peer_s:
@@ -316,7 +371,7 @@ class CacheAware:
 
     def _colliding(self, now_s: float) -> bool:
         """Whether this decision can collide with a peer's it has not heard of yet: another
-        decision was made within ``rank_window_ms`` before it (this router's previous one, or a
+        decision was made within the window (:attr:`rank_window_s`) before it (this router's previous one, or a
         peer's heard through the exchange). Routers then part near-ties by rank; a router alone
         in a quiet moment takes the best choice (rank 0's), which parting always did not (it
         cost the conversation workload ~10 % at 4 routers). Called once per decision: it also
@@ -325,6 +380,14 @@ class CacheAware:
         w = self.rank_window_s
         # a second call at the same instant (a two-pass router) is the same decision
         return 0.0 < now_s - own <= w or 0.0 <= now_s - self._peer_s <= w
+
+    @property
+    def rank_window_s(self) -> float:
+        """The window of :meth:`_colliding` now (:class:`CollisionWindow`: ``rank_window_prefills``
+        typical prefills on this fleet, in the calibrated model's ms while its fit is used, or
+        ``rank_window_ms``)."""
+        cal = self.calibrator
+        return self.window.seconds(max(0.0, cal.theta[1]) if self.calibrate and cal.use_fit else 1.0)
 
     def _ref_tokens(self, ms: float) -> float:
         """A threshold stated in ms of prefill on the reference engine (``cost.prefill_tokens_per_s``,
@@ -544,6 +607,7 @@ class CacheAware:
         else:
             reason = "load_override"
         detail = {"predicted_ttft_ms": round(cost_ms, 3), "uncached_tokens": L - hit, "cost_x": x}
+        self.window.note(L - hit, w.prefill_tokens_per_s or self.cost.prefill_tokens_per_s)
         t = tiered.get(wid)
         if t is not None:
             hit = t[0]  # matched_blocks reports what the worker holds; the weighting is in the detail
