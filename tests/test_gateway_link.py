@@ -13,7 +13,7 @@ from brokers.gateway import BrokerPool
 from mesh import protocol as P
 from mesh.errors import ErrorCode
 from tests.conftest import run, until
-from tests.test_gateway_resubmit import _FakeBroker, _next, _submit
+from tests.gateway_support import FakeBroker as _FakeBroker, next_reply as _next, submit as _submit
 
 
 def test_one_turns_submits_go_in_order_then_a_cancel_and_replies_come_back_through_the_reader():
