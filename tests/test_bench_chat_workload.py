@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from mesh.lab.bench.chat_workload import PASS_MARKER, chat_bodies, check_shape, mark_pass
-from mesh.lab.bench.http_bench import run_http_bench, workload
+from mesh.lab.bench.http_bench import run_http_bench
 from mesh.lab.bench.http_load import MAX_BODIES, MAX_BODY_BYTES, check_bodies, read_bodies, run_load
 
 
@@ -49,32 +49,6 @@ def test_conversations_share_the_system_prompt_and_resend_their_history():
     # every pass over the list is fresh conversations: the same list, other bodies
     again = [mark_pass(b, 1) for b in bodies]
     assert not set(again) & {mark_pass(b, 0) for b in bodies} and PASS_MARKER.encode() not in again[0]
-
-
-def test_the_chat_workload_hits_the_prefix_cache_through_the_builtin_tokenizer(tmp_path, tokenizer_cache):
-    """``--tokenizer builtin`` used to have no chat template: the gateway then sent chat as plain text and
-    encoded it whole, and its prefix cache never ran. Through the bench's own model folder and bodies, every
-    request after the first reuses cached ids, and the ids are those of a full encode."""
-    pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
-    from mesh.lab.bench.http_bench import builtin_tokenizer
-    from mesh.tokenization import ModelTokenizer
-
-    folder = builtin_tokenizer(tmp_path / "model")
-    bodies, info = workload("/v1/chat/completions", folder, 200, stream=False, max_new_tokens=8, shape=(6, 3))
-    assert info["workload"] == "conversations" and info["bodies"] == 18 and 180 <= info["prompt_tokens_mean"] <= 260
-    tok = ModelTokenizer.from_dir(folder)
-    plain = ModelTokenizer(tok.files, prefix_cache_bytes=0)
-    assert tok.prefix is not None and tok.prefix.available
-    total = 0
-    for i in range(2 * len(bodies)):  # two passes: fresh conversations, the same system prompt
-        msgs = _msgs(mark_pass(bodies[i % len(bodies)], i // len(bodies)))
-        text, ids = tok.render_chat(msgs)
-        assert (text, ids) == plain.render_chat(msgs)
-        total += len(ids)
-    c = tok.prefix.cache
-    assert c.misses == 1 and c.hits == 2 * len(bodies) - 1, (c.hits, c.misses)
-    assert c.tokens_reused > 0.5 * total, (c.tokens_reused, total)  # the system prompt and every earlier turn
 
 
 class _Recorder(BaseHTTPRequestHandler):

@@ -541,3 +541,32 @@ def test_encode_refuses_more_tokens_than_asked_before_listing_the_ids(models):
             return await asyncio.wait_for(pool.encode(text, max_tokens=n), 10)
 
     assert asyncio.run(main()) == ours.encode(text)
+
+
+# the bench's chat workload (mesh bench http --path /v1/chat/completions --tokenizer builtin); here, not in
+# test_bench_chat_workload.py, so that the suite reaches it after the session's tokenizer conversion finished
+def test_the_chat_workload_hits_the_prefix_cache_through_the_builtin_tokenizer(tmp_path, tokenizer_cache):
+    """``--tokenizer builtin`` used to have no chat template: the gateway then sent chat as plain text and
+    encoded it whole, and its prefix cache never ran. Through the bench's own model folder and bodies, every
+    request after the first reuses cached ids, and the ids are those of a full encode."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from mesh.lab.bench.chat_workload import mark_pass
+    from mesh.lab.bench.http_bench import builtin_tokenizer, workload
+    from mesh.tokenization import ModelTokenizer
+
+    folder = builtin_tokenizer(tmp_path / "model")
+    bodies, info = workload("/v1/chat/completions", folder, 200, stream=False, max_new_tokens=8, shape=(6, 3))
+    assert info["workload"] == "conversations" and info["bodies"] == 18 and 180 <= info["prompt_tokens_mean"] <= 260
+    tok = ModelTokenizer.from_dir(folder)
+    plain = ModelTokenizer(tok.files, prefix_cache_bytes=0)
+    assert tok.prefix is not None and tok.prefix.available
+    total = 0
+    for i in range(2 * len(bodies)):  # two passes: fresh conversations, the same system prompt
+        msgs = json.loads(mark_pass(bodies[i % len(bodies)], i // len(bodies)))["messages"]
+        text, ids = tok.render_chat(msgs)
+        assert (text, ids) == plain.render_chat(msgs)
+        total += len(ids)
+    c = tok.prefix.cache
+    assert c.misses == 1 and c.hits == 2 * len(bodies) - 1, (c.hits, c.misses)
+    assert c.tokens_reused > 0.5 * total, (c.tokens_reused, total)  # the system prompt and every earlier turn
