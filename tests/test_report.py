@@ -162,6 +162,8 @@ def test_http_pages_are_one_per_endpoint():
     assert page_name("http", HTTP) == "http"
     chat = {**HTTP, "config": {**HTTP["config"], "path": "/v1/chat/completions"}}
     assert page_name("http", chat) == "http-v1-chat-completions"
+    single = {**HTTP, "config": {**chat["config"], "workload": "single"}}
+    assert page_name("http", single) == "http-v1-chat-completions-single"
 
 
 def test_http_chat_page_names_the_workload_it_ran():

@@ -68,13 +68,18 @@ def detect_kind(data: Any) -> str | None:
 
 def page_name(kind: str, data: dict[str, Any]) -> str:
     """The page's file stem: the kind, for a replay with its workload (``replay-mooncake``: one page per
-    workload replayed), for an HTTP run on another endpoint than ``/generate`` with the endpoint, or for a
+    workload replayed), for an HTTP run on another endpoint than ``/generate`` with the endpoint (and
+    ``-single`` for one repeated chat body), or for a
     matrix the stem of its configuration file."""
     if kind == "replay":
         return f"replay-{(data.get('workload') or {}).get('name') or 'trace'}"
     if kind == "http":  # one page per endpoint loaded: /generate is http.md, /v1/chat/completions http-v1-chat-completions.md
-        path = str((data.get("config") or {}).get("path") or "/generate")
-        return "http" if path == "/generate" else "http-" + "-".join(x for x in path.split("/") if x)
+        cfg = data.get("config") or {}
+        path = str(cfg.get("path") or "/generate")
+        if path == "/generate":
+            return "http"
+        single = "-single" if path == "/v1/chat/completions" and cfg.get("workload") == "single" else ""
+        return "http-" + "-".join(x for x in path.split("/") if x) + single  # one repeated chat body: its own page
     if kind != "matrix":
         return kind
     path = (data.get("matrix") or {}).get("path") or data.get("matrix_path")
