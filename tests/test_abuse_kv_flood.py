@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from mesh import protocol as P
 from mesh.client import Client
 from mesh.errors import ErrorCode, RequestError
@@ -68,6 +70,7 @@ def _flood_main(backend: str, seconds: float) -> None:
     print(asyncio.run(main()), flush=True)
 
 
+@pytest.mark.soak  # a 8 s flood run: make soak
 def test_kv_flood_sheds_at_most_a_tenth_of_other_clients(procs):
     b = procs.broker("b", "--heartbeat-ms", "200")
     procs.workers("w", [b.backend], "--heartbeat-ms", "200", count=1)
