@@ -605,10 +605,7 @@ class Broker:
             except Exception as exc:  # a handler bug must not kill the loop; it is logged and counted
                 self.stats.dropped["handler_exception"] += 1
                 self.log.exception("handler_failed", error=repr(exc))
-        if core.out:
-            self._flush()
-        if core.prefetch:
-            self._start_prefetches()
+        self._send_asked()
         if core.kv_backlog:
             self._kick()  # the pump works the backlog off within its budget
         elif self._aloop is not None:
@@ -659,10 +656,14 @@ class Broker:
         try:
             return self._receive(sock, handler, budget_end, with_user)
         finally:
-            if self.core.out:
-                self._flush()
-            if self.core.prefetch:
-                self._start_prefetches()
+            self._send_asked()
+
+    def _send_asked(self) -> None:
+        """After a batch of handled messages: send what they asked for, start the prefix matches."""
+        if self.core.out:
+            self._flush()
+        if self.core.prefetch:
+            self._start_prefetches()
 
     def _receive(self, sock: zmq.Socket, handler, budget_end: float, with_user: bool) -> bool:
         mono = time.monotonic
@@ -671,9 +672,7 @@ class Broker:
         for i in range(_DRAIN_BATCH):
             now = mono()  # the message's time for the core, and the budget check
             if held_s and now - held_s >= _SEND_HOLD_S:
-                self._flush()
-                if core.prefetch:
-                    self._start_prefetches()
+                self._send_asked()
                 held_s = 0.0
             if i and now >= budget_end:  # one message can be expensive (a 4 MB batch)
                 return True
