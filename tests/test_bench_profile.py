@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from mesh.lab.bench.http_bench import evaluate_targets
+from mesh.lab.bench.http_bench import cpu_budget, evaluate_targets
 from mesh.lab.bench.profile import Sampler, py_spy_path, summarize_raw
 from mesh.lab.report import render, to_markdown
 
@@ -62,6 +62,37 @@ def test_targets_against_the_rust_router_in_the_same_run():
     # without the Rust arm those rows cannot be judged
     alone = {(r["name"], r["c"]): r["result"] for r in evaluate_targets(cells[1:3], [64])}
     assert alone[("full path req/s / sglang_router req/s", 64)] == "n/a"
+
+
+def test_the_cpu_budget_says_what_path_cpu_would_match_the_rust_router():
+    # Rust: 6000 req/s x (10 + 5 + 100) us = 0.69 cores; mesh: 3000 x (10 + 5 + 400) = 1.245 cores busy
+    cells = [_cell("sglang_router", 64, 6000, 9, 16, 100), _cell("broker_adapters", 64, 3000, 20, 70, 400),
+             _cell("direct", 64, 20000, 1, 2, 0), _cell("broker_zmq", 1, 500, 1, 2, 50)]
+    cells[2]["cpu_us_per_req"]["engines"] = None  # an arm without every figure is left out
+    rows = {(r["arm"], r["c"]): r for r in cpu_budget(cells, [1, 64])}
+    assert set(rows) == {("sglang_router", 64), ("broker_adapters", 64), ("broker_zmq", 1)}
+    full = rows[("broker_adapters", 64)]
+    assert full["total_us"] == 415.0 and full["cores_busy"] == pytest.approx(1.245)
+    # with 1.245 cores at 6000 req/s: 207.5 us a request, of which load generator and engines take 15
+    assert full["match_path_us"] == pytest.approx(192.5) and full["path_over_match"] == pytest.approx(2.078, abs=1e-3)
+    assert rows[("sglang_router", 64)]["match_path_us"] is None  # not judged against itself
+    assert rows[("broker_zmq", 1)]["match_path_us"] is None  # no Rust arm at c=1
+    # a starved arm: the load generator and engines alone cost more than the Rust router's rate allows
+    starved = _cell("broker_zmq", 64, 100, 5, 9, 50)
+    starved["cpu_us_per_req"]["loadgen"] = 5000.0
+    (row,) = cpu_budget([cells[0], starved], [64])[1:]
+    assert row["match_path_us"] is None and row["path_over_match"] is None
+
+
+def test_the_report_page_shows_the_cpu_budget():
+    cells = [_cell("sglang_router", 64, 6000, 9, 16, 100), _cell("broker_adapters", 64, 3000, 20, 70, 400)]
+    data = {"bench": "http", "config": {"arms": ["broker_adapters", "sglang_router"], "concurrency": [64], "seconds": 5,
+                                         "path": "/generate", "max_new_tokens": 8, "loadgen": "python"},
+            "machine": {"cpus": 2, "cpus_usable": 2}, "cells": cells, "arms": {}, "targets": [],
+            "budget": cpu_budget(cells, [64])}
+    page = to_markdown(render("http", data, "bench/http.json"), src="bench/http.json", date="2026-12-05")
+    assert "| broker_adapters | 64 | 3,000 | 10 µs | 5 µs | 400 µs | 415 µs | 1.25 | 192 µs | 2.08x |" in page
+    assert "0.69-1.25 of the machine's 2 CPUs busy" in page and "would match (2.08x)" in page
 
 
 def test_the_report_page_shows_profiles_and_missing_ones():

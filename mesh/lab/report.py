@@ -248,6 +248,7 @@ def _http(d: dict[str, Any], src: str) -> Page:
                for t in d.get("targets", [])]
     if targets:
         p.tables.append((["target", "c", "goal", "mesh", "sglang_router", "result"], targets))
+    _http_budget(p, d)
     prof = _http_profiles(d["cells"])
     if prof:
         p.tables.append((["arm, c, process (samples)", "#", "self", "%", "inclusive", "%"], prof))
@@ -257,6 +258,34 @@ def _http(d: dict[str, Any], src: str) -> Page:
     m = d.get("machine") or {}
     p.notes.append(f"Machine: {m.get('cpus', '-')} CPUs, load average {m.get('loadavg_at_start', '-')} at the start.")
     return p
+
+
+def _http_budget(p: Page, d: dict[str, Any]) -> None:
+    """The CPU budget at the highest concurrency (``mesh.lab.bench.http_bench.cpu_budget``): what
+    each arm's CPU per request was made of, and the path's CPU at which it would match the Rust router."""
+    budget = d.get("budget") or []
+    if not budget:
+        return
+    top = max(r["c"] for r in budget)
+    rows = [r for r in budget if r["c"] == top]
+    p.tables.append((["arm", "c", "req/s", "load generator CPU/req", "engines CPU/req", "path CPU/req", "total",
+                      "cores busy", "path CPU/req to match the Rust router", "path / that"],
+                     [[r["arm"], str(r["c"]), _num(r["rps"]), _num(r["loadgen_us"], "{:,.0f} µs"),
+                       _num(r["engines_us"], "{:,.0f} µs"), _num(r["path_us"], "{:,.0f} µs"), _num(r["total_us"], "{:,.0f} µs"),
+                       _num(r["cores_busy"], "{:.2f}"), _num(r["match_path_us"], "{:,.0f} µs"),
+                       _num(r["path_over_match"], "{:.2f}x")] for r in rows]))
+    cpus = (d.get("machine") or {}).get("cpus_usable") or (d.get("machine") or {}).get("cpus")
+    busy = [r["cores_busy"] for r in rows]
+    note = (f"CPU budget at c={top}: every arm kept {min(busy):.2f}-{max(busy):.2f} of the machine's {cpus} CPUs busy, "
+            "so req/s is those CPUs divided by the total CPU per request (load generator + engines + path); "
+            "the path's CPU per request is what bounds it. *Path CPU/req to match the Rust router*: the path's "
+            "CPU per request at which the arm, with the CPU it had and the same load generator and engine cost, "
+            "would have served the Rust router's req/s.")
+    full = next((r for r in rows if r["arm"] == "broker_adapters" and r["match_path_us"]), None)
+    if full:
+        note += (f" The full path spent {full['path_us']:,.0f} µs per request where {full['match_path_us']:,.0f} µs "
+                 f"would match ({full['path_over_match']:.2f}x).")
+    p.notes.append(note)
 
 
 def _tokenizer_arg(cfg: dict[str, Any]) -> str:

@@ -78,7 +78,8 @@ from mesh.lab.bench.report import fmt as _f
 from mesh.lab.procs import Proc, ProcGroup, free_port, wait_for_log_event
 from mesh.lab.up import wait_for_workers
 
-__all__ = ["ALL_ARMS", "builtin_tokenizer", "workload", "run_http_bench", "evaluate_targets", "print_results", "sglang_router_available"]
+__all__ = ["ALL_ARMS", "builtin_tokenizer", "workload", "run_http_bench", "evaluate_targets", "cpu_budget", "print_results",
+           "sglang_router_available"]
 
 ALL_ARMS = ("direct", "broker_zmq", "broker_zmq_tokenized", "broker_adapters", "broker_attached", "gateway_tokenized",
             "sglang_router")
@@ -603,6 +604,7 @@ def run_http_bench(*, arms: Iterable[str] | None = None, concurrency: Iterable[i
     except OSError:
         pass
     res["targets"] = evaluate_targets(res["cells"], concurrency)
+    res["budget"] = cpu_budget(res["cells"], concurrency)
     res["ok"] = all(a["status"] != "error" for a in res["arms"].values())
     return res
 
@@ -681,6 +683,39 @@ def evaluate_targets(cells: list[dict], concurrency: Iterable[int]) -> list[dict
         add(f"tokenised via {GATEWAY_PROCESSES} gateways req/s / full path req/s (200s)", c, ">=", 0.5 if c == 64 else None,
             _ratio(gw.get("ok_rps", gw["rps"]), full.get("ok_rps", full["rps"])) if gw and full else None, None)
     return rows
+
+
+def cpu_budget(cells: list[dict], concurrency: Iterable[int]) -> list[dict]:
+    """Where each arm's CPU went, per request, and what bounds its req/s (pure; issue 34's "the
+    profile that bounds it"). Per (arm, c): the CPU per request of the load generator, the engines
+    and the path (``total_us``), and ``cores_busy`` = req/s x total: how much of the machine the
+    arm kept busy. When ``cores_busy`` is close to the CPU count, req/s is that CPU divided by the
+    total, and the path's share is what a faster path can win. ``match_path_us``: the path's CPU
+    per request at which this arm, given the CPU it had and the same load generator and engine
+    cost per request, would have served the Rust router's req/s at that concurrency
+    (``path_over_match`` = path / that; None without the Rust arm or when the load generator and
+    engines alone would already exceed it)."""
+    out: list[dict] = []
+    for c in concurrency:
+        sg = _find(cells, "sglang_router", c)
+        for cell in cells:
+            if cell["c"] != c:
+                continue
+            us = cell.get("cpu_us_per_req") or {}
+            parts = {k: us.get(k) for k in ("loadgen", "engines", "path")}
+            if cell["rps"] <= 0 or any(v is None for v in parts.values()):
+                continue
+            total = parts["loadgen"] + parts["engines"] + parts["path"]
+            busy = cell["rps"] * total / 1e6
+            row = {"arm": cell["arm"], "c": c, "rps": cell["rps"], **{f"{k}_us": round(v, 1) for k, v in parts.items()},
+                   "total_us": round(total, 1), "cores_busy": round(busy, 3), "match_path_us": None, "path_over_match": None}
+            if sg and sg["rps"] > 0 and cell["arm"] != "sglang_router":
+                room = busy / sg["rps"] * 1e6 - parts["loadgen"] - parts["engines"]
+                if room > 0:
+                    row["match_path_us"] = round(room, 1)
+                    row["path_over_match"] = round(parts["path"] / room, 3)
+            out.append(row)
+    return out
 
 
 # ----------------------------------------------------------------------------- output
