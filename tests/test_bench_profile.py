@@ -75,6 +75,8 @@ def test_the_cpu_budget_says_what_path_cpu_would_match_the_rust_router():
     assert full["total_us"] == 415.0 and full["cores_busy"] == pytest.approx(1.245)
     # with 1.245 cores at 6000 req/s: 207.5 us a request, of which load generator and engines take 15
     assert full["match_path_us"] == pytest.approx(192.5) and full["path_over_match"] == pytest.approx(2.078, abs=1e-3)
+    # 1.5x the Rust router's req/s: 1.245 cores at 9000 req/s leave 138.3 us, 123.3 after the load generator and engines
+    assert full["path_us_at_1_5x"] == pytest.approx(123.3)
     assert rows[("sglang_router", 64)]["match_path_us"] is None  # not judged against itself
     assert rows[("broker_zmq", 1)]["match_path_us"] is None  # no Rust arm at c=1
     # a starved arm: the load generator and engines alone cost more than the Rust router's rate allows
@@ -93,6 +95,16 @@ def test_the_report_page_shows_the_cpu_budget():
     page = to_markdown(render("http", data, "bench/http.json"), src="bench/http.json", date="2026-12-05")
     assert "| broker_adapters | 64 | 3,000 | 10 µs | 5 µs | 400 µs | 415 µs | 1.25 | 192 µs | 2.08x |" in page
     assert "0.69-1.25 of the machine's 2 CPUs busy" in page and "would match (2.08x)" in page
+    # broker_zmq's 1.5x target, reachable or not on this machine
+    zmq = _cell("broker_zmq", 64, 5000, 9, 16, 150)
+    data["cells"].append(zmq)
+    data["budget"] = cpu_budget(data["cells"], [64])
+    page = to_markdown(render("http", data, "bench/http.json"), src="bench/http.json", date="2026-12-05")
+    assert "broker_zmq at 1.5x the Rust router's req/s would need a path of 77 µs per request (it spent 150)" in page
+    zmq["cpu_us_per_req"]["loadgen"] = 300.0
+    data["budget"] = cpu_budget(data["cells"], [64])
+    page = to_markdown(render("http", data, "bench/http.json"), src="bench/http.json", date="2026-12-05")
+    assert "broker_zmq cannot reach 1.5x the Rust router's req/s on this machine with any path" in page
 
 
 def test_the_report_page_shows_profiles_and_missing_ones():

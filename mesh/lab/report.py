@@ -285,6 +285,13 @@ def _http_budget(p: Page, d: dict[str, Any]) -> None:
     if full:
         note += (f" The full path spent {full['path_us']:,.0f} µs per request where {full['match_path_us']:,.0f} µs "
                  f"would match ({full['path_over_match']:.2f}x).")
+    zmq = next((r for r in rows if r["arm"] == "broker_zmq" and r.get("path_us_at_1_5x") is not None), None)
+    if zmq:
+        at = zmq["path_us_at_1_5x"]
+        note += (f" broker_zmq at 1.5x the Rust router's req/s would need a path of {at:,.0f} µs per request "
+                 f"(it spent {zmq['path_us']:,.0f})." if at > 0 else
+                 " broker_zmq cannot reach 1.5x the Rust router's req/s on this machine with any path: its load "
+                 "generator and workers alone cost more per request than that rate leaves.")
     p.notes.append(note)
 
 

@@ -694,7 +694,8 @@ def cpu_budget(cells: list[dict], concurrency: Iterable[int]) -> list[dict]:
     per request at which this arm, given the CPU it had and the same load generator and engine
     cost per request, would have served the Rust router's req/s at that concurrency
     (``path_over_match`` = path / that; None without the Rust arm or when the load generator and
-    engines alone would already exceed it)."""
+    engines alone would already exceed it); ``path_us_at_1_5x`` the same at 1.5x the Rust router's
+    req/s (broker_zmq's target), zero or negative when no path could reach it on this machine."""
     out: list[dict] = []
     for c in concurrency:
         sg = _find(cells, "sglang_router", c)
@@ -714,6 +715,8 @@ def cpu_budget(cells: list[dict], concurrency: Iterable[int]) -> list[dict]:
                 if room > 0:
                     row["match_path_us"] = round(room, 1)
                     row["path_over_match"] = round(parts["path"] / room, 3)
+                # the same at 1.5x the Rust router's req/s (broker_zmq's target); <= 0: out of reach on this machine
+                row["path_us_at_1_5x"] = round(busy / (1.5 * sg["rps"]) * 1e6 - parts["loadgen"] - parts["engines"], 1)
             out.append(row)
     return out
 
