@@ -86,6 +86,26 @@ def test_the_cpu_budget_says_what_path_cpu_would_match_the_rust_router():
     assert row["match_path_us"] is None and row["path_over_match"] is None
 
 
+def test_the_console_summary_prints_the_cpu_budget():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from mesh.lab.bench.http_bench import print_results
+
+    cells = [_cell("sglang_router", 64, 6000, 9, 16, 100), _cell("broker_adapters", 64, 3000, 20, 70, 400)]
+    for c in cells:
+        c.update(errors=0)
+        c["cpu_us_per_req"].update(gateways=None)
+    res = {"config": {"concurrency": [64], "seconds": 5, "path": "/generate", "stream": False, "max_new_tokens": 8,
+                      "loadgen": "python", "log_dir": "logs"}, "machine": {"cpus": 2},
+           "arms": {"broker_adapters": {"status": "ok"}, "sglang_router": {"status": "ok"}}, "cells": cells,
+           "targets": evaluate_targets(cells, [64]), "budget": cpu_budget(cells, [64])}
+    out = StringIO()
+    print_results(res, Console(file=out, width=200))
+    assert "CPU budget broker_adapters c=64: 1.25 cores busy; path 400 us/req, 192 us/req would match" in out.getvalue()
+
+
 def test_the_report_page_shows_the_cpu_budget():
     cells = [_cell("sglang_router", 64, 6000, 9, 16, 100), _cell("broker_adapters", 64, 3000, 20, 70, 400)]
     data = {"bench": "http", "config": {"arms": ["broker_adapters", "sglang_router"], "concurrency": [64], "seconds": 5,

@@ -761,6 +761,10 @@ def print_results(res: dict, console=None) -> None:
                   _f(r["sglang_router"], fmt) + (unit if r["sglang_router"] is not None else ""),
                   f"[{style}]{r['result']}[/{style}]")
     con.print(t)
+    for b in res.get("budget") or []:
+        if b["match_path_us"] is not None:
+            con.print(f"CPU budget {b['arm']} c={b['c']}: {b['cores_busy']:.2f} cores busy; path {b['path_us']:.0f} us/req, "
+                      f"{b['match_path_us']:.0f} us/req would match the Rust router ({b['path_over_match']:.2f}x)")
     for name, info in res["arms"].items():
         if info["status"] != "ok":
             con.print(f"{name}: {info['status']}: {info.get('reason', '')}")
