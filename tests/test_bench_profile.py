@@ -69,6 +69,7 @@ def test_the_cpu_budget_says_what_path_cpu_would_match_the_rust_router():
     cells = [_cell("sglang_router", 64, 6000, 9, 16, 100), _cell("broker_adapters", 64, 3000, 20, 70, 400),
              _cell("direct", 64, 20000, 1, 2, 0), _cell("broker_zmq", 1, 500, 1, 2, 50)]
     cells[2]["cpu_us_per_req"]["engines"] = None  # an arm without every figure is left out
+    cells.append(_cell("direct", 1, 5000, 0.2, 0.3, 0))  # and one without a path
     rows = {(r["arm"], r["c"]): r for r in cpu_budget(cells, [1, 64])}
     assert set(rows) == {("sglang_router", 64), ("broker_adapters", 64), ("broker_zmq", 1)}
     full = rows[("broker_adapters", 64)]

@@ -690,7 +690,9 @@ def cpu_budget(cells: list[dict], concurrency: Iterable[int]) -> list[dict]:
     profile that bounds it"). Per (arm, c): the CPU per request of the load generator, the engines
     and the path (``total_us``), and ``cores_busy`` = req/s x total: how much of the machine the
     arm kept busy. When ``cores_busy`` is close to the CPU count, req/s is that CPU divided by the
-    total, and the path's share is what a faster path can win. ``match_path_us``: the path's CPU
+    total, and the path's share is what a faster path can win (at c=1 one request at a time keeps
+    about one CPU busy: latency, not CPU, bounds req/s there). Arms without a path (direct) are
+    left out. ``match_path_us``: the path's CPU
     per request at which this arm, given the CPU it had and the same load generator and engine
     cost per request, would have served the Rust router's req/s at that concurrency
     (``path_over_match`` = path / that; None without the Rust arm or when the load generator and
@@ -704,8 +706,8 @@ def cpu_budget(cells: list[dict], concurrency: Iterable[int]) -> list[dict]:
                 continue
             us = cell.get("cpu_us_per_req") or {}
             parts = {k: us.get(k) for k in ("loadgen", "engines", "path")}
-            if cell["rps"] <= 0 or any(v is None for v in parts.values()):
-                continue
+            if cell["rps"] <= 0 or any(v is None for v in parts.values()) or not parts["path"]:
+                continue  # (direct: no path between the load and the engine)
             total = parts["loadgen"] + parts["engines"] + parts["path"]
             busy = cell["rps"] * total / 1e6
             row = {"arm": cell["arm"], "c": c, "rps": cell["rps"], **{f"{k}_us": round(v, 1) for k, v in parts.items()},
@@ -761,8 +763,9 @@ def print_results(res: dict, console=None) -> None:
                   _f(r["sglang_router"], fmt) + (unit if r["sglang_router"] is not None else ""),
                   f"[{style}]{r['result']}[/{style}]")
     con.print(t)
+    top = max(cfg["concurrency"])
     for b in res.get("budget") or []:
-        if b["match_path_us"] is not None:
+        if b["match_path_us"] is not None and b["c"] == top:  # (at c=1 one request at a time: latency, not CPU, bounds it)
             con.print(f"CPU budget {b['arm']} c={b['c']}: {b['cores_busy']:.2f} cores busy; path {b['path_us']:.0f} us/req, "
                       f"{b['match_path_us']:.0f} us/req would match the Rust router ({b['path_over_match']:.2f}x)")
     for name, info in res["arms"].items():
