@@ -342,6 +342,22 @@ def test_stall_escape_leaves_a_holder_stuck_behind_a_huge_prefill_and_only_then(
             CacheAware(**bad)
 
 
+def test_stall_escape_leaves_only_a_queue_the_holder_reported():
+    """Without a fresh LoadStat from the holder (before its first heartbeat, or telemetry gone
+    silent beyond ``freshness_s``) the queue is estimated from the routers' own unfinished
+    requests, decoding ones included: an upper bound, not a reason to recompute the prompt."""
+    held = FakeMatch({"h": 128}, 160)
+    silent, idle = WorkerState("h", inflight=2), ws("o", running=1)
+    silent.outstanding_prefill_tokens = 100_000  # what this router sent there and has not seen finish
+    d = CacheAware().choose(req(2560), [silent, idle], held, 0.01)
+    assert (d.worker_id, d.reason) == ("h", "cache_hit")
+    # the same queue reported by the holder itself is left; once its report is stale it is not
+    stuck = ws("h", running=1, wu=100_000, at=0.0)
+    assert CacheAware().choose(req(2560), [stuck, idle], held, 0.01).reason == "stall_escape"
+    late = CacheAware(freshness_s=5.0).choose(req(2560), [stuck, ws("o", running=1, at=5.5)], held, 5.5)
+    assert (late.worker_id, late.reason) == ("h", "cache_hit")
+
+
 def test_a_candidate_holding_the_prefix_is_seen_when_workers_outside_the_candidates_match_deeper():
     """The ranking read for a small fleet is the match's top len(candidates): workers that are not
     candidates (tried, drained, another bucket, without the LoRA adapter) but match deeper crowd it,

@@ -672,8 +672,14 @@ class CacheAware:
         blocks its holder for seconds). Relative on purpose: when every worker is as busy
         (saturation) nothing moves. The queue floor keeps short-prompt workloads on their
         holders: without it a 100 ms margin sent zipf's hits away from holders 150-300 ms deep
-        and recomputed their 2k-token prefixes into an overloaded fleet (2.0x greedy's p95)."""
+        and recomputed their 2k-token prefixes into an overloaded fleet (2.0x greedy's p95).
+        Only on the holder's own fresh LoadStat: without one the queue estimate falls back to
+        every unfinished request's prefill (decoding ones included), an upper bound, and on a fast
+        engine several routers' escapes on it during their first heartbeat interval recomputed
+        zipf's hot prefixes into a second queue (2.1x greedy's p95 at 4 routers)."""
         h = pick[4]
+        if h.fresh_load(now_s, self.freshness_s) is None:
+            return pick  # no measured queue to leave it for (see the docstring)
         queued_h = self.queued_tokens(h, now_s)
         if queued_h < self._ref_tokens(self.stall_queue_ms):
             return pick  # fast path: no holder queue that long
