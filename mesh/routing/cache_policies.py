@@ -678,12 +678,13 @@ class CacheAware:
         engine several routers' escapes on it during their first heartbeat interval recomputed
         zipf's hot prefixes into a second queue (2.1x greedy's p95 at 4 routers)."""
         h = pick[4]
-        if h.fresh_load(now_s, self.freshness_s) is None:
+        agg = h.fresh_load(now_s, self.freshness_s)
+        if agg is None:
             return pick  # no measured queue to leave it for (see the docstring)
-        queued_h = self.queued_tokens(h, now_s)
+        rate = h.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
+        queued_h = self._queued_tokens(h, agg, rate, now_s)
         if queued_h < self._ref_tokens(self.stall_queue_ms):
             return pick  # fast path: no holder queue that long
-        rate = h.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
         wait_h = 1000.0 * (queued_h + prompt_tokens - pick[3]) / rate
         alt = self._miss_pick(scored, load, lo_p, now_s)
         if alt is pick:

@@ -692,12 +692,12 @@ def cpu_budget(cells: list[dict], concurrency: Iterable[int]) -> list[dict]:
     arm kept busy. When ``cores_busy`` is close to the CPU count, req/s is that CPU divided by the
     total, and the path's share is what a faster path can win (at c=1 one request at a time keeps
     about one CPU busy: latency, not CPU, bounds req/s there). Arms without a path (direct) are
-    left out. ``match_path_us``: the path's CPU
-    per request at which this arm, given the CPU it had and the same load generator and engine
-    cost per request, would have served the Rust router's req/s at that concurrency
-    (``path_over_match`` = path / that; None without the Rust arm or when the load generator and
-    engines alone would already exceed it); ``path_us_at_1_5x`` the same at 1.5x the Rust router's
-    req/s (broker_zmq's target), zero or negative when no path could reach it on this machine."""
+    left out. ``match_path_us``: the path's CPU per request at which this arm, given the CPU it
+    had and the same load generator and engine cost per request, would have served the Rust
+    router's req/s at that concurrency (``path_over_match`` = path / that; None without the Rust
+    arm or when the load generator and engines alone would already exceed it);
+    ``path_us_at_1_5x`` the same at 1.5x the Rust router's req/s (broker_zmq's target), zero or
+    negative when no path could reach it on this machine."""
     out: list[dict] = []
     for c in concurrency:
         sg = _find(cells, "sglang_router", c)
