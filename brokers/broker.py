@@ -485,7 +485,7 @@ class Broker:
         if x is not None and now >= x.next_due():
             changes = x.tick(now, self._worker_state, self._worker_states)
             if changes:
-                apply_changes(changes, self._worker_state)
+                apply_changes(changes, self._worker_state, now)
 
     def _arm_timer(self, now: float) -> None:
         """Make sure the timer fires by the earliest due time (the loop clock is monotonic)."""
@@ -768,7 +768,7 @@ class Broker:
         """A peer broker's figures (see brokers/peer_exchange.py): merged into the worker states."""
         changes = receive(frames, now)
         if changes:
-            apply_changes(changes, self._worker_state)
+            apply_changes(changes, self._worker_state, now)
 
     def _worker_state(self, worker_id: str) -> WorkerState | None:
         sess = self.core.pool.by_id.get(worker_id)

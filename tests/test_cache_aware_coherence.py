@@ -321,3 +321,33 @@ def test_the_simulator_feeds_peer_dispatches_as_the_broker_does(monkeypatch):
     assert len({pid for pid, _ in heard}) == 2  # both routers heard the other's dispatches
     assert 20 <= len(heard) <= 60  # one per message showing a dispatch, at most one per request
     assert [t for _, t in heard] == sorted(t for _, t in heard)  # arrival times, in event order
+
+
+def test_a_parted_miss_reaches_one_queue_class_behind_the_shortest():
+    """On a busy fleet the shortest queue class often has one member: with exact ties only,
+    every rank took that worker in a burst and all but one waited a whole prefill behind the
+    others. Parted (another decision within the window), rank k takes the k-th worker within
+    ``rank_queue_classes`` (1) classes of the shortest queue, in the rule's order, whatever its
+    load; a worker further behind is never taken, and rank 0 keeps the plain best."""
+    def fleet():
+        a = ws("a", running=2)  # idle queue, one request more than b
+        b = ws("b", running=1, wu=150)  # one class (125 tokens) behind
+        c = ws("c", running=1, wu=2_000)  # far behind
+        return [a, b, c]
+
+    miss = FakeMatch({}, 128)
+    picks = {r: in_burst(CacheAware(router_rank=r)).choose(req(), fleet(), miss, 0.001).worker_id for r in range(4)}
+    assert picks == {0: "a", 1: "b", 2: "a", 3: "b"}
+    exact = {in_burst(CacheAware(router_rank=r, rank_queue_classes=0)).choose(req(), fleet(), miss, 0.001).worker_id
+             for r in range(4)}
+    assert exact == {"a"}  # the class of one: every rank collides on it
+    # a quiet moment (no decision within the window): the best, at any rank
+    assert CacheAware(router_rank=3).choose(req(), fleet(), miss, 0.001).worker_id == "a"
+    for bad in (-1, 1.5, "1", None, True):
+        with pytest.raises(ValueError, match="rank_queue_classes"):
+            CacheAware(rank_queue_classes=bad)
+    from mesh.config import BrokerSettings
+    from mesh.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rank_queue_classes"):
+        BrokerSettings(rank_queue_classes=-2).validate()

@@ -366,3 +366,45 @@ def test_a_candidate_holding_the_prefix_is_seen_when_workers_outside_the_candida
     m = FakeMatch({"x1": 128, "x2": 128, "b": 120}, 128)  # x1, x2: not candidates
     d = CacheAware(temperature=0.0, temperature_ms=0.0, cost_ties="always").choose(req(), pool, m, 0.1)
     assert (d.worker_id, d.reason, d.matched_blocks) == ("b", "cache_hit", 120)
+
+
+def test_the_prefill_queue_is_a_fluid_of_timed_sends():
+    """cache_aware's queue estimate adds every send at its own time and drains it at the
+    worker's rate from then on: capacity the worker had while idle is not spent on work that
+    arrived later (a send 300 ms after an idle snapshot used to read as nothing queued), and a
+    peer's send heard through the exchange counts from when it was heard."""
+    pol = CacheAware()
+    w = ws("a", at=0.0)
+    w.prefill_tokens_per_s = 10_000.0
+    w.record_dispatch(2_000, 0.3)
+    assert pol.queued_tokens(w, 0.3) == pytest.approx(2_000)
+    assert pol.queued_tokens(w, 0.35) == pytest.approx(1_500)
+    assert pol.queued_tokens(w, 0.6) == 0
+    w.apply_peer_change(1, 1_000, 1_000, now_s=0.7)
+    assert pol.queued_tokens(w, 0.75) == pytest.approx(500)
+    # sends close together queue behind each other
+    w.record_dispatch(1_000, 0.75)
+    assert pol.queued_tokens(w, 0.8) == pytest.approx(1_000)
+
+
+def test_a_loadstat_keeps_the_prefill_in_progress_but_not_its_own_old_queue():
+    """A LoadStat counts waiting work only: the prefill a worker is computing right now is in
+    its running batch. What is left of the work sent since the previous snapshot stays in the
+    estimate when it is more than the snapshot's queue (a worker halfway through a long prefill
+    does not look idle the moment its LoadStat arrives); a snapshot's queue never carries over
+    into the next one, so a lying LoadStat costs one heartbeat interval, as before."""
+    pol = CacheAware()
+    w = ws("a", at=0.0)
+    w.prefill_tokens_per_s = 6_000.0
+    w.record_dispatch(3_000, 0.1)  # 500 ms of prefill
+    w.update_load([LoadStat(1, 0, 0, 400_000, 0, 0, 0, 256, 0, 0)], 0.2)  # admitted: waiting 0
+    w.prefill_tokens_per_s = 6_000.0
+    assert pol.queued_tokens(w, 0.2) == pytest.approx(2_400)
+    assert pol.queued_tokens(w, 0.7) == 0  # done by then
+    # a snapshot's own waiting queue wins when larger
+    w.update_load([LoadStat(1, 1, 0, 400_000, 0, 9_000, 0, 256, 0, 0)], 0.8)
+    w.prefill_tokens_per_s = 6_000.0
+    assert pol.queued_tokens(w, 0.8) == pytest.approx(9_000)
+    # ... and does not outlive the next snapshot (nothing was sent in between)
+    w.update_load([LoadStat(1, 0, 0, 400_000, 0, 0, 0, 256, 0, 0)], 1.0)
+    assert pol.queued_tokens(w, 1.0) == 0

@@ -275,7 +275,7 @@ class BucketRouter:
             detail["predicted_ttft_ms"] = pdt.get("predicted_ttft_ms")
         detail["uncached_tokens"] = uncached
         d = Decision(w.worker_id, pick.reason, matched_blocks=blocks, degraded=degraded, uncached_tokens=uncached, detail=detail)
-        w.record_dispatch(uncached)
+        w.record_dispatch(uncached, now_s)
         assign_rank(d, w, match, now_s, self.freshness_s)  # the prefill (or mixed) leg's rank
         if dec is not None:
             kv = _kv_tokens(req)
@@ -285,7 +285,7 @@ class BucketRouter:
             detail["decode_pass"] = dec.pass_
             detail["decode_kv_tokens"] = kv
             detail["bootstrap_room"] = self.rng.getrandbits(63)
-            dec.worker.record_dispatch(kv)
+            dec.worker.record_dispatch(kv, now_s)
         if self.provider is not None:
             self.provider.on_routed(req, w.worker_id, now_s)
         return d

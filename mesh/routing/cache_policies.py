@@ -58,7 +58,8 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    view, so a burst reaching several routers within the exchange's delay sends all their misses
    to the same least-sent worker. Router k (``router_rank``: its rank by id among itself and its
    fresh peers, set by the exchange's shell) takes the k-th member of the best tie class instead
-   (:func:`part_ties`), but only while another decision was made within the window (that many
+   (:func:`part_ties`; on a miss the class reaches ``rank_queue_classes``, 1, queue classes behind
+   the shortest queue: the best class alone often has one member on a busy fleet), but only while another decision was made within the window (that many
    prefills of a typical request at the workers' measured rate: a slow engine's window is
    longer, a fast one's shorter) before this one: its own previous one, or a peer's dispatch heard through the exchange
    (:meth:`CacheAware.note_peer_dispatch`, the arrival time on this router's clock). A router
@@ -276,7 +277,8 @@ class CacheAware:
                  imbalance_scope: str = "holder", miss_order: str = "sent", stall_escape_ms: float = 200.0,
                  stall_queue_ms: float = 1000.0, tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
                  learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "misses",
-                 rank_window_prefills: float = RANK_WINDOW_PREFILLS, rank_window_ms: float | None = None) -> None:
+                 rank_window_prefills: float = RANK_WINDOW_PREFILLS, rank_window_ms: float | None = None,
+                 rank_queue_classes: int = 1) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -341,6 +343,10 @@ class CacheAware:
         if rank_ties not in ("all", "holders", "misses", "off"):
             raise ValueError(f"rank_ties must be all, holders, misses or off, not {rank_ties!r}")
         self.rank_ties = rank_ties
+        if type(rank_queue_classes) is not int or rank_queue_classes < 0:
+            raise ValueError(f"rank_queue_classes must be an int >= 0, not {rank_queue_classes!r}")
+        # a parted miss reaches workers this many queue classes (miss_queue_ms) behind the best
+        self.rank_queue_classes = rank_queue_classes
         # ties are parted only while decisions can collide: this router's previous decision, or
         # a peer's dispatch heard through the exchange (note_peer_dispatch), within the window
         # (CollisionWindow: rank_window_prefills typical prefills, or rank_window_ms when set)
@@ -481,19 +487,15 @@ class CacheAware:
 
     @staticmethod
     def _queued_tokens(w: WorkerState, agg, rate: float, now_s: float) -> float:
-        """Uncached prefill tokens queued on w now. With fresh telemetry (``agg``): the
-        snapshot's queue plus what this router and its peers sent since, drained at the worker's
-        rate for the time since the snapshot (a fluid estimate; without the drain every token
-        sent in the last heartbeat period counted as still queued, which overstated the queue of
-        a busy worker several-fold: the calibration's fit put its weight at 0.02). Without: the
-        outstanding prefill tokens of this router and its peers (fail-open)."""
+        """Uncached prefill tokens queued on w now. With fresh telemetry (``agg``): the fluid
+        :meth:`WorkerState.queued_tokens` (the snapshot's queue, then every send of this router
+        and its peers added at its time and drained at the worker's rate; without the drain every
+        token sent in the last heartbeat period counted as still queued, which overstated a busy
+        worker's queue several-fold). Without: the outstanding prefill tokens of this router and
+        its peers (fail-open)."""
         if agg is None:
             return float(w.outstanding_prefill_tokens + w.peer_prefill_tokens)
-        queued = float(agg.waiting_uncached_tokens + w.pending_since_load_tokens)
-        since_s = now_s - max(w.load_at_s) if w.load_at_s else 0.0
-        if since_s > 0.0:
-            queued = max(0.0, queued - rate * since_s)
-        return queued
+        return w.queued_tokens(now_s, rate)
 
     def queued_tokens(self, w: WorkerState, now_s: float) -> float:
         """The uncached prefill tokens queued on w now (see :meth:`_queued_tokens`)."""
@@ -663,7 +665,16 @@ class CacheAware:
         sent = self.miss_sent
         keyed = [((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
                   t[4].fleet_sent_tokens if sent else 0, t[2], t) for t in pool if round(load[t[2]]) <= floor]
-        return part_ties(keyed, self._rank_miss if self._parting else 0)
+        rank = self._rank_miss if self._parting else 0
+        reach = self.rank_queue_classes
+        if rank and reach and len(keyed) > 1:
+            # Parted, the tie class is every worker within ``reach`` queue classes of the
+            # shortest queue, whatever its load, in the rule's order: the best class alone often
+            # has one or two members on a busy fleet, so the ranks wrapped around onto the same
+            # idle worker and collided (a whole prefill's wait) where one a few ms behind was free.
+            best = min(k[0][0] for k in keyed)
+            keyed = [((0,) if k[0][0] <= best + reach else k[0], (k[0], k[1]), k[2], k[3]) for k in keyed]
+        return part_ties(keyed, rank)
 
     def _stall_escape(self, pick, scored, load, lo_p: float, prompt_tokens: int, now_s: float):
         """Leave the holder ``pick`` when at least ``stall_queue_ms`` of prefill is queued on it

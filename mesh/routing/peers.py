@@ -273,14 +273,15 @@ class PeerMerge:
             del figs[wid]
 
 
-def apply_changes(changes: Iterable[PeerChange], lookup: Callable[[str], WorkerState | None]) -> int:
+def apply_changes(changes: Iterable[PeerChange], lookup: Callable[[str], WorkerState | None],
+                  now_s: float | None = None) -> int:
     """Apply :data:`PeerChange` items to the worker states ``lookup`` finds (unknown workers are
     skipped: :meth:`PeerMerge.totals` seeds them when they register). Returns how many applied."""
     n = 0
     for wid, d_n, d_pre, sent, live in changes:
         st = lookup(wid)
         if st is not None:
-            st.apply_peer_change(d_n, d_pre, sent, live)
+            st.apply_peer_change(d_n, d_pre, sent, live, now_s)
             n += 1
     return n
 

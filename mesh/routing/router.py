@@ -103,7 +103,7 @@ class Router:
             hit = min(d.matched_blocks * bs, max(0, req.prompt_tokens - 1)) if d.matched_blocks else 0
             d.uncached_tokens = req.prompt_tokens - hit
         w = self._by_id(pool).get(d.worker_id) or next(x for x in cands if x.worker_id == d.worker_id)
-        w.record_dispatch(d.uncached_tokens)
+        w.record_dispatch(d.uncached_tokens, now_s)
         assign_rank(d, w, match, now_s, getattr(self.policy, "freshness_s", 5.0))  # before on_routed changes the index
         if self.provider is not None:
             self.provider.on_routed(req, d.worker_id, now_s)

@@ -31,6 +31,7 @@ class AggregatedLoad:
         return self.used_tokens / self.max_tokens if self.max_tokens > 0 else 0.0
 
 
+DRAIN_FALLBACK_TOKENS_PER_S = 25_000.0  # the fluid queue's drain before a worker's rate is measured
 LOAD_STRIKES = 3  # consecutive implausible LoadStats before a worker's telemetry is ignored
 LOAD_DISTRUST_S = 30.0  # how long it is then ignored
 
@@ -70,6 +71,11 @@ class WorkerState:
     inflight_at_load: int = 0
     outstanding_prefill_tokens: int = 0  # uncached tokens of this router's unfinished requests
     pending_since_load_tokens: int = 0  # uncached tokens this router sent since the last LoadStat
+    # The worker's prefill queue as a fluid (uncached tokens at ``queue_at_s``): the last
+    # LoadStat's waiting tokens, then every send this router makes or hears of added at its time
+    # and drained at the worker's rate in between (see :meth:`queued_tokens`).
+    queue_tokens: float = 0.0
+    queue_at_s: float = 0.0
     prefill_tokens_per_s: float | None = None
     peer_inflight: int = 0  # requests fresh peer routers have in flight here (exchange)
     peer_prefill_tokens: int = 0  # ... and their uncached prefill tokens
@@ -127,6 +133,17 @@ class WorkerState:
             self.prefill_tokens_per_s = rate
         self.inflight_at_load = self.inflight
         self._agg = agg = self._aggregate()
+        # The fluid restarts from the snapshot's waiting tokens. A snapshot counts no prefill the
+        # engine is computing right now (admitted into its running batch), so what is left of the
+        # work sent since the previous snapshot stays when that is more: without it a worker
+        # halfway through a 170 ms prefill looked idle to every router the moment its LoadStat
+        # arrived. Only work sent since then, of requests still unfinished, carries over (a
+        # lying snapshot's queue does not, nor a request that already answered in full).
+        fluid = self.queued_tokens(now_s, self.prefill_tokens_per_s or DRAIN_FALLBACK_TOKENS_PER_S)
+        carried = min(fluid, float(self.pending_since_load_tokens), float(self.fleet_prefill_tokens))
+        snap = float(agg.waiting_uncached_tokens) if agg is not None else 0.0
+        self.queue_tokens = snap if snap > carried else carried
+        self.queue_at_s = now_s
         self.pending_since_load_tokens = 0
         if agg is not None:
             # Honest telemetry counts at least this router's requests (all routers' in fact),
@@ -142,11 +159,25 @@ class WorkerState:
         if now_s < self.load_distrust_until_s:
             self.prefill_tokens_per_s = None  # its counters are no more credible than its queue
 
-    def record_dispatch(self, uncached_tokens: int) -> None:
+    def _enqueue(self, tokens: int, now_s: float | None) -> None:
+        if now_s is not None and now_s > self.queue_at_s:
+            self.queue_tokens = self.queued_tokens(now_s, self.prefill_tokens_per_s or DRAIN_FALLBACK_TOKENS_PER_S)
+            self.queue_at_s = now_s
+        self.queue_tokens += tokens
+
+    def queued_tokens(self, now_s: float, rate_tokens_per_s: float) -> float:
+        """Uncached prefill tokens queued here at ``now_s`` (a fluid estimate): the fluid at
+        ``queue_at_s`` drained at ``rate_tokens_per_s`` since. Sends are added at their own time,
+        so capacity the worker had while idle is never spent on work that arrived later."""
+        q = self.queue_tokens - rate_tokens_per_s * (now_s - self.queue_at_s) if now_s > self.queue_at_s else self.queue_tokens
+        return q if q > 0.0 else 0.0
+
+    def record_dispatch(self, uncached_tokens: int, now_s: float | None = None) -> None:
         """This router sent a request here (keeps the live corrections to stale telemetry)."""
         self.inflight += 1
         self.outstanding_prefill_tokens += uncached_tokens
         self.pending_since_load_tokens += uncached_tokens
+        self._enqueue(uncached_tokens, now_s)
         self.sent_tokens += uncached_tokens
         if self.exchange_dirty is not None:
             self.exchange_dirty.add(self.worker_id)
@@ -181,7 +212,8 @@ class WorkerState:
         since = mine - (self.rank_inflight_at_load[dp_rank] if dp_rank < len(self.rank_inflight_at_load) else 0)
         return max(0.0, float(ls.num_running_reqs + ls.num_waiting_reqs + since))
 
-    def apply_peer_change(self, d_inflight: int, d_prefill_tokens: int, sent_tokens: int, live: bool = True) -> None:
+    def apply_peer_change(self, d_inflight: int, d_prefill_tokens: int, sent_tokens: int, live: bool = True,
+                          now_s: float | None = None) -> None:
         """Peers' figures here changed by ``d_inflight`` requests and ``d_prefill_tokens``
         uncached tokens, and they sent ``sent_tokens`` more uncached tokens.
 
@@ -197,6 +229,8 @@ class WorkerState:
             self.inflight_at_load -= d_inflight
             self.pending_since_load_tokens += sent_tokens
             self.peer_sent_tokens += sent_tokens
+            if sent_tokens:
+                self._enqueue(sent_tokens, now_s)
 
     @property
     def fleet_sent_tokens(self) -> int:

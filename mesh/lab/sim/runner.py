@@ -596,7 +596,7 @@ class Arm:
                 for sr in routers:
                     if sr.index != a:
                         outcome, changes = sr.merge.apply(b, t)  # type: ignore[union-attr]
-                        x_applied += apply_changes(changes, sr.by_id.get)
+                        x_applied += apply_changes(changes, sr.by_id.get, t)
                         if outcome == "applied" and peer_dispatched(changes):  # as the broker's exchange shell
                             set_router_rank(sr.router, sr.index, t)
                         if outcome == "applied" and b.sessions and hasattr(sr.router, "session_table"):
