@@ -287,7 +287,21 @@ def test_publisher_and_merge_round_trip_through_the_wire():
         decoded = P.decode_exchange(frames)
         applied(merge, decoded, theirs, 0.01 * (i + 1))
     assert figs(theirs["w0"]) == (5, 500)
-    assert theirs["w0"].pending_since_load_tokens == 400  # the first sight is a baseline, not new work
+    # the first sight's counter is a baseline, but the prefill outstanding then (100) is news
+    assert theirs["w0"].pending_since_load_tokens == 500
+
+
+def test_a_first_sight_counts_only_the_outstanding_prefill_as_sent():
+    """A peer's counter at first sight of a worker is history (everything it ever sent there),
+    not new work: only what it has outstanding there now counts as sent, and only when its
+    figures are news (a peer that restarted starts from a baseline)."""
+    merge = PeerMerge("b2", stale_s=1.0)
+    outcome, changes = merge.apply(P.PeerLoad("b1", 3, 0, False, [("w0", 1, 300, 90_000)], 1000), 0.0)
+    assert outcome == "applied" and changes == [("w0", 1, 300, 300, True)]
+    outcome, changes = merge.apply(P.PeerLoad("b1", 3, 1, False, [("w1", 2, 5_000, 800)], 1000), 0.01)
+    assert changes == [("w1", 2, 5_000, 800, True)]  # never more than the counter
+    outcome, changes = merge.apply(P.PeerLoad("b1", 3, 2, False, [("w0", 2, 700, 90_400)], 1000), 0.02)
+    assert changes == [("w0", 1, 400, 400, True)]  # then the counter's growth, as before
 
 
 # --------------------------------------------------------------------------- protocol
