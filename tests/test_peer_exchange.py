@@ -425,3 +425,27 @@ def test_sim_exchange_delay_decides_when_peers_see_the_work():
     soon = run_sim(_sim_cfg(exchange=True, exchange_delay_ms=2.0))["arms"][0]
     assert late["served_per_worker"] == off["served_per_worker"] and late["exchange_applied"] == 0
     assert soon["served_per_worker"] != off["served_per_worker"] and soon["exchange_applied"] > 0
+
+
+def test_a_peers_forged_figures_do_not_outlive_the_next_loadstat_in_the_queue_estimate():
+    """A hostile peer reports an enormous outstanding prefill and sent counter on a worker it
+    has never used: the queue estimate takes it until the worker's next LoadStat, and after that
+    at most one prefill chunk (the work a snapshot can miss) carries over, draining away."""
+    from mesh.load import LoadStat
+    from mesh.routing.cache_policies import CacheAware
+    from mesh.routing.peers import apply_changes
+    from mesh.routing.view import IN_PROGRESS_MAX_TOKENS
+
+    w = states("w0")["w0"]
+    w.update_load([LoadStat(0, 0, 0, 400_000, 0, 0, 0, 256, 0, 0)], 0.0)
+    w.prefill_tokens_per_s = 25_000.0
+    merge = PeerMerge("b2", stale_s=10.0)
+    huge = P.MAX_PEER_PREFILL_TOKENS
+    _, changes = merge.apply(P.PeerLoad("evil", 1, 0, False, [("w0", 5, huge, huge)], 1000), 0.1)
+    apply_changes(changes, {"w0": w}.get, 0.1)
+    pol = CacheAware()
+    assert pol.queued_tokens(w, 0.1) >= huge  # believed until the worker speaks
+    w.update_load([LoadStat(0, 0, 0, 400_000, 0, 0, 0, 256, 0, 0)], 0.5)
+    w.prefill_tokens_per_s = 25_000.0
+    assert pol.queued_tokens(w, 0.5) == IN_PROGRESS_MAX_TOKENS
+    assert pol.queued_tokens(w, 0.501 + IN_PROGRESS_MAX_TOKENS / 25_000.0) == 0

@@ -59,7 +59,8 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    to the same least-sent worker. Router k (``router_rank``: its rank by id among itself and its
    fresh peers, set by the exchange's shell) takes the k-th member of the best tie class instead
    (:func:`part_ties`; on a miss the class reaches ``rank_queue_classes``, 1, queue classes behind
-   the shortest queue: the best class alone often has one member on a busy fleet), but only while another decision was made within the window (that many
+   the shortest queue: the best class alone often has one member on a busy fleet), but only
+   while another decision was made within the window (that many
    prefills of a typical request at the workers' measured rate: a slow engine's window is
    longer, a fast one's shorter) before this one: its own previous one, or a peer's dispatch heard through the exchange
    (:meth:`CacheAware.note_peer_dispatch`, the arrival time on this router's clock). A router

@@ -31,6 +31,7 @@ class AggregatedLoad:
         return self.used_tokens / self.max_tokens if self.max_tokens > 0 else 0.0
 
 
+IN_PROGRESS_MAX_TOKENS = 16_384  # the prefill a LoadStat can miss per DP rank: one chunk (SGLang 8k-16k)
 DRAIN_FALLBACK_TOKENS_PER_S = 25_000.0  # the fluid queue's drain before a worker's rate is measured
 LOAD_STRIKES = 3  # consecutive implausible LoadStats before a worker's telemetry is ignored
 LOAD_DISTRUST_S = 30.0  # how long it is then ignored
@@ -139,8 +140,12 @@ class WorkerState:
         # halfway through a 170 ms prefill looked idle to every router the moment its LoadStat
         # arrived. Only work sent since then, of requests still unfinished, carries over (a
         # lying snapshot's queue does not, nor a request that already answered in full).
+        # An engine computes at most one prefill chunk per DP rank at a time (the rest of a
+        # chunked prompt is in the snapshot's waiting tokens), so no more than that carries
+        # over: a peer's forged figures cannot keep a worker looking busy past the snapshot.
         fluid = self.queued_tokens(now_s, self.prefill_tokens_per_s or DRAIN_FALLBACK_TOKENS_PER_S)
-        carried = min(fluid, float(self.pending_since_load_tokens), float(self.fleet_prefill_tokens))
+        carried = min(fluid, float(self.pending_since_load_tokens), float(self.fleet_prefill_tokens),
+                      float(IN_PROGRESS_MAX_TOKENS * (self.dp_size if self.dp_size > 1 else 1)))
         snap = float(agg.waiting_uncached_tokens) if agg is not None else 0.0
         self.queue_tokens = snap if snap > carried else carried
         self.queue_at_s = now_s
@@ -169,7 +174,9 @@ class WorkerState:
         """Uncached prefill tokens queued here at ``now_s`` (a fluid estimate): the fluid at
         ``queue_at_s`` drained at ``rate_tokens_per_s`` since. Sends are added at their own time,
         so capacity the worker had while idle is never spent on work that arrived later."""
-        q = self.queue_tokens - rate_tokens_per_s * (now_s - self.queue_at_s) if now_s > self.queue_at_s else self.queue_tokens
+        q = self.queue_tokens
+        if now_s > self.queue_at_s:
+            q -= rate_tokens_per_s * (now_s - self.queue_at_s)
         return q if q > 0.0 else 0.0
 
     def record_dispatch(self, uncached_tokens: int, now_s: float | None = None) -> None:
