@@ -293,6 +293,42 @@ def test_matrix_compares_the_audit_with_the_measured_mean_difference():
     assert sh["by_baseline"] == {"power_of_two": 60.0, "cache_aware_greedy": -21.0}
 
 
+def test_batch_means_give_a_paired_confidence_interval_of_the_measured_difference():
+    from mesh.lab.sim.metrics import BATCHES, batch_means, paired_ci95
+
+    # 40 requests: request i lands in batch i * 20 // 40; a failed request (missing) is left out
+    bm = batch_means(((i, float(i)) for i in range(40) if i != 3), 40)
+    assert len(bm) == BATCHES and bm[0] == 0.5 and bm[1] == 2.0 and bm[19] == 38.5
+    assert batch_means([], 4) == [None] * BATCHES
+    # an arm 10 ms slower in every batch: the difference is known exactly
+    a = [100.0 + b for b in range(20)]
+    m, half = paired_ci95([x + 10.0 for x in a], a)
+    assert m == 10.0 and half == 0.0
+    # differences alternating 0 / 20 ms: mean 10, sd 10.26, t(19) 2.093 -> half-width 4.80
+    m, half = paired_ci95([x + (20.0 if i % 2 else 0.0) for i, x in enumerate(a)], a)
+    assert m == 10.0 and abs(half - 2.093 * math.sqrt(400 * 20 / 4 / 19) / math.sqrt(20)) < 1e-9
+    assert paired_ci95(a, a[:5]) is None and paired_ci95([1.0, None, 2.0], [1.0, 1.0, None]) is None
+
+
+def test_the_regret_check_says_when_the_prediction_is_within_the_measured_differences_interval():
+    from mesh.lab.sim.matrix import regret_check
+
+    subj = {"policy": "cache_aware", "ttft_mean_ms": 100.0, "ttft_batch_means_ms": [100.0] * 20,
+            "regret": {"pays_ms": {"power_of_two": 50.0, "cache_aware_greedy": 9.0, "best": 9.0},
+                       "baselines": {"power_of_two": {"decisions": 9}, "cache_aware_greedy": {"decisions": 9}}}}
+    # greedy measured 4 ms slower on average, batch by batch 0 or 8 ms: a half-width of 1.92 ms
+    greedy = {"policy": "cache_aware_greedy", "ttft_mean_ms": 104.0,
+              "ttft_batch_means_ms": [100.0 + (8.0 if i % 2 else 0.0) for i in range(20)]}
+    base = [{"policy": "power_of_two", "ttft_mean_ms": 170.0}, greedy]
+    rc = regret_check(subj, base)
+    assert rc["measured_ms"] == 4.0 and not rc["within"]  # 9 against 4: 125 % off
+    assert 1.9 < rc["measured_ci95_ms"] < 1.95 and not rc["within_ci"]  # and 5 ms beyond what the arms know
+    greedy["ttft_batch_means_ms"] = [100.0 + (24.0 if i % 2 else -16.0) for i in range(20)]  # same mean, noisier
+    rc = regret_check(subj, base)
+    assert rc["measured_ci95_ms"] > 9.0 and rc["within_ci"] and not rc["within"]
+    assert "measured_ci95_ms" not in regret_check({**subj, "ttft_batch_means_ms": None}, base)
+
+
 def test_broker_metrics_show_the_regret_gauge_after_requests(procs):
     """One small real-process run: a cache_aware broker (audit on by default), two simulated
     workers, a few requests: /metrics has the histogram with one count per audited decision and

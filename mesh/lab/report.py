@@ -443,7 +443,10 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
         p.notes.append(f"Regret audit (docs/routing.md): its predicted \"pays X ms\" is within 25 % of the measured "
                        f"{subject} - best other mean TTFT difference in {rg['within_25pct']} of {rg['runs']} cell-seeds "
                        f"(target {rg.get('target_share', 0.8):.0%}), sign right in {rg.get('sign_right', '-')}"
-                       + (f"; {alt}" if alt else "") + ".")
+                       + (f"; {alt}" if alt else "")
+                       + (f"; within 25 % or within the measured difference's 95 % confidence interval (paired batch "
+                          f"means) in {rg['within_25pct_or_ci95']} of {rg['ci95_runs']}" if "within_25pct_or_ci95" in rg else "")
+                       + ".")
     return p
 
 

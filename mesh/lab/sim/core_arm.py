@@ -56,7 +56,7 @@ from mesh.hashing import content_keys
 from mesh.routing.router import make_policy
 from mesh.lab.sim.events import EventQueue
 from mesh.lab.sim.fleet import PROVIDER_FEEDS, engine_step, make_router, policy_base, roles_and_labels, worker_ids
-from mesh.lab.sim.metrics import cv, mean, percentile, ratio
+from mesh.lab.sim.metrics import batch_means, cv, mean, percentile, ratio
 from mesh.lab.sim.workloads import seed_key
 
 __all__ = ["FaultSpec", "CoreArm", "parse_faults"]
@@ -623,6 +623,7 @@ class CoreArm:
             "worker_cv": round(cv(served), 6), "busy_cv": round(cv(busy), 6),
             "utilisation": round(mean(busy) / span, 6),
             "ttft_mean_ms": round(mean(ttft), 3) if ttft else None,
+            "ttft_batch_means_ms": batch_means(((i, (first[i] - arrival[i]) * 1e3) for i in ok), n),
             "ttft_p50_ms": _round_percentile(ttft, 50), "ttft_p95_ms": _round_percentile(ttft, 95), "ttft_p99_ms": _round_percentile(ttft, 99),
             "e2e_p50_ms": _round_percentile(e2e, 50), "e2e_p95_ms": _round_percentile(e2e, 95),
             "throughput_rps": round(ratio(len(ok), span), 6),

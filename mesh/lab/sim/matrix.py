@@ -95,6 +95,7 @@ from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES, make_policy
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, run_sim
+from mesh.lab.sim.metrics import paired_ci95
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
 __all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix",
@@ -679,7 +680,11 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
     ``within`` when ``|predicted - measured| <= 25 %`` of ``|measured|``; per baseline the same
     figures under ``by_baseline``. ``noise_ms`` (the subject's mean TTFT under another worker
     naming, minus its own: what the measured difference is known to) adds ``within_noise``:
-    within 25 % or within that noise. None when the subject arm carries no audit."""
+    within 25 % or within that noise. When both arms carry batch means
+    (:func:`mesh.lab.sim.metrics.batch_means`), ``measured_ci95_ms`` is the 95 % confidence
+    half-width of the measured difference (paired batch means) and ``within_ci`` says the
+    prediction is within 25 % or within that interval: a 25 % band narrower than the interval
+    asks more of the audit than the arms know. None when the subject arm carries no audit."""
     rg = subject.get("regret")
     if not rg or not baselines:
         return None
@@ -695,6 +700,10 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
     if noise_ms is not None:
         out["noise_ms"] = _r(noise_ms, 3)
         out["within_noise"] = out["within"] or abs(predicted - measured) <= noise_ms
+    ci = paired_ci95(best.get("ttft_batch_means_ms") or [], subject.get("ttft_batch_means_ms") or [])
+    if ci is not None:  # how well the arms know the difference (batch means, mesh.lab.sim.metrics)
+        out["measured_ci95_ms"] = _r(ci[1], 3)
+        out["within_ci"] = out["within"] or abs(predicted - measured) <= ci[1]
     out["by_baseline"] = {b["policy"]: {"predicted_ms": pays.get(b["policy"]),
                                         "measured_ms": _r(b["ttft_mean_ms"] - subject["ttft_mean_ms"], 3)}
                           for b in baselines}
@@ -769,6 +778,10 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
         noisy = [x for x in checks if "within_noise" in x]
         if noisy:
             out["regret"]["within_25pct_or_noise"] = sum(1 for x in noisy if x["within_noise"])
+        cis = [x for x in checks if "within_ci" in x]
+        if cis:
+            out["regret"]["within_25pct_or_ci95"] = sum(1 for x in cis if x["within_ci"])
+            out["regret"]["ci95_runs"] = len(cis)
     return out
 
 
@@ -1019,6 +1032,9 @@ def render_report(report: dict[str, Any]) -> list[Any]:
         if "within_25pct_or_noise" in rs:
             lines.append(f"    (within 25 % or within the cell's own noise, {SHORT.get(subject, subject)}'s mean TTFT under another "
                          f"worker naming: {rs['within_25pct_or_noise']}/{rs['runs']})")
+        if "within_25pct_or_ci95" in rs:
+            lines.append(f"    (within 25 % or within the measured difference's 95 % confidence interval, paired batch means: "
+                         f"{rs['within_25pct_or_ci95']}/{rs['ci95_runs']})")
     if "ttft_p95_misses_beyond_noise" in sm:
         beyond = sm["ttft_p95_misses_beyond_noise"]
         lines.append(f"  TTFT p95 misses larger than the cell's noise ({subject} with its workers named in another order): "

@@ -1,13 +1,61 @@
-"""Metric definitions of the simulator: re-exported from :mod:`mesh.stats`.
+"""Metric definitions of the simulator: re-exported from :mod:`mesh.stats`, plus the batch means
+the matrix's regret check reads.
 
 The definitions (type 7 percentile, population cv, safe ratio, mean) live in the neutral
 :mod:`mesh.stats` so the benches and the indexer share them; this module keeps the simulator's
 ``from mesh.lab.sim.metrics import percentile`` imports working (hand-checked in tests/test_sim.py
 and tests/test_stats.py).
+
+**Batch means.** Two arms of one (cell, seed) replay the same requests, so a difference of their
+mean TTFTs is a paired comparison; but TTFTs in one arm are not independent (a queue delays the
+requests after it), so the textbook standard error of a mean understates how well the difference
+is known. :func:`batch_means` cuts the stream, by request index, into :data:`BATCHES` contiguous
+batches and keeps each batch's mean; :func:`paired_ci95` takes the per-batch differences of two
+arms as about independent samples (the batch-means method of simulation output analysis) and
+gives the 95 % confidence half-width of the difference of means.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Iterable, Sequence
+
 from mesh.stats import cv, mean, percentile, ratio
 
-__all__ = ["percentile", "cv", "ratio", "mean"]
+__all__ = ["percentile", "cv", "ratio", "mean", "batch_means", "paired_ci95", "BATCHES"]
+
+#: batches of :func:`batch_means` (contiguous runs of request indices)
+BATCHES = 20
+#: Student's t, 97.5 % quantile, by degrees of freedom (2 .. BATCHES - 1)
+_T975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 11: 2.201,
+         12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
+
+
+def batch_means(values: Iterable[tuple[int, float]], n: int, batches: int = BATCHES) -> list[float | None]:
+    """The mean of ``values`` ((request index, value) pairs, indices in ``[0, n)``) in each of
+    ``batches`` contiguous index ranges of equal size; None for a range with no value (every
+    request in it failed)."""
+    sums = [0.0] * batches
+    counts = [0] * batches
+    if n <= 0:
+        return [None] * batches
+    for i, v in values:
+        b = min(batches - 1, i * batches // n)
+        sums[b] += v
+        counts[b] += 1
+    return [round(s / c, 3) if c else None for s, c in zip(sums, counts)]
+
+
+def paired_ci95(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[float, float] | None:
+    """(mean of ``a - b`` over the batches both have, its 95 % confidence half-width), or None
+    with fewer than 3 such batches or batch lists of different lengths. The half-width uses
+    Student's t for ``k - 1`` degrees of freedom (k the batches used)."""
+    if len(a) != len(b):
+        return None
+    d = [x - y for x, y in zip(a, b) if x is not None and y is not None]
+    k = len(d)
+    if k < 3:
+        return None
+    m = math.fsum(d) / k
+    sd = math.sqrt(math.fsum((x - m) ** 2 for x in d) / (k - 1))
+    return m, _T975.get(k - 1, 2.09 if k <= 30 else 1.96) * sd / math.sqrt(k)

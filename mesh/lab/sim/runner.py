@@ -97,7 +97,7 @@ from mesh.routing.router import POLICIES, Router, make_policy
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 from mesh.lab.sim.events import EventQueue
 from mesh.lab.sim.fleet import PROVIDER_FEEDS, engine_step, make_router, policy_base, roles_and_labels, worker_ids
-from mesh.lab.sim.metrics import cv, mean, percentile, ratio
+from mesh.lab.sim.metrics import batch_means, cv, mean, percentile, ratio
 from mesh.lab.sim.recorded import is_decision_file, load_decisions
 from mesh.lab.sim.workloads import Workload, load_mooncake, make_workload, oracle_cached_tokens, seed_key
 
@@ -659,6 +659,9 @@ class Arm:
             "busy_cv": _r(cv(busy)),
             "utilisation": _r(mean(busy) / span),
             "ttft_mean_ms": _r(mean(ttft), 3),
+            # per contiguous batch of request indices (the matrix's regret check: a paired CI)
+            "ttft_batch_means_ms": batch_means(((i, (tr.first - tr.arrival) * 1e3) for i, tr in enumerate(tracks)
+                                                if tr is not None and tr.done >= 0), n),
             "ttft_p50_ms": _r(percentile(ttft, 50, presorted=True), 3),
             "ttft_p95_ms": _r(percentile(ttft, 95, presorted=True), 3),
             "ttft_p99_ms": _r(percentile(ttft, 99, presorted=True), 3),
