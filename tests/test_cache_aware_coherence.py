@@ -323,6 +323,29 @@ def test_the_simulator_feeds_peer_dispatches_as_the_broker_does(monkeypatch):
     assert [t for _, t in heard] == sorted(t for _, t in heard)  # arrival times, in event order
 
 
+def test_a_parted_miss_reaches_past_the_load_band_by_its_rank():
+    """A burst of misses on a fleet whose prefill queues are all empty but whose decode counts
+    differ (one worker 1 request, the next 2, the rest 3-4): the load band (least loaded + 1)
+    holds two workers, so ranks 0-3 wrapped around onto them and two of four misses queued a
+    whole prefill behind another. Parted, router k reaches k requests past the band -- as if
+    the k routers ranked before it had each placed one request of the burst, as one router
+    deciding them one by one would have seen -- so the four land on four workers. Rank 0 and
+    a quiet moment keep the plain best; ``rank_queue_classes=0`` keeps the band as it was."""
+    def fleet():
+        return [ws("a", running=1), ws("b", running=2), ws("c", running=3), ws("d", running=3), ws("e", running=4)]
+
+    miss = FakeMatch({}, 128)
+    picks = [in_burst(CacheAware(router_rank=r)).choose(req(), fleet(), miss, 0.001).worker_id for r in range(4)]
+    assert picks == ["a", "b", "c", "d"]
+    # a worker the band and the rank do not reach is never taken (rank 1: load <= 1 + 1 + 1)
+    assert in_burst(CacheAware(router_rank=1)).choose(req(), [ws("a", running=1), ws("e", running=4)],
+                                                      miss, 0.001).worker_id == "a"
+    exact = [in_burst(CacheAware(router_rank=r, rank_queue_classes=0)).choose(req(), fleet(), miss, 0.001).worker_id
+             for r in range(4)]
+    assert exact == ["a", "a", "a", "a"]  # exact ties: the best class has one member
+    assert CacheAware(router_rank=3).choose(req(), fleet(), miss, 0.001).worker_id == "a"  # quiet: the best
+
+
 def test_a_parted_miss_reaches_one_queue_class_behind_the_shortest():
     """On a busy fleet the shortest queue class often has one member: with exact ties only,
     every rank took that worker in a burst and all but one waited a whole prefill behind the

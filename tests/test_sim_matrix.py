@@ -355,6 +355,7 @@ def test_noise_arm_and_router_scaling(tmp_path):
     assert row["ratios"]["2"]["1"] == pytest.approx(p95[2]["cache_aware"] / p95[1]["cache_aware"], abs=1e-4)
     both = (p95[2]["cache_aware"] * p95[2]["cache_aware@b"] / (p95[1]["cache_aware"] * p95[1]["cache_aware@b"])) ** 0.5
     assert row["ratios_two_orders"]["2"]["1"] == pytest.approx(both, abs=1e-4)
+    assert row["within_5pct_two_orders"] == (both <= 1.05)
     assert isinstance(rep["summary"]["ttft_p95_misses_beyond_noise"], list)
     from mesh.lab.sim.matrix import render_report
     from rich.console import Console

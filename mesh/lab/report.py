@@ -433,9 +433,15 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                        "router rows.")
     routers = sm.get("routers") or []
     if routers:
-        p.tables.append((["cells", *[f"{r} routers over 1" for r in routers[0]["ratios"]], "within 5 %"],
+        two = any("ratios_two_orders" in r for r in routers)  # both worker namings' geometric mean (the noise arm)
+        p.tables.append((["cells", *[f"{r} routers over 1" for r in routers[0]["ratios"]], "within 5 %",
+                          *(["both namings", "within 5 % on both"] if two else [])],
                          [[r["cells"], *[" / ".join(_num(x, "{:.2f}") for x in by.values()) for by in r["ratios"].values()],
-                           "yes" if r["within_5pct"] else "no"] for r in routers]))
+                           "yes" if r["within_5pct"] else "no",
+                           *([", ".join(f"R{k} " + " / ".join(_num(x, "{:.2f}") for x in by.values())
+                                        for k, by in (r.get("ratios_two_orders") or {}).items()),
+                              "yes" if r.get("within_5pct_two_orders") else "no"] if two else [])]
+                          for r in routers]))
     rg = sm.get("regret")
     if isinstance(rg, dict) and rg.get("runs"):
         alt = "; ".join(f"{k}: {v['within_25pct']} within 25 %, sign right in {v['sign_right']}"

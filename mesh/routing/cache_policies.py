@@ -59,7 +59,8 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    to the same least-sent worker. Router k (``router_rank``: its rank by id among itself and its
    fresh peers, set by the exchange's shell) takes the k-th member of the best tie class instead
    (:func:`part_ties`; on a miss the class reaches ``rank_queue_classes``, 1, queue classes behind
-   the shortest queue: the best class alone often has one member on a busy fleet), but only
+   the shortest queue, and router k reaches k requests of load past the load band: the best
+   class alone often has one member on a busy fleet), but only
    while another decision was made within the window (that many
    prefills of a typical request at the workers' measured rate: a slow engine's window is
    longer, a fast one's shorter) before this one: its own previous one, or a peer's dispatch heard through the exchange
@@ -662,13 +663,18 @@ class CacheAware:
         the shortest estimated prefill queue (classes of ``miss_queue_ms`` of reference prefill),
         then the least loaded, then the least sent; near-ties parted by router rank."""
         q_tok = self._ref_tokens(self.miss_queue_ms)
-        floor = round(lo_p) + self.miss_load_band
+        rank = self._rank_miss if self._parting else 0
+        reach = self.rank_queue_classes if rank else 0
+        # Parted, router k also reaches k requests of load past the band: as if the k routers
+        # ranked before it had each just placed one request of this burst on the least loaded
+        # workers, which is what one router deciding them one by one would have seen. Without it
+        # the band often held one or two workers (a decode more or less), every rank wrapped
+        # around onto the same idle one, and a burst's misses queued behind each other.
+        floor = round(lo_p) + self.miss_load_band + (rank if reach else 0)
         sent = self.miss_sent
         keyed = [((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
                   t[4].fleet_sent_tokens if sent else 0, t[2], t) for t in pool if round(load[t[2]]) <= floor]
-        rank = self._rank_miss if self._parting else 0
-        reach = self.rank_queue_classes
-        if rank and reach and len(keyed) > 1:
+        if reach and len(keyed) > 1:
             # Parted, the tie class is every worker within ``reach`` queue classes of the
             # shortest queue, whatever its load, in the rule's order: the best class alone often
             # has one or two members on a busy fleet, so the ranks wrapped around onto the same
