@@ -86,9 +86,9 @@ class BrokerSettings:
     rank_ties: str = setting("misses", choices=("off", "misses", "holders", "all"),
                              help="cache_aware with several routers: router k takes the k-th of an exact tie among "
                                   "misses (holders, all), while decisions can collide (docs/routing.md)")
-    rank_window_prefills: float = setting(0.25, help="cache_aware: part ties only while this router's previous decision "
+    rank_window_prefills: float = setting(100.0, help="cache_aware: part ties only while this router's previous decision "
                                                      "or a peer's dispatch is younger than this many prefills of a "
-                                                     "typical request at the workers' measured rate (docs/routing.md)")
+                                                     "typical request at the workers' measured rate, at most 1 s (docs/routing.md)")
     rank_window_ms: float = setting(0.0, unit="ms", help="cache_aware: a fixed window in wall-clock ms instead of "
                                                          "--rank-window-prefills (0 = derived from it)")
     rank_queue_classes: int = setting(1, help="cache_aware with several routers: a parted miss may take a worker this "

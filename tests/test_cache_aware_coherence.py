@@ -181,10 +181,9 @@ def _misses_fleet():
 def test_ranks_part_only_while_decisions_can_collide():
     """Router rank 2 takes its own member of a miss tie only while another decision was made
     within the window before: its own previous one, or a peer's dispatch heard through the
-    exchange. Alone in a quiet moment it takes the best choice, as one router would (parting
-    always cost the conversation workload ~10 % at 4 routers)."""
+    exchange. Alone in a quiet moment it takes the best choice, as one router would."""
     fleet, miss = _misses_fleet()
-    pol = CacheAware(router_rank=2)  # the defaults: misses, 0.25 prefills of 2,047 tokens at 25k/s: 20 ms
+    pol = CacheAware(router_rank=2, rank_window_prefills=0.25)  # 0.25 prefills of 2,047 tokens at 25k/s: 20 ms
     pick = lambda t: pol.choose(req(), fleet, miss, t).worker_id  # noqa: E731
     assert pick(0.0) == "a"  # the first decision: nothing to collide with
     assert pick(0.004) == "c"  # its own previous decision 4 ms ago: a burst, parted
@@ -199,6 +198,9 @@ def test_ranks_part_only_while_decisions_can_collide():
     assert [never.choose(req(), fleet, miss, t).worker_id for t in (0.001, 0.002)] == ["a", "a"]
     always = CacheAware(router_rank=2, rank_ties="misses", rank_window_ms=math.inf)
     assert [always.choose(req(), fleet, miss, t).worker_id for t in (0.0, 100.0)] == ["c", "c"]
+    # the default (100 prefills, at most 1 s): parted while any decision was made within the last second
+    dflt = CacheAware(router_rank=2)
+    assert [dflt.choose(req(), fleet, miss, t).worker_id for t in (0.0, 0.5, 1.4, 3.0)] == ["a", "c", "c", "a"]
     # rank 0 (a lone router, or the first) never parts, whatever it heard
     lone = in_burst(CacheAware(router_rank=0, rank_ties="misses"))
     assert [lone.choose(req(), fleet, miss, t).worker_id for t in (0.001, 0.002)] == ["a", "a"]
@@ -227,7 +229,7 @@ def _typical(pol: CacheAware, fleet, n: int = 8, L: int = 4096) -> CacheAware:
 
 
 def test_the_derived_window_scales_with_the_measured_prefill_rate():
-    """``rank_window_prefills`` (0.25) of a typical request's prefill at the workers' measured
+    """``rank_window_prefills`` (here 0.25) of a typical request's prefill at the workers' measured
     rate: 4,096 uncached tokens are 164 ms on the 8B engine (25k tokens/s): a 41 ms window; 683
     ms on a 70B-class one (6k/s): 171 ms; 41 ms on a small fast one (100k/s): 10 ms. Two
     decisions 30 ms apart collide on the 8B and the 70B, not on the fast engine, whose fleet
@@ -237,7 +239,7 @@ def test_the_derived_window_scales_with_the_measured_prefill_rate():
         fleet, _ = _misses_fleet()
         for w in fleet:
             w.prefill_tokens_per_s = rate
-        pol = _typical(CacheAware(router_rank=2, calibrate=False), fleet)
+        pol = _typical(CacheAware(router_rank=2, calibrate=False, rank_window_prefills=0.25), fleet)
         got[rate] = pol.rank_window_s
         assert got[rate] == pytest.approx(0.25 * 4096 / rate)
         picks = [pol.choose(req(), fleet, FakeMatch({}, 128), t).worker_id for t in (30.0, 30.03)]
@@ -254,10 +256,12 @@ def test_the_window_before_calibration_and_with_the_calibrated_model():
     (the cost model's, 25k tokens/s: a 10 ms window, the old fixed one); an engine configured
     slower stretches it. Once the calibrated TTFT model's fit is used, its weight on predicted
     prefill ms scales the window (the fleet's prefills take that much longer than measured)."""
-    assert CacheAware().rank_window_s == pytest.approx(0.25 * 1024 / 25_000)
-    assert CacheAware(cost=CostModel(prefill_tokens_per_s=6_000.0)).rank_window_s == pytest.approx(0.25 * 1024 / 6_000)
+    assert CacheAware(rank_window_prefills=0.25).rank_window_s == pytest.approx(0.25 * 1024 / 25_000)
+    assert CacheAware(cost=CostModel(prefill_tokens_per_s=6_000.0),
+                      rank_window_prefills=0.25).rank_window_s == pytest.approx(0.25 * 1024 / 6_000)
+    assert CacheAware().rank_window_s == 1.0  # the default: 100 prefills, capped at 1 s
     fleet, _ = _misses_fleet()
-    pol = _typical(CacheAware(), fleet)
+    pol = _typical(CacheAware(rank_window_prefills=0.25), fleet)
     base = pol.rank_window_s
     assert base == pytest.approx(0.25 * 4096 / 25_000)
     cal = pol.calibrator
@@ -289,7 +293,7 @@ def test_a_hostile_peer_parts_a_router_only_within_the_window():
     it names no time of its own, and a nonsense time is ignored; once it stops, the router in a
     quiet moment takes the best choice again."""
     fleet, miss = _misses_fleet()
-    pol = CacheAware(router_rank=2, rank_ties="misses")
+    pol = CacheAware(router_rank=2, rank_ties="misses", rank_window_prefills=0.25)
     router = Router(pol)
     merge = PeerMerge("m", 3.0)
     for seq in range(50):  # a flood of dispatch claims, the last at 0.049 s

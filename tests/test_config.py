@@ -71,8 +71,8 @@ def test_the_stall_escape_reaches_the_broker_policy():
     d = build_broker(build(BrokerSettings, {}))
     try:
         assert (d.router.policy.stall_escape_ms, d.router.policy.stall_queue_ms) == (200.0, 1000.0)
-        pol = d.router.policy  # the window derived from 0.25 prefills (the fallback before any decision)
-        assert (pol.rank_ties, pol.window.prefills, pol.window.fixed_s) == ("misses", 0.25, None)
+        pol = d.router.policy  # the window derived from 100 prefills, at most 1 s
+        assert (pol.rank_ties, pol.window.prefills, pol.window.fixed_s) == ("misses", 100.0, None)
     finally:
         d.close()
 

@@ -61,12 +61,13 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    (:func:`part_ties`; on a miss the class reaches ``rank_queue_classes``, 1, queue classes behind
    the shortest queue, and router k reaches k requests of load past the load band: the best
    class alone often has one member on a busy fleet), but only
-   while another decision was made within the window (that many
-   prefills of a typical request at the workers' measured rate: a slow engine's window is
-   longer, a fast one's shorter) before this one: its own previous one, or a peer's dispatch heard through the exchange
-   (:meth:`CacheAware.note_peer_dispatch`, the arrival time on this router's clock). A router
-   alone in a quiet moment, and rank 0 always, takes the best choice: parting every decision
-   cost the conversation workload about 10 % at 4 routers (docs/routing.md). ``"all"`` /
+   while another decision was made within the window before this one: its own previous one, or
+   a peer's dispatch heard through the exchange (:meth:`CacheAware.note_peer_dispatch`, the
+   arrival time on this router's clock). The window is ``rank_window_prefills`` prefills of a
+   typical request at the workers' measured rate, at most 1 s; the default (100) makes it the
+   cap, so a router parts whenever the fleet is busy: a burst's first requests reach routers
+   that were all quiet a moment before. A router alone after a second of quiet, and rank 0
+   always, takes the best choice. ``"all"`` /
    ``"holders"`` also part equally loaded holders (which gained nothing), ``"off"`` never parts.
 
 **Tiered caches** (SGLang HiCache, vLLM offloading; :mod:`mesh.index.tiers`): a matched token held
@@ -145,9 +146,10 @@ except ImportError:  # pragma: no cover
 __all__ = ["CacheAwareGreedy", "CacheAware", "CostModel", "CollisionWindow", "part_ties", "RANK_WINDOW_PREFILLS"]
 
 #: ``rank_window_prefills``' default: near-ties are parted while another decision is younger than
-#: this many prefills of a typical request (chosen on seeds 1/3 of the 8B, 70B-class and fast
-#: engine matrices, docs/routing.md)
-RANK_WINDOW_PREFILLS = 0.25
+#: this many prefills of a typical request, at most :data:`MAX_RANK_WINDOW_S`: with 100 the cap
+#: decides, so a router parts while any decision was made within the last second (chosen on seeds
+#: 1/3 of the 8B, 70B-class and fast engine matrices against 0.25, docs/routing.md)
+RANK_WINDOW_PREFILLS = 100.0
 #: before its first decision a router assumes a typical request of this many uncached tokens at
 #: the reference rate (``CostModel.prefill_tokens_per_s``)
 FALLBACK_PREFILL_TOKENS = 1024
@@ -381,8 +383,7 @@ class CacheAware:
         """Whether this decision can collide with a peer's it has not heard of yet: another
         decision was made within the window (:attr:`rank_window_s`) before it (this router's previous one, or a
         peer's heard through the exchange). Routers then part near-ties by rank; a router alone
-        in a quiet moment takes the best choice (rank 0's), which parting always did not (it
-        cost the conversation workload ~10 % at 4 routers). Called once per decision: it also
+        in a quiet moment takes the best choice (rank 0's). Called once per decision: it also
         records this one."""
         own, self._own_s = self._own_s, max(self._own_s, now_s)
         w = self.rank_window_s
