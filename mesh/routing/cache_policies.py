@@ -671,10 +671,19 @@ class CacheAware:
         # workers, which is what one router deciding them one by one would have seen. Without it
         # the band often held one or two workers (a decode more or less), every rank wrapped
         # around onto the same idle one, and a burst's misses queued behind each other.
-        floor = round(lo_p) + self.miss_load_band + (rank if reach else 0)
+        floor = round(lo_p) + self.miss_load_band
         sent = self.miss_sent
-        keyed = [((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
-                  t[4].fleet_sent_tokens if sent else 0, t[2], t) for t in pool if round(load[t[2]]) <= floor]
+        every = [((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
+                  t[4].fleet_sent_tokens if sent else 0, t[2], t) for t in pool]
+        keyed = [k for k in every if k[0][1] <= floor]
+        if reach:  # widen only as far as the ranks need distinct workers, at most rank requests
+            top = floor + rank
+            while floor < top:
+                best = min(k[0][0] for k in keyed)
+                if sum(1 for k in keyed if k[0][0] <= best + reach) > rank:
+                    break
+                floor += 1
+                keyed = [k for k in every if k[0][1] <= floor]
         if reach and len(keyed) > 1:
             # Parted, the tie class is every worker within ``reach`` queue classes of the
             # shortest queue, whatever its load, in the rule's order: the best class alone often
