@@ -331,9 +331,10 @@ def test_a_parted_miss_reaches_past_the_load_band_by_its_rank():
     """A burst of misses on a fleet whose prefill queues are all empty but whose decode counts
     differ (one worker 1 request, the next 2, the rest 3-4): the load band (least loaded + 1)
     holds two workers, so ranks 0-3 wrapped around onto them and two of four misses queued a
-    whole prefill behind another. Parted, router k reaches k requests past the band -- as if
-    the k routers ranked before it had each placed one request of the burst, as one router
-    deciding them one by one would have seen -- so the four land on four workers. Rank 0 and
+    whole prefill behind another. Parted, router k reaches past the band as far as its rank
+    needs distinct workers, at most k requests -- as if the k routers ranked before it had each
+    placed one request of the burst, as one router deciding them one by one would have seen --
+    so the four land on four workers. Rank 0 and
     a quiet moment keep the plain best; ``rank_queue_classes=0`` keeps the band as it was."""
     def fleet():
         return [ws("a", running=1), ws("b", running=2), ws("c", running=3), ws("d", running=3), ws("e", running=4)]
@@ -348,6 +349,12 @@ def test_a_parted_miss_reaches_past_the_load_band_by_its_rank():
              for r in range(4)]
     assert exact == ["a", "a", "a", "a"]  # exact ties: the best class has one member
     assert CacheAware(router_rank=3).choose(req(), fleet(), miss, 0.001).worker_id == "a"  # quiet: the best
+    # only as far as the rank needs: with two workers in the band rank 1 stays in it and does
+    # not take c (idle, two requests past the least loaded) over a (one queue class behind);
+    # rank 2 needs a third and reaches c, after the band's two: three ranks, three workers
+    band_enough = [ws("a", running=1, wu=150), ws("b", running=2), ws("c", running=3)]
+    assert [in_burst(CacheAware(router_rank=r)).choose(req(), band_enough, miss, 0.001).worker_id
+            for r in range(3)] == ["b", "a", "c"]
 
 
 def test_a_parted_miss_reaches_one_queue_class_behind_the_shortest():
