@@ -675,21 +675,33 @@ class CacheAware:
         # held sent zipf's misses to busier workers (held-out seed 2, 4 routers: mean TTFT +10 %).
         floor0 = round(lo_p) + self.miss_load_band
         sent = self.miss_sent
-        every = [((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
-                  t[4].fleet_sent_tokens if sent else 0, t[2], t) for t in pool]
-        keyed = [k for k in every if k[0][1] <= floor0]
+
+        def key(t):
+            return ((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
+                    t[4].fleet_sent_tokens if sent else 0, t[2], t)
+
+        keyed = [key(t) for t in pool if round(load[t[2]]) <= floor0]
         if reach and keyed:
             # Parted, the tie class is every worker within ``reach`` queue classes of the band's
             # shortest queue, whatever its load, in the rule's order: the best class alone often
             # has one or two members on a busy fleet, so the ranks wrapped around onto the same
             # idle worker and collided (a whole prefill's wait) where one a few ms behind was free.
             # Workers the widening adds come after the band's, a request of load at a time, so
-            # every rank walks the same sequence and takes its own member of it.
+            # every rank walks the same sequence and takes its own member of it. Only a widening
+            # reads the queues of workers past the band.
             best = min(k[0][0] for k in keyed)
-            floor = floor0
-            while floor < floor0 + rank and sum(1 for k in keyed if k[0][0] <= best + reach) <= rank:
-                floor += 1
-                keyed = [k for k in every if k[0][1] <= floor]
+            near = sum(1 for k in keyed if k[0][0] <= best + reach)
+            if near <= rank:
+                level = floor0
+                for t in sorted((t for t in pool if floor0 < round(load[t[2]]) <= floor0 + rank),
+                                key=lambda t: round(load[t[2]])):
+                    lv = round(load[t[2]])
+                    if lv > level and near > rank:
+                        break  # a whole load level at a time, and only while the class is short
+                    level = lv
+                    k = key(t)
+                    keyed.append(k)
+                    near += k[0][0] <= best + reach
             keyed = [((0,) if k[0][0] <= best + reach else k[0], (max(0, k[0][1] - floor0), k[0], k[1]), k[2], k[3])
                      for k in keyed]
         return part_ties(keyed, rank)
