@@ -269,6 +269,30 @@ def test_sim_arm_carries_the_regret_field():
     assert all(math.isfinite(v) for v in rg["pays_ms"].values())
 
 
+def test_sim_regret_shadow_option_adds_the_shadow_figure_and_is_validated(tmp_path):
+    """``mesh sim --regret-shadow RATE`` (SimConfig.regret_shadow_rate, the matrix's
+    sim.regret_shadow_rate): cache_aware arms carry regret.shadow; a rate outside (0, 1] is
+    refused naming the field, on the command line and in the matrix TOML."""
+    from mesh.cli import main
+    from mesh.lab.sim.matrix import load_matrix
+    from mesh.lab.sim.runner import SimConfig, run_sim
+
+    cfg = SimConfig(workload="zipf", rate=200.0, duration_s=None, max_requests=150, seed=1,
+                    policies=["cache_aware"], workers=[4], routers=[1], regret_shadow_rate=1.0)
+    rg = run_sim(cfg)["arms"][0]["regret"]
+    assert rg["shadow"]["requests"] == 150
+    assert all(math.isfinite(v) for v in rg["shadow"]["pays_ms"].values())
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="regret_shadow_rate"):
+            SimConfig(workload="zipf", regret_shadow_rate=bad).validate()
+    assert main(["sim", "--workload", "zipf", "--max-requests", "20", "--regret-shadow", "2", "--no-progress"]) == 2
+    m = tmp_path / "m.toml"
+    m.write_text('[matrix]\nseeds = [1]\n[sim]\nregret_shadow_rate = 1.5\n'
+                 '[workloads.z]\nworkload = "zipf"\n[[cells]]\nworkload = "z"\nload = 1.0\nworkers = 4\nrouters = 1\n')
+    with pytest.raises(ConfigError, match="sim.regret_shadow_rate"):
+        load_matrix(str(m))
+
+
 def test_matrix_compares_the_audit_with_the_measured_mean_difference():
     from mesh.lab.sim.matrix import regret_check
 

@@ -141,6 +141,10 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--plot", help="write a PNG: hit rate, worker CV and TTFT p95 per arm (matrix: the heatmap of "
                                   "TTFT p95 ratios to the best other policy)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--regret-shadow", type=float, metavar="RATE", default=None,
+                   help="cache_aware arms also keep the regret audit's shadow counterfactual over this share of the "
+                        "sessions, 0 < RATE <= 1 (mesh.routing.regret_shadow; off by default, as in the broker); "
+                        "arms report it as regret.shadow and --matrix judges it beside the per-decision figure")
     o.add_argument("--compare-decisions", action="store_true",
                    help="with --trace of a recorded decisions file and --lifecycle core: print, per arm, the share of "
                         "requests routed to the worker the recording chose, by recorded reason, and the first divergences")
@@ -208,7 +212,7 @@ def config_from_args(args: argparse.Namespace):
         exchange_routes=args.exchange_routes, dp_size=args.dp_size,
         session_affinity=args.session_affinity, session_ttl_s=args.session_ttl_s, session_table_size=args.session_table_size,
         lifecycle=args.lifecycle, faults=args.faults, policy_params=_policy_params(getattr(args, "policy_option", [])),
-        record_decisions=getattr(args, "record_decisions", None),
+        record_decisions=getattr(args, "record_decisions", None), regret_shadow_rate=getattr(args, "regret_shadow", None),
     )
     cfg.validate()
     return cfg

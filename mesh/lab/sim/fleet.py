@@ -62,7 +62,7 @@ def make_router(cfg, pol, prov, index: int):
     the plain Router, or BucketRouter with buckets and/or P/D. The plain Router audits cache_aware's
     decisions (:mod:`mesh.routing.regret`, on as in the broker; its own RNG, so no choice moves)."""
     bcfg = load_bucket_config(cfg.buckets) if cfg.buckets else None
-    audit = RegretAudit(random.Random(seed_key(0x2E6, cfg.seed, index)))
+    audit = RegretAudit(random.Random(seed_key(0x2E6, cfg.seed, index)), shadow_rate=cfg.regret_shadow_rate)
     return factory.make_router(pol, prov, buckets=bcfg, pd=cfg.pd is not None,
                                rng=random.Random(seed_key(0xB0C, cfg.seed, index)), freshness_s=cfg.load_freshness_s,
                                global_cache_winner=cfg.global_cache_winner, decode_policy=cfg.decode_policy,

@@ -107,7 +107,8 @@ SHORT = {"power_of_two": "p2c", "cache_aware_greedy": "greedy", "cache_aware": "
          "round_robin": "rr", "random": "random"}
 _SIM_KEYS = {"heartbeat_ms": float, "event_delay_ms": float, "net_ms": float, "load_freshness_s": float,
              "ttft_slo_ms": float, "router_pick": str, "policy_options": dict, "policy_params": dict, "provider_options": dict,
-             "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float, "exchange_routes": bool}
+             "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float, "exchange_routes": bool,
+             "regret_shadow_rate": float}
 _MATRIX_KEYS = {"seeds", "policies", "provider", "subject", "baselines", "hit_reference", "calibration_within_slo",
                 "calibration_wait_ms", "noise",
                 "calibration_tolerance"}
@@ -310,7 +311,9 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
     sim_out: dict[str, Any] = {}
     for k, v in sim.items():
         if _SIM_KEYS[k] is float:
-            v = _num(v, f"sim.{k}", lo_open=k in ("heartbeat_ms", "load_freshness_s"))
+            v = _num(v, f"sim.{k}", lo_open=k in ("heartbeat_ms", "load_freshness_s", "regret_shadow_rate"))
+            if k == "regret_shadow_rate" and v > 1:
+                _fail("sim.regret_shadow_rate", f"must be in (0, 1], got {v!r}")
         elif _SIM_KEYS[k] is dict:
             v = dict(_table(v, f"sim.{k}"))
         elif _SIM_KEYS[k] is bool and type(v) is not bool:
@@ -1107,6 +1110,11 @@ def cmd_matrix(args: Any) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     mc = load_matrix(args.matrix, seeds=args.seeds, max_requests=args.max_requests, only=args.cells)
+    if getattr(args, "regret_shadow", None) is not None:  # --regret-shadow RATE: over the TOML's sim.regret_shadow_rate
+        r = args.regret_shadow
+        if not (math.isfinite(r) and 0.0 < r <= 1.0):
+            raise ConfigError(f"regret_shadow: --regret-shadow must be in (0, 1], not {r!r}")
+        mc.sim["regret_shadow_rate"] = r
     jobs = args.jobs if args.jobs else default_jobs()
     reuse = reusable_calibrations(mc, args.reuse_calibration) if args.reuse_calibration else None
     console = Console(stderr=True)

@@ -161,6 +161,9 @@ class SimConfig:
     session_ttl_s: float = 600.0
     session_table_size: int = 100_000
     record_decisions: str | None = None  # core arms: router 0 records its decisions here (mesh.broker_core.recorder)
+    # the regret audit's shadow counterfactual at this share of the sessions (mesh.routing.regret_shadow;
+    # None: off, as in the broker); cache_aware arms report it as regret.shadow
+    regret_shadow_rate: float | None = None
 
     def validate(self, *, source: bool = True) -> None:
         """Raise ConfigError on a bad setting (``source``: also check trace/workload)."""
@@ -174,6 +177,9 @@ class SimConfig:
                 raise ConfigError(f"{name} must be >= 0")
         if not self.exchange_full_ms > 0:
             raise ConfigError("exchange_full_ms must be > 0")
+        r = self.regret_shadow_rate
+        if r is not None and not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r <= 1.0):
+            raise ConfigError(f"regret_shadow_rate must be in (0, 1], not {str(r)[:40]!r}")
         if self.session_affinity not in ("off", "soft", "hard"):
             raise ConfigError(f"session_affinity must be off, soft or hard, not {self.session_affinity!r}")
         if not (math.isfinite(self.session_ttl_s) and self.session_ttl_s > 0):
