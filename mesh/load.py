@@ -145,16 +145,37 @@ class PrefillRateEstimate:
 
     def update(self, prev: LoadStat | None, cur: LoadStat) -> float | None:
         """Fold the increments from ``prev`` to ``cur`` in; returns the pooled rate. A counter
-        that went backwards (the publisher restarted) starts the estimate over."""
+        that went backwards (the publisher restarted) starts the estimate over.
+
+        The first sample (``prev`` None, or the one after a restart) seeds the estimate: the
+        counters run from the engine's start, so they are its lifetime rate, taken with at most
+        one window of weight (a router joining a fleet that ran for hours must not let the past
+        outweigh what it measures next). Without the seed a worker had no rate until its second
+        LoadStat and every router read its queue at the cost model's reference rate: on a fast
+        engine, 4x the reference, queues looked 4x longer for the first two heartbeats and
+        routers left holders for ghosts."""
         if prev is None:
-            return self.rate_tokens_per_s
+            return self._seed(cur)
         d_tokens, d_busy_us = _prefill_increments(prev, cur)
         if d_tokens < 0 or d_busy_us < 0:
             self.tokens = self.busy_s = 0.0
-            return None
+            return self._seed(cur)
         if d_busy_us > 0:
             d_busy_s = d_busy_us / 1e6
             keep = math.exp(-d_busy_s / self.window_s)
             self.tokens = self.tokens * keep + d_tokens
             self.busy_s = self.busy_s * keep + d_busy_s
+        return self.rate_tokens_per_s
+
+    def _seed(self, cur: LoadStat) -> float | None:
+        """Seed an empty estimate from ``cur``'s counters (see :meth:`update`)."""
+        if self.busy_s > 0:
+            return self.rate_tokens_per_s
+        tok, busy_us = cur.total_prefill_uncached_tokens, cur.total_prefill_busy_us
+        if not (isinstance(tok, int) and isinstance(busy_us, int)) or tok <= 0 or busy_us <= 0:
+            return None
+        busy_s = busy_us / 1e6
+        w = min(busy_s, self.window_s)
+        self.tokens = tok * (w / busy_s)
+        self.busy_s = w
         return self.rate_tokens_per_s

@@ -84,13 +84,27 @@ def test_the_estimate_follows_a_change_within_a_few_windows():
 
 def test_idle_samples_keep_the_estimate_and_a_restart_starts_it_over():
     est = PrefillRateEstimate()
-    assert est.update(None, _ls(100, 10)) is None
+    assert est.update(None, _ls(0, 0)) is None  # nothing prefilled yet: no rate
     assert est.update(_ls(0, 0), _ls(10_000, 500_000)) == pytest.approx(20_000)
     assert est.update(_ls(10_000, 500_000), _ls(10_000, 500_000)) == pytest.approx(20_000)  # idle
-    # the publisher restarted: its counters went backwards
-    assert est.update(_ls(10_000, 500_000), _ls(50, 1_000)) is None
-    assert est.rate_tokens_per_s is None
-    assert est.update(_ls(50, 1_000), _ls(1_050, 101_000)) == pytest.approx(10_000)
+    # the publisher restarted: its counters went backwards; the estimate starts over from the
+    # new counters (they count from the restart)
+    assert est.update(_ls(10_000, 500_000), _ls(50, 1_000)) == pytest.approx(50_000)
+    assert est.update(_ls(50, 1_000), _ls(1_050, 101_000)) == pytest.approx(1_050 / 0.101, rel=0.01)
+
+
+def test_the_first_sample_seeds_the_rate_with_at_most_one_window_of_weight():
+    """A router's first LoadStat from a worker already gives a rate: the counters run from the
+    engine's start. A worker that ran for an hour at 20,000 tokens/s weighs one window (2 s of
+    busy time), so one window at 5,000 tokens/s brings the estimate below 10,000."""
+    est = PrefillRateEstimate(window_s=2.0)
+    first = _ls(72_000_000, 3_600_000_000)
+    assert est.update(None, first) == pytest.approx(20_000)
+    assert est.busy_s == pytest.approx(2.0)
+    assert est.update(first, _ls(72_010_000, 3_602_000_000)) < 10_000
+    w = WorkerState("w")
+    w.update_load([_ls(100_000, 1_000_000)], 0.5)  # one LoadStat: 100,000 tokens in 1 s of busy time
+    assert w.prefill_tokens_per_s == pytest.approx(100_000)
 
 
 def test_busy_time_without_tokens_lowers_the_rate_and_never_divides_by_zero():
