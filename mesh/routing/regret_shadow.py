@@ -31,9 +31,9 @@ Pools above ``max_workers`` candidates are not shadowed (the pick's scan is O(wo
 **Limits.** With several routers a router's shadow of cache_aware holds only its own picks,
 which answered the whole fleet's state, and the turns of a session other routers took are in no
 shadow's placements; and a fluid queue at one marginal rate is no model of chunked batches.
-Hence opt-in: on the quality matrix it is the closer estimator with one router and far off with
-several, where that shadow of cache_aware crowds a few workers at the router's share of the
-capacity (docs/routing.md, "Shadow counterfactual"; ``mesh sim --matrix`` judges both when an
+Hence opt-in: on the quality matrix it comes about as close as the per-decision figure with one
+router and far off with several, where that shadow of cache_aware crowds a few workers at the
+router's share of the capacity (docs/routing.md, "Shadow counterfactual"; ``mesh sim --matrix`` judges both when an
 arm carries it).
 """
 
