@@ -138,3 +138,24 @@ def test_hostile_counters_leave_a_finite_positive_rate_or_none():
         w.update_load([_ls(tok, busy)], i * 0.1)
         r = w.prefill_tokens_per_s
         assert r is None or (math.isfinite(r) and r > 0), (i, tok, busy, r)
+
+
+def test_hostile_first_samples_never_raise_and_seed_nothing_they_cannot_mean():
+    """A broken or hostile worker's first LoadStat: counters at zero, negative, or not integers
+    seed no rate (the cost model's reference rate stays in use); absurd but well-formed counters
+    give a finite rate that later samples decay as any other (a lying worker could already claim
+    any rate with its second sample)."""
+    for tok, busy in ((0, 0), (-5, 1_000), (1_000, -1), (0, 1_000), (1_000, 0), (1.5, 2_000), (10, 2.5)):
+        est = PrefillRateEstimate()
+        assert est.update(None, _ls(tok, busy)) is None, (tok, busy)
+        assert est.busy_s == 0.0
+    est = PrefillRateEstimate(window_s=2.0)
+    first = _ls(2**62, 1)
+    r = est.update(None, first)
+    assert r is not None and math.isfinite(r) and est.busy_s == pytest.approx(1e-6)
+    keep = math.exp(-1.0 / 2.0)  # the next second of busy time decays the seed like any sample
+    nxt = est.update(first, _ls(2**62 + 20_000, 1_000_001))
+    assert nxt == pytest.approx((2**62 * keep + 20_000) / (1e-6 * keep + 1.0), rel=1e-6) and nxt < r
+    w = WorkerState("w")
+    w.update_load([_ls(-1, -1)], 0.5)
+    assert w.prefill_tokens_per_s is None

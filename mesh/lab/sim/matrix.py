@@ -94,7 +94,7 @@ from mesh.config import build, read_toml
 from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES, make_policy
-from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, run_sim
+from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, run_sim
 from mesh.lab.sim.metrics import paired_ci95
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
@@ -311,9 +311,9 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
     sim_out: dict[str, Any] = {}
     for k, v in sim.items():
         if _SIM_KEYS[k] is float:
-            v = _num(v, f"sim.{k}", lo_open=k in ("heartbeat_ms", "load_freshness_s", "regret_shadow_rate"))
-            if k == "regret_shadow_rate" and v > 1:
-                _fail("sim.regret_shadow_rate", f"must be in (0, 1], got {v!r}")
+            v = _num(v, f"sim.{k}", lo_open=k in ("heartbeat_ms", "load_freshness_s"))
+            if k == "regret_shadow_rate":
+                v = check_regret_shadow_rate(v, "sim.regret_shadow_rate")
         elif _SIM_KEYS[k] is dict:
             v = dict(_table(v, f"sim.{k}"))
         elif _SIM_KEYS[k] is bool and type(v) is not bool:
@@ -1111,10 +1111,7 @@ def cmd_matrix(args: Any) -> int:
 
     mc = load_matrix(args.matrix, seeds=args.seeds, max_requests=args.max_requests, only=args.cells)
     if getattr(args, "regret_shadow", None) is not None:  # --regret-shadow RATE: over the TOML's sim.regret_shadow_rate
-        r = args.regret_shadow
-        if not (math.isfinite(r) and 0.0 < r <= 1.0):
-            raise ConfigError(f"regret_shadow: --regret-shadow must be in (0, 1], not {r!r}")
-        mc.sim["regret_shadow_rate"] = r
+        mc.sim["regret_shadow_rate"] = check_regret_shadow_rate(args.regret_shadow, "regret_shadow")
     jobs = args.jobs if args.jobs else default_jobs()
     reuse = reusable_calibrations(mc, args.reuse_calibration) if args.reuse_calibration else None
     console = Console(stderr=True)

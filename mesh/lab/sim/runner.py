@@ -109,6 +109,17 @@ ROUTER_PICKS = ("round_robin", "random")
 _ARRIVAL, _SUBMIT, _STEP_END, _DONE, _HEARTBEAT, _KV, _X_PUB, _X_RECV = range(8)
 
 
+def check_regret_shadow_rate(rate: Any, name: str = "regret_shadow_rate") -> float | None:
+    """``rate`` as the shadow counterfactual's share of the sessions: None (off) or a number in
+    (0, 1]; ConfigError naming ``name`` otherwise (the one check of ``mesh sim --regret-shadow``,
+    ``SimConfig.regret_shadow_rate`` and the matrix's ``sim.regret_shadow_rate``)."""
+    if rate is None:
+        return None
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (0.0 < rate <= 1.0):
+        raise ConfigError(f"{name}: must be in (0, 1], not {str(rate)[:40]!r}")
+    return float(rate)
+
+
 @dataclass
 class SimConfig:
     """Everything one ``mesh sim`` invocation needs. Lists make arms (their cross product)."""
@@ -177,9 +188,7 @@ class SimConfig:
                 raise ConfigError(f"{name} must be >= 0")
         if not self.exchange_full_ms > 0:
             raise ConfigError("exchange_full_ms must be > 0")
-        r = self.regret_shadow_rate
-        if r is not None and not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r <= 1.0):
-            raise ConfigError(f"regret_shadow_rate must be in (0, 1], not {str(r)[:40]!r}")
+        check_regret_shadow_rate(self.regret_shadow_rate)
         if self.session_affinity not in ("off", "soft", "hard"):
             raise ConfigError(f"session_affinity must be off, soft or hard, not {self.session_affinity!r}")
         if not (math.isfinite(self.session_ttl_s) and self.session_ttl_s > 0):
