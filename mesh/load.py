@@ -114,8 +114,6 @@ def prefill_rate_tokens_per_s(prev: LoadStat | None, cur: LoadStat) -> float | N
 
 # Seconds of prefill busy time over which PrefillRateEstimate pools its samples.
 PREFILL_RATE_WINDOW_S = 2.0
-# Seconds of prefill busy time PrefillRateEstimate needs before it gives a rate at all.
-PREFILL_RATE_MIN_BUSY_S = 0.1
 
 
 @dataclass(slots=True)
@@ -133,26 +131,17 @@ class PrefillRateEstimate:
     not to its ratio. The window is busy time, not samples or wall time, so it does not depend on
     how often the engine publishes.
 
-    Until ``min_busy_s`` of busy time is pooled there is no rate (the router reads the cost
-    model's reference rate): every step that prefills pays a fixed overhead (5 ms on the engine
-    model), so a worker whose only prefill so far was one 24-token prompt read 4,000 tokens/s
-    against 25,000, and long prompts routed to such workers were predicted 6-8x too slow (quality
-    matrix, trace cell, 4 routers: two such predictions were most of the regret audit's error on
-    that cell). 0.1 s is a third of one full 8,192-token chunk at the 8B
-    rate, or twenty such overheads: no lone small step can set the rate.
-
     Pure: fed LoadStat pairs, reads no clock.
     """
 
     window_s: float = PREFILL_RATE_WINDOW_S
-    min_busy_s: float = PREFILL_RATE_MIN_BUSY_S
     tokens: float = 0.0
     busy_s: float = 0.0
 
     @property
     def rate_tokens_per_s(self) -> float | None:
-        """The pooled rate, or None before ``min_busy_s`` of busy time was seen."""
-        return self.tokens / self.busy_s if self.busy_s >= self.min_busy_s and self.tokens > 0 else None
+        """The pooled rate, or None before any busy time was seen."""
+        return self.tokens / self.busy_s if self.busy_s > 0 and self.tokens > 0 else None
 
     def update(self, prev: LoadStat | None, cur: LoadStat) -> float | None:
         """Fold the increments from ``prev`` to ``cur`` in; returns the pooled rate. A counter

@@ -128,10 +128,8 @@ class WorkerState:
             self._rate_est[r].update(prev, ls)
             if r < len(self.rank_inflight):
                 self.rank_inflight_at_load[r] = self.rank_inflight[r]
-        # the pooled rates of the ranks (mesh.load.PrefillRateEstimate); a rank without one yet
-        # counts at the measured ranks' mean, not at zero
-        known = [r for r in (e.rate_tokens_per_s for e in self._rate_est) if r]
-        rate = sum(known) * len(self._rate_est) / len(known) if known else 0.0
+        # the pooled rates of the ranks that have one (mesh.load.PrefillRateEstimate)
+        rate = sum(e.rate_tokens_per_s or 0.0 for e in self._rate_est)
         if rate > 0:
             self.prefill_tokens_per_s = rate
         self.inflight_at_load = self.inflight
