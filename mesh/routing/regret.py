@@ -217,8 +217,10 @@ class RegretAudit:
             return
         self.baselines["cache_aware_greedy"].add(r_g, k)
         self.baselines["power_of_two"].add(r_p, k)
-        # for observe(): the baselines' predictions (None: the same pick) against the outcome
-        decision.detail["regret_audit"] = (k, None if r_g == 0.0 else r_g + chosen_ms, None if r_p == 0.0 else r_p + chosen_ms)
+        # for observe(): the baselines' predictions (None: the same pick) against the outcome, and
+        # their picks (the simulator's one-step truth, mesh.lab.sim.regret_truth, reads them)
+        decision.detail["regret_audit"] = (k, None if r_g == 0.0 else r_g + chosen_ms, None if r_p == 0.0 else r_p + chosen_ms,
+                                           g[2], wid)
 
     def observe(self, decision: Decision, ttft_ms: float) -> None:
         """An audited decision's first token came after ``ttft_ms``: the *observed* figure
@@ -231,7 +233,7 @@ class RegretAudit:
             return
         k = a[0]
         self.observed_n += k
-        for b, pred in zip(("cache_aware_greedy", "power_of_two"), a[1:]):
+        for b, pred in zip(("cache_aware_greedy", "power_of_two"), a[1:3]):
             if pred is not None:
                 self.observed_sum[b] += k * (pred - ttft_ms)
 

@@ -145,6 +145,10 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                    help="cache_aware arms also keep the regret audit's shadow counterfactual over this share of the "
                         "sessions, 0 < RATE <= 1 (mesh.routing.regret_shadow; off by default, as in the broker); "
                         "arms report it as regret.shadow and --matrix judges it beside the per-decision figure")
+    o.add_argument("--regret-truth", type=int, metavar="K", default=0,
+                   help="cache_aware arms replay every K-th audited decision whose baseline pick differs on copies of "
+                        "both workers' engines and report the one-step regret beside the audit's prediction "
+                        "(regret_truth; mesh.lab.sim.regret_truth; slow: deep copies of engines; 0: off)")
     o.add_argument("--compare-decisions", action="store_true",
                    help="with --trace of a recorded decisions file and --lifecycle core: print, per arm, the share of "
                         "requests routed to the worker the recording chose, by recorded reason, and the first divergences")
@@ -213,6 +217,7 @@ def config_from_args(args: argparse.Namespace):
         session_affinity=args.session_affinity, session_ttl_s=args.session_ttl_s, session_table_size=args.session_table_size,
         lifecycle=args.lifecycle, faults=args.faults, policy_params=_policy_params(getattr(args, "policy_option", [])),
         record_decisions=getattr(args, "record_decisions", None), regret_shadow_rate=getattr(args, "regret_shadow", None),
+        regret_truth_every=getattr(args, "regret_truth", 0) or 0,
     )
     cfg.validate()
     return cfg

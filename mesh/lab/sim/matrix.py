@@ -108,7 +108,7 @@ SHORT = {"power_of_two": "p2c", "cache_aware_greedy": "greedy", "cache_aware": "
 _SIM_KEYS = {"heartbeat_ms": float, "event_delay_ms": float, "net_ms": float, "load_freshness_s": float,
              "ttft_slo_ms": float, "router_pick": str, "policy_options": dict, "policy_params": dict, "provider_options": dict,
              "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float, "exchange_routes": bool,
-             "regret_shadow_rate": float}
+             "regret_shadow_rate": float, "regret_truth_every": int}
 _MATRIX_KEYS = {"seeds", "policies", "provider", "subject", "baselines", "hit_reference", "calibration_within_slo",
                 "calibration_wait_ms", "noise",
                 "calibration_tolerance"}
@@ -318,6 +318,8 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
             v = dict(_table(v, f"sim.{k}"))
         elif _SIM_KEYS[k] is bool and type(v) is not bool:
             _fail(f"sim.{k}", f"must be true or false, got {v!r}")
+        elif _SIM_KEYS[k] is int and (type(v) is not int or v < 0):
+            _fail(f"sim.{k}", f"must be an integer >= 0, got {str(v)[:40]!r}")
         elif k == "router_pick" and v not in ROUTER_PICKS:
             _fail("sim.router_pick", f"must be one of {', '.join(ROUTER_PICKS)}, got {v!r}")
         sim_out[k] = v
@@ -718,6 +720,15 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
                         "within": abs(sp - measured) <= REGRET_TOLERANCE * abs(measured),
                         "sign_right": (sp > 0) == (measured > 0),
                         "by_baseline": {b["policy"]: sh["pays_ms"].get(b["policy"]) for b in baselines}}
+    tr = (subject.get("regret_truth") or {}).get(best["policy"])
+    if tr and tr.get("one_step_ms") is not None:  # the one-step truth (mesh.lab.sim.regret_truth)
+        p1, o1 = tr["predicted_ms"], tr["one_step_ms"]
+        band = ci[1] if ci is not None else 0.0
+        out["one_step"] = {"predicted_ms": p1, "one_step_ms": o1, "sampled": tr["sampled"],
+                           # the TTFT model: the sample's prediction against the sample's one-step truth
+                           "model_within": abs(p1 - o1) <= REGRET_TOLERANCE * abs(o1),
+                           # what a per-decision figure can see: the one-step truth against the arms
+                           "one_step_within": abs(o1 - measured) <= max(REGRET_TOLERANCE * abs(measured), band)}
     out["sign_right"] = (predicted > 0) == (measured > 0)
     return out
 
@@ -778,6 +789,10 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
             if got:
                 out["regret"][alt] = {"runs": len(got), "within_25pct": sum(1 for x in got if x["within"]),
                                       "sign_right": sum(1 for x in got if x["sign_right"])}
+        one = [x["one_step"] for x in checks if "one_step" in x]
+        if one:
+            out["regret"]["one_step"] = {"runs": len(one), "model_within_25pct": sum(1 for x in one if x["model_within"]),
+                                         "one_step_within_25pct_or_ci95": sum(1 for x in one if x["one_step_within"])}
         noisy = [x for x in checks if "within_noise" in x]
         if noisy:
             out["regret"]["within_25pct_or_noise"] = sum(1 for x in noisy if x["within_noise"])
@@ -1034,6 +1049,11 @@ def render_report(report: dict[str, Any]) -> list[Any]:
             if alt in rs:
                 sh = rs[alt]
                 lines.append(f"    {what}: within 25 % in {sh['within_25pct']}/{sh['runs']}, sign right in {sh['sign_right']}/{sh['runs']}")
+        if "one_step" in rs:
+            o = rs["one_step"]
+            lines.append(f"    one-step truth (--regret-truth: the sampled decisions replayed on copies of both engines): the TTFT "
+                         f"model within 25 % of it in {o['model_within_25pct']}/{o['runs']}; the one-step truth within 25 % "
+                         f"(or the interval) of the measured difference in {o['one_step_within_25pct_or_ci95']}/{o['runs']}")
         if "within_25pct_or_noise" in rs:
             lines.append(f"    (within 25 % or within the cell's own noise, {SHORT.get(subject, subject)}'s mean TTFT under another "
                          f"worker naming: {rs['within_25pct_or_noise']}/{rs['runs']})")
@@ -1112,6 +1132,10 @@ def cmd_matrix(args: Any) -> int:
     mc = load_matrix(args.matrix, seeds=args.seeds, max_requests=args.max_requests, only=args.cells)
     if getattr(args, "regret_shadow", None) is not None:  # --regret-shadow RATE: over the TOML's sim.regret_shadow_rate
         mc.sim["regret_shadow_rate"] = check_regret_shadow_rate(args.regret_shadow, "regret_shadow")
+    if getattr(args, "regret_truth", 0):  # --regret-truth K: over the TOML's sim.regret_truth_every
+        if args.regret_truth < 0:
+            raise ConfigError(f"regret_truth: must be an integer >= 0, not {args.regret_truth!r}")
+        mc.sim["regret_truth_every"] = args.regret_truth
     jobs = args.jobs if args.jobs else default_jobs()
     reuse = reusable_calibrations(mc, args.reuse_calibration) if args.reuse_calibration else None
     console = Console(stderr=True)

@@ -59,6 +59,10 @@ Metrics of an arm (all over the requests that completed; times in virtual ms):
   (:func:`mesh.routing.regret.merged_pays`: per baseline the decisions audited, the mean predicted
   ms per request cache_aware saved against that baseline's pick from the same view, same picks;
   ``pays_ms`` with ``best``, against the better baseline); None for other policies.
+* ``regret_truth``: cache_aware arms with ``SimConfig.regret_truth_every`` (``--regret-truth K``):
+  every K-th audited decision whose baseline pick differed, replayed on copies of both engines
+  (:mod:`mesh.lab.sim.regret_truth`: per baseline the prediction and the one-step truth, per
+  request; not on a noise arm, ``policy@tag``); None otherwise.
 * ``exchange``: whether the routers exchanged figures (``SimConfig.exchange`` and R > 1);
   ``exchange_messages`` / ``exchange_entries``: messages published and worker entries in them;
   ``exchange_applied``: worker-state updates the receiving routers applied.
@@ -99,6 +103,7 @@ from mesh.lab.sim.events import EventQueue
 from mesh.lab.sim.fleet import PROVIDER_FEEDS, engine_step, make_router, policy_base, roles_and_labels, worker_ids
 from mesh.lab.sim.metrics import batch_means, cv, mean, percentile, ratio
 from mesh.lab.sim.recorded import is_decision_file, load_decisions
+from mesh.lab.sim.regret_truth import OneStepTruth
 from mesh.lab.sim.workloads import Workload, load_mooncake, make_workload, oracle_cached_tokens, seed_key
 
 __all__ = ["SimConfig", "ArmSpec", "SimRouter", "Arm", "run_sim", "run_arm", "build_workload", "arm_specs"]
@@ -175,6 +180,9 @@ class SimConfig:
     # the regret audit's shadow counterfactual at this share of the sessions (mesh.routing.regret_shadow;
     # None: off, as in the broker); cache_aware arms report it as regret.shadow
     regret_shadow_rate: float | None = None
+    # every k-th audited decision whose baseline pick differs is replayed on copies of both engines
+    # (mesh.lab.sim.regret_truth; 0: off); cache_aware arms report it as regret_truth
+    regret_truth_every: int = 0
 
     def validate(self, *, source: bool = True) -> None:
         """Raise ConfigError on a bad setting (``source``: also check trace/workload)."""
@@ -189,6 +197,9 @@ class SimConfig:
         if not self.exchange_full_ms > 0:
             raise ConfigError("exchange_full_ms must be > 0")
         check_regret_shadow_rate(self.regret_shadow_rate)
+        k = self.regret_truth_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError(f"regret_truth_every: must be an integer >= 0, not {str(k)[:40]!r}")
         if self.session_affinity not in ("off", "soft", "hard"):
             raise ConfigError(f"session_affinity must be off, soft or hard, not {self.session_affinity!r}")
         if not (math.isfinite(self.session_ttl_s) and self.session_ttl_s > 0):
@@ -349,7 +360,7 @@ class SimRouter:
 
 
 class _Worker:
-    __slots__ = ("index", "wid", "engine", "stepping", "busy_s", "served", "kv_seq", "rank_seq", "ls", "steps")
+    __slots__ = ("index", "wid", "engine", "stepping", "busy_s", "served", "kv_seq", "rank_seq", "ls", "steps", "free_s")
 
     def __init__(self, index: int, wid: str, engine: EngineModel | DpEngineModel) -> None:
         self.index = index
@@ -362,6 +373,7 @@ class _Worker:
         self.rank_seq = [0] * (engine.dp_size if isinstance(engine, DpEngineModel) else 1)  # next seq per rank
         self.ls = None  # cached LoadStats (one per rank); None = engine changed since
         self.steps = 0
+        self.free_s = 0.0  # when the step in flight ends (valid while stepping)
 
 
 class _Track:
@@ -473,6 +485,8 @@ class Arm:
         exchange = self.exchange
         x_delay = cfg.exchange_delay_ms / 1e3
         x_msgs = x_entries = x_applied = 0
+        # (not on a noise arm: the policy under another worker naming, policy@tag)
+        truth = OneStepTruth(cfg.regret_truth_every) if cfg.regret_truth_every and "@" not in self.spec.policy else None
 
         def x_schedule(sr: SimRouter, t: float) -> None:
             """Make sure sr's next publish event is queued at its publisher's due time."""
@@ -499,6 +513,7 @@ class Arm:
             d = res.duration_s
             w.busy_s += d
             w.steps += 1
+            w.free_s = t + d
             w.ls = None
             w.stepping = True
             push(t + d, _STEP_END, w, res)
@@ -572,6 +587,11 @@ class Arm:
                 workers[wi].served += 1
                 tr = tracks[i] = _Track(t, ri, wi, d)
                 pending_prompts[i] = toks
+                if truth is not None and "regret_audit" in d.detail:
+                    cw = workers[wi]
+                    truth.sample(d.detail, cw.engine, cw.free_s if cw.stepping else 0.0,
+                                 {w.wid: (w.engine, w.free_s if w.stepping else 0.0) for w in workers},
+                                 i, toks, r.output_len, t + net)
                 push(t + net, _SUBMIT, i, wi)
             elif kind == _SUBMIT:
                 w = workers[b]
@@ -697,6 +717,7 @@ class Arm:
             "exchange_applied": x_applied,
             "sessions": _session_stats(routers),
             "regret": merged_pays([getattr(sr.router, "audit", None) for sr in routers]),
+            "regret_truth": truth.snapshot() if truth is not None and truth.audited else None,
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "sim_span_s": _r(span),
