@@ -46,6 +46,7 @@ def test_the_one_step_truth_is_the_replayed_difference_and_leaves_the_engines_al
     assert snap["audited"] == 2 and g["sampled"] == 1 and g["differ_share"] == 0.5
     assert g["predicted_ms"] == pytest.approx(0.5 * 650.0)
     assert g["one_step_ms"] == pytest.approx(0.5 * (busy_ms - idle_ms), rel=1e-6)
+    assert g["error_ci95_ms"] is None  # one sample knows nothing of the spread
     assert snap["power_of_two"]["sampled"] == 0 and snap["power_of_two"]["one_step_ms"] is None
     # the copies were replayed, not the engines
     assert (busy.load_stat(now_s=0.0), idle.load_stat(now_s=0.0)) == before
@@ -58,6 +59,9 @@ def test_every_kth_disagreement_is_sampled_and_bad_settings_are_refused():
         truth.sample({"predicted_ttft_ms": 10.0, "regret_audit": (1, 20.0, None, "b", "a")}, idle, 0.0,
                      {"a": (idle, 0.0), "b": (EngineModel(), 0.0)}, i, _prompt(64, i), 4, 0.0)
     assert truth.sampled["cache_aware_greedy"] == 3
+    g = truth.snapshot()["cache_aware_greedy"]
+    # the same decision three times: the error's spread is 0, so is its interval
+    assert g["error_ci95_ms"] == pytest.approx(0.0, abs=1e-6)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="every"):
             OneStepTruth(bad)
@@ -84,3 +88,25 @@ def test_sim_regret_truth_option_reports_the_one_step_figure_and_is_validated(tm
                  '[workloads.z]\nworkload = "zipf"\n[[cells]]\nworkload = "z"\nload = 1.0\nworkers = 4\nrouters = 1\n')
     with pytest.raises(ConfigError, match="sim.regret_truth_every"):
         load_matrix(str(m))
+
+
+def test_the_matrix_splits_the_audits_error_at_the_one_step_truth():
+    """The regret check judges the TTFT model against the one-step truth (within 25 % or the
+    sample's interval) and the one-step truth against the arms' measured difference."""
+    from mesh.lab.sim.matrix import regret_check
+
+    subj = {"policy": "cache_aware", "ttft_mean_ms": 100.0,
+            "regret": {"pays_ms": {"power_of_two": 50.0, "cache_aware_greedy": 30.0, "best": 30.0},
+                       "baselines": {"power_of_two": {"decisions": 9}, "cache_aware_greedy": {"decisions": 9}}},
+            "regret_truth": {"cache_aware_greedy": {"sampled": 40, "predicted_ms": 31.0, "one_step_ms": 14.0,
+                                                    "error_ci95_ms": 3.0}}}
+    base = [{"policy": "power_of_two", "ttft_mean_ms": 170.0}, {"policy": "cache_aware_greedy", "ttft_mean_ms": 102.0}]
+    one = regret_check(subj, base)["one_step"]
+    # the model over-predicts the one-step truth (31 vs 14), which is itself far from the measured 2
+    assert one["sampled"] == 40 and not one["model_within"] and not one["one_step_within"]
+    subj["regret_truth"]["cache_aware_greedy"]["error_ci95_ms"] = 20.0  # a sample that knows less
+    assert regret_check(subj, base)["one_step"]["model_within"]
+    subj["regret_truth"]["cache_aware_greedy"]["one_step_ms"] = 2.4  # 0.4 ms off the measured 2: within 25 %
+    assert regret_check(subj, base)["one_step"]["one_step_within"]
+    subj["regret_truth"] = {"power_of_two": {"sampled": 3, "predicted_ms": 1.0, "one_step_ms": 1.0}}
+    assert "one_step" not in regret_check(subj, base)  # judged against the best baseline only

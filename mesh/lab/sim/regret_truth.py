@@ -49,6 +49,7 @@ class OneStepTruth:
         self.sampled = dict.fromkeys(_BASELINES, 0)
         self.pred_sum = dict.fromkeys(_BASELINES, 0.0)  # predicted regret over the sampled ones
         self.fork_sum = dict.fromkeys(_BASELINES, 0.0)  # one-step regret over the sampled ones
+        self.err_sq = dict.fromkeys(_BASELINES, 0.0)  # squared (predicted - one-step) over them
 
     def sample(self, detail: dict[str, Any], chosen_engine: Any, chosen_free_s: float, engines: dict[str, tuple[Any, float]],
                rid: object, prompt: Any, max_new_tokens: int, submit_s: float) -> None:
@@ -78,16 +79,25 @@ class OneStepTruth:
             self.sampled[b] += 1
             self.pred_sum[b] += pred - chosen_ms
             self.fork_sum[b] += base_ms - own_ms
+            self.err_sq[b] += ((pred - chosen_ms) - (base_ms - own_ms)) ** 2
 
     def snapshot(self) -> dict[str, Any]:
-        """Per baseline: ``predicted_ms`` and ``one_step_ms`` per request, ``sampled`` decisions."""
+        """Per baseline: ``predicted_ms`` and ``one_step_ms`` per request, ``sampled`` decisions and
+        ``error_ci95_ms``, the 95 % half-width of their difference's mean over the sample (per
+        request, as they are): what a sample of this size knows of the model's error."""
         out: dict[str, Any] = {"every": self.every, "audited": self.audited}
         for b in _BASELINES:
             n = self.sampled[b]
             share = self.differ[b] / self.audited if self.audited else 0.0
+            ci = None
+            if n > 1:
+                m = (self.pred_sum[b] - self.fork_sum[b]) / n
+                var = max(0.0, (self.err_sq[b] - n * m * m) / (n - 1))
+                ci = round(share * 1.96 * math.sqrt(var / n), 2)
             out[b] = {"sampled": n, "differ_share": round(share, 4),
                       "predicted_ms": round(share * self.pred_sum[b] / n, 2) if n else None,
-                      "one_step_ms": round(share * self.fork_sum[b] / n, 2) if n else None}
+                      "one_step_ms": round(share * self.fork_sum[b] / n, 2) if n else None,
+                      "error_ci95_ms": ci}
         return out
 
 
