@@ -269,12 +269,10 @@ def test_sim_arm_carries_the_regret_field():
     assert all(math.isfinite(v) for v in rg["pays_ms"].values())
 
 
-def test_sim_regret_shadow_option_adds_the_shadow_figure_and_is_validated(tmp_path):
+def test_sim_regret_shadow_option_adds_the_shadow_figure_and_is_validated():
     """``mesh sim --regret-shadow RATE`` (SimConfig.regret_shadow_rate, the matrix's
     sim.regret_shadow_rate): cache_aware arms carry regret.shadow; a rate outside (0, 1] is
-    refused naming the field, on the command line and in the matrix TOML."""
-    from mesh.cli import main
-    from mesh.lab.sim.matrix import load_matrix
+    refused naming the field (and below, on the command line and in the matrix TOML)."""
     from mesh.lab.sim.runner import SimConfig, run_sim
 
     cfg = SimConfig(workload="zipf", rate=200.0, duration_s=None, max_requests=150, seed=1,
@@ -285,11 +283,21 @@ def test_sim_regret_shadow_option_adds_the_shadow_figure_and_is_validated(tmp_pa
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(ConfigError, match="regret_shadow_rate"):
             SimConfig(workload="zipf", regret_shadow_rate=bad).validate()
-    assert main(["sim", "--workload", "zipf", "--max-requests", "20", "--regret-shadow", "2", "--no-progress"]) == 2
+
+
+@pytest.mark.parametrize("flag, field, bad", [("--regret-shadow", "regret_shadow_rate", "2"),
+                                              ("--regret-truth", "regret_truth_every", "-1")])
+def test_the_lab_regret_options_are_refused_naming_the_field(tmp_path, flag, field, bad):
+    """``mesh sim --regret-shadow`` / ``--regret-truth`` and the matrix's ``sim.`` keys: a bad
+    value exits 2 on the command line and is a ConfigError naming ``sim.<field>`` in the TOML."""
+    from mesh.cli import main
+    from mesh.lab.sim.matrix import load_matrix
+
+    assert main(["sim", "--workload", "zipf", "--max-requests", "20", f"{flag}={bad}", "--no-progress"]) == 2
     m = tmp_path / "m.toml"
-    m.write_text('[matrix]\nseeds = [1]\n[sim]\nregret_shadow_rate = 1.5\n'
+    m.write_text(f'[matrix]\nseeds = [1]\n[sim]\n{field} = 1.5\n'
                  '[workloads.z]\nworkload = "zipf"\n[[cells]]\nworkload = "z"\nload = 1.0\nworkers = 4\nrouters = 1\n')
-    with pytest.raises(ConfigError, match="sim.regret_shadow_rate"):
+    with pytest.raises(ConfigError, match=f"sim.{field}"):
         load_matrix(str(m))
 
 

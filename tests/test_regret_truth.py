@@ -67,9 +67,7 @@ def test_every_kth_disagreement_is_sampled_and_bad_settings_are_refused():
             OneStepTruth(bad)
 
 
-def test_sim_regret_truth_option_reports_the_one_step_figure_and_is_validated(tmp_path):
-    from mesh.cli import main
-    from mesh.lab.sim.matrix import load_matrix
+def test_sim_regret_truth_option_reports_the_one_step_figure_and_is_validated():
     from mesh.lab.sim.runner import SimConfig, run_sim
 
     cfg = SimConfig(workload="zipf", rate=200.0, duration_s=None, max_requests=150, seed=1,
@@ -82,12 +80,7 @@ def test_sim_regret_truth_option_reports_the_one_step_figure_and_is_validated(tm
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="regret_truth_every"):
             SimConfig(workload="zipf", regret_truth_every=bad).validate()
-    assert main(["sim", "--workload", "zipf", "--max-requests", "20", "--regret-truth=-1", "--no-progress"]) == 2
-    m = tmp_path / "m.toml"
-    m.write_text('[matrix]\nseeds = [1]\n[sim]\nregret_truth_every = 1.5\n'
-                 '[workloads.z]\nworkload = "zipf"\n[[cells]]\nworkload = "z"\nload = 1.0\nworkers = 4\nrouters = 1\n')
-    with pytest.raises(ConfigError, match="sim.regret_truth_every"):
-        load_matrix(str(m))
+    # the command line and the matrix TOML: tests/test_regret.py::test_the_lab_regret_options_are_refused_naming_the_field
 
 
 def test_the_matrix_splits_the_audits_error_at_the_one_step_truth():
