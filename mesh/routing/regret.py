@@ -51,7 +51,9 @@ estimates and runs low; the baseline's pick was not selected by it. ``observed``
 spreads) the cache later requests hit, nor the queueing a choice causes for the requests after
 it, and the counterfactual is judged on cache_aware's own state (a p2c fleet would hold its
 prefixes elsewhere). docs/routing.md "Regret audit" says how far it matched the measured
-difference in the quality matrix. ``shadow_rate`` (off by default) adds the shadow
+difference in the quality matrix, and how much of the gap is the TTFT model's and how much what
+no single decision shows (``mesh sim --regret-truth`` replays sampled decisions on copies of the
+engines). ``shadow_rate`` (off by default) adds the shadow
 counterfactual of :mod:`mesh.routing.regret_shadow`, which sees a baseline's own history.
 """
 
