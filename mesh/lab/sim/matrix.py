@@ -94,7 +94,7 @@ from mesh.config import build, read_toml
 from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES, make_policy
-from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, run_sim
+from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, check_regret_truth_every, run_sim
 from mesh.lab.sim.metrics import paired_ci95
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
@@ -318,8 +318,8 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
             v = dict(_table(v, f"sim.{k}"))
         elif _SIM_KEYS[k] is bool and type(v) is not bool:
             _fail(f"sim.{k}", f"must be true or false, got {v!r}")
-        elif _SIM_KEYS[k] is int and (type(v) is not int or v < 0):
-            _fail(f"sim.{k}", f"must be an integer >= 0, got {str(v)[:40]!r}")
+        elif k == "regret_truth_every":
+            v = check_regret_truth_every(v, "sim.regret_truth_every")
         elif k == "router_pick" and v not in ROUTER_PICKS:
             _fail("sim.router_pick", f"must be one of {', '.join(ROUTER_PICKS)}, got {v!r}")
         sim_out[k] = v
@@ -1134,9 +1134,7 @@ def cmd_matrix(args: Any) -> int:
     if getattr(args, "regret_shadow", None) is not None:  # --regret-shadow RATE: over the TOML's sim.regret_shadow_rate
         mc.sim["regret_shadow_rate"] = check_regret_shadow_rate(args.regret_shadow, "regret_shadow")
     if getattr(args, "regret_truth", 0):  # --regret-truth K: over the TOML's sim.regret_truth_every
-        if args.regret_truth < 0:
-            raise ConfigError(f"regret_truth: must be an integer >= 0, not {args.regret_truth!r}")
-        mc.sim["regret_truth_every"] = args.regret_truth
+        mc.sim["regret_truth_every"] = check_regret_truth_every(args.regret_truth, "regret_truth")
     jobs = args.jobs if args.jobs else default_jobs()
     reuse = reusable_calibrations(mc, args.reuse_calibration) if args.reuse_calibration else None
     console = Console(stderr=True)

@@ -125,6 +125,15 @@ def check_regret_shadow_rate(rate: Any, name: str = "regret_shadow_rate") -> flo
     return float(rate)
 
 
+def check_regret_truth_every(k: Any, name: str = "regret_truth_every") -> int:
+    """``k`` as the one-step truth's sampling period: an integer >= 0 (0: off); ConfigError naming
+    ``name`` otherwise (the one check of ``mesh sim --regret-truth``, ``SimConfig.regret_truth_every``
+    and the matrix's ``sim.regret_truth_every``)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ConfigError(f"{name}: must be an integer >= 0, not {str(k)[:40]!r}")
+    return k
+
+
 @dataclass
 class SimConfig:
     """Everything one ``mesh sim`` invocation needs. Lists make arms (their cross product)."""
@@ -197,9 +206,7 @@ class SimConfig:
         if not self.exchange_full_ms > 0:
             raise ConfigError("exchange_full_ms must be > 0")
         check_regret_shadow_rate(self.regret_shadow_rate)
-        k = self.regret_truth_every
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ConfigError(f"regret_truth_every: must be an integer >= 0, not {str(k)[:40]!r}")
+        check_regret_truth_every(self.regret_truth_every)
         if self.session_affinity not in ("off", "soft", "hard"):
             raise ConfigError(f"session_affinity must be off, soft or hard, not {self.session_affinity!r}")
         if not (math.isfinite(self.session_ttl_s) and self.session_ttl_s > 0):
