@@ -44,7 +44,7 @@ def build_broker(settings: BrokerSettings, **kwargs) -> Broker:
                     "tier_weights": (1.0, settings.tier_weight_host, settings.tier_weight_store),
                     "rank_ties": settings.rank_ties, "rank_window_prefills": settings.rank_window_prefills,
                     "rank_window_ms": settings.rank_window_ms or None,
-                    "rank_queue_classes": settings.rank_queue_classes}
+                    "rank_reach": settings.rank_reach}
         policy = make_policy(settings.policy, rng=rng, freshness_s=settings.load_freshness_s, **opts)
     except ValueError as exc:
         raise ConfigError(f"policy: {exc}") from None

@@ -91,9 +91,9 @@ class BrokerSettings:
                                                      "typical request at the workers' measured rate, at most 1 s (docs/routing.md)")
     rank_window_ms: float = setting(0.0, unit="ms", help="cache_aware: a fixed window in wall-clock ms instead of "
                                                          "--rank-window-prefills (0 = derived from it)")
-    rank_queue_classes: int = setting(1, help="cache_aware with several routers: a parted miss may take a worker this "
-                                              "many prefill queue classes (5 ms of reference prefill each) "
-                                              "behind the shortest queue (0 = exact ties only; docs/routing.md)")
+    rank_reach: float = setting(0.1, help="cache_aware with several routers: a parted miss may take a worker whose "
+                                          "prefill queue is at most this share of the request's own prompt longer "
+                                          "than the shortest (0 = the shortest only; docs/routing.md)")
     regret_audit: str = setting("on", choices=("on", "off"),
                                 help="cache_aware: predict for every decision what power_of_two and greedy would "
                                      "have picked from the same view (mesh_regret_ms, mesh_cache_aware_pays_ms; "
@@ -316,8 +316,8 @@ class BrokerSettings:
                  f"must be off, misses, holders or all, not {str(self.rank_ties)[:40]!r}")
         _require(math.isfinite(self.rank_window_prefills) and 0 <= self.rank_window_prefills <= 100,
                  "rank_window_prefills", f"must be a number in [0, 100], not {self.rank_window_prefills!r}")
-        _require(type(self.rank_queue_classes) is int and 0 <= self.rank_queue_classes <= 1000, "rank_queue_classes",
-                 f"must be an int in [0, 1000], not {str(self.rank_queue_classes)[:40]!r}")
+        _require(math.isfinite(self.rank_reach) and 0 <= self.rank_reach <= 10, "rank_reach",
+                 f"must be a number in [0, 10], not {self.rank_reach!r}")
         _require(math.isfinite(self.rank_window_ms) and 0 <= self.rank_window_ms <= 60_000, "rank_window_ms",
                  f"must be a number in [0, 60000] (0 = derived from rank_window_prefills), not {self.rank_window_ms!r}")
         _require(self.regret_audit in ("on", "off"), "regret_audit", f"must be on or off, not {str(self.regret_audit)[:40]!r}")

@@ -335,7 +335,8 @@ def test_a_parted_miss_reaches_past_the_load_band_by_its_rank():
     needs distinct workers, at most k requests -- as if the k routers ranked before it had each
     placed one request of the burst, as one router deciding them one by one would have seen --
     so the four land on four workers. Rank 0 and
-    a quiet moment keep the plain best; ``rank_queue_classes=0`` keeps the band as it was."""
+    a quiet moment keep the plain best. The widening is about load, not queues: with
+    ``rank_reach=0`` (the shortest queue only) the four idle workers are the same four."""
     def fleet():
         return [ws("a", running=1), ws("b", running=2), ws("c", running=3), ws("d", running=3), ws("e", running=4)]
 
@@ -345,43 +346,53 @@ def test_a_parted_miss_reaches_past_the_load_band_by_its_rank():
     # a worker the band and the rank do not reach is never taken (rank 1: load <= 1 + 1 + 1)
     assert in_burst(CacheAware(router_rank=1)).choose(req(), [ws("a", running=1), ws("e", running=4)],
                                                       miss, 0.001).worker_id == "a"
-    exact = [in_burst(CacheAware(router_rank=r, rank_queue_classes=0)).choose(req(), fleet(), miss, 0.001).worker_id
+    exact = [in_burst(CacheAware(router_rank=r, rank_reach=0)).choose(req(), fleet(), miss, 0.001).worker_id
              for r in range(4)]
-    assert exact == ["a", "a", "a", "a"]  # exact ties: the best class has one member
+    assert exact == ["a", "b", "c", "d"]
     assert CacheAware(router_rank=3).choose(req(), fleet(), miss, 0.001).worker_id == "a"  # quiet: the best
     # only as far as the rank needs: with two workers in the band rank 1 stays in it and does
-    # not take c (idle, two requests past the least loaded) over a (one queue class behind);
+    # not take c (idle, two requests past the least loaded) over a (150 tokens behind, within
+    # the reach of a 2,048-token prompt);
     # rank 2 needs a third and reaches c, after the band's two: three ranks, three workers
     band_enough = [ws("a", running=1, wu=150), ws("b", running=2), ws("c", running=3)]
     assert [in_burst(CacheAware(router_rank=r)).choose(req(), band_enough, miss, 0.001).worker_id
             for r in range(3)] == ["b", "a", "c"]
 
 
-def test_a_parted_miss_reaches_one_queue_class_behind_the_shortest():
-    """On a busy fleet the shortest queue class often has one member: with exact ties only,
-    every rank took that worker in a burst and all but one waited a whole prefill behind the
-    others. Parted (another decision within the window), rank k takes the k-th worker within
-    ``rank_queue_classes`` (1) classes of the shortest queue, in the rule's order, whatever its
-    load; a worker further behind is never taken, and rank 0 keeps the plain best."""
+def test_a_parted_miss_reaches_a_share_of_its_own_prompt_behind_the_shortest():
+    """On a busy fleet the shortest queue often has one member: with exact ties only, every rank
+    took that worker in a burst and all but one waited a whole prefill behind the others.
+    Parted (another decision within the window), rank k takes the k-th worker whose queue is at
+    most ``rank_reach`` (0.1) of the request's own prompt longer than the shortest, in the rule's
+    order, whatever its load; a worker further behind is never taken, and rank 0 keeps the plain
+    best. The reach is relative to the prompt: the same 150 queued tokens are within it for a
+    2,048-token prompt (205 tokens) and past it for a 1,024-token one (102), so on any engine a
+    parted router pays at most a tenth of the prefill a collision would cost."""
     def fleet():
         a = ws("a", running=2)  # idle queue, one request more than b
-        b = ws("b", running=1, wu=150)  # one class (125 tokens) behind
+        b = ws("b", running=1, wu=150)  # 150 tokens behind
         c = ws("c", running=1, wu=2_000)  # far behind
         return [a, b, c]
 
     miss = FakeMatch({}, 128)
     picks = {r: in_burst(CacheAware(router_rank=r)).choose(req(), fleet(), miss, 0.001).worker_id for r in range(4)}
     assert picks == {0: "a", 1: "b", 2: "a", 3: "b"}
-    exact = {in_burst(CacheAware(router_rank=r, rank_queue_classes=0)).choose(req(), fleet(), miss, 0.001).worker_id
+    short = {in_burst(CacheAware(router_rank=r)).choose(req(L=1024), fleet(), miss, 0.001).worker_id for r in range(4)}
+    assert short == {"a"}  # b is past a tenth of this prompt: a collision risk is cheaper than its queue
+    wide = {in_burst(CacheAware(router_rank=r, rank_reach=1.0)).choose(req(L=1024), fleet(), miss, 0.001).worker_id
+            for r in range(4)}
+    assert wide == {"a", "b"}  # c (2,000 tokens behind) is past even a whole prompt
+    exact = {in_burst(CacheAware(router_rank=r, rank_reach=0)).choose(req(), fleet(), miss, 0.001).worker_id
              for r in range(4)}
-    assert exact == {"a"}  # the class of one: every rank collides on it
+    assert exact == {"a"}  # the shortest alone: every rank collides on it
     # a quiet moment (no decision within the window): the best, at any rank
     assert CacheAware(router_rank=3).choose(req(), fleet(), miss, 0.001).worker_id == "a"
-    for bad in (-1, 1.5, "1", None, True):
-        with pytest.raises(ValueError, match="rank_queue_classes"):
-            CacheAware(rank_queue_classes=bad)
+    for bad in (-1, 10.5, math.nan, math.inf, "1", None, True):
+        with pytest.raises(ValueError, match="rank_reach"):
+            CacheAware(rank_reach=bad)
     from mesh.config import BrokerSettings
     from mesh.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="rank_queue_classes"):
-        BrokerSettings(rank_queue_classes=-2).validate()
+    for bad in (-0.5, 11.0, math.nan):
+        with pytest.raises(ConfigError, match="rank_reach"):
+            BrokerSettings(rank_reach=bad).validate()

@@ -43,9 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
     ({"rank_window_prefills": float("inf")}, "rank_window_prefills"),
     ({"rank_window_prefills": 1e9}, "rank_window_prefills"),
     ({"rank_window_prefills": "wide"}, "rank_window_prefills"),
-    ({"rank_queue_classes": -1}, "rank_queue_classes"),
-    ({"rank_queue_classes": 1.5}, "rank_queue_classes"),
-    ({"rank_queue_classes": "all"}, "rank_queue_classes"),
+    ({"rank_reach": -1}, "rank_reach"),
+    ({"rank_reach": 10.5}, "rank_reach"),
+    ({"rank_reach": "all"}, "rank_reach"),
 ])
 def test_broker_settings_errors_name_the_field(values, field):
     with pytest.raises(ConfigError, match=field):

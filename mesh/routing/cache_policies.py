@@ -58,8 +58,9 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    view, so a burst reaching several routers within the exchange's delay sends all their misses
    to the same least-sent worker. Router k (``router_rank``: its rank by id among itself and its
    fresh peers, set by the exchange's shell) takes the k-th member of the best tie class instead
-   (:func:`part_ties`; on a miss the class reaches ``rank_queue_classes``, 1, queue classes behind
-   the shortest queue, and router k reaches past the load band as far as it needs a member of
+   (:func:`part_ties`; on a miss the class reaches workers whose prefill queue is at most
+   ``rank_reach`` (:data:`RANK_REACH`, 0.1) of the request's own prompt longer than the shortest,
+   and router k reaches past the load band as far as it needs a member of
    its own, at most k requests: the best class alone often has one member on a busy fleet), but only
    while another decision was made within the window before this one: its own previous one, or
    a peer's dispatch heard through the exchange (:meth:`CacheAware.note_peer_dispatch`, the
@@ -143,7 +144,7 @@ except ImportError:  # pragma: no cover
     def hash_pair(a: str, b: str) -> int:
         return zlib.crc32(f"{a}\x00{b}".encode())
 
-__all__ = ["CacheAwareGreedy", "CacheAware", "CostModel", "CollisionWindow", "part_ties", "RANK_WINDOW_PREFILLS"]
+__all__ = ["CacheAwareGreedy", "CacheAware", "CostModel", "CollisionWindow", "part_ties", "RANK_WINDOW_PREFILLS", "RANK_REACH"]
 
 #: ``rank_window_prefills``' default: near-ties are parted while another decision is younger than
 #: this many prefills of a typical request, at most :data:`MAX_RANK_WINDOW_S`: with 100 the cap
@@ -157,6 +158,13 @@ FALLBACK_PREFILL_TOKENS = 1024
 MAX_RANK_WINDOW_S = 1.0
 #: the largest ``rank_window_prefills`` accepted
 MAX_RANK_WINDOW_PREFILLS = 100.0
+#: ``rank_reach``' default: a parted miss may take a worker whose prefill queue is at most this
+#: share of the request's own prompt longer than the shortest (0.05-0.5 tried on the 70B-class
+#: engine's low_reuse cells, seeds 1/3: 4 routers over one 1.00-1.03x up to 0.1, 1.10x at 0.25,
+#: 1.20x at 0.5; 0.05 and 0.1 alike on the 8B engine's low_reuse and zipf cells; docs/routing.md)
+RANK_REACH = 0.1
+#: the largest ``rank_reach`` accepted
+MAX_RANK_REACH = 10.0
 #: the typical prefill is a running mean over the first decisions, then an EWMA of this span
 _TYPICAL_SPAN = 64
 
@@ -282,7 +290,7 @@ class CacheAware:
                  stall_queue_ms: float = 1000.0, tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
                  learn_tiers: bool = True, router_rank: int = 0, rank_ties: str = "misses",
                  rank_window_prefills: float = RANK_WINDOW_PREFILLS, rank_window_ms: float | None = None,
-                 rank_queue_classes: int = 1) -> None:
+                 rank_reach: float = RANK_REACH) -> None:
         if cost_ties not in ("auto", "always", "never"):
             raise ValueError(f"cost_ties must be auto, always or never, not {cost_ties!r}")
         self.rng = rng or random.Random()
@@ -347,10 +355,11 @@ class CacheAware:
         if rank_ties not in ("all", "holders", "misses", "off"):
             raise ValueError(f"rank_ties must be all, holders, misses or off, not {rank_ties!r}")
         self.rank_ties = rank_ties
-        if type(rank_queue_classes) is not int or rank_queue_classes < 0:
-            raise ValueError(f"rank_queue_classes must be an int >= 0, not {rank_queue_classes!r}")
-        # a parted miss reaches workers this many queue classes (miss_queue_ms) behind the best
-        self.rank_queue_classes = rank_queue_classes
+        if not (_number(rank_reach) and 0 <= rank_reach <= MAX_RANK_REACH):
+            raise ValueError(f"rank_reach must be a number in [0, {MAX_RANK_REACH:g}], not {rank_reach!r}")
+        # a parted miss reaches workers whose prefill queue is at most this share of the request's
+        # own prompt longer than the shortest
+        self.rank_reach = float(rank_reach)
         # ties are parted only while decisions can collide: this router's previous decision, or
         # a peer's dispatch heard through the exchange (note_peer_dispatch), within the window
         # (CollisionWindow: rank_window_prefills typical prefills, or rank_window_ms when set)
@@ -649,7 +658,7 @@ class CacheAware:
                 miss = self.miss_queue_ms > 0
         if scored[0][5] is None:  # no cost ties (see choose): greedy's order
             if miss:  # nobody holds enough (and no imbalance to correct): the shortest prefill queue
-                return self._miss_pick(pool, load, lo_p, now_s), False
+                return self._miss_pick(pool, load, lo_p, now_s, prompt_tokens), False
             pick = part_ties([((round(load[t[2]]),), 0, t[2], t) for t in pool], self._rank_hold if self._parting else 0)
             if self.stall_escape_ms > 0 and pool is not scored and self.miss_queue_ms > 0:
                 alt = self._stall_escape(pick, scored, load, lo_p, prompt_tokens, now_s)
@@ -659,13 +668,12 @@ class CacheAware:
         return min((t for t in pool if load[t[2]] <= band),
                    key=lambda t: (round(load[t[2]]), t[0], t[4].inflight, _rendezvous(rid, t[2]))), False
 
-    def _miss_pick(self, pool, load, lo_p: float, now_s: float):
+    def _miss_pick(self, pool, load, lo_p: float, now_s: float, prompt_tokens: int):
         """The miss rule: among the workers within ``miss_load_band`` requests of the least loaded,
         the shortest estimated prefill queue (classes of ``miss_queue_ms`` of reference prefill),
         then the least loaded, then the least sent; near-ties parted by router rank."""
         q_tok = self._ref_tokens(self.miss_queue_ms)
         rank = self._rank_miss if self._parting else 0
-        reach = self.rank_queue_classes if rank else 0
         # Parted, router k also reaches past the band, a request at a time, until the tie class
         # has more than k members, at most k requests: as if the k routers ranked before it had
         # each just placed one request of this burst on the least loaded workers, which is what
@@ -675,36 +683,40 @@ class CacheAware:
         # held sent zipf's misses to busier workers (held-out seed 2, 4 routers: mean TTFT +10 %).
         floor0 = round(lo_p) + self.miss_load_band
         sent = self.miss_sent
+        queued = self.queued_tokens
 
         def key(t):
-            return ((int(self.queued_tokens(t[4], now_s) // q_tok), round(load[t[2]])),
-                    t[4].fleet_sent_tokens if sent else 0, t[2], t)
+            q = queued(t[4], now_s)
+            return ((int(q // q_tok), round(load[t[2]])), t[4].fleet_sent_tokens if sent else 0, t[2], t, q)
 
         keyed = [key(t) for t in pool if round(load[t[2]]) <= floor0]
-        if reach and keyed:
-            # Parted, the tie class is every worker within ``reach`` queue classes of the band's
-            # shortest queue, whatever its load, in the rule's order: the best class alone often
-            # has one or two members on a busy fleet, so the ranks wrapped around onto the same
-            # idle worker and collided (a whole prefill's wait) where one a few ms behind was free.
-            # Workers the widening adds come after the band's, a request of load at a time, so
-            # every rank walks the same sequence and takes its own member of it. Only a widening
-            # reads the queues of workers past the band.
-            best = min(k[0][0] for k in keyed)
-            near = sum(1 for k in keyed if k[0][0] <= best + reach)
-            if near <= rank:
-                level = floor0
-                for t in sorted((t for t in pool if floor0 < round(load[t[2]]) <= floor0 + rank),
-                                key=lambda t: round(load[t[2]])):
-                    lv = round(load[t[2]])
-                    if lv > level and near > rank:
-                        break  # a whole load level at a time, and only while the class is short
-                    level = lv
-                    k = key(t)
-                    keyed.append(k)
-                    near += k[0][0] <= best + reach
-            keyed = [((0,) if k[0][0] <= best + reach else k[0], (max(0, k[0][1] - floor0), k[0], k[1]), k[2], k[3])
-                     for k in keyed]
-        return part_ties(keyed, rank)
+        if not (rank and keyed):
+            return part_ties([k[:4] for k in keyed], 0)
+        # Parted, the tie class is every worker whose queue is at most ``rank_reach`` of this
+        # request's own prompt longer than the shortest in the band, whatever its load, in the
+        # rule's order: the shortest queue alone often has one or two members on a busy fleet,
+        # so the ranks wrapped around onto the same idle worker and collided (a whole prefill's
+        # wait) where one a few tokens behind was free. The reach is the price of parting: a
+        # parted router takes that much more queue with certainty to avoid a collision that only
+        # a decision within the exchange's delay can cause, so it is a small share of the
+        # prefill a collision costs (docs/routing.md). Workers the widening adds come after the
+        # band's, a request of load at a time, so every rank walks the same sequence and takes
+        # its own member of it. Only a widening reads the queues of workers past the band.
+        limit = min(k[4] for k in keyed) + self.rank_reach * prompt_tokens
+        near = sum(1 for k in keyed if k[4] <= limit)
+        if near <= rank:
+            level = floor0
+            for t in sorted((t for t in pool if floor0 < round(load[t[2]]) <= floor0 + rank),
+                            key=lambda t: round(load[t[2]])):
+                lv = round(load[t[2]])
+                if lv > level and near > rank:
+                    break  # a whole load level at a time, and only while the class is short
+                level = lv
+                k = key(t)
+                keyed.append(k)
+                near += k[4] <= limit
+        return part_ties([((0,) if k[4] <= limit else k[0], (max(0, k[0][1] - floor0), k[0], k[1]), k[2], k[3])
+                          for k in keyed], rank)
 
     def _stall_escape(self, pick, scored, load, lo_p: float, prompt_tokens: int, now_s: float):
         """Leave the holder ``pick`` when at least ``stall_queue_ms`` of prefill is queued on it
@@ -727,7 +739,7 @@ class CacheAware:
         if queued_h < self._ref_tokens(self.stall_queue_ms):
             return pick  # fast path: no holder queue that long
         wait_h = 1000.0 * (queued_h + prompt_tokens - pick[3]) / rate
-        alt = self._miss_pick(scored, load, lo_p, now_s)
+        alt = self._miss_pick(scored, load, lo_p, now_s, prompt_tokens)
         if alt is pick:
             return pick
         a = alt[4]
