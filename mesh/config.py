@@ -91,7 +91,7 @@ class BrokerSettings:
                                                      "typical request at the workers' measured rate, at most 1 s (docs/routing.md)")
     rank_window_ms: float = setting(0.0, unit="ms", help="cache_aware: a fixed window in wall-clock ms instead of "
                                                          "--rank-window-prefills (0 = derived from it)")
-    rank_reach: float = setting(0.1, help="cache_aware with several routers: a parted miss may take a worker whose "
+    rank_reach: float = setting(0.03, help="cache_aware with several routers: a parted miss may take a worker whose "
                                           "prefill queue is at most this share of the request's own prompt longer "
                                           "than the shortest (0 = the shortest only; docs/routing.md)")
     regret_audit: str = setting("on", choices=("on", "off"),

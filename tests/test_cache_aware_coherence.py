@@ -351,11 +351,11 @@ def test_a_parted_miss_reaches_past_the_load_band_by_its_rank():
     assert exact == ["a", "b", "c", "d"]
     assert CacheAware(router_rank=3).choose(req(), fleet(), miss, 0.001).worker_id == "a"  # quiet: the best
     # only as far as the rank needs: with two workers in the band rank 1 stays in it and does
-    # not take c (idle, two requests past the least loaded) over a (150 tokens behind, within
-    # the reach of a 2,048-token prompt);
+    # not take c (idle, two requests past the least loaded) over a (one queue class, 125 tokens,
+    # behind: within the reach of an 8,192-token prompt);
     # rank 2 needs a third and reaches c, after the band's two: three ranks, three workers
     band_enough = [ws("a", running=1, wu=150), ws("b", running=2), ws("c", running=3)]
-    assert [in_burst(CacheAware(router_rank=r)).choose(req(), band_enough, miss, 0.001).worker_id
+    assert [in_burst(CacheAware(router_rank=r)).choose(req(L=8192), band_enough, miss, 0.001).worker_id
             for r in range(3)] == ["b", "a", "c"]
 
 
@@ -363,26 +363,28 @@ def test_a_parted_miss_reaches_a_share_of_its_own_prompt_behind_the_shortest():
     """On a busy fleet the shortest queue often has one member: with exact ties only, every rank
     took that worker in a burst and all but one waited a whole prefill behind the others.
     Parted (another decision within the window), rank k takes the k-th worker whose queue is at
-    most ``rank_reach`` (0.1) of the request's own prompt longer than the shortest, in the rule's
-    order, whatever its load; a worker further behind is never taken, and rank 0 keeps the plain
-    best. The reach is relative to the prompt: the same 150 queued tokens are within it for a
-    2,048-token prompt (205 tokens) and past it for a 1,024-token one (102), so on any engine a
-    parted router pays at most a tenth of the prefill a collision would cost."""
+    most ``rank_reach`` (0.03) of the request's own prompt longer than the shortest, in the
+    rule's order, whatever its load; a worker further behind is never taken, and rank 0 keeps
+    the plain best. The reach is relative to the prompt: the same 125 queued tokens (150 at the
+    snapshot, drained for a millisecond since) are within it for an 8,192-token prompt (246
+    tokens) and past it for a 2,048-token one (61), so on any engine a parted router pays at
+    most 3 % of the prefill a collision would cost."""
     def fleet():
         a = ws("a", running=2)  # idle queue, one request more than b
-        b = ws("b", running=1, wu=150)  # 150 tokens behind
+        b = ws("b", running=1, wu=150)  # one queue class (125 tokens) behind
         c = ws("c", running=1, wu=2_000)  # far behind
         return [a, b, c]
 
     miss = FakeMatch({}, 128)
-    picks = {r: in_burst(CacheAware(router_rank=r)).choose(req(), fleet(), miss, 0.001).worker_id for r in range(4)}
+    picks = {r: in_burst(CacheAware(router_rank=r)).choose(req(L=8192), fleet(), miss, 0.001).worker_id
+             for r in range(4)}
     assert picks == {0: "a", 1: "b", 2: "a", 3: "b"}
-    short = {in_burst(CacheAware(router_rank=r)).choose(req(L=1024), fleet(), miss, 0.001).worker_id for r in range(4)}
-    assert short == {"a"}  # b is past a tenth of this prompt: a collision risk is cheaper than its queue
-    wide = {in_burst(CacheAware(router_rank=r, rank_reach=1.0)).choose(req(L=1024), fleet(), miss, 0.001).worker_id
+    short = {in_burst(CacheAware(router_rank=r)).choose(req(), fleet(), miss, 0.001).worker_id for r in range(4)}
+    assert short == {"a"}  # b is past 3 % of this prompt: a collision risk is cheaper than its queue
+    wide = {in_burst(CacheAware(router_rank=r, rank_reach=0.5)).choose(req(), fleet(), miss, 0.001).worker_id
             for r in range(4)}
-    assert wide == {"a", "b"}  # c (2,000 tokens behind) is past even a whole prompt
-    exact = {in_burst(CacheAware(router_rank=r, rank_reach=0)).choose(req(), fleet(), miss, 0.001).worker_id
+    assert wide == {"a", "b"}  # c (~2,000 tokens behind) is past even half the prompt
+    exact = {in_burst(CacheAware(router_rank=r, rank_reach=0)).choose(req(L=8192), fleet(), miss, 0.001).worker_id
              for r in range(4)}
     assert exact == {"a"}  # the shortest alone: every rank collides on it
     # a quiet moment (no decision within the window): the best, at any rank

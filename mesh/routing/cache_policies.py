@@ -59,7 +59,7 @@ step used only as far as the quality matrix (docs/routing.md) showed it pays:
    to the same least-sent worker. Router k (``router_rank``: its rank by id among itself and its
    fresh peers, set by the exchange's shell) takes the k-th member of the best tie class instead
    (:func:`part_ties`; on a miss the class reaches workers whose prefill queue is at most
-   ``rank_reach`` (:data:`RANK_REACH`, 0.1) of the request's own prompt longer than the shortest,
+   ``rank_reach`` (:data:`RANK_REACH`, 0.03) of the request's own prompt longer than the shortest,
    and router k reaches past the load band as far as it needs a member of
    its own, at most k requests: the best class alone often has one member on a busy fleet), but only
    while another decision was made within the window before this one: its own previous one, or
@@ -159,10 +159,10 @@ MAX_RANK_WINDOW_S = 1.0
 #: the largest ``rank_window_prefills`` accepted
 MAX_RANK_WINDOW_PREFILLS = 100.0
 #: ``rank_reach``' default: a parted miss may take a worker whose prefill queue is at most this
-#: share of the request's own prompt longer than the shortest (0.05-0.5 tried on the 70B-class
-#: engine's low_reuse cells, seeds 1/3: 4 routers over one 1.00-1.03x up to 0.1, 1.10x at 0.25,
-#: 1.20x at 0.5; 0.05 and 0.1 alike on the 8B engine's low_reuse and zipf cells; docs/routing.md)
-RANK_REACH = 0.1
+#: share of the request's own prompt longer than the shortest. Swept on seeds 1/3, 4 routers over
+#: one (p95): on the 70B-class engine's low_reuse 1.00x up to 0.05, 1.03x at 0.1, 1.20x at 0.5;
+#: on the fast engine's trace 1.06x at 0, 1.01x at 0.02-0.03, 1.10x at 0.1 (docs/routing.md)
+RANK_REACH = 0.03
 #: the largest ``rank_reach`` accepted
 MAX_RANK_REACH = 10.0
 #: the typical prefill is a running mean over the first decisions, then an EWMA of this span
