@@ -206,11 +206,11 @@ class BrokerSettings:
                                                                "something changed (0: one per broker pump that "
                                                                "changed something, the pump's own batching bounds "
                                                                "the rate)")
-    exchange_routes: bool = setting(False, help="also tell the peers where this broker routed each prompt (a few "
-                                                "content keys per prompt), so that a follow-up reaching a peer finds "
-                                                "the worker still computing its prefix: restores one router's hit "
-                                                "rate on multi-turn chat, but not its TTFT (docs/routing.md). Peers' routes "
-                                                "are taken either way")
+    exchange_routes: bool = setting(True, flag="--no-exchange-routes",
+                                    help="do not tell the peers where this broker routed each prompt (a few content "
+                                         "keys per prompt, sent by default so that a follow-up reaching a peer finds "
+                                         "the worker still computing its prefix; docs/routing.md). Peers' routes are "
+                                         "taken either way")
     exchange_stale_ms: float = setting(3000.0, unit="ms", help="a peer silent this long is dropped: this broker falls "
                                                                "back to its own view for it")
     exchange_peer_msgs_per_sec: float = setting(2000.0, help="each --peer's budget of exchange messages per second; "

@@ -226,15 +226,16 @@ async def _n_workers(endpoint: str, curve) -> bool:
 
 
 def test_a_follow_up_through_the_other_broker_lands_where_its_prefix_is_being_computed(procs):
-    """A (``--exchange-routes``) routes a long prompt; while its prefill still runs (no token
+    """A (routes on, the default) routes a long prompt; while its prefill still runs (no token
     yet, so the KV events cover a chunk at most), its follow-up reaches B. B was told of A's
     route through the exchange and sends the follow-up to the same worker as a cache hit.
     Without routes B sees only the queued load there and sends it to the other worker, which
     recomputes the whole prompt."""
     slow = ["--prefill-tokens-per-s", "4000", "--chunked-prefill-size", "2048"]  # 16k tokens: 4 s of prefill
-    a = procs.broker("a", *FAST, "--exchange", "tcp://127.0.0.1:*", "--exchange-routes")
+    a = procs.broker("a", *FAST, "--exchange", "tcp://127.0.0.1:*")
     ex_a = wait_for_log_event(a.log_path, "broker_listening", 5.0, start=a.log_start)["exchange"]
-    b = procs.broker("b", *FAST, "--exchange", "tcp://127.0.0.1:*", "--peer", ex_a)  # takes routes without sending any
+    b = procs.broker("b", *FAST, "--exchange", "tcp://127.0.0.1:*", "--peer", ex_a,
+                     "--no-exchange-routes")  # takes routes without sending any
     procs.workers("w", [a.backend, b.backend], *slow, count=2)
     first = list(range(1, 16_001))
     follow = first + list(range(20_000, 20_100))

@@ -228,14 +228,14 @@ def test_sim_a_follow_up_at_another_router_finds_the_worker_computing_its_prefix
     assert w1 != w0 and why == "cache_miss_min_load"
 
 
-def test_sim_without_exchange_routes_sends_figures_only_and_that_is_the_default():
+def test_sim_sends_routes_by_default_and_without_them_figures_only():
     from mesh.lab.sim.runner import Arm, ArmSpec, SimConfig, run_sim
     from mesh.lab.sim.workloads import make_workload
 
     kw = dict(workload="shared_prefix", rate=20.0, duration_s=1.0, workers=[4], routers=[2], policies=["cache_aware"],
               providers=["radix_tree"], seed=3, exchange=True)
-    cfg = SimConfig(**kw)
-    assert not cfg.exchange_routes
+    assert SimConfig(**kw).exchange_routes  # the broker's default: routes on
+    cfg = SimConfig(**kw, exchange_routes=False)
     arm = Arm(cfg, ArmSpec("cache_aware", "radix_tree", 2, 4), make_workload("shared_prefix", seed=3, rate=20.0, duration_s=1.0))
     r0 = arm.routers[0]
     toks = prompt(50, seed=14)

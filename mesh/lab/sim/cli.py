@@ -91,9 +91,9 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--exchange", action="store_true",
                    help="routers share their in-flight figures, as brokers with --exchange/--peer do (no effect with 1 router)")
     f.add_argument("--exchange-delay-ms", type=float, default=2.0, help="exchange publish -> peers' merge delay (default 2)")
-    f.add_argument("--exchange-routes", action="store_true",
-                   help="with --exchange: the routers also share where they routed each prompt, as brokers with "
-                        "--exchange-routes do (mesh.index.peer_routes)")
+    f.add_argument("--no-exchange-routes", dest="exchange_routes", action="store_false",
+                   help="with --exchange: the routers share only their in-flight figures, not where they routed each "
+                        "prompt (as brokers with --no-exchange-routes; by default both, mesh.index.peer_routes)")
     f.add_argument("--exchange-interval-ms", type=float, default=0.0,
                    help="at most one change message per router per interval (default 0: one per change, as the "
                         "broker's default publishes once per pump)")

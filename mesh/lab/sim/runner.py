@@ -170,7 +170,7 @@ class SimConfig:
     exchange: bool = False  # routers exchange their in-flight figures (mesh.routing.peers)
     exchange_delay_ms: float = 2.0  # publish -> peers' merge (the broker's few-ms socket hop)
     exchange_interval_ms: float = 0.0  # at most one change message per router per interval (0: one per change)
-    exchange_routes: bool = False  # the messages also carry the prompts each router routed (mesh.index.peer_routes)
+    exchange_routes: bool = True  # the messages also carry the prompts each router routed (mesh.index.peer_routes), as brokers' do by default
     exchange_full_ms: float = 1000.0  # full snapshot period
     # "fast": routing-only arms (Router.route / release, no broker lifecycle); "core": every router
     # is the broker's own BrokerCore (mesh.lab.sim.core_arm). Faults and P/D arms always run the core.
