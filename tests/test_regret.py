@@ -361,6 +361,25 @@ def test_the_regret_check_says_when_the_prediction_is_within_the_measured_differ
     assert "measured_ci95_ms" not in regret_check({**subj, "ttft_batch_means_ms": None}, base)
 
 
+def test_the_checks_ceiling_is_how_often_an_exact_estimator_lands_within_25_pct_of_one_noisy_measurement():
+    from mesh.lab.sim.matrix import regret_check
+    from mesh.lab.sim.metrics import exact_within_probability
+
+    # within 25 % of 40 ms is 10 ms: one standard error of 10 ms -> P(|Z| <= 1) = 0.6827
+    assert abs(exact_within_probability(40.0, 10.0, 0.25) - 0.682689) < 1e-6
+    assert abs(exact_within_probability(-40.0, 10.0, 0.25) - 0.682689) < 1e-6  # the sign does not matter
+    assert exact_within_probability(40.0, 0.0, 0.25) == 1.0  # known exactly
+    assert exact_within_probability(4.0, 10.0, 0.25) < 0.08  # a 4 ms difference known to +-20 ms: hardly judgeable
+    subj = {"policy": "cache_aware", "ttft_mean_ms": 100.0, "ttft_batch_means_ms": [100.0] * 20,
+            "regret": {"pays_ms": {"power_of_two": 50.0, "cache_aware_greedy": 9.0, "best": 9.0},
+                       "baselines": {"power_of_two": {"decisions": 9}, "cache_aware_greedy": {"decisions": 9}}}}
+    quiet = {"policy": "cache_aware_greedy", "ttft_mean_ms": 140.0, "ttft_batch_means_ms": [140.0 + (1.0 if i % 2 else -1.0) for i in range(20)]}
+    noisy = {**quiet, "ttft_batch_means_ms": [140.0 + (60.0 if i % 2 else -60.0) for i in range(20)]}
+    p2c = {"policy": "power_of_two", "ttft_mean_ms": 170.0}
+    assert regret_check(subj, [p2c, quiet])["exact_within_p"] == 1.0  # 40 ms known to +-0.5: any miss is the audit's
+    assert regret_check(subj, [p2c, noisy])["exact_within_p"] < 0.6  # known to +-28: a miss may be the measurement's
+
+
 def test_broker_metrics_show_the_regret_gauge_after_requests(procs):
     """One small real-process run: a cache_aware broker (audit on by default), two simulated
     workers, a few requests: /metrics has the histogram with one count per audited decision and

@@ -452,6 +452,9 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                        + (f"; {alt}" if alt else "")
                        + (f"; within 25 % or within the measured difference's 95 % confidence interval (paired batch "
                           f"means) in {rg['within_25pct_or_ci95']} of {rg['ci95_runs']}" if "within_25pct_or_ci95" in rg else "")
+                       + (f"; an estimator exact in expectation would be within 25 % in about "
+                          f"{rg['exact_within_25pct_expected']:.0f} of {rg['ci95_runs']}, given each measured difference's "
+                          f"own noise (the check's ceiling on these runs)" if "exact_within_25pct_expected" in rg else "")
                        + ".")
     return p
 

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 from mesh.stats import cv, mean, percentile, ratio
 
-__all__ = ["percentile", "cv", "ratio", "mean", "batch_means", "paired_ci95", "BATCHES"]
+__all__ = ["percentile", "cv", "ratio", "mean", "batch_means", "paired_ci95", "paired_se", "exact_within_probability", "BATCHES"]
 
 #: batches of :func:`batch_means` (contiguous runs of request indices)
 BATCHES = 20
@@ -46,10 +46,9 @@ def batch_means(values: Iterable[tuple[int, float]], n: int, batches: int = BATC
     return [round(s / c, 3) if c else None for s, c in zip(sums, counts)]
 
 
-def paired_ci95(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[float, float] | None:
-    """(mean of ``a - b`` over the batches both have, its 95 % confidence half-width), or None
-    with fewer than 3 such batches or batch lists of different lengths. The half-width uses
-    Student's t for ``k - 1`` degrees of freedom (k the batches used)."""
+def paired_se(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[float, float, int] | None:
+    """(mean of ``a - b`` over the batches both have, its standard error, the batches used), or
+    None with fewer than 3 such batches or batch lists of different lengths."""
     if len(a) != len(b):
         return None
     d = [x - y for x, y in zip(a, b) if x is not None and y is not None]
@@ -58,4 +57,24 @@ def paired_ci95(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[f
         return None
     m = math.fsum(d) / k
     sd = math.sqrt(math.fsum((x - m) ** 2 for x in d) / (k - 1))
-    return m, _T975.get(k - 1, 2.09 if k <= 30 else 1.96) * sd / math.sqrt(k)
+    return m, sd / math.sqrt(k), k
+
+
+def paired_ci95(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[float, float] | None:
+    """(mean of ``a - b`` over the batches both have, its 95 % confidence half-width), or None
+    with fewer than 3 such batches or batch lists of different lengths. The half-width uses
+    Student's t for ``k - 1`` degrees of freedom (k the batches used)."""
+    got = paired_se(a, b)
+    if got is None:
+        return None
+    m, se, k = got
+    return m, _T975.get(k - 1, 2.09 if k <= 30 else 1.96) * se
+
+
+def exact_within_probability(measured: float, se: float, tolerance: float) -> float:
+    """How likely an estimate equal to the *expected* difference lands within ``tolerance`` x
+    ``|measured|`` of a measurement with standard error ``se`` (normal approximation): the share of
+    such checks a perfect estimator passes, the ceiling a run's own noise puts on the check."""
+    if se <= 0.0:
+        return 1.0
+    return math.erf(tolerance * abs(measured) / (se * math.sqrt(2.0)))
