@@ -4,11 +4,11 @@ Several brokers route to the same workers; each knows only its own dispatches be
 LoadStat snapshots. With ``--exchange tcp://HOST:PORT --peer tcp://OTHER:PORT ...`` every broker
 publishes, per worker it has work on, its requests in flight, their uncached prefill tokens and
 a counter of the uncached tokens it sent there (:data:`mesh.protocol.X_PEER_LOAD`), and adds its
-peers' figures to its worker states. With ``--exchange-routes`` the same messages also carry
+peers' figures to its worker states. Unless ``--no-exchange-routes``, the same messages also carry
 the prompts it routed since the last one, as a few content keys each
 (:mod:`mesh.index.peer_routes`): a peer's provider counts them as speculative matches for one
 TTL, so a follow-up that reaches another broker while the first prefill still runs finds the
-worker that is computing its prefix (off by default: docs/routing.md). What to send, when, and what a
+worker that is computing its prefix (docs/routing.md). What to send, when, and what a
 peer's message means live in the pure :mod:`mesh.routing.peers` (the simulator runs the same
 objects); this module only owns the two sockets.
 
@@ -95,7 +95,7 @@ class PeerExchange:
     counts and logs it like its other decode failures); ``curve`` the broker's own server keys
     (the brokers' shared pair, or its own exchange pair with ``peer_keys``) to encrypt and
     authenticate the sockets with; ``peer_keys`` one public key per ``peers`` entry (the SUB of
-    that peer accepts only it); ``on_routes(routes, now_s)`` takes the prompts a peer routed (its
+    that peer accepts only it); ``on_routes(routes, now_s, source)`` takes the prompts a peer routed (its
     provider's :meth:`add_peer_routes`); ``max_msgs_per_s`` / ``max_bytes_per_s`` each peer's
     budget."""
 
@@ -103,7 +103,7 @@ class PeerExchange:
                  stale_ms: float, stats: Counter | None = None, log: Any = None,
                  on_reject: Callable[[ProtocolError], None] | None = None, epoch: int | None = None,
                  curve: CurveKeys | None = None,
-                 on_routes: Callable[[list[tuple[str, int, list[int]]], float], None] | None = None,
+                 on_routes: Callable[[list[tuple[str, int, list[int]]], float, str], None] | None = None,
                  peer_keys: Iterable[bytes] | None = None, max_msgs_per_s: float = DEFAULT_MSGS_PER_S,
                  max_bytes_per_s: float = DEFAULT_BYTES_PER_S) -> None:
         self.broker_id = broker_id
@@ -188,7 +188,7 @@ class PeerExchange:
         was_fresh = self.merge.is_fresh(m.broker)
         outcome, changes = self.merge.apply(m, now_s, source)
         if outcome == "applied" and m.routes and self.on_routes is not None:
-            self.on_routes(m.routes, now_s)
+            self.on_routes(m.routes, now_s, source)  # by the configured peer it came from, not its claim
             self.stats["routes_received"] += len(m.routes)
         if outcome == "applied" and m.sessions and self.on_sessions is not None:
             self.on_sessions(m.broker, m.sessions, now_s)

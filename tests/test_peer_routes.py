@@ -106,6 +106,25 @@ def test_the_table_is_bounded_oldest_first_whatever_a_peer_sends():
     assert pr.match(keys_of(claimed), 1.0) is None
 
 
+def test_a_flooding_peer_evicts_only_its_own_routes_and_sources_are_bounded():
+    pr = PeerRoutes(ttl_s=60.0, max_keys=500, max_sources=3)
+    honest = prompt(40, seed=21)
+    pr.add("w1", 40, route_anchors(keys_of(honest)), 0.0, source="tcp://honest:1")
+    rng = random.Random(8)
+    n_anchors = len(_anchor_positions(2**31 - 1))
+    for i in range(200):  # a hostile peer: 200 routes x 61 random anchors, 24x its share
+        pr.add("w0", 2**31 - 1, [rng.randrange(2**64) for _ in range(n_anchors)], 0.1, source="tcp://flood:1")
+    assert pr.stats["evicted"] == 200 * n_anchors - 500  # all of them its own
+    assert pr.match(keys_of(honest), 0.2).matched_blocks("w1") == 40  # the honest peer's route stands
+    assert len(pr) == 500 + len(route_anchors(keys_of(honest)))
+    pr.add("w2", 40, route_anchors(keys_of(prompt(40, seed=22))), 0.3, source="tcp://third:1")
+    pr.add("w2", 40, route_anchors(keys_of(prompt(40, seed=23))), 0.3, source="tcp://fourth:1")  # a fourth source
+    assert pr.stats["sources_over"] == 1
+    assert pr.match(keys_of(honest), 61.0) is None and len(pr) == 0  # expired, every source's slot freed
+    pr.add("w2", 40, route_anchors(keys_of(prompt(40, seed=23))), 61.0, source="tcp://fourth:1")
+    assert pr.stats["sources_over"] == 1 and len(pr) > 0
+
+
 # --------------------------------------------------------------------------- wire and publisher
 
 

@@ -28,8 +28,9 @@ one prefill chunk anyway). Whole-prompt matches alone left zipf exactly as witho
 kept the conversation's hit rate at one router's.
 
 Entries expire after the speculative TTL, like the router's own guesses, and the table is
-bounded (oldest first), so a lost, stale or lying report costs at most one TTL of misplaced
-affinity.
+bounded (oldest first) **per peer**: each source keeps at most ``max_keys`` anchor entries, so a
+lost, stale or lying report costs at most one TTL of misplaced affinity, and a peer that floods
+routes evicts only its own, never another peer's (at most ``max_sources`` sources at once).
 """
 
 from __future__ import annotations
@@ -98,30 +99,40 @@ class PeerRoutes:
     """Anchor key -> {worker id: (expiry, route pages, route tip key)} for the prompts peers
     routed (see the module docstring).
 
-    :meth:`add` takes one peer route (a worker, the prompt's page count and its anchors),
-    :meth:`match` answers a request's keys. At most ``max_keys`` anchor entries: the oldest go
-    first (``stats["evicted"]``). ``stats`` also counts ``routes`` taken, ``anchors`` stored,
-    ``matches`` (requests some peer route matched), ``expired`` entries and ``bad_routes``
-    (anchors that do not fit their page count: dropped). Times are the receiver's ``now_s``."""
+    :meth:`add` takes one peer route (a worker, the prompt's page count, its anchors and the
+    peer it came from), :meth:`match` answers a request's keys. Each source holds at most
+    ``max_keys`` anchor entries, its oldest going first (``stats["evicted"]``); a route from a
+    source beyond ``max_sources`` live ones is dropped (``stats["sources_over"]``). ``stats``
+    also counts ``routes`` taken, ``anchors`` stored, ``matches`` (requests some peer route
+    matched), ``expired`` entries and ``bad_routes`` (anchors that do not fit their page count:
+    dropped). Times are the receiver's ``now_s``."""
 
-    def __init__(self, ttl_s: float, max_keys: int = 200_000) -> None:
+    def __init__(self, ttl_s: float, max_keys: int = 100_000, max_sources: int = 64) -> None:
         self.ttl_s = ttl_s
-        self.max_keys = max_keys
+        self.max_keys = max_keys  # per source
+        self.max_sources = max_sources
         self._by_key: dict[int, dict[str, tuple[float, int, int]]] = {}
-        self._order: deque[tuple[float, int, str]] = deque()  # (expiry, key, worker) in arrival order
+        # per source, (expiry, key, worker) in arrival order: one TTL, so expiry order too
+        self._order: dict[str, deque[tuple[float, int, str]]] = {}
         self.stats: Counter[str] = Counter()
 
     def __len__(self) -> int:
-        return len(self._order)
+        return sum(len(q) for q in self._order.values())
 
-    def add(self, worker_id: str, pages: int, anchors: Sequence[int], now_s: float) -> None:
+    def add(self, worker_id: str, pages: int, anchors: Sequence[int], now_s: float, source: str = "") -> None:
         if not anchors or len(anchors) != len(_anchor_positions(pages)):
             self.stats["bad_routes"] += 1
             return
         self._expire(now_s)
+        order = self._order.get(source)
+        if order is None:
+            if len(self._order) >= self.max_sources:
+                self.stats["sources_over"] += 1
+                return
+            order = self._order[source] = deque()
         exp = now_s + self.ttl_s
         entry = (exp, pages, anchors[-1])
-        by_key, order = self._by_key, self._order
+        by_key = self._by_key
         for k in anchors:
             ws = by_key.get(k)
             if ws is None:
@@ -135,7 +146,7 @@ class PeerRoutes:
 
     def match(self, keys: Sequence[int], now_s: float) -> PeerRouteMatch | None:
         """Per worker, the longest prompt a peer routed there that ``keys`` extends (None: none)."""
-        if self._order and self._order[0][0] <= now_s:
+        if self._order:
             self._expire(now_s)
         by_key = self._by_key
         if not by_key:
@@ -165,9 +176,14 @@ class PeerRoutes:
                 del self._by_key[k]
 
     def _expire(self, now_s: float) -> None:
-        order = self._order
-        while order and order[0][0] <= now_s:
-            self._drop(*order.popleft(), "expired")
+        gone = None
+        for src, order in self._order.items():
+            while order and order[0][0] <= now_s:
+                self._drop(*order.popleft(), "expired")
+            if not order:
+                gone = [*(gone or ()), src]
+        for src in gone or ():  # a quiet source frees its slot
+            del self._order[src]
 
     def _drop(self, exp: float, k: int, w: str, why: str) -> None:
         ws = self._by_key.get(k)

@@ -110,8 +110,9 @@ class PeerRouteSharing:
     def peer_route_ttl_s(self) -> float:
         return getattr(self, "speculative_ttl_s", 0.0)
 
-    def add_peer_routes(self, routes: Sequence[tuple[str, int, Sequence[int]]], now_s: float) -> None:
-        """Take the prompts a peer routed: ``(worker_id, pages, anchors)`` each."""
+    def add_peer_routes(self, routes: Sequence[tuple[str, int, Sequence[int]]], now_s: float, source: str = "") -> None:
+        """Take the prompts peer ``source`` routed: ``(worker_id, pages, anchors)`` each (each
+        source's share of the table is bounded apart: :class:`PeerRoutes`)."""
         ttl = self.peer_route_ttl_s()
         if ttl <= 0 or not routes:
             return
@@ -119,7 +120,7 @@ class PeerRouteSharing:
         if pr is None:
             pr = self.peer_routes = PeerRoutes(ttl)
         for wid, pages, anchors in routes:
-            pr.add(wid, pages, anchors, now_s)
+            pr.add(wid, pages, anchors, now_s, source)
 
     def _tell_peers(self, worker_id: str, keys: Sequence[int] | None) -> None:
         if self.route_listener is not None and keys:

@@ -646,7 +646,7 @@ class Arm:
                         if outcome == "applied" and b.routes and sr.router.provider is not None:
                             add = getattr(sr.router.provider, "add_peer_routes", None)
                             if add is not None:
-                                add(b.routes, t)
+                                add(b.routes, t, b.broker)
             elif kind == _KV:
                 w = a
                 seq, events, rank = b
