@@ -791,10 +791,10 @@ class Broker:
         return may_read_full_status(self.curve is not None and bool(self.s.curve_allow_clients))
 
     def _status_extra(self, now: float) -> dict:
-        out = {"exchange": self.exchange.status(now)} if self.exchange is not None else {}
-        if self.exchange is not None:  # peers' routed prompts: taken, matched, expired, evicted, bad (mesh.index.peer_routes)
+        out: dict = {}
+        if self.exchange is not None:  # with peers' routed prompts: taken, matched, expired, evicted, bad (mesh.index.peer_routes)
             prs = getattr(self.router.provider, "peer_route_stats", None)
-            out["exchange"]["peer_routes"] = prs() if prs is not None else {}
+            out["exchange"] = {**self.exchange.status(now), "peer_routes": prs() if prs is not None else {}}
         sessions = getattr(self.router, "session_table", None)
         if sessions is not None:  # session affinity: the mode and how many sessions are pinned now
             out["sessions"] = {"mode": self.router.mode, "pinned": len(sessions), "max": sessions.max_size}

@@ -176,13 +176,13 @@ class PeerRoutes:
                 del self._by_key[k]
 
     def _expire(self, now_s: float) -> None:
-        gone = None
+        gone = []
         for src, order in self._order.items():
             while order and order[0][0] <= now_s:
                 self._drop(*order.popleft(), "expired")
             if not order:
-                gone = [*(gone or ()), src]
-        for src in gone or ():  # a quiet source frees its slot
+                gone.append(src)
+        for src in gone:  # a quiet source frees its slot
             del self._order[src]
 
     def _drop(self, exp: float, k: int, w: str, why: str) -> None:

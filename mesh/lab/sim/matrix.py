@@ -95,7 +95,7 @@ from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES, make_policy
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, check_regret_truth_every, run_sim
-from mesh.lab.sim.metrics import exact_within_probability, paired_ci95, paired_se
+from mesh.lab.sim.metrics import exact_within_probability, paired_se, t975
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
 __all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix",
@@ -705,14 +705,14 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
     if noise_ms is not None:
         out["noise_ms"] = _r(noise_ms, 3)
         out["within_noise"] = out["within"] or abs(predicted - measured) <= noise_ms
-    bm = (best.get("ttft_batch_means_ms") or [], subject.get("ttft_batch_means_ms") or [])
-    ci = paired_ci95(*bm)
+    se = paired_se(best.get("ttft_batch_means_ms") or [], subject.get("ttft_batch_means_ms") or [])
+    ci = None if se is None else t975(se[2]) * se[1]  # 95 % half-width of the measured difference
     if ci is not None:  # how well the arms know the difference (batch means, mesh.lab.sim.metrics)
-        out["measured_ci95_ms"] = _r(ci[1], 3)
-        out["within_ci"] = out["within"] or abs(predicted - measured) <= ci[1]
+        out["measured_ci95_ms"] = _r(ci, 3)
+        out["within_ci"] = out["within"] or abs(predicted - measured) <= ci
         # the check's ceiling in this run: how likely an estimator exact in expectation lands
         # within 25 % of this one measurement, given the measurement's own standard error
-        out["exact_within_p"] = _r(exact_within_probability(measured, paired_se(*bm)[1], REGRET_TOLERANCE), 4)
+        out["exact_within_p"] = _r(exact_within_probability(measured, se[1], REGRET_TOLERANCE), 4)
     out["by_baseline"] = {b["policy"]: {"predicted_ms": pays.get(b["policy"]),
                                         "measured_ms": _r(b["ttft_mean_ms"] - subject["ttft_mean_ms"], 3)}
                           for b in baselines}
@@ -727,7 +727,7 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
     tr = (subject.get("regret_truth") or {}).get(best["policy"])
     if tr and tr.get("one_step_ms") is not None:  # the one-step truth (mesh.lab.sim.regret_truth)
         p1, o1 = tr["predicted_ms"], tr["one_step_ms"]
-        band = ci[1] if ci is not None else 0.0
+        band = ci if ci is not None else 0.0
         out["one_step"] = {"predicted_ms": p1, "one_step_ms": o1, "sampled": tr["sampled"],
                            # the TTFT model: the sample's prediction against the sample's one-step
                            # truth, within 25 % or what the sample knows of their difference

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 from mesh.stats import cv, mean, percentile, ratio
 
-__all__ = ["percentile", "cv", "ratio", "mean", "batch_means", "paired_ci95", "paired_se", "exact_within_probability", "BATCHES"]
+__all__ = ["percentile", "cv", "ratio", "mean", "batch_means", "paired_ci95", "paired_se", "t975", "exact_within_probability", "BATCHES"]
 
 #: batches of :func:`batch_means` (contiguous runs of request indices)
 BATCHES = 20
@@ -68,7 +68,12 @@ def paired_ci95(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[f
     if got is None:
         return None
     m, se, k = got
-    return m, _T975.get(k - 1, 2.09 if k <= 30 else 1.96) * se
+    return m, t975(k) * se
+
+
+def t975(k: int) -> float:
+    """Student's t, 97.5 % quantile, for the mean of ``k`` batches (``k - 1`` degrees of freedom)."""
+    return _T975.get(k - 1, 2.09 if k <= 30 else 1.96)
 
 
 def exact_within_probability(measured: float, se: float, tolerance: float) -> float:
