@@ -605,3 +605,22 @@ def _decision_without_audit():
     from mesh.routing.view import Decision
 
     return Decision("w0", "cache_hit", detail={"predicted_ttft_ms": 1.0})
+
+
+def test_the_twins_figure_is_the_paired_difference_of_its_arms():
+    from mesh.lab.sim.twin import fidelity, twin_pays
+
+    ca = {"policy": "cache_aware", "ttft_mean_ms": 100.0, "ttft_batch_means_ms": [100.0] * 20}
+    gr = {"policy": "cache_aware_greedy", "ttft_mean_ms": 110.0, "ttft_batch_means_ms": [110.0] * 20}
+    p2c = {"policy": "power_of_two", "ttft_mean_ms": 160.0,
+           "ttft_batch_means_ms": [160.0 + (10.0 if i % 2 else -10.0) for i in range(20)]}
+    tp = twin_pays([ca, gr, p2c, {**p2c, "policy": "cache_aware@b"}])
+    assert tp["against"] == "cache_aware_greedy" and tp["best"] == 10.0
+    assert tp["pays_ms"] == {"cache_aware_greedy": 10.0, "power_of_two": 60.0}  # a noise arm is no baseline
+    assert tp["ci95_ms"]["cache_aware_greedy"] == 0.0 and 4.7 < tp["ci95_ms"]["power_of_two"] < 4.9
+    assert twin_pays([gr, p2c]) is None and twin_pays([ca]) is None
+    rec = [{"outcome": "ok", "ttft_ms": 90.0}, {"outcome": "ok", "ttft_ms": 110.0}, {"outcome": "timeout", "ttft_ms": None}]
+    f = fidelity(ca, rec)
+    assert f == {"observed_ttft_mean_ms": 100.0, "twin_ttft_mean_ms": 100.0, "requests": 2, "ratio": 1.0, "matches": True}
+    assert not fidelity({**ca, "ttft_mean_ms": 200.0}, rec)["matches"]  # 2x the observed: the engine model is off
+    assert fidelity(ca, []) is None and fidelity(ca, None) is None

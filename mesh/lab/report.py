@@ -456,6 +456,13 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                           f"{rg['exact_within_25pct_expected']:.0f} of {rg['ci95_runs']}, given each measured difference's "
                           f"own noise (the check's ceiling on these runs)" if "exact_within_25pct_expected" in rg else "")
                        + ".")
+        tw = rg.get("twin")
+        if isinstance(tw, dict) and tw.get("runs"):
+            p.notes.append(f"Policy-level audit (the twin, `mesh sim --audit`: each stream through {subject} and the "
+                           f"baselines on the twin's own draws): within 25 % of the measured difference in "
+                           f"{tw['within_25pct']} of {tw['runs']} cell-seeds (target {rg.get('target_share', 0.8):.0%}), "
+                           f"within 25 % or the 95 % interval in {tw.get('within_25pct_or_ci95', '-')}, sign right in "
+                           f"{tw['sign_right']}.")
     return p
 
 

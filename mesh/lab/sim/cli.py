@@ -149,6 +149,12 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                    help="cache_aware arms replay every K-th audited decision whose baseline pick differs on copies of "
                         "both workers' engines and report the one-step regret beside the audit's prediction "
                         "(regret_truth; mesh.lab.sim.regret_truth; slow: deep copies of engines; 0: off)")
+    o.add_argument("--audit", action="store_true",
+                   help="the policy-level regret audit: run cache_aware and both baselines (greedy, power-of-two) on "
+                        "the stream (a --trace of `mesh broker --record-decisions`: your own traffic) and print what "
+                        "cache_aware pays per request against each, with 95 %% intervals; on a recording also the "
+                        "engine model's fidelity (the twin's mean TTFT against the one the broker observed). "
+                        "Replaces --policy; one --routers, --workers and --provider value (docs/routing.md)")
     o.add_argument("--compare-decisions", action="store_true",
                    help="with --trace of a recorded decisions file and --lifecycle core: print, per arm, the share of "
                         "requests routed to the worker the recording chose, by recorded reason, and the first divergences")
@@ -258,10 +264,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise ConfigError("tenant: --tenant needs --fairness")
     if getattr(args, "seeds", None) or getattr(args, "reuse_calibration", None) or getattr(args, "cells", None):
         raise ConfigError("--seeds, --cells and --reuse-calibration need --matrix")
+    if getattr(args, "audit", False):
+        _audit_policies(args)
     cfg = config_from_args(args)
     console = Console(stderr=True)
     wl = build_workload(cfg)
     _recording_defaults(args, cfg, wl, console)
+    if getattr(args, "audit", False) and (len(cfg.routers) > 1 or len(cfg.workers) > 1 or len(cfg.providers) > 1):
+        raise ConfigError("audit: the twin is one fleet shape: give one --routers, --workers and --provider value")
     specs = arm_specs(cfg)
     console.print(f"[bold]mesh sim[/]: {wl.name}, {len(wl.requests)} requests"
                   f"{f' ({wl.dropped} dropped: prompt > KV capacity)' if wl.dropped else ''}, {len(specs)} arm(s)")
@@ -301,6 +311,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         out.print(lifecycle)
     if getattr(args, "compare_decisions", False):
         _print_agreement(report)
+    if getattr(args, "audit", False):
+        report["audit"] = _print_audit(report, wl)
     if args.json:
         Path(args.json).write_text(dumps_report(report))
         console.print(f"wrote {args.json}")
@@ -319,6 +331,49 @@ def _recording_defaults(args: argparse.Namespace, cfg, wl, console) -> None:
         cfg.workers = [len(wl.fleet)]
         console.print(f"replaying on the recording's fleet: {len(wl.fleet)} workers (--workers to change)")
         cfg.validate(source=False)
+
+
+def _audit_policies(args: argparse.Namespace) -> None:
+    """``--audit`` runs the twin's policies: cache_aware and both baselines (not a --policy list)."""
+    from mesh.lab.sim.twin import BASELINES, SUBJECT
+
+    parser = getattr(args, "sim_parser", None)
+    if parser is not None and args.policy != parser.get_default("policy"):
+        raise ConfigError(f"audit: --audit runs {SUBJECT} and {', '.join(BASELINES)} itself; drop --policy")
+    args.policy = [SUBJECT, *BASELINES]
+
+
+def _print_audit(report: dict, wl) -> dict:
+    """``--audit``: what cache_aware pays per request against each baseline on this stream, and
+    on a recording how well the twin's engine model matches what the broker observed."""
+    from mesh.lab.sim.twin import fidelity, twin_pays
+
+    tp = twin_pays(report["arms"])
+    out: dict = {"pays": tp}
+    subject = tp["subject"]
+    print(f"policy-level audit (the twin: this stream through every policy on a simulated {report['arms'][0]['workers']}-worker "
+          f"fleet, {report['arms'][0]['routers']} router(s)):")
+    parts = [f"{tp['pays_ms'][b]:+.1f} ms against {b}" + (f" (95 % interval +-{tp['ci95_ms'][b]:.1f})"
+                                                          if tp["ci95_ms"][b] is not None else "")
+             for b in sorted(tp["pays_ms"], key=lambda b: b != tp["against"])]
+    verb = "saves" if tp["best"] > 0 else "costs"
+    print(f"  {subject} {verb} {abs(tp['best']):.1f} ms per request against the better baseline, {tp['against']}: "
+          + "; ".join(parts))
+    recorded_policy = (wl.params or {}).get("policy")
+    arm = next((a for a in report["arms"] if a["policy"] == recorded_policy), None)
+    if wl.recorded and arm is not None and (wl.params or {}).get("time_scale", 1.0) == 1.0:
+        f = fidelity(arm, wl.recorded)
+        if f is not None:
+            out["fidelity"] = {**f, "policy": recorded_policy}
+            word = "matches" if f["matches"] else ("does NOT match: describe the fleet's engine (--config FILE, its "
+                                                   "[engine] table, or the engine flags) before trusting the figures")
+            print(f"  engine model: the twin's {recorded_policy} mean TTFT {f['twin_ttft_mean_ms']:.0f} ms against "
+                  f"{f['observed_ttft_mean_ms']:.0f} ms the broker observed on {f['requests']} requests "
+                  f"({f['ratio']:.2f}x): {word}")
+    elif wl.recorded:
+        print(f"  engine model: not checked (the recording's policy {recorded_policy} is not among the twin's, or "
+              f"--time-scale is not 1)")
+    return out
 
 
 def _print_agreement(report: dict) -> None:

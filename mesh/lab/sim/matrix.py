@@ -96,6 +96,7 @@ from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES, make_policy
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, check_regret_truth_every, run_sim
 from mesh.lab.sim.metrics import exact_within_probability, paired_se, t975
+from mesh.lab.sim.twin import BASELINES, SUBJECT, twin_arms, twin_config, twin_pays
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
 __all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix",
@@ -110,7 +111,7 @@ _SIM_KEYS = {"heartbeat_ms": float, "event_delay_ms": float, "net_ms": float, "l
              "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float, "exchange_routes": bool,
              "regret_shadow_rate": float, "regret_truth_every": int}
 _MATRIX_KEYS = {"seeds", "policies", "provider", "subject", "baselines", "hit_reference", "calibration_within_slo",
-                "calibration_wait_ms", "noise",
+                "calibration_wait_ms", "noise", "twin",
                 "calibration_tolerance"}
 _CELL_KEYS = {"workload", "load", "workers", "routers", "max_requests"}
 _STEP_UP, _STEP_DOWN = 2.0, 1.4  # calibration bracketing factors (the guess is more often low than high)
@@ -164,6 +165,7 @@ class MatrixConfig:
     workloads: dict[str, WorkloadDef]
     cells: list[Cell]
     noise: bool = False  # also run the subject with its workers named in another order (its noise floor, see analyse_cell)
+    twin: bool = False  # also run the policy-level audit's twin on every stream (mesh.lab.sim.twin, regret_check)
 
     @property
     def noise_arm(self) -> str | None:
@@ -180,7 +182,7 @@ class MatrixConfig:
             "path": self.path, "seeds": list(self.seeds), "policies": list(self.policies), "provider": self.provider,
             "subject": self.subject, "baselines": list(self.baselines), "hit_reference": self.hit_reference,
             "calibration_within_slo": self.calibration_within_slo, "calibration_tolerance": self.calibration_tolerance,
-            "calibration_wait_ms": self.calibration_wait_ms, "noise": self.noise,
+            "calibration_wait_ms": self.calibration_wait_ms, "noise": self.noise, "twin": self.twin,
             "sim": dict(self.sim), "engine": asdict(self.engine),
             "workloads": {k: v.to_dict() for k, v in self.workloads.items()},
             "cells": [asdict(c) for c in self.cells],
@@ -419,8 +421,13 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
     noise = m.get("noise", False)
     if type(noise) is not bool:
         _fail("matrix.noise", f"must be true or false, got {noise!r}")
+    twin = m.get("twin", False)
+    if type(twin) is not bool:
+        _fail("matrix.twin", f"must be true or false, got {twin!r}")
+    if twin and (subject != SUBJECT or not set(BASELINES) <= set(baselines)):
+        _fail("matrix.twin", f"the twin audits {SUBJECT} against {', '.join(BASELINES)}: make them the subject and baselines")
     return MatrixConfig(str(p), seed_list, policies, provider, subject, baselines, hit_ref, cal_good, cal_tol, cal_wait,
-                        sim_out, engine, workloads, cells, noise)
+                        sim_out, engine, workloads, cells, noise, twin)
 
 
 # --------------------------------------------------------------------------- streams
@@ -611,12 +618,15 @@ def run_cell(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any]) -> 
     cfg = _sim_config(mc, wdef, rate, cell.workers, cell.routers, seed, cell.max_requests, mc.arm_policies)
     wl = build_stream(mc, wdef, cfg)
     rep = run_sim(cfg, workload=wl)
-    return {
+    out = {
         "cell": cell.id, "seed": seed, "rate_rps": _r(rate), "rate_p2c_rps": calib["rate_p2c_rps"],
         "time_scale": _r(cfg.time_scale) if wdef.trace else None,
         "stream": {**rep["workload"], "fingerprint": stream_fingerprint(wl), "oracle_hit_rate": rep["oracle_hit_rate"]},
         "arms": rep["arms"],
     }
+    if mc.twin:  # the policy-level audit: the same stream through every policy on the twin's own draws
+        out["twin"] = twin_arms(run_sim(twin_config(cfg, mc.subject, BASELINES), workload=wl)["arms"])
+    return out
 
 
 def _status(p95_ratio: float, goodput_diff: float) -> str:
@@ -655,7 +665,8 @@ def analyse_cell(mc: MatrixConfig, run: dict[str, Any]) -> dict[str, Any]:
     }
     res: dict[str, Any] = {"policies": out, "targets": targets}
     na = arms.get(mc.noise_arm) if mc.noise_arm else None
-    rg = regret_check(s, base, abs(na["ttft_mean_ms"] - s["ttft_mean_ms"]) if na is not None else None)
+    rg = regret_check(s, base, abs(na["ttft_mean_ms"] - s["ttft_mean_ms"]) if na is not None else None,
+                      twin=run.get("twin"))
     if rg is not None:
         res["regret"] = rg
     if na is not None and s["ttft_p95_ms"] > 0 and na["ttft_p95_ms"] > 0:
@@ -675,7 +686,7 @@ REGRET_TOLERANCE = 0.25
 
 
 def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
-                 noise_ms: float | None = None) -> dict[str, Any] | None:
+                 noise_ms: float | None = None, twin: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The regret audit against what the arms measured, for one (cell, seed): the audit's
     ``pays_ms`` against the baseline with the lowest mean TTFT (predicted ms per request
     cache_aware saves against that baseline's picks from the same view) beside the measured
@@ -689,7 +700,9 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
     (:func:`mesh.lab.sim.metrics.batch_means`), ``measured_ci95_ms`` is the 95 % confidence
     half-width of the measured difference (paired batch means) and ``within_ci`` says the
     prediction is within 25 % or within that interval: a 25 % band narrower than the interval
-    asks more of the audit than the arms know. None when the subject arm carries no audit."""
+    asks more of the audit than the arms know. ``twin`` (the twin's arms on the same stream,
+    :mod:`mesh.lab.sim.twin`) adds the policy-level audit's figure against the same baseline,
+    judged the same way (``twin``). None when the subject arm carries no audit."""
     rg = subject.get("regret")
     if not rg or not baselines:
         return None
@@ -724,6 +737,14 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
                         "within": abs(sp - measured) <= REGRET_TOLERANCE * abs(measured),
                         "sign_right": (sp > 0) == (measured > 0),
                         "by_baseline": {b["policy"]: sh["pays_ms"].get(b["policy"]) for b in baselines}}
+    tp = twin_pays(twin, subject["policy"]) if twin else None
+    if tp is not None and best["policy"] in tp["pays_ms"]:  # the policy-level audit (mesh.lab.sim.twin)
+        tw = tp["pays_ms"][best["policy"]]
+        miss = abs(tw - measured)
+        out["twin"] = {"predicted_ms": tw, "twin_ci95_ms": tp["ci95_ms"][best["policy"]],
+                       "within": miss <= REGRET_TOLERANCE * abs(measured),
+                       "within_ci": miss <= max(REGRET_TOLERANCE * abs(measured), ci or 0.0),
+                       "sign_right": (tw > 0) == (measured > 0), "by_baseline": dict(tp["pays_ms"])}
     tr = (subject.get("regret_truth") or {}).get(best["policy"])
     if tr and tr.get("one_step_ms") is not None:  # the one-step truth (mesh.lab.sim.regret_truth)
         p1, o1 = tr["predicted_ms"], tr["one_step_ms"]
@@ -767,6 +788,8 @@ def _cell_summary(mc: MatrixConfig, cell: Cell, runs: list[dict[str, Any]]) -> d
     if rgs:
         verdict += "; regret audit pays " + "/".join(f"{x['predicted_ms']:+.0f}" for x in rgs) + " ms, measured " + \
             "/".join(f"{x['measured_ms']:+.0f}" for x in rgs) + " ms"
+        if all("twin" in x for x in rgs):
+            verdict += ", twin " + "/".join(f"{x['twin']['predicted_ms']:+.0f}" for x in rgs) + " ms"
     out["verdict"] = verdict
     return out
 
@@ -789,11 +812,13 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
                          "share_within": _r(sum(1 for x in checks if x["within"]) / len(checks), 4),
                          "target_share": 0.8}
         out["regret"]["sign_right"] = sum(1 for x in checks if x.get("sign_right"))
-        for alt in ("shadow", "observed"):
+        for alt in ("shadow", "observed", "twin"):
             got = [x[alt] for x in checks if alt in x]
             if got:
                 out["regret"][alt] = {"runs": len(got), "within_25pct": sum(1 for x in got if x["within"]),
                                       "sign_right": sum(1 for x in got if x["sign_right"])}
+                if alt == "twin":
+                    out["regret"][alt]["within_25pct_or_ci95"] = sum(1 for x in got if x["within_ci"])
         one = [x["one_step"] for x in checks if "one_step" in x]
         if one:
             out["regret"]["one_step"] = {"runs": len(one), "model_within_25pct": sum(1 for x in one if x["model_within"]),
@@ -1053,6 +1078,13 @@ def render_report(report: dict[str, Any]) -> list[Any]:
                      f"in {rs['within_25pct']}/{rs['runs']} cell-seeds ({rs['share_within']:.0%}; target >= 80 %) -> "
                      f"{'PASS' if rs['share_within'] >= rs['target_share'] else 'MISS'}")
         lines.append(f"    sign right (cache_aware predicted to pay when it measured paying, or not): {rs.get('sign_right', 0)}/{rs['runs']}")
+        if "twin" in rs:
+            tw = rs["twin"]
+            lines.append(f"  policy-level audit (the twin: the stream through every policy on its own draws, `mesh sim --audit`): "
+                         f"within 25 % in {tw['within_25pct']}/{tw['runs']} ({tw['within_25pct'] / tw['runs']:.0%}; target >= 80 %) -> "
+                         f"{'PASS' if tw['within_25pct'] >= rs['target_share'] * tw['runs'] else 'MISS'}; within 25 % or the "
+                         f"measured difference's 95 % interval in {tw['within_25pct_or_ci95']}/{tw['runs']}; sign right in "
+                         f"{tw['sign_right']}/{tw['runs']}")
         for alt, what in (("observed", "observed figure (cache_aware's measured TTFT)"), ("shadow", "shadow counterfactual")):
             if alt in rs:
                 sh = rs[alt]

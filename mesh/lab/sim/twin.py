@@ -1,0 +1,88 @@
+"""The policy-level regret audit: the traffic replayed through every policy on a twin of the fleet.
+
+The broker's live audit (:mod:`mesh.routing.regret`) judges each decision on the fleet as
+cache_aware left it; it cannot see the fleet a baseline would have built (its queues, its caches),
+and on the quality matrix that myopia, not the TTFT model, is most of its error (docs/routing.md).
+The question an operator asks, "what would switching the whole fleet to power-of-two or greedy
+cost on my traffic", is a policy-level one, and the simulator answers it: replay the same requests
+(``mesh broker --record-decisions`` records them) through cache_aware and each baseline on a
+simulated twin of the fleet (its workers, its routers, the engine model the operator describes)
+and take the difference of mean TTFTs. ``mesh sim --trace RECORDING --audit`` does that; the
+quality matrix (``twin = true``) does the same on every cell's stream and judges the figure
+against the arms it measured, beside the live audit's.
+
+Nothing here is the router's: the twin is the simulator (lab only), run offline on a recording.
+Every arm of the twin sees the identical stream, so the differences are paired and their 95 %
+intervals come from paired batch means (:mod:`mesh.lab.sim.metrics`). The twin draws its own
+random numbers (:data:`TWIN_SEED_OFFSET`): in the matrix it never replays the measured arms'
+draws, so its figure carries its own noise, as a replay of real traffic would.
+
+**Fidelity.** A twin is as good as its engine model. For a recording, :func:`fidelity` sets the
+twin's cache_aware mean TTFT beside the mean TTFT the broker observed on the same requests (it
+routed them with cache_aware): a ratio far from 1 says the engine description (``--config``'s
+``[engine]``) does not match the fleet, and the audit's figure is not to be trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from mesh.lab.sim.metrics import paired_se, t975
+
+__all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "FIDELITY_BAND", "twin_config", "twin_arms", "twin_pays", "fidelity"]
+
+SUBJECT = "cache_aware"
+BASELINES = ("cache_aware_greedy", "power_of_two")
+#: the twin's seed is the stream's seed plus this: its policies' and heartbeats' draws are its own
+TWIN_SEED_OFFSET = 7919
+#: ``fidelity`` calls the engine model matching when the twin's mean TTFT is within this factor of the observed
+FIDELITY_BAND = 1.25
+
+
+def twin_config(cfg: Any, subject: str = SUBJECT, baselines: Sequence[str] = BASELINES) -> Any:
+    """A copy of the :class:`~mesh.lab.sim.runner.SimConfig` ``cfg`` that runs ``subject`` and
+    the baselines on its own draws (seed + :data:`TWIN_SEED_OFFSET`), without the per-decision
+    audit's lab extras (one-step truth, shadow) or a recording."""
+    return dataclasses.replace(cfg, seed=cfg.seed + TWIN_SEED_OFFSET, policies=[subject, *baselines],
+                               regret_truth_every=0, regret_shadow_rate=None, record_decisions=None)
+
+
+def twin_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the audit keeps of each twin arm: its policy, mean TTFT and batch means."""
+    return [{"policy": a["policy"], "ttft_mean_ms": a["ttft_mean_ms"], "ttft_batch_means_ms": a.get("ttft_batch_means_ms")}
+            for a in arms]
+
+
+def twin_pays(arms: Sequence[dict[str, Any]], subject: str = SUBJECT) -> dict[str, Any] | None:
+    """``pays_ms`` per baseline: its twin mean TTFT minus the subject's (positive: cache_aware is
+    faster), with the paired 95 % half-width (``ci95_ms``, None without batch means); ``against``:
+    the baseline with the lowest twin mean TTFT, and ``best`` its figure. None without the subject
+    or a baseline among ``arms``."""
+    by = {a["policy"]: a for a in arms}
+    s = by.get(subject)
+    base = [a for a in arms if a["policy"] != subject and "@" not in a["policy"]]
+    if s is None or not base:
+        return None
+    pays: dict[str, float] = {}
+    ci: dict[str, float | None] = {}
+    for b in base:
+        pays[b["policy"]] = round(b["ttft_mean_ms"] - s["ttft_mean_ms"], 3)
+        se = paired_se(b.get("ttft_batch_means_ms") or [], s.get("ttft_batch_means_ms") or [])
+        ci[b["policy"]] = None if se is None else round(t975(se[2]) * se[1], 3)
+    against = min(base, key=lambda b: b["ttft_mean_ms"])["policy"]
+    return {"subject": subject, "against": against, "best": pays[against], "pays_ms": pays, "ci95_ms": ci}
+
+
+def fidelity(subject_arm: dict[str, Any], recorded: Sequence[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The twin's subject mean TTFT beside the mean TTFT a recording observed (its ``ok`` records
+    with a ``ttft_ms``), their ratio and whether it is within :data:`FIDELITY_BAND`; None without
+    observed TTFTs."""
+    seen = [r["ttft_ms"] for r in recorded or () if r.get("outcome") == "ok" and isinstance(r.get("ttft_ms"), (int, float))]
+    if not seen or subject_arm["ttft_mean_ms"] <= 0:
+        return None
+    observed = sum(seen) / len(seen)
+    ratio = subject_arm["ttft_mean_ms"] / observed if observed > 0 else None
+    return {"observed_ttft_mean_ms": round(observed, 3), "twin_ttft_mean_ms": subject_arm["ttft_mean_ms"],
+            "requests": len(seen), "ratio": None if ratio is None else round(ratio, 4),
+            "matches": ratio is not None and 1.0 / FIDELITY_BAND <= ratio <= FIDELITY_BAND}
