@@ -591,6 +591,8 @@ def test_mesh_sim_audit_replays_a_recording_through_every_policy_and_checks_the_
     assert "audit:" in capsys.readouterr().err
     assert main(["--trace", str(path), "--audit", "--routers", "1,2", "--no-progress"]) == 2
     assert "audit:" in capsys.readouterr().err
+    assert main(["--trace", str(path), "--audit-textfile", str(tmp_path / "a.prom"), "--no-progress"]) == 2
+    assert "audit_textfile" in capsys.readouterr().err
 
 
 def test_a_real_brokers_recording_is_audited_at_the_policy_level(procs, tmp_path, capsys):
@@ -601,8 +603,17 @@ def test_a_real_brokers_recording_is_audited_at_the_policy_level(procs, tmp_path
 
     path = record_real(procs, tmp_path, 40)
     out_json = tmp_path / "audit.json"
-    assert main(["--trace", str(path), "--audit", "--no-progress", "--json", str(out_json)]) == 0
+    prom = tmp_path / "audit.prom"
+    assert main(["--trace", str(path), "--audit", "--no-progress", "--json", str(out_json),
+                 "--audit-textfile", str(prom)]) == 0
     rep = json.loads(out_json.read_text())
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
+    got = {s.labels["baseline"]: s.value for s in fams["mesh_audit_pays_ms"].samples}
+    assert got == {**rep["audit"]["pays"]["pays_ms"], "best": rep["audit"]["pays"]["best"]}
+    assert fams["mesh_audit_requests"].samples[0].value == 40
+    assert fams["mesh_audit_engine_fidelity_ratio"].samples[0].value == rep["audit"]["fidelity"]["ratio"]
     assert rep["audit"]["pays"]["against"] in ("cache_aware_greedy", "power_of_two")
     fid = rep["audit"]["fidelity"]
     assert fid["requests"] == 40 and fid["observed_ttft_mean_ms"] > 0 and fid["ratio"] > 0

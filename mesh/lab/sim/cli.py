@@ -35,6 +35,7 @@ def _csv(kind):
 
 def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``sim`` subcommand to ``mesh``'s subparsers."""
+    from mesh.cli_run import writable_file
     from mesh.engine_model import EngineConfig
     from mesh.settings_fields import add_flags
     from mesh.lab.sim.workloads import WORKLOADS
@@ -137,7 +138,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--reuse-calibration", metavar="JSON",
                    help="reuse the power-of-two calibrations of an earlier matrix report when they still apply")
     o = p.add_argument_group("output")
-    o.add_argument("--json", help="write the report (config, workload, arms) to this JSON file")
+    o.add_argument("--json", type=writable_file, help="write the report (config, workload, arms) to this JSON file")
     o.add_argument("--plot", help="write a PNG: hit rate, worker CV and TTFT p95 per arm (matrix: the heatmap of "
                                   "TTFT p95 ratios to the best other policy)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -155,6 +156,11 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                         "cache_aware pays per request against each, with 95 %% intervals; on a recording also the "
                         "engine model's fidelity (the twin's mean TTFT against the one the broker observed). "
                         "Replaces --policy; one --routers, --workers and --provider value (docs/routing.md)")
+    o.add_argument("--audit-textfile", metavar="FILE", type=writable_file,
+                   help="with --audit: also write its figures as Prometheus gauges to FILE (atomically; for "
+                        "node_exporter's textfile collector, so a periodic audit of the last rotated recording "
+                        "lands on the dashboard): mesh_audit_pays_ms{baseline}, mesh_audit_pays_ci95_ms{baseline}, "
+                        "mesh_audit_requests, mesh_audit_engine_fidelity_ratio")
     o.add_argument("--compare-decisions", action="store_true",
                    help="with --trace of a recorded decisions file and --lifecycle core: print, per arm, the share of "
                         "requests routed to the worker the recording chose, by recorded reason, and the first divergences")
@@ -264,6 +270,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise ConfigError("tenant: --tenant needs --fairness")
     if getattr(args, "seeds", None) or getattr(args, "reuse_calibration", None) or getattr(args, "cells", None):
         raise ConfigError("--seeds, --cells and --reuse-calibration need --matrix")
+    if getattr(args, "audit_textfile", None) and not getattr(args, "audit", False):
+        raise ConfigError("audit_textfile: --audit-textfile needs --audit")
     if getattr(args, "audit", False):
         _audit_policies(args)
     cfg = config_from_args(args)
@@ -313,6 +321,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
         _print_agreement(report)
     if getattr(args, "audit", False):
         report["audit"] = _print_audit(report, wl)
+        if args.audit_textfile:
+            from mesh.lab.sim.twin import write_textfile
+
+            write_textfile(args.audit_textfile, report["audit"], requests=report["workload"]["requests"])
+            console.print(f"wrote {args.audit_textfile}")
     if args.json:
         Path(args.json).write_text(dumps_report(report))
         console.print(f"wrote {args.json}")

@@ -30,7 +30,8 @@ from typing import Any, Sequence
 
 from mesh.lab.sim.metrics import paired_se, t975
 
-__all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "FIDELITY_BAND", "twin_config", "twin_arms", "twin_pays", "fidelity"]
+__all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "FIDELITY_BAND", "twin_config", "twin_arms", "twin_pays", "fidelity",
+           "write_textfile"]
 
 SUBJECT = "cache_aware"
 BASELINES = ("cache_aware_greedy", "power_of_two")
@@ -86,3 +87,30 @@ def fidelity(subject_arm: dict[str, Any], recorded: Sequence[dict[str, Any]] | N
     return {"observed_ttft_mean_ms": round(observed, 3), "twin_ttft_mean_ms": subject_arm["ttft_mean_ms"],
             "requests": len(seen), "ratio": None if ratio is None else round(ratio, 4),
             "matches": ratio is not None and 1.0 / FIDELITY_BAND <= ratio <= FIDELITY_BAND}
+
+
+def write_textfile(path: str, audit: dict[str, Any], *, requests: int) -> None:
+    """``audit`` (``mesh sim --audit``'s ``{"pays", "fidelity"}``) as Prometheus gauges in the
+    text format, written atomically (prometheus_client's ``write_to_textfile``: a temporary file,
+    then a rename) for node_exporter's textfile collector."""
+    from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+
+    reg = CollectorRegistry()
+    pays = Gauge("mesh_audit_pays_ms", "Policy-level audit (mesh sim --audit): the baseline's mean TTFT minus "
+                 "cache_aware's on the recorded traffic, ms per request (positive: cache_aware is faster)",
+                 ["baseline"], registry=reg)
+    ci = Gauge("mesh_audit_pays_ci95_ms", "95 % confidence half-width of mesh_audit_pays_ms (paired batch means)",
+               ["baseline"], registry=reg)
+    tp = audit["pays"]
+    for b, v in tp["pays_ms"].items():
+        pays.labels(baseline=b).set(v)
+        if tp["ci95_ms"].get(b) is not None:
+            ci.labels(baseline=b).set(tp["ci95_ms"][b])
+    pays.labels(baseline="best").set(tp["best"])
+    Gauge("mesh_audit_requests", "Requests the audit replayed", registry=reg).set(requests)
+    f = audit.get("fidelity")
+    if f is not None:
+        Gauge("mesh_audit_engine_fidelity_ratio", "The twin's mean TTFT over the one the broker observed (1: the engine "
+              "model matches the fleet; outside 0.8 .. 1.25 the audit's figures are not to be trusted)",
+              registry=reg).set(f["ratio"])
+    write_to_textfile(path, reg)
