@@ -114,7 +114,7 @@ def test_client_figures_count_failures_against_goodput_and_every_worker():
     assert f["requests"] == 3 and f["completed"] == 2 and f["errors"] == {"http_503": 1}
     assert f["goodput"] == pytest.approx(1 / 3, abs=1e-4)  # the failed request misses the SLO
     assert f["hit_rate"] == 0.25 and f["served_per_worker"] == {"w00": 2, "w01": 0} and f["worker_cv"] == 1.0
-    assert f["lag_max_ms"] == 3
+    assert f["lag_max_ms"] == 3 and f["ttft_mean_ms"] == 1550.0  # the completed requests' mean
 
 
 def test_compare_ranks_by_p95_and_checks_the_tolerance():
@@ -127,6 +127,18 @@ def test_compare_ranks_by_p95_and_checks_the_tolerance():
     c = compare(real, sim)
     assert not c["ranking_agrees"] and not c["p95_within_tolerance"]
     assert ranking({"a": None, "b": 2.0, "c": 1.0}) == ["c", "b", "a"]
+    assert "pays" not in c  # no mean TTFTs: nothing to say what cache_aware pays
+
+
+def test_compare_sets_what_cache_aware_pays_real_beside_the_twin():
+    """The real-process replay's difference of mean TTFTs against each baseline, beside the
+    simulator's on the same slice (the policy-level audit's twin, mesh sim --audit)."""
+    real = {"power_of_two": {"ttft_mean_ms": 900.0}, "cache_aware_greedy": {"ttft_mean_ms": 560.0},
+            "cache_aware": {"ttft_mean_ms": 500.0}}
+    sim = {"power_of_two": {"ttft_mean_ms": 1000.0}, "cache_aware_greedy": {"ttft_mean_ms": None},
+           "cache_aware": {"ttft_mean_ms": 450.0}}
+    assert compare(real, sim)["pays"] == {"power_of_two": {"real_ms": 400.0, "sim_ms": 550.0},
+                                          "cache_aware_greedy": {"real_ms": 60.0, "sim_ms": None}}
 
 
 def test_the_slowed_engine_takes_exactly_slowdown_times_as_long():

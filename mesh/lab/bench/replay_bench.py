@@ -45,7 +45,7 @@ __all__ = ["build_replay_workload", "sim_config", "run_replay_bench", "machine_b
 MODEL = "replay"
 _STARTUP_S = 90.0
 _DRAIN_S = 2.0
-_SIM_FIGURES = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "e2e_p95_ms", "goodput", "hit_rate", "worker_cv",
+_SIM_FIGURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "e2e_p95_ms", "goodput", "hit_rate", "worker_cv",
                 "served_per_worker", "completed", "requests")
 
 Say = Callable[[str], None]
@@ -279,6 +279,10 @@ def print_results(res: dict[str, Any], console) -> None:
     console.print(f"ranking by TTFT p95: real {' < '.join(cmp['ranking_real'])}; sim {' < '.join(cmp['ranking_sim'])}: "
                   + ("[green]agree[/]" if cmp["ranking_agrees"] else "[yellow]differ[/]")
                   + f"; p95 within {cmp['p95_tolerance']:.0%}: " + ("[green]yes[/]" if cmp["p95_within_tolerance"] else "[yellow]no[/]"))
+    if cmp.get("pays"):
+        console.print("cache_aware pays per request (the baseline's mean TTFT minus its own), real / sim (the policy-level "
+                      "audit's twin): " + "; ".join(f"{p} {fmt(v['real_ms'], '{:+.0f}')} / {fmt(v['sim_ms'], '{:+.0f}')} ms"
+                                                      for p, v in cmp["pays"].items()))
     if res["cpu_bound"]:
         console.print("[bold red]CPU-BOUND[/]: these real figures measure this machine's CPU more than the mesh; "
                       "do not read them as the mesh's (raise --slowdown, shorten the slice, or use a quieter machine):")

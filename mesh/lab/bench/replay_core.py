@@ -20,7 +20,7 @@ from typing import Any
 
 from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
-from mesh.stats import cv, percentile, ratio
+from mesh.stats import cv, mean, percentile, ratio
 
 __all__ = ["REPLAY_POLICIES", "PROVIDERS", "ReplayConfig", "RequestResult", "slowed_engine", "client_figures",
            "cpu_verdict", "compare", "ranking"]
@@ -151,6 +151,7 @@ def client_figures(results: list[RequestResult], slo_ms: float, workers: list[st
         "requests": len(results),
         "completed": len(ok),
         "errors": dict(sorted(errors.items())),
+        "ttft_mean_ms": _r(mean(ttft)) if ttft else None,
         "ttft_p50_ms": _r(percentile(ttft, 50, presorted=True)) if ttft else None,
         "ttft_p95_ms": _r(percentile(ttft, 95, presorted=True)) if ttft else None,
         "ttft_p99_ms": _r(percentile(ttft, 99, presorted=True)) if ttft else None,
@@ -212,5 +213,22 @@ def compare(real: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]], tol
         a, b = real[p].get("ttft_p95_ms"), sim[p].get("ttft_p95_ms")
         ratios[p] = _r(a / b, 4) if a is not None and b else None
     within = bool(ratios) and all(v is not None and abs(v - 1) <= tolerance for v in ratios.values())
-    return {"ranking_real": r_rank, "ranking_sim": s_rank, "ranking_agrees": r_rank == s_rank,
-            "p95_real_over_sim": ratios, "p95_tolerance": tolerance, "p95_within_tolerance": within}
+    out = {"ranking_real": r_rank, "ranking_sim": s_rank, "ranking_agrees": r_rank == s_rank,
+           "p95_real_over_sim": ratios, "p95_tolerance": tolerance, "p95_within_tolerance": within}
+    # what cache_aware pays against each baseline (its mean TTFT difference), real beside the
+    # simulator's: the policy-level audit (mesh sim --audit) is that simulator run on a recording
+    subject = "cache_aware"
+    if subject in pols:
+        pays = {}
+        for p in pols:
+            if p == subject:
+                continue
+            got = []
+            for side in (real, sim):
+                a, b = side[p].get("ttft_mean_ms"), side[subject].get("ttft_mean_ms")
+                got.append(_r(a - b) if a is not None and b is not None else None)
+            if got != [None, None]:
+                pays[p] = {"real_ms": got[0], "sim_ms": got[1]}
+        if pays:
+            out["pays"] = pays
+    return out

@@ -14,8 +14,11 @@ against the arms it measured, beside the live audit's.
 Nothing here is the router's: the twin is the simulator (lab only), run offline on a recording.
 Every arm of the twin sees the identical stream, so the differences are paired and their 95 %
 intervals come from paired batch means (:mod:`mesh.lab.sim.metrics`). The twin draws its own
-random numbers (:data:`TWIN_SEED_OFFSET`): in the matrix it never replays the measured arms'
-draws, so its figure carries its own noise, as a replay of real traffic would.
+random numbers (:data:`TWIN_SEED_OFFSET`) and, in the matrix, names its workers in another order
+(:data:`TWIN_TAG`): it never replays the measured arms' draws or tie-breaks, so its figure carries
+its own noise, as a replay of real traffic would. It does run the arms' engine model: the matrix
+shows how close a twin with a right engine model comes, and whether a fleet's engine model is right
+is what :func:`fidelity` checks on a recording (and ``mesh bench replay`` against real processes).
 
 **Fidelity.** A twin is as good as its engine model. For a recording, :func:`fidelity` sets the
 twin's cache_aware mean TTFT beside the mean TTFT the broker observed on the same requests (it
@@ -30,7 +33,7 @@ from typing import Any, Sequence
 
 from mesh.lab.sim.metrics import paired_se, t975
 
-__all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "FIDELITY_BAND", "twin_config", "twin_arms", "twin_pays", "fidelity",
+__all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "TWIN_TAG", "FIDELITY_BAND", "twin_config", "twin_arms", "twin_pays", "fidelity",
            "write_textfile"]
 
 SUBJECT = "cache_aware"
@@ -41,18 +44,29 @@ TWIN_SEED_OFFSET = 7919
 FIDELITY_BAND = 1.25
 
 
-def twin_config(cfg: Any, subject: str = SUBJECT, baselines: Sequence[str] = BASELINES) -> Any:
+#: the matrix's twin names its workers in another order (``policy@twin``, mesh.lab.sim.fleet.worker_ids)
+TWIN_TAG = "twin"
+
+
+def twin_config(cfg: Any, subject: str = SUBJECT, baselines: Sequence[str] = BASELINES, tag: str | None = TWIN_TAG) -> Any:
     """A copy of the :class:`~mesh.lab.sim.runner.SimConfig` ``cfg`` that runs ``subject`` and
-    the baselines on its own draws (seed + :data:`TWIN_SEED_OFFSET`), without the per-decision
-    audit's lab extras (one-step truth, shadow) or a recording."""
-    return dataclasses.replace(cfg, seed=cfg.seed + TWIN_SEED_OFFSET, policies=[subject, *baselines],
+    the baselines on its own draws (seed + :data:`TWIN_SEED_OFFSET`) and, with ``tag``, with its
+    workers named in another order (``policy@tag``: every tie that hangs on a name goes another
+    way), without the per-decision audit's lab extras (one-step truth, shadow) or a recording.
+    The quality matrix tags its twin so that no arm of it can replay a measured arm draw for draw
+    (a deterministic policy on the same stream and names would); a recording's replay keeps the
+    recorded names (``tag=None``)."""
+    pols = [subject, *baselines]
+    if tag:
+        pols = [f"{p}@{tag}" for p in pols]
+    return dataclasses.replace(cfg, seed=cfg.seed + TWIN_SEED_OFFSET, policies=pols,
                                regret_truth_every=0, regret_shadow_rate=None, record_decisions=None)
 
 
 def twin_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What the audit keeps of each twin arm: its policy, mean TTFT and batch means."""
-    return [{"policy": a["policy"], "ttft_mean_ms": a["ttft_mean_ms"], "ttft_batch_means_ms": a.get("ttft_batch_means_ms")}
-            for a in arms]
+    """What the audit keeps of each twin arm: its policy (without a twin tag), mean TTFT and batch means."""
+    return [{"policy": a["policy"].partition("@")[0], "ttft_mean_ms": a["ttft_mean_ms"],
+             "ttft_batch_means_ms": a.get("ttft_batch_means_ms")} for a in arms]
 
 
 def twin_pays(arms: Sequence[dict[str, Any]], subject: str = SUBJECT) -> dict[str, Any] | None:
