@@ -345,6 +345,11 @@ def _replay(d: dict[str, Any], src: str) -> Page:
     p.notes.append(f"Ranking by TTFT p95: real {' < '.join(SHORT.get(x, x) for x in cmp['ranking_real'])}; sim "
                    f"{' < '.join(SHORT.get(x, x) for x in cmp['ranking_sim'])}: {'agree' if cmp['ranking_agrees'] else 'differ'}; "
                    f"every p95 within {cmp['p95_tolerance']:.0%}: {'yes' if cmp['p95_within_tolerance'] else 'no'}.")
+    if cmp.get("pays"):
+        p.notes.append("What cache_aware pays per request (the baseline's mean TTFT minus its own), real / sim (the "
+                       "policy-level audit's twin, `mesh sim --audit`, on the same slice): "
+                       + "; ".join(f"{SHORT.get(b, b)} {_pair(v['real_ms'], v['sim_ms'], '{:+,.0f}')} ms"
+                                   for b, v in cmp["pays"].items()) + ".")
     if d.get("cpu_bound"):
         p.notes.append("**CPU-bound**: the real figures above measure this machine's CPU more than the mesh: "
                        + "; ".join(d["cpu_bound_reasons"]) + ".")
