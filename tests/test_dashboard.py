@@ -29,6 +29,17 @@ def _exported() -> set[str]:
 
     icore = IndexerCore(max_entries=1000)
     names |= {m.name for m in _IndexerCollector(icore, IndexerService(icore)).collect()}
+    # the policy-level audit's gauges: a textfile `mesh sim --audit --audit-textfile` writes
+    import tempfile
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from mesh.lab.sim.twin import write_textfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "audit.prom"
+        write_textfile(str(path), {"pays": {"pays_ms": {"power_of_two": 1.0}, "ci95_ms": {"power_of_two": 0.5},
+                                            "best": 1.0}, "fidelity": {"ratio": 1.0}}, requests=1)
+        names |= {m.name for m in text_string_to_metric_families(path.read_text())}
     return names
 
 
