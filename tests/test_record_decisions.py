@@ -580,7 +580,7 @@ def test_mesh_sim_audit_replays_a_recording_through_every_policy_and_checks_the_
         assert pays["ci95_ms"][b] is not None and pays["ci95_ms"][b] >= 0
     assert pays["against"] == min(("cache_aware_greedy", "power_of_two"), key=mean.__getitem__)
     assert fid["policy"] == "cache_aware" and fid["requests"] == rep["workload"]["requests"]
-    assert fid["matches"] and 0.8 < fid["ratio"] < 1.25, fid  # the engine that recorded it: the twin replays it
+    assert fid["matches"] and 1 / 1.1 <= fid["ratio"] <= 1.1, fid  # the engine that recorded it: the twin replays it
     assert "policy-level audit" in out and "against the better baseline" in out and ": matches" in out
     # the same recording audited with an engine ten times slower at prefill than the one that served it
     assert main(["--trace", str(path), "--audit", "--lifecycle", "core", "--seed", "2", "--no-progress",

@@ -623,4 +623,8 @@ def test_the_twins_figure_is_the_paired_difference_of_its_arms():
     f = fidelity(ca, rec)
     assert f == {"observed_ttft_mean_ms": 100.0, "twin_ttft_mean_ms": 100.0, "requests": 2, "ratio": 1.0, "matches": True}
     assert not fidelity({**ca, "ttft_mean_ms": 200.0}, rec)["matches"]  # 2x the observed: the engine model is off
+    assert not fidelity({**ca, "ttft_mean_ms": 85.0}, rec)["matches"]  # 15 % and 15 ms low: off too
+    assert fidelity({**ca, "ttft_mean_ms": 108.0}, rec)["matches"]  # within 10 %
+    fast = [{"outcome": "ok", "ttft_ms": 26.0}]  # a few ms of hops the twin does not model, at a short TTFT
+    assert fidelity({**ca, "ttft_mean_ms": 22.0}, fast)["matches"] and not fidelity({**ca, "ttft_mean_ms": 20.0}, fast)["matches"]
     assert fidelity(ca, []) is None and fidelity(ca, None) is None

@@ -33,15 +33,22 @@ from typing import Any, Sequence
 
 from mesh.lab.sim.metrics import paired_se, t975
 
-__all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "TWIN_TAG", "FIDELITY_BAND", "twin_config", "twin_arms", "twin_pays", "fidelity",
+__all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "TWIN_TAG", "FIDELITY_BAND", "FIDELITY_FLOOR_MS", "twin_config", "twin_arms", "twin_pays", "fidelity",
            "write_textfile"]
 
 SUBJECT = "cache_aware"
 BASELINES = ("cache_aware_greedy", "power_of_two")
 #: the twin's seed is the stream's seed plus this: its policies' and heartbeats' draws are its own
 TWIN_SEED_OFFSET = 7919
-#: ``fidelity`` calls the engine model matching when the twin's mean TTFT is within this factor of the observed
-FIDELITY_BAND = 1.25
+#: ``fidelity`` calls the engine model matching when the twin's mean TTFT is within this factor of the
+#: observed. Tight on purpose: on the 70B-class matrix, a twin whose engine was 20 % too fast (prefill
+#: rate and decode step) saw 0.80-0.85x the arms' mean TTFT, and its figure fell from 23 to 9 of 30
+#: cell-seeds within 25 % of the measured difference (docs/routing.md).
+FIDELITY_BAND = 1.10
+#: ... or within this many ms of it: the process and network hops a twin does not model (a real
+#: broker in front of stub engines on a busy 2-core host observed 3-5 ms more than its twin at a
+#: 25 ms mean TTFT, tests/test_record_decisions.py), which a difference between policies cancels
+FIDELITY_FLOOR_MS = 5.0
 
 
 #: the matrix's twin names its workers in another order (``policy@twin``, mesh.lab.sim.fleet.worker_ids)
@@ -91,16 +98,17 @@ def twin_pays(arms: Sequence[dict[str, Any]], subject: str = SUBJECT) -> dict[st
 
 def fidelity(subject_arm: dict[str, Any], recorded: Sequence[dict[str, Any]] | None) -> dict[str, Any] | None:
     """The twin's subject mean TTFT beside the mean TTFT a recording observed (its ``ok`` records
-    with a ``ttft_ms``), their ratio and whether it is within :data:`FIDELITY_BAND`; None without
-    observed TTFTs."""
+    with a ``ttft_ms``), their ratio and whether they match: within :data:`FIDELITY_BAND` or
+    :data:`FIDELITY_FLOOR_MS`; None without observed TTFTs."""
     seen = [r["ttft_ms"] for r in recorded or () if r.get("outcome") == "ok" and isinstance(r.get("ttft_ms"), (int, float))]
     if not seen or subject_arm["ttft_mean_ms"] <= 0:
         return None
     observed = sum(seen) / len(seen)
     ratio = subject_arm["ttft_mean_ms"] / observed if observed > 0 else None
-    return {"observed_ttft_mean_ms": round(observed, 3), "twin_ttft_mean_ms": subject_arm["ttft_mean_ms"],
-            "requests": len(seen), "ratio": None if ratio is None else round(ratio, 4),
-            "matches": ratio is not None and 1.0 / FIDELITY_BAND <= ratio <= FIDELITY_BAND}
+    twin = subject_arm["ttft_mean_ms"]
+    close = ratio is not None and (1.0 / FIDELITY_BAND <= ratio <= FIDELITY_BAND or abs(twin - observed) <= FIDELITY_FLOOR_MS)
+    return {"observed_ttft_mean_ms": round(observed, 3), "twin_ttft_mean_ms": twin,
+            "requests": len(seen), "ratio": None if ratio is None else round(ratio, 4), "matches": close}
 
 
 def write_textfile(path: str, audit: dict[str, Any], *, requests: int) -> None:
@@ -125,6 +133,6 @@ def write_textfile(path: str, audit: dict[str, Any], *, requests: int) -> None:
     f = audit.get("fidelity")
     if f is not None:
         Gauge("mesh_audit_engine_fidelity_ratio", "The twin's mean TTFT over the one the broker observed (1: the engine "
-              "model matches the fleet; outside 0.8 .. 1.25 the audit's figures are not to be trusted)",
+              "model matches the fleet; outside 0.91 .. 1.10 the audit's figures are not to be trusted)",
               registry=reg).set(f["ratio"])
     write_to_textfile(path, reg)
