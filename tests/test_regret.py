@@ -628,3 +628,5 @@ def test_the_twins_figure_is_the_paired_difference_of_its_arms():
     fast = [{"outcome": "ok", "ttft_ms": 26.0}]  # a few ms of hops the twin does not model, at a short TTFT
     assert fidelity({**ca, "ttft_mean_ms": 22.0}, fast)["matches"] and not fidelity({**ca, "ttft_mean_ms": 20.0}, fast)["matches"]
     assert fidelity(ca, []) is None and fidelity(ca, None) is None
+    forged = rec + [{"outcome": "ok", "ttft_ms": v} for v in (float("nan"), float("inf"), -5.0, True, "9", None, 1e400)]
+    assert fidelity(ca, forged) == f  # a recording's broken or forged TTFTs are left out, not averaged

@@ -29,6 +29,7 @@ routed them with cache_aware): a ratio far from 1 says the engine description (`
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 from mesh.lab.sim.metrics import paired_se, t975
@@ -96,11 +97,17 @@ def twin_pays(arms: Sequence[dict[str, Any]], subject: str = SUBJECT) -> dict[st
     return {"subject": subject, "against": against, "best": pays[against], "pays_ms": pays, "ci95_ms": ci}
 
 
+def _ms(v: Any) -> bool:
+    """A usable observed TTFT: a finite number >= 0 (a recording is read from disk; a forged or
+    broken record's NaN, infinity, bool or string is left out, not averaged)."""
+    return type(v) in (int, float) and 0.0 <= v < math.inf
+
+
 def fidelity(subject_arm: dict[str, Any], recorded: Sequence[dict[str, Any]] | None) -> dict[str, Any] | None:
     """The twin's subject mean TTFT beside the mean TTFT a recording observed (its ``ok`` records
     with a ``ttft_ms``), their ratio and whether they match: within :data:`FIDELITY_BAND` or
     :data:`FIDELITY_FLOOR_MS`; None without observed TTFTs."""
-    seen = [r["ttft_ms"] for r in recorded or () if r.get("outcome") == "ok" and isinstance(r.get("ttft_ms"), (int, float))]
+    seen = [v for r in recorded or () if r.get("outcome") == "ok" and _ms(v := r.get("ttft_ms"))]
     if not seen or subject_arm["ttft_mean_ms"] <= 0:
         return None
     observed = sum(seen) / len(seen)
