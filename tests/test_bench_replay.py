@@ -66,6 +66,12 @@ def test_a_tiny_replay_completes_and_reports_every_field(tmp_path):
     assert cmp["ranking_real"] == cmp["ranking_sim"] == ["cache_aware"] and cmp["ranking_agrees"]
     assert cmp["p95_real_over_sim"]["cache_aware"] > 0
     assert "sim 1/1" in seen and "cache_aware" in seen  # the progress bar saw both phases
+    # the simulator once more on an engine fitted to the real run's mean TTFT and TPOT
+    fit, fitted = res["engine_fit"], res["sim_fitted"]["cache_aware"]
+    assert fit["evaluations"] >= 1 and fit["prefill_speed"] > 0 and fit["decode_speed"] > 0 and "engine" not in fit
+    assert fitted["completed"] == 8
+    if fit["converged"]:
+        assert fitted["ttft_mean_ms"] == pytest.approx(real["ttft_mean_ms"], rel=0.021)
     json.dumps(res)  # JSON-ready
 
 
@@ -115,6 +121,9 @@ def test_client_figures_count_failures_against_goodput_and_every_worker():
     assert f["goodput"] == pytest.approx(1 / 3, abs=1e-4)  # the failed request misses the SLO
     assert f["hit_rate"] == 0.25 and f["served_per_worker"] == {"w00": 2, "w01": 0} and f["worker_cv"] == 1.0
     assert f["lag_max_ms"] == 3 and f["ttft_mean_ms"] == 1550.0  # the completed requests' mean
+    assert f["tpot_mean_ms"] is None  # no request had two or more output tokens
+    rs[0].completion_tokens, rs[1].completion_tokens = 11, 1
+    assert client_figures(rs, slo_ms=2000)["tpot_mean_ms"] == 20.0  # (300 - 100) / (11 - 1); one token: no TPOT
 
 
 def test_compare_ranks_by_p95_and_checks_the_tolerance():
@@ -139,6 +148,9 @@ def test_compare_sets_what_cache_aware_pays_real_beside_the_twin():
            "cache_aware": {"ttft_mean_ms": 450.0}}
     assert compare(real, sim)["pays"] == {"power_of_two": {"real_ms": 400.0, "sim_ms": 550.0},
                                           "cache_aware_greedy": {"real_ms": 60.0, "sim_ms": None}}
+    fitted = {"power_of_two": {"ttft_mean_ms": 930.0}, "cache_aware": {"ttft_mean_ms": 510.0}}
+    assert compare(real, sim, fitted=fitted)["pays"] == {"power_of_two": {"real_ms": 400.0, "sim_ms": 550.0, "fitted_ms": 420.0},
+                                                         "cache_aware_greedy": {"real_ms": 60.0, "sim_ms": None, "fitted_ms": None}}
 
 
 def test_the_slowed_engine_takes_exactly_slowdown_times_as_long():
@@ -247,7 +259,9 @@ def _result(cpu_bound: bool) -> dict:
             "comparison": compare({"power_of_two": {"ttft_p95_ms": 3500.0, "ttft_mean_ms": 1500.0},
                                    "cache_aware": {"ttft_p95_ms": 2778.0, "ttft_mean_ms": 1100.0}},
                                   {"power_of_two": {"ttft_p95_ms": 3600.0, "ttft_mean_ms": 1550.0},
-                                   "cache_aware": {"ttft_p95_ms": 3068.0, "ttft_mean_ms": 1180.0}}),
+                                   "cache_aware": {"ttft_p95_ms": 3068.0, "ttft_mean_ms": 1180.0}},
+                                  fitted={"power_of_two": {"ttft_mean_ms": 1480.0}, "cache_aware": {"ttft_mean_ms": 1090.0}}),
+            "engine_fit": {"prefill_speed": 0.87, "decode_speed": 0.95, "evaluations": 4, "converged": True},
             "cpu_bound": cpu_bound, "cpu_bound_reasons": ["cache_aware: machine CPU 97% busy > 90%"] if cpu_bound else [],
             "machine": {"cpus": 2, "loadavg_at_start": [0.5]}}
 
@@ -263,6 +277,8 @@ def test_the_replay_page_shows_both_sides_and_says_when_cpu_bound(tmp_path, cpu_
     assert "| cache_aware | 400 / 400 | 2,778 / 3,068 | 0.91x |" in text
     assert "real cache_aware < p2c; sim cache_aware < p2c: agree" in text
     assert "What cache_aware pays per request" in text and "p2c +400 / +370 ms" in text
+    assert "On the engine fitted to the real cache_aware run" in text and "prefill x0.87, decode x0.95" in text
+    assert "p2c +400 / +390 ms (real / fitted sim)" in text
     assert ("**CPU-bound**" in text) == cpu_bound and ("| CPU-bound |" in text) == cpu_bound
 
 

@@ -82,6 +82,7 @@ def test_the_core_records_each_routed_request_with_its_decision_and_ttft_and_no_
     assert r["worker"] == "w0" and r["policy"] == "power_of_two" and r["outcome"] == "ok" and r["attempts"] == 1
     assert r["input_length"] == 10 and r["output_length"] == 5 and r["cached_tokens"] == 4 and r["max_tokens"] == 5
     assert r["timestamp"] == pytest.approx(1000.0) and r["ttft_ms"] == pytest.approx(50.0)
+    assert r["e2e_ms"] == pytest.approx(200.0)  # to the last token: with output_length, the decode speed
     assert len(r["hash_ids"]) == 3  # two full 4-token blocks and a fresh id for the partial last one
     assert "text" not in r and "input_ids" not in r
     assert all(type(h) is int and h < 100 for x in recs for h in x["hash_ids"])
@@ -582,10 +583,28 @@ def test_mesh_sim_audit_replays_a_recording_through_every_policy_and_checks_the_
     assert fid["policy"] == "cache_aware" and fid["requests"] == rep["workload"]["requests"]
     assert fid["matches"] and 1 / 1.1 <= fid["ratio"] <= 1.1, fid  # the engine that recorded it: the twin replays it
     assert "policy-level audit" in out and "against the better baseline" in out and ": matches" in out
-    # the same recording audited with an engine ten times slower at prefill than the one that served it
-    assert main(["--trace", str(path), "--audit", "--lifecycle", "core", "--seed", "2", "--no-progress",
-                 "--prefill-tokens-per-s", "2500"]) == 0
+    fit = rep["audit"]["engine_fit"]  # fitted by default: on the engine that recorded it, at once
+    assert fit["converged"] and fit["evaluations"] == 1 and fit["prefill_speed"] == fit["decode_speed"] == 1.0
+    assert fit["observed"]["tpot_mean_ms"] > 0 and fit["fitted_tpot"]
+    # the same recording audited with an engine four times slower at prefill and twice as slow at
+    # decode as the one that served it: as described, the check says it does not match ...
+    slow = ["--prefill-tokens-per-s", "6250", "--decode-base-ms", "14"]
+    assert main(["--trace", str(path), "--audit", "--lifecycle", "core", "--seed", "2", "--no-progress", "--no-fit-engine",
+                 *slow]) == 0
     assert "does NOT match" in capsys.readouterr().out
+    # ... and the fit finds the engine that served it again, and with it the audit's figures
+    fitted_json = tmp_path / "fitted.json"
+    assert main(["--trace", str(path), "--audit", "--lifecycle", "core", "--seed", "2", "--no-progress", *slow,
+                 "--json", str(fitted_json)]) == 0
+    assert "engine model fitted" in capsys.readouterr().out
+    rep2 = json.loads(fitted_json.read_text())
+    fit2 = rep2["audit"]["engine_fit"]
+    assert fit2["converged"] and fit2["evaluations"] <= 10
+    assert fit2["prefill_speed"] == pytest.approx(4.0, rel=0.25) and fit2["decode_speed"] == pytest.approx(2.0, rel=0.15)
+    assert rep2["audit"]["fidelity"]["matches"]
+    for b in ("cache_aware_greedy", "power_of_two"):  # what cache_aware pays, as on the right engine
+        assert rep2["audit"]["pays"]["pays_ms"][b] == pytest.approx(pays["pays_ms"][b],
+                                                                     abs=max(0.25 * abs(pays["pays_ms"][b]), 2 * (pays["ci95_ms"][b] or 0), 2.0))
     # --audit picks its own policies and one fleet shape
     assert main(["--trace", str(path), "--audit", "--policy", "cache_aware", "--no-progress"]) == 2
     assert "audit:" in capsys.readouterr().err
@@ -593,6 +612,10 @@ def test_mesh_sim_audit_replays_a_recording_through_every_policy_and_checks_the_
     assert "audit:" in capsys.readouterr().err
     assert main(["--trace", str(path), "--audit-textfile", str(tmp_path / "a.prom"), "--no-progress"]) == 2
     assert "audit_textfile" in capsys.readouterr().err
+    assert main(["--trace", str(path), "--fit-engine", "--no-progress"]) == 2  # the fit is the audit's
+    assert "fit_engine" in capsys.readouterr().err
+    assert main(["--workload", "zipf", "--audit", "--fit-engine", "--duration-s", "5", "--no-progress"]) == 2
+    assert "fit_engine: cannot fit the engine: the stream is no recording" in capsys.readouterr().err
 
 
 def test_a_real_brokers_recording_is_audited_at_the_policy_level(procs, tmp_path, capsys):
@@ -614,6 +637,10 @@ def test_a_real_brokers_recording_is_audited_at_the_policy_level(procs, tmp_path
     assert got == {**rep["audit"]["pays"]["pays_ms"], "best": rep["audit"]["pays"]["best"]}
     assert fams["mesh_audit_requests"].samples[0].value == 40
     assert fams["mesh_audit_engine_fidelity_ratio"].samples[0].value == rep["audit"]["fidelity"]["ratio"]
+    fit = rep["audit"]["engine_fit"]  # the real broker's TTFT and TPOT, fitted
+    assert fams["mesh_audit_engine_prefill_speed"].samples[0].value == fit["prefill_speed"]
+    assert fams["mesh_audit_engine_decode_speed"].samples[0].value == fit["decode_speed"]
+    assert fit["observed"]["requests"] == 40 and fit["evaluations"] >= 1
     assert rep["audit"]["pays"]["against"] in ("cache_aware_greedy", "power_of_two")
     fid = rep["audit"]["fidelity"]
     assert fid["requests"] == 40 and fid["observed_ttft_mean_ms"] > 0 and fid["ratio"] > 0

@@ -156,12 +156,36 @@ def test_a_matrix_extends_another_and_overrides_it_key_by_key(tmp_path):
 @pytest.mark.parametrize("text, msg", [
     ('extends = "nowhere.toml"\n', "extends: .*nowhere.toml does not exist"),
     ("extends = 3\n", "extends: must be the path"),
-    ('extends = "chain.toml"\n', "extends: .*chain.toml extends another file"),
+    ('extends = "chain.toml"\n', r"extends: .*child.toml is already in the chain of bases \(child.toml -> chain.toml\): a cycle"),
 ])
 def test_a_bad_extends_is_a_clear_error(tmp_path, text, msg):
-    _write(tmp_path, 'extends = "m.toml"\n' + TINY, "chain.toml")
+    _write(tmp_path, 'extends = "child.toml"\n' + TINY, "chain.toml")
     with pytest.raises(ConfigError, match=msg):
         load_matrix(_write(tmp_path, text, "child.toml"))
+
+
+def test_a_base_may_extend_another_up_to_three_files(tmp_path):
+    _write(tmp_path, TINY, "a.toml")
+    _write(tmp_path, 'extends = "a.toml"\n[engine]\nprefill_tokens_per_s = 6000.0\n', "b.toml")
+    c = _write(tmp_path, 'extends = "b.toml"\n[matrix]\ntwin = true\ntwin_engine_error = 1.2\ntwin_fit = true\n', "c.toml")
+    mc = load_matrix(c)
+    assert mc.engine.prefill_tokens_per_s == 6000.0 and mc.twin and mc.twin_fit and mc.twin_engine_error == 1.2
+    d = _write(tmp_path, 'extends = "c.toml"\n', "d.toml")
+    with pytest.raises(ConfigError, match=r"extends: more than 3 files in the chain"):
+        load_matrix(d)
+
+
+@pytest.mark.parametrize("text, field", [
+    ("[matrix]\ntwin = true\ntwin_engine_error = 0\n", "matrix.twin_engine_error"),
+    ("[matrix]\ntwin = true\ntwin_engine_error = \"fast\"\n", "matrix.twin_engine_error"),
+    ("[matrix]\ntwin = true\ntwin_fit = 1\n", "matrix.twin_fit"),
+    ("[matrix]\ntwin_fit = true\n", "matrix.twin_fit: needs twin = true"),
+    ("[matrix]\ntwin_engine_error = 1.2\n", "matrix.twin_engine_error: needs twin = true"),
+])
+def test_the_twins_engine_options_are_validated_naming_the_field(tmp_path, text, field):
+    _write(tmp_path, TINY, "a.toml")
+    with pytest.raises(ConfigError, match=field):
+        load_matrix(_write(tmp_path, 'extends = "a.toml"\n' + text, "b.toml"))
 
 
 def test_cli_refuses_single_run_options_with_matrix(tmp_path):
@@ -391,8 +415,20 @@ def test_the_twin_audits_every_stream_at_the_policy_level(tmp_path):
     assert tw["sign_right"] == ((tw["predicted_ms"] > 0) == (rg["measured_ms"] > 0))
     sm = rep["summary"]["regret"]["twin"]
     assert sm == {"runs": 1, "within_25pct": int(tw["within"]), "within_25pct_or_ci95": int(tw["within_ci"]),
-                  "sign_right": int(tw["sign_right"])}
+                  "sign_right": int(tw["sign_right"]), "cells": 1, "cells_within_25pct": int(tw["within"])}
     assert ", twin " in c["verdict"]
+    # a twin described 1.5x too fast, fitted to the subject arm's mean TTFT and TPOT: it finds
+    # the arms' engine again (speeds ~1/1.5 of where it started) and its figure with it
+    fitted = text.replace("twin = true", "twin = true\ntwin_engine_error = 1.5\ntwin_fit = true")
+    rep2 = json.loads(dumps_matrix(run_matrix(load_matrix(_write(tmp_path, fitted, "fit.toml"), seeds=[1]), jobs=1)))
+    run2 = rep2["cells"][0]["seeds"]["1"]
+    fit = run2["twin_fit"]
+    assert fit["converged"] and fit["ttft_ratio"] == pytest.approx(1.0, abs=0.021)
+    assert fit["prefill_speed"] == pytest.approx(1 / 1.5, rel=0.2) and fit["decode_speed"] == pytest.approx(1 / 1.5, rel=0.1)
+    assert run2["arms"] == run["arms"]  # the arms are the fleet: untouched
+    assert rep2["summary"]["regret"]["twin_fit"]["runs"] == 1 and rep2["summary"]["regret"]["twin_fit"]["engine_error"] == 1.5
+    assert rep2["cells"][0]["seeds"]["1"]["analysis"]["regret"]["twin"]["predicted_ms"] == pytest.approx(
+        tw["predicted_ms"], abs=max(0.25 * abs(tw["predicted_ms"]), tw["twin_ci95_ms"] or 0, 2.0))
     with pytest.raises(ConfigError, match="matrix.twin"):
         load_matrix(_write(tmp_path, text.replace("twin = true", "twin = 1"), "bad.toml"))
     with pytest.raises(ConfigError, match="matrix.twin"):

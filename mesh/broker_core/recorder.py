@@ -21,7 +21,8 @@ The file (format ``mesh-decisions`` version 1, documented in docs/simulator.md):
   per-file pseudonym, only with session affinity on), the decision of its first attempt
   (``worker``, ``reason``, ``policy``, ``matched_blocks``, ``predicted_ttft_ms``,
   ``decode_worker`` for P/D), ``attempts``, ``outcome`` (``ok`` or the error code),
-  ``ttft_ms`` and ``cached_tokens`` as observed.
+  ``ttft_ms``, ``e2e_ms`` (arrival to the last token, ``ok`` requests) and ``cached_tokens`` as
+  observed.
 
 Privacy: no text and no token ids. A full block's content key (the router's chained hash) becomes
 a small int in first-seen order of the file, as Mooncake's traces number their blocks; a partial
@@ -170,6 +171,7 @@ class DecisionRecorder:
         rec.update((k, v) for k, v in dec.items() if v is not None or k == "predicted_ttft_ms")
         rec["outcome"] = outcome
         rec["ttft_ms"] = round((first - inf.accepted_s) * 1000.0, 3) if first else None
+        rec["e2e_ms"] = round((now - inf.accepted_s) * 1000.0, 3) if outcome == "ok" else None
         rec["cached_tokens"] = cached if type(cached) is int else None
         return (json.dumps(rec, separators=(",", ":")) + "\n").encode()
 

@@ -350,6 +350,13 @@ def _replay(d: dict[str, Any], src: str) -> Page:
                        "policy-level audit's twin, `mesh sim --audit`, on the same slice): "
                        + "; ".join(f"{SHORT.get(b, b)} {_pair(v['real_ms'], v['sim_ms'], '{:+,.0f}')} ms"
                                    for b, v in cmp["pays"].items()) + ".")
+        ef = d.get("engine_fit")
+        if ef and all(v.get("fitted_ms") is not None for v in cmp["pays"].values()):
+            p.notes.append(f"On the engine fitted to the real cache_aware run's mean TTFT and time per output token "
+                           f"(`mesh sim --audit` fits a recording so; prefill x{ef['prefill_speed']:.2f}, decode "
+                           f"x{ef['decode_speed']:.2f} of the stubs' own, {ef['evaluations']} simulator runs): "
+                           + "; ".join(f"{SHORT.get(b, b)} {_pair(v['real_ms'], v['fitted_ms'], '{:+,.0f}')} ms"
+                                       for b, v in cmp["pays"].items()) + " (real / fitted sim).")
     if d.get("cpu_bound"):
         p.notes.append("**CPU-bound**: the real figures above measure this machine's CPU more than the mesh: "
                        + "; ".join(d["cpu_bound_reasons"]) + ".")
@@ -467,7 +474,17 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                            f"baselines on the twin's own draws): within 25 % of the measured difference in "
                            f"{tw['within_25pct']} of {tw['runs']} cell-seeds (target {rg.get('target_share', 0.8):.0%}), "
                            f"within 25 % or the 95 % interval in {tw.get('within_25pct_or_ci95', '-')}, sign right in "
-                           f"{tw['sign_right']}.")
+                           f"{tw['sign_right']}"
+                           + (f"; per cell (its seeds pooled) within 25 % in {tw['cells_within_25pct']} of {tw['cells']} cells"
+                              if tw.get("cells") else "") + ".")
+        ft = rg.get("twin_fit")
+        if isinstance(ft, dict) and ft.get("runs"):
+            p.notes.append(f"The twin's engine started {ft['engine_error']:g}x as fast as the arms' (a fleet described wrongly) "
+                           f"and was fitted to the {subject} arm's mean TTFT and time per output token before each audit "
+                           f"(`mesh sim --audit --fit-engine`): converged in {ft['converged']} of {ft['runs']} runs, "
+                           f"{ft['evaluations_mean']:.1f} simulator runs each, prefill speed "
+                           f"{ft['prefill_speed'][0]:.2f}-{ft['prefill_speed'][1]:.2f}x and decode speed "
+                           f"{ft['decode_speed'][0]:.2f}-{ft['decode_speed'][1]:.2f}x of where it started.")
     return p
 
 

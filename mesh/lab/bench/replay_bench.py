@@ -22,6 +22,8 @@ figures as the mesh's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import os
 import platform
@@ -204,6 +206,26 @@ def _run_policy(cfg: ReplayConfig, policy: str, plan: list[Planned], log_dir: Pa
             "cpu_bound": bound, "cpu_bound_reasons": reasons}
 
 
+def _fitted_sim(sc: SimConfig, wl: Workload, real: dict[str, Any],
+                say: Say) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The simulator once more on an engine fitted to the real cache_aware run's mean TTFT and
+    time per output token (what ``mesh sim --audit`` does with a recording): every policy's
+    figures on it, and the fit. (None, None) without a complete cache_aware run."""
+    from mesh.lab.sim.fit import Observed
+    from mesh.lab.sim.twin import SUBJECT, fit_twin
+
+    r = real.get(SUBJECT)
+    if not r or not r.get("ttft_mean_ms"):
+        return None, None
+    fit = fit_twin(sc, wl, SUBJECT, Observed(r["ttft_mean_ms"], r.get("tpot_mean_ms"), r["completed"]))
+    engine = fit.pop("engine")
+    fit.pop("steps", None)
+    say(f"  engine fitted to the real {SUBJECT} run in {fit['evaluations']} simulator runs: prefill x{fit['prefill_speed']:.2f}, "
+        f"decode x{fit['decode_speed']:.2f} of the stubs' own")
+    arms = run_sim(dataclasses.replace(sc, engine=engine), workload=wl)["arms"]
+    return {a["policy"]: {k: a.get(k) for k in _SIM_FIGURES} for a in arms}, fit
+
+
 def run_replay_bench(cfg: ReplayConfig, *, log_dir: str | None = None, say: Say = print,
                      progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run ``mesh sim`` and then the real replay of every policy; returns the JSON-ready result.
@@ -227,7 +249,8 @@ def run_replay_bench(cfg: ReplayConfig, *, log_dir: str | None = None, say: Say 
         real[pol] = _run_policy(cfg, pol, plan, logs, cb)
         say(f"  {pol}: TTFT p95 {real[pol]['ttft_p95_ms']} ms real vs {sim_by[pol]['ttft_p95_ms']} ms sim"
             + ("  [CPU-BOUND]" if real[pol]["cpu_bound"] else ""))
-    cmp = compare(real, sim_by)
+    fitted_by, engine_fit = _fitted_sim(sc, wl, real, say)
+    cmp = compare(real, sim_by, fitted=fitted_by)
     reasons = [f"{p}: {r}" for p in cfg.policies for r in real[p]["cpu_bound_reasons"]]
     return {
         "bench": "replay",
@@ -238,6 +261,8 @@ def run_replay_bench(cfg: ReplayConfig, *, log_dir: str | None = None, say: Say 
                     "loadavg_at_start": [round(x, 2) for x in load_avg] if load_avg else None},
         "real": real,
         "sim": sim_by,
+        "sim_fitted": fitted_by,
+        "engine_fit": engine_fit,
         "comparison": cmp,
         "cpu_bound": bool(reasons),
         "cpu_bound_reasons": reasons,
@@ -283,6 +308,12 @@ def print_results(res: dict[str, Any], console) -> None:
         console.print("cache_aware pays per request (the baseline's mean TTFT minus its own), real / sim (the policy-level "
                       "audit's twin): " + "; ".join(f"{p} {fmt(v['real_ms'], '{:+.0f}')} / {fmt(v['sim_ms'], '{:+.0f}')} ms"
                                                       for p, v in cmp["pays"].items()))
+        ef = res.get("engine_fit")
+        if ef and all(v.get("fitted_ms") is not None for v in cmp["pays"].values()):
+            console.print(f"  on the engine fitted to the real cache_aware run (prefill x{ef['prefill_speed']:.2f}, decode "
+                          f"x{ef['decode_speed']:.2f}): " + "; ".join(f"{p} {fmt(v['real_ms'], '{:+.0f}')} / "
+                                                                       f"{fmt(v['fitted_ms'], '{:+.0f}')} ms"
+                                                                       for p, v in cmp["pays"].items()))
     if res["cpu_bound"]:
         console.print("[bold red]CPU-BOUND[/]: these real figures measure this machine's CPU more than the mesh; "
                       "do not read them as the mesh's (raise --slowdown, shorten the slice, or use a quieter machine):")

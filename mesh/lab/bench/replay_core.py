@@ -21,6 +21,7 @@ from typing import Any
 from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.stats import cv, mean, percentile, ratio
+from mesh.lab.sim.metrics import tpot_mean_ms
 
 __all__ = ["REPLAY_POLICIES", "PROVIDERS", "ReplayConfig", "RequestResult", "slowed_engine", "client_figures",
            "cpu_verdict", "compare", "ranking"]
@@ -156,6 +157,8 @@ def client_figures(results: list[RequestResult], slo_ms: float, workers: list[st
         "ttft_p95_ms": _r(percentile(ttft, 95, presorted=True)) if ttft else None,
         "ttft_p99_ms": _r(percentile(ttft, 99, presorted=True)) if ttft else None,
         "e2e_p95_ms": _r(percentile(e2e, 95, presorted=True)) if e2e else None,
+        "tpot_mean_ms": tpot_mean_ms(((r.ttft_ms or 0.0) / 1e3, r.e2e_ms / 1e3, r.completion_tokens)
+                                     for r in ok if r.ttft_ms is not None),
         "goodput": _r(ratio(sum(1 for x in ttft if x <= slo_ms), len(results)), 4),
         "hit_rate": _r(ratio(sum(r.cached_tokens for r in ok), prompt), 4),
         "prompt_tokens": prompt,
@@ -202,9 +205,12 @@ def ranking(by_policy: dict[str, float | None]) -> list[str]:
     return [p for _, p in have] + sorted(p for p, v in by_policy.items() if v is None)
 
 
-def compare(real: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]], tolerance: float = 0.2) -> dict[str, Any]:
+def compare(real: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]], tolerance: float = 0.2,
+            fitted: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Real replay against ``mesh sim`` per policy: both rankings by TTFT p95 and whether they agree,
-    each policy's real/sim p95 ratio and whether every one is within ``tolerance``."""
+    each policy's real/sim p95 ratio and whether every one is within ``tolerance``; ``pays``: what
+    cache_aware saves against each baseline, real beside the simulator's (and ``fitted_ms``, the
+    simulator's on the engine fitted to the real cache_aware run, when ``fitted`` is given)."""
     pols = [p for p in real if p in sim]
     r_rank = ranking({p: real[p].get("ttft_p95_ms") for p in pols})
     s_rank = ranking({p: sim[p].get("ttft_p95_ms") for p in pols})
@@ -224,11 +230,13 @@ def compare(real: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]], tol
             if p == subject:
                 continue
             got = []
-            for side in (real, sim):
-                a, b = side[p].get("ttft_mean_ms"), side[subject].get("ttft_mean_ms")
+            for side in (real, sim, fitted or {}):
+                a, b = (side.get(p) or {}).get("ttft_mean_ms"), (side.get(subject) or {}).get("ttft_mean_ms")
                 got.append(_r(a - b) if a is not None and b is not None else None)
-            if got != [None, None]:
+            if got[:2] != [None, None]:
                 pays[p] = {"real_ms": got[0], "sim_ms": got[1]}
+                if fitted is not None:
+                    pays[p]["fitted_ms"] = got[2]
         if pays:
             out["pays"] = pays
     return out

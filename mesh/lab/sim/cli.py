@@ -160,7 +160,13 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --audit: also write its figures as Prometheus gauges to FILE (atomically; for "
                         "node_exporter's textfile collector, so a periodic audit of the last rotated recording "
                         "lands on the dashboard): mesh_audit_pays_ms{baseline}, mesh_audit_pays_ci95_ms{baseline}, "
-                        "mesh_audit_requests, mesh_audit_engine_fidelity_ratio")
+                        "mesh_audit_requests, mesh_audit_engine_fidelity_ratio, mesh_audit_engine_prefill_speed, "
+                        "mesh_audit_engine_decode_speed")
+    o.add_argument("--fit-engine", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --audit of a recording (the default there): first scale the engine's prefill and decode "
+                        "speeds until the twin, replaying the recording under its own policy, sees the mean TTFT and "
+                        "time per output token the broker observed (within 2 %%; a few extra runs of one arm), then "
+                        "audit on the fitted engine; --no-fit-engine audits the engine as described")
     o.add_argument("--compare-decisions", action="store_true",
                    help="with --trace of a recorded decisions file and --lifecycle core: print, per arm, the share of "
                         "requests routed to the worker the recording chose, by recorded reason, and the first divergences")
@@ -272,6 +278,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise ConfigError("--seeds, --cells and --reuse-calibration need --matrix")
     if getattr(args, "audit_textfile", None) and not getattr(args, "audit", False):
         raise ConfigError("audit_textfile: --audit-textfile needs --audit")
+    if getattr(args, "fit_engine", None) is not None and not getattr(args, "audit", False):
+        raise ConfigError("fit_engine: --fit-engine and --no-fit-engine go with --audit")
     if getattr(args, "audit", False):
         _audit_policies(args)
     cfg = config_from_args(args)
@@ -280,6 +288,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     _recording_defaults(args, cfg, wl, console)
     if getattr(args, "audit", False) and (len(cfg.routers) > 1 or len(cfg.workers) > 1 or len(cfg.providers) > 1):
         raise ConfigError("audit: the twin is one fleet shape: give one --routers, --workers and --provider value")
+    engine_fit = _fit_engine(args, cfg, wl, console) if getattr(args, "audit", False) else None
     specs = arm_specs(cfg)
     console.print(f"[bold]mesh sim[/]: {wl.name}, {len(wl.requests)} requests"
                   f"{f' ({wl.dropped} dropped: prompt > KV capacity)' if wl.dropped else ''}, {len(specs)} arm(s)")
@@ -320,7 +329,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if getattr(args, "compare_decisions", False):
         _print_agreement(report)
     if getattr(args, "audit", False):
-        report["audit"] = _print_audit(report, wl)
+        report["audit"] = _print_audit(report, wl, engine_fit)
         if args.audit_textfile:
             from mesh.lab.sim.twin import write_textfile
 
@@ -356,7 +365,52 @@ def _audit_policies(args: argparse.Namespace) -> None:
     args.policy = [SUBJECT, *BASELINES]
 
 
-def _print_audit(report: dict, wl) -> dict:
+def _fit_engine(args: argparse.Namespace, cfg, wl, console) -> dict | None:
+    """``--audit`` of a recording: fit the engine to what the broker observed (``--fit-engine``,
+    the default there) and run the audit on it; None when not fitted (said why when asked for)."""
+    from mesh.lab.sim.fit import observed_from_recording
+    from mesh.lab.sim.twin import fit_twin
+    from mesh.routing.router import POLICIES
+
+    want = args.fit_engine
+    if want is False:
+        return None
+    policy = (wl.params or {}).get("policy")
+    target = observed_from_recording(wl.recorded) if wl.recorded else None
+    why = None
+    if not wl.recorded:
+        why = "the stream is no recording (mesh broker --record-decisions)"
+    elif target is None:
+        why = "the recording carries no observed TTFT"
+    elif (wl.params or {}).get("time_scale", 1.0) != 1.0:
+        why = "--time-scale is not 1"
+    elif policy not in POLICIES:
+        why = f"the recording's policy {policy!r} is not one the simulator runs"
+    if why is not None:
+        if want:
+            raise ConfigError(f"fit_engine: cannot fit the engine: {why}")
+        return None
+    tpot = f", TPOT {target.tpot_mean_ms:.2f} ms" if target.tpot_mean_ms is not None else " (no decode figures)"
+    console.print(f"fitting the engine model to the recording: {policy} observed mean TTFT {target.ttft_mean_ms:.1f} ms"
+                  f"{tpot} on {target.requests} requests")
+
+    def on_step(st: dict) -> None:
+        if not args.no_progress:
+            tp = f", TPOT {st['tpot_ratio']:.3f}x" if st["tpot_ratio"] is not None else ""
+            console.print(f"  prefill x{st['prefill_speed']:.3f} decode x{st['decode_speed']:.3f}: "
+                          f"TTFT {st['ttft_ratio']:.3f}x{tp} the observed")
+
+    fit = fit_twin(cfg, wl, policy, target, on_step=on_step)
+    cfg.engine = fit.pop("engine")
+    fit["observed"] = {"ttft_mean_ms": round(target.ttft_mean_ms, 3), "requests": target.requests,
+                       "tpot_mean_ms": None if target.tpot_mean_ms is None else round(target.tpot_mean_ms, 4)}
+    fit["policy"] = policy
+    fit["engine"] = {k: getattr(cfg.engine, k) for k in ("prefill_tokens_per_s", "prefill_overhead_ms", "attention_coef_ms",
+                                                          "decode_base_ms", "decode_per_req_ms")}
+    return fit
+
+
+def _print_audit(report: dict, wl, engine_fit: dict | None = None) -> dict:
     """``--audit``: what cache_aware pays per request against each baseline on this stream, and
     on a recording how well the twin's engine model matches what the broker observed."""
     from mesh.lab.sim.twin import fidelity, twin_pays
@@ -372,14 +426,24 @@ def _print_audit(report: dict, wl) -> dict:
     verb = "saves" if tp["best"] > 0 else "costs"
     print(f"  {subject} {verb} {abs(tp['best']):.1f} ms per request against the better baseline, {tp['against']}: "
           + "; ".join(parts))
+    if engine_fit is not None:
+        out["engine_fit"] = engine_fit
+        e = engine_fit["engine"]
+        word = "fitted" if engine_fit["converged"] else "NOT fitted within 2 % (the closest kept; trust the figures less)"
+        tp = f", TPOT {engine_fit['tpot_ratio']:.2f}x" if engine_fit["tpot_ratio"] is not None else ""
+        print(f"  engine model {word} in {engine_fit['evaluations']} runs: prefill x{engine_fit['prefill_speed']:.2f} "
+              f"({e['prefill_tokens_per_s']:,.0f} tokens/s), decode x{engine_fit['decode_speed']:.2f} "
+              f"({e['decode_base_ms']:.2f} ms + {e['decode_per_req_ms']:.3f} ms per running request) of the described; "
+              f"the twin's {engine_fit['policy']} TTFT {engine_fit['ttft_ratio']:.2f}x{tp} the observed")
     recorded_policy = (wl.params or {}).get("policy")
     arm = next((a for a in report["arms"] if a["policy"] == recorded_policy), None)
     if wl.recorded and arm is not None and (wl.params or {}).get("time_scale", 1.0) == 1.0:
         f = fidelity(arm, wl.recorded)
         if f is not None:
             out["fidelity"] = {**f, "policy": recorded_policy}
-            word = "matches" if f["matches"] else ("does NOT match: describe the fleet's engine (--config FILE, its "
-                                                   "[engine] table, or the engine flags) before trusting the figures")
+            word = "matches" if f["matches"] else ("does NOT match: fit it to the recording (--fit-engine) or describe "
+                                                   "the fleet's engine (--config FILE, its [engine] table, or the engine "
+                                                   "flags) before trusting the figures")
             print(f"  engine model: the twin's {recorded_policy} mean TTFT {f['twin_ttft_mean_ms']:.0f} ms against "
                   f"{f['observed_ttft_mean_ms']:.0f} ms the broker observed on {f['requests']} requests "
                   f"({f['ratio']:.2f}x): {word}")

@@ -56,7 +56,7 @@ from mesh.hashing import content_keys
 from mesh.routing.router import make_policy
 from mesh.lab.sim.events import EventQueue
 from mesh.lab.sim.fleet import PROVIDER_FEEDS, engine_step, make_router, policy_base, roles_and_labels, worker_ids
-from mesh.lab.sim.metrics import batch_means, cv, mean, percentile, ratio
+from mesh.lab.sim.metrics import batch_means, cv, mean, percentile, ratio, tpot_mean_ms
 from mesh.lab.sim.workloads import seed_key
 
 __all__ = ["FaultSpec", "CoreArm", "parse_faults"]
@@ -626,6 +626,7 @@ class CoreArm:
             "ttft_batch_means_ms": batch_means(((i, (first[i] - arrival[i]) * 1e3) for i in ok), n),
             "ttft_p50_ms": _round_percentile(ttft, 50), "ttft_p95_ms": _round_percentile(ttft, 95), "ttft_p99_ms": _round_percentile(ttft, 99),
             "e2e_p50_ms": _round_percentile(e2e, 50), "e2e_p95_ms": _round_percentile(e2e, 95),
+            "tpot_mean_ms": tpot_mean_ms((first[i], done_at[i], L["completion"][i]) for i in ok),
             "throughput_rps": round(ratio(len(ok), span), 6),
             "output_tps": round(ratio(completion, span), 3),
             "goodput": round(ratio(sum(1 for x in ttft if x <= slo), len(ok)), 6),

@@ -96,7 +96,8 @@ from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES, make_policy
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, check_regret_truth_every, run_sim
 from mesh.lab.sim.metrics import exact_within_probability, paired_se, t975
-from mesh.lab.sim.twin import BASELINES, SUBJECT, twin_arms, twin_config, twin_pays
+from mesh.lab.sim.fit import observed_from_arm, scaled_engine
+from mesh.lab.sim.twin import BASELINES, SUBJECT, fit_twin, twin_arms, twin_config, twin_pays
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
 __all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix",
@@ -111,7 +112,7 @@ _SIM_KEYS = {"heartbeat_ms": float, "event_delay_ms": float, "net_ms": float, "l
              "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float, "exchange_routes": bool,
              "regret_shadow_rate": float, "regret_truth_every": int}
 _MATRIX_KEYS = {"seeds", "policies", "provider", "subject", "baselines", "hit_reference", "calibration_within_slo",
-                "calibration_wait_ms", "noise", "twin",
+                "calibration_wait_ms", "noise", "twin", "twin_engine_error", "twin_fit",
                 "calibration_tolerance"}
 _CELL_KEYS = {"workload", "load", "workers", "routers", "max_requests"}
 _STEP_UP, _STEP_DOWN = 2.0, 1.4  # calibration bracketing factors (the guess is more often low than high)
@@ -166,6 +167,10 @@ class MatrixConfig:
     cells: list[Cell]
     noise: bool = False  # also run the subject with its workers named in another order (its noise floor, see analyse_cell)
     twin: bool = False  # also run the policy-level audit's twin on every stream (mesh.lab.sim.twin, regret_check)
+    # the twin's engine starts this many times as fast as the arms' (prefill and decode; 1: the
+    # arms' own): a fleet described wrongly, as an operator's [engine] table may be
+    twin_engine_error: float = 1.0
+    twin_fit: bool = False  # fit the twin's engine to the subject arm's mean TTFT and TPOT first (mesh.lab.sim.fit)
 
     @property
     def noise_arm(self) -> str | None:
@@ -183,6 +188,7 @@ class MatrixConfig:
             "subject": self.subject, "baselines": list(self.baselines), "hit_reference": self.hit_reference,
             "calibration_within_slo": self.calibration_within_slo, "calibration_tolerance": self.calibration_tolerance,
             "calibration_wait_ms": self.calibration_wait_ms, "noise": self.noise, "twin": self.twin,
+            "twin_engine_error": self.twin_engine_error, "twin_fit": self.twin_fit,
             "sim": dict(self.sim), "engine": asdict(self.engine),
             "workloads": {k: v.to_dict() for k, v in self.workloads.items()},
             "cells": [asdict(c) for c in self.cells],
@@ -236,10 +242,14 @@ def _policy(v: Any, name: str) -> str:
 _MERGED_TABLES = ("matrix", "sim", "engine", "workloads")
 
 
-def _with_base(p: Path, data: dict[str, Any]) -> dict[str, Any]:
+_MAX_EXTENDS = 3  # a chain of bases at most this long
+
+
+def _with_base(p: Path, data: dict[str, Any], chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """``extends = "other.toml"`` (relative to ``p``): that matrix with this file over it --
     ``[matrix]``, ``[sim]`` and ``[engine]`` key by key, ``[workloads]`` by name, ``[[cells]]``
-    replaced when given. One level only; the base's trace paths stay relative to the base."""
+    replaced when given. A base may extend another (:data:`_MAX_EXTENDS` files at most, no
+    cycle); each base's trace paths stay relative to that base."""
     if "extends" not in data:
         return data
     data = dict(data)
@@ -249,9 +259,12 @@ def _with_base(p: Path, data: dict[str, Any]) -> dict[str, Any]:
     bp = Path(name) if Path(name).is_absolute() else p.parent / name
     if not bp.is_file():
         _fail("extends", f"{bp} does not exist")
-    base = read_toml(bp, "matrix file")
-    if "extends" in base:
-        _fail("extends", f"{bp} extends another file itself (one level only)")
+    chain = (*chain, p.resolve())
+    if bp.resolve() in chain:
+        _fail("extends", f"{bp} is already in the chain of bases ({' -> '.join(x.name for x in chain)}): a cycle")
+    if len(chain) >= _MAX_EXTENDS:
+        _fail("extends", f"more than {_MAX_EXTENDS} files in the chain of bases ({' -> '.join(x.name for x in chain)} -> {bp.name})")
+    base = _with_base(bp, read_toml(bp, "matrix file"), chain)
     for wd in _table(base.get("workloads", {}), f"{bp.name}: workloads").values():
         tr = wd.get("trace") if isinstance(wd, dict) else None
         if isinstance(tr, str) and tr and not Path(tr).is_absolute():
@@ -426,8 +439,17 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
         _fail("matrix.twin", f"must be true or false, got {twin!r}")
     if twin and (subject != SUBJECT or not set(BASELINES) <= set(baselines)):
         _fail("matrix.twin", f"the twin audits {SUBJECT} against {', '.join(BASELINES)}: make them the subject and baselines")
+    err = m.get("twin_engine_error", 1.0)
+    if type(err) not in (int, float) or not (0.125 <= err <= 8.0):
+        _fail("matrix.twin_engine_error", f"must be a number from 0.125 to 8 (how many times as fast the twin's engine "
+                                          f"starts as the arms'), got {err!r}")
+    tfit = m.get("twin_fit", False)
+    if type(tfit) is not bool:
+        _fail("matrix.twin_fit", f"must be true or false, got {tfit!r}")
+    if (err != 1.0 or tfit) and not twin:
+        _fail("matrix.twin_engine_error" if err != 1.0 else "matrix.twin_fit", "needs twin = true")
     return MatrixConfig(str(p), seed_list, policies, provider, subject, baselines, hit_ref, cal_good, cal_tol, cal_wait,
-                        sim_out, engine, workloads, cells, noise, twin)
+                        sim_out, engine, workloads, cells, noise, twin, float(err), tfit)
 
 
 # --------------------------------------------------------------------------- streams
@@ -625,7 +647,16 @@ def run_cell(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any]) -> 
         "arms": rep["arms"],
     }
     if mc.twin:  # the policy-level audit: the same stream through every policy on the twin's own draws
-        out["twin"] = twin_arms(run_sim(twin_config(cfg, mc.subject, BASELINES), workload=wl)["arms"])
+        tcfg = twin_config(cfg, mc.subject, BASELINES)
+        if mc.twin_engine_error != 1.0:  # the fleet as an operator may have described it: wrongly
+            tcfg.engine = scaled_engine(mc.engine, mc.twin_engine_error, mc.twin_engine_error)
+        if mc.twin_fit:  # ... and fitted to what the subject arm (the fleet) observed
+            subj = next(a for a in rep["arms"] if a["policy"] == mc.subject)
+            fit = fit_twin(tcfg, wl, tcfg.policies[0], observed_from_arm(subj))
+            tcfg.engine = fit.pop("engine")
+            out["twin_fit"] = {k: fit[k] for k in ("prefill_speed", "decode_speed", "converged", "evaluations",
+                                                   "ttft_ratio", "tpot_ratio")}
+        out["twin"] = twin_arms(run_sim(tcfg, workload=wl)["arms"])
     return out
 
 
@@ -819,6 +850,15 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
                                       "sign_right": sum(1 for x in got if x["sign_right"])}
                 if alt == "twin":
                     out["regret"][alt]["within_25pct_or_ci95"] = sum(1 for x in got if x["within_ci"])
+                    out["regret"][alt].update(_cell_level(cells))
+        fits = [r["twin_fit"] for c in cells for r in c["seeds"].values() if r.get("twin_fit")]
+        if fits:  # the twin's engine, fitted to what the subject arm observed (mesh.lab.sim.fit)
+            out["regret"]["twin_fit"] = {
+                "runs": len(fits), "converged": sum(1 for f in fits if f["converged"]),
+                "engine_error": mc.twin_engine_error,
+                "prefill_speed": [min(f["prefill_speed"] for f in fits), max(f["prefill_speed"] for f in fits)],
+                "decode_speed": [min(f["decode_speed"] for f in fits), max(f["decode_speed"] for f in fits)],
+                "evaluations_mean": _r(sum(f["evaluations"] for f in fits) / len(fits), 2)}
         one = [x["one_step"] for x in checks if "one_step" in x]
         if one:
             out["regret"]["one_step"] = {"runs": len(one), "model_within_25pct": sum(1 for x in one if x["model_within"]),
@@ -834,6 +874,21 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
             # the measured differences' own noise bounds the check (mesh.lab.sim.metrics)
             out["regret"]["exact_within_25pct_expected"] = _r(sum(x.get("exact_within_p", 0.0) for x in cis), 1)
     return out
+
+
+def _cell_level(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """The twin judged per cell, its seeds pooled: the mean over the seeds of what it predicts
+    against the mean of what the arms measured (each seed against its best baseline), within 25 %."""
+    n = hit = 0
+    for c in cells:
+        rs = [r["analysis"]["regret"] for r in c["seeds"].values() if "twin" in r["analysis"].get("regret", {})]
+        if not rs:
+            continue
+        m = sum(x["measured_ms"] for x in rs) / len(rs)
+        t = sum(x["twin"]["predicted_ms"] for x in rs) / len(rs)
+        n += 1
+        hit += abs(t - m) <= REGRET_TOLERANCE * abs(m)
+    return {"cells": n, "cells_within_25pct": hit}
 
 
 def _p95(run: dict[str, Any], policies: list[str]) -> float:
@@ -1085,6 +1140,16 @@ def render_report(report: dict[str, Any]) -> list[Any]:
                          f"{'PASS' if tw['within_25pct'] >= rs['target_share'] * tw['runs'] else 'MISS'}; within 25 % or the "
                          f"measured difference's 95 % interval in {tw['within_25pct_or_ci95']}/{tw['runs']}; sign right in "
                          f"{tw['sign_right']}/{tw['runs']}")
+            if tw.get("cells"):
+                lines.append(f"    per cell, its seeds pooled: within 25 % in {tw['cells_within_25pct']}/{tw['cells']} cells "
+                             f"({tw['cells_within_25pct'] / tw['cells']:.0%})")
+        if "twin_fit" in rs:
+            f = rs["twin_fit"]
+            lines.append(f"    the twin's engine started {f['engine_error']:g}x as fast as the arms' and was fitted to the "
+                         f"subject arm's mean TTFT and TPOT: converged in {f['converged']}/{f['runs']} runs "
+                         f"({f['evaluations_mean']:.1f} simulator runs each), prefill speed {f['prefill_speed'][0]:.2f}-"
+                         f"{f['prefill_speed'][1]:.2f}x, decode {f['decode_speed'][0]:.2f}-{f['decode_speed'][1]:.2f}x of "
+                         f"where it started")
         for alt, what in (("observed", "observed figure (cache_aware's measured TTFT)"), ("shadow", "shadow counterfactual")):
             if alt in rs:
                 sh = rs[alt]

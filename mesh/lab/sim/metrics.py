@@ -22,13 +22,21 @@ from typing import Iterable, Sequence
 
 from mesh.stats import cv, mean, percentile, ratio
 
-__all__ = ["percentile", "cv", "ratio", "mean", "batch_means", "paired_ci95", "paired_se", "t975", "exact_within_probability", "BATCHES"]
+__all__ = ["percentile", "cv", "ratio", "mean", "batch_means", "paired_ci95", "paired_se", "t975", "exact_within_probability", "tpot_mean_ms", "BATCHES"]
 
 #: batches of :func:`batch_means` (contiguous runs of request indices)
 BATCHES = 20
 #: Student's t, 97.5 % quantile, by degrees of freedom (2 .. BATCHES - 1)
 _T975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 11: 2.201,
          12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
+
+
+def tpot_mean_ms(requests: Iterable[tuple[float, float, int]]) -> float | None:
+    """Mean time per output token, ms, over ``(first_token_s, done_s, completion_tokens)`` of
+    requests with at least two output tokens: ``(done - first) / (completion - 1)`` each (the
+    decode side of an engine, as a recording's ``ttft_ms``/``e2e_ms`` give it); None without any."""
+    xs = [(d - f) * 1e3 / (c - 1) for f, d, c in requests if c >= 2 and d >= f]
+    return round(sum(xs) / len(xs), 4) if xs else None
 
 
 def batch_means(values: Iterable[tuple[int, float]], n: int, batches: int = BATCHES) -> list[float | None]:

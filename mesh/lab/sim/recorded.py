@@ -136,7 +136,8 @@ def load_decisions(path: str | Path, *, time_scale: float = 1.0, max_requests: i
                                session=sess if type(sess) is int else None,
                                max_tokens=mt if type(mt) is int and o["output_length"] <= mt <= _MAX_OUTPUT else None))
         recorded.append({k: o.get(k) for k in ("worker", "reason", "policy", "matched_blocks", "predicted_ttft_ms",
-                                                "decode_worker", "attempts", "outcome", "ttft_ms", "cached_tokens")})
+                                                "decode_worker", "attempts", "outcome", "ttft_ms", "e2e_ms", "cached_tokens",
+                                                "output_length")})
     continued = _continuations(reqs, [o["hash_ids"] for _, _, o in recs])
     wl = Workload("recorded", reqs, {"trace": str(path), "time_scale": time_scale, "format": FORMAT,
                                      "policy": header.get("policy"), "broker_id": header.get("broker_id"),

@@ -47,7 +47,8 @@ Metrics of an arm (all over the requests that completed; times in virtual ms):
 * ``utilisation``: mean over workers of busy time / ``sim_span_s``, where ``sim_span_s`` runs
   from the first arrival to the last completion.
 * ``ttft_*_ms``: first token at the router (step end + ``net_ms``) minus arrival at the router;
-  ``e2e_p95_ms``: completion at the router minus arrival. Percentiles: linear interpolation
+  ``e2e_p95_ms``: completion at the router minus arrival; ``tpot_mean_ms``: the mean of
+  (completion - first token) / (output tokens - 1) over requests with two or more. Percentiles: linear interpolation
   (:func:`~mesh.lab.sim.metrics.percentile`).
 * ``throughput_rps``: completed requests / ``sim_span_s``; ``output_tps``: completion tokens /
   ``sim_span_s``.
@@ -101,7 +102,7 @@ from mesh.routing.router import POLICIES, Router, make_policy
 from mesh.routing.view import Decision, RouteRequest, WorkerState
 from mesh.lab.sim.events import EventQueue
 from mesh.lab.sim.fleet import PROVIDER_FEEDS, engine_step, make_router, policy_base, roles_and_labels, worker_ids
-from mesh.lab.sim.metrics import batch_means, cv, mean, percentile, ratio
+from mesh.lab.sim.metrics import batch_means, cv, mean, percentile, ratio, tpot_mean_ms
 from mesh.lab.sim.recorded import is_decision_file, load_decisions
 from mesh.lab.sim.regret_truth import OneStepTruth
 from mesh.lab.sim.workloads import Workload, load_mooncake, make_workload, oracle_cached_tokens, seed_key
@@ -709,6 +710,7 @@ class Arm:
             "ttft_p99_ms": _r(percentile(ttft, 99, presorted=True), 3),
             "e2e_p50_ms": _r(percentile(e2e, 50, presorted=True), 3),
             "e2e_p95_ms": _r(percentile(e2e, 95, presorted=True), 3),
+            "tpot_mean_ms": tpot_mean_ms((tr.first, tr.done, tr.completion) for tr in done),
             "throughput_rps": _r(ratio(len(done), span)),
             "output_tps": _r(ratio(sum(tr.completion for tr in done), span), 3),
             "goodput": _r(ratio(sum(1 for x in ttft if x <= slo), len(done))),

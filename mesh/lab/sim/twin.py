@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from mesh.lab.sim.metrics import paired_se, t975
 
 __all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "TWIN_TAG", "FIDELITY_BAND", "FIDELITY_FLOOR_MS", "twin_config", "twin_arms", "twin_pays", "fidelity",
-           "write_textfile"]
+           "fit_twin", "write_textfile"]
 
 SUBJECT = "cache_aware"
 BASELINES = ("cache_aware_greedy", "power_of_two")
@@ -118,6 +118,26 @@ def fidelity(subject_arm: dict[str, Any], recorded: Sequence[dict[str, Any]] | N
             "requests": len(seen), "ratio": None if ratio is None else round(ratio, 4), "matches": close}
 
 
+def fit_twin(cfg: Any, workload: Any, policy: str, target: Any,
+             on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Fit ``cfg``'s engine (:func:`mesh.lab.sim.fit.fit_engine`) so that ``policy`` on the twin
+    (``cfg``: one fleet shape) sees ``target`` (:class:`~mesh.lab.sim.fit.Observed`) on
+    ``workload``: each evaluation is one simulator arm of ``policy`` with the engine scaled.
+    Returns the fit with ``engine``, the fitted :class:`~mesh.engine_model.EngineConfig`."""
+    from mesh.lab.sim.fit import fit_engine, scaled_engine
+    from mesh.lab.sim.runner import run_sim
+
+    def evaluate(prefill_speed: float, decode_speed: float) -> tuple[float, float | None]:
+        c = dataclasses.replace(cfg, policies=[policy], engine=scaled_engine(cfg.engine, prefill_speed, decode_speed),
+                                regret_truth_every=0, regret_shadow_rate=None, record_decisions=None)
+        arm = run_sim(c, workload=workload)["arms"][0]
+        return arm["ttft_mean_ms"], arm.get("tpot_mean_ms")
+
+    fit = fit_engine(evaluate, target, on_step=on_step)
+    fit["engine"] = scaled_engine(cfg.engine, fit["prefill_speed"], fit["decode_speed"])
+    return fit
+
+
 def write_textfile(path: str, audit: dict[str, Any], *, requests: int) -> None:
     """``audit`` (``mesh sim --audit``'s ``{"pays", "fidelity"}``) as Prometheus gauges in the
     text format, written atomically (prometheus_client's ``write_to_textfile``: a temporary file,
@@ -142,4 +162,10 @@ def write_textfile(path: str, audit: dict[str, Any], *, requests: int) -> None:
         Gauge("mesh_audit_engine_fidelity_ratio", "The twin's mean TTFT over the one the broker observed (1: the engine "
               "model matches the fleet; outside 0.91 .. 1.10 the audit's figures are not to be trusted)",
               registry=reg).set(f["ratio"])
+    fit = audit.get("engine_fit")
+    if fit is not None:
+        Gauge("mesh_audit_engine_prefill_speed", "The engine fit's prefill speed: the fleet's prefill side is this many "
+              "times as fast as described (mesh sim --audit --fit-engine)", registry=reg).set(fit["prefill_speed"])
+        Gauge("mesh_audit_engine_decode_speed", "The engine fit's decode speed: the fleet's decode side is this many "
+              "times as fast as described", registry=reg).set(fit["decode_speed"])
     write_to_textfile(path, reg)
