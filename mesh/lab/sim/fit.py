@@ -105,7 +105,11 @@ def fit_engine(evaluate: Callable[[float, float], tuple[float, float | None]], t
     """The speeds at which ``evaluate(prefill_speed, decode_speed)`` (the twin's mean TTFT and
     mean TPOT, ms) meets ``target`` within ``tolerance``, from (1, 1). Returns ``prefill_speed``,
     ``decode_speed``, ``converged``, ``evaluations``, ``ttft_ratio`` and ``tpot_ratio`` (twin /
-    observed at the speeds returned: the best evaluation seen) and ``steps`` (every evaluation).
+    observed at the speeds returned) and ``steps`` (every evaluation). When no step lands within
+    ``tolerance`` (on a short stream each run's mean moves by several per cent with a 1 % change
+    of speed: the steps chase that noise), the speeds are where the least-squares plane through
+    every evaluation crosses zero (``least_squares``), evaluated once more, not the evaluation
+    that happened to land closest.
     ``on_step`` gets each step as it is made (a progress line)."""
     if not (_finite(target.ttft_mean_ms) and target.ttft_mean_ms > 0):
         raise ValueError("target: needs a positive mean TTFT")
@@ -117,8 +121,10 @@ def fit_engine(evaluate: Callable[[float, float], tuple[float, float | None]], t
     best: dict[str, Any] | None = None
     f_prev: list[float] | None = None
     x_prev: list[float] | None = None
-    for _ in range(max_evaluations):
-        p, d = math.exp(x[0]), math.exp(x[1])
+    xs: list[list[float]] = []  # every point evaluated (log speeds) ...
+    fs: list[list[float]] = []  # ... and its log ratios: the least-squares fallback's data
+
+    def run(p: float, d: float) -> tuple[list[float], dict[str, Any]]:
         ttft, tpot = evaluate(p, d)
         if not (_finite(ttft) and ttft > 0):
             raise ValueError(f"evaluate({p:.4g}, {d:.4g}): no usable mean TTFT ({ttft!r})")
@@ -128,8 +134,14 @@ def fit_engine(evaluate: Callable[[float, float], tuple[float, float | None]], t
                 "tpot_ms": None if tpot is None else round(tpot, 4),
                 "ttft_ratio": round(math.exp(f[0]), 4), "tpot_ratio": round(math.exp(f[1]), 4) if two else None}
         steps.append(step)
+        xs.append([math.log(p), math.log(d)])
+        fs.append(f)
         if on_step is not None:
             on_step(step)
+        return f, step
+
+    for _ in range(max_evaluations - 1):  # the last evaluation is kept for the least-squares point
+        f, step = run(math.exp(x[0]), math.exp(x[1]))
         err = max(abs(f[0]), abs(f[1]))
         if best is None or err < best["err"]:
             best = {"err": err, **step}
@@ -164,6 +176,37 @@ def fit_engine(evaluate: Callable[[float, float], tuple[float, float | None]], t
             break
     assert best is not None
     converged = best["err"] <= goal
+    least_squares = False
+    if not converged:  # a noisy response (a short stream: each run's mean moves by chance): the plane
+        root = _least_squares_root(xs, fs, two)  # through every evaluation, where it crosses zero
+        if root is not None:
+            f, step = run(math.exp(root[0]), math.exp(root[1]))
+            least_squares = True
+            best = {"err": max(abs(f[0]), abs(f[1])), **step}
+            converged = best["err"] <= goal
     return {"prefill_speed": best["prefill_speed"], "decode_speed": best["decode_speed"], "converged": converged,
-            "evaluations": len(steps), "ttft_ratio": best["ttft_ratio"], "tpot_ratio": best["tpot_ratio"],
-            "fitted_tpot": two, "steps": steps}
+            "least_squares": least_squares, "evaluations": len(steps), "ttft_ratio": best["ttft_ratio"],
+            "tpot_ratio": best["tpot_ratio"], "fitted_tpot": two, "steps": steps}
+
+
+def _least_squares_root(xs: list[list[float]], fs: list[list[float]], two: bool) -> list[float] | None:
+    """Where the least-squares plane (line, without TPOT) through the evaluations' log ratios
+    crosses zero, kept within the speeds evaluated; None with too few or degenerate points."""
+    import numpy as np
+
+    x = np.asarray(xs, dtype=float)
+    f = np.asarray(fs, dtype=float)
+    cols = [0, 1] if two else [0]
+    if len(x) < len(cols) + 2:
+        return None
+    a = np.column_stack([np.ones(len(x)), x[:, cols]])
+    if np.linalg.matrix_rank(a) < a.shape[1]:
+        return None
+    coef = np.linalg.lstsq(a, f[:, : len(cols)], rcond=None)[0]  # rows: intercept, slopes; columns: outputs
+    slopes, icpt = coef[1:].T, coef[0]
+    if abs(np.linalg.det(slopes)) < 1e-9:
+        return None
+    root = np.linalg.solve(slopes, -icpt)
+    lo, hi = x[:, cols].min(axis=0), x[:, cols].max(axis=0)
+    root = np.clip(root, lo, hi)
+    return [float(root[0]), float(root[1]) if two else 0.0]
