@@ -75,6 +75,46 @@ def test_a_tiny_replay_completes_and_reports_every_field(tmp_path):
     json.dumps(res)  # JSON-ready
 
 
+@pytest.mark.e2e
+def test_an_exchange_port_taken_before_its_broker_binds_it_restarts_the_fleet(tmp_path, monkeypatch):
+    """Two brokers that are each other's --peer need their exchange ports before either starts;
+    another process may bind one in between (seen: a replay died with 'exchange: tcp://...:38843
+    is already in use' and a traceback). The fleet starts again on fresh ports; a fleet that
+    cannot start is a clean error, not a traceback."""
+    import socket
+
+    import mesh.lab.bench.replay_bench as rb
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    real_free = rb.free_port
+    handed = []
+
+    def free_port():
+        handed.append(taken if not handed else real_free())  # the first broker's port: taken
+        return handed[-1]
+
+    monkeypatch.setattr(rb, "free_port", free_port)
+    cfg = ReplayConfig(trace=str(_trace(tmp_path / "t.jsonl")), max_requests=4, workers=1, routers=2, provider="radix_tree",
+                       policies=["cache_aware"])
+    try:
+        res = run_replay_bench(cfg, log_dir=str(tmp_path / "logs"), say=lambda m: None)
+    finally:
+        squatter.close()
+    assert res["ok"] and res["real"]["cache_aware"]["completed"] == 4
+    assert (tmp_path / "logs" / "cache_aware").is_dir() and (tmp_path / "logs" / "cache_aware-start2").is_dir()
+    # always taken: three starts, then a clean error naming the port
+    monkeypatch.setattr(rb, "free_port", lambda: taken)
+    with socket.socket() as sq:
+        sq.bind(("127.0.0.1", taken))
+        sq.listen()
+        with pytest.raises(rb.FleetStartError, match=f"{taken} is already in use"):
+            run_replay_bench(cfg, log_dir=str(tmp_path / "logs2"), say=lambda m: None)
+    assert (tmp_path / "logs2" / "cache_aware-start3").is_dir()
+
+
 # ----------------------------------------------------------------------------- the CPU-bound verdict
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.engine_model import EngineConfig
+from mesh.errors import MeshError
 from mesh.lab.bench.proc_cpu import CpuSampler
 from mesh.lab.bench.replay_client import Planned, encode_body, run_clients
 from mesh.lab.bench.replay_core import ReplayConfig, client_figures, compare, cpu_verdict, slowed_engine
@@ -175,11 +176,50 @@ def _plan(wl: Workload) -> list[Planned]:
     return [Planned(r.idx, r.arrival_s, encode_body(MODEL, wl.prompt(r), r.output_len)) for r in wl.requests]
 
 
+class FleetStartError(MeshError, RuntimeError):
+    """A process of the replay's fleet did not come up (its log tail is in the message)."""
+
+
+class _PortTaken(FleetStartError):
+    """A broker's exchange port, chosen free before it started, was taken meanwhile."""
+
+
+#: fleet starts at most, when an exchange port chosen free was taken before its broker bound it
+_FLEET_ATTEMPTS = 3
+
+
+def _start_fleet_retrying(cfg: ReplayConfig, policy: str, log_dir: Path) -> tuple[ProcGroup, list[str], dict[str, list[int]]]:
+    """:func:`_start_fleet` in a fresh group, again (fresh ports, every process restarted) when a
+    broker found its pre-chosen exchange port taken: two brokers that are each other's ``--peer``
+    need their ports before either starts, so another process may bind one in between."""
+    import tenacity
+
+    tries = 0
+
+    def attempt() -> tuple[ProcGroup, list[str], dict[str, list[int]]]:
+        nonlocal tries
+        tries += 1
+        g = ProcGroup(log_dir / policy if tries == 1 else log_dir / f"{policy}-start{tries}")
+        try:
+            urls, roles = _start_fleet(g, cfg, policy)
+        except RuntimeError as exc:
+            g.stop_all(grace_s=5.0)
+            if "already in use" in str(exc):
+                raise _PortTaken(str(exc)) from None
+            raise FleetStartError(str(exc)) from None
+        except BaseException:
+            g.stop_all(grace_s=5.0)
+            raise
+        return g, urls, roles
+
+    return tenacity.Retrying(stop=tenacity.stop_after_attempt(_FLEET_ATTEMPTS), retry=tenacity.retry_if_exception_type(_PortTaken),
+                             reraise=True)(attempt)
+
+
 def _run_policy(cfg: ReplayConfig, policy: str, plan: list[Planned], log_dir: Path,
                 progress: Callable[[int, int], None] | None) -> dict[str, Any]:
-    g = ProcGroup(log_dir / policy)
+    g, urls, roles = _start_fleet_retrying(cfg, policy, log_dir)
     try:
-        urls, roles = _start_fleet(g, cfg, policy)
         roles["client"] = [os.getpid()]
         sampler = CpuSampler(roles)
         waits = WaitSampler({role: {pid: f"{role.rstrip('s')}-{i}" for i, pid in enumerate(pids)} for role, pids in roles.items()})

@@ -82,7 +82,7 @@ def _cmd_bench_replay(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from mesh.lab.bench.replay_bench import print_results, run_replay_bench
+    from mesh.lab.bench.replay_bench import FleetStartError, print_results, run_replay_bench
     from mesh.lab.bench.report import finish
 
     cfg = config_from_args(args)
@@ -101,4 +101,7 @@ def _cmd_bench_replay(args) -> int:
         except KeyboardInterrupt:
             con.print("mesh bench replay: interrupted (every process it started has been stopped)")
             return 130
+        except FleetStartError as exc:
+            con.print(f"mesh bench replay: the fleet did not start (every process it started has been stopped): {exc}")
+            return 1
     return finish(res, con, args.json, print_results)
