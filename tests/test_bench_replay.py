@@ -191,6 +191,14 @@ def test_compare_sets_what_cache_aware_pays_real_beside_the_twin():
     fitted = {"power_of_two": {"ttft_mean_ms": 930.0}, "cache_aware": {"ttft_mean_ms": 510.0}}
     assert compare(real, sim, fitted=fitted)["pays"] == {"power_of_two": {"real_ms": 400.0, "sim_ms": 550.0, "fitted_ms": 420.0},
                                                          "cache_aware_greedy": {"real_ms": 60.0, "sim_ms": None, "fitted_ms": None}}
+    # the ranking and p95 against the fitted engine's figures too, beside the stubs' own
+    real = {"power_of_two": {"ttft_p95_ms": 5400.0}, "cache_aware": {"ttft_p95_ms": 2100.0}}
+    sim = {"power_of_two": {"ttft_p95_ms": 4300.0}, "cache_aware": {"ttft_p95_ms": 2000.0}}
+    fit = {"power_of_two": {"ttft_p95_ms": 4800.0}, "cache_aware": {"ttft_p95_ms": 2150.0}}
+    c = compare(real, sim, fitted=fit)
+    assert not c["p95_within_tolerance"] and c["fitted"]["p95_within_tolerance"] and c["fitted"]["ranking_agrees"]
+    assert c["fitted"]["p95_real_over_sim"] == {"power_of_two": 1.125, "cache_aware": 0.9767}
+    assert "fitted" not in compare(real, sim) and "fitted" not in compare(real, sim, fitted={"cache_aware": {}})
 
 
 def test_the_slowed_engine_takes_exactly_slowdown_times_as_long():
@@ -300,7 +308,8 @@ def _result(cpu_bound: bool) -> dict:
                                    "cache_aware": {"ttft_p95_ms": 2778.0, "ttft_mean_ms": 1100.0}},
                                   {"power_of_two": {"ttft_p95_ms": 3600.0, "ttft_mean_ms": 1550.0},
                                    "cache_aware": {"ttft_p95_ms": 3068.0, "ttft_mean_ms": 1180.0}},
-                                  fitted={"power_of_two": {"ttft_mean_ms": 1480.0}, "cache_aware": {"ttft_mean_ms": 1090.0}}),
+                                  fitted={"power_of_two": {"ttft_p95_ms": 3300.0, "ttft_mean_ms": 1480.0},
+                                          "cache_aware": {"ttft_p95_ms": 2900.0, "ttft_mean_ms": 1090.0}}),
             "engine_fit": {"prefill_speed": 0.87, "decode_speed": 0.95, "evaluations": 4, "converged": True},
             "cpu_bound": cpu_bound, "cpu_bound_reasons": ["cache_aware: machine CPU 97% busy > 90%"] if cpu_bound else [],
             "machine": {"cpus": 2, "loadavg_at_start": [0.5]}}
@@ -319,6 +328,7 @@ def test_the_replay_page_shows_both_sides_and_says_when_cpu_bound(tmp_path, cpu_
     assert "What cache_aware pays per request" in text and "p2c +400 / +370 ms" in text
     assert "On the engine fitted to the real cache_aware run" in text and "prefill x0.87, decode x0.95" in text
     assert "p2c +400 / +390 ms (real / fitted sim)" in text
+    assert "On the engine fitted to the real cache_aware run: ranking cache_aware < p2c: agree; p95 real/sim p2c 1.06x" in text
     assert ("**CPU-bound**" in text) == cpu_bound and ("| CPU-bound |" in text) == cpu_bound
 
 

@@ -351,6 +351,12 @@ def _replay(d: dict[str, Any], src: str) -> Page:
                        + "; ".join(f"{SHORT.get(b, b)} {_pair(v['real_ms'], v['sim_ms'], '{:+,.0f}')} ms"
                                    for b, v in cmp["pays"].items()) + ".")
         ef = d.get("engine_fit")
+        fc = cmp.get("fitted")
+        if ef and fc:
+            p.notes.append(f"On the engine fitted to the real cache_aware run: ranking "
+                           f"{' < '.join(SHORT.get(x, x) for x in fc['ranking'])}: {'agree' if fc['ranking_agrees'] else 'differ'}; "
+                           "p95 real/sim " + ", ".join(f"{SHORT.get(x, x)} {_num(v, '{:.2f}x')}" for x, v in fc["p95_real_over_sim"].items())
+                           + f"; every p95 within {cmp['p95_tolerance']:.0%}: {'yes' if fc['p95_within_tolerance'] else 'no'}.")
         if ef and all(v.get("fitted_ms") is not None for v in cmp["pays"].values()):
             p.notes.append(f"On the engine fitted to the real cache_aware run's mean TTFT and time per output token "
                            f"(`mesh sim --audit` fits a recording so; prefill x{ef['prefill_speed']:.2f}, decode "

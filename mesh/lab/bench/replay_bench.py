@@ -349,6 +349,12 @@ def print_results(res: dict[str, Any], console) -> None:
                       "audit's twin): " + "; ".join(f"{p} {fmt(v['real_ms'], '{:+.0f}')} / {fmt(v['sim_ms'], '{:+.0f}')} ms"
                                                       for p, v in cmp["pays"].items()))
         ef = res.get("engine_fit")
+        fc = cmp.get("fitted")
+        if ef and fc:
+            console.print(f"on the engine fitted to the real cache_aware run: ranking {' < '.join(fc['ranking'])}: "
+                          + ("[green]agree[/]" if fc["ranking_agrees"] else "[yellow]differ[/]") + "; p95 real/sim "
+                          + " ".join(f"{p} {fmt(v, '{:.2f}x')}" for p, v in fc["p95_real_over_sim"].items())
+                          + f", within {cmp['p95_tolerance']:.0%}: " + ("[green]yes[/]" if fc["p95_within_tolerance"] else "[yellow]no[/]"))
         if ef and all(v.get("fitted_ms") is not None for v in cmp["pays"].values()):
             console.print(f"  on the engine fitted to the real cache_aware run (prefill x{ef['prefill_speed']:.2f}, decode "
                           f"x{ef['decode_speed']:.2f}): " + "; ".join(f"{p} {fmt(v['real_ms'], '{:+.0f}')} / "

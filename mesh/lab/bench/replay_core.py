@@ -221,6 +221,12 @@ def compare(real: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]], tol
     within = bool(ratios) and all(v is not None and abs(v - 1) <= tolerance for v in ratios.values())
     out = {"ranking_real": r_rank, "ranking_sim": s_rank, "ranking_agrees": r_rank == s_rank,
            "p95_real_over_sim": ratios, "p95_tolerance": tolerance, "p95_within_tolerance": within}
+    if fitted is not None and all(p in fitted for p in pols):  # the same, on the engine fitted to the real run
+        fr = {p: (_r(real[p]["ttft_p95_ms"] / fitted[p]["ttft_p95_ms"], 4)
+                  if real[p].get("ttft_p95_ms") is not None and fitted[p].get("ttft_p95_ms") else None) for p in pols}
+        f_rank = ranking({p: fitted[p].get("ttft_p95_ms") for p in pols})
+        out["fitted"] = {"ranking": f_rank, "ranking_agrees": r_rank == f_rank, "p95_real_over_sim": fr,
+                         "p95_within_tolerance": bool(fr) and all(v is not None and abs(v - 1) <= tolerance for v in fr.values())}
     # what cache_aware pays against each baseline (its mean TTFT difference), real beside the
     # simulator's: the policy-level audit (mesh sim --audit) is that simulator run on a recording
     subject = "cache_aware"
