@@ -391,6 +391,60 @@ def test_noise_arm_and_router_scaling(tmp_path):
     assert "cache_aware@b" in text_out and "routers, zipf L1 W3: p95 over R1 R2 " in text_out
 
 
+def _children(pid: int) -> set[int]:
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(d.name))
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_a_matrix_killed_by_a_signal_leaves_no_worker_processes(tmp_path):
+    """``mesh sim --matrix --jobs 2`` SIGTERMed (a CI timeout, an operator's kill) took its pool
+    with it only in part: the spawned workers waited forever on the dead pool's queue. Each
+    worker now dies with the process that started it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    text = TINY.replace("max_requests = 100", "max_requests = 3000").replace("workers = 2", "workers = 8")
+    p = _write(tmp_path, text)
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "sim", "--matrix", str(p), "--jobs", "2", "--no-progress"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        workers: set[int] = set()
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            workers = {c for c in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()}
+            time.sleep(0.1)
+        assert len(workers) == 2, "the pool's workers never started"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        deadline = time.monotonic() + 60
+        alive = set(workers)
+        while alive and time.monotonic() < deadline:
+            alive = {w for w in alive if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1][:3]}
+            time.sleep(0.1)
+        assert not alive, f"workers outlived their matrix: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in _children(proc.pid):
+            try:
+                os.kill(w, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def test_the_twin_audits_every_stream_at_the_policy_level(tmp_path):
     """``twin = true``: every (cell, seed) also runs the stream through cache_aware and both
     baselines on the twin's own draws (mesh.lab.sim.twin); the regret check judges the twin's

@@ -93,6 +93,16 @@ def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child,
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """A pool worker's initializer (``ProcessPoolExecutor(initializer=die_with_parent,
+    initargs=(os.getpid(),))``): SIGTERM this worker when the process that started it dies, so a
+    ``mesh sim --matrix`` killed by a signal leaves no workers behind (they waited forever on the
+    dead pool's queue); a parent already gone before this ran ends the worker at once."""
+    _set_parent_death_signal()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 @dataclass
 class Proc:
     name: str

@@ -1011,7 +1011,10 @@ def run_matrix(mc: MatrixConfig, *, jobs: int = 1, reuse: dict[str, dict[str, An
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         pending_cells = list(tasks)
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+        from mesh.lab.procs import die_with_parent
+
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=die_with_parent,
+                                 initargs=(os.getpid(),)) as ex:
             futs: dict[Any, tuple[str, Any]] = {}
             # calibrations first (most expensive first), then cells as their calibration is known
             for k in sorted(todo_cal, key=lambda k: -need[k][3] * (3 if mc.workloads[need[k][0]].trace else
