@@ -22,9 +22,8 @@ figures as the mesh's.
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 import os
 import platform
 import tempfile

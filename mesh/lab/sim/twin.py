@@ -29,9 +29,9 @@ routed them with cache_aware): a ratio far from 1 says the engine description (`
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
+from mesh.lab.sim.fit import fit_engine, observed_from_recording, scaled_engine
 from mesh.lab.sim.metrics import paired_se, t975
 
 __all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "TWIN_TAG", "FIDELITY_BAND", "FIDELITY_FLOOR_MS", "twin_config", "twin_arms", "twin_pays", "fidelity",
@@ -97,25 +97,19 @@ def twin_pays(arms: Sequence[dict[str, Any]], subject: str = SUBJECT) -> dict[st
     return {"subject": subject, "against": against, "best": pays[against], "pays_ms": pays, "ci95_ms": ci}
 
 
-def _ms(v: Any) -> bool:
-    """A usable observed TTFT: a finite number >= 0 (a recording is read from disk; a forged or
-    broken record's NaN, infinity, bool or string is left out, not averaged)."""
-    return type(v) in (int, float) and 0.0 <= v < math.inf
-
-
 def fidelity(subject_arm: dict[str, Any], recorded: Sequence[dict[str, Any]] | None) -> dict[str, Any] | None:
     """The twin's subject mean TTFT beside the mean TTFT a recording observed (its ``ok`` records
     with a ``ttft_ms``), their ratio and whether they match: within :data:`FIDELITY_BAND` or
     :data:`FIDELITY_FLOOR_MS`; None without observed TTFTs."""
-    seen = [v for r in recorded or () if r.get("outcome") == "ok" and _ms(v := r.get("ttft_ms"))]
-    if not seen or subject_arm["ttft_mean_ms"] <= 0:
+    seen = observed_from_recording(recorded)
+    if seen is None or subject_arm["ttft_mean_ms"] <= 0:
         return None
-    observed = sum(seen) / len(seen)
+    observed = seen.ttft_mean_ms
     ratio = subject_arm["ttft_mean_ms"] / observed if observed > 0 else None
     twin = subject_arm["ttft_mean_ms"]
     close = ratio is not None and (1.0 / FIDELITY_BAND <= ratio <= FIDELITY_BAND or abs(twin - observed) <= FIDELITY_FLOOR_MS)
     return {"observed_ttft_mean_ms": round(observed, 3), "twin_ttft_mean_ms": twin,
-            "requests": len(seen), "ratio": None if ratio is None else round(ratio, 4), "matches": close}
+            "requests": seen.requests, "ratio": None if ratio is None else round(ratio, 4), "matches": close}
 
 
 def fit_twin(cfg: Any, workload: Any, policy: str, target: Any,
@@ -124,7 +118,6 @@ def fit_twin(cfg: Any, workload: Any, policy: str, target: Any,
     (``cfg``: one fleet shape) sees ``target`` (:class:`~mesh.lab.sim.fit.Observed`) on
     ``workload``: each evaluation is one simulator arm of ``policy`` with the engine scaled.
     Returns the fit with ``engine``, the fitted :class:`~mesh.engine_model.EngineConfig`."""
-    from mesh.lab.sim.fit import fit_engine, scaled_engine
     from mesh.lab.sim.runner import run_sim
 
     def evaluate(prefill_speed: float, decode_speed: float) -> tuple[float, float | None]:
