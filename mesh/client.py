@@ -490,7 +490,10 @@ class Client:
         frames = P.encode_submit(rid, input_ids=input_ids, text=text, params=p, deadline_ms=budget_ms,
                                  stream=stream, idempotent=idempotent, slo=slo, model=model, session=session,
                                  priority=priority)
-        if not self._links:  # dns+tcp:// brokers only, none resolved yet: wait for one, as for a connection
+        # dns+tcp:// brokers only, none resolved yet: wait for one, as for a connection. Looked at
+        # again on waking: this task resumes iterations after the link opened (wait_for runs the
+        # wait as a task of its own), and a flapping answer may have retired it meanwhile.
+        while not self._links:
             try:
                 await asyncio.wait_for(self._some_link(), max(0.0, st.deadline_s - time.monotonic()))
             except asyncio.TimeoutError:
@@ -662,8 +665,12 @@ class Client:
     async def _drain_replies(link: _Link) -> None:
         # Replies that arrived before the drop are queued on the socket: let the receive task
         # take them first (bounded), so a broker that drained cleanly loses nothing here.
+        # ZMQ_EVENTS through the asyncio socket's get(), never getsockopt() (pyzmq's raw call):
+        # reading it processes the socket's mailbox and clears its descriptor, and only get()
+        # then wakes the receive task's pending recv; after a raw read, a reply that had just
+        # arrived was never read, nor any after it (a retiring link's streams hung to the deadline).
         t_end = time.monotonic() + _LOST_DRAIN_S
-        while link.pending and link.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < t_end:
+        while link.pending and link.sock.get(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < t_end:
             await asyncio.sleep(0.001)
 
     def _fail_pending(self, link: _Link, why: str, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
