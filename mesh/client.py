@@ -454,6 +454,14 @@ class Client:
             raise error_for(ErrorCode.UNAVAILABLE, f"cannot send to {link.endpoint}: {exc}") from exc
         return link
 
+    async def _send_registered(self, frames: list[bytes], link: _Link, rid: str) -> None:
+        """Send a request registered on ``link``, unless the link's sweep (its retire or its
+        loss) ended it first: the send runs as a task of its own, iterations after the
+        registration, and a SUBMIT that went out after its CANCEL would run a copy at the broker
+        that nobody reads while ``generate`` resubmits it elsewhere."""
+        if rid in link.pending:
+            await self._send(frames, link)
+
     def _forget(self, rid: str) -> None:
         st = self._streams.pop(rid, None)
         if st is not None and st._link is not None:
@@ -508,7 +516,7 @@ class Client:
         try:
             # A DEALER with no usable connection (e.g. a refused handshake) blocks sends: the
             # request's deadline bounds that wait too.
-            await asyncio.wait_for(self._send(frames, link), max(0.0, st.deadline_s - time.monotonic()))
+            await asyncio.wait_for(self._send_registered(frames, link, rid), max(0.0, st.deadline_s - time.monotonic()))
         except asyncio.TimeoutError:
             self._forget(rid)
             raise error_for(ErrorCode.DEADLINE_EXCEEDED, f"could not send the request to {link.endpoint} before its deadline",

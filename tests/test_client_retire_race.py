@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import select
+import sys
 
+import pytest
 import zmq
 
 from mesh import protocol as P
@@ -119,5 +121,49 @@ def test_a_link_that_leaves_again_before_a_waiting_submit_resumes_is_waited_for_
                 raise AssertionError("a submit with no link returned a stream")
             assert getattr(err, "code", None) is ErrorCode.DEADLINE_EXCEEDED, repr(err)
             assert c.open_streams == 0
+
+    run(body(), 30)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="3.12's wait_for runs the send inline: no iteration between "
+                                                        "registering a request and sending it")
+def test_a_request_swept_before_its_send_ran_never_reaches_the_broker(procs):
+    """``submit`` registers a request on its link, then sends it from a task of its own
+    (``asyncio.wait_for`` on 3.11), an iteration later. A sweep of the link landing in between
+    (its retire, or its loss while it drains) fails the request ``unavailable``, and ``generate``
+    resubmits it elsewhere. Before: the SUBMIT still went out after that, and the broker ran a
+    copy nobody read. Now the send is skipped: the worker's first request is the next one."""
+    port = free_port("127.0.0.1")
+    b = procs.broker("b", "--heartbeat-ms", "1000", frontend=f"tcp://127.0.0.1:{port}")
+
+    async def body():
+        seen: list[list[int]] = []
+
+        async def behaviour(w: FakeWorker, r: P.Request) -> None:
+            seen.append(list(r.submit.input_ids or []))
+            await w.send(P.encode_worker_final(r.rid, r.attempt, "length", {"prompt_tokens": 3, "completion_tokens": 0}))
+
+        w = await FakeWorker(b.backend, "w", behaviour, heartbeat_ms=1000).start()
+        try:
+            await wait_for_workers(b.frontend, 1)
+            async with Client(b.frontend) as c:
+                (link,) = c.links
+                await until(lambda: link.up, 10, "the link up")
+                sub = asyncio.create_task(c.submit(input_ids=[1, 1, 1], max_new_tokens=1, deadline_ms=3_000))
+                await asyncio.sleep(0)  # the submit registered its request; its send is a queued task
+                (rid,) = link.pending
+                assert c._fail_pending(link, "swept") == [rid]  # the sweep lands before the send runs
+                st = await sub
+                try:
+                    await st.result()
+                except Exception as exc:  # noqa: BLE001 - which error is the assertion
+                    assert getattr(exc, "code", None) is ErrorCode.UNAVAILABLE, repr(exc)
+                else:
+                    raise AssertionError("a swept request returned a result")
+                res = await c.generate(input_ids=[2, 2, 2], max_new_tokens=1, deadline_ms=5_000)
+                assert res.finish_reason == "length"
+                assert seen == [[2, 2, 2]]  # the swept request never ran: the broker got the next one first
+        finally:
+            await w.close()
 
     run(body(), 30)
