@@ -605,6 +605,21 @@ def test_mesh_sim_audit_replays_a_recording_through_every_policy_and_checks_the_
     for b in ("cache_aware_greedy", "power_of_two"):  # what cache_aware pays, as on the right engine
         assert rep2["audit"]["pays"]["pays_ms"][b] == pytest.approx(pays["pays_ms"][b],
                                                                      abs=max(0.25 * abs(pays["pays_ms"][b]), 2 * (pays["ci95_ms"][b] or 0), 2.0))
+    # --audit-draws 3: the audit is the mean of three independent draws of the twin, the first the run itself
+    drawn_json = tmp_path / "drawn.json"
+    assert main(["--trace", str(path), "--audit", "--lifecycle", "core", "--seed", "2", "--no-progress",
+                 "--audit-draws", "3", "--json", str(drawn_json)]) == 0
+    assert "the mean of 3 draws" in capsys.readouterr().out
+    drawn = json.loads(drawn_json.read_text())["audit"]["pays"]
+    assert drawn["draws"] == 3 and len(drawn["per_draw_ms"]) == 3
+    assert drawn["per_draw_ms"][0] == pays["pays_ms"]  # draw 0: the run, as without --audit-draws
+    assert drawn["per_draw_ms"][1] != drawn["per_draw_ms"][0] != drawn["per_draw_ms"][2]  # their own random numbers
+    for b in ("cache_aware_greedy", "power_of_two"):
+        assert drawn["pays_ms"][b] == pytest.approx(sum(d[b] for d in drawn["per_draw_ms"]) / 3, abs=2e-3)
+        assert drawn["ci95_ms"][b] < pays["ci95_ms"][b]  # three draws know it better than one
+    for bad in (["--audit", "--audit-draws", "0"], ["--audit", "--audit-draws", "17"], ["--audit-draws", "2"]):
+        assert main(["--trace", str(path), "--no-progress", *bad]) == 2
+        assert "audit_draws" in capsys.readouterr().err
     # --audit picks its own policies and one fleet shape
     assert main(["--trace", str(path), "--audit", "--policy", "cache_aware", "--no-progress"]) == 2
     assert "audit:" in capsys.readouterr().err

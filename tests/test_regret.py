@@ -601,6 +601,34 @@ def test_observed_figure_charges_the_baselines_prediction_against_the_measured_t
     assert audit.snapshot()["observed"]["decisions"] == 2
 
 
+def test_pooled_draws_average_their_differences_and_narrow_the_interval():
+    """``pooled_pays``: independent draws of the same stream average to one figure per baseline;
+    their batch-mean standard errors combine as independent (sqrt(sum se^2) / n); the best
+    baseline is the one with the lowest pooled mean, even when one draw alone ranks them otherwise."""
+    from mesh.lab.sim.twin import pooled_pays, twin_pays
+
+    def draw(ca, gr, p2c, wobble):
+        return [{"policy": "cache_aware", "ttft_mean_ms": ca, "ttft_batch_means_ms": [ca] * 20},
+                {"policy": "cache_aware_greedy", "ttft_mean_ms": gr, "ttft_batch_means_ms": [gr] * 20},
+                {"policy": "power_of_two", "ttft_mean_ms": p2c,
+                 "ttft_batch_means_ms": [p2c + (wobble if i % 2 else -wobble) for i in range(20)]}]
+
+    d0, d1, d2 = draw(100.0, 130.0, 125.0, 10.0), draw(100.0, 110.0, 135.0, 10.0), draw(106.0, 121.0, 136.0, 10.0)
+    one = twin_pays(d0)
+    assert one["against"] == "power_of_two" and one["draws"] == 1 and one["per_draw_ms"] == [one["pays_ms"]]
+    got = pooled_pays([d0, d1, d2])
+    assert got["draws"] == 3 and got["against"] == "cache_aware_greedy"  # 120.33 pooled against 132
+    assert got["pays_ms"] == {"cache_aware_greedy": pytest.approx(18.333, abs=1e-3), "power_of_two": pytest.approx(30.0)}
+    assert got["best"] == got["pays_ms"]["cache_aware_greedy"]
+    assert got["per_draw_ms"][1] == {"cache_aware_greedy": 10.0, "power_of_two": 35.0}
+    assert got["se_ms"]["power_of_two"] == pytest.approx(one["se_ms"]["power_of_two"] / 3 ** 0.5, rel=1e-3)
+    assert got["ci95_ms"]["power_of_two"] < one["ci95_ms"]["power_of_two"] / 3 ** 0.5  # and more batches: a smaller t
+    assert got["ci95_ms"]["cache_aware_greedy"] == 0.0
+    no_batches = [{**a, "ttft_batch_means_ms": None} for a in d1]
+    assert pooled_pays([d0, no_batches])["ci95_ms"]["power_of_two"] is None  # a draw without batch means: no interval
+    assert pooled_pays([d0, d1[1:]]) is None and pooled_pays([]) is None  # the subject missing from a draw
+
+
 def _decision_without_audit():
     from mesh.routing.view import Decision
 

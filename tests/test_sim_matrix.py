@@ -181,6 +181,11 @@ def test_a_base_may_extend_another_up_to_three_files(tmp_path):
     ("[matrix]\ntwin = true\ntwin_fit = 1\n", "matrix.twin_fit"),
     ("[matrix]\ntwin_fit = true\n", "matrix.twin_fit: needs twin = true"),
     ("[matrix]\ntwin_engine_error = 1.2\n", "matrix.twin_engine_error: needs twin = true"),
+    ("[matrix]\ntwin_draws = 2\n", "matrix.twin_draws: needs twin = true"),
+    ("[matrix]\ntwin = true\ntwin_draws = 17\n", "matrix.twin_draws: must be from 1 to 16"),
+    ("[matrix]\nreplicas = 0\n", "matrix.replicas"),
+    ("[matrix]\nreplicas = 2.5\n", "matrix.replicas"),
+    ("[matrix]\nreplicas = 17\n", "matrix.replicas: must be from 1 to 16"),
 ])
 def test_the_twins_engine_options_are_validated_naming_the_field(tmp_path, text, field):
     _write(tmp_path, TINY, "a.toml")
@@ -483,6 +488,27 @@ def test_the_twin_audits_every_stream_at_the_policy_level(tmp_path):
     assert rep2["summary"]["regret"]["twin_fit"]["runs"] == 1 and rep2["summary"]["regret"]["twin_fit"]["engine_error"] == 1.5
     assert rep2["cells"][0]["seeds"]["1"]["analysis"]["regret"]["twin"]["predicted_ms"] == pytest.approx(
         tw["predicted_ms"], abs=max(0.25 * abs(tw["predicted_ms"]), tw["twin_ci95_ms"] or 0, 2.0))
+    # replicas = 3, twin_draws = 2: the measured difference is the mean of the arms and two more
+    # independent runs of cache_aware and both baselines; the twin's, the mean of two draws
+    rep3 = json.loads(dumps_matrix(run_matrix(load_matrix(_write(tmp_path, text.replace(
+        "twin = true", "twin = true\nreplicas = 3\ntwin_draws = 2"), "rep.toml"), seeds=[1]), jobs=1)))
+    run3 = rep3["cells"][0]["seeds"]["1"]
+    assert run3["arms"] == run["arms"] and run3["twin"] == run["twin"]  # the first run and draw are the plain ones
+    assert len(run3["replicas"]) == 2 and len(run3["twin_draws"]) == 1
+    for r in run3["replicas"]:  # the subject and baselines only, on their own draws and names
+        assert [a["policy"] for a in r] == ["cache_aware", "power_of_two", "cache_aware_greedy"]
+        assert {a["policy"]: a for a in r}["power_of_two"]["ttft_mean_ms"] != arms["power_of_two"]["ttft_mean_ms"]
+    means = {p: (arms[p]["ttft_mean_ms"] + sum({a["policy"]: a for a in r}[p]["ttft_mean_ms"] for r in run3["replicas"])) / 3
+             for p in ("cache_aware", "power_of_two", "cache_aware_greedy")}
+    rg3 = run3["analysis"]["regret"]
+    best = min(("power_of_two", "cache_aware_greedy"), key=means.__getitem__)
+    assert rg3["against"] == best and rg3["replicas"] == 3
+    assert rg3["measured_ms"] == pytest.approx(means[best] - means["cache_aware"], abs=2e-3)
+    t2 = {a["policy"]: a["ttft_mean_ms"] for a in run3["twin_draws"][0]}
+    want = (twin[best]["ttft_mean_ms"] - twin["cache_aware"]["ttft_mean_ms"] + t2[best] - t2["cache_aware"]) / 2
+    assert rg3["twin"]["predicted_ms"] == pytest.approx(want, abs=2e-3) and rg3["twin"]["draws"] == 2
+    sm3 = rep3["summary"]["regret"]
+    assert sm3["replicas"] == 3 and sm3["twin_draws"] == 2 and "the mean of 3 independent runs" in sm3["replication"]
     with pytest.raises(ConfigError, match="matrix.twin"):
         load_matrix(_write(tmp_path, text.replace("twin = true", "twin = 1"), "bad.toml"))
     with pytest.raises(ConfigError, match="matrix.twin"):

@@ -474,6 +474,8 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                           f"{rg['exact_within_25pct_expected']:.0f} of {rg['ci95_runs']}, given each measured difference's "
                           f"own noise (the check's ceiling on these runs)" if "exact_within_25pct_expected" in rg else "")
                        + ".")
+        if rg.get("replication"):  # how the measured difference and the twin were repeated (mesh sim --matrix)
+            p.notes.append(rg["replication"][0].upper() + rg["replication"][1:] + ".")
         tw = rg.get("twin")
         if isinstance(tw, dict) and tw.get("runs"):
             p.notes.append(f"Policy-level audit (the twin, `mesh sim --audit`: each stream through {subject} and the "

@@ -156,6 +156,10 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                         "cache_aware pays per request against each, with 95 %% intervals; on a recording also the "
                         "engine model's fidelity (the twin's mean TTFT against the one the broker observed). "
                         "Replaces --policy; one --routers, --workers and --provider value (docs/routing.md)")
+    o.add_argument("--audit-draws", metavar="N", type=int, default=1,
+                   help="with --audit: average the audit over N independent draws of the twin (its policies' and "
+                        "heartbeats' random numbers; 1 to 16, default 1): the interval narrows by about sqrt(N), at N "
+                        "times the runs")
     o.add_argument("--audit-textfile", metavar="FILE", type=writable_file,
                    help="with --audit: also write its figures as Prometheus gauges to FILE (atomically; for "
                         "node_exporter's textfile collector, so a periodic audit of the last rotated recording "
@@ -280,6 +284,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise ConfigError("audit_textfile: --audit-textfile needs --audit")
     if getattr(args, "fit_engine", None) is not None and not getattr(args, "audit", False):
         raise ConfigError("fit_engine: --fit-engine and --no-fit-engine go with --audit")
+    from mesh.lab.sim.twin import MAX_DRAWS
+
+    draws = getattr(args, "audit_draws", 1)
+    if draws != 1 and not getattr(args, "audit", False):
+        raise ConfigError("audit_draws: --audit-draws needs --audit")
+    if not 1 <= draws <= MAX_DRAWS:
+        raise ConfigError(f"audit_draws: must be from 1 to {MAX_DRAWS}, got {draws}")
     if getattr(args, "audit", False):
         _audit_policies(args)
     cfg = config_from_args(args)
@@ -329,7 +340,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if getattr(args, "compare_decisions", False):
         _print_agreement(report)
     if getattr(args, "audit", False):
-        report["audit"] = _print_audit(report, wl, engine_fit)
+        report["audit"] = _print_audit(report, wl, engine_fit, _more_draws(cfg, wl, draws, console, args.no_progress))
         if args.audit_textfile:
             from mesh.lab.sim.twin import write_textfile
 
@@ -410,16 +421,32 @@ def _fit_engine(args: argparse.Namespace, cfg, wl, console) -> dict | None:
     return fit
 
 
-def _print_audit(report: dict, wl, engine_fit: dict | None = None) -> dict:
-    """``--audit``: what cache_aware pays per request against each baseline on this stream, and
-    on a recording how well the twin's engine model matches what the broker observed."""
-    from mesh.lab.sim.twin import fidelity, twin_pays
+def _more_draws(cfg, wl, draws: int, console, quiet: bool) -> list[list[dict]]:
+    """``--audit-draws N``: the twin's arms on draws 1 .. N-1 of the same stream (draw 0 is the run itself)."""
+    from mesh.lab.sim.runner import run_sim
+    from mesh.lab.sim.twin import draw_config
 
-    tp = twin_pays(report["arms"])
+    out = []
+    for k in range(1, draws):
+        t0 = time.perf_counter()
+        out.append(run_sim(draw_config(cfg, k), workload=wl)["arms"])
+        if not quiet:
+            console.print(f"audit draw {k + 1}/{draws}: {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _print_audit(report: dict, wl, engine_fit: dict | None = None, more_draws: list[list[dict]] | None = None) -> dict:
+    """``--audit``: what cache_aware pays per request against each baseline on this stream (the
+    mean over the twin's draws: the run, then ``more_draws``), and on a recording how well the
+    twin's engine model matches what the broker observed."""
+    from mesh.lab.sim.twin import fidelity, pooled_pays
+
+    tp = pooled_pays([report["arms"], *(more_draws or [])])
     out: dict = {"pays": tp}
     subject = tp["subject"]
+    over = f", the mean of {tp['draws']} draws" if tp["draws"] > 1 else ""
     print(f"policy-level audit (the twin: this stream through every policy on a simulated {report['arms'][0]['workers']}-worker "
-          f"fleet, {report['arms'][0]['routers']} router(s)):")
+          f"fleet, {report['arms'][0]['routers']} router(s){over}):")
     parts = [f"{tp['pays_ms'][b]:+.1f} ms against {b}" + (f" (95 % interval +-{tp['ci95_ms'][b]:.1f})"
                                                           if tp["ci95_ms"][b] is not None else "")
              for b in sorted(tp["pays_ms"], key=lambda b: b != tp["against"])]

@@ -86,7 +86,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,7 @@ from mesh.routing.router import POLICIES, make_policy
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, check_regret_truth_every, run_sim
 from mesh.lab.sim.metrics import exact_within_probability, paired_se, t975
 from mesh.lab.sim.fit import observed_from_arm, scaled_engine
-from mesh.lab.sim.twin import BASELINES, SUBJECT, fit_twin, twin_arms, twin_config, twin_pays
+from mesh.lab.sim.twin import BASELINES, MAX_DRAWS, SUBJECT, TWIN_TAG, draw_config, fit_twin, pooled_pays, twin_arms, twin_config
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
 __all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix",
@@ -112,9 +112,11 @@ _SIM_KEYS = {"heartbeat_ms": float, "event_delay_ms": float, "net_ms": float, "l
              "exchange": bool, "exchange_delay_ms": float, "exchange_interval_ms": float, "exchange_routes": bool,
              "regret_shadow_rate": float, "regret_truth_every": int}
 _MATRIX_KEYS = {"seeds", "policies", "provider", "subject", "baselines", "hit_reference", "calibration_within_slo",
-                "calibration_wait_ms", "noise", "twin", "twin_engine_error", "twin_fit",
+                "calibration_wait_ms", "noise", "twin", "twin_engine_error", "twin_fit", "replicas", "twin_draws",
                 "calibration_tolerance"}
 _CELL_KEYS = {"workload", "load", "workers", "routers", "max_requests"}
+#: a replica's arms name their workers ``policy@rK`` (mesh.lab.sim.twin.draw_config)
+REPLICA_TAG = "r"
 _STEP_UP, _STEP_DOWN = 2.0, 1.4  # calibration bracketing factors (the guess is more often low than high)
 _MAX_PROBES = 24
 
@@ -171,6 +173,10 @@ class MatrixConfig:
     # arms' own): a fleet described wrongly, as an operator's [engine] table may be
     twin_engine_error: float = 1.0
     twin_fit: bool = False  # fit the twin's engine to the subject arm's mean TTFT and TPOT first (mesh.lab.sim.fit)
+    # the regret check's measured difference: the mean over this many independent runs of the
+    # subject and baselines on each stream (their own draws and worker names; 1: the arms alone)
+    replicas: int = 1
+    twin_draws: int = 1  # the twin's figure: the mean over this many independent draws of it
 
     @property
     def noise_arm(self) -> str | None:
@@ -189,6 +195,7 @@ class MatrixConfig:
             "calibration_within_slo": self.calibration_within_slo, "calibration_tolerance": self.calibration_tolerance,
             "calibration_wait_ms": self.calibration_wait_ms, "noise": self.noise, "twin": self.twin,
             "twin_engine_error": self.twin_engine_error, "twin_fit": self.twin_fit,
+            "replicas": self.replicas, "twin_draws": self.twin_draws,
             "sim": dict(self.sim), "engine": asdict(self.engine),
             "workloads": {k: v.to_dict() for k, v in self.workloads.items()},
             "cells": [asdict(c) for c in self.cells],
@@ -448,8 +455,15 @@ def load_matrix(path: str | Path, *, seeds: list[int] | None = None, max_request
         _fail("matrix.twin_fit", f"must be true or false, got {tfit!r}")
     if (err != 1.0 or tfit) and not twin:
         _fail("matrix.twin_engine_error" if err != 1.0 else "matrix.twin_fit", "needs twin = true")
+    replicas = _int(m.get("replicas", 1), "matrix.replicas")
+    draws = _int(m.get("twin_draws", 1), "matrix.twin_draws")
+    for name, v in (("matrix.replicas", replicas), ("matrix.twin_draws", draws)):
+        if v > MAX_DRAWS:
+            _fail(name, f"must be from 1 to {MAX_DRAWS}, got {v}")
+    if draws > 1 and not twin:
+        _fail("matrix.twin_draws", "needs twin = true")
     return MatrixConfig(str(p), seed_list, policies, provider, subject, baselines, hit_ref, cal_good, cal_tol, cal_wait,
-                        sim_out, engine, workloads, cells, noise, twin, float(err), tfit)
+                        sim_out, engine, workloads, cells, noise, twin, float(err), tfit, replicas, draws)
 
 
 # --------------------------------------------------------------------------- streams
@@ -646,6 +660,10 @@ def run_cell(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any]) -> 
         "stream": {**rep["workload"], "fingerprint": stream_fingerprint(wl), "oracle_hit_rate": rep["oracle_hit_rate"]},
         "arms": rep["arms"],
     }
+    if mc.replicas > 1:  # the regret check's measurement, repeated on other draws and worker names
+        rcfg = replace(cfg, policies=[mc.subject, *mc.baselines])
+        out["replicas"] = [twin_arms(run_sim(draw_config(rcfg, k, REPLICA_TAG), workload=wl)["arms"])
+                           for k in range(1, mc.replicas)]
     if mc.twin:  # the policy-level audit: the same stream through every policy on the twin's own draws
         tcfg = twin_config(cfg, mc.subject, BASELINES)
         if mc.twin_engine_error != 1.0:  # the fleet as an operator may have described it: wrongly
@@ -657,6 +675,9 @@ def run_cell(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any]) -> 
             out["twin_fit"] = {k: fit[k] for k in ("prefill_speed", "decode_speed", "converged", "evaluations",
                                                    "ttft_ratio", "tpot_ratio")}
         out["twin"] = twin_arms(run_sim(tcfg, workload=wl)["arms"])
+        if mc.twin_draws > 1:
+            out["twin_draws"] = [twin_arms(run_sim(draw_config(tcfg, k, TWIN_TAG), workload=wl)["arms"])
+                                 for k in range(1, mc.twin_draws)]
     return out
 
 
@@ -697,7 +718,8 @@ def analyse_cell(mc: MatrixConfig, run: dict[str, Any]) -> dict[str, Any]:
     res: dict[str, Any] = {"policies": out, "targets": targets}
     na = arms.get(mc.noise_arm) if mc.noise_arm else None
     rg = regret_check(s, base, abs(na["ttft_mean_ms"] - s["ttft_mean_ms"]) if na is not None else None,
-                      twin=run.get("twin"))
+                      twin=[run["twin"], *run.get("twin_draws", [])] if run.get("twin") else None,
+                      replicas=run.get("replicas"))
     if rg is not None:
         res["regret"] = rg
     if na is not None and s["ttft_p95_ms"] > 0 and na["ttft_p95_ms"] > 0:
@@ -717,7 +739,8 @@ REGRET_TOLERANCE = 0.25
 
 
 def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
-                 noise_ms: float | None = None, twin: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+                 noise_ms: float | None = None, twin: list[list[dict[str, Any]]] | None = None,
+                 replicas: list[list[dict[str, Any]]] | None = None) -> dict[str, Any] | None:
     """The regret audit against what the arms measured, for one (cell, seed): the audit's
     ``pays_ms`` against the baseline with the lowest mean TTFT (predicted ms per request
     cache_aware saves against that baseline's picks from the same view) beside the measured
@@ -731,26 +754,43 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
     (:func:`mesh.lab.sim.metrics.batch_means`), ``measured_ci95_ms`` is the 95 % confidence
     half-width of the measured difference (paired batch means) and ``within_ci`` says the
     prediction is within 25 % or within that interval: a 25 % band narrower than the interval
-    asks more of the audit than the arms know. ``twin`` (the twin's arms on the same stream,
-    :mod:`mesh.lab.sim.twin`) adds the policy-level audit's figure against the same baseline,
-    judged the same way (``twin``). None when the subject arm carries no audit."""
+    asks more of the audit than the arms know. ``twin`` (the twin's draws on the same stream,
+    each a list of arms, :mod:`mesh.lab.sim.twin`) adds the policy-level audit's figure, the mean
+    over its draws, against the same baseline, judged the same way (``twin``). ``replicas``
+    (further independent runs of the subject and baselines on the same stream, each a list of
+    arms) makes the measured difference, its baseline and interval the mean over the arms and
+    every replica (:func:`mesh.lab.sim.twin.pooled_pays`). None when the subject arm carries no
+    audit."""
     rg = subject.get("regret")
     if not rg or not baselines:
         return None
     pays = rg["pays_ms"]
-    best = min(baselines, key=lambda b: b["ttft_mean_ms"])
-    measured = best["ttft_mean_ms"] - subject["ttft_mean_ms"]
+    runs = [[subject, *baselines], *(replicas or [])]
+    pooled = pooled_pays(runs, subject["policy"]) if replicas else None
+    if pooled is not None:
+        best = next(b for b in baselines if b["policy"] == pooled["against"])
+        measured = pooled["best"]
+    else:
+        best = min(baselines, key=lambda b: b["ttft_mean_ms"])
+        measured = best["ttft_mean_ms"] - subject["ttft_mean_ms"]
     predicted = pays[best["policy"]]  # against the same baseline (pays_ms["best"] is the smaller prediction)
     out: dict[str, Any] = {"predicted_ms": _r(predicted, 3), "measured_ms": _r(measured, 3), "against": best["policy"],
                            "predicted_best_ms": pays["best"],
                            "decisions": max(b["decisions"] for b in rg["baselines"].values())}
+    if pooled is not None:
+        out["replicas"] = pooled["draws"]
     out["error_ratio"] = _r(abs(predicted - measured) / abs(measured), 4) if measured else None
     out["within"] = abs(predicted - measured) <= REGRET_TOLERANCE * abs(measured)
     if noise_ms is not None:
         out["noise_ms"] = _r(noise_ms, 3)
         out["within_noise"] = out["within"] or abs(predicted - measured) <= noise_ms
-    se = paired_se(best.get("ttft_batch_means_ms") or [], subject.get("ttft_batch_means_ms") or [])
-    ci = None if se is None else t975(se[2]) * se[1]  # 95 % half-width of the measured difference
+    if pooled is not None:  # the replicas' batch means pooled (independent runs)
+        se_p = pooled["se_ms"].get(best["policy"])
+        se = None if se_p is None else (measured, se_p, 0)
+        ci = pooled["ci95_ms"].get(best["policy"])
+    else:
+        se = paired_se(best.get("ttft_batch_means_ms") or [], subject.get("ttft_batch_means_ms") or [])
+        ci = None if se is None else t975(se[2]) * se[1]  # 95 % half-width of the measured difference
     if ci is not None:  # how well the arms know the difference (batch means, mesh.lab.sim.metrics)
         out["measured_ci95_ms"] = _r(ci, 3)
         out["within_ci"] = out["within"] or abs(predicted - measured) <= ci
@@ -758,7 +798,8 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
         # within 25 % of this one measurement, given the measurement's own standard error
         out["exact_within_p"] = _r(exact_within_probability(measured, se[1], REGRET_TOLERANCE), 4)
     out["by_baseline"] = {b["policy"]: {"predicted_ms": pays.get(b["policy"]),
-                                        "measured_ms": _r(b["ttft_mean_ms"] - subject["ttft_mean_ms"], 3)}
+                                        "measured_ms": pooled["pays_ms"][b["policy"]] if pooled is not None
+                                        else _r(b["ttft_mean_ms"] - subject["ttft_mean_ms"], 3)}
                           for b in baselines}
     for alt in ("shadow", "observed"):  # the other estimators (mesh.routing.regret), judged the same way
         sh = rg.get(alt)
@@ -768,11 +809,11 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
                         "within": abs(sp - measured) <= REGRET_TOLERANCE * abs(measured),
                         "sign_right": (sp > 0) == (measured > 0),
                         "by_baseline": {b["policy"]: sh["pays_ms"].get(b["policy"]) for b in baselines}}
-    tp = twin_pays(twin, subject["policy"]) if twin else None
+    tp = pooled_pays(twin, subject["policy"]) if twin else None
     if tp is not None and best["policy"] in tp["pays_ms"]:  # the policy-level audit (mesh.lab.sim.twin)
         tw = tp["pays_ms"][best["policy"]]
         miss = abs(tw - measured)
-        out["twin"] = {"predicted_ms": tw, "twin_ci95_ms": tp["ci95_ms"][best["policy"]],
+        out["twin"] = {"predicted_ms": tw, "twin_ci95_ms": tp["ci95_ms"][best["policy"]], "draws": tp["draws"],
                        "within": miss <= REGRET_TOLERANCE * abs(measured),
                        "within_ci": miss <= max(REGRET_TOLERANCE * abs(measured), ci or 0.0),
                        "sign_right": (tw > 0) == (measured > 0), "by_baseline": dict(tp["pays_ms"])}
@@ -841,7 +882,9 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
     if checks:  # the regret audit against the measured differences, over every (cell, seed)
         out["regret"] = {"runs": len(checks), "within_25pct": sum(1 for x in checks if x["within"]),
                          "share_within": _r(sum(1 for x in checks if x["within"]) / len(checks), 4),
-                         "target_share": 0.8}
+                         "target_share": 0.8, "replicas": mc.replicas, "twin_draws": mc.twin_draws}
+        if mc.replicas > 1 or mc.twin_draws > 1:
+            out["regret"]["replication"] = replication_phrase(mc.replicas, mc.twin_draws if mc.twin else 0)
         out["regret"]["sign_right"] = sum(1 for x in checks if x.get("sign_right"))
         for alt in ("shadow", "observed", "twin"):
             got = [x[alt] for x in checks if alt in x]
@@ -889,6 +932,14 @@ def _cell_level(cells: list[dict[str, Any]]) -> dict[str, Any]:
         n += 1
         hit += abs(t - m) <= REGRET_TOLERANCE * abs(m)
     return {"cells": n, "cells_within_25pct": hit}
+
+
+def replication_phrase(replicas: int, draws: int) -> str:
+    """How the regret check measured its difference (``replicas`` runs) and drew its twin
+    (``draws``; 0: no twin), in words for the printout and the page."""
+    out = (f"measured difference: the mean of {replicas} independent run{'s' if replicas > 1 else ''} of {SUBJECT} "
+           f"and each baseline on every stream (their own draws and worker names)")
+    return out + (f"; the twin's figure: the mean of {draws} draw{'s' if draws > 1 else ''}" if draws else "")
 
 
 def _p95(run: dict[str, Any], policies: list[str]) -> float:
@@ -949,7 +1000,8 @@ _COST = {"shared_prefix": 3.0, "conversation": 3.0, "multi_turn": 1.0, "zipf": 1
 
 def _cost(mc: MatrixConfig, cell: Cell) -> float:
     w = mc.workloads[cell.workload]
-    return cell.max_requests * (3.0 if w.trace else _COST.get(w.workload, 1.0)) * len(mc.arm_policies)
+    arms = len(mc.arm_policies) + (mc.replicas - 1) * (1 + len(mc.baselines)) + (mc.twin_draws * 3 if mc.twin else 0)
+    return cell.max_requests * (3.0 if w.trace else _COST.get(w.workload, 1.0)) * arms
 
 
 def default_jobs() -> int:
@@ -1136,6 +1188,8 @@ def render_report(report: dict[str, Any]) -> list[Any]:
                      f"in {rs['within_25pct']}/{rs['runs']} cell-seeds ({rs['share_within']:.0%}; target >= 80 %) -> "
                      f"{'PASS' if rs['share_within'] >= rs['target_share'] else 'MISS'}")
         lines.append(f"    sign right (cache_aware predicted to pay when it measured paying, or not): {rs.get('sign_right', 0)}/{rs['runs']}")
+        if rs.get("replication"):
+            lines.append(f"    {rs['replication']}")
         if "twin" in rs:
             tw = rs["twin"]
             lines.append(f"  policy-level audit (the twin: the stream through every policy on its own draws, `mesh sim --audit`): "

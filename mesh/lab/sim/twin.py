@@ -29,12 +29,14 @@ routed them with cache_aware): a ratio far from 1 says the engine description (`
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 from mesh.lab.sim.fit import fit_engine, observed_from_recording, scaled_engine
 from mesh.lab.sim.metrics import paired_se, t975
 
-__all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "TWIN_TAG", "FIDELITY_BAND", "FIDELITY_FLOOR_MS", "twin_config", "twin_arms", "twin_pays", "fidelity",
+__all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "TWIN_TAG", "FIDELITY_BAND", "FIDELITY_FLOOR_MS", "MAX_DRAWS",
+           "DRAW_SEED_STRIDE", "twin_config", "draw_config", "twin_arms", "twin_pays", "pooled_pays", "fidelity",
            "fit_twin", "write_textfile"]
 
 SUBJECT = "cache_aware"
@@ -71,6 +73,26 @@ def twin_config(cfg: Any, subject: str = SUBJECT, baselines: Sequence[str] = BAS
                                regret_truth_every=0, regret_shadow_rate=None, record_decisions=None)
 
 
+#: the most independent draws an audit (``mesh sim --audit-draws``) or a matrix's ``replicas`` and
+#: ``twin_draws`` may ask for
+MAX_DRAWS = 16
+#: draw ``k`` of a twin (or replica ``k`` of a measured arm) adds ``k`` times this to the seed
+DRAW_SEED_STRIDE = 104729
+
+
+def draw_config(cfg: Any, k: int, tag: str | None = None) -> Any:
+    """Draw ``k`` of the :class:`~mesh.lab.sim.runner.SimConfig` ``cfg`` (0: ``cfg`` itself): its
+    own random numbers (seed + ``k`` x :data:`DRAW_SEED_STRIDE`) and, with ``tag``, its workers
+    named in another order per draw (``policy@TAGk``), without the per-decision audit's lab
+    extras. Independent draws of the same stream average to a figure with a narrower interval
+    (:func:`pooled_pays`); the matrix measures its arms so when ``replicas`` > 1."""
+    if k == 0:
+        return cfg
+    pols = [f"{p.partition('@')[0]}@{tag}{k}" if tag else p for p in cfg.policies]
+    return dataclasses.replace(cfg, seed=cfg.seed + k * DRAW_SEED_STRIDE, policies=pols,
+                               regret_truth_every=0, regret_shadow_rate=None, record_decisions=None)
+
+
 def twin_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """What the audit keeps of each twin arm: its policy (without a twin tag), mean TTFT and batch means."""
     return [{"policy": a["policy"].partition("@")[0], "ttft_mean_ms": a["ttft_mean_ms"],
@@ -81,20 +103,47 @@ def twin_pays(arms: Sequence[dict[str, Any]], subject: str = SUBJECT) -> dict[st
     """``pays_ms`` per baseline: its twin mean TTFT minus the subject's (positive: cache_aware is
     faster), with the paired 95 % half-width (``ci95_ms``, None without batch means); ``against``:
     the baseline with the lowest twin mean TTFT, and ``best`` its figure. None without the subject
-    or a baseline among ``arms``."""
-    by = {a["policy"]: a for a in arms}
-    s = by.get(subject)
-    base = [a for a in arms if a["policy"] != subject and "@" not in a["policy"]]
-    if s is None or not base:
+    or a baseline among ``arms``. One draw of :func:`pooled_pays`."""
+    return pooled_pays([arms], subject)
+
+
+def pooled_pays(draws: Sequence[Sequence[dict[str, Any]]], subject: str = SUBJECT) -> dict[str, Any] | None:
+    """:func:`twin_pays` over independent draws of the same stream (each a list of arms, as
+    :func:`twin_arms` keeps them): per policy the mean of the draws' mean TTFTs (every draw
+    replays the same requests, so they weigh alike), ``pays_ms`` the baseline's pooled mean minus
+    the subject's, ``against`` the baseline with the lowest pooled mean. ``ci95_ms``: the paired
+    batch means' standard errors of the draws combined (``sqrt(sum se^2) / n``: independent
+    draws), Student's t on every batch; None when a draw has no batch means. ``se_ms`` keeps the
+    combined standard error; ``per_draw_ms`` each draw's own ``pays_ms``. None without the subject
+    or a baseline in every draw."""
+    draws = [d for d in draws if d]
+    if not draws:
         return None
+    bys = [{a["policy"]: a for a in d} for d in draws]
+    if any(subject not in by for by in bys):
+        return None
+    names = [a["policy"] for a in draws[0] if a["policy"] != subject and "@" not in a["policy"]]
+    names = [b for b in names if all(b in by for by in bys)]
+    if not names:
+        return None
+    n = len(bys)
+    mean = {p: math.fsum(by[p]["ttft_mean_ms"] for by in bys) / n for p in [subject, *names]}
     pays: dict[str, float] = {}
     ci: dict[str, float | None] = {}
-    for b in base:
-        pays[b["policy"]] = round(b["ttft_mean_ms"] - s["ttft_mean_ms"], 3)
-        se = paired_se(b.get("ttft_batch_means_ms") or [], s.get("ttft_batch_means_ms") or [])
-        ci[b["policy"]] = None if se is None else round(t975(se[2]) * se[1], 3)
-    against = min(base, key=lambda b: b["ttft_mean_ms"])["policy"]
-    return {"subject": subject, "against": against, "best": pays[against], "pays_ms": pays, "ci95_ms": ci}
+    se_out: dict[str, float | None] = {}
+    for b in names:
+        pays[b] = round(mean[b] - mean[subject], 3)
+        ses = [paired_se(by[b].get("ttft_batch_means_ms") or [], by[subject].get("ttft_batch_means_ms") or []) for by in bys]
+        if any(x is None for x in ses):
+            ci[b] = se_out[b] = None
+            continue
+        se = math.sqrt(math.fsum(x[1] ** 2 for x in ses)) / n
+        se_out[b] = round(se, 4)
+        ci[b] = round(t975(sum(x[2] for x in ses)) * se, 3)
+    against = min(names, key=lambda b: mean[b])
+    per_draw = [{b: round(by[b]["ttft_mean_ms"] - by[subject]["ttft_mean_ms"], 3) for b in names} for by in bys]
+    return {"subject": subject, "against": against, "best": pays[against], "pays_ms": pays, "ci95_ms": ci,
+            "se_ms": se_out, "draws": n, "per_draw_ms": per_draw}
 
 
 def fidelity(subject_arm: dict[str, Any], recorded: Sequence[dict[str, Any]] | None) -> dict[str, Any] | None:
