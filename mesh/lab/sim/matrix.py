@@ -95,7 +95,7 @@ from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES, make_policy
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, check_regret_truth_every, run_sim
-from mesh.lab.sim.metrics import exact_within_probability, paired_se, t975
+from mesh.lab.sim.metrics import exact_within_probability
 from mesh.lab.sim.fit import observed_from_arm, scaled_engine
 from mesh.lab.sim.twin import BASELINES, MAX_DRAWS, SUBJECT, TWIN_TAG, draw_config, fit_twin, pooled_pays, twin_arms, twin_config
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
@@ -765,41 +765,31 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
     if not rg or not baselines:
         return None
     pays = rg["pays_ms"]
-    runs = [[subject, *baselines], *(replicas or [])]
-    pooled = pooled_pays(runs, subject["policy"]) if replicas else None
-    if pooled is not None:
-        best = next(b for b in baselines if b["policy"] == pooled["against"])
-        measured = pooled["best"]
-    else:
-        best = min(baselines, key=lambda b: b["ttft_mean_ms"])
-        measured = best["ttft_mean_ms"] - subject["ttft_mean_ms"]
+    # the measured differences: the arms' own, or their mean with every replica's
+    pooled = pooled_pays([[subject, *baselines], *(replicas or [])], subject["policy"])
+    best = next(b for b in baselines if b["policy"] == pooled["against"])
+    measured = pooled["best"]
     predicted = pays[best["policy"]]  # against the same baseline (pays_ms["best"] is the smaller prediction)
     out: dict[str, Any] = {"predicted_ms": _r(predicted, 3), "measured_ms": _r(measured, 3), "against": best["policy"],
                            "predicted_best_ms": pays["best"],
                            "decisions": max(b["decisions"] for b in rg["baselines"].values())}
-    if pooled is not None:
+    if replicas:
         out["replicas"] = pooled["draws"]
     out["error_ratio"] = _r(abs(predicted - measured) / abs(measured), 4) if measured else None
     out["within"] = abs(predicted - measured) <= REGRET_TOLERANCE * abs(measured)
     if noise_ms is not None:
         out["noise_ms"] = _r(noise_ms, 3)
         out["within_noise"] = out["within"] or abs(predicted - measured) <= noise_ms
-    if pooled is not None:  # the replicas' batch means pooled (independent runs)
-        se_p = pooled["se_ms"].get(best["policy"])
-        se = None if se_p is None else (measured, se_p, 0)
-        ci = pooled["ci95_ms"].get(best["policy"])
-    else:
-        se = paired_se(best.get("ttft_batch_means_ms") or [], subject.get("ttft_batch_means_ms") or [])
-        ci = None if se is None else t975(se[2]) * se[1]  # 95 % half-width of the measured difference
-    if ci is not None:  # how well the arms know the difference (batch means, mesh.lab.sim.metrics)
+    se = pooled["se_ms"].get(best["policy"])  # paired batch means (mesh.lab.sim.metrics), runs pooled
+    ci = pooled["ci95_ms"].get(best["policy"])  # 95 % half-width of the measured difference
+    if ci is not None:  # how well the arms know the difference
         out["measured_ci95_ms"] = _r(ci, 3)
         out["within_ci"] = out["within"] or abs(predicted - measured) <= ci
         # the check's ceiling in this run: how likely an estimator exact in expectation lands
         # within 25 % of this one measurement, given the measurement's own standard error
-        out["exact_within_p"] = _r(exact_within_probability(measured, se[1], REGRET_TOLERANCE), 4)
+        out["exact_within_p"] = _r(exact_within_probability(measured, se, REGRET_TOLERANCE), 4)
     out["by_baseline"] = {b["policy"]: {"predicted_ms": pays.get(b["policy"]),
-                                        "measured_ms": pooled["pays_ms"][b["policy"]] if pooled is not None
-                                        else _r(b["ttft_mean_ms"] - subject["ttft_mean_ms"], 3)}
+                                        "measured_ms": pooled["pays_ms"][b["policy"]]}
                           for b in baselines}
     for alt in ("shadow", "observed"):  # the other estimators (mesh.routing.regret), judged the same way
         sh = rg.get(alt)
