@@ -10,7 +10,7 @@ import pytest
 
 from mesh.errors import ConfigError
 from mesh.lab.sim.cli import add_sim_parser
-from mesh.lab.sim.matrix import dumps_matrix, load_matrix, run_matrix
+from mesh.lab.sim.matrix import dumps_matrix, load_matrix, rejudge, run_matrix
 from mesh.lab.sim.workloads import make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,7 +202,7 @@ def test_cli_refuses_single_run_options_with_matrix(tmp_path):
     with pytest.raises(SystemExit):  # --matrix excludes --workload
         parser.parse_args(["sim", "--matrix", str(p), "--workload", "zipf"])
     args = parser.parse_args(["sim", "--workload", "zipf", "--seeds", "2"])
-    with pytest.raises(ConfigError, match="--seeds, --cells and --reuse-calibration need --matrix"):
+    with pytest.raises(ConfigError, match="--seeds, --cells, --rejudge and --reuse-calibration need --matrix"):
         args.func(args)
 
 
@@ -473,8 +473,12 @@ def test_the_twin_audits_every_stream_at_the_policy_level(tmp_path):
     assert tw["within_ci"] == (miss <= max(0.25 * abs(rg["measured_ms"]), rg["measured_ci95_ms"]))
     assert tw["sign_right"] == ((tw["predicted_ms"] > 0) == (rg["measured_ms"] > 0))
     sm = rep["summary"]["regret"]["twin"]
+    worst = sm.pop("worst_miss", None)
     assert sm == {"runs": 1, "within_25pct": int(tw["within"]), "within_25pct_or_ci95": int(tw["within_ci"]),
                   "sign_right": int(tw["sign_right"]), "cells": 1, "cells_within_25pct": int(tw["within"])}
+    assert (worst is None) == tw["within"]  # a miss of the band is named, with its share of the mean TTFT
+    if worst is not None:
+        assert worst["miss_ms"] == tw["miss_ms"] and worst["miss_of_ttft"] == tw["miss_of_ttft"]
     assert ", twin " in c["verdict"]
     # a twin described 1.5x too fast, fitted to the subject arm's mean TTFT and TPOT: it finds
     # the arms' engine again (speeds ~1/1.5 of where it started) and its figure with it
@@ -490,8 +494,9 @@ def test_the_twin_audits_every_stream_at_the_policy_level(tmp_path):
         tw["predicted_ms"], abs=max(0.25 * abs(tw["predicted_ms"]), tw["twin_ci95_ms"] or 0, 2.0))
     # replicas = 3, twin_draws = 2: the measured difference is the mean of the arms and two more
     # independent runs of cache_aware and both baselines; the twin's, the mean of two draws
-    rep3 = json.loads(dumps_matrix(run_matrix(load_matrix(_write(tmp_path, text.replace(
-        "twin = true", "twin = true\nreplicas = 3\ntwin_draws = 2"), "rep.toml"), seeds=[1]), jobs=1)))
+    mc3 = load_matrix(_write(tmp_path, text.replace("twin = true", "twin = true\nreplicas = 3\ntwin_draws = 2"), "rep.toml"),
+                      seeds=[1])
+    rep3 = json.loads(dumps_matrix(run_matrix(mc3, jobs=1)))
     run3 = rep3["cells"][0]["seeds"]["1"]
     assert run3["arms"] == run["arms"] and run3["twin"] == run["twin"]  # the first run and draw are the plain ones
     assert len(run3["replicas"]) == 2 and len(run3["twin_draws"]) == 1
@@ -509,6 +514,19 @@ def test_the_twin_audits_every_stream_at_the_policy_level(tmp_path):
     assert rg3["twin"]["predicted_ms"] == pytest.approx(want, abs=2e-3) and rg3["twin"]["draws"] == 2
     sm3 = rep3["summary"]["regret"]
     assert sm3["replicas"] == 3 and sm3["twin_draws"] == 2 and "the mean of 3 independent runs" in sm3["replication"]
+    tw3 = rg3["twin"]
+    assert tw3["miss_ms"] == pytest.approx(abs(tw3["predicted_ms"] - rg3["measured_ms"]), abs=2e-3)
+    assert tw3["miss_of_ttft"] == pytest.approx(tw3["miss_ms"] / means["cache_aware"], rel=1e-3)
+    if not tw3["within"]:  # the summary names the largest miss of the band, beside the mean TTFT
+        assert sm3["twin"]["worst_miss"]["miss_ms"] == tw3["miss_ms"]
+    # --rejudge: the runs of that report judged again by this code, nothing simulated: the same report
+    saved = _write(tmp_path, dumps_matrix(rep3), "rep3.json")
+    assert json.loads(dumps_matrix(rejudge(mc3, saved))) == rep3
+    other = load_matrix(_write(tmp_path, text.replace("twin = true", "twin = true\nreplicas = 2"), "rep2.toml"), seeds=[1])
+    with pytest.raises(ConfigError, match=r"rejudge: .* is not a run of .* \(its replicas differ\)"):
+        rejudge(other, saved)
+    with pytest.raises(ConfigError, match="rejudge: cannot read"):
+        rejudge(mc3, tmp_path / "missing.json")
     with pytest.raises(ConfigError, match="matrix.twin"):
         load_matrix(_write(tmp_path, text.replace("twin = true", "twin = 1"), "bad.toml"))
     with pytest.raises(ConfigError, match="matrix.twin"):

@@ -484,7 +484,8 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                            f"within 25 % or the 95 % interval in {tw.get('within_25pct_or_ci95', '-')}, sign right in "
                            f"{tw['sign_right']}"
                            + (f"; per cell (its seeds pooled) within 25 % in {tw['cells_within_25pct']} of {tw['cells']} cells"
-                              if tw.get("cells") else "") + ".")
+                              if tw.get("cells") else "")
+                           + (f"; {tw['worst_miss']['text']}" if isinstance(tw.get("worst_miss"), dict) else "") + ".")
         ft = rg.get("twin_fit")
         if isinstance(ft, dict) and ft.get("runs"):
             p.notes.append(f"The twin's engine started {ft['engine_error']:g}x as fast as the arms' (a fleet described wrongly) "

@@ -135,6 +135,10 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--jobs", type=int, default=0,
                    help="processes running calibrations and cells in parallel (default 0: every usable core; "
                         "results are identical for any value)")
+    m.add_argument("--rejudge", metavar="JSON",
+                   help="judge the runs of an earlier --json report of this matrix again, simulating nothing (the "
+                        "simulator is deterministic: after a change to the judging, the same figures a rerun would "
+                        "give); refused when the file is not a run of the matrix as it is now")
     m.add_argument("--reuse-calibration", metavar="JSON",
                    help="reuse the power-of-two calibrations of an earlier matrix report when they still apply")
     o = p.add_argument_group("output")
@@ -278,8 +282,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return _cmd_fairness(args)
     if getattr(args, "tenant", None):
         raise ConfigError("tenant: --tenant needs --fairness")
-    if getattr(args, "seeds", None) or getattr(args, "reuse_calibration", None) or getattr(args, "cells", None):
-        raise ConfigError("--seeds, --cells and --reuse-calibration need --matrix")
+    if (getattr(args, "seeds", None) or getattr(args, "reuse_calibration", None) or getattr(args, "cells", None)
+            or getattr(args, "rejudge", None)):
+        raise ConfigError("--seeds, --cells, --rejudge and --reuse-calibration need --matrix")
     if getattr(args, "audit_textfile", None) and not getattr(args, "audit", False):
         raise ConfigError("audit_textfile: --audit-textfile needs --audit")
     if getattr(args, "fit_engine", None) is not None and not getattr(args, "audit", False):

@@ -100,7 +100,7 @@ from mesh.lab.sim.fit import observed_from_arm, scaled_engine
 from mesh.lab.sim.twin import BASELINES, MAX_DRAWS, SUBJECT, TWIN_TAG, draw_config, fit_twin, pooled_pays, twin_arms, twin_config
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
-__all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix",
+__all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix", "rejudge",
            "analyse_cell", "unloaded_ttft_ms", "wait_within_slo", "render_report", "write_heatmap", "dumps_matrix", "SHORT"]
 
 VERSION = 1
@@ -769,6 +769,7 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
     pooled = pooled_pays([[subject, *baselines], *(replicas or [])], subject["policy"])
     best = next(b for b in baselines if b["policy"] == pooled["against"])
     measured = pooled["best"]
+    subj_mean = pooled["ttft_mean_ms"][subject["policy"]]
     predicted = pays[best["policy"]]  # against the same baseline (pays_ms["best"] is the smaller prediction)
     out: dict[str, Any] = {"predicted_ms": _r(predicted, 3), "measured_ms": _r(measured, 3), "against": best["policy"],
                            "predicted_best_ms": pays["best"],
@@ -804,6 +805,8 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
         tw = tp["pays_ms"][best["policy"]]
         miss = abs(tw - measured)
         out["twin"] = {"predicted_ms": tw, "twin_ci95_ms": tp["ci95_ms"][best["policy"]], "draws": tp["draws"],
+                       # the miss beside the subject's mean TTFT: how much it matters to a user
+                       "miss_ms": _r(miss, 3), "miss_of_ttft": _r(miss / subj_mean, 5) if subj_mean > 0 else None,
                        "within": miss <= REGRET_TOLERANCE * abs(measured),
                        "within_ci": miss <= max(REGRET_TOLERANCE * abs(measured), ci or 0.0),
                        "sign_right": (tw > 0) == (measured > 0), "by_baseline": dict(tp["pays_ms"])}
@@ -883,6 +886,11 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
                                       "sign_right": sum(1 for x in got if x["sign_right"])}
                 if alt == "twin":
                     out["regret"][alt]["within_25pct_or_ci95"] = sum(1 for x in got if x["within_ci"])
+                    misses = [x for x in got if not x["within"] and x.get("miss_of_ttft") is not None]
+                    if misses:  # where it misses the band, by how much of what a request waits
+                        worst = max(misses, key=lambda x: x["miss_of_ttft"])
+                        out["regret"][alt]["worst_miss"] = {"miss_ms": worst["miss_ms"], "miss_of_ttft": worst["miss_of_ttft"],
+                                                            "text": worst_miss_phrase(worst)}
                     out["regret"][alt].update(_cell_level(cells))
         fits = [r["twin_fit"] for c in cells for r in c["seeds"].values() if r.get("twin_fit")]
         if fits:  # the twin's engine, fitted to what the subject arm observed (mesh.lab.sim.fit)
@@ -922,6 +930,12 @@ def _cell_level(cells: list[dict[str, Any]]) -> dict[str, Any]:
         n += 1
         hit += abs(t - m) <= REGRET_TOLERANCE * abs(m)
     return {"cells": n, "cells_within_25pct": hit}
+
+
+def worst_miss_phrase(worst: dict[str, Any]) -> str:
+    """The twin's largest miss of the 25 % band, beside the subject's mean TTFT, in words."""
+    return (f"its largest miss of the 25 % band: {worst['miss_ms']:.1f} ms, {worst['miss_of_ttft']:.1%} of "
+            f"{SUBJECT}'s mean TTFT in that cell-seed")
 
 
 def replication_phrase(replicas: int, draws: int) -> str:
@@ -1089,6 +1103,12 @@ def run_matrix(mc: MatrixConfig, *, jobs: int = 1, reuse: dict[str, dict[str, An
                         if on_cell:
                             on_cell(c, res, wall)
                 submit_ready()
+    return _judge(mc, runs, {k: calibs[k] for k in sorted(need)}, sorted(reused))
+
+
+def _judge(mc: MatrixConfig, runs: dict[tuple[int, int], dict[str, Any]], calibs: dict[str, Any],
+           reused: list[str]) -> dict[str, Any]:
+    """The report: every run judged (:func:`analyse_cell`), per cell and over the matrix."""
     cells_out = []
     for c in mc.cells:
         rs = []
@@ -1097,14 +1117,25 @@ def run_matrix(mc: MatrixConfig, *, jobs: int = 1, reuse: dict[str, dict[str, An
             r["analysis"] = analyse_cell(mc, r)
             rs.append(r)
         cells_out.append(_cell_summary(mc, c, rs))
-    return {
-        "version": VERSION,
-        "matrix": mc.to_dict(),
-        "calibrations": {k: calibs[k] for k in sorted(need)},
-        "reused_calibrations": sorted(reused),
-        "cells": cells_out,
-        "summary": _summary(mc, cells_out),
-    }
+    return {"version": VERSION, "matrix": mc.to_dict(), "calibrations": calibs, "reused_calibrations": reused,
+            "cells": cells_out, "summary": _summary(mc, cells_out)}
+
+
+def rejudge(mc: MatrixConfig, path: str | Path) -> dict[str, Any]:
+    """The report of an earlier ``mesh sim --matrix --json`` run of the same matrix, judged again
+    by this code (its runs kept: the simulator is deterministic, so rerunning them would give the
+    same arms). ConfigError when the file is not a run of ``mc`` (cells, seeds, engine, sim)."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"rejudge: cannot read {path}: {exc}") from None
+    was, now = old.get("matrix") or {}, json.loads(json.dumps(mc.to_dict()))
+    for key in ("cells", "seeds", "engine", "sim", "workloads", "policies", "subject", "baselines", "noise", "twin",
+                "twin_engine_error", "twin_fit", "replicas", "twin_draws"):
+        if was.get(key, 1 if key in ("replicas", "twin_draws") else None) != now[key]:
+            raise ConfigError(f"rejudge: {path} is not a run of {mc.path} as it is now (its {key} differ)")
+    runs = {(c["id"], s): c_run for c in old["cells"] for s, c_run in ((int(k), v) for k, v in c["seeds"].items())}
+    return _judge(mc, runs, old.get("calibrations") or {}, old.get("reused_calibrations") or [])
 
 
 def dumps_matrix(report: dict[str, Any]) -> str:
@@ -1190,6 +1221,8 @@ def render_report(report: dict[str, Any]) -> list[Any]:
             if tw.get("cells"):
                 lines.append(f"    per cell, its seeds pooled: within 25 % in {tw['cells_within_25pct']}/{tw['cells']} cells "
                              f"({tw['cells_within_25pct'] / tw['cells']:.0%})")
+            if tw.get("worst_miss"):
+                lines.append(f"    {tw['worst_miss']['text']}")
         if "twin_fit" in rs:
             f = rs["twin_fit"]
             lines.append(f"    the twin's engine started {f['engine_error']:g}x as fast as the arms' and was fitted to the "
@@ -1289,6 +1322,12 @@ def cmd_matrix(args: Any) -> int:
         mc.sim["regret_shadow_rate"] = check_regret_shadow_rate(args.regret_shadow, "regret_shadow")
     if getattr(args, "regret_truth", 0):  # --regret-truth K: over the TOML's sim.regret_truth_every
         mc.sim["regret_truth_every"] = check_regret_truth_every(args.regret_truth, "regret_truth")
+    if getattr(args, "rejudge", None):  # the runs of an earlier report, judged by this code: no simulation
+        if args.reuse_calibration:
+            raise ConfigError("rejudge: --rejudge runs nothing; drop --reuse-calibration")
+        report = rejudge(mc, args.rejudge)
+        _print_and_write(report, args)
+        return 0
     jobs = args.jobs if args.jobs else default_jobs()
     reuse = reusable_calibrations(mc, args.reuse_calibration) if args.reuse_calibration else None
     console = Console(stderr=True)
@@ -1322,6 +1361,16 @@ def cmd_matrix(args: Any) -> int:
                                                          for c in mc.cells for s in mc.seeds} if k in reuse))
         report = run_matrix(mc, jobs=jobs, reuse=reuse, on_calibration=on_cal, on_cell=on_cell)
     wall = time.perf_counter() - t0
+    _print_and_write(report, args)
+    console.print(f"matrix wall time {wall:.0f} s ({jobs} process(es))")
+    return 0
+
+
+def _print_and_write(report: dict[str, Any], args: Any) -> None:
+    """The matrix report printed (tables, verdicts), then its JSON and heatmap as asked."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
     out = Console()
     out = Console(width=max(out.width, 150))
     for r in render_report(report):
@@ -1329,11 +1378,9 @@ def cmd_matrix(args: Any) -> int:
         out.print()
     for c in report["cells"]:
         out.print(c["verdict"], highlight=False, soft_wrap=True)
-    console.print(f"matrix wall time {wall:.0f} s ({jobs} process(es))")
     if args.json:
         Path(args.json).write_text(dumps_matrix(report))
         console.print(f"wrote {args.json}")
     if args.plot:
         write_heatmap(report, args.plot)
         console.print(f"wrote {args.plot}")
-    return 0

@@ -114,7 +114,8 @@ def pooled_pays(draws: Sequence[Sequence[dict[str, Any]]], subject: str = SUBJEC
     the subject's, ``against`` the baseline with the lowest pooled mean. ``ci95_ms``: the paired
     batch means' standard errors of the draws combined (``sqrt(sum se^2) / n``: independent
     draws), Student's t on every batch; None when a draw has no batch means. ``se_ms`` keeps the
-    combined standard error; ``per_draw_ms`` each draw's own ``pays_ms``. None without the subject
+    combined standard error; ``per_draw_ms`` each draw's own ``pays_ms``; ``ttft_mean_ms`` the
+    pooled mean TTFT per policy. None without the subject
     or a baseline in every draw."""
     draws = [d for d in draws if d]
     if not draws:
@@ -143,7 +144,7 @@ def pooled_pays(draws: Sequence[Sequence[dict[str, Any]]], subject: str = SUBJEC
     against = min(names, key=lambda b: mean[b])
     per_draw = [{b: round(by[b]["ttft_mean_ms"] - by[subject]["ttft_mean_ms"], 3) for b in names} for by in bys]
     return {"subject": subject, "against": against, "best": pays[against], "pays_ms": pays, "ci95_ms": ci,
-            "se_ms": se_out, "draws": n, "per_draw_ms": per_draw}
+            "se_ms": se_out, "draws": n, "per_draw_ms": per_draw, "ttft_mean_ms": {p: round(v, 3) for p, v in mean.items()}}
 
 
 def fidelity(subject_arm: dict[str, Any], recorded: Sequence[dict[str, Any]] | None) -> dict[str, Any] | None:
