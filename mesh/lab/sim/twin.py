@@ -36,7 +36,7 @@ from mesh.lab.sim.fit import fit_engine, observed_from_recording, scaled_engine
 from mesh.lab.sim.metrics import paired_se, t975
 
 __all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "TWIN_TAG", "FIDELITY_BAND", "FIDELITY_FLOOR_MS", "MAX_DRAWS",
-           "DRAW_SEED_STRIDE", "twin_config", "draw_config", "twin_arms", "twin_pays", "pooled_pays", "fidelity",
+           "DRAW_SEED_STRIDE", "plain_config", "twin_config", "draw_config", "twin_arms", "twin_pays", "pooled_pays", "fidelity",
            "fit_twin", "write_textfile"]
 
 SUBJECT = "cache_aware"
@@ -58,6 +58,13 @@ FIDELITY_FLOOR_MS = 5.0
 TWIN_TAG = "twin"
 
 
+def plain_config(cfg: Any, **changes: Any) -> Any:
+    """A copy of the :class:`~mesh.lab.sim.runner.SimConfig` ``cfg`` with ``changes`` and without
+    the per-decision audit's lab extras (one-step truth, shadow) or a recording: what every
+    twin, draw and fit evaluation runs."""
+    return dataclasses.replace(cfg, regret_truth_every=0, regret_shadow_rate=None, record_decisions=None, **changes)
+
+
 def twin_config(cfg: Any, subject: str = SUBJECT, baselines: Sequence[str] = BASELINES, tag: str | None = TWIN_TAG) -> Any:
     """A copy of the :class:`~mesh.lab.sim.runner.SimConfig` ``cfg`` that runs ``subject`` and
     the baselines on its own draws (seed + :data:`TWIN_SEED_OFFSET`) and, with ``tag``, with its
@@ -69,8 +76,7 @@ def twin_config(cfg: Any, subject: str = SUBJECT, baselines: Sequence[str] = BAS
     pols = [subject, *baselines]
     if tag:
         pols = [f"{p}@{tag}" for p in pols]
-    return dataclasses.replace(cfg, seed=cfg.seed + TWIN_SEED_OFFSET, policies=pols,
-                               regret_truth_every=0, regret_shadow_rate=None, record_decisions=None)
+    return plain_config(cfg, seed=cfg.seed + TWIN_SEED_OFFSET, policies=pols)
 
 
 #: the most independent draws an audit (``mesh sim --audit-draws``) or a matrix's ``replicas`` and
@@ -89,8 +95,7 @@ def draw_config(cfg: Any, k: int, tag: str | None = None) -> Any:
     if k == 0:
         return cfg
     pols = [f"{p.partition('@')[0]}@{tag}{k}" if tag else p for p in cfg.policies]
-    return dataclasses.replace(cfg, seed=cfg.seed + k * DRAW_SEED_STRIDE, policies=pols,
-                               regret_truth_every=0, regret_shadow_rate=None, record_decisions=None)
+    return plain_config(cfg, seed=cfg.seed + k * DRAW_SEED_STRIDE, policies=pols)
 
 
 def twin_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -171,8 +176,7 @@ def fit_twin(cfg: Any, workload: Any, policy: str, target: Any,
     from mesh.lab.sim.runner import run_sim
 
     def evaluate(prefill_speed: float, decode_speed: float) -> tuple[float, float | None]:
-        c = dataclasses.replace(cfg, policies=[policy], engine=scaled_engine(cfg.engine, prefill_speed, decode_speed),
-                                regret_truth_every=0, regret_shadow_rate=None, record_decisions=None)
+        c = plain_config(cfg, policies=[policy], engine=scaled_engine(cfg.engine, prefill_speed, decode_speed))
         arm = run_sim(c, workload=workload)["arms"][0]
         return arm["ttft_mean_ms"], arm.get("tpot_mean_ms")
 
