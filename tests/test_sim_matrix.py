@@ -266,6 +266,25 @@ def test_tiny_matrix_end_to_end(tmp_path):
     assert again == rep
     par = json.loads(dumps_matrix(run_matrix(load_matrix(p, seeds=[1]), jobs=2)))
     assert par["cells"][0]["seeds"]["1"] == rep["cells"][0]["seeds"]["1"]
+    # one run sharded by seed (seed 1 above, seed 3 here), judged as one report: the report of both
+    s1, s3 = _write(tmp_path, dumps_matrix(par), "s1.json"), tmp_path / "s3.json"
+    s3.write_text(dumps_matrix(run_matrix(load_matrix(p, seeds=[3]), jobs=1)))
+    assert json.loads(dumps_matrix(rejudge(mc, [s3, s1]))) == rep
+    merged = tmp_path / "merged.json"
+    args = _parser().parse_args(["sim", "--matrix", str(p), "--rejudge", str(s1), str(s3), "--json", str(merged)])
+    assert args.func(args) == 0 and json.loads(merged.read_text()) == rep
+    with pytest.raises(ConfigError, match=r"rejudge: seed 1 is in both .*s1.json and .*s1.json"):
+        rejudge(mc, [s1, s1])
+    with pytest.raises(ConfigError, match=r"rejudge: no file ran seed\(s\) 3 \(--seeds 1,3\)"):
+        rejudge(mc, [s1])
+    with pytest.raises(ConfigError, match=r"rejudge: .*s3.json ran seed 3, which is not among --seeds 1,2"):
+        rejudge(load_matrix(p, seeds=[1, 2]), [s1, s3])
+    stale_mc = load_matrix(_write(tmp_path, TINY.replace("[[cells]]", "[sim]\nttft_slo_ms = 500\n\n[[cells]]"), "s2.toml"))
+    with pytest.raises(ConfigError, match=r"rejudge: .*s1.json is not a run of .* \(its sim differ\)"):
+        rejudge(stale_mc, [s1, s3])
+    (tmp_path / "not.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"rejudge: .*not.json is not a mesh sim --matrix --json report"):
+        rejudge(mc, [tmp_path / "not.json"])
     # a changed basis (another SLO) makes the old calibrations stale
     stale = load_matrix(_write(tmp_path, TINY.replace("[[cells]]", "[sim]\nttft_slo_ms = 500\n\n[[cells]]"), "s.toml"))
     assert reusable_calibrations(stale, out_json) == {}

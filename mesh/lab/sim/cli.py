@@ -135,10 +135,12 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--jobs", type=int, default=0,
                    help="processes running calibrations and cells in parallel (default 0: every usable core; "
                         "results are identical for any value)")
-    m.add_argument("--rejudge", metavar="JSON",
-                   help="judge the runs of an earlier --json report of this matrix again, simulating nothing (the "
+    m.add_argument("--rejudge", metavar="JSON", nargs="+",
+                   help="judge the runs of earlier --json reports of this matrix again, simulating nothing (the "
                         "simulator is deterministic: after a change to the judging, the same figures a rerun would "
-                        "give); refused when the file is not a run of the matrix as it is now")
+                        "give); several files are one run sharded by seed (--seeds 1,3 here, --seeds 2 elsewhere), "
+                        "judged as one report over --seeds; refused when a file is not a run of the matrix as it "
+                        "is now, or the files' seeds overlap or miss one")
     m.add_argument("--reuse-calibration", metavar="JSON",
                    help="reuse the power-of-two calibrations of an earlier matrix report when they still apply")
     o = p.add_argument_group("output")

@@ -88,7 +88,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from mesh.config import build, read_toml
 from mesh.engine_model import EngineConfig
@@ -1121,21 +1121,55 @@ def _judge(mc: MatrixConfig, runs: dict[tuple[int, int], dict[str, Any]], calibs
             "cells": cells_out, "summary": _summary(mc, cells_out)}
 
 
-def rejudge(mc: MatrixConfig, path: str | Path) -> dict[str, Any]:
+def rejudge(mc: MatrixConfig, paths: str | Path | Sequence[str | Path]) -> dict[str, Any]:
     """The report of an earlier ``mesh sim --matrix --json`` run of the same matrix, judged again
     by this code (its runs kept: the simulator is deterministic, so rerunning them would give the
-    same arms). ConfigError when the file is not a run of ``mc`` (cells, seeds, engine, sim)."""
-    try:
-        old = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"rejudge: cannot read {path}: {exc}") from None
-    was, now = old.get("matrix") or {}, json.loads(json.dumps(mc.to_dict()))
-    for key in ("cells", "seeds", "engine", "sim", "workloads", "policies", "subject", "baselines", "noise", "twin",
-                "twin_engine_error", "twin_fit", "replicas", "twin_draws"):
-        if was.get(key, 1 if key in ("replicas", "twin_draws") else None) != now[key]:
-            raise ConfigError(f"rejudge: {path} is not a run of {mc.path} as it is now (its {key} differ)")
-    runs = {(c["id"], s): c_run for c in old["cells"] for s, c_run in ((int(k), v) for k, v in c["seeds"].items())}
-    return _judge(mc, runs, old.get("calibrations") or {}, old.get("reused_calibrations") or [])
+    same arms). Several files are one run sharded by seed (``--seeds 1,3`` on one machine,
+    ``--seeds 2`` on another): their seeds must not overlap and together be ``mc``'s, and the
+    runs are judged as one report (each cell over every seed). ConfigError when a file is not a
+    run of ``mc`` (cells, engine, sim, ...), or the files' seeds overlap or miss one of ``mc``'s."""
+    files = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if not files:
+        raise ConfigError("rejudge: name at least one --json report")
+    now = json.loads(json.dumps(mc.to_dict()))
+    runs: dict[tuple[int, int], dict[str, Any]] = {}
+    calibs: dict[str, Any] = {}
+    reused: set[str] = set()
+    seen: dict[int, str | Path] = {}
+    for path in files:
+        try:
+            old = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"rejudge: cannot read {path}: {exc}") from None
+        was = old.get("matrix") if isinstance(old, dict) else None
+        if not isinstance(was, dict) or not isinstance(old.get("cells"), list):
+            raise ConfigError(f"rejudge: {path} is not a mesh sim --matrix --json report")
+        for key in _REJUDGE_KEYS:
+            if was.get(key, 1 if key in ("replicas", "twin_draws") else None) != now[key]:
+                raise ConfigError(f"rejudge: {path} is not a run of {mc.path} as it is now (its {key} differ)")
+        file_seeds = was.get("seeds") or []
+        for s in file_seeds:
+            if s not in mc.seeds:
+                raise ConfigError(f"rejudge: {path} ran seed {s}, which is not among --seeds "
+                                  f"{','.join(map(str, mc.seeds))}")
+            if s in seen:
+                raise ConfigError(f"rejudge: seed {s} is in both {seen[s]} and {path}")
+            seen[s] = path
+        for c in old["cells"]:
+            for k, v in c["seeds"].items():
+                runs[(c["id"], int(k))] = v
+        calibs.update(old.get("calibrations") or {})
+        reused.update(old.get("reused_calibrations") or [])
+    missing = [s for s in mc.seeds if s not in seen]
+    if missing:
+        raise ConfigError(f"rejudge: no file ran seed(s) {','.join(map(str, missing))} (--seeds "
+                          f"{','.join(map(str, mc.seeds))})")
+    return _judge(mc, runs, dict(sorted(calibs.items())), sorted(reused))
+
+
+#: what a report must share with the matrix as it is now to be judged again (seeds apart: sharded runs)
+_REJUDGE_KEYS = ("cells", "engine", "sim", "workloads", "policies", "subject", "baselines", "noise", "twin",
+                 "twin_engine_error", "twin_fit", "replicas", "twin_draws")
 
 
 def dumps_matrix(report: dict[str, Any]) -> str:
