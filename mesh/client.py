@@ -56,7 +56,7 @@ from mesh.discovery import Resolver, check_endpoint, endpoints_for, is_dns, pars
 from mesh.errors import ClientStateError, ConfigError, ErrorCode, ProtocolError, RequestError, RetryableError, error_for
 from mesh.logs import get_logger
 from mesh.retry import RetryPolicy
-from mesh.sockets import CLIENT_DEALER, CurveKeys, make_socket, send_frames
+from mesh.sockets import CLIENT_DEALER, CurveKeys, make_socket
 
 __all__ = ["Client", "SyncClient", "Stream", "Result"]
 
@@ -361,11 +361,7 @@ class Client:
             while link.pending and link.up and self._state == "open" and time.monotonic() < t_end:
                 await asyncio.sleep(_RETIRE_POLL_S)
             rids += self._fail_pending(link, why)
-        for rid in rids:
-            try:
-                send_frames(link.sock, P.encode_cancel(rid))
-            except zmq.ZMQError:
-                break  # best effort: the queue is full or the socket is gone
+        self._queue_cancels(link, rids)
         for t in link._tasks:
             t.cancel()
         await asyncio.gather(*link._tasks, return_exceptions=True)
@@ -667,7 +663,26 @@ class Client:
 
     async def _on_link_lost(self, link: _Link) -> None:
         await self._drain_replies(link)
-        self._fail_pending(link, f"broker connection lost ({link.endpoint}) before the reply")
+        rids = self._fail_pending(link, f"broker connection lost ({link.endpoint}) before the reply")
+        # The DEALER keeps what it had not written when the connection dropped and sends it on
+        # reconnect: a SUBMIT among that would run at the broker while generate() resubmits it
+        # elsewhere. A CANCEL queued behind it ends it there (one from a new connection that
+        # finds nothing is counted and dropped by the broker).
+        self._queue_cancels(link, rids)
+
+    @staticmethod
+    def _queue_cancels(link: _Link, rids: list[str]) -> None:
+        """Queue a CANCEL per rid on ``link``, behind anything still queued there, without
+        waiting. Through the asyncio socket's own send: a raw send would read the socket's
+        events and could swallow the receive task's wake-up (see :meth:`_drain_replies`)."""
+        for rid in rids:
+            if link.sock.closed:
+                return
+            try:
+                fut = link.sock.send_multipart(P.encode_cancel(rid))
+            except zmq.ZMQError:
+                return  # best effort: the socket is gone
+            fut.add_done_callback(_ignore_send_result)
 
     @staticmethod
     async def _drain_replies(link: _Link) -> None:
@@ -694,6 +709,13 @@ class Client:
                 failed.append(rid)
         link.pending.intersection_update(keep)
         return failed
+
+
+def _ignore_send_result(fut: "asyncio.Future[Any]") -> None:
+    """A best-effort send's outcome is not awaited: read it so that a failure (the socket closed
+    first) is not reported as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class SyncClient:

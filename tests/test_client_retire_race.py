@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import zmq
+import zmq.asyncio
 
 from mesh import protocol as P
 from mesh.client import Client
@@ -165,5 +166,43 @@ def test_a_request_swept_before_its_send_ran_never_reaches_the_broker(procs):
                 assert seen == [[2, 2, 2]]  # the swept request never ran: the broker got the next one first
         finally:
             await w.close()
+
+    run(body(), 30)
+
+
+def test_a_submit_queued_when_its_link_is_lost_is_followed_by_its_cancel():
+    """The client's DEALER keeps what it had not written when a connection drops and sends it on
+    reconnect. A request that was queued so when the link's loss swept it (``unavailable``:
+    ``generate`` resubmits it elsewhere) would run at that broker too. Now the sweep queues a
+    CANCEL behind it. Forced: the SUBMIT is queued while no broker listens, the sweep runs, then
+    a ROUTER binds and reads what arrives, in order."""
+    port = free_port("127.0.0.1")
+    ep = f"tcp://127.0.0.1:{port}"
+
+    async def body():
+        async with Client(ep) as c:
+            (link,) = c.links
+            st = await c.submit(input_ids=[1, 1, 1], max_new_tokens=1, deadline_ms=10_000)
+            assert link.pending == {st.rid} and not link.up  # queued on the DEALER, nothing listening
+            await c._on_link_lost(link)  # what the monitor's DISCONNECTED runs
+            try:
+                await st.result()
+            except Exception as exc:  # noqa: BLE001 - which error is the assertion
+                assert getattr(exc, "code", None) is ErrorCode.UNAVAILABLE, repr(exc)
+            else:
+                raise AssertionError("a swept request returned a result")
+            ctx = zmq.asyncio.Context.instance()
+            router = ctx.socket(zmq.ROUTER)
+            router.linger = 0
+            router.bind(ep)
+            try:
+                got = []
+                while len(got) < 2:
+                    assert await router.poll(10_000), f"only {got} arrived"
+                    got.append(P.decode_client((await router.recv_multipart())[1:]))
+            finally:
+                router.close(0)
+            assert isinstance(got[0], P.Submit) and got[0].rid == st.rid
+            assert isinstance(got[1], P.Cancel) and got[1].rid == st.rid
 
     run(body(), 30)
