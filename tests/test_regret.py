@@ -627,6 +627,19 @@ def test_pooled_draws_average_their_differences_and_narrow_the_interval():
     no_batches = [{**a, "ttft_batch_means_ms": None} for a in d1]
     assert pooled_pays([d0, no_batches])["ci95_ms"]["power_of_two"] is None  # a draw without batch means: no interval
     assert pooled_pays([d0, d1[1:]]) is None and pooled_pays([]) is None  # the subject missing from a draw
+    # the verdict: beyond the interval cache_aware saves or costs; inside it the two tie
+    assert got["verdict"] == "saves" and got["best_of_ttft"] == pytest.approx(18.333 / (306 / 3), abs=1e-4)
+    close = pooled_pays([draw(100.0, 125.0, 101.0, 10.0)])  # 1 ms against power_of_two, +-4.7
+    assert close["against"] == "power_of_two" and close["verdict"] == "tie"
+    assert pooled_pays([draw(100.0, 125.0, 90.0, 10.0)])["verdict"] == "costs"
+
+
+def test_a_verdict_needs_the_difference_beyond_its_interval():
+    from mesh.lab.sim.twin import verdict
+
+    assert verdict(5.0, 2.0) == "saves" and verdict(-5.0, 2.0) == "costs"
+    assert verdict(1.9, 2.0) == verdict(-2.0, 2.0) == verdict(0.0, 0.0) == "tie"
+    assert verdict(0.1, None) == "saves" and verdict(-0.1, None) == "costs" and verdict(0.0, None) == "tie"
 
 
 def _decision_without_audit():

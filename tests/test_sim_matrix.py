@@ -493,12 +493,19 @@ def test_the_twin_audits_every_stream_at_the_policy_level(tmp_path):
     assert tw["sign_right"] == ((tw["predicted_ms"] > 0) == (rg["measured_ms"] > 0))
     sm = rep["summary"]["regret"]["twin"]
     worst = sm.pop("worst_miss", None)
+    assert sm.pop("verdict_right") == int(tw["verdict_right"]) and sm.pop("measured_ties") == int(tw["measured_verdict"] == "tie")
+    assert sm.pop("verdict_text").startswith("its verdict (cache_aware saves, ties or costs")
     assert sm == {"runs": 1, "within_25pct": int(tw["within"]), "within_25pct_or_ci95": int(tw["within_ci"]),
                   "sign_right": int(tw["sign_right"]), "cells": 1, "cells_within_25pct": int(tw["within"])}
     assert (worst is None) == tw["within"]  # a miss of the band is named, with its share of the mean TTFT
     if worst is not None:
         assert worst["miss_ms"] == tw["miss_ms"] and worst["miss_of_ttft"] == tw["miss_of_ttft"]
     assert ", twin " in c["verdict"]
+    # saves / tie / costs: the twin's and the arms', each against its own interval
+    from mesh.lab.sim.twin import verdict
+    assert tw["verdict"] == verdict(tw["predicted_ms"], tw["twin_ci95_ms"])
+    assert tw["measured_verdict"] == verdict(rg["measured_ms"], rg.get("measured_ci95_ms"))
+    assert tw["verdict_right"] == (tw["verdict"] == tw["measured_verdict"])
     # a twin described 1.5x too fast, fitted to the subject arm's mean TTFT and TPOT: it finds
     # the arms' engine again (speeds ~1/1.5 of where it started) and its figure with it
     fitted = text.replace("twin = true", "twin = true\ntwin_engine_error = 1.5\ntwin_fit = true")

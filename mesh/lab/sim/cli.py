@@ -457,9 +457,15 @@ def _print_audit(report: dict, wl, engine_fit: dict | None = None, more_draws: l
     parts = [f"{tp['pays_ms'][b]:+.1f} ms against {b}" + (f" (95 % interval +-{tp['ci95_ms'][b]:.1f})"
                                                           if tp["ci95_ms"][b] is not None else "")
              for b in sorted(tp["pays_ms"], key=lambda b: b != tp["against"])]
-    verb = "saves" if tp["best"] > 0 else "costs"
-    print(f"  {subject} {verb} {abs(tp['best']):.1f} ms per request against the better baseline, {tp['against']}: "
-          + "; ".join(parts))
+    share = f" ({abs(tp['best_of_ttft']):.1%} of its mean TTFT)" if tp["best_of_ttft"] is not None else ""
+    if tp["verdict"] == "tie":
+        print(f"  {subject} and the better baseline, {tp['against']}, TIE on this traffic: {tp['best']:+.1f} ms per request"
+              f"{share}, inside the 95 % interval; switching changes nothing measurable (more draws, --audit-draws, "
+              f"narrow the interval): " + "; ".join(parts))
+    else:
+        verb = "saves" if tp["verdict"] == "saves" else "costs"
+        print(f"  {subject} {verb} {abs(tp['best']):.1f} ms per request{share} against the better baseline, "
+              f"{tp['against']}: " + "; ".join(parts))
     if engine_fit is not None:
         out["engine_fit"] = engine_fit
         e = engine_fit["engine"]

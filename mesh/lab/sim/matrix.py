@@ -97,7 +97,8 @@ from mesh.routing.router import POLICIES, make_policy
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, check_regret_truth_every, run_sim
 from mesh.lab.sim.metrics import exact_within_probability
 from mesh.lab.sim.fit import observed_from_arm, scaled_engine
-from mesh.lab.sim.twin import BASELINES, MAX_DRAWS, SUBJECT, TWIN_TAG, draw_config, fit_twin, pooled_pays, twin_arms, twin_config
+from mesh.lab.sim.twin import (BASELINES, MAX_DRAWS, SUBJECT, TWIN_TAG, draw_config, fit_twin, pooled_pays, twin_arms, twin_config,
+                               verdict)
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
 __all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix", "rejudge",
@@ -809,7 +810,10 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
                        "miss_ms": _r(miss, 3), "miss_of_ttft": _r(miss / subj_mean, 5) if subj_mean > 0 else None,
                        "within": miss <= REGRET_TOLERANCE * abs(measured),
                        "within_ci": miss <= max(REGRET_TOLERANCE * abs(measured), ci or 0.0),
-                       "sign_right": (tw > 0) == (measured > 0), "by_baseline": dict(tp["pays_ms"])}
+                       "sign_right": (tw > 0) == (measured > 0), "by_baseline": dict(tp["pays_ms"]),
+                       # saves / tie / costs, each judged against its own 95 % interval
+                       "verdict": verdict(tw, tp["ci95_ms"][best["policy"]]), "measured_verdict": verdict(measured, ci)}
+        out["twin"]["verdict_right"] = out["twin"]["verdict"] == out["twin"]["measured_verdict"]
     tr = (subject.get("regret_truth") or {}).get(best["policy"])
     if tr and tr.get("one_step_ms") is not None:  # the one-step truth (mesh.lab.sim.regret_truth)
         p1, o1 = tr["predicted_ms"], tr["one_step_ms"]
@@ -886,6 +890,10 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
                                       "sign_right": sum(1 for x in got if x["sign_right"])}
                 if alt == "twin":
                     out["regret"][alt]["within_25pct_or_ci95"] = sum(1 for x in got if x["within_ci"])
+                    if all("verdict_right" in x for x in got):  # saves / tie / costs, as the arms measured it
+                        out["regret"][alt]["verdict_right"] = sum(1 for x in got if x["verdict_right"])
+                        out["regret"][alt]["measured_ties"] = sum(1 for x in got if x["measured_verdict"] == "tie")
+                        out["regret"][alt]["verdict_text"] = verdict_phrase(out["regret"][alt])
                     misses = [x for x in got if not x["within"] and x.get("miss_of_ttft") is not None]
                     if misses:  # where it misses the band, by how much of what a request waits
                         worst = max(misses, key=lambda x: x["miss_of_ttft"])
@@ -936,6 +944,13 @@ def worst_miss_phrase(worst: dict[str, Any]) -> str:
     """The twin's largest miss of the 25 % band, beside the subject's mean TTFT, in words."""
     return (f"its largest miss of the 25 % band: {worst['miss_ms']:.1f} ms, {worst['miss_of_ttft']:.1%} of "
             f"{SUBJECT}'s mean TTFT in that cell-seed")
+
+
+def verdict_phrase(tw: dict[str, Any]) -> str:
+    """How often the twin's verdict (saves, tie or costs) is the measured one, in words."""
+    return (f"its verdict (cache_aware saves, ties or costs, each judged against its own 95 % interval) is the measured "
+            f"one in {tw['verdict_right']} of {tw['runs']} cell-seeds; the measured difference is a tie in "
+            f"{tw['measured_ties']}")
 
 
 def replication_phrase(replicas: int, draws: int) -> str:
@@ -1252,6 +1267,8 @@ def render_report(report: dict[str, Any]) -> list[Any]:
                          f"{'PASS' if tw['within_25pct'] >= rs['target_share'] * tw['runs'] else 'MISS'}; within 25 % or the "
                          f"measured difference's 95 % interval in {tw['within_25pct_or_ci95']}/{tw['runs']}; sign right in "
                          f"{tw['sign_right']}/{tw['runs']}")
+            if tw.get("verdict_text"):
+                lines.append(f"    {tw['verdict_text']}")
             if tw.get("cells"):
                 lines.append(f"    per cell, its seeds pooled: within 25 % in {tw['cells_within_25pct']}/{tw['cells']} cells "
                              f"({tw['cells_within_25pct'] / tw['cells']:.0%})")

@@ -36,7 +36,7 @@ from mesh.lab.sim.fit import fit_engine, observed_from_recording, scaled_engine
 from mesh.lab.sim.metrics import paired_se, t975
 
 __all__ = ["SUBJECT", "BASELINES", "TWIN_SEED_OFFSET", "TWIN_TAG", "FIDELITY_BAND", "FIDELITY_FLOOR_MS", "MAX_DRAWS",
-           "DRAW_SEED_STRIDE", "plain_config", "twin_config", "draw_config", "twin_arms", "twin_pays", "pooled_pays", "fidelity",
+           "DRAW_SEED_STRIDE", "verdict", "plain_config", "twin_config", "draw_config", "twin_arms", "twin_pays", "pooled_pays", "fidelity",
            "fit_twin", "write_textfile"]
 
 SUBJECT = "cache_aware"
@@ -98,6 +98,15 @@ def draw_config(cfg: Any, k: int, tag: str | None = None) -> Any:
     return plain_config(cfg, seed=cfg.seed + k * DRAW_SEED_STRIDE, policies=pols)
 
 
+def verdict(pays_ms: float, ci95_ms: float | None) -> str:
+    """What a difference of mean TTFTs says: ``saves`` (cache_aware is faster beyond the 95 %
+    interval), ``costs`` (slower beyond it) or ``tie`` (the interval holds 0: on this traffic the
+    two policies cannot be told apart, and switching changes nothing measurable). Without an
+    interval, its sign (0: ``tie``)."""
+    band = ci95_ms if ci95_ms is not None else 0.0
+    return "saves" if pays_ms > band else "costs" if pays_ms < -band else "tie"
+
+
 def twin_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """What the audit keeps of each twin arm: its policy (without a twin tag), mean TTFT and batch means."""
     return [{"policy": a["policy"].partition("@")[0], "ttft_mean_ms": a["ttft_mean_ms"],
@@ -120,7 +129,8 @@ def pooled_pays(draws: Sequence[Sequence[dict[str, Any]]], subject: str = SUBJEC
     batch means' standard errors of the draws combined (``sqrt(sum se^2) / n``: independent
     draws), Student's t on every batch; None when a draw has no batch means. ``se_ms`` keeps the
     combined standard error; ``per_draw_ms`` each draw's own ``pays_ms``; ``ttft_mean_ms`` the
-    pooled mean TTFT per policy. None without the subject
+    pooled mean TTFT per policy; ``verdict`` (:func:`verdict`) and ``best_of_ttft`` (``best``
+    over the subject's mean TTFT) against ``against``. None without the subject
     or a baseline in every draw."""
     draws = [d for d in draws if d]
     if not draws:
@@ -149,6 +159,8 @@ def pooled_pays(draws: Sequence[Sequence[dict[str, Any]]], subject: str = SUBJEC
     against = min(names, key=lambda b: mean[b])
     per_draw = [{b: round(by[b]["ttft_mean_ms"] - by[subject]["ttft_mean_ms"], 3) for b in names} for by in bys]
     return {"subject": subject, "against": against, "best": pays[against], "pays_ms": pays, "ci95_ms": ci,
+            "verdict": verdict(pays[against], ci[against]),
+            "best_of_ttft": round(pays[against] / mean[subject], 5) if mean[subject] > 0 else None,
             "se_ms": se_out, "draws": n, "per_draw_ms": per_draw, "ttft_mean_ms": {p: round(v, 3) for p, v in mean.items()}}
 
 
