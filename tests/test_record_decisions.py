@@ -651,6 +651,7 @@ def test_a_real_brokers_recording_is_audited_at_the_policy_level(procs, tmp_path
     got = {s.labels["baseline"]: s.value for s in fams["mesh_audit_pays_ms"].samples}
     assert got == {**rep["audit"]["pays"]["pays_ms"], "best": rep["audit"]["pays"]["best"]}
     assert fams["mesh_audit_requests"].samples[0].value == 40
+    assert fams["mesh_audit_verdict"].samples[0].value == {"saves": 1, "tie": 0, "costs": -1}[rep["audit"]["pays"]["verdict"]]
     assert fams["mesh_audit_engine_fidelity_ratio"].samples[0].value == rep["audit"]["fidelity"]["ratio"]
     fit = rep["audit"]["engine_fit"]  # the real broker's TTFT and TPOT, fitted
     assert fams["mesh_audit_engine_prefill_speed"].samples[0].value == fit["prefill_speed"]

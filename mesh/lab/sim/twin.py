@@ -107,6 +107,9 @@ def verdict(pays_ms: float, ci95_ms: float | None) -> str:
     return "saves" if pays_ms > band else "costs" if pays_ms < -band else "tie"
 
 
+_VERDICT_VALUE = {"saves": 1, "tie": 0, "costs": -1}
+
+
 def twin_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """What the audit keeps of each twin arm: its policy (without a twin tag), mean TTFT and batch means."""
     return [{"policy": a["policy"].partition("@")[0], "ttft_mean_ms": a["ttft_mean_ms"],
@@ -215,6 +218,10 @@ def write_textfile(path: str, audit: dict[str, Any], *, requests: int) -> None:
         if tp["ci95_ms"].get(b) is not None:
             ci.labels(baseline=b).set(tp["ci95_ms"][b])
     pays.labels(baseline="best").set(tp["best"])
+    if tp.get("verdict") in _VERDICT_VALUE:
+        Gauge("mesh_audit_verdict", "The policy-level audit's verdict against the better baseline: 1 cache_aware saves, "
+              "-1 it costs (beyond the 95 % interval), 0 a tie (the interval holds 0)", registry=reg).set(
+            _VERDICT_VALUE[tp["verdict"]])
     Gauge("mesh_audit_requests", "Requests the audit replayed", registry=reg).set(requests)
     f = audit.get("fidelity")
     if f is not None:
