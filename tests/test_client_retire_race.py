@@ -36,6 +36,16 @@ class Answers:
         return list(self.ips)
 
 
+async def _ends_unavailable(st) -> None:
+    """A swept request's stream ends with ``unavailable`` (resubmittable), never a result."""
+    try:
+        await st.result()
+    except Exception as exc:  # noqa: BLE001 - which error is the assertion
+        assert getattr(exc, "code", None) is ErrorCode.UNAVAILABLE, repr(exc)
+    else:
+        raise AssertionError("a swept request returned a result")
+
+
 def test_a_reply_arriving_as_the_link_retires_still_reaches_its_stream(procs):
     """The retiring link's first look for queued replies (``_drain_replies``) must not lose the
     receive task's wake-up. Before: it read ZMQ_EVENTS through pyzmq's raw ``getsockopt``, which
@@ -155,12 +165,7 @@ def test_a_request_swept_before_its_send_ran_never_reaches_the_broker(procs):
                 (rid,) = link.pending
                 assert c._fail_pending(link, "swept") == [rid]  # the sweep lands before the send runs
                 st = await sub
-                try:
-                    await st.result()
-                except Exception as exc:  # noqa: BLE001 - which error is the assertion
-                    assert getattr(exc, "code", None) is ErrorCode.UNAVAILABLE, repr(exc)
-                else:
-                    raise AssertionError("a swept request returned a result")
+                await _ends_unavailable(st)
                 res = await c.generate(input_ids=[2, 2, 2], max_new_tokens=1, deadline_ms=5_000)
                 assert res.finish_reason == "length"
                 assert seen == [[2, 2, 2]]  # the swept request never ran: the broker got the next one first
@@ -185,12 +190,7 @@ def test_a_submit_queued_when_its_link_is_lost_is_followed_by_its_cancel():
             st = await c.submit(input_ids=[1, 1, 1], max_new_tokens=1, deadline_ms=10_000)
             assert link.pending == {st.rid} and not link.up  # queued on the DEALER, nothing listening
             await c._on_link_lost(link)  # what the monitor's DISCONNECTED runs
-            try:
-                await st.result()
-            except Exception as exc:  # noqa: BLE001 - which error is the assertion
-                assert getattr(exc, "code", None) is ErrorCode.UNAVAILABLE, repr(exc)
-            else:
-                raise AssertionError("a swept request returned a result")
+            await _ends_unavailable(st)
             ctx = zmq.asyncio.Context.instance()
             router = ctx.socket(zmq.ROUTER)
             router.linger = 0
