@@ -417,7 +417,7 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
              f"Every policy on the identical request stream in each cell (workload, load L, workers W, routers R), "
              f"in `mesh sim`, seeds {' and '.join(seeds)} (figures are per seed, \"seed {' / seed '.join(seeds)}\"). "
              f"`{subject}` is judged against the best other policy: it loses a cell when its TTFT p95 is more than 5 % "
-             "above, or its goodput more than 1 point below, on either seed. The noise column is the same policy with "
+             "above, or its goodput more than 1 point below, on any seed. The noise column is the same policy with "
              "its workers named in another order (the cell's noise floor), when the matrix runs it.",
              f"mesh sim --matrix {path} --seeds {','.join(seeds)} --json {out}")
     sm = d["summary"]
@@ -425,7 +425,7 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                      [[k, str(v["win"]), str(v["within"]), str(v["lose"])] for k, v in sm["policies"].items()]))
     n = sm["cells"]
     tg = sm.get("targets_passed") or {}
-    p.notes.append(f"Targets for `{subject}`, every cell and both seeds: TTFT p95 <= 1.05x the best other "
+    p.notes.append(f"Targets for `{subject}`, every cell and every seed: TTFT p95 <= 1.05x the best other "
                    f"{tg.get('ttft_p95', '-')} / {n}; goodput >= the best other's - 1 point {tg.get('goodput', '-')} / {n}; "
                    f"hit rate >= 0.9x greedy's {tg.get('hit_rate', '-')} / {n}; all three {sm.get('cells_all_targets', '-')} / {n}."
                    + (f" Losing cells: {', '.join(sm['losing_cells'])}." if sm.get("losing_cells") else ""))

@@ -1243,7 +1243,7 @@ def render_report(report: dict[str, Any]) -> list[Any]:
     n = sm["cells"]
     tg = sm["targets_passed"]
     lines = [
-        f"targets for {subject} (every cell, both seeds):",
+        f"targets for {subject} (every cell, every seed):",
         f"  TTFT p95 <= 1.05x best of {', '.join(mc['baselines'])}: {tg['ttft_p95']}/{n} cells -> "
         f"{'PASS' if tg['ttft_p95'] == n else 'MISS'}",
         f"  goodput >= best of them - 1 pt: {tg['goodput']}/{n} cells -> {'PASS' if tg['goodput'] == n else 'MISS'}",
