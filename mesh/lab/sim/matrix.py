@@ -803,17 +803,17 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
                         "by_baseline": {b["policy"]: sh["pays_ms"].get(b["policy"]) for b in baselines}}
     tp = pooled_pays(twin, subject["policy"]) if twin else None
     if tp is not None and best["policy"] in tp["pays_ms"]:  # the policy-level audit (mesh.lab.sim.twin)
-        tw = tp["pays_ms"][best["policy"]]
+        tw, tw_ci = tp["pays_ms"][best["policy"]], tp["ci95_ms"][best["policy"]]
         miss = abs(tw - measured)
-        out["twin"] = {"predicted_ms": tw, "twin_ci95_ms": tp["ci95_ms"][best["policy"]], "draws": tp["draws"],
+        # saves / tie / costs, each judged against its own 95 % interval
+        said, was = verdict(tw, tw_ci), verdict(measured, ci)
+        out["twin"] = {"predicted_ms": tw, "twin_ci95_ms": tw_ci, "draws": tp["draws"],
                        # the miss beside the subject's mean TTFT: how much it matters to a user
                        "miss_ms": _r(miss, 3), "miss_of_ttft": _r(miss / subj_mean, 5) if subj_mean > 0 else None,
                        "within": miss <= REGRET_TOLERANCE * abs(measured),
                        "within_ci": miss <= max(REGRET_TOLERANCE * abs(measured), ci or 0.0),
                        "sign_right": (tw > 0) == (measured > 0), "by_baseline": dict(tp["pays_ms"]),
-                       # saves / tie / costs, each judged against its own 95 % interval
-                       "verdict": verdict(tw, tp["ci95_ms"][best["policy"]]), "measured_verdict": verdict(measured, ci)}
-        out["twin"]["verdict_right"] = out["twin"]["verdict"] == out["twin"]["measured_verdict"]
+                       "verdict": said, "measured_verdict": was, "verdict_right": said == was}
     tr = (subject.get("regret_truth") or {}).get(best["policy"])
     if tr and tr.get("one_step_ms") is not None:  # the one-step truth (mesh.lab.sim.regret_truth)
         p1, o1 = tr["predicted_ms"], tr["one_step_ms"]
@@ -890,10 +890,10 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
                                       "sign_right": sum(1 for x in got if x["sign_right"])}
                 if alt == "twin":
                     out["regret"][alt]["within_25pct_or_ci95"] = sum(1 for x in got if x["within_ci"])
-                    if all("verdict_right" in x for x in got):  # saves / tie / costs, as the arms measured it
-                        out["regret"][alt]["verdict_right"] = sum(1 for x in got if x["verdict_right"])
-                        out["regret"][alt]["measured_ties"] = sum(1 for x in got if x["measured_verdict"] == "tie")
-                        out["regret"][alt]["verdict_text"] = verdict_phrase(out["regret"][alt])
+                    # saves / tie / costs, as the arms measured it
+                    out["regret"][alt]["verdict_right"] = sum(1 for x in got if x["verdict_right"])
+                    out["regret"][alt]["measured_ties"] = sum(1 for x in got if x["measured_verdict"] == "tie")
+                    out["regret"][alt]["verdict_text"] = verdict_phrase(out["regret"][alt])
                     misses = [x for x in got if not x["within"] and x.get("miss_of_ttft") is not None]
                     if misses:  # where it misses the band, by how much of what a request waits
                         worst = max(misses, key=lambda x: x["miss_of_ttft"])
@@ -1136,6 +1136,11 @@ def _judge(mc: MatrixConfig, runs: dict[tuple[int, int], dict[str, Any]], calibs
             "cells": cells_out, "summary": _summary(mc, cells_out)}
 
 
+#: what a report must share with the matrix as it is now to be judged again (seeds apart: sharded runs)
+_REJUDGE_KEYS = ("cells", "engine", "sim", "workloads", "policies", "subject", "baselines", "noise", "twin",
+                 "twin_engine_error", "twin_fit", "replicas", "twin_draws")
+
+
 def rejudge(mc: MatrixConfig, paths: str | Path | Sequence[str | Path]) -> dict[str, Any]:
     """The report of an earlier ``mesh sim --matrix --json`` run of the same matrix, judged again
     by this code (its runs kept: the simulator is deterministic, so rerunning them would give the
@@ -1180,11 +1185,6 @@ def rejudge(mc: MatrixConfig, paths: str | Path | Sequence[str | Path]) -> dict[
         raise ConfigError(f"rejudge: no file ran seed(s) {','.join(map(str, missing))} (--seeds "
                           f"{','.join(map(str, mc.seeds))})")
     return _judge(mc, runs, dict(sorted(calibs.items())), sorted(reused))
-
-
-#: what a report must share with the matrix as it is now to be judged again (seeds apart: sharded runs)
-_REJUDGE_KEYS = ("cells", "engine", "sim", "workloads", "policies", "subject", "baselines", "noise", "twin",
-                 "twin_engine_error", "twin_fit", "replicas", "twin_draws")
 
 
 def dumps_matrix(report: dict[str, Any]) -> str:
