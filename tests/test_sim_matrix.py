@@ -266,8 +266,20 @@ def test_tiny_matrix_end_to_end(tmp_path):
     assert again == rep
     par = json.loads(dumps_matrix(run_matrix(load_matrix(p, seeds=[1]), jobs=2)))
     assert par["cells"][0]["seeds"]["1"] == rep["cells"][0]["seeds"]["1"]
-    # one run sharded by seed (seed 1 above, seed 3 here), judged as one report: the report of both
-    s1, s3 = _write(tmp_path, dumps_matrix(par), "s1.json"), tmp_path / "s3.json"
+    # a changed basis (another SLO) makes the old calibrations stale
+    stale = load_matrix(_write(tmp_path, TINY.replace("[[cells]]", "[sim]\nttft_slo_ms = 500\n\n[[cells]]"), "s.toml"))
+    assert reusable_calibrations(stale, out_json) == {}
+
+
+def test_a_run_sharded_by_seed_is_judged_as_one(tmp_path):
+    """``--rejudge`` with several reports: one run sharded by seed (seed 1 on one machine, seed 3
+    on another) judged as one report gives the report of the run of both; files that overlap,
+    miss a seed, belong to another matrix or are forged are refused by name."""
+    p = _write(tmp_path, TINY.replace("load = [0.5, 1.0]", "load = 1.0"))
+    mc = load_matrix(p)
+    rep = json.loads(dumps_matrix(run_matrix(mc, jobs=1)))
+    s1, s3 = tmp_path / "s1.json", tmp_path / "s3.json"
+    s1.write_text(dumps_matrix(run_matrix(load_matrix(p, seeds=[1]), jobs=1)))
     s3.write_text(dumps_matrix(run_matrix(load_matrix(p, seeds=[3]), jobs=1)))
     assert json.loads(dumps_matrix(rejudge(mc, [s3, s1]))) == rep
     merged = tmp_path / "merged.json"
@@ -279,15 +291,23 @@ def test_tiny_matrix_end_to_end(tmp_path):
         rejudge(mc, [s1])
     with pytest.raises(ConfigError, match=r"rejudge: .*s3.json ran seed 3, which is not among --seeds 1,2"):
         rejudge(load_matrix(p, seeds=[1, 2]), [s1, s3])
-    stale_mc = load_matrix(_write(tmp_path, TINY.replace("[[cells]]", "[sim]\nttft_slo_ms = 500\n\n[[cells]]"), "s2.toml"))
+    stale_mc = load_matrix(_write(tmp_path, p.read_text().replace("[[cells]]", "[sim]\nttft_slo_ms = 500\n\n[[cells]]"),
+                                  "s2.toml"))
     with pytest.raises(ConfigError, match=r"rejudge: .*s1.json is not a run of .* \(its sim differ\)"):
         rejudge(stale_mc, [s1, s3])
+    # forged or truncated runs: a clean error naming the file, never a traceback
+    broken = json.loads(s3.read_text())
+    del broken["cells"][0]["seeds"]["3"]["arms"]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(ConfigError, match=r"rejudge: a run in .*broken.json is broken or incomplete"):
+        rejudge(mc, [s1, tmp_path / "broken.json"])
+    broken["cells"][0]["seeds"] = ["3"]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(ConfigError, match=r"rejudge: .*broken.json is not a mesh sim --matrix --json report"):
+        rejudge(mc, [s1, tmp_path / "broken.json"])
     (tmp_path / "not.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"rejudge: .*not.json is not a mesh sim --matrix --json report"):
         rejudge(mc, [tmp_path / "not.json"])
-    # a changed basis (another SLO) makes the old calibrations stale
-    stale = load_matrix(_write(tmp_path, TINY.replace("[[cells]]", "[sim]\nttft_slo_ms = 500\n\n[[cells]]"), "s.toml"))
-    assert reusable_calibrations(stale, out_json) == {}
 
 
 def test_trace_windows_per_seed(tmp_path):

@@ -1175,16 +1175,23 @@ def rejudge(mc: MatrixConfig, paths: str | Path | Sequence[str | Path]) -> dict[
             if s in seen:
                 raise ConfigError(f"rejudge: seed {s} is in both {seen[s]} and {path}")
             seen[s] = path
-        for c in old["cells"]:
-            for k, v in c["seeds"].items():
-                runs[(c["id"], int(k))] = v
-        calibs.update(old.get("calibrations") or {})
-        reused.update(old.get("reused_calibrations") or [])
+        try:
+            for c in old["cells"]:
+                for k, v in c["seeds"].items():
+                    runs[(c["id"], int(k))] = v
+            calibs.update(old.get("calibrations") or {})
+            reused.update(old.get("reused_calibrations") or [])
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"rejudge: {path} is not a mesh sim --matrix --json report ({exc!r})") from None
     missing = [s for s in mc.seeds if s not in seen]
     if missing:
         raise ConfigError(f"rejudge: no file ran seed(s) {','.join(map(str, missing))} (--seeds "
                           f"{','.join(map(str, mc.seeds))})")
-    return _judge(mc, runs, dict(sorted(calibs.items())), sorted(reused))
+    try:
+        return _judge(mc, runs, dict(sorted(calibs.items())), sorted(reused))
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ConfigError(f"rejudge: a run in {', '.join(map(str, files))} is broken or incomplete "
+                          f"({exc!r}); run that seed again") from None
 
 
 def dumps_matrix(report: dict[str, Any]) -> str:
