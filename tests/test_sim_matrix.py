@@ -10,7 +10,7 @@ import pytest
 
 from mesh.errors import ConfigError
 from mesh.lab.sim.cli import add_sim_parser
-from mesh.lab.sim.matrix import dumps_matrix, load_matrix, rejudge, run_matrix
+from mesh.lab.sim.matrix import dumps_matrix, extend, load_matrix, rejudge, run_matrix
 from mesh.lab.sim.workloads import make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -578,3 +578,52 @@ def test_the_twin_audits_every_stream_at_the_policy_level(tmp_path):
     with pytest.raises(ConfigError, match="matrix.twin"):
         load_matrix(_write(tmp_path, text.replace("twin = true", "twin = true\nsubject = 'cache_aware_greedy'\n"
                                                   "baselines = ['power_of_two', 'cache_aware']"), "bad2.toml"))
+
+
+def test_extend_completes_an_earlier_run_to_the_report_of_a_fresh_one(tmp_path):
+    """``--extend``: a report run with 2 replicas and 2 twin draws, completed to 3 and 3, keeps
+    its runs, runs only the missing draws and equals the report of a fresh run with 3 and 3 (also
+    from seed shards, through the CLI); a report with more draws than the matrix, or of another
+    matrix, or a forged one is refused by name."""
+    base = TINY.replace("load = [0.5, 1.0]", "load = 1.0")
+    small = _write(tmp_path, base.replace("[matrix]\n", "[matrix]\ntwin = true\nreplicas = 2\ntwin_draws = 2\n"), "small.toml")
+    big = _write(tmp_path, base.replace("[matrix]\n", "[matrix]\ntwin = true\nreplicas = 3\ntwin_draws = 3\n"), "big.toml")
+    old = tmp_path / "old.json"
+    old.write_text(dumps_matrix(run_matrix(load_matrix(small), jobs=1)))
+    fresh = json.loads(dumps_matrix(run_matrix(load_matrix(big), jobs=1)))
+    todo: list[int] = []
+    done: list[tuple[int, int]] = []
+    got = extend(load_matrix(big), old, on_start=todo.append, on_cell=lambda c, r, w: done.append((c.id, r["seed"])))
+    assert json.loads(dumps_matrix(got)) == fresh
+    assert todo == [2] and sorted(done) == [(0, 1), (0, 3)]
+    # kept, not rerun: a forged arm in the earlier report survives into the completed one
+    forged = json.loads(old.read_text())
+    forged["cells"][0]["seeds"]["1"]["arms"][0]["ttft_mean_ms"] = 12345.0
+    (tmp_path / "forged.json").write_text(json.dumps(forged))
+    kept = extend(load_matrix(big), tmp_path / "forged.json")
+    assert kept["cells"][0]["seeds"]["1"]["arms"][0]["ttft_mean_ms"] == 12345.0
+    # a complete report runs nothing: it is judged as it is
+    (tmp_path / "fresh.json").write_text(dumps_matrix(fresh))
+    todo.clear()
+    assert json.loads(dumps_matrix(extend(load_matrix(big), tmp_path / "fresh.json", on_start=todo.append))) == fresh
+    assert todo == [0]
+    # seed shards, through the CLI
+    s1, s3, out = tmp_path / "s1.json", tmp_path / "s3.json", tmp_path / "out.json"
+    s1.write_text(dumps_matrix(run_matrix(load_matrix(small, seeds=[1]), jobs=1)))
+    s3.write_text(dumps_matrix(run_matrix(load_matrix(small, seeds=[3]), jobs=1)))
+    args = _parser().parse_args(["sim", "--matrix", str(big), "--extend", str(s1), str(s3), "--jobs", "2",
+                                 "--no-progress", "--json", str(out)])
+    assert args.func(args) == 0 and json.loads(out.read_text()) == fresh
+    # refused by name
+    with pytest.raises(ConfigError, match=r"extend: .*fresh.json has 3 replicas, more than .*small.toml's 2"):
+        extend(load_matrix(small), tmp_path / "fresh.json")
+    other = _write(tmp_path, big.read_text().replace("max_requests = 100", "max_requests = 90"), "other.toml")
+    with pytest.raises(ConfigError, match=r"extend: .*old.json is not a run of .*other.toml as it is now \(its cells differ\)"):
+        extend(load_matrix(other), old)
+    del forged["cells"][0]["seeds"]["3"]["twin"]
+    (tmp_path / "forged.json").write_text(json.dumps(forged))
+    with pytest.raises(ConfigError, match=r"extend: the run of cell 0 seed 3 in .*forged.json is broken or incomplete"):
+        extend(load_matrix(big), tmp_path / "forged.json")
+    args = _parser().parse_args(["sim", "--matrix", str(big), "--extend", str(old), "--rejudge", str(old)])
+    with pytest.raises(ConfigError, match=r"extend: --rejudge judges reports as they are, --extend completes them"):
+        args.func(args)

@@ -141,6 +141,10 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                         "give); several files are one run sharded by seed (--seeds 1,3 here, --seeds 2 elsewhere), "
                         "judged as one report over --seeds; refused when a file is not a run of the matrix as it "
                         "is now, or the files' seeds overlap or miss one")
+    m.add_argument("--extend", metavar="JSON", nargs="+",
+                   help="complete earlier --json reports of this matrix (read as --rejudge reads them) that ran "
+                        "fewer replicas or twin draws than it now asks for: their runs are kept and only the "
+                        "missing replicas and draws run; the report equals a fresh run's")
     m.add_argument("--reuse-calibration", metavar="JSON",
                    help="reuse the power-of-two calibrations of an earlier matrix report when they still apply")
     o = p.add_argument_group("output")
@@ -285,8 +289,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if getattr(args, "tenant", None):
         raise ConfigError("tenant: --tenant needs --fairness")
     if (getattr(args, "seeds", None) or getattr(args, "reuse_calibration", None) or getattr(args, "cells", None)
-            or getattr(args, "rejudge", None)):
-        raise ConfigError("--seeds, --cells, --rejudge and --reuse-calibration need --matrix")
+            or getattr(args, "rejudge", None) or getattr(args, "extend", None)):
+        raise ConfigError("--seeds, --cells, --rejudge, --extend and --reuse-calibration need --matrix")
     if getattr(args, "audit_textfile", None) and not getattr(args, "audit", False):
         raise ConfigError("audit_textfile: --audit-textfile needs --audit")
     if getattr(args, "fit_engine", None) is not None and not getattr(args, "audit", False):

@@ -101,7 +101,7 @@ from mesh.lab.sim.twin import (BASELINES, MAX_DRAWS, SUBJECT, TWIN_TAG, draw_con
                                verdict)
 from mesh.lab.sim.workloads import COMMON_PARAMS, WORKLOADS, SimRequest, Workload, load_mooncake
 
-__all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix", "rejudge",
+__all__ = ["MatrixConfig", "WorkloadDef", "Cell", "load_matrix", "calibrate", "run_cell", "run_matrix", "rejudge", "extend",
            "analyse_cell", "unloaded_ttft_ms", "wait_within_slo", "render_report", "write_heatmap", "dumps_matrix", "SHORT"]
 
 VERSION = 1
@@ -648,37 +648,54 @@ def calibrate(mc: MatrixConfig, wname: str, workers: int, seed: int, max_request
 # --------------------------------------------------------------------------- cells
 
 
-def run_cell(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any]) -> dict[str, Any]:
-    """Every policy of ``mc`` on the cell's stream for ``seed`` (one :func:`run_sim`)."""
+def run_cell(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any],
+             prior: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every policy of ``mc`` on the cell's stream for ``seed`` (one :func:`run_sim`). ``prior``:
+    this (cell, seed)'s run in an earlier report of the same matrix with fewer ``replicas`` or
+    ``twin_draws`` (``--extend``): its arms, replicas and twin draws are kept and only the missing
+    ones run, which gives the run a fresh one would (every draw has its own seed and names)."""
     wdef = mc.workloads[cell.workload]
     rate = cell.load * calib["rate_p2c_rps"]
     cfg = _sim_config(mc, wdef, rate, cell.workers, cell.routers, seed, cell.max_requests, mc.arm_policies)
     wl = build_stream(mc, wdef, cfg)
-    rep = run_sim(cfg, workload=wl)
-    out = {
-        "cell": cell.id, "seed": seed, "rate_rps": _r(rate), "rate_p2c_rps": calib["rate_p2c_rps"],
-        "time_scale": _r(cfg.time_scale) if wdef.trace else None,
-        "stream": {**rep["workload"], "fingerprint": stream_fingerprint(wl), "oracle_hit_rate": rep["oracle_hit_rate"]},
-        "arms": rep["arms"],
-    }
+    if prior is not None:
+        if prior.get("stream", {}).get("fingerprint") != stream_fingerprint(wl):
+            raise ConfigError(f"extend: cell {cell.label!r} seed {seed}: the earlier run's stream is not this "
+                              "matrix's (another calibration or workload); run it afresh")
+        out = {k: v for k, v in prior.items() if k not in ("analysis", "replicas", "twin_draws")}
+    else:
+        rep = run_sim(cfg, workload=wl)
+        out = {
+            "cell": cell.id, "seed": seed, "rate_rps": _r(rate), "rate_p2c_rps": calib["rate_p2c_rps"],
+            "time_scale": _r(cfg.time_scale) if wdef.trace else None,
+            "stream": {**rep["workload"], "fingerprint": stream_fingerprint(wl), "oracle_hit_rate": rep["oracle_hit_rate"]},
+            "arms": rep["arms"],
+        }
     if mc.replicas > 1:  # the regret check's measurement, repeated on other draws and worker names
         rcfg = replace(cfg, policies=[mc.subject, *mc.baselines])
-        out["replicas"] = [twin_arms(run_sim(draw_config(rcfg, k, REPLICA_TAG), workload=wl)["arms"])
-                           for k in range(1, mc.replicas)]
+        kept = list((prior or {}).get("replicas", []))[:mc.replicas - 1]
+        out["replicas"] = kept + [twin_arms(run_sim(draw_config(rcfg, k, REPLICA_TAG), workload=wl)["arms"])
+                                  for k in range(len(kept) + 1, mc.replicas)]
     if mc.twin:  # the policy-level audit: the same stream through every policy on the twin's own draws
+        kept = list((prior or {}).get("twin_draws", []))[:mc.twin_draws - 1]
+        if prior is not None and len(kept) == mc.twin_draws - 1:
+            if kept:
+                out["twin_draws"] = kept
+            return out
         tcfg = twin_config(cfg, mc.subject, BASELINES)
         if mc.twin_engine_error != 1.0:  # the fleet as an operator may have described it: wrongly
             tcfg.engine = scaled_engine(mc.engine, mc.twin_engine_error, mc.twin_engine_error)
         if mc.twin_fit:  # ... and fitted to what the subject arm (the fleet) observed
-            subj = next(a for a in rep["arms"] if a["policy"] == mc.subject)
+            subj = next(a for a in out["arms"] if a["policy"] == mc.subject)
             fit = fit_twin(tcfg, wl, tcfg.policies[0], observed_from_arm(subj))
             tcfg.engine = fit.pop("engine")
             out["twin_fit"] = {k: fit[k] for k in ("prefill_speed", "decode_speed", "converged", "evaluations",
                                                    "ttft_ratio", "tpot_ratio")}
-        out["twin"] = twin_arms(run_sim(tcfg, workload=wl)["arms"])
+        if prior is None:
+            out["twin"] = twin_arms(run_sim(tcfg, workload=wl)["arms"])
         if mc.twin_draws > 1:
-            out["twin_draws"] = [twin_arms(run_sim(draw_config(tcfg, k, TWIN_TAG), workload=wl)["arms"])
-                                 for k in range(1, mc.twin_draws)]
+            out["twin_draws"] = kept + [twin_arms(run_sim(draw_config(tcfg, k, TWIN_TAG), workload=wl)["arms"])
+                                        for k in range(len(kept) + 1, mc.twin_draws)]
     return out
 
 
@@ -1008,9 +1025,10 @@ def _calib_task(mc: MatrixConfig, key: tuple[str, int, int, int]) -> tuple[dict[
     return res, time.perf_counter() - t
 
 
-def _cell_task(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any]) -> tuple[dict[str, Any], float]:
+def _cell_task(mc: MatrixConfig, cell: Cell, seed: int, calib: dict[str, Any],
+               prior: dict[str, Any] | None = None) -> tuple[dict[str, Any], float]:
     t = time.perf_counter()
-    res = run_cell(mc, cell, seed, calib)
+    res = run_cell(mc, cell, seed, calib, prior)
     return res, time.perf_counter() - t
 
 
@@ -1045,9 +1063,12 @@ def reusable_calibrations(mc: MatrixConfig, path: str | Path) -> dict[str, dict[
 
 
 def run_matrix(mc: MatrixConfig, *, jobs: int = 1, reuse: dict[str, dict[str, Any]] | None = None,
+               prior: dict[tuple[int, int], dict[str, Any]] | None = None,
                on_calibration: Callable[[dict[str, Any], float], None] | None = None,
                on_cell: Callable[[Cell, dict[str, Any], float], None] | None = None) -> dict[str, Any]:
-    """Calibrate, run every (cell, seed) and judge; returns the report (JSON-ready, no wall times)."""
+    """Calibrate, run every (cell, seed) and judge; returns the report (JSON-ready, no wall times).
+    ``prior``: runs of an earlier report by (cell id, seed) (:func:`extend`), kept as they are
+    when they have every replica and twin draw ``mc`` asks for, else completed (:func:`run_cell`)."""
     need: dict[str, tuple[str, int, int, int]] = {}
     for c in mc.cells:
         for s in mc.seeds:
@@ -1059,9 +1080,10 @@ def run_matrix(mc: MatrixConfig, *, jobs: int = 1, reuse: dict[str, dict[str, An
             calibs[k] = reuse[k]
             reused.append(k)
     todo_cal = [k for k in need if k not in calibs]
-    tasks = [(c, s) for c in mc.cells for s in mc.seeds]
+    prior = prior or {}
+    runs: dict[tuple[int, int], dict[str, Any]] = {k: r for k, r in prior.items() if _complete(mc, r)}
+    tasks = [(c, s) for c in mc.cells for s in mc.seeds if (c.id, s) not in runs]
     tasks.sort(key=lambda t: -_cost(mc, t[0]))  # longest first: better packing over the processes
-    runs: dict[tuple[int, int], dict[str, Any]] = {}
 
     def ckey(c: Cell, s: int) -> str:
         return calibration_key(c.workload, c.workers, s, c.max_requests)
@@ -1073,7 +1095,7 @@ def run_matrix(mc: MatrixConfig, *, jobs: int = 1, reuse: dict[str, dict[str, An
             if on_calibration:
                 on_calibration(res, wall)
         for c, s in tasks:
-            res, wall = _cell_task(mc, c, s, calibs[ckey(c, s)])
+            res, wall = _cell_task(mc, c, s, calibs[ckey(c, s)], prior.get((c.id, s)))
             runs[(c.id, s)] = res
             if on_cell:
                 on_cell(c, res, wall)
@@ -1097,7 +1119,7 @@ def run_matrix(mc: MatrixConfig, *, jobs: int = 1, reuse: dict[str, dict[str, An
                 for c, s in pending_cells:
                     k = ckey(c, s)
                     if k in calibs:
-                        futs[ex.submit(_cell_task, mc, c, s, calibs[k])] = ("cell", (c, s))
+                        futs[ex.submit(_cell_task, mc, c, s, calibs[k], prior.get((c.id, s)))] = ("cell", (c, s))
                     else:
                         keep.append((c, s))
                 pending_cells[:] = keep
@@ -1121,6 +1143,12 @@ def run_matrix(mc: MatrixConfig, *, jobs: int = 1, reuse: dict[str, dict[str, An
     return _judge(mc, runs, {k: calibs[k] for k in sorted(need)}, sorted(reused))
 
 
+def _complete(mc: MatrixConfig, run: dict[str, Any]) -> bool:
+    """Whether an earlier run has every replica and twin draw ``mc`` asks for."""
+    return (len(run.get("replicas", [])) == mc.replicas - 1
+            and (not mc.twin or len(run.get("twin_draws", [])) == mc.twin_draws - 1))
+
+
 def _judge(mc: MatrixConfig, runs: dict[tuple[int, int], dict[str, Any]], calibs: dict[str, Any],
            reused: list[str]) -> dict[str, Any]:
     """The report: every run judged (:func:`analyse_cell`), per cell and over the matrix."""
@@ -1139,18 +1167,19 @@ def _judge(mc: MatrixConfig, runs: dict[tuple[int, int], dict[str, Any]], calibs
 #: what a report must share with the matrix as it is now to be judged again (seeds apart: sharded runs)
 _REJUDGE_KEYS = ("cells", "engine", "sim", "workloads", "policies", "subject", "baselines", "noise", "twin",
                  "twin_engine_error", "twin_fit", "replicas", "twin_draws")
+#: the keys ``--extend`` lets grow (a report without them ran one of each)
+_DRAW_KEYS = ("replicas", "twin_draws")
 
 
-def rejudge(mc: MatrixConfig, paths: str | Path | Sequence[str | Path]) -> dict[str, Any]:
-    """The report of an earlier ``mesh sim --matrix --json`` run of the same matrix, judged again
-    by this code (its runs kept: the simulator is deterministic, so rerunning them would give the
-    same arms). Several files are one run sharded by seed (``--seeds 1,3`` on one machine,
-    ``--seeds 2`` on another): their seeds must not overlap and together be ``mc``'s, and the
-    runs are judged as one report (each cell over every seed). ConfigError when a file is not a
-    run of ``mc`` (cells, engine, sim, ...), or the files' seeds overlap or miss one of ``mc``'s."""
+def _read_runs(mc: MatrixConfig, paths: str | Path | Sequence[str | Path], verb: str
+               ) -> tuple[dict[tuple[int, int], dict[str, Any]], dict[str, Any], list[str], list[str | Path]]:
+    """The runs (by cell id and seed), calibrations and reused calibrations of earlier
+    ``--json`` reports of ``mc`` (:func:`rejudge`, :func:`extend`), checked: each file a run of
+    ``mc`` as it is now (for ``extend``: with at most ``mc``'s replicas and twin draws), their
+    seeds disjoint and together ``mc``'s. ConfigError naming the file otherwise."""
     files = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not files:
-        raise ConfigError("rejudge: name at least one --json report")
+        raise ConfigError(f"{verb}: name at least one --json report")
     now = json.loads(json.dumps(mc.to_dict()))
     runs: dict[tuple[int, int], dict[str, Any]] = {}
     calibs: dict[str, Any] = {}
@@ -1160,20 +1189,25 @@ def rejudge(mc: MatrixConfig, paths: str | Path | Sequence[str | Path]) -> dict[
         try:
             old = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"rejudge: cannot read {path}: {exc}") from None
+            raise ConfigError(f"{verb}: cannot read {path}: {exc}") from None
         was = old.get("matrix") if isinstance(old, dict) else None
         if not isinstance(was, dict) or not isinstance(old.get("cells"), list):
-            raise ConfigError(f"rejudge: {path} is not a mesh sim --matrix --json report")
+            raise ConfigError(f"{verb}: {path} is not a mesh sim --matrix --json report")
         for key in _REJUDGE_KEYS:
-            if was.get(key, 1 if key in ("replicas", "twin_draws") else None) != now[key]:
-                raise ConfigError(f"rejudge: {path} is not a run of {mc.path} as it is now (its {key} differ)")
+            had = was.get(key, 1 if key in _DRAW_KEYS else None)
+            if verb == "extend" and key in _DRAW_KEYS:
+                if not isinstance(had, int) or had > now[key]:
+                    raise ConfigError(f"extend: {path} has {had} {key}, more than {mc.path}'s {now[key]}: "
+                                      "nothing to extend (--rejudge judges it as it is)")
+            elif had != now[key]:
+                raise ConfigError(f"{verb}: {path} is not a run of {mc.path} as it is now (its {key} differ)")
         file_seeds = was.get("seeds") or []
         for s in file_seeds:
             if s not in mc.seeds:
-                raise ConfigError(f"rejudge: {path} ran seed {s}, which is not among --seeds "
+                raise ConfigError(f"{verb}: {path} ran seed {s}, which is not among --seeds "
                                   f"{','.join(map(str, mc.seeds))}")
             if s in seen:
-                raise ConfigError(f"rejudge: seed {s} is in both {seen[s]} and {path}")
+                raise ConfigError(f"{verb}: seed {s} is in both {seen[s]} and {path}")
             seen[s] = path
         try:
             for c in old["cells"]:
@@ -1182,16 +1216,48 @@ def rejudge(mc: MatrixConfig, paths: str | Path | Sequence[str | Path]) -> dict[
             calibs.update(old.get("calibrations") or {})
             reused.update(old.get("reused_calibrations") or [])
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"rejudge: {path} is not a mesh sim --matrix --json report ({exc!r})") from None
+            raise ConfigError(f"{verb}: {path} is not a mesh sim --matrix --json report ({exc!r})") from None
     missing = [s for s in mc.seeds if s not in seen]
     if missing:
-        raise ConfigError(f"rejudge: no file ran seed(s) {','.join(map(str, missing))} (--seeds "
+        raise ConfigError(f"{verb}: no file ran seed(s) {','.join(map(str, missing))} (--seeds "
                           f"{','.join(map(str, mc.seeds))})")
+    return runs, dict(sorted(calibs.items())), sorted(reused), files
+
+
+def rejudge(mc: MatrixConfig, paths: str | Path | Sequence[str | Path]) -> dict[str, Any]:
+    """The report of an earlier ``mesh sim --matrix --json`` run of the same matrix, judged again
+    by this code (its runs kept: the simulator is deterministic, so rerunning them would give the
+    same arms). Several files are one run sharded by seed (``--seeds 1,3`` on one machine,
+    ``--seeds 2`` on another): their seeds must not overlap and together be ``mc``'s, and the
+    runs are judged as one report (each cell over every seed). ConfigError when a file is not a
+    run of ``mc`` (cells, engine, sim, ...), or the files' seeds overlap or miss one of ``mc``'s."""
+    runs, calibs, reused, files = _read_runs(mc, paths, "rejudge")
     try:
-        return _judge(mc, runs, dict(sorted(calibs.items())), sorted(reused))
+        return _judge(mc, runs, calibs, reused)
     except (AttributeError, KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise ConfigError(f"rejudge: a run in {', '.join(map(str, files))} is broken or incomplete "
                           f"({exc!r}); run that seed again") from None
+
+
+def extend(mc: MatrixConfig, paths: str | Path | Sequence[str | Path], *, jobs: int = 1,
+           on_start: Callable[[int], None] | None = None,
+           on_cell: Callable[[Cell, dict[str, Any], float], None] | None = None) -> dict[str, Any]:
+    """An earlier report of ``mc`` (or its seed shards, as :func:`rejudge` reads them) run with
+    fewer ``replicas`` or ``twin_draws`` than ``mc`` asks for, completed: every run keeps its arms,
+    replicas and twin draws and runs only the missing ones (draw ``k`` has its own seed and worker
+    names, so the report is the one a fresh run of ``mc`` gives, for less: raising a matrix from 4
+    to 6 replicas and draws costs the 4 new runs per stream, not 12). ``on_start`` hears how many
+    (cell, seed) runs are to be completed before the first starts."""
+    runs, calibs, reused, files = _read_runs(mc, paths, "extend")
+    for (cid, s), r in runs.items():
+        if not isinstance(r, dict) or not isinstance(r.get("arms"), list) or (mc.twin and "twin" not in r):
+            raise ConfigError(f"extend: the run of cell {cid} seed {s} in {', '.join(map(str, files))} is broken "
+                              "or incomplete; run that seed again")
+    if on_start:
+        on_start(sum(1 for c in mc.cells for sd in mc.seeds if not _complete(mc, runs[(c.id, sd)])))
+    report = run_matrix(mc, jobs=jobs, reuse=calibs, prior=runs, on_cell=on_cell)
+    report["reused_calibrations"] = reused
+    return report
 
 
 def dumps_matrix(report: dict[str, Any]) -> str:
@@ -1380,12 +1446,16 @@ def cmd_matrix(args: Any) -> int:
         mc.sim["regret_shadow_rate"] = check_regret_shadow_rate(args.regret_shadow, "regret_shadow")
     if getattr(args, "regret_truth", 0):  # --regret-truth K: over the TOML's sim.regret_truth_every
         mc.sim["regret_truth_every"] = check_regret_truth_every(args.regret_truth, "regret_truth")
+    if getattr(args, "rejudge", None) and getattr(args, "extend", None):
+        raise ConfigError("extend: --rejudge judges reports as they are, --extend completes them: name one")
     if getattr(args, "rejudge", None):  # the runs of an earlier report, judged by this code: no simulation
         if args.reuse_calibration:
             raise ConfigError("rejudge: --rejudge runs nothing; drop --reuse-calibration")
         report = rejudge(mc, args.rejudge)
         _print_and_write(report, args)
         return 0
+    if getattr(args, "extend", None) and args.reuse_calibration:
+        raise ConfigError("extend: --extend keeps the reports' own calibrations; drop --reuse-calibration")
     jobs = args.jobs if args.jobs else default_jobs()
     reuse = reusable_calibrations(mc, args.reuse_calibration) if args.reuse_calibration else None
     console = Console(stderr=True)
@@ -1417,7 +1487,16 @@ def cmd_matrix(args: Any) -> int:
         if reuse:
             prog.update(t_cal, completed=sum(1 for k in {calibration_key(c.workload, c.workers, s, c.max_requests)
                                                          for c in mc.cells for s in mc.seeds} if k in reuse))
-        report = run_matrix(mc, jobs=jobs, reuse=reuse, on_calibration=on_cal, on_cell=on_cell)
+        if getattr(args, "extend", None):  # an earlier run's replicas and twin draws kept, the missing ones run
+            def on_start(todo):
+                prog.update(t_cal, completed=n_cal)
+                prog.update(t_cell, total=todo)
+                if log:
+                    console.print(f"extend: {todo} of {len(mc.cells) * len(mc.seeds)} cell-seeds to complete")
+
+            report = extend(mc, args.extend, jobs=jobs, on_start=on_start, on_cell=on_cell)
+        else:
+            report = run_matrix(mc, jobs=jobs, reuse=reuse, on_calibration=on_cal, on_cell=on_cell)
     wall = time.perf_counter() - t0
     _print_and_write(report, args)
     console.print(f"matrix wall time {wall:.0f} s ({jobs} process(es))")
