@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -202,7 +203,7 @@ def test_cli_refuses_single_run_options_with_matrix(tmp_path):
     with pytest.raises(SystemExit):  # --matrix excludes --workload
         parser.parse_args(["sim", "--matrix", str(p), "--workload", "zipf"])
     args = parser.parse_args(["sim", "--workload", "zipf", "--seeds", "2"])
-    with pytest.raises(ConfigError, match="--seeds, --cells, --rejudge and --reuse-calibration need --matrix"):
+    with pytest.raises(ConfigError, match="--seeds, --cells, --rejudge, --extend and --reuse-calibration need --matrix"):
         args.func(args)
 
 
@@ -565,6 +566,14 @@ def test_the_twin_audits_every_stream_at_the_policy_level(tmp_path):
     assert tw3["miss_of_ttft"] == pytest.approx(tw3["miss_ms"] / means["cache_aware"], rel=1e-3)
     if not tw3["within"]:  # the summary names the largest miss of the band, beside the mean TTFT
         assert sm3["twin"]["worst_miss"]["miss_ms"] == tw3["miss_ms"]
+    # the miss in units of both sides' own spread: Student's t on 3 + 2 - 2 degrees of freedom
+    import statistics
+
+    sets = [run3["arms"], *run3["replicas"]]
+    md = [{a["policy"]: a["ttft_mean_ms"] for a in r}[best] - {a["policy"]: a["ttft_mean_ms"] for a in r}["cache_aware"] for r in sets]
+    td = [twin[best]["ttft_mean_ms"] - twin["cache_aware"]["ttft_mean_ms"], t2[best] - t2["cache_aware"]]
+    se = (statistics.variance(md) / 3 + statistics.variance(td) / 2) ** 0.5
+    assert tw3["z"] == {"t": pytest.approx((statistics.mean(td) - statistics.mean(md)) / se, abs=1e-3), "df": 3}
     # --rejudge: the runs of that report judged again by this code, nothing simulated: the same report
     saved = _write(tmp_path, dumps_matrix(rep3), "rep3.json")
     assert json.loads(dumps_matrix(rejudge(mc3, saved))) == rep3
@@ -627,3 +636,18 @@ def test_extend_completes_an_earlier_run_to_the_report_of_a_fresh_one(tmp_path):
     args = _parser().parse_args(["sim", "--matrix", str(big), "--extend", str(old), "--rejudge", str(old)])
     with pytest.raises(ConfigError, match=r"extend: --rejudge judges reports as they are, --extend completes them"):
         args.func(args)
+
+
+def test_the_twins_bias_is_judged_against_students_t():
+    """The twin's standardised misses over the cell-seeds, beside what noise alone gives: Student's
+    t (mean 0, variance df / (df - 2), the share beyond 2 from its tails)."""
+    from mesh.lab.sim.matrix import _bias
+    from mesh.lab.sim.metrics import student_t_tail2
+
+    assert student_t_tail2(2.0, 1) == pytest.approx(1 - 2 / math.pi * math.atan(2.0), abs=1e-6)  # Cauchy
+    assert student_t_tail2(2.0, 6) == pytest.approx(0.0924, abs=1e-4)
+    assert student_t_tail2(1.96, 100_000) == pytest.approx(0.05, abs=1e-4)  # the normal's
+    b = _bias([{"t": x, "df": 6} for x in (-2.5, -1.0, 0.0, 0.5, 1.0, 3.0)])
+    assert b["runs"] == 6 and b["mean"] == pytest.approx(1.0 / 6, abs=1e-3) and b["beyond_2"] == 2
+    assert b["variance_expected"] == 1.5 and b["beyond_2_expected"] == pytest.approx(6 * 0.0924, abs=0.05)
+    assert b["mean_se"] == pytest.approx((1.5 / 6) ** 0.5, abs=1e-3)

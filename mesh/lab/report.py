@@ -486,7 +486,8 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
                            + (f"; per cell (its seeds pooled) within 25 % in {tw['cells_within_25pct']} of {tw['cells']} cells"
                               if tw.get("cells") else "")
                            + (f"; {tw['verdict_text']}" if isinstance(tw.get("verdict_text"), str) else "")
-                           + (f"; {tw['worst_miss']['text']}" if isinstance(tw.get("worst_miss"), dict) else "") + ".")
+                           + (f"; {tw['worst_miss']['text']}" if isinstance(tw.get("worst_miss"), dict) else "")
+                           + (f"; {tw['bias']['text']}" if isinstance(tw.get("bias"), dict) else "") + ".")
         ft = rg.get("twin_fit")
         if isinstance(ft, dict) and ft.get("runs"):
             p.notes.append(f"The twin's engine started {ft['engine_error']:g}x as fast as the arms' (a fleet described wrongly) "

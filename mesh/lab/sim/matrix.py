@@ -95,7 +95,7 @@ from mesh.engine_model import EngineConfig
 from mesh.errors import ConfigError
 from mesh.routing.router import POLICIES, make_policy
 from mesh.lab.sim.runner import PROVIDER_FEEDS, ROUTER_PICKS, Arm, ArmSpec, SimConfig, build_workload, check_regret_shadow_rate, check_regret_truth_every, run_sim
-from mesh.lab.sim.metrics import exact_within_probability
+from mesh.lab.sim.metrics import exact_within_probability, student_t_tail2
 from mesh.lab.sim.fit import observed_from_arm, scaled_engine
 from mesh.lab.sim.twin import (BASELINES, MAX_DRAWS, SUBJECT, TWIN_TAG, draw_config, fit_twin, pooled_pays, twin_arms, twin_config,
                                verdict)
@@ -831,6 +831,9 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
                        "within_ci": miss <= max(REGRET_TOLERANCE * abs(measured), ci or 0.0),
                        "sign_right": (tw > 0) == (measured > 0), "by_baseline": dict(tp["pays_ms"]),
                        "verdict": said, "measured_verdict": was, "verdict_right": said == was}
+        z = _standard_error_of_twin(subject, baselines, best["policy"], twin, replicas)
+        if z is not None:
+            out["twin"]["z"] = z
     tr = (subject.get("regret_truth") or {}).get(best["policy"])
     if tr and tr.get("one_step_ms") is not None:  # the one-step truth (mesh.lab.sim.regret_truth)
         p1, o1 = tr["predicted_ms"], tr["one_step_ms"]
@@ -846,6 +849,33 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
 
 
 _ORDER = {"win": 0, "within": 1, "lose": 2}
+
+
+def _standard_error_of_twin(subject: dict[str, Any], baselines: list[dict[str, Any]], against: str,
+                            twin: list[list[dict[str, Any]]] | None,
+                            replicas: list[list[dict[str, Any]]] | None) -> dict[str, Any] | None:
+    """The twin's miss in units of the draws' own noise: ``(twin - measured) / sqrt(s_m^2 / n_m +
+    s_t^2 / n_t)``, each side's ``s`` the spread of its runs' differences (``against`` minus the
+    subject) and ``n`` their count, with the degrees of freedom ``n_m + n_t - 2``. An unbiased
+    twin's ``t`` follows Student's t: mean 0, variance ``df / (df - 2)``. None with fewer than two
+    runs on a side, or no spread."""
+    def diffs(sets: list[list[dict[str, Any]]]) -> list[float]:
+        by = [{a["policy"]: a["ttft_mean_ms"] for a in arms} for arms in sets]
+        return [x[against] - x[subject["policy"]] for x in by if against in x and subject["policy"] in x]
+
+    m = diffs([[subject, *baselines], *(replicas or [])])
+    t = diffs(list(twin or []))
+    if len(m) < 2 or len(t) < 2:
+        return None
+    se = math.sqrt(_var(m) / len(m) + _var(t) / len(t))
+    if se <= 0:
+        return None
+    return {"t": _r((math.fsum(t) / len(t) - math.fsum(m) / len(m)) / se, 4), "df": len(m) + len(t) - 2}
+
+
+def _var(xs: list[float]) -> float:
+    mu = math.fsum(xs) / len(xs)
+    return math.fsum((x - mu) ** 2 for x in xs) / (len(xs) - 1)
 
 
 def _cell_summary(mc: MatrixConfig, cell: Cell, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -917,6 +947,10 @@ def _summary(mc: MatrixConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
                         out["regret"][alt]["worst_miss"] = {"miss_ms": worst["miss_ms"], "miss_of_ttft": worst["miss_of_ttft"],
                                                             "text": worst_miss_phrase(worst)}
                     out["regret"][alt].update(_cell_level(cells))
+                    zs = [x["z"] for x in got if "z" in x]
+                    if len(zs) >= 2:  # is the twin biased, or are its misses the draws' noise?
+                        out["regret"][alt]["bias"] = bias = _bias(zs)
+                        bias["text"] = bias_phrase(bias)
         fits = [r["twin_fit"] for c in cells for r in c["seeds"].values() if r.get("twin_fit")]
         if fits:  # the twin's engine, fitted to what the subject arm observed (mesh.lab.sim.fit)
             out["regret"]["twin_fit"] = {
@@ -955,6 +989,29 @@ def _cell_level(cells: list[dict[str, Any]]) -> dict[str, Any]:
         n += 1
         hit += abs(t - m) <= REGRET_TOLERANCE * abs(m)
     return {"cells": n, "cells_within_25pct": hit}
+
+
+def _bias(zs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The twin's standardised misses (:func:`_standard_error_of_twin`) over the cell-seeds against
+    what noise alone gives (Student's t on their degrees of freedom): mean, variance and the share
+    beyond 2, each beside its expectation."""
+    ts = [z["t"] for z in zs]
+    dfs = [z["df"] for z in zs]
+    n = len(ts)
+    mean = math.fsum(ts) / n
+    expect_var = math.fsum(df / (df - 2) if df > 2 else math.inf for df in dfs) / n
+    beyond2 = math.fsum(student_t_tail2(2.0, df) for df in dfs)
+    return {"runs": n, "mean": _r(mean, 3), "mean_se": _r(math.sqrt(expect_var / n), 3), "variance": _r(_var(ts), 3),
+            "variance_expected": _r(expect_var, 3), "beyond_2": sum(1 for t in ts if abs(t) > 2),
+            "beyond_2_expected": _r(beyond2, 1)}
+
+
+def bias_phrase(b: dict[str, Any]) -> str:
+    """Whether the twin's misses are the draws' noise, in words."""
+    return (f"its misses in units of the draws' own noise (twin minus measured over the standard error of both "
+            f"runs' spreads, {b['runs']} cell-seeds): mean {b['mean']:+.2f} (noise alone: 0 +- {2 * b['mean_se']:.2f}), "
+            f"variance {b['variance']:.2f} (noise alone: {b['variance_expected']:.2f}), beyond 2 in {b['beyond_2']} "
+            f"(noise alone: {b['beyond_2_expected']:.1f})")
 
 
 def worst_miss_phrase(worst: dict[str, Any]) -> str:
@@ -1347,6 +1404,8 @@ def render_report(report: dict[str, Any]) -> list[Any]:
                              f"({tw['cells_within_25pct'] / tw['cells']:.0%})")
             if tw.get("worst_miss"):
                 lines.append(f"    {tw['worst_miss']['text']}")
+            if tw.get("bias"):
+                lines.append(f"    {tw['bias']['text']}")
         if "twin_fit" in rs:
             f = rs["twin_fit"]
             lines.append(f"    the twin's engine started {f['engine_error']:g}x as fast as the arms' and was fitted to the "
