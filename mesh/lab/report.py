@@ -479,12 +479,15 @@ def _matrix(d: dict[str, Any], src: str) -> Page:
         tw = rg.get("twin")
         if isinstance(tw, dict) and tw.get("runs"):
             p.notes.append(f"Policy-level audit (the twin, `mesh sim --audit`: each stream through {subject} and the "
-                           f"baselines on the twin's own draws): within 25 % of the measured difference in "
-                           f"{tw['within_25pct']} of {tw['runs']} cell-seeds (target {rg.get('target_share', 0.8):.0%}), "
-                           f"within 25 % or the 95 % interval in {tw.get('within_25pct_or_ci95', '-')}, sign right in "
+                           f"baselines on the twin's own draws): "
+                           + (f"per cell (its seeds pooled) within 25 % of the measured difference in {tw['cells_within_25pct']} "
+                              f"of {tw['cells']} cells (target {rg.get('target_share', 0.8):.0%}); per cell-seed "
+                              f"within 25 % in {tw['within_25pct']} of {tw['runs']}, "
+                              if tw.get("cells") else
+                              f"within 25 % of the measured difference in {tw['within_25pct']} of {tw['runs']} cell-seeds "
+                              f"(target {rg.get('target_share', 0.8):.0%}), ")
+                           + f"within 25 % or the 95 % interval in {tw.get('within_25pct_or_ci95', '-')}, sign right in "
                            f"{tw['sign_right']}"
-                           + (f"; per cell (its seeds pooled) within 25 % in {tw['cells_within_25pct']} of {tw['cells']} cells"
-                              if tw.get("cells") else "")
                            + (f"; {tw['verdict_text']}" if isinstance(tw.get("verdict_text"), str) else "")
                            + (f"; {tw['worst_miss']['text']}" if isinstance(tw.get("worst_miss"), dict) else "")
                            + (f"; {tw['bias']['text']}" if isinstance(tw.get("bias"), dict) else "") + ".")
