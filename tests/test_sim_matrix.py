@@ -641,7 +641,7 @@ def test_extend_completes_an_earlier_run_to_the_report_of_a_fresh_one(tmp_path):
 def test_the_twins_bias_is_judged_against_students_t():
     """The twin's standardised misses over the cell-seeds, beside what noise alone gives: Student's
     t (mean 0, variance df / (df - 2), the share beyond 2 from its tails)."""
-    from mesh.lab.sim.matrix import _bias
+    from mesh.lab.sim.matrix import _bias, bias_phrase
     from mesh.lab.sim.metrics import student_t_tail2
 
     assert student_t_tail2(2.0, 1) == pytest.approx(1 - 2 / math.pi * math.atan(2.0), abs=1e-6)  # Cauchy
@@ -651,3 +651,8 @@ def test_the_twins_bias_is_judged_against_students_t():
     assert b["runs"] == 6 and b["mean"] == pytest.approx(1.0 / 6, abs=1e-3) and b["beyond_2"] == 2
     assert b["variance_expected"] == 1.5 and b["beyond_2_expected"] == pytest.approx(6 * 0.0924, abs=0.05)
     assert b["mean_se"] == pytest.approx((1.5 / 6) ** 0.5, abs=1e-3)
+    # 2 runs a side: 2 degrees of freedom, where t has no variance; the share beyond 2 is still judged
+    b2 = _bias([{"t": x, "df": 2} for x in (-3.0, 0.5, 1.0)])
+    assert b2["variance_expected"] is None and b2["mean_se"] is None and b2["beyond_2"] == 1
+    assert b2["beyond_2_expected"] == pytest.approx(3 * 0.1835, abs=0.05)
+    assert "variance" not in bias_phrase(b2) and json.dumps(b2, allow_nan=False)

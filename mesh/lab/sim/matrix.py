@@ -994,20 +994,27 @@ def _cell_level(cells: list[dict[str, Any]]) -> dict[str, Any]:
 def _bias(zs: list[dict[str, Any]]) -> dict[str, Any]:
     """The twin's standardised misses (:func:`_standard_error_of_twin`) over the cell-seeds against
     what noise alone gives (Student's t on their degrees of freedom): mean, variance and the share
-    beyond 2, each beside its expectation."""
+    beyond 2, each beside its expectation. With 2 degrees of freedom or fewer (2 runs a side) t has
+    no variance: only the mean and the share beyond 2 are judged (``variance_expected`` and
+    ``mean_se`` None)."""
     ts = [z["t"] for z in zs]
     dfs = [z["df"] for z in zs]
     n = len(ts)
-    mean = math.fsum(ts) / n
-    expect_var = math.fsum(df / (df - 2) if df > 2 else math.inf for df in dfs) / n
-    beyond2 = math.fsum(student_t_tail2(2.0, df) for df in dfs)
-    return {"runs": n, "mean": _r(mean, 3), "mean_se": _r(math.sqrt(expect_var / n), 3), "variance": _r(_var(ts), 3),
-            "variance_expected": _r(expect_var, 3), "beyond_2": sum(1 for t in ts if abs(t) > 2),
-            "beyond_2_expected": _r(beyond2, 1)}
+    finite = all(df > 2 for df in dfs)
+    expect_var = math.fsum(df / (df - 2) for df in dfs) / n if finite else None
+    return {"runs": n, "mean": _r(math.fsum(ts) / n, 3),
+            "mean_se": _r(math.sqrt(expect_var / n), 3) if expect_var is not None else None,
+            "variance": _r(_var(ts), 3), "variance_expected": _r(expect_var, 3) if expect_var is not None else None,
+            "beyond_2": sum(1 for t in ts if abs(t) > 2),
+            "beyond_2_expected": _r(math.fsum(student_t_tail2(2.0, df) for df in dfs), 1)}
 
 
 def bias_phrase(b: dict[str, Any]) -> str:
     """Whether the twin's misses are the draws' noise, in words."""
+    if b.get("variance_expected") is None:
+        return (f"its misses in units of the draws' own noise (twin minus measured over the standard error of both "
+                f"runs' spreads, {b['runs']} cell-seeds): mean {b['mean']:+.2f} (noise alone: 0), beyond 2 in "
+                f"{b['beyond_2']} (noise alone: {b['beyond_2_expected']:.1f})")
     return (f"its misses in units of the draws' own noise (twin minus measured over the standard error of both "
             f"runs' spreads, {b['runs']} cell-seeds): mean {b['mean']:+.2f} (noise alone: 0 +- {2 * b['mean_se']:.2f}), "
             f"variance {b['variance']:.2f} (noise alone: {b['variance_expected']:.2f}), beyond 2 in {b['beyond_2']} "
