@@ -629,6 +629,10 @@ def test_extend_completes_an_earlier_run_to_the_report_of_a_fresh_one(tmp_path):
     other = _write(tmp_path, big.read_text().replace("max_requests = 100", "max_requests = 90"), "other.toml")
     with pytest.raises(ConfigError, match=r"extend: .*old.json is not a run of .*other.toml as it is now \(its cells differ\)"):
         extend(load_matrix(other), old)
+    forged["cells"][0]["seeds"]["3"]["stream"]["fingerprint"] = "0" * 16  # another stream: refused, not completed
+    (tmp_path / "forged.json").write_text(json.dumps(forged))
+    with pytest.raises(ConfigError, match=r"extend: cell 'zipf L1 W2 R2' seed 3: the earlier run's stream is not this matrix's"):
+        extend(load_matrix(big), tmp_path / "forged.json")
     del forged["cells"][0]["seeds"]["3"]["twin"]
     (tmp_path / "forged.json").write_text(json.dumps(forged))
     with pytest.raises(ConfigError, match=r"extend: the run of cell 0 seed 3 in .*forged.json is broken or incomplete"):
