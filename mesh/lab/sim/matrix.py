@@ -84,6 +84,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -831,7 +832,7 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
                        "within_ci": miss <= max(REGRET_TOLERANCE * abs(measured), ci or 0.0),
                        "sign_right": (tw > 0) == (measured > 0), "by_baseline": dict(tp["pays_ms"]),
                        "verdict": said, "measured_verdict": was, "verdict_right": said == was}
-        z = _standard_error_of_twin(subject, baselines, best["policy"], twin, replicas)
+        z = _twin_miss_t(subject, baselines, best["policy"], twin, replicas)
         if z is not None:
             out["twin"]["z"] = z
     tr = (subject.get("regret_truth") or {}).get(best["policy"])
@@ -851,7 +852,7 @@ def regret_check(subject: dict[str, Any], baselines: list[dict[str, Any]],
 _ORDER = {"win": 0, "within": 1, "lose": 2}
 
 
-def _standard_error_of_twin(subject: dict[str, Any], baselines: list[dict[str, Any]], against: str,
+def _twin_miss_t(subject: dict[str, Any], baselines: list[dict[str, Any]], against: str,
                             twin: list[list[dict[str, Any]]] | None,
                             replicas: list[list[dict[str, Any]]] | None) -> dict[str, Any] | None:
     """The twin's miss in units of the draws' own noise: ``(twin - measured) / sqrt(s_m^2 / n_m +
@@ -867,15 +868,10 @@ def _standard_error_of_twin(subject: dict[str, Any], baselines: list[dict[str, A
     t = diffs(list(twin or []))
     if len(m) < 2 or len(t) < 2:
         return None
-    se = math.sqrt(_var(m) / len(m) + _var(t) / len(t))
+    se = math.sqrt(statistics.variance(m) / len(m) + statistics.variance(t) / len(t))
     if se <= 0:
         return None
     return {"t": _r((math.fsum(t) / len(t) - math.fsum(m) / len(m)) / se, 4), "df": len(m) + len(t) - 2}
-
-
-def _var(xs: list[float]) -> float:
-    mu = math.fsum(xs) / len(xs)
-    return math.fsum((x - mu) ** 2 for x in xs) / (len(xs) - 1)
 
 
 def _cell_summary(mc: MatrixConfig, cell: Cell, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -992,7 +988,7 @@ def _cell_level(cells: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _bias(zs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The twin's standardised misses (:func:`_standard_error_of_twin`) over the cell-seeds against
+    """The twin's standardised misses (:func:`_twin_miss_t`) over the cell-seeds against
     what noise alone gives (Student's t on their degrees of freedom): mean, variance and the share
     beyond 2, each beside its expectation. With 2 degrees of freedom or fewer (2 runs a side) t has
     no variance: only the mean and the share beyond 2 are judged (``variance_expected`` and
@@ -1004,7 +1000,7 @@ def _bias(zs: list[dict[str, Any]]) -> dict[str, Any]:
     expect_var = math.fsum(df / (df - 2) for df in dfs) / n if finite else None
     return {"runs": n, "mean": _r(math.fsum(ts) / n, 3),
             "mean_se": _r(math.sqrt(expect_var / n), 3) if expect_var is not None else None,
-            "variance": _r(_var(ts), 3), "variance_expected": _r(expect_var, 3) if expect_var is not None else None,
+            "variance": _r(statistics.variance(ts), 3), "variance_expected": _r(expect_var, 3) if expect_var is not None else None,
             "beyond_2": sum(1 for t in ts if abs(t) > 2),
             "beyond_2_expected": _r(math.fsum(student_t_tail2(2.0, df) for df in dfs), 1)}
 
